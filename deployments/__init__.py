@@ -1,0 +1,1 @@
+"""Ray Serve applications and the gRPC glue between the router and the pools."""

@@ -1,0 +1,161 @@
+"""Conversions between the loop's dataclasses and the protobuf messages of specserve.proto."""
+
+import torch
+
+from protos import specserve_pb2 as pb
+from speculative.sampling import SamplingParams
+from speculative.types import (
+    DraftBlock,
+    PrefixSync,
+    ProposeCall,
+    ScoreCall,
+    TargetScores,
+)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype on the wire: {tensor.dtype}")
+    # view as bytes: works for bfloat16, which numpy cannot represent
+    data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return pb.Tensor(data=data, dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape))
+
+
+def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
+    if message.dtype not in DTYPES:
+        raise ValueError(f"unsupported tensor dtype {message.dtype!r}")
+    dtype = DTYPES[message.dtype]
+    shape = tuple(message.shape)
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if len(message.data) != expected:
+        raise ValueError(f"tensor of shape {shape} and dtype {message.dtype} needs "
+                         f"{expected} bytes, got {len(message.data)}")
+    if not expected:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(bytearray(message.data), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def dists_to_proto(probs: torch.Tensor, sparse_k: int = 0) -> pb.Distributions:
+    """[P, V] probabilities -> Distributions, sparse (top sparse_k per row) when sparse_k > 0.
+
+    Only rows whose mass lies entirely in their top sparse_k may be sent sparse (e.g. a draft
+    q already truncated to its top-k); other rows would lose mass, which is caught here.
+    """
+    vocab_size = probs.shape[-1]
+    if sparse_k <= 0 or sparse_k >= vocab_size:
+        return pb.Distributions(probs=tensor_to_proto(probs.float()), vocab_size=vocab_size)
+    values, ids = torch.topk(probs, sparse_k, dim=-1)
+    if not torch.all((probs > 0).sum(-1) <= sparse_k):
+        raise ValueError(f"a row has more than {sparse_k} non-zero entries: cannot send sparse")
+    return pb.Distributions(
+        ids=tensor_to_proto(ids.to(torch.int32)),
+        probs=tensor_to_proto(values.float()),
+        vocab_size=vocab_size,
+    )
+
+
+def dists_from_proto(message: pb.Distributions) -> torch.Tensor:
+    probs = tensor_from_proto(message.probs).float()
+    if not message.HasField("ids"):
+        return probs
+    ids = tensor_from_proto(message.ids).long()
+    if ids.shape != probs.shape or (ids.numel() and not 0 <= ids.min() <= ids.max() < message.vocab_size):
+        raise ValueError("sparse distribution ids out of range or shaped unlike probs")
+    dense = torch.zeros(probs.shape[0], message.vocab_size)
+    return dense.scatter(-1, ids, probs)
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
+    )
+
+
+def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    """Validated: a bad value raises ValueError (the servicer's INVALID_ARGUMENT)."""
+    return SamplingParams(
+        temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0
+    )
+
+
+def sync_to_proto(sync: PrefixSync) -> pb.PrefixSync:
+    return pb.PrefixSync(
+        known_len=sync.known_len, known_hash=sync.known_hash, new_token_ids=sync.new_token_ids
+    )
+
+
+def sync_from_proto(message: pb.PrefixSync) -> PrefixSync:
+    return PrefixSync(message.known_len, message.known_hash, tuple(message.new_token_ids))
+
+
+def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
+    return pb.ProposeRequest(
+        request_id=call.request_id,
+        sync=sync_to_proto(call.sync),
+        num_speculative_tokens=call.num_speculative_tokens,
+        sampling=sampling_to_proto(call.sampling),
+        seed=call.seed,
+    )
+
+
+def propose_from_proto(message: pb.ProposeRequest) -> ProposeCall:
+    return ProposeCall(
+        request_id=message.request_id,
+        sync=sync_from_proto(message.sync),
+        num_speculative_tokens=message.num_speculative_tokens,
+        sampling=sampling_from_proto(message.sampling),
+        seed=message.seed,
+    )
+
+
+def block_to_proto(block: DraftBlock, sparse_k: int = 0) -> pb.ProposeResponse:
+    response = pb.ProposeResponse(token_ids=block.token_ids)
+    if block.draft_probs is not None:
+        response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs, sparse_k))
+    return response
+
+
+def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
+    probs = dists_from_proto(message.draft_probs) if message.HasField("draft_probs") else None
+    return DraftBlock(tuple(message.token_ids), probs)
+
+
+def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
+    return pb.ScoreRequest(
+        request_id=call.request_id,
+        sync=sync_to_proto(call.sync),
+        draft_token_ids=call.draft_token_ids,
+        sampling=sampling_to_proto(call.sampling),
+    )
+
+
+def score_from_proto(message: pb.ScoreRequest) -> ScoreCall:
+    return ScoreCall(
+        request_id=message.request_id,
+        sync=sync_from_proto(message.sync),
+        draft_token_ids=tuple(message.draft_token_ids),
+        sampling=sampling_from_proto(message.sampling),
+    )
+
+
+def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
+    response = pb.ScoreResponse(target_token_ids=scores.target_token_ids)
+    if scores.target_probs is not None:
+        response.target_probs.CopyFrom(dists_to_proto(scores.target_probs))
+    return response
+
+
+def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
+    probs = dists_from_proto(message.target_probs) if message.HasField("target_probs") else None
+    return TargetScores(tuple(message.target_token_ids), probs)

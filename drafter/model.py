@@ -1,0 +1,46 @@
+"""A draft engine around any Hugging Face causal LM, with per-request KV caches."""
+
+import torch
+
+from speculative.kv import SessionStore
+from speculative.sampling import logits_to_probs, sample, truncate_top_k
+from speculative.types import DraftBlock, ProposeCall
+
+
+class ModelDrafter:
+    """Proposes K tokens autoregressively with the draft model.
+
+    `draft_top_k` > 0 truncates each q to its top entries before sampling (smaller messages);
+    the output stays exact because the token is drawn from the very q that is shipped.
+    """
+
+    def __init__(self, model, *, max_cached_requests: int = 256, draft_top_k: int = 0) -> None:
+        self.model = model.eval()
+        self.draft_top_k = draft_top_k
+        self.sessions = SessionStore(max_cached_requests)
+
+    async def propose(self, call: ProposeCall) -> DraftBlock:
+        return self.propose_now(call)
+
+    async def release(self, request_id: str) -> None:
+        self.sessions.release(request_id)
+
+    def propose_now(self, call: ProposeCall) -> DraftBlock:
+        sequence = self.sessions.sync(call.request_id, call.sync)
+        generator = torch.Generator().manual_seed(call.seed)
+        greedy = call.sampling.greedy
+        # Feeding the committed tail also covers the "all K accepted" case: the drafter never
+        # fed its own last token x_K, so it is fed now together with the bonus token.
+        logits = sequence.feed(self.model, [], num_logits=1)[0]  # [V]
+        token_ids: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        for i in range(call.num_speculative_tokens):
+            if greedy:
+                token_ids.append(int(logits.argmax()))
+            else:
+                probs = truncate_top_k(logits_to_probs(logits, call.sampling), self.draft_top_k)
+                token_ids.append(sample(probs, generator))
+                draft_probs.append(probs)
+            if i + 1 < call.num_speculative_tokens:
+                logits = sequence.feed(self.model, token_ids, num_logits=1)[0]
+        return DraftBlock(tuple(token_ids), torch.stack(draft_probs) if draft_probs else None)

@@ -1,0 +1,53 @@
+"""Prompt-lookup drafting: propose what followed the latest n-gram earlier in the context.
+
+No model, no KV cache: the draft distribution of each proposed token is one-hot, so the
+rejection sampler accepts x with probability p(x) and otherwise resamples from p without x,
+which keeps the output exactly the target's.
+"""
+
+import torch
+
+from speculative.kv import SessionStore
+from speculative.types import DraftBlock, ProposeCall
+
+
+def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """Up to num_tokens ids that followed the most recent earlier occurrence of the longest
+    suffix n-gram (n from max_ngram down to min_ngram); [] when nothing matches."""
+    for n in range(min(max_ngram, len(token_ids) - 1), min_ngram - 1, -1):
+        suffix = token_ids[-n:]
+        for start in range(len(token_ids) - n - 1, -1, -1):
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + num_tokens]
+    return []
+
+
+class NgramDrafter:
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        min_ngram: int = 1,
+        max_ngram: int = 4,
+        max_cached_requests: int = 1024,
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.vocab_size = vocab_size
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.sessions = SessionStore(max_cached_requests)
+
+    async def propose(self, call: ProposeCall) -> DraftBlock:
+        return self.propose_now(call)
+
+    async def release(self, request_id: str) -> None:
+        self.sessions.release(request_id)
+
+    def propose_now(self, call: ProposeCall) -> DraftBlock:
+        committed = self.sessions.sync(call.request_id, call.sync).committed
+        token_ids = lookup(committed, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
+        if call.sampling.greedy or not token_ids:
+            return DraftBlock(tuple(token_ids), None)
+        draft_probs = torch.zeros(len(token_ids), self.vocab_size)
+        draft_probs[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 1.0
+        return DraftBlock(tuple(token_ids), draft_probs)

@@ -1,0 +1,1 @@
+"""The speculative decoding algorithm: no Ray, no gRPC."""

@@ -1,0 +1,121 @@
+"""Per-request token state and KV caches, kept in the replica that holds the model.
+
+A pool keeps one `Sequence` per request in a bounded LRU (`SessionStore`). Each call names the
+committed prefix it builds on (`PrefixSync`); the sequence checks that base, appends the newly
+committed tokens, and crops its transformers `DynamicCache` to the longest prefix it shares with
+what must be fed next, so rejected draft tokens never reach a later distribution.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Sequence:
+    """One request in one model: committed ids, and the ids whose keys/values are cached."""
+
+    def __init__(self) -> None:
+        self.committed: list[int] = []
+        self.committed_hash = EMPTY_PREFIX_HASH
+        self.cached_ids: list[int] = []
+        self.cache: DynamicCache | None = None
+
+    def apply(self, sync: PrefixSync) -> None:
+        """Advance to the committed prefix the call names, or raise StaleBase."""
+        if sync.known_len == 0:
+            self.committed = []  # a full prefix: rebuild; the cache keeps what still matches
+            self.committed_hash = EMPTY_PREFIX_HASH
+        elif sync.known_len != len(self.committed) or sync.known_hash != self.committed_hash:
+            raise StaleBase(
+                f"holds {len(self.committed)} committed tokens, call builds on {sync.known_len}"
+            )
+        self.committed.extend(sync.new_token_ids)
+        self.committed_hash = prefix_hash(self.committed)
+        if not self.committed:
+            raise ValueError("the committed prefix is empty: a prompt needs at least one token")
+
+    def feed(self, model, extra: list[int], num_logits: int) -> torch.Tensor:
+        """Bring the cache to committed + extra; returns the logits of its last `num_logits`
+        positions, [num_logits, V].
+
+        The cache is cropped to the longest prefix it shares with committed + extra, but never
+        past the first position whose logits are asked for, so those are always recomputed.
+        """
+        ids = self.committed + extra
+        start = min(common_prefix_len(self.cached_ids, ids), len(ids) - num_logits)
+        return self.forward(model, ids[start:], start)[-num_logits:]
+
+    @torch.no_grad()
+    def forward(self, model, token_ids: list[int], start: int) -> torch.Tensor:
+        """Crop the cache to `start` tokens, feed token_ids after it; returns [len, V] logits."""
+        if self.cache is None:
+            self.cache = DynamicCache(config=model.config)
+        cached = self.cache.get_seq_length()
+        if start < cached:
+            self.cache.crop(start - cached)  # negative: remove that many tokens
+        del self.cached_ids[start:]
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+        logits = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True).logits
+        self.cached_ids.extend(token_ids)
+        return logits[0]
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0  # calls whose base was not here (evicted, moved, unknown): rebuilt
+    evictions: int = 0
+
+
+class SessionStore:
+    """Bounded LRU of per-request sequences."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.stats = StoreStats()
+        self._sequences: OrderedDict[str, Sequence] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._sequences
+
+    def sync(self, request_id: str, sync: PrefixSync) -> Sequence:
+        """The request's sequence advanced to `sync`; raises StaleBase when it cannot be."""
+        sequence = self._sequences.get(request_id)
+        if sequence is None:
+            if sync.known_len != 0:
+                self.stats.misses += 1
+                raise StaleBase(f"request {request_id!r} is not cached here")
+            sequence = Sequence()
+            self._sequences[request_id] = sequence
+            while len(self._sequences) > self.capacity:
+                self._sequences.popitem(last=False)
+                self.stats.evictions += 1
+        else:
+            self.stats.hits += 1
+            self._sequences.move_to_end(request_id)
+        try:
+            sequence.apply(sync)
+        except StaleBase:
+            self.stats.misses += 1
+            raise
+        return sequence
+
+    def release(self, request_id: str) -> None:
+        self._sequences.pop(request_id, None)

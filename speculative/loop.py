@@ -1,0 +1,201 @@
+"""The round loop: draft -> verify -> accept/reject -> commit, for one request.
+
+It knows nothing about tokenization, processes or networks: token ids in, token ids out,
+against the Drafter and Verifier interfaces. The CLI runs it over in-process engines; the
+router runs the same loop over gRPC clients.
+"""
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from speculative.policy import KPolicy
+from speculative.rejection import RoundOutcome, accept_greedy, rejection_sample
+from speculative.sampling import SamplingParams, sample
+from speculative.types import (
+    EMPTY_PREFIX_HASH,
+    DraftBlock,
+    Drafter,
+    PrefixSync,
+    ProposeCall,
+    ScoreCall,
+    StaleBase,
+    TargetScores,
+    Verifier,
+    prefix_hash,
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...] = ()  # e.g. EOS; the stop token is part of the output
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+
+
+@dataclass
+class SpecStats:
+    """Counters named as vLLM's spec_decode metrics."""
+
+    rounds: int = 0
+    num_drafts: int = 0  # rounds that drafted at least one token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # excludes recovered and bonus tokens
+    accepted_per_position: list[int] = field(default_factory=list)
+    cache_misses: int = 0
+
+    def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
+        self.rounds += 1
+        self.num_drafts += num_drafted > 0
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += outcome.num_accepted
+        missing = num_drafted - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, missing))
+        for position in range(outcome.num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per round, the recovered or bonus token included (vLLM's definition)."""
+        if not self.rounds:
+            return None
+        return (self.num_accepted_tokens + self.rounds) / self.rounds
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+class PoolView:
+    """What the router believes one pool knows of a request's committed prefix."""
+
+    def __init__(self) -> None:
+        self.known_len = 0
+        self.known_hash = EMPTY_PREFIX_HASH
+
+    def sync(self, committed: list[int]) -> PrefixSync:
+        return PrefixSync(self.known_len, self.known_hash, tuple(committed[self.known_len :]))
+
+    def confirm(self, committed_len: int, committed_hash: int) -> None:
+        self.known_len, self.known_hash = committed_len, committed_hash
+
+    def forget(self) -> None:
+        self.known_len, self.known_hash = 0, EMPTY_PREFIX_HASH
+
+
+class RequestState:
+    """Per-request state the router owns: committed ids, sampling RNG, counters."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.committed: list[int] = list(request.prompt_token_ids)
+        seed = request.sampling.seed
+        self.generator = torch.Generator().manual_seed(
+            seed if seed is not None else secrets.randbits(63)
+        )
+        self.stats = SpecStats()
+        self.drafter_view, self.verifier_view = PoolView(), PoolView()
+        self.finish_reason: str | None = None
+        self._hash, self._hashed_len = EMPTY_PREFIX_HASH, 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.committed[len(self.request.prompt_token_ids) :]
+
+    @property
+    def remaining(self) -> int:
+        return self.request.sampling.max_tokens - len(self.output_token_ids)
+
+    def commit(self, token_ids: tuple[int, ...]) -> list[int]:
+        """Append a round's output, cut at a stop token or max_tokens; returns what was added."""
+        added: list[int] = []
+        for token in token_ids[: self.remaining]:
+            added.append(token)
+            if token in self.request.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+        self.committed.extend(added)
+        if self.finish_reason is None and self.remaining == 0:
+            self.finish_reason = "length"
+        return added
+
+    async def synced(self, view: PoolView, call):
+        """Run call(sync) against a pool; on StaleBase resend the whole prefix once."""
+        try:
+            result = await call(view.sync(self.committed))
+        except StaleBase:
+            self.stats.cache_misses += 1
+            view.forget()
+            result = await call(view.sync(self.committed))
+        view.confirm(len(self.committed), self._committed_hash())
+        return result
+
+    def _committed_hash(self) -> int:
+        if self._hashed_len != len(self.committed):  # both pools confirm the same prefix
+            self._hash, self._hashed_len = prefix_hash(self.committed), len(self.committed)
+        return self._hash
+
+
+def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> RoundOutcome:
+    if greedy:
+        return accept_greedy(block.token_ids, scores.target_token_ids)
+    if not block.token_ids:
+        return RoundOutcome((sample(scores.target_probs[0], generator),), 0)
+    return rejection_sample(block.token_ids, block.draft_probs, scores.target_probs, generator)
+
+
+async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
+    """One round; returns the newly committed token ids (1 to K + 1 of them)."""
+    request = state.request
+    k = min(policy.num_speculative_tokens(), state.remaining - 1)
+    block = DraftBlock((), None)
+    if k > 0:
+        draft_seed = int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
+        block = await state.synced(
+            state.drafter_view,
+            lambda sync: drafter.propose(
+                ProposeCall(request.request_id, sync, k, request.sampling, draft_seed)
+            ),
+        )
+    scores = await state.synced(
+        state.verifier_view,
+        lambda sync: verifier.score(
+            ScoreCall(request.request_id, sync, block.token_ids, request.sampling)
+        ),
+    )
+    outcome = accept(block, scores, request.sampling.greedy, state.generator)
+    policy.update(len(block.token_ids), outcome.num_accepted)
+    state.stats.record(len(block.token_ids), outcome)
+    return state.commit(outcome.output_token_ids)
+
+
+async def decode(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
+    """Run rounds until the request finishes, yielding each round's new token ids.
+
+    Releases both pools' caches when it ends; a caller that stops early closes it with
+    contextlib.aclosing so that the release happens at once.
+    """
+    try:
+        while state.finish_reason is None:
+            yield await run_round(state, drafter, verifier, policy)
+    finally:
+        if state.drafter_view.known_len:
+            await drafter.release(state.request.request_id)
+        await verifier.release(state.request.request_id)

@@ -1,0 +1,76 @@
+"""Rejection sampling of a drafted block (Leviathan et al. 2023, Algorithm 1).
+
+Glossary (as in vLLM): output tokens = accepted tokens + one recovered token (drawn from the
+residual at the first rejection) or one bonus token (drawn from p(K+1) when all K pass).
+Every round therefore commits between 1 and K + 1 tokens.
+
+Variable names follow the paper with the project's prefixes: draft_probs is q, target_probs
+is p. Both are the distributions AFTER temperature / top-k / top-p, i.e. exactly the ones the
+tokens were (or would be) drawn from; that is what makes the output distribution equal p's.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from speculative.sampling import sample
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    output_token_ids: tuple[int, ...]  # accepted tokens, then the recovered or bonus token
+    num_accepted: int  # excludes the recovered / bonus token
+
+
+def accept_greedy(draft_token_ids, target_token_ids) -> RoundOutcome:
+    """Greedy: p and q are one-hot, so accept while x_i == argmax p_i, then emit argmax p_j.
+
+    draft_token_ids: [K]; target_token_ids: [K + 1] (argmax of p1..p(K+1)).
+    """
+    assert len(target_token_ids) == len(draft_token_ids) + 1
+    num_accepted = 0
+    for drafted, target in zip(draft_token_ids, target_token_ids):
+        if drafted != target:
+            break
+        num_accepted += 1
+    output = tuple(draft_token_ids[:num_accepted]) + (target_token_ids[num_accepted],)
+    return RoundOutcome(output, num_accepted)
+
+
+def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over [V], or p itself when the residual has no mass.
+
+    In exact arithmetic a rejection implies p != q and so a positive residual; the guard only
+    catches rounding, where p is the right answer (p == q up to rounding).
+    """
+    diff = (target_probs - draft_probs).clamp_min(0)
+    total = diff.sum()
+    if not total > 1e-12:
+        return target_probs
+    return diff / total
+
+
+def rejection_sample(
+    draft_token_ids,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> RoundOutcome:
+    """Accept x_i iff u_i < min(1, p_i(x_i) / q_i(x_i)); residual at the first rejection.
+
+    draft_token_ids: [K]; draft_probs: [K, V]; target_probs: [K + 1, V].
+    """
+    num_drafted = len(draft_token_ids)
+    assert draft_probs.shape[0] == num_drafted and target_probs.shape[0] == num_drafted + 1
+    output: list[int] = []
+    for i, token in enumerate(draft_token_ids):
+        draft_p = float(draft_probs[i, token])
+        target_p = float(target_probs[i, token])
+        coin = float(torch.rand((), generator=generator))
+        if draft_p > 0 and coin * draft_p < target_p:  # u < p/q without dividing
+            output.append(token)
+            continue
+        recovered = sample(residual(target_probs[i], draft_probs[i]), generator)
+        return RoundOutcome(tuple(output) + (recovered,), i)
+    bonus = sample(target_probs[num_drafted], generator)
+    return RoundOutcome(tuple(output) + (bonus,), num_drafted)

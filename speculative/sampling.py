@@ -1,0 +1,81 @@
+"""Sampling parameters and the one logits-to-probabilities function both pools use.
+
+Drafter and verifier must turn logits into distributions the same way (temperature, then
+top-k, then top-p, the order Hugging Face's logits processors apply them): the rejection
+sampler is exact for the distribution the verifier reports, so any mismatch here would change
+the output distribution, not just the speed.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks for. temperature == 0 means greedy decoding."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k truncation
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 64
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            errors.append(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            errors.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            errors.append(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            errors.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            errors.append(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p.
+
+    Greedy (temperature 0) gives the one-hot distribution of the argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop the low tail whose total mass is <= 1 - top_p; the top token always stays
+        drop_sorted = cumulative <= 1 - params.top_p
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def truncate_top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k most likely entries of each [..., V] row and renormalise (draft-side q)."""
+    if k <= 0 or k >= probs.shape[-1]:
+        return probs
+    values, ids = torch.topk(probs, k, dim=-1)
+    truncated = torch.zeros_like(probs).scatter(-1, ids, values)
+    return truncated / truncated.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id drawn from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())

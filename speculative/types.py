@@ -1,0 +1,102 @@
+"""The two interfaces the round loop is written against, and the values that cross them.
+
+These mirror the messages of protos/specserve.proto one to one, so the in-process engines and
+the gRPC clients of the deployments are interchangeable behind the same loop.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from speculative.sampling import SamplingParams
+
+
+def prefix_hash(token_ids) -> int:
+    """64-bit fingerprint of a token id sequence (the version stamp's checksum)."""
+    data = torch.as_tensor(list(token_ids), dtype=torch.int32).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+EMPTY_PREFIX_HASH = prefix_hash([])
+
+
+@dataclass(frozen=True)
+class PrefixSync:
+    """How a pool brings its copy of a request to the committed prefix.
+
+    The pool already knows the first `known_len` committed tokens (their fingerprint is
+    `known_hash`); `new_token_ids` are the tokens committed since. known_len == 0 carries the
+    whole prefix, which any pool can rebuild from.
+    """
+
+    known_len: int
+    known_hash: int
+    new_token_ids: tuple[int, ...]
+
+    @property
+    def committed_len(self) -> int:
+        return self.known_len + len(self.new_token_ids)
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    request_id: str
+    sync: PrefixSync
+    num_speculative_tokens: int
+    sampling: SamplingParams
+    seed: int  # seeds this call's draft sampling, so a retried call draws the same tokens
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """Candidate tokens x1..xK and the distributions q1..qK they were drawn from.
+
+    draft_probs is [K, V] (dense) or None for greedy, where only the ids matter. A drafter may
+    return fewer than the K tokens asked for (the n-gram drafter without a match).
+    """
+
+    token_ids: tuple[int, ...]
+    draft_probs: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ScoreCall:
+    request_id: str
+    sync: PrefixSync
+    draft_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class TargetScores:
+    """The target's verdict on x1..xK plus the position after them (K + 1 positions).
+
+    Greedy: target_token_ids holds argmax p1..p(K+1) and target_probs is None.
+    Sampling: target_probs is [K + 1, V] and target_token_ids is empty.
+    """
+
+    target_token_ids: tuple[int, ...]
+    target_probs: torch.Tensor | None
+
+
+class StaleBase(Exception):
+    """A pool cannot reach the base a call builds on (evicted, moved, or never seen).
+
+    The caller resends the call with the whole committed prefix (known_len == 0).
+    """
+
+
+# The interfaces are async so that the same loop drives in-process engines (whose methods
+# compute and return) and gRPC clients (whose methods await the network).
+class Drafter(Protocol):
+    async def propose(self, call: ProposeCall) -> DraftBlock: ...
+
+    async def release(self, request_id: str) -> None: ...
+
+
+class Verifier(Protocol):
+    async def score(self, call: ScoreCall) -> TargetScores: ...
+
+    async def release(self, request_id: str) -> None: ...

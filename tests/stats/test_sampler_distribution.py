@@ -1,0 +1,103 @@
+"""Seeded statistical tests: tokens from rejection sampling are distributed as the target's.
+
+The target and the draft are Markov chains over a small vocabulary (their next-token
+distribution depends on the last token only), so the exact law of the first two output tokens
+is known in closed form: p0[t1] * P[t1, t2]. Each check is a chi-square test at a
+false-failure rate of 5e-7, two checks per case: a correct sampler fails a case with
+probability < 1e-6. Mutants of the sampler must fail the same checks, so they can fail.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import speculative.rejection as rejection
+from speculative.sampling import SamplingParams, logits_to_probs, sample
+from tests.stats.chisq import chi_square
+
+VOCAB = 6
+SAMPLES = 30_000
+FALSE_FAILURE = 5e-7
+
+
+class MarkovPair:
+    def __init__(self, params: SamplingParams, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        logits = lambda *shape: torch.randn(*shape, generator=g) * 1.5  # noqa: E731
+        self.target_start = logits_to_probs(logits(VOCAB), params)
+        self.target_next = logits_to_probs(logits(VOCAB, VOCAB), params)
+        self.draft_start = logits_to_probs(logits(VOCAB), params)
+        self.draft_next = logits_to_probs(logits(VOCAB, VOCAB), params)
+
+    def target_row(self, previous):
+        return self.target_start if previous is None else self.target_next[previous]
+
+    def draft_row(self, previous):
+        return self.draft_start if previous is None else self.draft_next[previous]
+
+    def first_two(self, k: int, generator) -> tuple[int, int]:
+        """Speculative rounds with K = k until two tokens are committed."""
+        output: list[int] = []
+        while len(output) < 2:
+            last = output[-1] if output else None
+            drafted, draft_rows, target_rows = [], [], [self.target_row(last)]
+            for _ in range(k):
+                draft_rows.append(self.draft_row(drafted[-1] if drafted else last))
+                drafted.append(sample(draft_rows[-1], generator))
+                target_rows.append(self.target_row(drafted[-1]))
+            out = rejection.rejection_sample(
+                drafted, torch.stack(draft_rows), torch.stack(target_rows), generator
+            )
+            output.extend(out.output_token_ids)
+        return output[0], output[1]
+
+    def exact_pairs(self) -> np.ndarray:
+        return (self.target_start[:, None] * self.target_next).numpy()
+
+
+def checks(pair: MarkovPair, k: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    counts = np.zeros((VOCAB, VOCAB))
+    for _ in range(SAMPLES):
+        counts[pair.first_two(k, generator)] += 1
+    exact = pair.exact_pairs()
+    first = chi_square(counts.sum(1), exact.sum(1), FALSE_FAILURE)
+    joint = chi_square(counts, exact, FALSE_FAILURE)
+    return first, joint
+
+
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.3, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("k", [1, 3])
+def test_first_token_and_first_two_tokens_match_the_target(params, k):
+    pair = MarkovPair(params, seed=11)
+    for name, (statistic, threshold, df) in zip(("first token", "first two"), checks(pair, k, 5)):
+        assert statistic < threshold, (
+            f"{name}: chi2 = {statistic:.1f} > {threshold:.1f} (df {df}); a correct sampler "
+            f"fails this with probability {FALSE_FAILURE}"
+        )
+
+
+def recover_from_target(target_probs, draft_probs):
+    return target_probs  # mutant: skips the residual
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", ["no residual", "accept all"])
+def test_the_checks_catch_a_broken_sampler(monkeypatch, mutant):
+    if mutant == "no residual":
+        monkeypatch.setattr(rejection, "residual", recover_from_target)
+    else:
+        monkeypatch.setattr(rejection.torch, "rand", lambda *a, **kw: torch.tensor(0.0))
+    pair = MarkovPair(SamplingParams(temperature=1.0), seed=11)
+    results = checks(pair, 3, 5)
+    assert any(statistic > threshold for statistic, threshold, _ in results), results

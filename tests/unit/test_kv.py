@@ -1,0 +1,149 @@
+"""KV caches: rollback is invisible, a miss rebuilds exactly, the LRU bound holds."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from drafter.model import ModelDrafter
+from speculative.kv import SessionStore
+from speculative.loop import Request, RequestState, decode
+from speculative.policy import FixedK
+from speculative.sampling import SamplingParams
+from speculative.types import PrefixSync, StaleBase, prefix_hash
+from tests.tiny import hf_greedy, run, tiny_llama
+from verifier.engine import ModelVerifier
+
+# fp32 logits of the same tokens through a cropped-and-refed cache vs a fresh forward differ
+# by float reassociation only (~1e-6 measured); 1e-4 leaves room and still catches a stale
+# key/value, which moves logits by O(1).
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(1)
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def sync(known, new):
+    return PrefixSync(len(known), prefix_hash(known), tuple(new))
+
+
+def test_logits_after_rollback_and_refeed_equal_a_fresh_forward(model):
+    store = SessionStore(4)
+    prompt = [3, 14, 15, 9, 26]
+    seq = store.sync("r", sync([], prompt))
+    seq.feed(model, [7, 7, 7, 7], num_logits=5)  # a drafted block, later rejected
+    seq = store.sync("r", sync(prompt, [7, 40]))  # committed: 1 accepted + 1 recovered
+    logits = seq.feed(model, [1, 2, 3], num_logits=4)
+    expected = full_logits(model, prompt + [7, 40, 1, 2, 3])[-4:]
+    assert seq.cache.get_seq_length() == len(prompt) + 5 == len(seq.cached_ids)
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_a_k_token_verify_equals_one_token_decodes(model):
+    store = SessionStore(4)
+    prompt, drafted = [5, 6, 7], [8, 9, 10, 11]
+    seq = store.sync("r", sync([], prompt))
+    block = seq.feed(model, drafted, num_logits=5)
+    stepwise = [full_logits(model, prompt + drafted[:i])[-1] for i in range(5)]
+    torch.testing.assert_close(block, torch.stack(stepwise), atol=ATOL, rtol=0)
+
+
+def test_a_call_whose_base_is_not_here_is_refused_without_changing_state(model):
+    store = SessionStore(4)
+    with pytest.raises(StaleBase):
+        store.sync("unknown", sync([1, 2], [3]))
+    store.sync("r", sync([], [1, 2, 3]))
+    with pytest.raises(StaleBase):
+        store.sync("r", sync([1, 2, 9], [4]))  # right length, wrong tokens
+    with pytest.raises(StaleBase):
+        store.sync("r", sync([1, 2], [3]))  # an older base
+    assert store.sync("r", sync([1, 2, 3], [4])).committed == [1, 2, 3, 4]
+    assert store.stats.misses == 3
+
+
+def test_the_lru_bound_holds_and_evicts_the_least_recently_used():
+    store = SessionStore(3)
+    for name in "abcd":
+        store.sync(name, sync([], [1]))
+    store.sync("b", sync([1], [2]))  # touch b
+    store.sync("e", sync([], [1]))
+    assert len(store) == 3 and store.stats.evictions == 2
+    assert "a" not in store and "c" not in store and "b" in store
+    with pytest.raises(StaleBase):
+        store.sync("a", sync([1], [2]))
+
+
+class MovingPool:
+    """Routes each call to a random replica, as a rescaled or failed-over pool would."""
+
+    def __init__(self, replicas, seed):
+        self.replicas, self.rng = replicas, random.Random(seed)
+
+    async def propose(self, call):
+        return await self.rng.choice(self.replicas).propose(call)
+
+    async def score(self, call):
+        return await self.rng.choice(self.replicas).score(call)
+
+    async def release(self, request_id):
+        for replica in self.replicas:
+            await replica.release(request_id)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_requests_moved_between_replicas_rebuild_and_stay_exact(model, k):
+    draft = tiny_llama(1, layers=1)  # a weaker draft: partial acceptance
+    prompt = [2, 7, 1, 8, 2, 8]
+    drafter = MovingPool([ModelDrafter(draft), ModelDrafter(draft)], seed=k)
+    verifier = MovingPool([ModelVerifier(model), ModelVerifier(model, max_cached_requests=1)], k)
+    out, state = run(drafter, verifier, prompt, SamplingParams(temperature=0, max_tokens=40), k)
+    assert out == hf_greedy(model, prompt, 40)
+    assert state.stats.cache_misses > 3
+
+
+class Yielding:
+    """Lets other requests run between calls, so two requests interleave on one engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def propose(self, call):
+        await asyncio.sleep(0)
+        return await self.engine.propose(call)
+
+    async def score(self, call):
+        await asyncio.sleep(0)
+        return await self.engine.score(call)
+
+    async def release(self, request_id):
+        await self.engine.release(request_id)
+
+
+def test_interleaved_requests_evicting_each_other_stay_exact(model):
+    """Capacity 1 and two live requests: every call finds the other request's cache."""
+    drafter = Yielding(ModelDrafter(tiny_llama(1, layers=1), max_cached_requests=1))
+    verifier = Yielding(ModelVerifier(model, max_cached_requests=1))
+    prompts = {"a": [9, 9, 3], "b": [1, 2]}
+    states = {rid: RequestState(Request(rid, tuple(p), SamplingParams(temperature=0, max_tokens=15)))
+              for rid, p in prompts.items()}
+
+    async def one(state):
+        async for _ in decode(state, drafter, verifier, FixedK(3)):
+            pass
+
+    async def both():
+        await asyncio.gather(*(one(state) for state in states.values()))
+
+    asyncio.run(both())
+    for rid, prompt in prompts.items():
+        assert states[rid].output_token_ids == hf_greedy(model, prompt, 15)
+        assert states[rid].stats.cache_misses >= 5
+    assert verifier.engine.sessions.stats.evictions >= 10

@@ -1,0 +1,66 @@
+"""The oracle: greedy speculative output equals the target's own greedy decoding."""
+
+import random
+
+import pytest
+
+from drafter.model import ModelDrafter
+from drafter.ngram import NgramDrafter
+from speculative.sampling import SamplingParams
+from tests.tiny import hf_greedy, noisy_copy, run, tiny_llama
+from verifier.engine import ModelVerifier
+
+MAX_TOKENS = 24
+
+
+def prompts():
+    rng = random.Random(0)
+    cases = [[rng.randrange(64) for _ in range(n)] for n in (1, 3, 8, 17)]
+    return cases + [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3]]  # repeats for the n-gram
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(7)
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return [hf_greedy(target, prompt, MAX_TOKENS) for prompt in prompts()]
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    return {
+        "self": lambda: ModelDrafter(target),  # always accepted: the "all K accepted" path
+        "noisy": lambda: ModelDrafter(noisy_copy(target, 0.05, seed=1)),
+        "random": lambda: ModelDrafter(tiny_llama(8, layers=1)),  # almost always rejected
+        "ngram": lambda: NgramDrafter(64),
+    }
+
+
+CASES = [("self", 0)] + [
+    (kind, k) for kind in ("self", "noisy", "ngram") for k in range(1, 9)
+] + [("random", k) for k in (1, 4, 8)]  # a rejected draft costs K forwards per token
+
+
+@pytest.mark.parametrize("kind, k", CASES)
+def test_greedy_speculation_equals_target_greedy(target, references, drafters, kind, k):
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    drafter, verifier = drafters[kind](), ModelVerifier(target)
+    accepted = 0
+    for i, (prompt, expected) in enumerate(zip(prompts(), references)):
+        out, state = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}")
+        assert out == expected, f"prompt {i}, K={k}, {kind} drafter"
+        accepted += state.stats.num_accepted_tokens
+    assert len(drafter.sessions) == 0 and len(verifier.sessions) == 0  # released
+    if kind == "noisy" and k:
+        assert accepted > 0  # the case exercises acceptance and rejection both
+
+
+def test_stop_tokens_end_the_output_and_are_included(target, references):
+    prompt, expected = prompts()[2], references[2]
+    stop = expected[5]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    out, state = run(ModelDrafter(target), ModelVerifier(target), prompt, greedy, 4, stop=(stop,))
+    assert out == expected[: expected.index(stop) + 1] and state.finish_reason == "stop"

@@ -1,0 +1,99 @@
+"""Exact hand-built cases and property tests of the rejection sampler's invariants."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculative.rejection import accept_greedy, rejection_sample, residual
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def one_hot(index, size=4):
+    return torch.nn.functional.one_hot(torch.tensor(index), size).float()
+
+
+def test_equal_distributions_accept_everything_and_add_a_bonus():
+    dist = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    for seed in range(50):
+        out = rejection_sample([3, 1, 2], dist.repeat(3, 1), dist.repeat(4, 1), gen(seed))
+        assert out.num_accepted == 3
+        assert out.output_token_ids[:3] == (3, 1, 2) and len(out.output_token_ids) == 4
+
+
+def test_disjoint_distributions_always_reject_and_recover_from_the_target():
+    draft = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    target = torch.tensor([[0.0, 0.0, 0.25, 0.75], [0.25] * 4])
+    seen = set()
+    for seed in range(100):
+        out = rejection_sample([1], draft, target, gen(seed))
+        assert out.num_accepted == 0 and len(out.output_token_ids) == 1
+        seen.add(out.output_token_ids[0])
+    assert seen == {2, 3}
+
+
+def test_one_hot_target_accepts_only_its_token():
+    draft = torch.tensor([[0.25] * 4, [0.25] * 4])
+    target = torch.stack([one_hot(2), one_hot(0), one_hot(1)])
+    assert rejection_sample([2, 0], draft, target, gen()).output_token_ids == (2, 0, 1)
+    out = rejection_sample([2, 3], draft, target, gen())
+    assert out.output_token_ids == (2, 0) and out.num_accepted == 1
+
+
+def test_one_hot_draft_is_accepted_with_the_target_probability():
+    # q = delta(1): accept iff u < p(1) = 0.3; the recovered token is never 1
+    target = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.25] * 4])
+    accepted = 0
+    for seed in range(2000):
+        out = rejection_sample([1], one_hot(1)[None], target, gen(seed))
+        accepted += out.num_accepted
+        assert out.num_accepted == 1 or out.output_token_ids[0] in (0, 2)
+    assert 0.25 < accepted / 2000 < 0.35  # binomial sd 0.01: 5 sd either side
+
+
+def test_residual_guard_returns_the_target_when_p_equals_q():
+    p = torch.tensor([0.5, 0.5])
+    assert torch.equal(residual(p, p), p)
+    torch.testing.assert_close(residual(torch.tensor([0.6, 0.4]), p), torch.tensor([1.0, 0.0]))
+
+
+def test_greedy_accepts_the_matching_prefix_then_the_target_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]).output_token_ids == (5, 6, 7, 8)
+    out = accept_greedy([5, 9, 7], [5, 6, 7, 8])
+    assert out.output_token_ids == (5, 6) and out.num_accepted == 1
+    assert accept_greedy([], [4]).output_token_ids == (4,)
+
+
+@st.composite
+def rounds(draw):
+    vocab = draw(st.integers(2, 6))
+    k = draw(st.integers(1, 5))
+    weights = st.lists(st.floats(0, 1), min_size=vocab, max_size=vocab).filter(
+        lambda w: sum(w) > 0.1
+    )
+    draft = torch.tensor([draw(weights) for _ in range(k)])
+    target = torch.tensor([draw(weights) for _ in range(k + 1)])
+    draft, target = draft / draft.sum(-1, keepdim=True), target / target.sum(-1, keepdim=True)
+    tokens = [int(torch.multinomial(row, 1, generator=gen(i))) for i, row in enumerate(draft)]
+    return tokens, draft, target, draw(st.integers(0, 2**32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rounds())
+def test_invariants(case):
+    tokens, draft, target, seed = case
+    out = rejection_sample(tokens, draft, target, gen(seed))
+    n = out.num_accepted
+    assert 0 <= n <= len(tokens)
+    assert len(out.output_token_ids) == n + 1  # between 1 and K + 1 tokens
+    assert list(out.output_token_ids[:n]) == tokens[:n]  # accepted = a prefix of the draft
+    last = out.output_token_ids[-1]
+    if n < len(tokens):  # recovered: from the residual where it has mass, else from p
+        res = (target[n] - draft[n]).clamp_min(0)
+        assert res[last] > 0 or (res.sum() <= 1e-12 and target[n, last] > 0)
+    else:  # bonus: from p(K+1)
+        assert target[-1, last] > 0
+    for i in range(n):  # an accepted token is possible under the target
+        assert target[i, tokens[i]] > 0

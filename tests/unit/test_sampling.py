@@ -1,0 +1,66 @@
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from speculative.sampling import SamplingParams, logits_to_probs, truncate_top_k
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -3}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": "abc"}, "stop"),
+        ({"stop": ("",)}, "stop"),
+    ],
+)
+def test_invalid_sampling_params_raise_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_all_errors_are_reported_together():
+    with pytest.raises(ValueError, match="temperature.*top_p"):
+        SamplingParams(temperature=-1, top_p=2)
+
+
+def hf_probs(logits, params):
+    scores = logits.clone()[None]
+    if params.temperature != 1:
+        scores = TemperatureLogitsWarper(params.temperature)(None, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return scores.softmax(-1)[0]
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+@pytest.mark.parametrize("top_k", [0, 1, 5, 40])
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.05])
+def test_logits_to_probs_matches_hugging_face_processors(temperature, top_k, top_p):
+    """Target-only sampling in transformers uses these processors in this order: our one
+    function must give the same distribution."""
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for _ in range(5):
+        logits = torch.randn(50, generator=generator) * 3
+        torch.testing.assert_close(logits_to_probs(logits, params), hf_probs(logits, params))
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 4.0, 4.9]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0))
+    assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
+
+
+def test_truncate_top_k_keeps_the_largest_and_renormalises():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    torch.testing.assert_close(truncate_top_k(probs, 2), torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    assert truncate_top_k(probs, 0) is probs
