@@ -4,7 +4,7 @@ import torch
 
 from speculative.kv import SessionStore
 from speculative.sampling import logits_to_probs, sample, truncate_top_k
-from speculative.types import DraftBlock, ProposeCall
+from speculative.types import DraftBlock, ProposeCall, check_call
 
 
 class ModelDrafter:
@@ -26,6 +26,8 @@ class ModelDrafter:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
+        check_call(call.sync.new_token_ids, self.model.config.vocab_size,
+                   call.num_speculative_tokens)
         sequence = self.sessions.sync(call.request_id, call.sync)
         generator = torch.Generator().manual_seed(call.seed)
         greedy = call.sampling.greedy

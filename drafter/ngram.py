@@ -8,7 +8,7 @@ which keeps the output exactly the target's.
 import torch
 
 from speculative.kv import SessionStore
-from speculative.types import DraftBlock, ProposeCall
+from speculative.types import DraftBlock, ProposeCall, check_call
 
 
 def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -44,6 +44,7 @@ class NgramDrafter:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
+        check_call(call.sync.new_token_ids, self.vocab_size, call.num_speculative_tokens)
         committed = self.sessions.sync(call.request_id, call.sync).committed
         token_ids = lookup(committed, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
         if call.sampling.greedy or not token_ids:

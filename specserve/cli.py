@@ -9,7 +9,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import torch
 
 
@@ -44,14 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--threads", type=int, default=None, help="torch threads")
     build.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
     return parser
-
-
-def sample_seeds(seed: int | None, n: int) -> list[int | None]:
-    """Independent per-sample seeds derived from one seed (None stays unseeded)."""
-    if seed is None:
-        return [None] * n
-    states = np.random.SeedSequence(seed).spawn(n)
-    return [int(s.generate_state(1, dtype=np.uint64)[0] >> 1) for s in states]
 
 
 def build_engines(args, vocab_size: int):
@@ -90,9 +81,9 @@ async def decode_text(request, drafter, verifier, k: int, tokenizer):
 def generate(args) -> dict:
     from speculative.loop import Request, SpecStats
     from speculative.models import load_tokenizer
-    from speculative.sampling import SamplingParams
+    from speculative.sampling import SamplingParams, derive_seeds
 
-    seeds = sample_seeds(args.seed, args.n)
+    seeds = derive_seeds(args.seed, args.n)
     params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                              seed=s, max_tokens=args.max_tokens, stop=tuple(args.stop))
               for s in seeds]

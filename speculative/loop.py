@@ -6,6 +6,7 @@ router runs the same loop over gRPC clients.
 """
 
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,9 @@ class SpecStats:
     num_accepted_tokens: int = 0  # excludes recovered and bonus tokens
     accepted_per_position: list[int] = field(default_factory=list)
     cache_misses: int = 0
+    draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
+    verify_seconds: float = 0.0  # waiting for the verifier
+    round_seconds: float = 0.0  # whole rounds: the rest is the router's own time
 
     def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
         self.rounds += 1
@@ -80,6 +84,7 @@ class SpecStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "cache_misses": self.cache_misses,
         }
 
 
@@ -164,6 +169,7 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> 
 async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
     """One round; returns the newly committed token ids (1 to K + 1 of them)."""
     request = state.request
+    started = time.perf_counter()
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
     block = DraftBlock((), None)
     if k > 0:
@@ -174,16 +180,23 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
                 ProposeCall(request.request_id, sync, k, request.sampling, draft_seed)
             ),
         )
+    drafted = time.perf_counter()
     scores = await state.synced(
         state.verifier_view,
         lambda sync: verifier.score(
             ScoreCall(request.request_id, sync, block.token_ids, request.sampling)
         ),
     )
+    verified = time.perf_counter()
     outcome = accept(block, scores, request.sampling.greedy, state.generator)
     policy.update(len(block.token_ids), outcome.num_accepted)
-    state.stats.record(len(block.token_ids), outcome)
-    return state.commit(outcome.output_token_ids)
+    committed = state.commit(outcome.output_token_ids)
+    stats = state.stats
+    stats.record(len(block.token_ids), outcome)
+    stats.draft_seconds += drafted - started
+    stats.verify_seconds += verified - drafted
+    stats.round_seconds += time.perf_counter() - started
+    return committed
 
 
 async def decode(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):

@@ -76,6 +76,16 @@ def truncate_top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
     return truncated / truncated.sum(-1, keepdim=True)
 
 
+def derive_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Seeds of n independent samples derived from one request seed (None stays unseeded)."""
+    if seed is None:
+        return [None] * n
+    import numpy as np
+
+    states = np.random.SeedSequence(seed).spawn(n)
+    return [int(state.generate_state(1, dtype=np.uint64)[0] >> 1) for state in states]
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token id drawn from a [V] distribution."""
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -81,6 +81,20 @@ class TargetScores:
     target_probs: torch.Tensor | None
 
 
+MAX_SPECULATIVE_TOKENS = 64
+
+
+def check_call(token_ids, vocab_size: int, num_speculative_tokens: int = 0) -> None:
+    """Raise ValueError for ids outside the vocabulary or an unreasonable K (bad input must
+    be refused before it touches a cache or a model)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                         f"got {num_speculative_tokens}")
+
+
 class StaleBase(Exception):
     """A pool cannot reach the base a call builds on (evicted, moved, or never seen).
 

@@ -2,7 +2,7 @@
 
 from speculative.kv import SessionStore
 from speculative.sampling import logits_to_probs
-from speculative.types import ScoreCall, TargetScores
+from speculative.types import ScoreCall, TargetScores, check_call
 
 
 class ModelVerifier:
@@ -24,6 +24,8 @@ class ModelVerifier:
         self.sessions.release(request_id)
 
     def score_now(self, call: ScoreCall) -> TargetScores:
+        check_call(call.sync.new_token_ids + call.draft_token_ids, self.model.config.vocab_size,
+                   len(call.draft_token_ids))
         sequence = self.sessions.sync(call.request_id, call.sync)
         drafted = list(call.draft_token_ids)
         logits = sequence.feed(self.model, drafted, num_logits=len(drafted) + 1)  # [K+1, V]

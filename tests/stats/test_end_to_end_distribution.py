@@ -19,7 +19,7 @@ from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
 VOCAB = 8
-PROMPT = [1, 5, 2]
+PROMPT = [1, 5, 2, 1, 5]  # repeats: the n-gram drafter finds [1, 5] and proposes 2
 SAMPLES = 6000
 FALSE_FAILURE = 1e-6
 

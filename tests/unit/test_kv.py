@@ -147,3 +147,16 @@ def test_interleaved_requests_evicting_each_other_stay_exact(model):
         assert states[rid].output_token_ids == hf_greedy(model, prompt, 15)
         assert states[rid].stats.cache_misses >= 5
     assert verifier.engine.sessions.stats.evictions >= 10
+
+
+@pytest.mark.parametrize("bad", [[-1], [64], [3, 1000]])
+def test_out_of_vocabulary_ids_are_refused_before_touching_the_cache(model, bad):
+    from speculative.types import ScoreCall
+
+    verifier = ModelVerifier(model)
+    greedy = SamplingParams(temperature=0)
+    with pytest.raises(ValueError, match="out of range"):
+        verifier.score_now(ScoreCall("r", sync([], bad), (), greedy))
+    with pytest.raises(ValueError, match="out of range"):
+        verifier.score_now(ScoreCall("r", sync([], [1, 2]), tuple(bad), greedy))
+    assert len(verifier.sessions) == 0

@@ -1,0 +1,1 @@
+"""Benchmarks (top of the import graph; nothing imports them)."""

@@ -1,0 +1,40 @@
+"""The committed demo pair loads like a hub model and stays exact."""
+
+import pytest
+
+from drafter.model import ModelDrafter
+from drafter.ngram import NgramDrafter
+from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
+from speculative.sampling import SamplingParams
+from tests.tiny import hf_greedy, run
+from verifier.engine import ModelVerifier
+
+PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    assert load_tokenizer(DEMO_DRAFT).get_vocab() == tokenizer.get_vocab()
+    return tokenizer, load_causal_lm(DEMO_TARGET), load_causal_lm(DEMO_DRAFT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_on_the_demo_pair_equals_the_target_alone(pair, k):
+    tokenizer, target, draft = pair
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    for drafter in (ModelDrafter(draft), NgramDrafter(len(tokenizer))):
+        accepted = 0
+        for i, prompt in enumerate(PROMPTS):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            out, state = run(drafter, ModelVerifier(target), ids, greedy, k, request_id=str(i))
+            assert out == hf_greedy(target, ids, 48), f"{prompt!r}, K={k}"
+            accepted += state.stats.num_accepted_tokens
+        assert accepted > 0
+
+
+def test_the_tokenizer_round_trips_python_source(pair):
+    tokenizer = pair[0]
+    text = "def f(x):\n    return {'a': [x, 1.5]}  # ok\n"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
