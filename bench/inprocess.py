@@ -82,9 +82,7 @@ def main() -> None:
             _, ids, state = asyncio.run(decode_text(request, drafter, verifier, k, tokenizer))
             seconds[(temperature, k)] += time.perf_counter() - started
             tokens[(temperature, k)] += len(ids)
-            total = stats[(temperature, k)]
-            for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-                setattr(total, name, getattr(total, name) + getattr(state.stats, name))
+            stats[(temperature, k)].add(state.stats)
 
     print(f"\ndemo pair, {args.dtype}, {args.threads} threads, {len(PROMPTS)} prompts x "
           f"{args.max_tokens} tokens")

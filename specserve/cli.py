@@ -103,8 +103,7 @@ def generate(args) -> dict:
         )
         choices.append({"index": index, "text": text, "token_ids": ids,
                         "finish_reason": state.finish_reason})
-        for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            setattr(total, name, getattr(total, name) + getattr(state.stats, name))
+        total.add(state.stats)
     seconds = time.perf_counter() - started
     num_tokens = sum(len(c["token_ids"]) for c in choices)
     stats = total.as_dict() | {"seconds": seconds, "tokens_per_s": num_tokens / seconds}

@@ -64,6 +64,12 @@ class SpecStats:
         for position in range(outcome.num_accepted):
             self.accepted_per_position[position] += 1
 
+    def add(self, other: "SpecStats") -> None:
+        """Accumulate another request's counters (per-position counts are not merged)."""
+        for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     @property
     def acceptance_rate(self) -> float | None:
         if not self.num_draft_tokens:
@@ -85,7 +91,18 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "cache_misses": self.cache_misses,
+            "ms_per_round": self.ms_per_round(),
         }
+
+    def ms_per_round(self) -> dict | None:
+        """Mean round time split into waiting for the drafter, for the verifier, and the
+        router's own work (rejection sampling, bookkeeping, streaming)."""
+        if not self.rounds:
+            return None
+        router = self.round_seconds - self.draft_seconds - self.verify_seconds
+        return {name: round(1000 * seconds / self.rounds, 3) for name, seconds in
+                (("draft", self.draft_seconds), ("verify", self.verify_seconds),
+                 ("router", router), ("total", self.round_seconds))}
 
 
 class PoolView:

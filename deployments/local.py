@@ -1,0 +1,63 @@
+"""Run a cluster/ config on the local Ray instance from Python (tests, benchmarks), as
+`serve run` / `serve deploy` would."""
+
+import copy
+import socket
+import time
+from pathlib import Path
+
+import yaml
+
+CLUSTER_DIR = Path(__file__).resolve().parents[1] / "cluster"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_config(name: str = "config.yaml") -> dict:
+    return yaml.safe_load((CLUSTER_DIR / name).read_text())
+
+
+def app_config(config: dict, name: str) -> dict:
+    return next(app for app in config["applications"] if app["name"] == name)
+
+
+def on_free_ports(config: dict) -> dict:
+    """A copy of config whose HTTP and gRPC proxies listen on free ports."""
+    config = copy.deepcopy(config)
+    http_port, grpc_port = free_port(), free_port()
+    config["http_options"]["port"] = http_port
+    config["grpc_options"]["port"] = grpc_port
+    app_config(config, "router")["args"]["grpc_address"] = f"127.0.0.1:{grpc_port}"
+    return config
+
+
+def start_serve(config: dict) -> None:
+    from ray import serve
+
+    serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"],
+                proxy_location=config["proxy_location"])
+
+
+def deploy(config: dict, timeout_s: float = 120) -> None:
+    """What `serve deploy` does: declare the whole config, then wait until it runs."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+    deadline = time.monotonic() + timeout_s
+    names = {app["name"] for app in config["applications"]}
+    while time.monotonic() < deadline:
+        apps = serve.status().applications
+        if all(n in apps and apps[n].status == "RUNNING" for n in names):
+            return
+        failed = [f"{n}: {apps[n].message}" for n in names
+                  if n in apps and apps[n].status == "DEPLOY_FAILED"]
+        if failed:
+            raise RuntimeError("deploy failed: " + "; ".join(failed))
+        time.sleep(0.5)
+    raise TimeoutError(f"apps not running after {timeout_s}s: {serve.status().applications}")

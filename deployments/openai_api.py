@@ -1,0 +1,114 @@
+"""OpenAI-compatible request and response shapes (completions, chat completions, errors)."""
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from speculative.sampling import SamplingParams
+
+
+class SpecExtensions(BaseModel):
+    """Sampling fields shared by both endpoints, with the speculative extensions."""
+
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # extension (as vLLM)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=32)  # extension
+    drafter: Literal["model", "ngram"] | None = None  # extension
+    return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
+
+    @field_validator("stop")
+    @classmethod
+    def stop_list(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    def sampling(self, default_max_tokens: int, seed: int | None) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              seed=seed, max_tokens=max_tokens, stop=tuple(self.stop or ()))
+
+
+class CompletionRequest(SpecExtensions):
+    prompt: str | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def non_empty(cls, value):
+        if not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str
+
+
+class ChatCompletionRequest(SpecExtensions):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        kind = "not_found_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict,
+                    speculative: dict, chat: bool) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "speculative": speculative,
+    }
+
+
+def choice_body(index: int, text: str, finish_reason: str | None, chat: bool,
+                token_ids: list[int] | None = None) -> dict:
+    if chat:
+        body = {"index": index, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason, "logprobs": None}
+    else:
+        body = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    if token_ids is not None:
+        body["token_ids"] = token_ids
+    return body
+
+
+def chunk_body(request_id: str, model: str, index: int, text: str | None,
+               finish_reason: str | None, chat: bool) -> dict:
+    if chat:
+        delta = {"content": text} if text is not None else {}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }

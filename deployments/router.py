@@ -1,0 +1,255 @@
+"""The router: OpenAI-compatible HTTP ingress that runs the round loop over gRPC.
+
+Per request it owns the committed ids, the seeded generator and the counters; the drafter and
+verifier pools own the KV caches. Rejection sampling happens here; rollback rides on the next
+call to each pool.
+"""
+
+import asyncio
+import contextlib
+import json
+import uuid
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+
+from deployments.clients import GrpcDrafter, GrpcVerifier, PoolError
+from deployments.metrics import RouterMetrics
+from deployments.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    choice_body,
+    chunk_body,
+    completion_body,
+    error_body,
+    usage,
+)
+from drafter.ngram import NgramDrafter
+from speculative.loop import Request as SpecRequest
+from speculative.loop import RequestState, SpecStats, decode
+from speculative.models import DEMO_TARGET, load_tokenizer
+from speculative.policy import FixedK
+from speculative.sampling import derive_seeds
+from speculative.stopping import TextStream
+
+app = FastAPI(title="specserve")
+
+
+class RouterArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    tokenizer: str = DEMO_TARGET  # the target's tokenizer (the pools only see token ids)
+    served_model_name: str = "specserve-demo"
+    grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
+    drafter_app: str = "drafter"
+    verifier_app: str = "verifier"
+    num_speculative_tokens: int = 4
+    default_max_tokens: int = 16
+    max_context_tokens: int = 2048
+    call_timeout_s: float = 60.0
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_response(error: BadRequest) -> JSONResponse:
+    return JSONResponse(error_body(str(error), error.status, error.param), error.status)
+
+
+def merged_stats(states: list[RequestState]) -> dict:
+    total = SpecStats()
+    for state in states:
+        total.add(state.stats)
+    return total.as_dict()
+
+
+async def parse(request: Request, schema):
+    try:
+        payload = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+    try:
+        return schema.model_validate(payload)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise BadRequest(f"{param}: {first['msg']}", param=param) from None
+
+
+class Job:
+    """One HTTP request: n choices decoded concurrently, each its own speculative request."""
+
+    def __init__(self, router: "Router", request_id: str, prompt_ids, params, k: int,
+                 drafter_kind: str, chat: bool) -> None:
+        self.router, self.request_id, self.prompt_ids = router, request_id, prompt_ids
+        self.params, self.k, self.drafter_kind, self.chat = params, k, drafter_kind, chat
+        self.model = router.args.served_model_name
+        self.return_token_ids = False
+        stop_id = router.tokenizer.eos_token_id
+        self.stop_ids = (stop_id,) if stop_id is not None else ()
+
+    def decode_text(self, ids) -> str:
+        return self.router.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def run_choice(self, index: int, on_text) -> tuple[str, str, RequestState]:
+        drafter, verifier = self.router.pools()
+        if self.drafter_kind == "ngram":
+            drafter = self.router.ngram
+        params = self.params[index]
+        request = SpecRequest(f"{self.request_id}-{index}", self.prompt_ids, params, self.stop_ids)
+        state = RequestState(request)
+        stream = TextStream(self.decode_text, params.stop)
+        async with contextlib.aclosing(decode(state, drafter, verifier, FixedK(self.k))) as rounds:
+            async for _ in rounds:
+                if delta := stream.update(state.output_token_ids):
+                    await on_text(index, delta)
+                if stream.stopped:
+                    state.finish_reason = "stop"
+                    break
+        if tail := stream.finish():
+            await on_text(index, tail)
+        self.router.metrics.record(state)
+        return stream.sent, state.finish_reason, state
+
+    async def complete(self) -> dict:
+        async def ignore(index, delta):
+            pass
+
+        results = await asyncio.gather(*(self.run_choice(i, ignore) for i in range(len(self.params))))
+        choices = [choice_body(i, text, reason, self.chat,
+                               state.output_token_ids if self.return_token_ids else None)
+                   for i, (text, reason, state) in enumerate(results)]
+        states = [state for _, _, state in results]
+        completion_tokens = sum(len(s.output_token_ids) for s in states)
+        return completion_body(self.request_id, self.model, choices,
+                               usage(len(self.prompt_ids), completion_tokens),
+                               merged_stats(states), self.chat)
+
+    async def events(self):
+        """Server-sent events: one chunk per text delta, a final chunk per choice, [DONE]."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def push(index, delta):
+            await queue.put(chunk_body(self.request_id, self.model, index, delta, None, self.chat))
+
+        async def run(index):
+            _, reason, state = await self.run_choice(index, push)
+            await queue.put(chunk_body(self.request_id, self.model, index, None, reason, self.chat))
+            return state
+
+        task = asyncio.gather(*(run(i) for i in range(len(self.params))))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (chunk := await queue.get()) is not None:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            states = await task
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            final = {"id": self.request_id, "object": kind, "model": self.model,
+                     "choices": [], "usage": usage(len(self.prompt_ids),
+                                                   sum(len(s.output_token_ids) for s in states)),
+                     "speculative": merged_stats(states)}
+            yield f"data: {json.dumps(final)}\n\n"
+        except PoolError as error:
+            yield f"data: {json.dumps(error_body(f'a model pool failed: {error}', 503))}\n\n"
+        finally:
+            task.cancel()
+        yield "data: [DONE]\n\n"
+
+
+# Defined last: Serve serialises the ingress class when it is decorated, so everything it
+# uses must exist by then.
+@serve.deployment
+@serve.ingress(app)
+class Router:
+    def __init__(self, args: RouterArgs) -> None:
+        self.args = args
+        self.tokenizer = load_tokenizer(args.tokenizer)
+        self.ngram = NgramDrafter(len(self.tokenizer))
+        self.metrics = RouterMetrics()
+        self._channel: grpc.aio.Channel | None = None
+
+    def pools(self) -> tuple[GrpcDrafter, GrpcVerifier]:
+        if self._channel is None:  # grpc.aio objects belong to the running event loop
+            self._channel = grpc.aio.insecure_channel(self.args.grpc_address)
+            timeout = self.args.call_timeout_s
+            self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout)
+            self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout)
+        return self._drafter, self._verifier
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        model = {"id": self.args.served_model_name, "object": "model", "created": 0,
+                 "owned_by": "specserve"}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.serve_request(request, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.serve_request(request, ChatCompletionRequest, chat=True)
+
+    async def serve_request(self, request: Request, schema, chat: bool):
+        try:
+            body = await parse(request, schema)
+            prompt_ids = self.prompt_ids(body, chat)
+            params = [body.sampling(self.args.default_max_tokens, seed)
+                      for seed in derive_seeds(body.seed, body.n)]
+        except BadRequest as error:
+            return error_response(error)
+        except ValueError as error:
+            return error_response(BadRequest(str(error)))
+        if body.model not in (None, self.args.served_model_name):
+            return error_response(BadRequest(f"model {body.model!r} does not exist; this "
+                                             f"server serves {self.args.served_model_name!r}",
+                                             404, "model"))
+        k = self.args.num_speculative_tokens if body.num_speculative_tokens is None \
+            else body.num_speculative_tokens
+        # Serve's proxy gives every HTTP request an x-request-id (a client may set its own)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-" + \
+            request.headers.get("x-request-id", uuid.uuid4().hex)
+        if len(request_id) > 128 or not request_id.isprintable():
+            return error_response(BadRequest("x-request-id must be at most 128 printable "
+                                             "characters", param="x-request-id"))
+        job = Job(self, request_id, prompt_ids, params, k, body.drafter or "model", chat)
+        job.return_token_ids = body.return_token_ids
+        if body.stream:
+            return StreamingResponse(job.events(), media_type="text/event-stream")
+        try:
+            return await job.complete()
+        except PoolError as error:
+            return error_response(BadRequest(f"a model pool failed: {error}", 503))
+
+    def prompt_ids(self, body, chat: bool) -> tuple[int, ...]:
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise BadRequest("this model has no chat template: use /v1/completions",
+                                 param="messages")
+            messages = [m.model_dump() for m in body.messages]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(body.prompt, str):
+            ids = self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = body.prompt
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in ids):
+                raise BadRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:
+            raise BadRequest("the prompt is empty after tokenization", param="prompt")
+        if len(ids) >= self.args.max_context_tokens:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is "
+                             f"{self.args.max_context_tokens - 1}", param="prompt")
+        return tuple(ids)

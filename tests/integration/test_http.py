@@ -1,0 +1,136 @@
+"""The OpenAI-compatible HTTP API of the router, on a real local Ray with the demo pair."""
+
+import json
+
+import pytest
+import requests
+
+PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self",
+           "for i in range(", "from collections import"]
+
+
+def complete(cluster, prompt, **fields):
+    response = cluster.post("/v1/completions", {"prompt": prompt, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_health_and_models(cluster):
+    assert requests.get(cluster.base_url + "/health", timeout=10).json() == {"status": "ok"}
+    models = requests.get(cluster.base_url + "/v1/models", timeout=10).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "specserve-demo"
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_with_speculation_equals_target_alone(cluster, k):
+    for prompt in PROMPTS:
+        alone = complete(cluster, prompt, max_tokens=32, temperature=0, num_speculative_tokens=0)
+        spec = complete(cluster, prompt, max_tokens=32, temperature=0, num_speculative_tokens=k)
+        assert spec["choices"][0]["text"] == alone["choices"][0]["text"], (prompt, k)
+        assert alone["speculative"]["num_draft_tokens"] == 0
+        assert spec["speculative"]["num_draft_tokens"] > 0
+
+
+def test_the_ngram_drafter_is_exact_too(cluster):
+    prompt = "x = 1\nx = 1\nx = 1\n"
+    alone = complete(cluster, prompt, max_tokens=24, temperature=0, num_speculative_tokens=0)
+    spec = complete(cluster, prompt, max_tokens=24, temperature=0, drafter="ngram",
+                    num_speculative_tokens=4)
+    assert spec["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_response_shape_usage_and_speculative_stats(cluster):
+    body = complete(cluster, "def ", max_tokens=12, temperature=0)
+    assert body["object"] == "text_completion" and body["model"] == "specserve-demo"
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    assert body["usage"]["completion_tokens"] <= 12
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 12 or \
+        body["choices"][0]["finish_reason"] == "stop"
+    spec = body["speculative"]
+    assert set(spec) >= {"rounds", "num_draft_tokens", "num_accepted_tokens",
+                         "acceptance_rate", "mean_acceptance_length"}
+
+
+def stream_text(cluster, body) -> tuple[str, list[dict]]:
+    with requests.post(cluster.base_url + "/v1/completions", json={**body, "stream": True},
+                       stream=True, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return text, chunks
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "def main():\n", "max_tokens": 40, "temperature": 0},
+    {"prompt": "import ", "max_tokens": 40, "temperature": 1, "seed": 3},
+    {"prompt": "class A:\n", "max_tokens": 40, "temperature": 0, "stop": [":"]},
+])
+def test_streamed_chunks_concatenate_to_the_non_streamed_text(cluster, body):
+    whole = complete(cluster, **body)["choices"][0]["text"]
+    streamed, chunks = stream_text(cluster, body)
+    assert streamed == whole
+    assert len(chunks) > 2
+
+
+def test_seeded_requests_are_reproducible_and_n_samples_differ(cluster):
+    body = {"prompt": "def ", "max_tokens": 16, "temperature": 1, "seed": 11, "n": 3}
+    first = [c["text"] for c in complete(cluster, **body)["choices"]]
+    second = [c["text"] for c in complete(cluster, **body)["choices"]]
+    assert first == second and len(set(first)) > 1
+
+
+def test_stop_strings_are_not_returned(cluster):
+    full = complete(cluster, "def main():\n", max_tokens=30, temperature=0)["choices"][0]["text"]
+    stop = full[5:7]
+    cut = complete(cluster, "def main():\n", max_tokens=30, temperature=0, stop=stop)
+    assert cut["choices"][0]["text"] == full[: full.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
+    ({"prompt": "x", "drafter": "tree"}, 400, "drafter"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-5"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors(cluster, body, status, param):
+    response = cluster.post("/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith(param) and error["message"] and error["type"]
+
+
+def test_invalid_json_is_a_400(cluster):
+    response = requests.post(cluster.base_url + "/v1/completions", data=b"{not json",
+                             headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_chat_without_a_template_is_a_clear_400(cluster):
+    response = cluster.post("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400
+    assert "chat template" in response.json()["error"]["message"]
+
+
+def test_the_openai_client_works_plain_and_streaming(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="unused")
+    plain = client.completions.create(model="specserve-demo", prompt="def main():\n",
+                                      max_tokens=20, temperature=0)
+    stream = client.completions.create(model="specserve-demo", prompt="def main():\n",
+                                       max_tokens=20, temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert plain.choices[0].text == streamed and plain.usage.completion_tokens > 0
+    assert [m.id for m in client.models.list().data] == ["specserve-demo"]

@@ -1,0 +1,34 @@
+"""The router's counters reach Serve's Prometheus export under the names vLLM users know."""
+
+import re
+import time
+
+import requests
+
+NAMES = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+         "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+         "spec_decode_round_seconds_count"]
+
+
+def totals(text: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"ray_(spec_decode_\w+?)(?:_total)?\{.*\} ([0-9.e+]+)$", line)
+        if match:
+            found[match[1]] = found.get(match[1], 0.0) + float(match[2])
+    return found
+
+
+def test_spec_decode_counters_are_exported(cluster):
+    response = cluster.post("/v1/completions", {"prompt": "def main():\n", "max_tokens": 24,
+                                                "temperature": 0, "num_speculative_tokens": 3})
+    drafted = response.json()["speculative"]["num_draft_tokens"]
+    deadline, found = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:  # metrics are pushed every few seconds
+        found = totals(requests.get(cluster.metrics_url, timeout=10).text)
+        if all(name in found for name in NAMES):
+            break
+        time.sleep(1)
+    assert all(name in found for name in NAMES), sorted(found)
+    assert found["spec_decode_num_draft_tokens"] >= drafted > 0
+    assert found["spec_decode_num_accepted_tokens"] <= found["spec_decode_num_draft_tokens"]

@@ -1,0 +1,115 @@
+"""Operating the pools: rescale one pool, the other keeps running; moved requests stay exact."""
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from tests.integration.conftest import app_config
+
+PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self",
+           "for i in range(", "from collections import", "if x:\n", "try:\n"]
+
+
+def verifier_replica(cluster) -> str:
+    """The replica id the verifier echoes (one replica: every call reaches it)."""
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        response = pb_grpc.VerifierStub(channel).Score(
+            pb.ScoreRequest(request_id="probe", sync=pb.PrefixSync(new_token_ids=[1]),
+                            sampling=pb.SamplingParams(temperature=0, top_p=1)),
+            metadata=(("application", "verifier"), ("session_id", "probe")), timeout=30)
+    return response.replica_id
+
+
+def greedy(cluster, prompt, k, max_tokens=48):
+    response = cluster.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                "temperature": 0, "num_speculative_tokens": k})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def with_drafter_replicas(config, n):
+    config = copy.deepcopy(config)
+    app_config(config, "drafter")["deployments"][0]["num_replicas"] = n
+    return config
+
+
+def test_rescaling_the_drafter_keeps_the_verifier_and_moved_requests_exact(cluster):
+    expected = {p: greedy(cluster, p, 0, 120)["choices"][0]["text"] for p in PROMPTS}
+    before = verifier_replica(cluster)
+    base = cluster.config
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        # requests in flight while the drafter pool grows to 2 replicas: sessions that the
+        # ring now maps to the new replica lose their draft cache and are rebuilt
+        running = [pool.submit(greedy, cluster, p, 4, 120) for p in PROMPTS]
+        cluster.redeploy(with_drafter_replicas(base, 2))
+        results = [f.result() for f in running]
+        # two drafter replicas under concurrent requests
+        concurrent = list(pool.map(lambda p: greedy(cluster, p, 4, 120), PROMPTS))
+    for prompt, result, again in zip(PROMPTS, results, concurrent):
+        assert result["choices"][0]["text"] == expected[prompt]
+        assert again["choices"][0]["text"] == expected[prompt]
+    assert verifier_replica(cluster) == before  # the verifier replica was not restarted
+    cluster.redeploy(base)
+    assert verifier_replica(cluster) == before
+
+
+def test_a_pool_answers_rebuild_for_a_base_it_does_not_hold(cluster):
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        response = stub.Score(
+            pb.ScoreRequest(request_id="never-seen",
+                            sync=pb.PrefixSync(known_len=5, known_hash=1, new_token_ids=[2]),
+                            sampling=pb.SamplingParams(temperature=0, top_p=1)),
+            metadata=(("application", "verifier"), ("session_id", "never-seen")), timeout=30)
+    assert response.status == pb.REBUILD
+
+
+def test_bad_grpc_input_is_invalid_argument(cluster):
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        stub = pb_grpc.DrafterStub(channel)
+        try:
+            stub.Propose(
+                pb.ProposeRequest(request_id="bad", sync=pb.PrefixSync(new_token_ids=[10**6]),
+                                  num_speculative_tokens=2,
+                                  sampling=pb.SamplingParams(temperature=0, top_p=1)),
+                metadata=(("application", "drafter"), ("session_id", "bad")), timeout=30)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "out of range" in error.details()
+        else:
+            raise AssertionError("an out-of-vocabulary token id was accepted")
+
+
+def test_a_request_whose_caches_vanish_mid_flight_stays_exact(cluster):
+    """Release the request's caches in both pools while it runs (as a replica restart or a
+    move would): every later call finds no base, rebuilds from the full prefix, stays exact."""
+    import threading
+
+    import requests
+
+    prompt = "def main():\n"
+    expected = greedy(cluster, prompt, 0, 160)["choices"][0]["text"]
+    result = {}
+
+    def run():
+        result["body"] = requests.post(
+            cluster.base_url + "/v1/completions", timeout=120,
+            headers={"x-request-id": "vanishing"},
+            json={"prompt": prompt, "max_tokens": 160, "temperature": 0,
+                  "num_speculative_tokens": 3}).json()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        stubs = {"drafter": pb_grpc.DrafterStub(channel), "verifier": pb_grpc.VerifierStub(channel)}
+        while thread.is_alive():
+            for app, stub in stubs.items():
+                stub.Release(pb.ReleaseRequest(request_id="cmpl-vanishing-0"), timeout=30,
+                             metadata=(("application", app), ("session_id", "cmpl-vanishing-0")))
+            thread.join(0.05)
+    body = result["body"]
+    assert body["choices"][0]["text"] == expected
+    assert body["speculative"]["cache_misses"] > 0

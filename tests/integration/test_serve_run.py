@@ -1,0 +1,53 @@
+"""The main job: `serve run cluster/config.yaml` from the repository root, as a user runs it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from tests.integration.conftest import ROOT, load_config, on_free_ports
+
+
+@pytest.mark.slow
+def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
+    config = on_free_ports(load_config())
+    http_port = config["http_options"]["port"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve = Path(sys.executable).parent / "serve"
+    started = time.monotonic()
+    # --address local: a Ray instance of its own, never the one other tests share
+    process = subprocess.Popen([str(serve), "run", "--address", "local", str(path)], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        body = None
+        while time.monotonic() - started < 180 and process.poll() is None:
+            try:
+                response = requests.post(f"http://127.0.0.1:{http_port}/v1/completions",
+                                         json={"prompt": "def ", "max_tokens": 4,
+                                               "temperature": 0}, timeout=30)
+                if response.status_code == 200:
+                    body = response.json()
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        first_token_s = time.monotonic() - started
+        assert body is not None, "serve run never answered"
+        assert body["usage"]["completion_tokens"] == 4
+        print(f"serve run -> first completion in {first_token_s:.1f}s")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode is not None

@@ -1,0 +1,63 @@
+"""Every YAML under cluster/ loads: Serve's schema, our args models, import paths."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.pools import DrafterArgs, VerifierArgs
+from deployments.router import RouterArgs
+
+CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
+ARGS = {"drafter": DrafterArgs, "verifier": VerifierArgs, "router": RouterArgs}
+
+
+def serve_configs():
+    configs = {p.name: yaml.safe_load(p.read_text()) for p in CLUSTER.glob("*.yaml")}
+    kuberay = configs.pop("kuberay.yaml")
+    configs["kuberay.yaml:serveConfigV2"] = yaml.safe_load(kuberay["spec"]["serveConfigV2"])
+    return configs
+
+
+def test_every_yaml_is_covered():
+    assert {p.name for p in CLUSTER.glob("*.yaml")} == {"config.yaml", "gpu.yaml", "kuberay.yaml"}
+
+
+@pytest.mark.parametrize("name, config", serve_configs().items())
+def test_config_validates_and_its_apps_build(name, config):
+    schema = ServeDeploySchema.model_validate(config)
+    assert {app.name for app in schema.applications} == set(ARGS)
+    for function in config["grpc_options"]["grpc_servicer_functions"]:
+        module, attr = function.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), attr))
+    for app in schema.applications:
+        module, attr = app.import_path.split(":")
+        assert callable(getattr(importlib.import_module(module), attr))
+        ARGS[app.name].model_validate(app.args)  # unknown keys are errors
+        for deployment in app.deployments:
+            router = deployment.request_router_config
+            if app.name != "router":
+                assert router["request_router_class"].endswith("ConsistentHashRouter")
+
+
+def test_kuberay_embeds_the_gpu_config_verbatim():
+    kuberay = yaml.safe_load((CLUSTER / "kuberay.yaml").read_text())
+    assert kuberay["kind"] == "RayService"
+    assert yaml.safe_load(kuberay["spec"]["serveConfigV2"]) == \
+        yaml.safe_load((CLUSTER / "gpu.yaml").read_text())
+
+
+def test_gpu_config_puts_the_pools_on_different_gpu_classes():
+    config = yaml.safe_load((CLUSTER / "gpu.yaml").read_text())
+    options = {app["name"]: app["deployments"][0]["ray_actor_options"]
+               for app in config["applications"]}
+    assert options["drafter"]["accelerator_type"] != options["verifier"]["accelerator_type"]
+    assert options["drafter"]["num_gpus"] == options["verifier"]["num_gpus"] == 1
+
+
+def test_unknown_args_are_errors():
+    with pytest.raises(ValidationError, match="extra"):
+        DrafterArgs.model_validate({"modle": "x"})
