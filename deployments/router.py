@@ -206,6 +206,11 @@ class Router:
             prompt_ids = self.prompt_ids(body, chat)
             params = [body.sampling(self.args.default_max_tokens, seed)
                       for seed in derive_seeds(body.seed, body.n)]
+            limit = self.args.max_context_tokens
+            if len(prompt_ids) + params[0].max_tokens > limit:
+                raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
+                                 f"({params[0].max_tokens}) exceed the context limit of {limit}",
+                                 param="max_tokens")
         except BadRequest as error:
             return error_response(error)
         except ValueError as error:

@@ -95,6 +95,7 @@ def test_stop_strings_are_not_returned(cluster):
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
     ({"prompt": "x", "drafter": "tree"}, 400, "drafter"),
