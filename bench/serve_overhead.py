@@ -3,10 +3,11 @@
     python -m bench.serve_overhead [--max-tokens 64] [--k 4]
 
 One run: the demo pair in-process (1 torch thread, as each replica of cluster/config.yaml
-has), then cluster/config.yaml on a local Ray instance (router -> gRPC through Serve's proxy
--> drafter and verifier replicas), the same prompts one request at a time. Prints tokens/s and
-the mean round time split into draft / verify / router for both; the difference per round is
-what transport and Serve add.
+has), then cluster/config.yaml on a local Ray instance, first with every call through Serve's
+gRPC proxy, then with the direct data path (the proxy places a request, later calls go to the
+chosen replica's own port); the same prompts one request at a time. Prints tokens/s and the
+mean round time split into draft / verify / router; the difference per round from in-process
+is what transport and Serve add.
 """
 
 import argparse
@@ -18,7 +19,7 @@ import requests
 import torch
 
 from bench.inprocess import PROMPTS
-from deployments.local import deploy, load_config, on_free_ports, start_serve
+from deployments.local import app_config, deploy, load_config, on_free_ports, start_serve
 from drafter.model import ModelDrafter
 from specserve.cli import decode_text
 from speculative.loop import Request, SpecStats
@@ -77,10 +78,13 @@ def main() -> None:
     ray.init(include_dashboard=False, logging_level="error")
     try:
         start_serve(config)
-        deploy(config)
         url = f"http://127.0.0.1:{config['http_options']['port']}"
-        distributed(url, args.k, 8)  # warm-up: channels, first forwards
-        remote = {k: distributed(url, k, args.max_tokens) for k in (0, args.k)}
+        paths = {}
+        for name, direct in (("serve proxy", False), ("direct gRPC", True)):
+            app_config(config, "router")["args"]["direct_data_path"] = direct
+            deploy(config)
+            distributed(url, args.k, 8)  # warm-up: channels, first forwards
+            paths[name] = {k: distributed(url, k, args.max_tokens) for k in (0, args.k)}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -89,17 +93,20 @@ def main() -> None:
           "at a time; ms per round (mean)\n")
     print("| path | K | tokens/s | tokens/round | draft | verify | router | round |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, results in (("in-process", local), ("serve + gRPC", remote)):
+    for name, results in (("in-process", local), *paths.items()):
         for k, (rate, stats) in results.items():
             ms = stats["ms_per_round"]
             print(f"| {name} | {k} | {rate:.1f} | {stats['mean_acceptance_length']:.2f} | "
                   f"{ms['draft']:.2f} | {ms['verify']:.2f} | {ms['router']:.2f} | "
                   f"{ms['total']:.2f} |")
-    for k in (0, args.k):
-        extra = remote[k][1]["ms_per_round"]["total"] - local[k][1]["ms_per_round"]["total"]
-        print(f"\nK = {k}: the distributed path adds {extra:.2f} ms per round "
-              f"({extra / remote[k][1]['ms_per_round']['total']:.0%} of its round); "
-              f"tokens/s ratio distributed / in-process = {remote[k][0] / local[k][0]:.2f}")
+    print()
+    for name, remote in paths.items():
+        for k in (0, args.k):
+            round_ms = remote[k][1]["ms_per_round"]["total"]
+            extra = round_ms - local[k][1]["ms_per_round"]["total"]
+            print(f"{name}, K = {k}: +{extra:.2f} ms per round over in-process "
+                  f"({extra / round_ms:.0%} of its round); tokens/s "
+                  f"{remote[k][0] / local[k][0]:.2f}x in-process")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,23 @@
 """The drafter and verifier pools: thin Serve deployments serving specserve.proto.
 
-Serve's gRPC proxy calls the method named like the rpc with the decoded request message. A
-malformed request answers INVALID_ARGUMENT; a call whose base the replica does not hold
-answers status REBUILD (the router resends the whole prefix).
+Serve's gRPC proxy calls the method named like the rpc with the decoded request message; each
+replica also serves the same servicer methods on its own gRPC port (`direct_address` in every
+answer), which the router uses once Serve has placed a request. A malformed request answers
+INVALID_ARGUMENT; a call whose base the replica does not hold answers status REBUILD (the
+router resends the whole prefix).
 """
 
 import grpc
 import torch
 from pydantic import BaseModel, ConfigDict
 from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import wire
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
 from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from speculative.types import StaleBase
 from verifier.engine import ModelVerifier
@@ -56,6 +60,23 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+async def serve_directly(servicer, add_to_server) -> tuple[grpc.aio.Server, str]:
+    """Serve `servicer` on a free port of this node; returns (server, "host:port")."""
+    import ray
+
+    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    server = grpc.aio.server()
+    add_to_server(servicer, server)
+    port = server.add_insecure_port(f"{host}:0")
+    await server.start()
+    return server, f"{host}:{port}"
+
+
+def is_direct(grpc_context) -> bool:
+    """Whether a call came over the replica's own port (not through Serve's proxy)."""
+    return grpc_context is not None and not isinstance(grpc_context, RayServegRPCContext)
+
+
 def refuse(grpc_context, error: Exception, response):
     if grpc_context is not None:
         grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
@@ -79,25 +100,30 @@ def build_drafter_engine(args: DrafterArgs):
 
 @serve.deployment
 class DrafterPool:
-    def __init__(self, args: DrafterArgs) -> None:
+    async def __init__(self, args: DrafterArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.args = args
         self.engine = build_drafter_engine(args)
         self.replica_id = replica_id()
+        self.direct_calls = 0
+        self.server, self.address = await serve_directly(
+            self, pb_grpc.add_DrafterServicer_to_server)
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
+        self.direct_calls += is_direct(grpc_context)
         try:
             call = wire.propose_from_proto(request)
             block = await self.engine.propose(call)
         except StaleBase:
-            return pb.ProposeResponse(status=pb.REBUILD, replica_id=self.replica_id)
+            return pb.ProposeResponse(status=pb.REBUILD, replica_id=self.replica_id,
+                                      direct_address=self.address)
         except ValueError as error:
             return refuse(grpc_context, error, pb.ProposeResponse(replica_id=self.replica_id))
         response = wire.block_to_proto(block, sparse_k=self.args.draft_top_k)
-        response.replica_id = self.replica_id
+        response.replica_id, response.direct_address = self.replica_id, self.address
         return response
 
-    async def Release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         released = request.request_id in self.engine.sessions
         await self.engine.release(request.request_id)
         return pb.ReleaseResponse(released=released)
@@ -105,29 +131,37 @@ class DrafterPool:
     def where(self) -> str:
         """The Ray node this replica runs on (for operators and placement tests)."""
         return node_id()
+
+    def direct_calls_served(self) -> int:
+        return self.direct_calls
 
 
 @serve.deployment
 class VerifierPool:
-    def __init__(self, args: VerifierArgs) -> None:
+    async def __init__(self, args: VerifierArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.engine = ModelVerifier(load_causal_lm(args.model, args.dtype, args.device),
                                     max_cached_requests=args.max_cached_requests)
         self.replica_id = replica_id()
+        self.direct_calls = 0
+        self.server, self.address = await serve_directly(
+            self, pb_grpc.add_VerifierServicer_to_server)
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
+        self.direct_calls += is_direct(grpc_context)
         try:
             call = wire.score_from_proto(request)
             scores = await self.engine.score(call)
         except StaleBase:
-            return pb.ScoreResponse(status=pb.REBUILD, replica_id=self.replica_id)
+            return pb.ScoreResponse(status=pb.REBUILD, replica_id=self.replica_id,
+                                    direct_address=self.address)
         except ValueError as error:
             return refuse(grpc_context, error, pb.ScoreResponse(replica_id=self.replica_id))
         response = wire.scores_to_proto(scores)
-        response.replica_id = self.replica_id
+        response.replica_id, response.direct_address = self.replica_id, self.address
         return response
 
-    async def Release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         released = request.request_id in self.engine.sessions
         await self.engine.release(request.request_id)
         return pb.ReleaseResponse(released=released)
@@ -135,3 +169,6 @@ class VerifierPool:
     def where(self) -> str:
         """The Ray node this replica runs on (for operators and placement tests)."""
         return node_id()
+
+    def direct_calls_served(self) -> int:
+        return self.direct_calls

@@ -50,6 +50,7 @@ class RouterArgs(BaseModel):
     default_max_tokens: int = 16
     max_context_tokens: int = 2048
     call_timeout_s: float = 60.0
+    direct_data_path: bool = True  # after Serve places a request, call its replicas directly
 
 
 class BadRequest(Exception):
@@ -178,8 +179,9 @@ class Router:
         if self._channel is None:  # grpc.aio objects belong to the running event loop
             self._channel = grpc.aio.insecure_channel(self.args.grpc_address)
             timeout = self.args.call_timeout_s
-            self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout)
-            self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout)
+            direct = self.args.direct_data_path
+            self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct)
+            self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout, direct)
         return self._drafter, self._verifier
 
     @app.get("/health")

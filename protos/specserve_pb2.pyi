@@ -69,16 +69,18 @@ class ProposeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("status", "token_ids", "draft_probs", "replica_id")
+    __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: Distributions
     replica_id: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    direct_address: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "sync", "draft_token_ids", "sampling")
@@ -93,16 +95,18 @@ class ScoreRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("status", "target_token_ids", "target_probs", "replica_id")
+    __slots__ = ("status", "target_token_ids", "target_probs", "replica_id", "direct_address")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     target_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_probs: Distributions
     replica_id: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., target_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    direct_address: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., target_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -113,3 +113,14 @@ def test_a_request_whose_caches_vanish_mid_flight_stays_exact(cluster):
     body = result["body"]
     assert body["choices"][0]["text"] == expected
     assert body["speculative"]["cache_misses"] > 0
+
+
+def test_calls_after_placement_use_the_direct_path(cluster):
+    from ray import serve
+
+    verifier = serve.get_deployment_handle("VerifierPool", "verifier")
+    before = verifier.direct_calls_served.remote().result()
+    body = greedy(cluster, "def main():\n", 3, 40)
+    after = verifier.direct_calls_served.remote().result()
+    # the first call of the request went through the proxy, all later ones directly
+    assert after - before == body["speculative"]["rounds"] - 1
