@@ -1,0 +1,78 @@
+"""A compute-realistic target whose predictions are exactly the demo target's (a benchmark
+construct, not a better model).
+
+The demo target is so small that per-call overhead dominates. `scale_up` grows it function-
+preservingly: more attention heads, a wider MLP and extra decoder layers, where every new unit
+writes to the residual stream through output weights that are zero (o_proj columns of new
+heads, down_proj columns of new MLP units, o_proj and down_proj of new layers). The new input
+weights are random, so each forward does the full dense work of the large shape, while the
+residual stream, and so every logit, is the demo target's: adding exact zeros changes nothing.
+
+    python -m bench.scaled [--out models/scaled-target]   # ~80M parameters, fp32 on disk
+"""
+
+import argparse
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from speculative.models import DEMO_TARGET, load_causal_lm
+
+
+def widen(old: torch.Tensor, new: torch.Tensor, generator) -> torch.Tensor:
+    """`new`'s shape, holding `old` in its leading corner and small random values elsewhere."""
+    out = torch.randn(new.shape, generator=generator, dtype=old.dtype) * 0.02
+    out[tuple(slice(0, n) for n in old.shape)] = old
+    return out
+
+
+def zero_beyond(old: torch.Tensor, new_shape) -> torch.Tensor:
+    """`new_shape` holding `old` in its leading corner and zeros elsewhere (output weights)."""
+    out = torch.zeros(new_shape, dtype=old.dtype)
+    out[tuple(slice(0, n) for n in old.shape)] = old
+    return out
+
+
+@torch.no_grad()
+def scale_up(model, num_layers: int, num_heads: int, intermediate_size: int, seed: int = 0):
+    """A copy of a Llama model with more layers, heads and MLP units, same function."""
+    old = model.config
+    assert old.num_attention_heads == old.num_key_value_heads, "MHA models only"
+    config = copy.deepcopy(old)
+    config.num_hidden_layers, config.num_attention_heads = num_layers, num_heads
+    config.num_key_value_heads, config.intermediate_size = num_heads, intermediate_size
+    config.head_dim = getattr(old, "head_dim", old.hidden_size // old.num_attention_heads)
+    big = LlamaForCausalLM(LlamaConfig.from_dict(config.to_dict())).to(model.dtype).eval()
+    generator = torch.Generator().manual_seed(seed)
+    state, new_state = model.state_dict(), big.state_dict()
+    for name, tensor in new_state.items():
+        source = state.get(name)
+        is_output = name.endswith(("o_proj.weight", "down_proj.weight"))
+        if source is None:  # a whole new layer: only its output weights must be zero
+            new_state[name] = torch.zeros_like(tensor) if is_output else tensor
+        elif is_output:
+            new_state[name] = zero_beyond(source, tensor.shape)
+        else:
+            new_state[name] = widen(source, tensor, generator)
+    big.load_state_dict(new_state)
+    return big
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="models/scaled-target")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--intermediate-size", type=int, default=3072)
+    args = parser.parse_args()
+    big = scale_up(load_causal_lm(DEMO_TARGET), args.layers, args.heads, args.intermediate_size)
+    big.save_pretrained(args.out)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(DEMO_TARGET).save_pretrained(args.out)
+    print(f"{sum(p.numel() for p in big.parameters()) / 1e6:.1f}M parameters -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The scaled benchmark target predicts exactly what the demo target predicts."""
+
+import pytest
+import torch
+
+from bench.scaled import scale_up
+from speculative.models import DEMO_TARGET, load_causal_lm, load_tokenizer
+from tests.tiny import hf_greedy
+
+PROMPTS = ["def main():\n", "import os\n"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_target_greedy_equals_the_demo_target(dtype):
+    demo = load_causal_lm(DEMO_TARGET)
+    scaled = scale_up(demo, num_layers=28, num_heads=16, intermediate_size=3072).to(dtype)
+    demo = demo.to(dtype)
+    assert sum(p.numel() for p in scaled.parameters()) > 90e6  # compute of a ~100M model
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert hf_greedy(scaled, ids, 24) == hf_greedy(demo, ids, 24), prompt
+
+
+def test_new_units_write_nothing_to_the_residual_stream():
+    demo = load_causal_lm(DEMO_TARGET)
+    scaled = scale_up(demo, num_layers=8, num_heads=8, intermediate_size=1024)
+    old_layers = demo.config.num_hidden_layers
+    for i, layer in enumerate(scaled.model.layers):
+        if i >= old_layers:
+            assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+        else:
+            assert not layer.self_attn.o_proj.weight[:, 256:].any()
+            assert not layer.mlp.down_proj.weight[:, 768:].any()
+    ids = torch.tensor([[5, 60, 700, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(scaled(input_ids=ids).logits, demo(input_ids=ids).logits,
+                                   atol=1e-4, rtol=0)
