@@ -98,28 +98,25 @@ def build_drafter_engine(args: DrafterArgs):
                         draft_top_k=args.draft_top_k)
 
 
-@serve.deployment
-class DrafterPool:
-    async def __init__(self, args: DrafterArgs) -> None:
-        torch.set_num_threads(args.torch_threads)
-        self.args = args
-        self.engine = build_drafter_engine(args)
+class PoolReplica:
+    """What both pools share: the direct server, answering a call, release, introspection."""
+
+    engine = None  # set by the subclass before start()
+
+    async def start(self, add_to_server) -> None:
         self.replica_id = replica_id()
         self.direct_calls = 0
-        self.server, self.address = await serve_directly(
-            self, pb_grpc.add_DrafterServicer_to_server)
+        self.server, self.address = await serve_directly(self, add_to_server)
 
-    async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
+    async def answer(self, run, response_type, grpc_context):
+        """run() -> response; StaleBase -> REBUILD; ValueError -> INVALID_ARGUMENT."""
         self.direct_calls += is_direct(grpc_context)
         try:
-            call = wire.propose_from_proto(request)
-            block = await self.engine.propose(call)
+            response = await run()
         except StaleBase:
-            return pb.ProposeResponse(status=pb.REBUILD, replica_id=self.replica_id,
-                                      direct_address=self.address)
+            response = response_type(status=pb.REBUILD)
         except ValueError as error:
-            return refuse(grpc_context, error, pb.ProposeResponse(replica_id=self.replica_id))
-        response = wire.block_to_proto(block, sparse_k=self.args.draft_top_k)
+            return refuse(grpc_context, error, response_type(replica_id=self.replica_id))
         response.replica_id, response.direct_address = self.replica_id, self.address
         return response
 
@@ -137,38 +134,32 @@ class DrafterPool:
 
 
 @serve.deployment
-class VerifierPool:
+class DrafterPool(PoolReplica):
+    async def __init__(self, args: DrafterArgs) -> None:
+        torch.set_num_threads(args.torch_threads)
+        self.engine = build_drafter_engine(args)
+        self.sparse_k = args.draft_top_k
+        await self.start(pb_grpc.add_DrafterServicer_to_server)
+
+    async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
+        async def run():
+            block = await self.engine.propose(wire.propose_from_proto(request))
+            return wire.block_to_proto(block, sparse_k=self.sparse_k)
+
+        return await self.answer(run, pb.ProposeResponse, grpc_context)
+
+
+@serve.deployment
+class VerifierPool(PoolReplica):
     async def __init__(self, args: VerifierArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.engine = ModelVerifier(load_causal_lm(args.model, args.dtype, args.device),
                                     max_cached_requests=args.max_cached_requests)
-        self.replica_id = replica_id()
-        self.direct_calls = 0
-        self.server, self.address = await serve_directly(
-            self, pb_grpc.add_VerifierServicer_to_server)
+        await self.start(pb_grpc.add_VerifierServicer_to_server)
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
-        self.direct_calls += is_direct(grpc_context)
-        try:
-            call = wire.score_from_proto(request)
-            scores = await self.engine.score(call)
-        except StaleBase:
-            return pb.ScoreResponse(status=pb.REBUILD, replica_id=self.replica_id,
-                                    direct_address=self.address)
-        except ValueError as error:
-            return refuse(grpc_context, error, pb.ScoreResponse(replica_id=self.replica_id))
-        response = wire.scores_to_proto(scores)
-        response.replica_id, response.direct_address = self.replica_id, self.address
-        return response
+        async def run():
+            scores = await self.engine.score(wire.score_from_proto(request))
+            return wire.scores_to_proto(scores)
 
-    async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
-        released = request.request_id in self.engine.sessions
-        await self.engine.release(request.request_id)
-        return pb.ReleaseResponse(released=released)
-
-    def where(self) -> str:
-        """The Ray node this replica runs on (for operators and placement tests)."""
-        return node_id()
-
-    def direct_calls_served(self) -> int:
-        return self.direct_calls
+        return await self.answer(run, pb.ScoreResponse, grpc_context)
