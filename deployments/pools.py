@@ -38,7 +38,7 @@ class PoolArgs(BaseModel):
 class DrafterArgs(PoolArgs):
     model: str = DEMO_DRAFT
     drafter: str = "model"  # "model" or "ngram" (then `model` only names the vocabulary)
-    draft_top_k: int = 0  # > 0: ship sparse draft distributions of this many entries
+    draft_top_k: int = 0  # > 0: truncate q to its top entries (sparse, smaller messages)
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -138,13 +138,12 @@ class DrafterPool(PoolReplica):
     async def __init__(self, args: DrafterArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.engine = build_drafter_engine(args)
-        self.sparse_k = args.draft_top_k
         await self.start(pb_grpc.add_DrafterServicer_to_server)
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
         async def run():
             block = await self.engine.propose(wire.propose_from_proto(request))
-            return wire.block_to_proto(block, sparse_k=self.sparse_k)
+            return wire.block_to_proto(block)
 
         return await self.answer(run, pb.ProposeResponse, grpc_context)
 

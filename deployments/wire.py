@@ -46,18 +46,14 @@ def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
-def dists_to_proto(probs: torch.Tensor, sparse_k: int = 0) -> pb.Distributions:
-    """[P, V] probabilities -> Distributions, sparse (top sparse_k per row) when sparse_k > 0.
-
-    Only rows whose mass lies entirely in their top sparse_k may be sent sparse (e.g. a draft
-    q already truncated to its top-k); other rows would lose mass, which is caught here.
-    """
+def dists_to_proto(probs: torch.Tensor) -> pb.Distributions:
+    """[P, V] probabilities -> Distributions: sparse (ids, probs) when every row has few
+    non-zero entries (a draft q truncated to its top-k, a one-hot n-gram draft), else dense."""
     vocab_size = probs.shape[-1]
-    if sparse_k <= 0 or sparse_k >= vocab_size:
+    nonzero = int((probs > 0).sum(-1).max()) if probs.numel() else 0
+    if 2 * nonzero >= vocab_size:  # sparse costs 8 bytes an entry, dense 4
         return pb.Distributions(probs=tensor_to_proto(probs.float()), vocab_size=vocab_size)
-    values, ids = torch.topk(probs, sparse_k, dim=-1)
-    if not torch.all((probs > 0).sum(-1) <= sparse_k):
-        raise ValueError(f"a row has more than {sparse_k} non-zero entries: cannot send sparse")
+    values, ids = torch.topk(probs, nonzero, dim=-1)
     return pb.Distributions(
         ids=tensor_to_proto(ids.to(torch.int32)),
         probs=tensor_to_proto(values.float()),
@@ -119,10 +115,10 @@ def propose_from_proto(message: pb.ProposeRequest) -> ProposeCall:
     )
 
 
-def block_to_proto(block: DraftBlock, sparse_k: int = 0) -> pb.ProposeResponse:
+def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
     response = pb.ProposeResponse(token_ids=block.token_ids)
     if block.draft_probs is not None:
-        response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs, sparse_k))
+        response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs))
     return response
 
 
@@ -132,30 +128,46 @@ def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
 
 
 def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
-    return pb.ScoreRequest(
+    message = pb.ScoreRequest(
         request_id=call.request_id,
         sync=sync_to_proto(call.sync),
         draft_token_ids=call.draft_token_ids,
         sampling=sampling_to_proto(call.sampling),
+        seed=call.seed,
     )
+    if call.draft_probs is not None:
+        message.draft_probs.CopyFrom(dists_to_proto(call.draft_probs))
+    return message
 
 
 def score_from_proto(message: pb.ScoreRequest) -> ScoreCall:
+    has_probs = message.HasField("draft_probs")
     return ScoreCall(
         request_id=message.request_id,
         sync=sync_from_proto(message.sync),
         draft_token_ids=tuple(message.draft_token_ids),
         sampling=sampling_from_proto(message.sampling),
+        draft_probs=dists_from_proto(message.draft_probs) if has_probs else None,
+        seed=message.seed,
     )
 
 
 def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
-    response = pb.ScoreResponse(target_token_ids=scores.target_token_ids)
-    if scores.target_probs is not None:
-        response.target_probs.CopyFrom(dists_to_proto(scores.target_probs))
+    response = pb.ScoreResponse(
+        target_token_ids=scores.target_token_ids,
+        draft_target_probs=scores.draft_target_probs,
+        recovered_token_ids=scores.recovered_token_ids,
+    )
+    if scores.bonus_token_id is not None:
+        response.bonus_token_id = scores.bonus_token_id
     return response
 
 
 def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
-    probs = dists_from_proto(message.target_probs) if message.HasField("target_probs") else None
-    return TargetScores(tuple(message.target_token_ids), probs)
+    sampled = not message.target_token_ids
+    return TargetScores(
+        target_token_ids=tuple(message.target_token_ids),
+        draft_target_probs=tuple(message.draft_target_probs),
+        recovered_token_ids=tuple(message.recovered_token_ids),
+        bonus_token_id=message.bonus_token_id if sampled else None,
+    )

@@ -83,30 +83,38 @@ class ProposeResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling")
+    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sync: PrefixSync
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    draft_probs: Distributions
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("status", "target_token_ids", "target_probs", "replica_id", "direct_address")
+    __slots__ = ("status", "target_token_ids", "replica_id", "direct_address", "draft_target_probs", "recovered_token_ids", "bonus_token_id")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     status: Status
     target_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    target_probs: Distributions
     replica_id: str
     direct_address: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., target_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ...) -> None: ...
+    draft_target_probs: _containers.RepeatedScalarFieldContainer[float]
+    recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bonus_token_id: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., target_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

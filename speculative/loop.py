@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from speculative.policy import KPolicy
-from speculative.rejection import RoundOutcome, accept_greedy, rejection_sample
-from speculative.sampling import SamplingParams, sample
+from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
+from speculative.sampling import SamplingParams
 from speculative.types import (
     EMPTY_PREFIX_HASH,
     DraftBlock,
@@ -178,9 +178,11 @@ class RequestState:
 def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> RoundOutcome:
     if greedy:
         return accept_greedy(block.token_ids, scores.target_token_ids)
-    if not block.token_ids:
-        return RoundOutcome((sample(scores.target_probs[0], generator),), 0)
-    return rejection_sample(block.token_ids, block.draft_probs, scores.target_probs, generator)
+    drafted = block.token_ids
+    draft_at_draft = block.draft_probs[torch.arange(len(drafted)), list(drafted)] if drafted \
+        else ()
+    return accept_drawn(drafted, draft_at_draft, scores.draft_target_probs,
+                        scores.recovered_token_ids, scores.bonus_token_id, generator)
 
 
 async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
@@ -198,10 +200,12 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
             ),
         )
     drafted = time.perf_counter()
+    verify_seed = int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
     scores = await state.synced(
         state.verifier_view,
         lambda sync: verifier.score(
-            ScoreCall(request.request_id, sync, block.token_ids, request.sampling)
+            ScoreCall(request.request_id, sync, block.token_ids, request.sampling,
+                      block.draft_probs, verify_seed)
         ),
     )
     verified = time.perf_counter()

@@ -74,3 +74,29 @@ def rejection_sample(
         return RoundOutcome(tuple(output) + (recovered,), i)
     bonus = sample(target_probs[num_drafted], generator)
     return RoundOutcome(tuple(output) + (bonus,), num_drafted)
+
+
+def accept_drawn(
+    draft_token_ids,
+    draft_probs_at_draft,
+    target_probs_at_draft,
+    recovered_token_ids,
+    bonus_token_id: int,
+    generator: torch.Generator,
+) -> RoundOutcome:
+    """The same test as rejection_sample, given what the verifier drew in advance.
+
+    q_i(x_i) and p_i(x_i) decide acceptance with the router's coins; at the first rejection j
+    the output takes recovered_token_ids[j], a draw from norm(max(0, p_j - q_j)) made
+    independently of the coins; if all K pass, bonus_token_id, a draw from p(K+1). Since the
+    draws are independent of the coins, the output has the law of Algorithm 1.
+    """
+    output: list[int] = []
+    for i, token in enumerate(draft_token_ids):
+        draft_p, target_p = float(draft_probs_at_draft[i]), float(target_probs_at_draft[i])
+        coin = float(torch.rand((), generator=generator))
+        if draft_p > 0 and coin * draft_p < target_p:
+            output.append(token)
+            continue
+        return RoundOutcome(tuple(output) + (recovered_token_ids[i],), i)
+    return RoundOutcome(tuple(output) + (bonus_token_id,), len(draft_token_ids))

@@ -67,18 +67,24 @@ class ScoreCall:
     sync: PrefixSync
     draft_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    draft_probs: torch.Tensor | None = None  # sampling: q1..qK [K, V], for the residuals
+    seed: int = 0  # seeds the residual and bonus draws, so a retried call draws the same
 
 
 @dataclass(frozen=True)
 class TargetScores:
     """The target's verdict on x1..xK plus the position after them (K + 1 positions).
 
-    Greedy: target_token_ids holds argmax p1..p(K+1) and target_probs is None.
-    Sampling: target_probs is [K + 1, V] and target_token_ids is empty.
+    Greedy: target_token_ids holds argmax p1..p(K+1).
+    Sampling: what accept/reject needs instead of p itself: p_i(x_i) for each drafted token,
+    one token drawn from each position's residual norm(max(0, p_i - q_i)), and one bonus token
+    drawn from p(K+1), all drawn independently of the router's acceptance coins.
     """
 
-    target_token_ids: tuple[int, ...]
-    target_probs: torch.Tensor | None
+    target_token_ids: tuple[int, ...] = ()
+    draft_target_probs: tuple[float, ...] = ()
+    recovered_token_ids: tuple[int, ...] = ()
+    bonus_token_id: int | None = None
 
 
 MAX_SPECULATIVE_TOKENS = 64

@@ -1,7 +1,10 @@
 """The target engine: score K drafted tokens plus the position after them in ONE forward."""
 
+import torch
+
 from speculative.kv import SessionStore
-from speculative.sampling import logits_to_probs
+from speculative.rejection import residual
+from speculative.sampling import logits_to_probs, sample
 from speculative.types import ScoreCall, TargetScores, check_call
 
 
@@ -24,11 +27,34 @@ class ModelVerifier:
         self.sessions.release(request_id)
 
     def score_now(self, call: ScoreCall) -> TargetScores:
-        check_call(call.sync.new_token_ids + call.draft_token_ids, self.model.config.vocab_size,
+        vocab_size = self.model.config.vocab_size
+        check_call(call.sync.new_token_ids + call.draft_token_ids, vocab_size,
                    len(call.draft_token_ids))
-        sequence = self.sessions.sync(call.request_id, call.sync)
         drafted = list(call.draft_token_ids)
+        if not call.sampling.greedy and drafted:
+            shape = None if call.draft_probs is None else tuple(call.draft_probs.shape)
+            if shape != (len(drafted), vocab_size):
+                raise ValueError(f"sampling needs draft_probs of shape {(len(drafted), vocab_size)}"
+                                 f", got {shape}")
+        sequence = self.sessions.sync(call.request_id, call.sync)
         logits = sequence.feed(self.model, drafted, num_logits=len(drafted) + 1)  # [K+1, V]
         if call.sampling.greedy:
-            return TargetScores(tuple(logits.argmax(-1).tolist()), None)
-        return TargetScores((), logits_to_probs(logits, call.sampling))
+            return TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
+        return draw_for_router(logits_to_probs(logits, call.sampling), drafted,
+                               call.draft_probs, call.seed)
+
+
+def draw_for_router(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:
+    """p_i(x_i), a residual draw per position and a bonus draw: all the router needs.
+
+    target_probs: [K + 1, V]; draft_probs: [K, V]. Every residual is drawn, used or not, so
+    the draws do not depend on where the router's coins reject.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.arange(len(drafted))
+    at_draft = target_probs[positions, torch.tensor(drafted, dtype=torch.long)].tolist()
+    recovered = [sample(residual(target_probs[i], draft_probs[i]), generator)
+                 for i in range(len(drafted))]
+    bonus = sample(target_probs[len(drafted)], generator)
+    return TargetScores(draft_target_probs=tuple(at_draft), recovered_token_ids=tuple(recovered),
+                        bonus_token_id=bonus)

@@ -14,6 +14,7 @@ import torch
 import speculative.rejection as rejection
 from speculative.sampling import SamplingParams, logits_to_probs, sample
 from tests.stats.chisq import chi_square
+from verifier.engine import draw_for_router
 
 VOCAB = 6
 SAMPLES = 30_000
@@ -35,8 +36,10 @@ class MarkovPair:
     def draft_row(self, previous):
         return self.draft_start if previous is None else self.draft_next[previous]
 
-    def first_two(self, k: int, generator) -> tuple[int, int]:
-        """Speculative rounds with K = k until two tokens are committed."""
+    def first_two(self, k: int, generator, drawn: bool = False) -> tuple[int, int]:
+        """Speculative rounds with K = k until two tokens are committed. drawn: the verifier
+        draws every residual and the bonus in advance (its own seed) and the router only
+        tosses the coins, as the distributed path does."""
         output: list[int] = []
         while len(output) < 2:
             last = output[-1] if output else None
@@ -45,9 +48,16 @@ class MarkovPair:
                 draft_rows.append(self.draft_row(drafted[-1] if drafted else last))
                 drafted.append(sample(draft_rows[-1], generator))
                 target_rows.append(self.target_row(drafted[-1]))
-            out = rejection.rejection_sample(
-                drafted, torch.stack(draft_rows), torch.stack(target_rows), generator
-            )
+            draft, target = torch.stack(draft_rows), torch.stack(target_rows)
+            if drawn:
+                seed = int(torch.randint(0, 2**62, (), generator=generator))
+                scores = draw_for_router(target, drafted, draft, seed)
+                at_draft = draft[torch.arange(k), drafted]
+                out = rejection.accept_drawn(drafted, at_draft, scores.draft_target_probs,
+                                             scores.recovered_token_ids, scores.bonus_token_id,
+                                             generator)
+            else:
+                out = rejection.rejection_sample(drafted, draft, target, generator)
             output.extend(out.output_token_ids)
         return output[0], output[1]
 
@@ -55,11 +65,11 @@ class MarkovPair:
         return (self.target_start[:, None] * self.target_next).numpy()
 
 
-def checks(pair: MarkovPair, k: int, seed: int):
+def checks(pair: MarkovPair, k: int, seed: int, drawn: bool = False):
     generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((VOCAB, VOCAB))
     for _ in range(SAMPLES):
-        counts[pair.first_two(k, generator)] += 1
+        counts[pair.first_two(k, generator, drawn)] += 1
     exact = pair.exact_pairs()
     first = chi_square(counts.sum(1), exact.sum(1), FALSE_FAILURE)
     joint = chi_square(counts, exact, FALSE_FAILURE)
@@ -77,10 +87,12 @@ PARAMS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-@pytest.mark.parametrize("k", [1, 3])
-def test_first_token_and_first_two_tokens_match_the_target(params, k):
+@pytest.mark.parametrize("k, drawn", [(1, False), (3, False), (3, True)],
+                         ids=["K1", "K3", "K3-drawn-by-verifier"])
+def test_first_token_and_first_two_tokens_match_the_target(params, k, drawn):
     pair = MarkovPair(params, seed=11)
-    for name, (statistic, threshold, df) in zip(("first token", "first two"), checks(pair, k, 5)):
+    results = checks(pair, k, 5, drawn)
+    for name, (statistic, threshold, df) in zip(("first token", "first two"), results):
         assert statistic < threshold, (
             f"{name}: chi2 = {statistic:.1f} > {threshold:.1f} (df {df}); a correct sampler "
             f"fails this with probability {FALSE_FAILURE}"
@@ -92,12 +104,16 @@ def recover_from_target(target_probs, draft_probs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutant", ["no residual", "accept all"])
+@pytest.mark.parametrize("mutant", ["no residual", "accept all", "verifier draws from p"])
 def test_the_checks_catch_a_broken_sampler(monkeypatch, mutant):
     if mutant == "no residual":
         monkeypatch.setattr(rejection, "residual", recover_from_target)
-    else:
+    elif mutant == "accept all":
         monkeypatch.setattr(rejection.torch, "rand", lambda *a, **kw: torch.tensor(0.0))
+    else:
+        import verifier.engine
+
+        monkeypatch.setattr(verifier.engine, "residual", recover_from_target)
     pair = MarkovPair(SamplingParams(temperature=1.0), seed=11)
-    results = checks(pair, 3, 5)
+    results = checks(pair, 3, 5, drawn=mutant == "verifier draws from p")
     assert any(statistic > threshold for statistic, threshold, _ in results), results

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.rejection import accept_greedy, rejection_sample, residual
+from speculative.rejection import accept_drawn, accept_greedy, rejection_sample, residual
 
 
 def gen(seed=0):
@@ -64,6 +64,15 @@ def test_greedy_accepts_the_matching_prefix_then_the_target_token():
     out = accept_greedy([5, 9, 7], [5, 6, 7, 8])
     assert out.output_token_ids == (5, 6) and out.num_accepted == 1
     assert accept_greedy([], [4]).output_token_ids == (4,)
+
+
+def test_accept_drawn_takes_the_draw_of_the_first_rejected_position():
+    # p(x) >= q(x) at position 0: always accepted; p(x) = 0 at position 1: always rejected
+    out = accept_drawn([4, 5, 6], [0.5, 0.5, 0.5], [0.9, 0.0, 0.9], [1, 2, 3], 9, gen())
+    assert out.output_token_ids == (4, 2) and out.num_accepted == 1
+    out = accept_drawn([4, 5], [0.5, 0.5], [0.7, 0.6], [1, 2], 9, gen())
+    assert out.output_token_ids == (4, 5, 9) and out.num_accepted == 2
+    assert accept_drawn([], [], [], [], 3, gen()).output_token_ids == (3,)
 
 
 @st.composite

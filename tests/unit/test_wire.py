@@ -23,13 +23,17 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
         wire.tensor_from_proto(pb.Tensor(data=b"", dtype="complex64", shape=[0]))
 
 
-def test_sparse_distributions_round_trip_and_refuse_to_drop_mass():
+def test_truncated_distributions_travel_sparse_and_full_ones_dense():
     probs = truncate_top_k(torch.softmax(torch.randn(4, 100), -1), 8)
-    message = wire.dists_to_proto(probs, sparse_k=8)
+    message = wire.dists_to_proto(probs)
     assert message.HasField("ids") and list(message.probs.shape) == [4, 8]
     torch.testing.assert_close(wire.dists_from_proto(message), probs)
-    with pytest.raises(ValueError, match="non-zero"):
-        wire.dists_to_proto(torch.softmax(torch.randn(2, 100), -1), sparse_k=8)
+    one_hot = torch.nn.functional.one_hot(torch.tensor([3, 7]), 128_000).float()
+    message = wire.dists_to_proto(one_hot)
+    assert message.ByteSize() < 100 and torch.equal(wire.dists_from_proto(message), one_hot)
+    full = torch.softmax(torch.randn(2, 100), -1)
+    message = wire.dists_to_proto(full)
+    assert not message.HasField("ids") and torch.equal(wire.dists_from_proto(message), full)
 
 
 def test_calls_and_results_round_trip():
@@ -40,12 +44,18 @@ def test_calls_and_results_round_trip():
     assert wire.propose_from_proto(message) == propose
     score = ScoreCall("r1", sync, (1, 2, 3), sampling)
     assert wire.score_from_proto(wire.score_to_proto(score)) == score
+    q = truncate_top_k(torch.softmax(torch.randn(3, 50), -1), 4)
+    back = wire.score_from_proto(wire.score_to_proto(ScoreCall("r", sync, (1, 2, 3), sampling, q, 9)))
+    assert back.seed == 9 and torch.equal(back.draft_probs, q)
 
     block = DraftBlock((1, 2), torch.softmax(torch.randn(2, 10), -1))
     back = wire.block_from_proto(wire.block_to_proto(block))
     assert back.token_ids == block.token_ids and torch.equal(back.draft_probs, block.draft_probs)
-    greedy = wire.scores_from_proto(wire.scores_to_proto(TargetScores((3, 4, 5), None)))
-    assert greedy == TargetScores((3, 4, 5), None)
+    greedy = TargetScores(target_token_ids=(3, 4, 5))
+    assert wire.scores_from_proto(wire.scores_to_proto(greedy)) == greedy
+    drawn = TargetScores(draft_target_probs=(0.5, 0.25), recovered_token_ids=(7, 0),
+                         bonus_token_id=0)
+    assert wire.scores_from_proto(wire.scores_to_proto(drawn)) == drawn
 
 
 def test_invalid_sampling_on_the_wire_is_a_value_error():
