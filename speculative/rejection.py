@@ -58,7 +58,8 @@ def rejection_sample(
 ) -> RoundOutcome:
     """Accept x_i iff u_i < min(1, p_i(x_i) / q_i(x_i)); residual at the first rejection.
 
-    draft_token_ids: [K]; draft_probs: [K, V]; target_probs: [K + 1, V].
+    draft_token_ids: [K]; draft_probs: [K, V]; target_probs: [K + 1, V]. The reference form,
+    with p in hand; the loop uses accept_drawn, which the statistical tests hold to this law.
     """
     num_drafted = len(draft_token_ids)
     assert draft_probs.shape[0] == num_drafted and target_probs.shape[0] == num_drafted + 1
