@@ -8,6 +8,8 @@ pinned replica is gone the call falls back to the proxy, whose replica rebuilds 
 the committed prefix if it lacks it (the version stamp makes that exact).
 """
 
+from dataclasses import replace
+
 import grpc
 
 from deployments import wire
@@ -77,10 +79,12 @@ class GrpcDrafter:
         self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
-        response = await self.pool.call("Propose", wire.propose_to_proto(call), call.request_id)
+        message = wire.propose_to_proto(call)
+        response = await self.pool.call("Propose", message, call.request_id)
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
-        return wire.block_from_proto(response)
+        return replace(wire.block_from_proto(response),
+                       wire_bytes=message.ByteSize() + response.ByteSize())
 
     async def release(self, request_id: str) -> None:
         await self.pool.release(request_id)
@@ -92,10 +96,12 @@ class GrpcVerifier:
         self.pool = PoolClient(channel, pb_grpc.VerifierStub, application, timeout_s, direct)
 
     async def score(self, call: ScoreCall) -> TargetScores:
-        response = await self.pool.call("Score", wire.score_to_proto(call), call.request_id)
+        message = wire.score_to_proto(call)
+        response = await self.pool.call("Score", message, call.request_id)
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
-        return wire.scores_from_proto(response)
+        return replace(wire.scores_from_proto(response),
+                       wire_bytes=message.ByteSize() + response.ByteSize())
 
     async def release(self, request_id: str) -> None:
         await self.pool.release(request_id)

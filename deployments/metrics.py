@@ -22,7 +22,7 @@ class RouterMetrics:
                                     description="Pool calls that had to rebuild a KV cache.")
         self.round_seconds = Histogram(
             "spec_decode_round_seconds", description="Mean time per round of a request, by phase "
-            "(draft, verify, router = the rest of the round).",
+            "(draft and verify compute, transport, router).",
             boundaries=ROUND_BOUNDARIES_S, tag_keys=("phase",))
 
     def record(self, state: RequestState) -> None:
@@ -37,7 +37,5 @@ class RouterMetrics:
             if count:
                 self.accepted_per_pos.inc(count, tags={"position": str(position)})
         if stats.rounds:
-            router = stats.round_seconds - stats.draft_seconds - stats.verify_seconds
-            for phase, seconds in (("draft", stats.draft_seconds),
-                                   ("verify", stats.verify_seconds), ("router", router)):
+            for phase, seconds in stats.phase_seconds().items():
                 self.round_seconds.observe(seconds / stats.rounds, tags={"phase": phase})

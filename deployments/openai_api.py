@@ -26,6 +26,7 @@ class SpecExtensions(BaseModel):
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=32)  # extension
     drafter: Literal["model", "ngram"] | None = None  # extension
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
+    ignore_eos: bool = False  # extension (as vLLM): decode past EOS up to max_tokens
 
     @field_validator("stop")
     @classmethod

@@ -87,13 +87,14 @@ class Job:
     """One HTTP request: n choices decoded concurrently, each its own speculative request."""
 
     def __init__(self, router: "Router", request_id: str, prompt_ids, params, k: int,
-                 drafter_kind: str, chat: bool, return_token_ids: bool) -> None:
+                 drafter_kind: str, chat: bool, return_token_ids: bool,
+                 ignore_eos: bool = False) -> None:
         self.router, self.request_id, self.prompt_ids = router, request_id, prompt_ids
         self.params, self.k, self.drafter_kind, self.chat = params, k, drafter_kind, chat
         self.return_token_ids = return_token_ids
         self.model = router.args.served_model_name
         stop_id = router.tokenizer.eos_token_id
-        self.stop_ids = (stop_id,) if stop_id is not None else ()
+        self.stop_ids = (stop_id,) if stop_id is not None and not ignore_eos else ()
 
     def decode_text(self, ids) -> str:
         return self.router.tokenizer.decode(ids, skip_special_tokens=True)
@@ -230,7 +231,7 @@ class Router:
             return error_response(BadRequest("x-request-id must be at most 128 printable "
                                              "characters", param="x-request-id"))
         job = Job(self, request_id, prompt_ids, params, k, body.drafter or "model", chat,
-                  body.return_token_ids)
+                  body.return_token_ids, body.ignore_eos)
         if body.stream:
             return StreamingResponse(job.events(), media_type="text/event-stream")
         try:

@@ -116,7 +116,8 @@ def propose_from_proto(message: pb.ProposeRequest) -> ProposeCall:
 
 
 def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
-    response = pb.ProposeResponse(token_ids=block.token_ids)
+    response = pb.ProposeResponse(token_ids=block.token_ids,
+                                  compute_us=round(block.compute_seconds * 1e6))
     if block.draft_probs is not None:
         response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs))
     return response
@@ -124,7 +125,7 @@ def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
 
 def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
     probs = dists_from_proto(message.draft_probs) if message.HasField("draft_probs") else None
-    return DraftBlock(tuple(message.token_ids), probs)
+    return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6)
 
 
 def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
@@ -157,6 +158,7 @@ def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
         target_token_ids=scores.target_token_ids,
         draft_target_probs=scores.draft_target_probs,
         recovered_token_ids=scores.recovered_token_ids,
+        compute_us=round(scores.compute_seconds * 1e6),
     )
     if scores.bonus_token_id is not None:
         response.bonus_token_id = scores.bonus_token_id
@@ -170,4 +172,5 @@ def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
         draft_target_probs=tuple(message.draft_target_probs),
         recovered_token_ids=tuple(message.recovered_token_ids),
         bonus_token_id=message.bonus_token_id if sampled else None,
+        compute_seconds=message.compute_us / 1e6,
     )

@@ -4,7 +4,7 @@ import torch
 
 from speculative.kv import SessionStore
 from speculative.sampling import logits_to_probs, sample, truncate_top_k
-from speculative.types import DraftBlock, ProposeCall, check_call
+from speculative.types import DraftBlock, ProposeCall, check_call, timed
 
 
 class ModelDrafter:
@@ -20,7 +20,7 @@ class ModelDrafter:
         self.sessions = SessionStore(max_cached_requests)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
-        return self.propose_now(call)
+        return timed(self.propose_now, call)
 
     async def release(self, request_id: str) -> None:
         self.sessions.release(request_id)

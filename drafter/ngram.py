@@ -8,7 +8,7 @@ which keeps the output exactly the target's.
 import torch
 
 from speculative.kv import SessionStore
-from speculative.types import DraftBlock, ProposeCall, check_call
+from speculative.types import DraftBlock, ProposeCall, check_call, timed
 
 
 def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -38,7 +38,7 @@ class NgramDrafter:
         self.sessions = SessionStore(max_cached_requests)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
-        return self.propose_now(call)
+        return timed(self.propose_now, call)
 
     async def release(self, request_id: str) -> None:
         self.sessions.release(request_id)

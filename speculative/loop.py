@@ -6,6 +6,7 @@ router runs the same loop over gRPC clients.
 """
 
 import secrets
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,11 @@ class SpecStats:
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
     verify_seconds: float = 0.0  # waiting for the verifier
     round_seconds: float = 0.0  # whole rounds: the rest is the router's own time
+    draft_compute_seconds: float = 0.0  # the drafter's own time, as it reports it
+    verify_compute_seconds: float = 0.0  # the verifier's own time, as it reports it
+    # per round: the round's time less the pools' own (transport plus the router's work)
+    overhead_seconds: list[float] = field(default_factory=list)
+    wire_bytes: int = 0  # serialised messages of the rounds' pool calls (0 in-process)
 
     def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
         self.rounds += 1
@@ -65,9 +71,15 @@ class SpecStats:
             self.accepted_per_position[position] += 1
 
     def add(self, other: "SpecStats") -> None:
-        """Accumulate another request's counters (per-position counts are not merged)."""
+        """Accumulate another request's counters."""
+        missing = len(other.accepted_per_position) - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, missing))
+        for position, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[position] += count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds"):
+                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
+                     "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
+                     "wire_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -88,21 +100,38 @@ class SpecStats:
             "rounds": self.rounds,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_drafts": self.num_drafts,
+            "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "cache_misses": self.cache_misses,
             "ms_per_round": self.ms_per_round(),
+            "overhead_ms_p50": self.overhead_ms_p50,
+            "wire_bytes_per_round": self.wire_bytes / self.rounds if self.wire_bytes else None,
         }
 
-    def ms_per_round(self) -> dict | None:
-        """Mean round time split into waiting for the drafter, for the verifier, and the
+    def phase_seconds(self) -> dict[str, float]:
+        """Total time by phase: the drafter's and the verifier's own compute, the transport
+        (waiting for a pool beyond its compute: network, serialisation, queues) and the
         router's own work (rejection sampling, bookkeeping, streaming)."""
+        waits = self.draft_seconds + self.verify_seconds
+        return {"draft": self.draft_compute_seconds, "verify": self.verify_compute_seconds,
+                "transport": waits - self.draft_compute_seconds - self.verify_compute_seconds,
+                "router": self.round_seconds - waits}
+
+    def ms_per_round(self) -> dict | None:
+        """Mean milliseconds per round by phase (see phase_seconds), and in total."""
         if not self.rounds:
             return None
-        router = self.round_seconds - self.draft_seconds - self.verify_seconds
-        return {name: round(1000 * seconds / self.rounds, 3) for name, seconds in
-                (("draft", self.draft_seconds), ("verify", self.verify_seconds),
-                 ("router", router), ("total", self.round_seconds))}
+        phases = {**self.phase_seconds(), "total": self.round_seconds}
+        return {name: round(1000 * seconds / self.rounds, 3) for name, seconds in phases.items()}
+
+    @property
+    def overhead_ms_p50(self) -> float | None:
+        """Median over rounds of what a round costs beyond the pools' compute."""
+        if not self.overhead_seconds:
+            return None
+        return round(1000 * statistics.median(self.overhead_seconds), 3)
 
 
 class PoolView:
@@ -216,7 +245,12 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     stats.record(len(block.token_ids), outcome)
     stats.draft_seconds += drafted - started
     stats.verify_seconds += verified - drafted
-    stats.round_seconds += time.perf_counter() - started
+    stats.draft_compute_seconds += block.compute_seconds
+    stats.wire_bytes += block.wire_bytes + scores.wire_bytes
+    stats.verify_compute_seconds += scores.compute_seconds
+    round_seconds = time.perf_counter() - started
+    stats.round_seconds += round_seconds
+    stats.overhead_seconds.append(round_seconds - block.compute_seconds - scores.compute_seconds)
     return committed
 
 

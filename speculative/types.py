@@ -5,7 +5,8 @@ the gRPC clients of the deployments are interchangeable behind the same loop.
 """
 
 import hashlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -59,6 +60,8 @@ class DraftBlock:
 
     token_ids: tuple[int, ...]
     draft_probs: torch.Tensor | None
+    compute_seconds: float = 0.0  # the drafter's own time on the call, transport excluded
+    wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,15 @@ class TargetScores:
     draft_target_probs: tuple[float, ...] = ()
     recovered_token_ids: tuple[int, ...] = ()
     bonus_token_id: int | None = None
+    compute_seconds: float = 0.0  # the verifier's own time on the call, transport excluded
+    wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
+
+
+def timed(work, call):
+    """work(call), a DraftBlock or TargetScores, stamped with the seconds it took."""
+    started = time.perf_counter()
+    result = work(call)
+    return replace(result, compute_seconds=time.perf_counter() - started)
 
 
 MAX_SPECULATIVE_TOKENS = 64

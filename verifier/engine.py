@@ -5,7 +5,7 @@ import torch
 from speculative.kv import SessionStore
 from speculative.rejection import residual
 from speculative.sampling import logits_to_probs, sample
-from speculative.types import ScoreCall, TargetScores, check_call
+from speculative.types import ScoreCall, TargetScores, check_call, timed
 
 
 class ModelVerifier:
@@ -21,7 +21,7 @@ class ModelVerifier:
         self.sessions = SessionStore(max_cached_requests)
 
     async def score(self, call: ScoreCall) -> TargetScores:
-        return self.score_now(call)
+        return timed(self.score_now, call)
 
     async def release(self, request_id: str) -> None:
         self.sessions.release(request_id)

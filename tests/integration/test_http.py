@@ -48,7 +48,15 @@ def test_response_shape_usage_and_speculative_stats(cluster):
         body["choices"][0]["finish_reason"] == "stop"
     spec = body["speculative"]
     assert set(spec) >= {"rounds", "num_draft_tokens", "num_accepted_tokens",
-                         "acceptance_rate", "mean_acceptance_length"}
+                         "acceptance_rate", "mean_acceptance_length", "accepted_per_position",
+                         "overhead_ms_p50", "wire_bytes_per_round"}
+    ms = spec["ms_per_round"]
+    assert set(ms) == {"draft", "verify", "transport", "router", "total"}
+    # the pools report their own compute; what is left of a round is transport and router
+    assert ms["draft"] > 0 and ms["verify"] > 0 and ms["transport"] > 0
+    assert ms["total"] == pytest.approx(ms["draft"] + ms["verify"] + ms["transport"]
+                                        + ms["router"], abs=0.01)
+    assert 0 < spec["wire_bytes_per_round"] < 1000  # greedy rounds carry token ids only
 
 
 def stream_text(cluster, body) -> tuple[str, list[dict]]:
@@ -135,3 +143,13 @@ def test_the_openai_client_works_plain_and_streaming(cluster):
     streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert plain.choices[0].text == streamed and plain.usage.completion_tokens > 0
     assert [m.id for m in client.models.list().data] == ["specserve-demo"]
+
+
+def test_ignore_eos_decodes_past_the_end_of_text(cluster):
+    prompt = 'if __name__ == "__main__":\n    main()\n'  # the demo target ends the file here
+    ended = complete(cluster, prompt, max_tokens=8, temperature=0)
+    assert ended["choices"][0]["finish_reason"] == "stop"
+    assert ended["usage"]["completion_tokens"] == 1  # the EOS token itself
+    forced = complete(cluster, prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    assert forced["choices"][0]["finish_reason"] == "length"
+    assert forced["usage"]["completion_tokens"] == 8
