@@ -7,6 +7,9 @@ INVALID_ARGUMENT; a call whose base the replica does not hold answers status REB
 router resends the whole prefix).
 """
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -14,12 +17,13 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import wire
+from deployments.autoscaling import DIRECT_IN_FLIGHT
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
-from speculative.types import StaleBase
+from speculative.types import StaleBase, timed
 from verifier.engine import ModelVerifier
 
 
@@ -99,31 +103,52 @@ def build_drafter_engine(args: DrafterArgs):
 
 
 class PoolReplica:
-    """What both pools share: the direct server, answering a call, release, introspection."""
+    """What both pools share: the direct server, answering a call, release, introspection.
+
+    The model work runs on one worker thread, one call at a time (the engine and its caches
+    are single-threaded), so the event loop stays free for gRPC, health checks and metrics,
+    and calls waiting for the model are visible as in flight.
+    """
 
     engine = None  # set by the subclass before start()
 
     async def start(self, add_to_server) -> None:
         self.replica_id = replica_id()
-        self.direct_calls = 0
+        self.direct_calls = 0  # served over the replica's own port, ever
+        self.direct_in_flight = 0  # the same, now: Serve's autoscaler cannot see these
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
+                                         initializer=torch.set_num_threads,
+                                         initargs=(torch.get_num_threads(),))
         self.server, self.address = await serve_directly(self, add_to_server)
 
-    async def answer(self, run, response_type, grpc_context):
-        """run() -> response; StaleBase -> REBUILD; ValueError -> INVALID_ARGUMENT."""
-        self.direct_calls += is_direct(grpc_context)
+    async def on_worker(self, work, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
+
+    async def answer(self, work, call_from_proto, request, to_proto, response_type, grpc_context):
+        """to_proto(work(call)); StaleBase -> REBUILD; ValueError -> INVALID_ARGUMENT."""
+        direct = is_direct(grpc_context)
+        self.direct_calls += direct
+        self.direct_in_flight += direct
         try:
-            response = await run()
+            response = to_proto(await self.on_worker(timed, work, call_from_proto(request)))
         except StaleBase:
             response = response_type(status=pb.REBUILD)
         except ValueError as error:
             return refuse(grpc_context, error, response_type(replica_id=self.replica_id))
+        finally:
+            self.direct_in_flight -= direct
         response.replica_id, response.direct_address = self.replica_id, self.address
         return response
 
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         released = request.request_id in self.engine.sessions
-        await self.engine.release(request.request_id)
+        await self.on_worker(self.engine.sessions.release, request.request_id)
         return pb.ReleaseResponse(released=released)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Load Serve cannot see (polled when the deployment has an autoscaling_config; the
+        policy deployments.autoscaling:direct_aware_policy adds it to Serve's own count)."""
+        return {DIRECT_IN_FLIGHT: float(self.direct_in_flight)}
 
     def where(self) -> str:
         """The Ray node this replica runs on (for operators and placement tests)."""
@@ -141,11 +166,8 @@ class DrafterPool(PoolReplica):
         await self.start(pb_grpc.add_DrafterServicer_to_server)
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
-        async def run():
-            block = await self.engine.propose(wire.propose_from_proto(request))
-            return wire.block_to_proto(block)
-
-        return await self.answer(run, pb.ProposeResponse, grpc_context)
+        return await self.answer(self.engine.propose_now, wire.propose_from_proto, request,
+                                 wire.block_to_proto, pb.ProposeResponse, grpc_context)
 
 
 @serve.deployment
@@ -157,8 +179,5 @@ class VerifierPool(PoolReplica):
         await self.start(pb_grpc.add_VerifierServicer_to_server)
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
-        async def run():
-            scores = await self.engine.score(wire.score_from_proto(request))
-            return wire.scores_to_proto(scores)
-
-        return await self.answer(run, pb.ScoreResponse, grpc_context)
+        return await self.answer(self.engine.score_now, wire.score_from_proto, request,
+                                 wire.scores_to_proto, pb.ScoreResponse, grpc_context)

@@ -1,0 +1,51 @@
+"""The autoscaling policy that adds direct-path calls to Serve's own request count."""
+
+import importlib
+
+import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from deployments.autoscaling import DIRECT_IN_FLIGHT, direct_aware_policy
+from deployments.local import load_config
+
+DEPLOYMENT = DeploymentID(name="VerifierPool", app_name="verifier")
+
+
+def context(replicas: int, serve_requests: float, direct: list[float] | None) -> AutoscalingContext:
+    ids = [ReplicaID(f"r{i}", DEPLOYMENT) for i in range(replicas)]
+    metrics = None if direct is None else {DIRECT_IN_FLIGHT: dict(zip(ids, direct))}
+    return AutoscalingContext(
+        deployment_id=DEPLOYMENT, deployment_name="VerifierPool", app_name="verifier",
+        current_num_replicas=replicas, target_num_replicas=replicas, running_replicas=ids,
+        total_num_requests=serve_requests, total_queued_requests=0, aggregated_metrics=metrics,
+        raw_metrics=None, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8,
+        policy_state={}, last_scale_up_time=None, last_scale_down_time=None, current_time=0.0,
+        config=AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=4))
+
+
+@pytest.mark.parametrize("replicas, serve_requests, direct, desired", [
+    (1, 4, [0], 1.0),           # Serve's count alone: the usual rule
+    (1, 0, [12], 3.0),          # direct calls alone: Serve would have seen no load at all
+    (2, 2, [3, 3], 2.0),        # both, summed over replicas
+    (2, 0, [0, 0], 0.0),        # idle: Serve's min_replicas clamps it afterwards
+    (1, 8, None, 2.0),          # no replica reported yet
+])
+def test_desired_replicas_count_direct_calls(replicas, serve_requests, direct, desired):
+    assert direct_aware_policy(context(replicas, serve_requests, direct)) == (desired, {})
+
+
+def test_from_zero_replicas_it_defers_to_serve():
+    ctx = context(0, 3, [])
+    assert direct_aware_policy(ctx)[0] == ctx.target_num_replicas
+
+
+def test_the_gpu_config_names_this_policy_for_both_pools():
+    named = {}
+    for app in load_config("gpu.yaml")["applications"]:
+        for deployment in app["deployments"]:
+            policy = deployment.get("autoscaling_config", {}).get("policy")
+            if policy:
+                module, function = policy["policy_function"].split(":")
+                named[deployment["name"]] = getattr(importlib.import_module(module), function)
+    assert named == {"DrafterPool": direct_aware_policy, "VerifierPool": direct_aware_policy}
