@@ -1,4 +1,4 @@
-"""The `specserve` command: generate in-process, build the demo pair."""
+"""The `specserve` command: generate in-process, benchmark, build the demo pair."""
 
 import argparse
 import asyncio
@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--threads", type=int, default=None, help="torch threads")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from bench.suite import build_parser as bench_parser
+
+    bench_parser(commands.add_parser("bench", help="every mode side by side: tokens/s, "
+                                     "acceptance, overhead, bytes (results.json/.md, plots)"))
 
     build = commands.add_parser("build-demo-models", help="train the offline demo pair")
     build.add_argument("--out", type=Path, default=Path(DEMO_TARGET).parent)
@@ -131,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.command == "bench":
+        from bench.suite import main as bench
+
+        return bench(args, sys.argv[1:] if argv is None else argv)
     if args.command == "build-demo-models":
         from specserve.demo import DemoRecipe, build_demo_models
 

@@ -1,0 +1,589 @@
+"""`specserve bench`: every mode side by side, in one run, on the same prompts and pair.
+
+Modes (the record field `mode`):
+  target_only  HF `generate` with the target alone (the anchor every speedup is relative to)
+  hf_assisted  HF assisted generation with the same draft (`generate(assistant_model=...)`)
+  inprocess    specserve's round loop with both engines in this process
+  serve_off    specserve through Serve (cluster/config.yaml on a local Ray), K = 0
+  serve_sync   specserve through Serve with K drafted tokens per round
+
+Prompts are interleaved: for each prompt every mode runs once before the next prompt, so
+machine drift hits all modes alike. Everything runs with the same torch thread count (each pool
+replica of cluster/config.yaml has 1 thread). Writes results.json (a flat list of records),
+results.md and PNG plots into --out.
+
+The `scaled` pair is a benchmark construct: the demo target grown function-preservingly to
+~96M parameters (bench/scaled.py), so its predictions, and so the acceptance rate, are exactly
+the demo target's while its forward costs what a model of that size costs.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.inprocess import PROMPTS
+from speculative.loop import SpecStats
+from speculative.models import DEMO_DRAFT, DEMO_TARGET
+
+SCALED_TARGET = str(Path(DEMO_TARGET).parent.parent / "scaled-target")
+MODES = ("target_only", "hf_assisted", "inprocess", "serve_off", "serve_sync")
+FIELDS = ("pair", "mode", "k", "temperature", "concurrency", "requests", "tokens",
+          "seconds", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
+          "predicted_tokens_per_round", "predicted_speedup", "speedup",
+          "speedup_vs_predicted", "c", "acceptance_by_position", "ms_draft", "ms_verify",
+          "ms_transport", "ms_router", "ms_round", "overhead_ms_p50", "wire_bytes_per_round",
+          "greedy_matches_target", "sampled_matches_inprocess")
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    target: str
+    target_dtype: str
+    draft: str
+    draft_dtype: str
+    note: str
+
+
+PAIRS = {
+    "demo": Pair("demo", DEMO_TARGET, "float32", DEMO_DRAFT, "float32",
+                 "the bundled demo pair (6.2M target, 0.95M draft)"),
+    "scaled": Pair("scaled", SCALED_TARGET, "bfloat16", DEMO_DRAFT, "float32",
+                   "benchmark construct: the demo target grown function-preservingly to ~96M "
+                   "parameters (same predictions, realistic forward cost), demo draft"),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    pairs: tuple[str, ...]
+    ks: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    num_prompts: int
+    max_tokens: int
+    serve_concurrency: int  # serve modes also run this many requests at once (K = 4), if > 1
+
+    @classmethod
+    def make(cls, quick: bool, pair: str) -> "Plan":
+        pairs = tuple(PAIRS) if pair == "all" else (pair,)
+        if quick:
+            return cls(pairs, (1, 4), (0.0, 1.0), 2, 32, 1)
+        return cls(pairs, (1, 2, 4, 6, 8), (0.0, 1.0), 6, 96, 4)
+
+
+def expected_tokens_per_round(alpha: float | None, k: int) -> float | None:
+    """E[N] = (1 - alpha^(K+1)) / (1 - alpha): tokens per round for i.i.d. acceptance."""
+    if alpha is None:
+        return None
+    if alpha >= 1:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+# ---------------------------------------------------------------------------- the runs
+
+
+@dataclass
+class Tally:
+    """One (pair, mode, k, temperature, concurrency) cell, summed over prompts."""
+
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    stats: SpecStats | None = None
+    overhead_p50s: list[float] = field(default_factory=list)
+    mismatches: int | None = None  # greedy: requests whose ids differ from target_only's
+    sampled_mismatches: int | None = None  # sampled serve: ids differ from inprocess's
+
+    def add(self, tokens: int, seconds: float, stats: SpecStats | None = None,
+            overhead_p50: float | None = None, requests: int = 1) -> None:
+        self.requests += requests
+        self.tokens += tokens
+        self.seconds += seconds
+        if stats is not None:
+            self.stats = self.stats or SpecStats()
+            self.stats.add(stats)
+        if overhead_p50 is not None:
+            self.overhead_p50s.append(overhead_p50)
+
+    def compare(self, ids, reference) -> None:
+        self.mismatches = (self.mismatches or 0) + (list(ids) != list(reference))
+
+    def compare_sampled(self, ids, reference) -> None:
+        self.sampled_mismatches = (self.sampled_mismatches or 0) + (list(ids) != list(reference))
+
+
+def sampling_kwargs(temperature: float) -> dict:
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+def hf_generate(model, prompt_ids, max_tokens: int, temperature: float, seed: int,
+                assistant=None, k: int = 0) -> tuple[list[int], float]:
+    ids = torch.tensor([prompt_ids])
+    extra = {}
+    if assistant is not None:
+        extra = {"assistant_model": assistant, "num_assistant_tokens": k,
+                 "num_assistant_tokens_schedule": "constant",
+                 "assistant_confidence_threshold": 0.0}
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens, pad_token_id=0,
+                         **sampling_kwargs(temperature), **extra)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - started
+
+
+class InProcess:
+    """The pair's models in this process: HF generate, assisted generation, our loop."""
+
+    def __init__(self, pair: Pair, draft_top_k: int) -> None:
+        from drafter.model import ModelDrafter
+        from speculative.models import load_causal_lm
+        from verifier.engine import ModelVerifier
+
+        self.target = load_causal_lm(pair.target, pair.target_dtype)
+        self.draft = load_causal_lm(pair.draft, pair.draft_dtype)
+        self.drafter = ModelDrafter(self.draft, draft_top_k=draft_top_k)
+        self.verifier = ModelVerifier(self.target)
+
+    def loop(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int):
+        from speculative.loop import Request, RequestState, decode
+        from speculative.policy import FixedK
+        from speculative.sampling import SamplingParams, derive_seeds
+
+        # the seed the router gives choice 0 of an HTTP request with this seed: the same draws
+        params = SamplingParams(temperature=temperature, seed=derive_seeds(seed, 1)[0],
+                                max_tokens=max_tokens)
+        state = RequestState(Request(uuid.uuid4().hex, tuple(prompt_ids), params))
+
+        async def run():
+            async for _ in decode(state, self.drafter, self.verifier, FixedK(k)):
+                pass
+
+        started = time.perf_counter()
+        asyncio.run(run())
+        return state.output_token_ids, time.perf_counter() - started, state.stats
+
+
+def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
+    """Median time of a forward of `new_tokens` tokens over a cached context."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, model.config.vocab_size, (1, context + new_tokens),
+                        generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :context], past_key_values=cache, use_cache=True)
+            started = time.perf_counter()
+            model(ids[:, context:], past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+def pair_facts(pair: Pair, models: InProcess, ks) -> dict:
+    """Parameter counts and forward times; c = t_draft / t_target for the formula."""
+    repeats = 15
+    target_1 = forward_ms(models.target, 64, 1, repeats)
+    draft_1 = forward_ms(models.draft, 64, 1, repeats)
+    return {
+        "note": pair.note,
+        "target": {"path": Path(pair.target).name, "dtype": pair.target_dtype,
+                   "parameters": sum(p.numel() for p in models.target.parameters())},
+        "draft": {"path": Path(pair.draft).name, "dtype": pair.draft_dtype,
+                  "parameters": sum(p.numel() for p in models.draft.parameters())},
+        "target_forward_ms": {"1": round(target_1, 2), **{
+            str(k + 1): round(forward_ms(models.target, 64, k + 1, repeats), 2) for k in ks}},
+        "draft_forward_ms": round(draft_1, 2),
+        "c": round(draft_1 / target_1, 4),
+    }
+
+
+class Served:
+    """cluster/config.yaml on this process's Ray instance (free ports), serving one pair."""
+
+    def __init__(self) -> None:
+        from deployments.local import load_config, on_free_ports, start_serve
+
+        self.config = on_free_ports(load_config())
+        self.url = f"http://127.0.0.1:{self.config['http_options']['port']}"
+        start_serve(self.config)
+
+    def use(self, pair: Pair) -> None:
+        """Deploy the pair (the same apps and resources, other model paths)."""
+        from deployments.local import app_config, deploy
+
+        config = self.config
+        app_config(config, "drafter")["args"].update(model=pair.draft, dtype=pair.draft_dtype)
+        app_config(config, "verifier")["args"].update(model=pair.target, dtype=pair.target_dtype)
+        app_config(config, "router")["args"].update(tokenizer=pair.target, max_context_tokens=4096)
+        deploy(config, timeout_s=300)
+
+    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int):
+        import requests
+
+        body = {"prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
+                "seed": seed, "num_speculative_tokens": k, "ignore_eos": True,
+                "return_token_ids": True}
+        started = time.perf_counter()
+        response = requests.post(self.url + "/v1/completions", json=body, timeout=600)
+        seconds = time.perf_counter() - started
+        response.raise_for_status()
+        answer = response.json()
+        return answer["choices"][0]["token_ids"], seconds, answer["speculative"]
+
+    def concurrent(self, prompt_ids, max_tokens, temperature, seed, k, concurrency: int):
+        with ThreadPoolExecutor(concurrency) as pool:
+            started = time.perf_counter()
+            results = list(pool.map(lambda i: self.complete(prompt_ids, max_tokens, temperature,
+                                                            seed + i, k), range(concurrency)))
+            return results, time.perf_counter() - started
+
+
+def stats_from_http(spec: dict) -> SpecStats:
+    rounds, ms = spec["rounds"], spec["ms_per_round"] or {}
+    seconds = lambda name: ms.get(name, 0) * rounds / 1000  # noqa: E731
+    return SpecStats(
+        rounds=rounds, num_drafts=spec["num_drafts"], num_draft_tokens=spec["num_draft_tokens"],
+        num_accepted_tokens=spec["num_accepted_tokens"],
+        accepted_per_position=list(spec["accepted_per_position"]),
+        draft_compute_seconds=seconds("draft"), verify_compute_seconds=seconds("verify"),
+        draft_seconds=seconds("draft") + seconds("transport"), verify_seconds=seconds("verify"),
+        round_seconds=seconds("total"),
+        wire_bytes=round((spec["wire_bytes_per_round"] or 0) * rounds))
+
+
+# ---------------------------------------------------------------------------- records
+
+
+def record(pair: str, mode: str, k: int, temperature: float, concurrency: int, tally: Tally,
+           facts: dict) -> dict:
+    rec = dict.fromkeys(FIELDS)
+    rec.update(pair=pair, mode=mode, k=k, temperature=temperature, concurrency=concurrency,
+               requests=tally.requests, tokens=tally.tokens, seconds=round(tally.seconds, 3),
+               tokens_per_s=round(tally.tokens / tally.seconds, 2))
+    stats = tally.stats
+    if stats is not None and stats.rounds:
+        alpha = stats.acceptance_rate
+        rec["acceptance_rate"] = None if alpha is None else round(alpha, 4)
+        rec["mean_acceptance_length"] = round(stats.mean_acceptance_length, 3)
+        if stats.num_drafts:
+            rec["acceptance_by_position"] = [round(n / stats.num_drafts, 4)
+                                             for n in stats.accepted_per_position[:k]]
+        ms = stats.ms_per_round()
+        rec.update(ms_draft=ms["draft"], ms_verify=ms["verify"], ms_transport=ms["transport"],
+                   ms_router=ms["router"], ms_round=ms["total"])
+        if stats.wire_bytes:
+            rec["wire_bytes_per_round"] = round(stats.wire_bytes / stats.rounds, 1)
+    if tally.overhead_p50s:
+        rec["overhead_ms_p50"] = round(statistics.median(tally.overhead_p50s), 3)
+    if mode in ("inprocess", "serve_sync", "serve_off", "hf_assisted") and k > 0:
+        rec["c"] = facts["c"]
+    if rec["acceptance_rate"] is not None and k > 0:
+        tokens_per_round = expected_tokens_per_round(rec["acceptance_rate"], k)
+        rec["predicted_tokens_per_round"] = round(tokens_per_round, 3)
+        rec["predicted_speedup"] = round(tokens_per_round / (1 + k * facts["c"]), 3)
+    if tally.mismatches is not None:
+        rec["greedy_matches_target"] = tally.mismatches == 0
+    if tally.sampled_mismatches is not None:
+        rec["sampled_matches_inprocess"] = tally.sampled_mismatches == 0
+    return rec
+
+
+def add_speedups(records: list[dict]) -> None:
+    base = {(r["pair"], r["temperature"]): r["tokens_per_s"] for r in records
+            if r["mode"] == "target_only"}
+    for r in records:
+        anchor = base.get((r["pair"], r["temperature"]))
+        if anchor:
+            r["speedup"] = round(r["tokens_per_s"] / anchor, 3)
+        if r["speedup"] is not None and r["predicted_speedup"]:
+            r["speedup_vs_predicted"] = round(r["speedup"] / r["predicted_speedup"], 3)
+
+
+def machine(plan: Plan, threads: int, argv: list[str]) -> dict:
+    import ray
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "specserve " + " ".join(argv),
+        "commit": commit, "cpu": cpu, "cores": os.cpu_count(), "gpu": None,
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "ray": ray.__version__,
+        "torch_threads": threads, "prompts": plan.num_prompts, "max_tokens": plan.max_tokens,
+        "ks": list(plan.ks), "temperatures": list(plan.temperatures),
+    }
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def ensure_scaled_target() -> None:
+    if (Path(SCALED_TARGET) / "config.json").exists():
+        return
+    from transformers import AutoTokenizer
+
+    from bench.scaled import scale_up
+    from speculative.models import load_causal_lm
+
+    print(f"building the scaled target into {SCALED_TARGET} (once)")
+    big = scale_up(load_causal_lm(DEMO_TARGET), 28, 16, 3072)
+    big.to(torch.bfloat16).save_pretrained(SCALED_TARGET)
+    AutoTokenizer.from_pretrained(DEMO_TARGET).save_pretrained(SCALED_TARGET)
+
+
+def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict]:
+    from speculative.models import load_tokenizer
+
+    tokenizer = load_tokenizer(pair.target)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"]
+               for p in PROMPTS[: plan.num_prompts]]
+    from deployments.local import app_config
+
+    # the same draft-side top-k truncation of q as the served drafter (exact, but it changes α)
+    draft_top_k = app_config(served.config, "drafter")["args"].get("draft_top_k", 0)
+    models = InProcess(pair, draft_top_k)
+    facts = pair_facts(pair, models, plan.ks) | {"draft_top_k": draft_top_k}
+    served.use(pair)
+    tallies: dict[tuple, Tally] = {}
+
+    def cell(mode, k, temperature, concurrency=1) -> Tally:
+        return tallies.setdefault((mode, k, temperature, concurrency), Tally())
+
+    # warm-up: first forwards, channels, lazy imports (not measured)
+    models.loop(prompts[0], 8, 0.0, 0, 2)
+    hf_generate(models.target, prompts[0], 4, 0.0, 0, models.draft, 2)
+    for k in (0, 2):
+        served.complete(prompts[0], 8, 0.0, 0, k)
+
+    steps = [(t, i) for t in plan.temperatures for i in range(len(prompts))]
+    n = plan.max_tokens
+    for temperature, index in tqdm(steps, desc=f"{pair.name} pair", unit="prompt"):
+        ids, seed = prompts[index], 1000 + index
+        reference, seconds = hf_generate(models.target, ids, n, temperature, seed)
+        inprocess = {}
+        cell("target_only", 0, temperature).add(len(reference), seconds)
+        greedy = temperature == 0
+        for k in plan.ks:
+            out, seconds = hf_generate(models.target, ids, n, temperature, seed, models.draft, k)
+            tally = cell("hf_assisted", k, temperature)
+            tally.add(len(out), seconds)
+            if greedy:
+                tally.compare(out, reference)
+            out, seconds, stats = models.loop(ids, n, temperature, seed, k)
+            tally = cell("inprocess", k, temperature)
+            tally.add(len(out), seconds, stats, stats.overhead_ms_p50)
+            inprocess[k] = out
+            if greedy:
+                tally.compare(out, reference)
+        for k in (0, *plan.ks):
+            out, seconds, spec = served.complete(ids, n, temperature, seed, k)
+            tally = cell("serve_off" if k == 0 else "serve_sync", k, temperature)
+            tally.add(len(out), seconds, stats_from_http(spec), spec["overhead_ms_p50"])
+            if greedy:
+                tally.compare(out, reference)
+            elif k in inprocess:  # same seed, same draws: the same tokens as in-process
+                tally.compare_sampled(out, inprocess[k])
+        if plan.serve_concurrency > 1:
+            c = plan.serve_concurrency
+            for k in (0, 4):
+                results, seconds = served.concurrent(ids, n, temperature, seed, k, c)
+                tally = cell("serve_off" if k == 0 else "serve_sync", k, temperature, c)
+                for out, _, spec in results:
+                    tally.add(len(out), 0.0, stats_from_http(spec), spec["overhead_ms_p50"], 1)
+                tally.seconds += seconds
+    records = [record(pair.name, mode, k, t, c, tally, facts)
+               for (mode, k, t, c), tally in sorted(tallies.items(), key=lambda kv: (
+                   kv[0][2], MODES.index(kv[0][0]), kv[0][1], kv[0][3]))]
+    return records, facts
+
+
+def run(plan: Plan, out: Path, threads: int, argv: list[str]) -> dict:
+    import ray
+    from ray import serve
+
+    torch.set_num_threads(threads)
+    if "scaled" in plan.pairs:
+        ensure_scaled_target()
+    results: dict = {"machine": machine(plan, threads, argv), "pairs": {}, "results": []}
+    ray.init(address="local", include_dashboard=False, logging_level="error",
+             log_to_driver=False)
+    try:
+        served = Served()
+        for name in plan.pairs:
+            records, facts = bench_pair(PAIRS[name], plan, served)
+            results["pairs"][name] = facts
+            results["results"].extend(records)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    add_speedups(results["results"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out)
+    return results
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+def fmt(value, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def same_tokens(r: dict) -> bool | None:
+    if r["greedy_matches_target"] is not None:
+        return r["greedy_matches_target"]
+    return r["sampled_matches_inprocess"]
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = ["# specserve bench results", "",
+             f"`{m['command']}` at commit {m['commit']}, {m['date']}: {m['cpu']}, {m['cores']} "
+             f"cores, no GPU, torch {m['torch']} with {m['torch_threads']} thread(s) per process, "
+             f"transformers {m['transformers']}, ray {m['ray']}. {m['prompts']} prompts x "
+             f"{m['max_tokens']} tokens per cell, modes interleaved prompt by prompt.", ""]
+    for name, facts in results["pairs"].items():
+        lines += [f"## {name} pair", "", facts["note"] + ".", "",
+                  f"Target {facts['target']['parameters'] / 1e6:.1f}M parameters "
+                  f"({facts['target']['dtype']}), draft {facts['draft']['parameters'] / 1e6:.2f}M "
+                  f"({facts['draft']['dtype']}). Forward over a 64-token cache: target "
+                  + ", ".join(f"{n} token(s) {ms} ms" for n, ms in facts["target_forward_ms"].items())
+                  + f"; draft 1 token {facts['draft_forward_ms']} ms; c = {facts['c']}. "
+                  f"The draft's q is truncated to its top {facts['draft_top_k']} entries in the "
+                  "inprocess and serve modes (exact, as the drafter samples from the q it ships; "
+                  "HF assisted generation uses the full q).", "",
+                  "| T | mode | K | conc. | tokens/s | speedup | formula | measured/formula "
+                  "| α | tokens/round | E[N] | ms/round: draft / verify / transport / router "
+                  "| overhead p50 ms | bytes/round | same tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["results"]:
+            if r["pair"] != name:
+                continue
+            split = "–" if r["ms_round"] is None else " / ".join(
+                fmt(r[f"ms_{p}"], 1) for p in ("draft", "verify", "transport", "router"))
+            lines.append(
+                f"| {r['temperature']:g} | {r['mode']} | {r['k']} | {r['concurrency']} "
+                f"| {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup'], 2, 'x')} "
+                f"| {fmt(r['predicted_speedup'], 2, 'x')} | {fmt(r['speedup_vs_predicted'])} "
+                f"| {fmt(r['acceptance_rate'])} | {fmt(r['mean_acceptance_length'])} "
+                f"| {fmt(r['predicted_tokens_per_round'])} | {split} "
+                f"| {fmt(r['overhead_ms_p50'])} | {fmt(r['wire_bytes_per_round'], 0)} "
+                f"| {fmt(same_tokens(r))} |")
+        lines.append("")
+    lines += ["speedup: tokens/s over `target_only` of the same pair and temperature. formula: "
+              "E[N] / (1 + K c) with E[N] = (1 - α^(K+1)) / (1 - α) from the measured α. "
+              "overhead: the median over rounds of the round time less the pools' own compute "
+              "(transport and router work; the median of per-request medians). bytes/round: "
+              "serialised gRPC messages of the round's two calls. same tokens: greedy, every "
+              "request's tokens equal `target_only`'s; sampled serve_sync, equal to `inprocess`'s "
+              "with the same seed (the same draws end to end).", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in results["results"] if r["concurrency"] == 1]
+    cells = [(p, t) for p in results["pairs"] for t in results["machine"]["temperatures"]]
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False)
+    for ax, (pair, temperature) in zip(axes[0], cells):
+        rows = [r for r in records if r["pair"] == pair and r["temperature"] == temperature]
+        for mode, style in (("inprocess", "o-"), ("serve_sync", "s-"), ("hf_assisted", "^-")):
+            pts = sorted((r["k"], r["speedup"]) for r in rows if r["mode"] == mode)
+            if pts:
+                ax.plot(*zip(*pts), style, label=mode)
+        pts = sorted((r["k"], r["predicted_speedup"]) for r in rows
+                     if r["mode"] == "inprocess" and r["predicted_speedup"])
+        if pts:
+            ax.plot(*zip(*pts), "k--", label="formula")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(f"{pair} pair, T = {temperature:g}")
+        ax.set_xlabel("K (drafted tokens per round)")
+        ax.set_ylabel("speedup over target alone")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_k.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.4), squeeze=False)
+    for ax, (pair, temperature) in zip(axes[0], cells):
+        rows = [r for r in records if r["pair"] == pair and r["temperature"] == temperature
+                and r["mode"] == "inprocess" and r["acceptance_by_position"]]
+        for r in sorted(rows, key=lambda r: r["k"]):
+            ax.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"],
+                    "o-", label=f"K = {r['k']}")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{pair} pair, T = {temperature:g}")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("fraction of rounds accepted")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=110)
+    plt.close(fig)
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--quick", action="store_true",
+                        help="2 prompts x 32 tokens, K in {1, 4}: a few minutes")
+    parser.add_argument("--pair", choices=["demo", "scaled", "all"], default="all")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads here (each replica of cluster/config.yaml has 1)")
+    return parser
+
+
+def main(args, argv: list[str]) -> int:
+    plan = Plan.make(args.quick, args.pair)
+    results = run(plan, args.out, args.threads, argv)
+    print(markdown(results))
+    print(f"wrote {args.out}/results.json, results.md, speedup_vs_k.png, "
+          "acceptance_by_position.png")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(build_parser(argparse.ArgumentParser()).parse_args(), sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""`specserve bench --quick` end to end: every mode, every field, greedy exact in every mode.
+
+It starts its own Ray instance (as the command does for a user), so it runs in a child process;
+the shared instance of the other tests is untouched.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.suite import FIELDS, MODES
+from tests.integration.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "--quick",
+                             "--pair", "demo", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_every_mode_and_k_is_a_record_with_every_field(quick_run):
+    _, results = quick_run
+    records = results["results"]
+    assert {"date", "cpu", "cores", "torch", "ray", "commit"} <= results["machine"].keys()
+    assert all(set(r) == set(FIELDS) for r in records)
+    cells = {(r["mode"], r["k"], r["temperature"]) for r in records}
+    for temperature in (0.0, 1.0):
+        assert {("target_only", 0, temperature), ("serve_off", 0, temperature)} <= cells
+        for mode in ("hf_assisted", "inprocess", "serve_sync"):
+            assert {(mode, 1, temperature), (mode, 4, temperature)} <= cells
+    assert {r["mode"] for r in records} == set(MODES)
+    assert all(r["tokens"] == r["requests"] * 32 and r["tokens_per_s"] > 0 for r in records)
+
+
+@pytest.mark.slow
+def test_derived_figures_are_consistent(quick_run):
+    _, results = quick_run
+    facts = results["pairs"]["demo"]
+    assert 0 < facts["c"] < 1
+    for r in results["results"]:
+        if r["mode"] == "target_only":
+            assert r["speedup"] == 1.0
+        if r["mode"] in ("inprocess", "serve_sync"):
+            assert 0 <= r["acceptance_rate"] <= 1
+            assert 1 <= r["mean_acceptance_length"] <= r["k"] + 1
+            assert len(r["acceptance_by_position"]) == r["k"]
+            assert r["predicted_speedup"] is not None and r["speedup_vs_predicted"] is not None
+        if r["mode"] in ("serve_off", "serve_sync"):
+            assert r["wire_bytes_per_round"] > 0 and r["overhead_ms_p50"] > 0
+            assert r["ms_transport"] > 0
+        if r["mode"] == "serve_sync" and r["temperature"] == 1.0:
+            assert r["wire_bytes_per_round"] <= 8192  # sparse q, compact verifier answers
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_targets_in_every_mode(quick_run):
+    _, results = quick_run
+    greedy = [r for r in results["results"] if r["temperature"] == 0 and r["mode"] != "target_only"]
+    assert greedy and all(r["greedy_matches_target"] is True for r in greedy)
+
+
+@pytest.mark.slow
+def test_sampled_serving_draws_what_the_in_process_loop_draws(quick_run):
+    _, results = quick_run
+    sampled = [r for r in results["results"] if r["temperature"] > 0 and r["mode"] == "serve_sync"]
+    assert sampled and all(r["sampled_matches_inprocess"] is True for r in sampled)
+
+
+@pytest.mark.slow
+def test_the_report_and_plots_are_written(quick_run):
+    out, _ = quick_run
+    table = (out / "results.md").read_text()
+    assert "| 0 | serve_sync | 4 |" in table and "## demo pair" in table
+    for name in ("speedup_vs_k.png", "acceptance_by_position.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
