@@ -1,112 +1,71 @@
-"""Per-round cost of the distributed path, side by side with the same loop in-process.
+"""The data path's cost per round: Serve's gRPC proxy for every call, against the direct path.
 
-    python -m bench.serve_overhead [--max-tokens 64] [--k 4]
+    python -m bench.serve_overhead [--pair demo] [--max-tokens 64] [--k 4]
 
-One run: the demo pair in-process (1 torch thread, as each replica of cluster/config.yaml
-has), then cluster/config.yaml on a local Ray instance, first with every call through Serve's
-gRPC proxy, then with the direct data path (the proxy places a request, later calls go to the
-chosen replica's own port); the same prompts one request at a time. Prints tokens/s and the
-mean round time split into draft / verify / router; the difference per round from in-process
-is what transport and Serve add.
+One run on a local Ray: cluster/config.yaml serving the pair, first with every pool call through
+Serve's gRPC proxy (`direct_data_path: false`, the natural design), then with the direct data
+path (Serve places a request; later calls go to the chosen replica's own port). The same prompts,
+one request at a time, greedy and sampled. Prints tokens/s, the round time split (the pools'
+own compute, transport, router), the per-round overhead p50 (round less the pools' compute) and
+bytes per round, side by side.
 """
 
 import argparse
-import asyncio
-import time
-import uuid
 
-import requests
 import torch
 
-from bench.inprocess import PROMPTS
-from deployments.local import app_config, deploy, load_config, on_free_ports, start_serve
-from drafter.model import ModelDrafter
-from specserve.cli import decode_text
-from speculative.loop import Request, SpecStats
-from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
-from speculative.sampling import SamplingParams
-from verifier.engine import ModelVerifier
-
-
-def in_process(k: int, max_tokens: int) -> tuple[float, dict]:
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer(DEMO_TARGET)
-    drafter = ModelDrafter(load_causal_lm(DEMO_DRAFT))
-    verifier = ModelVerifier(load_causal_lm(DEMO_TARGET))
-    total, tokens, seconds = SpecStats(), 0, 0.0
-    for prompt in PROMPTS:
-        ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        request = Request(uuid.uuid4().hex, ids, SamplingParams(temperature=0, max_tokens=max_tokens))
-        started = time.perf_counter()
-        _, out, state = asyncio.run(decode_text(request, drafter, verifier, k, tokenizer))
-        seconds += time.perf_counter() - started
-        tokens += len(out)
-        total.add(state.stats)
-    return tokens / seconds, total.as_dict()
-
-
-def distributed(base_url: str, k: int, max_tokens: int) -> tuple[float, dict]:
-    total, tokens, seconds = SpecStats(), 0, 0.0
-    for prompt in PROMPTS:
-        started = time.perf_counter()
-        body = requests.post(base_url + "/v1/completions", timeout=120, json={
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "num_speculative_tokens": k}).json()
-        seconds += time.perf_counter() - started
-        tokens += body["usage"]["completion_tokens"]
-        spec, ms = body["speculative"], body["speculative"]["ms_per_round"]
-        rounds = spec["rounds"]
-        total.add(SpecStats(rounds=rounds, num_draft_tokens=spec["num_draft_tokens"],
-                            num_accepted_tokens=spec["num_accepted_tokens"],
-                            draft_seconds=ms["draft"] * rounds / 1000,
-                            verify_seconds=ms["verify"] * rounds / 1000,
-                            round_seconds=ms["total"] * rounds / 1000))
-    return tokens / seconds, total.as_dict()
+from bench.suite import PAIRS, PROMPTS, Served, Tally, stats_from_http
 
 
 def main() -> None:
     import ray
     from ray import serve
 
+    from deployments.local import app_config
+    from speculative.models import load_tokenizer
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="demo")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
     args = parser.parse_args()
-
-    local = {k: in_process(k, args.max_tokens) for k in (0, args.k)}
-    config = on_free_ports(load_config())
-    ray.init(include_dashboard=False, logging_level="error")
+    torch.set_num_threads(1)
+    pair = PAIRS[args.pair]
+    tokenizer = load_tokenizer(pair.target)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    tallies: dict[tuple, Tally] = {}
+    ray.init(address="local", include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
-        start_serve(config)
-        url = f"http://127.0.0.1:{config['http_options']['port']}"
-        paths = {}
-        for name, direct in (("serve proxy", False), ("direct gRPC", True)):
-            app_config(config, "router")["args"]["direct_data_path"] = direct
-            deploy(config)
-            distributed(url, args.k, 8)  # warm-up: channels, first forwards
-            paths[name] = {k: distributed(url, k, args.max_tokens) for k in (0, args.k)}
+        served = Served()
+        for path, direct in (("proxy", False), ("direct", True)):
+            app_config(served.config, "router")["args"]["direct_data_path"] = direct
+            served.use(pair)
+            served.complete(prompts[0], 8, 0.0, 0, args.k)  # warm-up
+            for temperature in (0.0, 1.0):
+                for k in (0, args.k):
+                    tally = tallies.setdefault((path, temperature, k), Tally())
+                    for index, ids in enumerate(prompts):
+                        out, seconds, spec = served.complete(ids, args.max_tokens, temperature,
+                                                             index, k)
+                        tally.add(len(out), seconds, stats_from_http(spec),
+                                  spec["overhead_ms_p50"])
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"\ndemo pair, greedy, {len(PROMPTS)} prompts x {args.max_tokens} tokens, one request "
-          "at a time; ms per round (mean)\n")
-    print("| path | K | tokens/s | tokens/round | draft | verify | router | round |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, results in (("in-process", local), *paths.items()):
-        for k, (rate, stats) in results.items():
-            ms = stats["ms_per_round"]
-            print(f"| {name} | {k} | {rate:.1f} | {stats['mean_acceptance_length']:.2f} | "
-                  f"{ms['draft']:.2f} | {ms['verify']:.2f} | {ms['router']:.2f} | "
-                  f"{ms['total']:.2f} |")
-    print()
-    for name, remote in paths.items():
-        for k in (0, args.k):
-            round_ms = remote[k][1]["ms_per_round"]["total"]
-            extra = round_ms - local[k][1]["ms_per_round"]["total"]
-            print(f"{name}, K = {k}: +{extra:.2f} ms per round over in-process "
-                  f"({extra / round_ms:.0%} of its round); tokens/s "
-                  f"{remote[k][0] / local[k][0]:.2f}x in-process")
+    print(f"\n{pair.name} pair, {len(prompts)} prompts x {args.max_tokens} tokens, one request "
+          "at a time; ms per round (mean); overhead = round less the pools' compute\n")
+    print("| path | T | K | tokens/s | tokens/round | draft | verify | transport | router "
+          "| round | overhead p50 | bytes/round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (path, temperature, k), tally in tallies.items():
+        stats = tally.stats
+        ms = stats.ms_per_round()
+        overhead = sorted(tally.overhead_p50s)[len(tally.overhead_p50s) // 2]
+        print(f"| {path} | {temperature:g} | {k} | {tally.tokens / tally.seconds:.1f} "
+              f"| {stats.mean_acceptance_length:.2f} | {ms['draft']:.2f} | {ms['verify']:.2f} "
+              f"| {ms['transport']:.2f} | {ms['router']:.2f} | {ms['total']:.2f} "
+              f"| {overhead:.2f} | {stats.wire_bytes / stats.rounds:.0f} |")
 
 
 if __name__ == "__main__":

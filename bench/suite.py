@@ -34,10 +34,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.inprocess import PROMPTS
 from speculative.loop import SpecStats
 from speculative.models import DEMO_DRAFT, DEMO_TARGET
 
+PROMPTS = [  # code prompts ending at a token boundary the tokenizer saw in training
+    "import os\n",
+    "def main():\n",
+    "class Config:\n",
+    "    def __init__(self",
+    "for i in range(",
+    'if __name__ == "__main__":\n',
+    "from collections import",
+    "        return self.",
+]
 SCALED_TARGET = str(Path(DEMO_TARGET).parent.parent / "scaled-target")
 MODES = ("target_only", "hf_assisted", "inprocess", "serve_off", "serve_sync")
 FIELDS = ("pair", "mode", "k", "temperature", "concurrency", "requests", "tokens",
