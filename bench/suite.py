@@ -529,6 +529,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> None:
+    """speedup_vs_k.png and acceptance_by_position.png: one panel per pair and temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -536,9 +537,8 @@ def plot(results: dict, out: Path) -> None:
 
     records = [r for r in results["results"] if r["concurrency"] == 1]
     cells = [(p, t) for p in results["pairs"] for t in results["machine"]["temperatures"]]
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False)
-    for ax, (pair, temperature) in zip(axes[0], cells):
-        rows = [r for r in records if r["pair"] == pair and r["temperature"] == temperature]
+
+    def speedups(ax, rows):
         for mode, style in (("inprocess", "o-"), ("serve_sync", "s-"), ("hf_assisted", "^-")):
             pts = sorted((r["k"], r["speedup"]) for r in rows if r["mode"] == mode)
             if pts:
@@ -548,29 +548,29 @@ def plot(results: dict, out: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), "k--", label="formula")
         ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_title(f"{pair} pair, T = {temperature:g}")
-        ax.set_xlabel("K (drafted tokens per round)")
-        ax.set_ylabel("speedup over target alone")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_k.png", dpi=110)
-    plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.4), squeeze=False)
-    for ax, (pair, temperature) in zip(axes[0], cells):
-        rows = [r for r in records if r["pair"] == pair and r["temperature"] == temperature
-                and r["mode"] == "inprocess" and r["acceptance_by_position"]]
+    def acceptance(ax, rows):
+        rows = [r for r in rows if r["mode"] == "inprocess" and r["acceptance_by_position"]]
         for r in sorted(rows, key=lambda r: r["k"]):
             ax.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"],
                     "o-", label=f"K = {r['k']}")
         ax.set_ylim(0, 1)
-        ax.set_title(f"{pair} pair, T = {temperature:g}")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("fraction of rounds accepted")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_by_position.png", dpi=110)
-    plt.close(fig)
+
+    for name, draw, xlabel, ylabel in (
+            ("speedup_vs_k.png", speedups, "K (drafted tokens per round)",
+             "speedup over target alone"),
+            ("acceptance_by_position.png", acceptance, "draft position",
+             "fraction of rounds accepted")):
+        fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False)
+        for ax, (pair, temperature) in zip(axes[0], cells):
+            draw(ax, [r for r in records if r["pair"] == pair and r["temperature"] == temperature])
+            ax.set_title(f"{pair} pair, T = {temperature:g}")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
