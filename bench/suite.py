@@ -13,7 +13,7 @@ replica of cluster/config.yaml has 1 thread). Writes results.json (a flat list o
 results.md and PNG plots into --out.
 
 The `scaled` pair is a benchmark construct: the demo target grown function-preservingly to
-~96M parameters (bench/scaled.py), so its predictions, and so the acceptance rate, are exactly
+~124M parameters (bench/scaled.py), so its predictions, and so the acceptance rate, are exactly
 the demo target's while its forward costs what a model of that size costs.
 """
 
@@ -71,7 +71,7 @@ PAIRS = {
     "demo": Pair("demo", DEMO_TARGET, "float32", DEMO_DRAFT, "float32",
                  "the bundled demo pair (6.2M target, 0.95M draft)"),
     "scaled": Pair("scaled", SCALED_TARGET, "bfloat16", DEMO_DRAFT, "float32",
-                   "benchmark construct: the demo target grown function-preservingly to ~96M "
+                   "benchmark construct: the demo target grown function-preservingly to ~124M "
                    "parameters (same predictions, realistic forward cost), demo draft"),
 }
 
@@ -358,17 +358,11 @@ def machine(plan: Plan, threads: int, argv: list[str]) -> dict:
 
 
 def ensure_scaled_target() -> None:
-    if (Path(SCALED_TARGET) / "config.json").exists():
-        return
-    from transformers import AutoTokenizer
+    if not (Path(SCALED_TARGET) / "config.json").exists():
+        from bench.scaled import build
 
-    from bench.scaled import scale_up
-    from speculative.models import load_causal_lm
-
-    print(f"building the scaled target into {SCALED_TARGET} (once)")
-    big = scale_up(load_causal_lm(DEMO_TARGET), 28, 16, 3072)
-    big.to(torch.bfloat16).save_pretrained(SCALED_TARGET)
-    AutoTokenizer.from_pretrained(DEMO_TARGET).save_pretrained(SCALED_TARGET)
+        print(f"building the scaled target into {SCALED_TARGET} (once)")
+        build(SCALED_TARGET)
 
 
 def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict]:

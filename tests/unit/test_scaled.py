@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bench.scaled import scale_up
+from bench.scaled import SHAPE, scale_up
 from speculative.models import DEMO_TARGET, load_causal_lm, load_tokenizer
 from tests.tiny import hf_greedy
 
@@ -14,7 +14,7 @@ PROMPTS = ["def main():\n", "import os\n"]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scaled_target_greedy_equals_the_demo_target(dtype):
     demo = load_causal_lm(DEMO_TARGET)
-    scaled = scale_up(demo, num_layers=28, num_heads=16, intermediate_size=3072).to(dtype)
+    scaled = scale_up(demo, **SHAPE).to(dtype)
     demo = demo.to(dtype)
     assert sum(p.numel() for p in scaled.parameters()) > 90e6  # compute of a ~100M model
     tokenizer = load_tokenizer(DEMO_TARGET)
