@@ -11,6 +11,7 @@ bytes per round, side by side.
 """
 
 import argparse
+import statistics
 
 import torch
 
@@ -61,7 +62,7 @@ def main() -> None:
     for (path, temperature, k), tally in tallies.items():
         stats = tally.stats
         ms = stats.ms_per_round()
-        overhead = sorted(tally.overhead_p50s)[len(tally.overhead_p50s) // 2]
+        overhead = statistics.median(tally.overhead_p50s)
         print(f"| {path} | {temperature:g} | {k} | {tally.tokens / tally.seconds:.1f} "
               f"| {stats.mean_acceptance_length:.2f} | {ms['draft']:.2f} | {ms['verify']:.2f} "
               f"| {ms['transport']:.2f} | {ms['router']:.2f} | {ms['total']:.2f} "

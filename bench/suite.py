@@ -114,12 +114,13 @@ class Tally:
     seconds: float = 0.0
     stats: SpecStats | None = None
     overhead_p50s: list[float] = field(default_factory=list)
-    mismatches: int | None = None  # greedy: requests whose ids differ from target_only's
-    sampled_mismatches: int | None = None  # sampled serve: ids differ from inprocess's
+    # requests whose ids differ from the reference: greedy, target_only's; sampled serve_sync,
+    # inprocess's with the same seed (None: not compared)
+    mismatches: int | None = None
 
     def add(self, tokens: int, seconds: float, stats: SpecStats | None = None,
-            overhead_p50: float | None = None, requests: int = 1) -> None:
-        self.requests += requests
+            overhead_p50: float | None = None) -> None:
+        self.requests += 1
         self.tokens += tokens
         self.seconds += seconds
         if stats is not None:
@@ -130,9 +131,6 @@ class Tally:
 
     def compare(self, ids, reference) -> None:
         self.mismatches = (self.mismatches or 0) + (list(ids) != list(reference))
-
-    def compare_sampled(self, ids, reference) -> None:
-        self.sampled_mismatches = (self.sampled_mismatches or 0) + (list(ids) != list(reference))
 
 
 def sampling_kwargs(temperature: float) -> dict:
@@ -302,16 +300,15 @@ def record(pair: str, mode: str, k: int, temperature: float, concurrency: int, t
             rec["wire_bytes_per_round"] = round(stats.wire_bytes / stats.rounds, 1)
     if tally.overhead_p50s:
         rec["overhead_ms_p50"] = round(statistics.median(tally.overhead_p50s), 3)
-    if mode in ("inprocess", "serve_sync", "serve_off", "hf_assisted") and k > 0:
+    if k > 0:
         rec["c"] = facts["c"]
     if rec["acceptance_rate"] is not None and k > 0:
         tokens_per_round = expected_tokens_per_round(rec["acceptance_rate"], k)
         rec["predicted_tokens_per_round"] = round(tokens_per_round, 3)
         rec["predicted_speedup"] = round(tokens_per_round / (1 + k * facts["c"]), 3)
     if tally.mismatches is not None:
-        rec["greedy_matches_target"] = tally.mismatches == 0
-    if tally.sampled_mismatches is not None:
-        rec["sampled_matches_inprocess"] = tally.sampled_mismatches == 0
+        name = "greedy_matches_target" if temperature == 0 else "sampled_matches_inprocess"
+        rec[name] = tally.mismatches == 0
     return rec
 
 
@@ -366,13 +363,12 @@ def ensure_scaled_target() -> None:
 
 
 def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict]:
+    from deployments.local import app_config
     from speculative.models import load_tokenizer
 
     tokenizer = load_tokenizer(pair.target)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"]
                for p in PROMPTS[: plan.num_prompts]]
-    from deployments.local import app_config
-
     # the same draft-side top-k truncation of q as the served drafter (exact, but it changes α)
     draft_top_k = app_config(served.config, "drafter")["args"].get("draft_top_k", 0)
     models = InProcess(pair, draft_top_k)
@@ -416,14 +412,14 @@ def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict
             if greedy:
                 tally.compare(out, reference)
             elif k in inprocess:  # same seed, same draws: the same tokens as in-process
-                tally.compare_sampled(out, inprocess[k])
+                tally.compare(out, inprocess[k])
         if plan.serve_concurrency > 1:
             c = plan.serve_concurrency
             for k in (0, 4):
                 results, seconds = served.concurrent(ids, n, temperature, seed, k, c)
                 tally = cell("serve_off" if k == 0 else "serve_sync", k, temperature, c)
                 for out, _, spec in results:
-                    tally.add(len(out), 0.0, stats_from_http(spec), spec["overhead_ms_p50"], 1)
+                    tally.add(len(out), 0.0, stats_from_http(spec), spec["overhead_ms_p50"])
                 tally.seconds += seconds
     records = [record(pair.name, mode, k, t, c, tally, facts)
                for (mode, k, t, c), tally in sorted(tallies.items(), key=lambda kv: (

@@ -246,8 +246,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     stats.draft_seconds += drafted - started
     stats.verify_seconds += verified - drafted
     stats.draft_compute_seconds += block.compute_seconds
-    stats.wire_bytes += block.wire_bytes + scores.wire_bytes
     stats.verify_compute_seconds += scores.compute_seconds
+    stats.wire_bytes += block.wire_bytes + scores.wire_bytes
     round_seconds = time.perf_counter() - started
     stats.round_seconds += round_seconds
     stats.overhead_seconds.append(round_seconds - block.compute_seconds - scores.compute_seconds)
