@@ -169,22 +169,18 @@ class InProcess:
         self.verifier = ModelVerifier(self.target)
 
     def loop(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int):
-        from speculative.loop import Request, RequestState, decode
+        from speculative.driver import Generation
+        from speculative.loop import Request
         from speculative.policy import FixedK
         from speculative.sampling import SamplingParams, derive_seeds
 
         # the seed the router gives choice 0 of an HTTP request with this seed: the same draws
         params = SamplingParams(temperature=temperature, seed=derive_seeds(seed, 1)[0],
                                 max_tokens=max_tokens)
-        state = RequestState(Request(uuid.uuid4().hex, tuple(prompt_ids), params))
-
-        async def run():
-            async for _ in decode(state, self.drafter, self.verifier, FixedK(k)):
-                pass
-
+        generation = Generation(Request(uuid.uuid4().hex, tuple(prompt_ids), params))
         started = time.perf_counter()
-        asyncio.run(run())
-        return state.output_token_ids, time.perf_counter() - started, state.stats
+        asyncio.run(generation.run(self.drafter, self.verifier, FixedK(k)))
+        return generation.token_ids, time.perf_counter() - started, generation.stats
 
 
 def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
@@ -237,9 +233,10 @@ class Served:
         from deployments.local import app_config, deploy
 
         config = self.config
-        app_config(config, "drafter")["args"].update(model=pair.draft, dtype=pair.draft_dtype)
+        app_config(config, "drafter")["args"].update(model=pair.draft, target=pair.target,
+                                                     dtype=pair.draft_dtype)
         app_config(config, "verifier")["args"].update(model=pair.target, dtype=pair.target_dtype)
-        app_config(config, "router")["args"].update(tokenizer=pair.target, max_context_tokens=4096)
+        app_config(config, "router")["args"].update(model=pair.target)
         deploy(config, timeout_s=300)
 
     def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int):

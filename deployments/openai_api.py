@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from drafter.registry import router_side_kinds
 from speculative.sampling import SamplingParams
 
 
@@ -24,9 +25,19 @@ class SpecExtensions(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=32)  # extension
-    drafter: Literal["model", "ngram"] | None = None  # extension
+    # extension: "model" (the drafter pool, the default) or a kind the router runs itself
+    drafter: str | None = None
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
-    ignore_eos: bool = False  # extension (as vLLM): decode past EOS up to max_tokens
+    ignore_eos: bool = False  # extension (as vLLM): do not stop at the model's end tokens
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension (as vLLM)
+
+    @field_validator("drafter")
+    @classmethod
+    def known_drafter(cls, value):
+        kinds = ["model", *router_side_kinds()]
+        if value is not None and value not in kinds:
+            raise ValueError(f"drafter must be one of {kinds}")
+        return None if value == "model" else value
 
     @field_validator("stop")
     @classmethod
@@ -87,25 +98,34 @@ def completion_body(request_id: str, model: str, choices: list[dict], usage_: di
     }
 
 
-def choice_body(index: int, text: str, finish_reason: str | None, chat: bool,
+def choice_body(index: int, text: str, finish_reason: str | None, stop_reason, chat: bool,
                 token_ids: list[int] | None = None) -> dict:
+    """One choice; stop_reason (as vLLM) is the stop token id or string, None at length."""
     if chat:
         body = {"index": index, "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason, "logprobs": None}
     else:
         body = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    body["stop_reason"] = stop_reason
     if token_ids is not None:
         body["token_ids"] = token_ids
     return body
 
 
 def chunk_body(request_id: str, model: str, index: int, text: str | None,
-               finish_reason: str | None, chat: bool) -> dict:
+               finish_reason: str | None, chat: bool, *, role: str | None = None,
+               stop_reason=None, token_ids: list[int] | None = None) -> dict:
     if chat:
-        delta = {"content": text} if text is not None else {}
+        delta = {"role": role} if role else {}
+        if text is not None:
+            delta["content"] = text
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",

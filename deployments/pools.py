@@ -18,8 +18,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import wire
 from deployments.autoscaling import DIRECT_IN_FLIGHT
-from drafter.model import ModelDrafter
-from drafter.ngram import NgramDrafter
+from drafter.registry import DrafterSpec, build_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
@@ -41,10 +40,18 @@ class PoolArgs(BaseModel):
 
 class DrafterArgs(PoolArgs):
     model: str = DEMO_DRAFT
-    drafter: str = "model"  # "model" or "ngram" (then `model` only names the vocabulary)
+    target: str = DEMO_TARGET  # the verifier's checkpoint: the vocabulary both pools agree on
+    drafter: str = "model"  # a kind of drafter.registry.DRAFTERS
     draft_top_k: int = 0  # > 0: truncate q to its top entries (sparse, smaller messages)
     ngram_min: int = 1
     ngram_max: int = 4
+
+    def spec(self) -> DrafterSpec:
+        return DrafterSpec(kind=self.drafter, model=self.model, target=self.target,
+                           dtype=self.dtype, device=self.device,
+                           max_cached_requests=self.max_cached_requests,
+                           draft_top_k=self.draft_top_k, ngram_min=self.ngram_min,
+                           ngram_max=self.ngram_max)
 
 
 class VerifierArgs(PoolArgs):
@@ -86,20 +93,6 @@ def refuse(grpc_context, error: Exception, response):
         grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
         grpc_context.set_details(str(error))
     return response
-
-
-def build_drafter_engine(args: DrafterArgs):
-    if args.drafter == "ngram":
-        from transformers import AutoConfig
-
-        vocab_size = AutoConfig.from_pretrained(args.model).vocab_size
-        return NgramDrafter(vocab_size, min_ngram=args.ngram_min, max_ngram=args.ngram_max,
-                            max_cached_requests=args.max_cached_requests)
-    if args.drafter != "model":
-        raise ValueError(f"drafter must be 'model' or 'ngram', got {args.drafter!r}")
-    model = load_causal_lm(args.model, args.dtype, args.device)
-    return ModelDrafter(model, max_cached_requests=args.max_cached_requests,
-                        draft_top_k=args.draft_top_k)
 
 
 class PoolReplica:
@@ -162,7 +155,7 @@ class PoolReplica:
 class DrafterPool(PoolReplica):
     async def __init__(self, args: DrafterArgs) -> None:
         torch.set_num_threads(args.torch_threads)
-        self.engine = build_drafter_engine(args)
+        self.engine = build_drafter(args.spec())
         await self.start(pb_grpc.add_DrafterServicer_to_server)
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:

@@ -6,7 +6,6 @@ call to each pool.
 """
 
 import asyncio
-import contextlib
 import json
 import uuid
 
@@ -27,13 +26,20 @@ from deployments.openai_api import (
     error_body,
     usage,
 )
-from drafter.ngram import NgramDrafter
+from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
+from speculative.checkpoint import (
+    Checkpoint,
+    check_vocabularies,
+    context_limit,
+    end_token_ids,
+    stop_token_ids,
+)
+from speculative.driver import Generation, text_decoder
 from speculative.loop import Request as SpecRequest
-from speculative.loop import RequestState, SpecStats, decode
+from speculative.loop import SpecStats
 from speculative.models import DEMO_TARGET, load_tokenizer
 from speculative.policy import FixedK
 from speculative.sampling import derive_seeds
-from speculative.stopping import TextStream
 
 app = FastAPI(title="specserve")
 
@@ -41,14 +47,17 @@ app = FastAPI(title="specserve")
 class RouterArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    tokenizer: str = DEMO_TARGET  # the target's tokenizer (the pools only see token ids)
+    # the target checkpoint: its end tokens, context length and vocabulary (no weights loaded)
+    model: str = DEMO_TARGET
+    tokenizer: str | None = None  # default: the model's (the pools only see token ids)
     served_model_name: str = "specserve-demo"
     grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
     drafter_app: str = "drafter"
     verifier_app: str = "verifier"
     num_speculative_tokens: int = 4
-    default_max_tokens: int = 16
-    max_context_tokens: int = 2048
+    default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
+    # without max_tokens may use the rest of the context, as vLLM's does
+    max_context_tokens: int | None = None  # default: the model's max_position_embeddings
     call_timeout_s: float = 60.0
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
 
@@ -63,10 +72,10 @@ def error_response(error: BadRequest) -> JSONResponse:
     return JSONResponse(error_body(str(error), error.status, error.param), error.status)
 
 
-def merged_stats(states: list[RequestState]) -> dict:
+def merged_stats(done: list[Generation]) -> dict:
     total = SpecStats()
-    for state in states:
-        total.add(state.stats)
+    for generation in done:
+        total.add(generation.stats)
     return total.as_dict()
 
 
@@ -87,75 +96,68 @@ class Job:
     """One HTTP request: n choices decoded concurrently, each its own speculative request."""
 
     def __init__(self, router: "Router", request_id: str, prompt_ids, params, k: int,
-                 drafter_kind: str, chat: bool, return_token_ids: bool,
-                 ignore_eos: bool = False) -> None:
+                 drafter_kind: str | None, chat: bool, return_token_ids: bool,
+                 stop_ids: tuple[int, ...]) -> None:
         self.router, self.request_id, self.prompt_ids = router, request_id, prompt_ids
         self.params, self.k, self.drafter_kind, self.chat = params, k, drafter_kind, chat
-        self.return_token_ids = return_token_ids
+        self.return_token_ids, self.stop_ids = return_token_ids, stop_ids
         self.model = router.args.served_model_name
-        stop_id = router.tokenizer.eos_token_id
-        self.stop_ids = (stop_id,) if stop_id is not None and not ignore_eos else ()
 
-    def decode_text(self, ids) -> str:
-        return self.router.tokenizer.decode(ids, skip_special_tokens=True)
+    def generation(self, index: int) -> Generation:
+        request = SpecRequest(f"{self.request_id}-{index}", self.prompt_ids, self.params[index],
+                              self.stop_ids)
+        return Generation(request, self.router.decode)
 
-    async def run_choice(self, index: int, on_text) -> tuple[str, str, RequestState]:
-        drafter, verifier = self.router.pools()
-        if self.drafter_kind == "ngram":
-            drafter = self.router.ngram
-        params = self.params[index]
-        request = SpecRequest(f"{self.request_id}-{index}", self.prompt_ids, params, self.stop_ids)
-        state = RequestState(request)
-        stream = TextStream(self.decode_text, params.stop)
-        async with contextlib.aclosing(decode(state, drafter, verifier, FixedK(self.k))) as rounds:
-            async for _ in rounds:
-                if delta := stream.update(state.output_token_ids):
-                    await on_text(index, delta)
-                if stream.stopped:
-                    state.finish_reason = "stop"
-                    break
-        if tail := stream.finish():
-            await on_text(index, tail)
-        self.router.metrics.record(state)
-        return stream.sent, state.finish_reason, state
+    async def run_choice(self, index: int, on_text) -> Generation:
+        drafter, verifier = self.router.pools(self.drafter_kind)
+        generation = self.generation(index)
+        async for delta in generation.stream(drafter, verifier, FixedK(self.k)):
+            await on_text(index, delta)
+        self.router.metrics.record(generation.state)
+        return generation
 
     async def complete(self) -> dict:
         async def ignore(index, delta):
             pass
 
-        results = await asyncio.gather(*(self.run_choice(i, ignore) for i in range(len(self.params))))
-        choices = [choice_body(i, text, reason, self.chat,
-                               state.output_token_ids if self.return_token_ids else None)
-                   for i, (text, reason, state) in enumerate(results)]
-        states = [state for _, _, state in results]
-        completion_tokens = sum(len(s.output_token_ids) for s in states)
-        return completion_body(self.request_id, self.model, choices,
-                               usage(len(self.prompt_ids), completion_tokens),
-                               merged_stats(states), self.chat)
+        done = await asyncio.gather(*(self.run_choice(i, ignore) for i in range(len(self.params))))
+        choices = [choice_body(i, g.text, g.finish_reason, g.stop_reason, self.chat,
+                               g.token_ids if self.return_token_ids else None)
+                   for i, g in enumerate(done)]
+        return completion_body(self.request_id, self.model, choices, self.usage(done),
+                               merged_stats(done), self.chat)
+
+    def usage(self, done: list[Generation]) -> dict:
+        return usage(len(self.prompt_ids), sum(len(g.token_ids) for g in done))
 
     async def events(self):
-        """Server-sent events: one chunk per text delta, a final chunk per choice, [DONE]."""
+        """Server-sent events: a first chunk per choice (chat: the role, as OpenAI sends it),
+        one chunk per text delta, a final chunk per choice, usage, [DONE]."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def push(index, delta):
             await queue.put(chunk_body(self.request_id, self.model, index, delta, None, self.chat))
 
         async def run(index):
-            _, reason, state = await self.run_choice(index, push)
-            await queue.put(chunk_body(self.request_id, self.model, index, None, reason, self.chat))
-            return state
+            if self.chat:
+                await queue.put(chunk_body(self.request_id, self.model, index, "", None, True,
+                                           role="assistant"))
+            generation = await self.run_choice(index, push)
+            token_ids = generation.token_ids if self.return_token_ids else None
+            await queue.put(chunk_body(self.request_id, self.model, index, None,
+                                       generation.finish_reason, self.chat,
+                                       stop_reason=generation.stop_reason, token_ids=token_ids))
+            return generation
 
         task = asyncio.gather(*(run(i) for i in range(len(self.params))))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while (chunk := await queue.get()) is not None:
                 yield f"data: {json.dumps(chunk)}\n\n"
-            states = await task
+            done = await task
             kind = "chat.completion.chunk" if self.chat else "text_completion"
             final = {"id": self.request_id, "object": kind, "model": self.model,
-                     "choices": [], "usage": usage(len(self.prompt_ids),
-                                                   sum(len(s.output_token_ids) for s in states)),
-                     "speculative": merged_stats(states)}
+                     "choices": [], "usage": self.usage(done), "speculative": merged_stats(done)}
             yield f"data: {json.dumps(final)}\n\n"
         except PoolError as error:
             yield f"data: {json.dumps(error_body(f'a model pool failed: {error}', 503))}\n\n"
@@ -171,19 +173,27 @@ class Job:
 class Router:
     def __init__(self, args: RouterArgs) -> None:
         self.args = args
-        self.tokenizer = load_tokenizer(args.tokenizer)
-        self.ngram = NgramDrafter(len(self.tokenizer))
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.decode = text_decoder(self.tokenizer)
+        self.target = Checkpoint.load(args.model)
+        check_vocabularies(self.target, self.target, len(self.tokenizer))
+        self.context_limit = context_limit(self.target, args.max_context_tokens)
+        self.end_ids = end_token_ids(args.model, self.tokenizer)
+        self.local_drafters = {kind: build_drafter(DrafterSpec(kind=kind, target=args.model),
+                                                   self.target)
+                               for kind in router_side_kinds()}
         self.metrics = RouterMetrics()
         self._channel: grpc.aio.Channel | None = None
 
-    def pools(self) -> tuple[GrpcDrafter, GrpcVerifier]:
+    def pools(self, drafter_kind: str | None = None) -> tuple:
+        """(drafter, verifier): the pools' gRPC clients, or a drafter run here by kind."""
         if self._channel is None:  # grpc.aio objects belong to the running event loop
             self._channel = grpc.aio.insecure_channel(self.args.grpc_address)
             timeout = self.args.call_timeout_s
             direct = self.args.direct_data_path
             self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct)
             self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout, direct)
-        return self._drafter, self._verifier
+        return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -207,13 +217,16 @@ class Router:
         try:
             body = await parse(request, schema)
             prompt_ids = self.prompt_ids(body, chat)
-            params = [body.sampling(self.args.default_max_tokens, seed)
+            limit = self.context_limit
+            # completions default to OpenAI's 16 tokens; chat may use the rest of the context
+            default = self.args.default_max_tokens if not chat else limit - len(prompt_ids)
+            params = [body.sampling(min(default, limit - len(prompt_ids)), seed)
                       for seed in derive_seeds(body.seed, body.n)]
-            limit = self.args.max_context_tokens
             if len(prompt_ids) + params[0].max_tokens > limit:
                 raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
                                  f"({params[0].max_tokens}) exceed the context limit of {limit}",
                                  param="max_tokens")
+            stop_ids = self.stop_ids(body)
         except BadRequest as error:
             return error_response(error)
         except ValueError as error:
@@ -230,14 +243,21 @@ class Router:
         if len(request_id) > 128 or not request_id.isprintable():
             return error_response(BadRequest("x-request-id must be at most 128 printable "
                                              "characters", param="x-request-id"))
-        job = Job(self, request_id, prompt_ids, params, k, body.drafter or "model", chat,
-                  body.return_token_ids, body.ignore_eos)
+        job = Job(self, request_id, prompt_ids, params, k, body.drafter, chat,
+                  body.return_token_ids, stop_ids)
         if body.stream:
             return StreamingResponse(job.events(), media_type="text/event-stream")
         try:
             return await job.complete()
         except PoolError as error:
             return error_response(BadRequest(f"a model pool failed: {error}", 503))
+
+    def stop_ids(self, body) -> tuple[int, ...]:
+        requested = tuple(body.stop_token_ids or ())
+        if any(not 0 <= t < self.target.vocab_size for t in requested):
+            raise BadRequest(f"stop_token_ids must be in [0, {self.target.vocab_size})",
+                             param="stop_token_ids")
+        return stop_token_ids(self.end_ids, requested, body.ignore_eos)
 
     def prompt_ids(self, body, chat: bool) -> tuple[int, ...]:
         if chat:
@@ -252,12 +272,12 @@ class Router:
             ids = self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = body.prompt
-            vocab = len(self.tokenizer)
+            vocab = self.target.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise BadRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if not ids:
             raise BadRequest("the prompt is empty after tokenization", param="prompt")
-        if len(ids) >= self.args.max_context_tokens:
+        if len(ids) >= self.context_limit:
             raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is "
-                             f"{self.args.max_context_tokens - 1}", param="prompt")
+                             f"{self.context_limit - 1}", param="prompt")
         return tuple(ids)

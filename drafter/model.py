@@ -3,19 +3,25 @@
 import torch
 
 from speculative.kv import SessionStore
-from speculative.sampling import logits_to_probs, sample, truncate_top_k
+from speculative.sampling import fit_vocab, logits_to_probs, sample, truncate_top_k
 from speculative.types import DraftBlock, ProposeCall, check_call, timed
 
 
 class ModelDrafter:
     """Proposes K tokens autoregressively with the draft model.
 
-    `draft_top_k` > 0 truncates each q to its top entries before sampling (smaller messages);
-    the output stays exact because the token is drawn from the very q that is shipped.
+    `vocab_size` is the vocabulary the pools agree on (the target's embedding rows; default:
+    the draft's own). `draft_top_k` > 0 truncates each q to its top entries before sampling
+    (smaller messages); the output stays exact because the token is drawn from the very q
+    that is shipped. Past the draft's own context length it drafts nothing: those rounds are
+    the target's alone.
     """
 
-    def __init__(self, model, *, max_cached_requests: int = 256, draft_top_k: int = 0) -> None:
+    def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
+                 draft_top_k: int = 0) -> None:
         self.model = model.eval()
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.draft_top_k = draft_top_k
         self.sessions = SessionStore(max_cached_requests)
 
@@ -26,23 +32,28 @@ class ModelDrafter:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
-        check_call(call.sync.new_token_ids, self.model.config.vocab_size,
-                   call.num_speculative_tokens)
+        check_call(call.sync.new_token_ids, self.vocab_size, call.num_speculative_tokens)
         sequence = self.sessions.sync(call.request_id, call.sync)
+        num_tokens = call.num_speculative_tokens
+        if self.max_positions is not None:  # the last drafted token is never fed
+            num_tokens = max(0, min(num_tokens, self.max_positions + 1 - len(sequence.committed)))
+        if num_tokens == 0:
+            return DraftBlock((), None)
         generator = torch.Generator().manual_seed(call.seed)
         greedy = call.sampling.greedy
         # Feeding the committed tail also covers the "all K accepted" case: the drafter never
         # fed its own last token x_K, so it is fed now together with the bonus token.
-        logits = sequence.feed(self.model, [], num_logits=1)[0]  # [V]
+        logits = sequence.feed(self.model, [], num_logits=1)[0]  # [V_draft]
         token_ids: list[int] = []
         draft_probs: list[torch.Tensor] = []
-        for i in range(call.num_speculative_tokens):
+        for i in range(num_tokens):
+            logits = fit_vocab(logits, self.vocab_size)  # [V]
             if greedy:
                 token_ids.append(int(logits.argmax()))
             else:
                 probs = truncate_top_k(logits_to_probs(logits, call.sampling), self.draft_top_k)
                 token_ids.append(sample(probs, generator))
                 draft_probs.append(probs)
-            if i + 1 < call.num_speculative_tokens:
+            if i + 1 < num_tokens:
                 logits = sequence.feed(self.model, token_ids, num_logits=1)[0]
         return DraftBlock(tuple(token_ids), torch.stack(draft_probs) if draft_probs else None)

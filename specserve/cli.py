@@ -2,7 +2,6 @@
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -21,7 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="run the speculative round loop in-process")
     gen.add_argument("--target", default=DEMO_TARGET, help="target model (path or hub id)")
     gen.add_argument("--draft", default=DEMO_DRAFT, help="draft model (path or hub id)")
-    gen.add_argument("--drafter", choices=["model", "ngram"], default="model")
+    from drafter.registry import DRAFTERS
+
+    gen.add_argument("--drafter", choices=sorted(DRAFTERS), default="model",
+                     help="; ".join(f"{name}: {kind.help}" for name, kind in DRAFTERS.items()))
     gen.add_argument("--prompt", default="def ", help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -29,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", type=int, action="append", default=[],
+                     help="stop token id besides the checkpoint's end tokens (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at the checkpoint's end tokens")
     gen.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
                      help="K, tokens drafted per round; 0 = target alone, no drafter call")
     gen.add_argument("--n", type=int, default=1, help="independent samples")
@@ -50,42 +56,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_engines(args, vocab_size: int):
-    from drafter.model import ModelDrafter
-    from drafter.ngram import NgramDrafter
+def build_engines(args):
+    """(drafter or None for K = 0, verifier, the target's Checkpoint), checked at start-up."""
+    from drafter.registry import DRAFTERS, DrafterSpec, build_drafter
+    from speculative.checkpoint import Checkpoint
     from speculative.models import load_causal_lm
     from verifier.engine import ModelVerifier
 
-    verifier = ModelVerifier(load_causal_lm(args.target, args.dtype))
-    if args.drafter == "ngram":
-        return NgramDrafter(vocab_size), verifier
-    draft = load_causal_lm(args.draft, args.dtype) if args.num_speculative_tokens else None
-    drafter = ModelDrafter(draft, draft_top_k=args.draft_top_k) if draft is not None else None
-    return drafter, verifier
-
-
-async def decode_text(request, drafter, verifier, k: int, tokenizer):
-    """Run one request; returns (text, token_ids, state)."""
-    from speculative.loop import RequestState, decode
-    from speculative.policy import FixedK
-    from speculative.stopping import truncate_at_stop
-
-    state = RequestState(request)
-    stop = request.sampling.stop
-    decode_ids = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    async with contextlib.aclosing(decode(state, drafter, verifier, FixedK(k))) as rounds:
-        async for _ in rounds:
-            hit = truncate_at_stop(state.output_token_ids, decode_ids, stop) if stop else None
-            if hit is not None:
-                state.finish_reason = "stop"
-                return hit[0], hit[1], state
-    ids = state.output_token_ids
-    return decode_ids(ids), ids, state
+    target = Checkpoint.load(args.target)
+    spec = DrafterSpec(kind=args.drafter, model=args.draft, target=args.target, dtype=args.dtype,
+                       draft_top_k=args.draft_top_k)
+    needed = args.num_speculative_tokens or not DRAFTERS[args.drafter].needs_model
+    drafter = build_drafter(spec, target) if needed else None
+    return drafter, ModelVerifier(load_causal_lm(args.target, args.dtype)), target
 
 
 def generate(args) -> dict:
+    """The same request the router serves, in-process: choices with text, token ids, finish
+    and stop reasons; usage; the speculative stats."""
+    from speculative.checkpoint import end_token_ids, stop_token_ids
+    from speculative.driver import Generation, text_decoder
     from speculative.loop import Request, SpecStats
     from speculative.models import load_tokenizer
+    from speculative.policy import FixedK
     from speculative.sampling import SamplingParams, derive_seeds
 
     seeds = derive_seeds(args.seed, args.n)
@@ -96,23 +89,27 @@ def generate(args) -> dict:
     prompt_ids = tuple(tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
     if not prompt_ids:
         raise ValueError("the prompt tokenizes to nothing: give at least one character")
-    drafter, verifier = build_engines(args, len(tokenizer))
-    stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    drafter, verifier, _ = build_engines(args)
+    stop_ids = stop_token_ids(end_token_ids(args.target, tokenizer), args.stop_token_id,
+                              args.ignore_eos)
     total = SpecStats()
     choices = []
     started = time.perf_counter()
     for index, sampling in enumerate(params):
-        request = Request(uuid.uuid4().hex, prompt_ids, sampling, stop_ids)
-        text, ids, state = asyncio.run(
-            decode_text(request, drafter, verifier, args.num_speculative_tokens, tokenizer)
-        )
-        choices.append({"index": index, "text": text, "token_ids": ids,
-                        "finish_reason": state.finish_reason})
-        total.add(state.stats)
+        generation = Generation(Request(uuid.uuid4().hex, prompt_ids, sampling, stop_ids),
+                                text_decoder(tokenizer))
+        asyncio.run(generation.run(drafter, verifier, FixedK(args.num_speculative_tokens)))
+        choices.append({"index": index, "text": generation.text,
+                        "token_ids": generation.token_ids,
+                        "finish_reason": generation.finish_reason,
+                        "stop_reason": generation.stop_reason})
+        total.add(generation.stats)
     seconds = time.perf_counter() - started
     num_tokens = sum(len(c["token_ids"]) for c in choices)
     stats = total.as_dict() | {"seconds": seconds, "tokens_per_s": num_tokens / seconds}
-    return {"choices": choices, "stats": stats}
+    usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": num_tokens,
+             "total_tokens": len(prompt_ids) + num_tokens}
+    return {"choices": choices, "usage": usage, "stats": stats}
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:

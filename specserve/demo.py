@@ -25,6 +25,16 @@ from tqdm import tqdm
 EOS = "<|endoftext|>"
 SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "__pycache__"}
 
+# The pair only knows Python source, so a chat is rendered as Python comments it can continue:
+# one "# <role>: <content>" line per message (any role; `~` also renders a missing content as
+# ""), then "# assistant:" and a newline as the generation prompt. No special tokens.
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '# ' ~ message['role'] ~ ': ' ~ message['content'] ~ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -179,10 +189,16 @@ def greedy_acceptance(target, draft, data: torch.Tensor, recipe: DemoRecipe) -> 
     return same.float().mean().item()
 
 
+def save_tokenizer(tokenizer, path: Path) -> None:
+    """Save `tokenizer` with the demo chat template (transformers 5 writes chat_template.jinja)."""
+    tokenizer.chat_template = DEMO_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+
 def save(model, tokenizer, path: Path) -> None:
     model.to(torch.bfloat16).save_pretrained(path)  # bf16 halves the committed size
     model.to(torch.float32)
-    tokenizer.save_pretrained(path)
+    save_tokenizer(tokenizer, path)
     for file in path.iterdir():
         os.chmod(file, 0o644)  # save_pretrained may write 0600 files
 

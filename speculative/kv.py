@@ -4,6 +4,13 @@ A pool keeps one `Sequence` per request in a bounded LRU (`SessionStore`). Each 
 committed prefix it builds on (`PrefixSync`); the sequence checks that base, appends the newly
 committed tokens, and crops its transformers `DynamicCache` to the longest prefix it shares with
 what must be fed next, so rejected draft tokens never reach a later distribution.
+
+Sliding-window layers (Mistral, Gemma-2) keep only the last window - 1 positions, so a rollback
+once a layer has passed its window needs the positions it dropped. The cache records the past
+(`activate_past_recording`): a layer keeps everything fed since the last crop, and every call
+crops (possibly by 0 tokens) before it feeds, which trims it back to the window. A rollback
+therefore reaches back as far as the previous call fed, which covers the rejected drafts; a
+deeper one (a rebuild that keeps part of a cache) re-prefills instead. Exact either way.
 """
 
 from collections import OrderedDict
@@ -60,16 +67,40 @@ class Sequence:
     @torch.no_grad()
     def forward(self, model, token_ids: list[int], start: int) -> torch.Tensor:
         """Crop the cache to `start` tokens, feed token_ids after it; returns [len, V] logits."""
+        if self.cache is not None:
+            remove = max(0, self.cache.get_seq_length() - start)
+            if can_roll_back(self.cache, remove):
+                self.cache.crop(-remove)  # 0 still trims sliding layers back to their window
+            else:
+                self.cache = None
         if self.cache is None:
-            self.cache = DynamicCache(config=model.config)
-        cached = self.cache.get_seq_length()
-        if start < cached:
-            self.cache.crop(start - cached)  # negative: remove that many tokens
+            self.cache = new_cache(model.config)
+            token_ids, start = self.cached_ids[:start] + token_ids, 0
         del self.cached_ids[start:]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+        # ids past a (differently padded) draft's embedding are fed as its last row: that only
+        # changes what the draft conditions on, never the exactness of what it ships
+        input_ids.clamp_(max=model.get_input_embeddings().num_embeddings - 1)
         logits = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True).logits
         self.cached_ids.extend(token_ids)
         return logits[0]
+
+
+def new_cache(config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    cache.activate_past_recording()  # sliding layers keep what a rollback needs (see above)
+    return cache
+
+
+def can_roll_back(cache: DynamicCache, num_tokens: int) -> bool:
+    """Whether every layer still holds what it needs after removing num_tokens: a sliding
+    layer must keep min(window - 1, its new length) positions."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and layer.is_initialized:
+            kept = layer.keys.shape[-2] - num_tokens
+            if kept < min(layer.sliding_window - 1, layer.cumulative_length - num_tokens):
+                return False
+    return True
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The round loop: draft -> verify -> accept/reject -> commit, for one request.
 
 It knows nothing about tokenization, processes or networks: token ids in, token ids out,
-against the Drafter and Verifier interfaces. The CLI runs it over in-process engines; the
-router runs the same loop over gRPC clients.
+against the Drafter and Verifier interfaces. The request driver (speculative.driver) runs it
+over in-process engines for the CLI and over gRPC clients for the router.
 """
 
 import secrets
@@ -187,6 +187,11 @@ class RequestState:
             self.finish_reason = "length"
         return added
 
+    def stop_after(self, num_output_tokens: int) -> None:
+        """End the request after its first num_output_tokens (a stop string ended there)."""
+        del self.committed[len(self.request.prompt_token_ids) + num_output_tokens :]
+        self.finish_reason = "stop"
+
     async def synced(self, view: PoolView, call):
         """Run call(sync) against a pool; on StaleBase resend the whole prefix once."""
         try:
@@ -254,7 +259,7 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     return committed
 
 
-async def decode(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
+async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
     """Run rounds until the request finishes, yielding each round's new token ids.
 
     Releases both pools' caches when it ends; a caller that stops early closes it with

@@ -67,6 +67,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., V'] logits -> [..., vocab_size]: padded rows get -inf (probability 0), rows beyond
+    vocab_size are dropped. A draft padded unlike the target then draws only ids the target
+    can score, from the very q it ships."""
+    extra = vocab_size - logits.shape[-1]
+    if extra > 0:
+        return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+    return logits[..., :vocab_size]
+
+
 def truncate_top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k most likely entries of each [..., V] row and renormalise (draft-side q)."""
     if k <= 0 or k >= probs.shape[-1]:

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -22,3 +24,33 @@ def tiny_pair_dir(tmp_path_factory):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     return root
+
+
+@pytest.fixture(scope="session")
+def quirky_pair_dir(tmp_path_factory):
+    """A pair with the properties of real checkpoints the demo pair lacks, built from configs:
+    - Llama-3.1-Instruct-like end tokens: generation_config lists three, one of which the
+      target emits early for QUIRKY_PROMPT (its index in the output: `report["end_at"]`);
+    - Qwen2.5-like padded vocabularies: a tokenizer of < 300 tokens, target 320 rows, draft 310;
+    - Mistral-like sliding-window attention (window 16), in both target and draft.
+    """
+    from tests.tiny import hf_greedy, tiny_sliding
+
+    root = tmp_path_factory.mktemp("quirky_pair")
+    tokenizer = train_tokenizer(TEXT, vocab_size=300)
+    target = tiny_sliding(11, window=16, vocab_size=320)
+    draft = noisy_copy(target, 0.01, seed=12)
+    draft.resize_token_embeddings(310)
+    prompt = tokenizer(QUIRKY_PROMPT, add_special_tokens=False)["input_ids"]
+    out = hf_greedy(target, prompt, 40)
+    end_at = next(i for i in range(4, 40) if out[i] not in out[:i] and out[i] < len(tokenizer))
+    unused = [t for t in range(1, len(tokenizer)) if t not in out][:2]
+    target.generation_config.eos_token_id = [unused[0], out[end_at], unused[1]]
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    (root / "report.json").write_text(json.dumps({"end_at": end_at, "greedy": out}))
+    return root
+
+
+QUIRKY_PROMPT = "def add("

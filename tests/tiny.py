@@ -1,12 +1,12 @@
 """Tiny randomly initialised causal LMs built from a config, for tests that need no language."""
 
 import asyncio
-import contextlib
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speculative.loop import Request, RequestState, decode
+from speculative.driver import Generation
+from speculative.loop import Request
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 
@@ -40,17 +40,12 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def run(drafter, verifier, prompt, params: SamplingParams, k: int, request_id="r", stop=()):
-    """Decode one request in-process; returns (output ids, state)."""
-    state = RequestState(Request(request_id, tuple(prompt), params, tuple(stop)))
-
-    async def main():
-        async with contextlib.aclosing(decode(state, drafter, verifier, FixedK(k))) as rounds:
-            async for _ in rounds:
-                pass
-
-    asyncio.run(main())
-    return state.output_token_ids, state
+def run(drafter, verifier, prompt, params: SamplingParams, k: int, request_id="r", stop=(),
+        decode=None):
+    """Decode one request in-process through the request driver; returns (output ids, state)."""
+    generation = Generation(Request(request_id, tuple(prompt), params, tuple(stop)), decode)
+    asyncio.run(generation.run(drafter, verifier, FixedK(k)))
+    return generation.token_ids, generation.state
 
 
 def noisy_copy(model, scale: float, seed: int):
@@ -63,3 +58,56 @@ def noisy_copy(model, scale: float, seed: int):
         for parameter in draft.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
     return draft
+
+
+def tiny_sliding(seed: int, *, window: int = 8, vocab_size: int = 64, mixed: bool = False):
+    """A Mistral-like model whose attention slides over `window` positions (mixed: a
+    Qwen2-like stack that alternates sliding and full layers, as Gemma-2 does)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, sliding_window=window,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if mixed:
+        config = Qwen2Config(**shape, use_sliding_window=True,
+                             layer_types=["sliding_attention", "full_attention"])
+        model = Qwen2ForCausalLM(config).eval()
+    else:
+        model = MistralForCausalLM(MistralConfig(**shape)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def word_tokenizer(words: list[str], pre_tokenizer, decoder, cleanup: bool = False):
+    """A word-level tokenizer over `words` with the given pre-tokenizer and decoder
+    (cleanup: transformers' clean_up_tokenization_spaces on the whole decoded text)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<eos>", "<unk>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizer, decoder
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=cleanup)
+
+
+def rewriting_tokenizer():
+    """Decoding a longer sequence rewrites earlier text: transformers' cleanup of the whole
+    text turns "it '" into "it's" once an "s" follows (" ' " -> "'")."""
+    from tokenizers import decoders, pre_tokenizers
+
+    return word_tokenizer(["it", "'", "s", "a", "b", ",", "c", "d", "."],
+                          pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(cleanup=False),
+                          cleanup=True)
+
+
+def metaspace_tokenizer():
+    """SentencePiece-style: a word's leading space is part of its token and dropped when the
+    decoded text starts with it."""
+    from tokenizers import decoders, pre_tokenizers
+
+    return word_tokenizer(["▁hello", "▁world", "▁again"], pre_tokenizers.Metaspace(),
+                          decoders.Metaspace())

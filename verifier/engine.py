@@ -18,6 +18,7 @@ class ModelVerifier:
 
     def __init__(self, model, *, max_cached_requests: int = 256) -> None:
         self.model = model.eval()
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.sessions = SessionStore(max_cached_requests)
 
     async def score(self, call: ScoreCall) -> TargetScores:
@@ -36,15 +37,19 @@ class ModelVerifier:
             if shape != (len(drafted), vocab_size):
                 raise ValueError(f"sampling needs draft_probs of shape {(len(drafted), vocab_size)}"
                                  f", got {shape}")
+        length = call.sync.committed_len + len(drafted)
+        if self.max_positions is not None and length > self.max_positions:
+            raise ValueError(f"{length} tokens exceed the target's context of "
+                             f"{self.max_positions} (max_position_embeddings)")
         sequence = self.sessions.sync(call.request_id, call.sync)
         logits = sequence.feed(self.model, drafted, num_logits=len(drafted) + 1)  # [K+1, V]
         if call.sampling.greedy:
             return TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
-        return draw_for_router(logits_to_probs(logits, call.sampling), drafted,
+        return draw_recovered_and_bonus(logits_to_probs(logits, call.sampling), drafted,
                                call.draft_probs, call.seed)
 
 
-def draw_for_router(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:
+def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:
     """p_i(x_i), a residual draw per position and a bonus draw: all the router needs.
 
     target_probs: [K + 1, V]; draft_probs: [K, V]. Every residual is drawn, used or not, so

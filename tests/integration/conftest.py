@@ -51,3 +51,24 @@ def cluster():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def with_pair(config: dict, name: str, pair_dir) -> dict:
+    """config plus a second drafter / verifier / router trio serving the pair in pair_dir, its
+    router under /<name> (served model name `name`); the first trio is untouched."""
+    config = copy.deepcopy(config)
+    target, draft = str(pair_dir / "target"), str(pair_dir / "draft")
+    extra = {"drafter": {"model": draft, "target": target},
+             "verifier": {"model": target},
+             "router": {"model": target, "served_model_name": name,
+                        "drafter_app": f"{name}-drafter", "verifier_app": f"{name}-verifier"}}
+    for base in list(config["applications"]):
+        app = copy.deepcopy(base)
+        app["name"] = f"{name}-{base['name']}"
+        app["route_prefix"] = f"/{name}" + (base["route_prefix"] if base["name"] != "router"
+                                            else "")
+        app["args"] = {**app["args"], **extra[base["name"]]}
+        for deployment in app["deployments"]:
+            deployment["ray_actor_options"] = {"num_cpus": 0.1}
+        config["applications"].append(app)
+    return config

@@ -1,9 +1,88 @@
-"""Run by test_placement.py in its own process: a 3-node local Ray cluster whose nodes carry
-custom resources standing in for GPU classes; the pools must land on their class only."""
+"""Run by test_placement.py in its own process: cluster/gpu.yaml, deployed as operators deploy it,
+on a local 3-node Ray whose nodes declare GPUs and accelerator types the way Ray itself does.
+
+- head: a little CPU, no GPU (the router goes anywhere; Serve's controller and proxies cost no CPU)
+- "L4" node: 2 GPUs and the resource `accelerator_type:L4`
+- "H100" node: 2 GPUs and the resource `accelerator_type:H100`
+
+Ray's own detection gives a GPU node `accelerator_type:<name>` = 1 (one per node, whatever its
+GPU count), and `accelerator_type: <name>` in an actor's options asks for 0.001 of it
+(ray._common.utils.resources_from_ray_options), so the nodes here declare exactly that.
+
+The pools are placed by gpu.yaml's own ray_actor_options (num_gpus: 1, accelerator_type: L4 /
+H100) and autoscaling configs. What is overridden, and why, is in `overridden()` below. Each
+replica that asks for a GPU gets CUDA_VISIBLE_DEVICES set by Ray to a device that does not exist;
+the pools run on CPU because their args say `device: cpu`, which the torch probe below checks.
+
+Prints one line `PLACEMENT {json}`; every Ray process started here is stopped before exit, and
+an alarm turns a hang into an exception so that the cleanup still runs.
+"""
 
 import json
+import os
+import signal
+
+import requests
 
 from deployments.local import app_config, deploy, load_config, on_free_ports, start_serve
+from speculative.models import DEMO_DRAFT, DEMO_TARGET
+
+DEADLINE_S = 360  # test_placement.py waits a little longer, then kills this process group
+POOLS = {"drafter": ("DrafterPool", DEMO_DRAFT), "verifier": ("VerifierPool", DEMO_TARGET)}
+
+
+def overridden(config: dict) -> dict:
+    """gpu.yaml with only what a 2-core, GPU-less, offline machine cannot take changed:
+
+    - pools' args: `model` -> the demo pair (no hub access here), `device: cpu` and
+      `dtype: float32` (no CUDA, and bf16 is slow or unsupported on these CPUs),
+      `torch_threads: 1` (2 cores for everything); the drafter's `target` -> the demo target.
+    - router's args: `model`, `tokenizer`, `served_model_name`, `max_context_tokens` dropped (they
+      name the real checkpoint): the router takes its demo defaults; the rest is gpu.yaml's.
+    - every deployment's `ray_actor_options.num_cpus` -> 0.1 (gpu.yaml asks 4 / 8 / 2 CPUs per
+      replica; this machine has 2). num_gpus and accelerator_type stay as in gpu.yaml, and so
+      do the autoscaling configs (min_replicas 1: one replica per pool at rest).
+    - http_options.host 0.0.0.0 -> 127.0.0.1: tests only listen on loopback. Ports are free ones
+      (on_free_ports). proxy_location EveryNode stays: one proxy per node, all three on the same
+      ports of this machine (Serve's proxies set SO_REUSEPORT).
+    """
+    config = on_free_ports(config)
+    config["http_options"]["host"] = "127.0.0.1"
+    for name, (_, model) in POOLS.items():
+        args = app_config(config, name)["args"]
+        args.update(model=model, device="cpu", dtype="float32", torch_threads=1)
+        if name == "drafter":
+            args["target"] = DEMO_TARGET
+    router_args = app_config(config, "router")["args"]
+    for key in ("model", "tokenizer", "served_model_name", "max_context_tokens"):
+        router_args.pop(key, None)
+    for app in config["applications"]:
+        for deployment in app["deployments"]:
+            deployment["ray_actor_options"]["num_cpus"] = 0.1
+    return config
+
+
+def torch_on_fake_gpu(args: dict) -> dict:
+    """What torch does in a process holding a Ray GPU that does not exist (run with a pool's
+    own ray_actor_options): load the pool's model with the pool's args and run one forward."""
+    import ray
+    import torch
+
+    from speculative.models import load_causal_lm
+
+    torch.set_num_threads(1)
+    model = load_causal_lm(args["model"], args["dtype"], args["device"])
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]], device=args["device"])).logits
+    return {"node": ray.get_runtime_context().get_node_id(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "cuda_available": torch.cuda.is_available(),
+            "device": str(logits.device), "finite": bool(torch.isfinite(logits).all())}
+
+
+def on_deadline(signum, frame):
+    raise TimeoutError(f"placement check still running after {DEADLINE_S}s")
 
 
 def main() -> None:
@@ -11,30 +90,52 @@ def main() -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    small = cluster.add_node(num_cpus=1, resources={"gpu_class_small": 2})
-    large = cluster.add_node(num_cpus=1, resources={"gpu_class_large": 2})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="warning")
+    signal.signal(signal.SIGALRM, on_deadline)
+    signal.alarm(DEADLINE_S)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
-        config = on_free_ports(load_config())
-        for name, resource in (("drafter", "gpu_class_small"), ("verifier", "gpu_class_large")):
-            options = app_config(config, name)["deployments"][0]
-            options["num_replicas"] = 2
-            options["ray_actor_options"] = {"num_cpus": 0.1, "resources": {resource: 1}}
-        app_config(config, "router")["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.1}
+        nodes = {accelerator: cluster.add_node(num_cpus=1, num_gpus=2,
+                                               resources={f"accelerator_type:{accelerator}": 1})
+                 for accelerator in ("L4", "H100")}
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="warning")
+        config = overridden(load_config("gpu.yaml"))
+
+        probe = ray.remote(torch_on_fake_gpu)
+        torch_probe = {}
+        for name in POOLS:
+            app = app_config(config, name)
+            options = app["deployments"][0]["ray_actor_options"]  # gpu.yaml's, num_cpus aside
+            torch_probe[name] = ray.get(probe.options(**options).remote(app["args"]))
+
         start_serve(config)
         deploy(config, timeout_s=240)
-        where = {}
-        for app, deployment in (("drafter", "DrafterPool"), ("verifier", "VerifierPool")):
-            handle = serve.get_deployment_handle(deployment, app)
-            where[app] = sorted({handle.where.remote().result() for _ in range(20)})
-        print("PLACEMENT " + json.dumps({"small": small.node_id, "large": large.node_id,
-                                        "where": where}), flush=True)
+        where, replicas = {}, {}
+        for name, (deployment, _) in POOLS.items():
+            handle = serve.get_deployment_handle(deployment, name)
+            where[name] = sorted({handle.where.remote().result() for _ in range(20)})
+            status = serve.status().applications[name].deployments[deployment]
+            replicas[name] = status.replica_states.get("RUNNING", 0)
+
+        port = config["http_options"]["port"]
+        response = requests.post(f"http://127.0.0.1:{port}/v1/completions",
+                                 json={"prompt": "def ", "max_tokens": 8, "temperature": 0},
+                                 timeout=120)
+        body = response.json() if response.ok else response.text
+        print("PLACEMENT " + json.dumps({
+            "nodes": {accelerator: node.node_id for accelerator, node in nodes.items()},
+            "where": where, "replicas": replicas, "torch": torch_probe,
+            "completion": {"status": response.status_code, "body": body}}), flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+        signal.alarm(0)
+        try:
+            if ray.is_initialized():  # serve.shutdown() would start a Ray of its own otherwise
+                serve.shutdown()
+        finally:
+            try:
+                ray.shutdown()
+            finally:
+                cluster.shutdown()
 
 
 if __name__ == "__main__":

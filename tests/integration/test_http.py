@@ -125,11 +125,44 @@ def test_invalid_json_is_a_400(cluster):
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
 
-def test_chat_without_a_template_is_a_clear_400(cluster):
-    response = cluster.post("/v1/chat/completions",
-                            {"messages": [{"role": "user", "content": "hi"}]})
-    assert response.status_code == 400
-    assert "chat template" in response.json()["error"]["message"]
+def test_chat_through_the_openai_client_plain_and_streaming(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="unused")
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Parse a config file."}]
+    plain = client.chat.completions.create(model="specserve-demo", messages=messages,
+                                           max_tokens=24, temperature=0)
+    assert plain.object == "chat.completion"
+    assert plain.choices[0].message.role == "assistant" and plain.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="specserve-demo", messages=messages,
+                                                 max_tokens=24, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"  # as OpenAI's first chunk
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        plain.choices[0].finish_reason
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster):
+    """Not capped at the completions default of 16: a prompt that leaves 40 tokens of the
+    demo target's 2048 gets up to 40."""
+    from speculative.models import DEMO_TARGET, load_tokenizer
+
+    tokenizer = load_tokenizer(DEMO_TARGET)
+
+    def prompt_tokens(repeats: int) -> int:
+        messages = [{"role": "user", "content": "x = 1\n" * repeats}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    per_repeat = (prompt_tokens(400) - prompt_tokens(200)) / 200
+    content = "x = 1\n" * int(400 + (2048 - 40 - prompt_tokens(400)) / per_repeat)
+    body = cluster.post("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": content}],
+                                                 "temperature": 0, "ignore_eos": True}).json()
+    left = 2048 - body["usage"]["prompt_tokens"]
+    assert 16 < left <= 48 and body["usage"]["completion_tokens"] == left
 
 
 def test_the_openai_client_works_plain_and_streaming(cluster):

@@ -40,6 +40,17 @@ def exact_pairs(model, params: SamplingParams) -> np.ndarray:
     return (first[:, None] * second).numpy()
 
 
+def make_drafter(target, kind: str):
+    """Drafters of each kind; "padded-*": a draft whose embedding has fewer or more rows than
+    the target's (as Qwen2.5 sizes differ), its q fitted to the target's vocabulary."""
+    if kind == "ngram":
+        return NgramDrafter(VOCAB)
+    if kind.startswith("padded"):
+        rows = VOCAB - 2 if kind == "padded-smaller" else VOCAB + 3
+        return ModelDrafter(tiny_llama(9, vocab_size=rows), vocab_size=VOCAB)
+    return ModelDrafter(noisy_copy(target, 0.3, seed=2))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
@@ -47,10 +58,9 @@ def exact_pairs(model, params: SamplingParams) -> np.ndarray:
      SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=2)],
     ids=["T1", "T0.7-k5-p0.9"],
 )
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "padded-smaller", "padded-larger"])
 def test_two_token_sequences_match_target_only_sampling(target, params, drafter_kind):
-    draft = noisy_copy(target, 0.3, seed=2)
-    drafter = ModelDrafter(draft) if drafter_kind == "model" else NgramDrafter(VOCAB)
+    drafter = make_drafter(target, drafter_kind)
     verifier = ModelVerifier(target)
     counts = np.zeros((VOCAB, VOCAB))
     accepted = 0

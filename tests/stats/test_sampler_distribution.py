@@ -14,7 +14,7 @@ import torch
 import speculative.rejection as rejection
 from speculative.sampling import SamplingParams, logits_to_probs, sample
 from tests.stats.chisq import chi_square
-from verifier.engine import draw_for_router
+from verifier.engine import draw_recovered_and_bonus
 
 VOCAB = 6
 SAMPLES = 30_000
@@ -51,7 +51,7 @@ class MarkovPair:
             draft, target = torch.stack(draft_rows), torch.stack(target_rows)
             if drawn:
                 seed = int(torch.randint(0, 2**62, (), generator=generator))
-                scores = draw_for_router(target, drafted, draft, seed)
+                scores = draw_recovered_and_bonus(target, drafted, draft, seed)
                 at_draft = draft[torch.arange(k), drafted]
                 out = rejection.accept_drawn(drafted, at_draft, scores.draft_target_probs,
                                              scores.recovered_token_ids, scores.bonus_token_id,

@@ -61,3 +61,12 @@ def test_gpu_config_puts_the_pools_on_different_gpu_classes():
 def test_unknown_args_are_errors():
     with pytest.raises(ValidationError, match="extra"):
         DrafterArgs.model_validate({"modle": "x"})
+
+
+@pytest.mark.parametrize("name, config", serve_configs().items())
+def test_the_three_apps_name_the_same_target(name, config):
+    """The drafter's `target` and the router's `model` are the verifier's model: the pools
+    agree on its vocabulary and the router on its end tokens and context."""
+    args = {app["name"]: ARGS[app["name"]].model_validate(app.get("args", {}))
+            for app in config["applications"]}
+    assert args["drafter"].target == args["verifier"].model == args["router"].model

@@ -8,7 +8,7 @@ import torch
 
 from drafter.model import ModelDrafter
 from speculative.kv import SessionStore
-from speculative.loop import Request, RequestState, decode
+from speculative.loop import Request, RequestState, run_rounds
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, StaleBase, prefix_hash
@@ -136,7 +136,7 @@ def test_interleaved_requests_evicting_each_other_stay_exact(model):
               for rid, p in prompts.items()}
 
     async def one(state):
-        async for _ in decode(state, drafter, verifier, FixedK(3)):
+        async for _ in run_rounds(state, drafter, verifier, FixedK(3)):
             pass
 
     async def both():
@@ -160,3 +160,36 @@ def test_out_of_vocabulary_ids_are_refused_before_touching_the_cache(model, bad)
     with pytest.raises(ValueError, match="out of range"):
         verifier.score_now(ScoreCall("r", sync([], [1, 2]), tuple(bad), greedy))
     assert len(verifier.sessions) == 0
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["mistral-like", "gemma2-like"])
+def test_sliding_window_rollback_past_the_window_stays_exact(mixed):
+    from tests.tiny import tiny_sliding
+
+    model = tiny_sliding(5, window=8, mixed=mixed)
+    store = SessionStore(4)
+    prompt = list(range(3, 15))  # already past the window
+    seq = store.sync("r", sync([], prompt))
+    seq.feed(model, [7, 7, 7, 7], num_logits=5)  # rejected after one token
+    seq = store.sync("r", sync(prompt, [7, 40]))
+    logits = seq.feed(model, [1, 2, 3], num_logits=4)
+    torch.testing.assert_close(logits, full_logits(model, prompt + [7, 40, 1, 2, 3])[-4:],
+                               atol=ATOL, rtol=0)
+    # a rebuild that keeps only an early part of the cache re-prefills (deeper than a crop)
+    seq = store.sync("r", sync([], prompt[:4] + [9, 9]))
+    logits = seq.feed(model, [5], num_logits=2)
+    torch.testing.assert_close(logits, full_logits(model, prompt[:4] + [9, 9, 5])[-2:],
+                               atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["mistral-like", "gemma2-like"])
+def test_sliding_window_pair_decodes_the_targets_greedy_tokens(mixed):
+    from tests.tiny import noisy_copy, tiny_sliding
+
+    target = tiny_sliding(6, window=8, mixed=mixed)
+    draft = noisy_copy(target, 0.05, seed=7)
+    prompt = [5, 9, 2, 33, 17]
+    out, state = run(ModelDrafter(draft), ModelVerifier(target), prompt,
+                     SamplingParams(temperature=0, max_tokens=40), k=4)
+    assert out == hf_greedy(target, prompt, 40)
+    assert state.stats.num_accepted_tokens < state.stats.num_draft_tokens  # rollbacks ran

@@ -1,0 +1,78 @@
+"""Every kind of drafter, in one table: the CLI, the drafter pool and the router build
+drafters from it, so a new drafter is one file plus one entry here.
+
+A kind is built from a `DrafterSpec`. Kinds without a model (`needs_model` False) are cheap
+enough to run beside the router too, where a request may ask for one by name.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from speculative.checkpoint import Checkpoint, check_same_tokenizer, check_vocabularies
+from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: str = "model"
+    model: str = DEMO_DRAFT  # the draft checkpoint (kinds that need a model)
+    target: str = DEMO_TARGET  # the target checkpoint: the vocabulary the pools agree on
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_cached_requests: int = 256
+    draft_top_k: int = 0  # model: truncate q to its top entries (0 = dense)
+    ngram_min: int = 1  # ngram: shortest suffix looked up
+    ngram_max: int = 4  # ngram: longest suffix looked up
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    build: Callable[[DrafterSpec, Checkpoint], object]  # (spec, target) -> a Drafter engine
+    needs_model: bool
+    help: str
+
+
+def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
+    from drafter.model import ModelDrafter
+
+    draft = Checkpoint.load(spec.model)
+    target_tokenizer = load_tokenizer(spec.target)
+    check_vocabularies(draft, target, len(target_tokenizer))
+    try:
+        draft_tokenizer = load_tokenizer(spec.model)
+    except (OSError, ValueError):  # a draft folder without a tokenizer uses the target's
+        draft_tokenizer = None
+    if draft_tokenizer is not None:
+        check_same_tokenizer(draft_tokenizer, target_tokenizer, spec.model)
+    model = load_causal_lm(spec.model, spec.dtype, spec.device)
+    return ModelDrafter(model, vocab_size=target.vocab_size, draft_top_k=spec.draft_top_k,
+                        max_cached_requests=spec.max_cached_requests)
+
+
+def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):
+    from drafter.ngram import NgramDrafter
+
+    return NgramDrafter(target.vocab_size, min_ngram=spec.ngram_min, max_ngram=spec.ngram_max,
+                        max_cached_requests=spec.max_cached_requests)
+
+
+DRAFTERS: dict[str, DrafterKind] = {
+    "model": DrafterKind(build_model_drafter, needs_model=True,
+                         help="a small causal LM sharing the target's tokenizer"),
+    "ngram": DrafterKind(build_ngram_drafter, needs_model=False,
+                         help="prompt lookup: what followed the latest n-gram in the context"),
+}
+
+
+def build_drafter(spec: DrafterSpec, target: Checkpoint | None = None):
+    """The drafter engine of spec.kind, checked against the target at start-up."""
+    if spec.kind not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {sorted(DRAFTERS)}, got {spec.kind!r}")
+    if spec.draft_top_k < 0:
+        raise ValueError(f"draft_top_k must be >= 0, got {spec.draft_top_k}")
+    return DRAFTERS[spec.kind].build(spec, target or Checkpoint.load(spec.target))
+
+
+def router_side_kinds() -> list[str]:
+    """Kinds a request may ask the router to run itself (no model to load)."""
+    return [name for name, kind in DRAFTERS.items() if not kind.needs_model]

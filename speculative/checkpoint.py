@@ -1,0 +1,101 @@
+"""What a served pair must agree on, read from the checkpoints' configs at start-up.
+
+Real checkpoints differ from the demo pair: instruct models end on several tokens
+(`generation_config.json`), embedding matrices are padded beyond the tokenizer (and padded
+differently across sizes of one family), context lengths differ, some attend through a
+sliding window. Each check here fails at start-up with a message that names the setting, not
+at the first round of the first request.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The facts of one causal LM checkpoint the serving side needs (no weights loaded)."""
+
+    path: str
+    vocab_size: int  # rows of the output embedding: ids the model can score
+    max_position_embeddings: int | None
+    sliding_window: int | None  # None: every layer attends to the whole context
+
+    @classmethod
+    def load(cls, path: str) -> "Checkpoint":
+        from transformers import AutoConfig
+
+        return cls.of(path, AutoConfig.from_pretrained(path))
+
+    @classmethod
+    def of(cls, path: str, config) -> "Checkpoint":
+        config = getattr(config, "text_config", None) or config  # multimodal wrappers
+        return cls(path, config.vocab_size, getattr(config, "max_position_embeddings", None),
+                   sliding_window(config))
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a config whose layers (some or all) slide, else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def end_token_ids(path: str, tokenizer) -> tuple[int, ...]:
+    """The ids that end a generation: generation_config's eos_token_id (an int or a list, as
+    in Llama-3.1-Instruct's three) and the tokenizer's EOS, without duplicates."""
+    from transformers import GenerationConfig
+
+    try:
+        configured = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json: the model config's eos_token_id
+        from transformers import AutoConfig
+
+        configured = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
+    ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    ids.append(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def stop_token_ids(end_ids, requested=(), ignore_eos: bool = False) -> tuple[int, ...]:
+    """A request's stop ids: the checkpoint's end tokens unless ignore_eos, plus its own."""
+    return tuple(dict.fromkeys((() if ignore_eos else tuple(end_ids)) + tuple(requested)))
+
+
+def check_vocabularies(draft: Checkpoint, target: Checkpoint, num_tokens: int) -> None:
+    """The draft can serve the target when both embeddings cover the tokenizer's tokens.
+
+    Their sizes may differ by padding (Qwen2.5: 151665 tokens, 151936 or 152064 rows): the
+    pools agree on the target's size; the drafter pads q with zeros or never draws beyond it.
+    """
+    for name, checkpoint in (("draft", draft), ("target", target)):
+        if checkpoint.vocab_size < num_tokens:
+            raise ValueError(
+                f"the {name} {checkpoint.path!r} has {checkpoint.vocab_size} embedding rows but "
+                f"the target's tokenizer has {num_tokens} tokens: draft and target must share "
+                "the target's tokenizer")
+
+
+def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str) -> None:
+    """A draft that ships its own tokenizer must map text to the same ids as the target's."""
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"the draft {draft_path!r} has a different tokenizer from the target's: "
+                         "speculative decoding needs one vocabulary")
+
+
+def context_limit(target: Checkpoint, max_context_tokens: int | None) -> int:
+    """max_context_tokens, defaulting to the target's max_position_embeddings, never above it."""
+    limit = target.max_position_embeddings
+    if max_context_tokens is None:
+        if limit is None:
+            raise ValueError(f"the target {target.path!r} names no max_position_embeddings: "
+                             "set max_context_tokens")
+        return limit
+    if max_context_tokens < 2:
+        raise ValueError(f"max_context_tokens must be >= 2, got {max_context_tokens}")
+    if limit is not None and max_context_tokens > limit:
+        raise ValueError(f"max_context_tokens={max_context_tokens} exceeds the target's "
+                         f"max_position_embeddings={limit} ({target.path!r})")
+    return max_context_tokens

@@ -1,0 +1,147 @@
+"""The one request driver: prompt ids in; text, output ids and the finish reason out.
+
+The CLI, the router, the benchmark and the tests run every request through `Generation`, so the
+front ends cannot disagree on where a request stops or what text it returns. It drives the
+round loop and applies the stopping rules in the order the tokens were committed: stop token
+ids (the loop's, the token stays in the output), stop strings (the text is cut before the stop
+string and the output ids after the token that completed it, as vLLM does) and max_tokens.
+"""
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from speculative.loop import Request, RequestState, run_rounds
+from speculative.policy import KPolicy
+from speculative.types import Drafter, Verifier
+
+Decode = Callable[[Sequence[int]], str]  # token ids -> text (special tokens skipped)
+
+# prompt tokens the detokenizer decodes before the first output token, so that the first
+# token's text is what it reads as a continuation (a SentencePiece leading space, say)
+CONTEXT_TOKENS = 6
+
+
+def text_decoder(tokenizer) -> Decode:
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Offset-based incremental detokenization (as in vLLM and TGI).
+
+    A token's text is decode(window + token) minus decode(window), the window being the few
+    tokens before it. Decoding a short window costs the same at every step, never drops text
+    when a tokenizer's decode of a longer sequence rewrites earlier text, and holds back a
+    trailing U+FFFD (an incomplete UTF-8 character) until the bytes that complete it arrive.
+    """
+
+    def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
+        self.decode = decode
+        self.ids = list(context_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        """The text that token_id adds (possibly "" while a character is incomplete)."""
+        self.ids.append(token_id)
+        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        del self.ids[: self.read_offset]  # the next window: the tokens just read
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        return text[len(prefix) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end of a request (an incomplete character)."""
+        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix) :] if len(text) > len(prefix) else ""
+
+
+def find_stop(text: str, stop: Sequence[str], start: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in text[start:], or None."""
+    hits = [(i, s) for s in stop if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+class Generation:
+    """One request from prompt ids to its output: rounds, stopping rules, incremental text.
+
+    `stream()` yields text deltas that are final (a tail that could still grow into a stop
+    string is held back), so the deltas concatenate to `text`; afterwards `token_ids`,
+    `finish_reason` ("stop" or "length") and `stop_reason` (the stop token id or stop string,
+    None at max_tokens) describe the output. Without a decode function it produces ids only.
+    """
+
+    def __init__(self, request: Request, decode: Decode | None = None) -> None:
+        self.state = RequestState(request)
+        self.stop = request.sampling.stop
+        if self.stop and decode is None:
+            raise ValueError("stop strings need a tokenizer to decode with")
+        self.detokenizer = Detokenizer(decode, request.prompt_token_ids) if decode else None
+        self.text = ""
+        self.stop_reason: int | str | None = None
+        self._sent = 0  # characters of text already yielded
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.state.output_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.state.finish_reason
+
+    @property
+    def stats(self):
+        return self.state.stats
+
+    async def stream(self, drafter: Drafter, verifier: Verifier,
+                     policy: KPolicy) -> AsyncIterator[str]:
+        rounds = run_rounds(self.state, drafter, verifier, policy)
+        async with contextlib.aclosing(rounds):  # an early stop releases the pools at once
+            async for added in rounds:
+                self._take(added)
+                if delta := self._ready():
+                    yield delta
+                if self.finish_reason is not None:
+                    break
+        if self.detokenizer is not None and self.stop_reason not in self.stop:
+            self.text += self.detokenizer.flush()
+        if tail := self.text[self._sent :]:
+            self._sent = len(self.text)
+            yield tail
+
+    async def run(self, drafter: Drafter, verifier: Verifier, policy: KPolicy) -> "Generation":
+        async for _ in self.stream(drafter, verifier, policy):
+            pass
+        return self
+
+    def _take(self, added: list[int]) -> None:
+        """Detokenize a round's committed tokens one by one, stopping at a stop string."""
+        if self.finish_reason == "stop" and added and added[-1] in self.state.request.stop_token_ids:
+            self.stop_reason = added[-1]
+        if self.detokenizer is None:
+            return
+        first_output = len(self.token_ids) - len(added)
+        longest = max((len(s) for s in self.stop), default=0)
+        for offset, token in enumerate(added):
+            delta = self.detokenizer.add(token)
+            start = max(0, len(self.text) - longest + 1)
+            self.text += delta
+            hit = find_stop(self.text, self.stop, start) if delta and self.stop else None
+            if hit is not None:
+                self.text = self.text[: hit[0]]
+                self.state.stop_after(first_output + offset + 1)
+                self.stop_reason = hit[1]
+                return
+
+    def _ready(self) -> str:
+        """Text not yet yielded that no stop string can still claim."""
+        end = len(self.text)
+        if self.finish_reason is None and self.stop:
+            # a tail that is a prefix of a stop string may still become one
+            end -= max((n for s in self.stop for n in range(1, min(len(s), end + 1))
+                        if self.text.endswith(s[:n])), default=0)
+        delta = self.text[self._sent : end]
+        self._sent = max(self._sent, end)
+        return delta

@@ -1,0 +1,102 @@
+"""Real checkpoints' properties on config-built look-alikes: several end tokens, padded
+vocabularies that differ between draft and target, sliding-window attention; and the
+start-up checks that refuse a pair that cannot work, naming the setting."""
+
+import json
+
+import pytest
+
+from specserve.cli import main
+from speculative.checkpoint import (
+    Checkpoint,
+    check_same_tokenizer,
+    check_vocabularies,
+    context_limit,
+    end_token_ids,
+    stop_token_ids,
+)
+from speculative.models import load_tokenizer
+from tests.conftest import QUIRKY_PROMPT
+
+
+def cli(capsys, pair, *flags):
+    code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "draft"),
+                 "--json", "--prompt", QUIRKY_PROMPT, "--max-tokens", "40", *flags])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def report(pair) -> dict:
+    return json.loads((pair / "report.json").read_text())
+
+
+def test_the_look_alike_has_the_properties(quirky_pair_dir):
+    target = Checkpoint.load(str(quirky_pair_dir / "target"))
+    draft = Checkpoint.load(str(quirky_pair_dir / "draft"))
+    tokenizer = load_tokenizer(str(quirky_pair_dir / "target"))
+    assert len(tokenizer) < draft.vocab_size == 310 < target.vocab_size == 320
+    assert target.sliding_window == draft.sliding_window == 16
+    ends = end_token_ids(str(quirky_pair_dir / "target"), tokenizer)
+    assert len(ends) == 4 and ends[-1] == tokenizer.eos_token_id  # three configured + EOS
+
+
+@pytest.mark.parametrize("drafter, k", [("model", "0"), ("model", "3"), ("model", "6"),
+                                        ("ngram", "4")])
+def test_greedy_equals_the_target_alone_past_the_window_and_the_padding(capsys, quirky_pair_dir,
+                                                                          drafter, k):
+    result = cli(capsys, quirky_pair_dir, "--ignore-eos", "--drafter", drafter, "-k", k)
+    choice = result["choices"][0]
+    assert choice["token_ids"] == report(quirky_pair_dir)["greedy"]
+    assert choice["finish_reason"] == "length"
+    if drafter == "model" and k != "0":
+        stats = result["stats"]
+        assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # rollbacks ran
+
+
+def test_any_of_the_checkpoints_end_tokens_stops_the_request(capsys, quirky_pair_dir):
+    expected = report(quirky_pair_dir)
+    end_at = expected["end_at"]
+    choice = cli(capsys, quirky_pair_dir, "-k", "4")["choices"][0]
+    assert choice["token_ids"] == expected["greedy"][: end_at + 1]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", expected["greedy"][end_at])
+    tokenizer = load_tokenizer(str(quirky_pair_dir / "target"))
+    assert choice["text"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+
+
+def test_a_requested_stop_token_id_stops_too(capsys, quirky_pair_dir):
+    greedy = report(quirky_pair_dir)["greedy"]
+    choice = cli(capsys, quirky_pair_dir, "--ignore-eos", "--stop-token-id", str(greedy[2]),
+                 "-k", "3")["choices"][0]
+    assert choice["token_ids"] == greedy[: greedy.index(greedy[2]) + 1]
+
+
+def test_sampling_with_padded_vocabularies_runs_for_both_drafters(capsys, quirky_pair_dir):
+    for drafter in ("model", "ngram"):
+        result = cli(capsys, quirky_pair_dir, "--ignore-eos", "--drafter", drafter,
+                     "--temperature", "1", "--seed", "3", "-k", "3", "--draft-top-k", "8")
+        assert len(result["choices"][0]["token_ids"]) == 40
+
+
+def test_start_up_refuses_pairs_that_cannot_work(quirky_pair_dir, tiny_pair_dir):
+    target = Checkpoint.load(str(quirky_pair_dir / "target"))
+    small = Checkpoint("small-draft", 200, 512, None)
+    with pytest.raises(ValueError, match="200 embedding rows.*300 tokens"):
+        check_vocabularies(small, target, 300)
+    check_vocabularies(Checkpoint.load(str(quirky_pair_dir / "draft")), target, 300)
+    other = load_tokenizer(str(tiny_pair_dir / "target"))
+    from specserve.demo import train_tokenizer
+
+    with pytest.raises(ValueError, match="different tokenizer"):
+        check_same_tokenizer(train_tokenizer(["x = [1, 2]\n"] * 30, vocab_size=280), other, "d")
+    assert context_limit(target, None) == 512
+    assert context_limit(target, 256) == 256
+    with pytest.raises(ValueError, match="max_context_tokens=1024 exceeds the target's "
+                                         "max_position_embeddings=512"):
+        context_limit(target, 1024)
+
+
+def test_stop_token_ids_honour_ignore_eos():
+    assert stop_token_ids((7, 8), (3,)) == (7, 8, 3)
+    assert stop_token_ids((7, 8), (3,), ignore_eos=True) == (3,)
+    assert stop_token_ids((7,), (7,)) == (7,)

@@ -1,0 +1,132 @@
+"""The request driver: stop ids, stop strings, incremental text, exact output ids."""
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculative.driver import Detokenizer, Generation
+from speculative.loop import Request
+from speculative.policy import FixedK
+from speculative.sampling import SamplingParams
+from speculative.types import DraftBlock, TargetScores
+
+ALPHABET = "ab\n"
+PROMPT = (0,)
+
+
+def decode(ids):
+    return "".join(ALPHABET[i] for i in ids)
+
+
+class Scripted:
+    """A drafter and a verifier that follow one fixed output (greedy): the drafter proposes
+    the script, wrong at every `miss`-th position, so rounds commit 1 to K + 1 tokens."""
+
+    def __init__(self, output: list[int], miss: int = 3) -> None:
+        self.output, self.miss = output, miss
+
+    def at(self, position: int) -> int:
+        return self.output[position] if position < len(self.output) else 0
+
+    async def propose(self, call):
+        start = call.sync.committed_len - len(PROMPT)
+        ids = [self.at(p) if (p + 1) % self.miss else (self.at(p) + 1) % 3
+               for p in range(start, start + call.num_speculative_tokens)]
+        return DraftBlock(tuple(ids), None)
+
+    async def score(self, call):
+        start = call.sync.committed_len - len(PROMPT)
+        ids = [self.at(p) for p in range(start, start + len(call.draft_token_ids) + 1)]
+        return TargetScores(target_token_ids=tuple(ids))
+
+    async def release(self, request_id):
+        pass
+
+
+def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens or len(output), stop=stop)
+    generation = Generation(Request("r", PROMPT, params, tuple(stop_ids)), decode)
+    engine = Scripted(output, miss)
+
+    async def collect():
+        return [d async for d in generation.stream(engine, engine, FixedK(k))]
+
+    return generation, asyncio.run(collect())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=30),
+       st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
+       st.integers(0, 5), st.integers(2, 4))
+def test_stop_strings_cut_text_and_ids_where_the_stop_completes(output, stop, k, miss):
+    generation, deltas = generate(output, tuple(stop), k=k, miss=miss)
+    ids, text = generation.token_ids, generation.text
+    assert "".join(deltas) == text  # streamed == non-streamed
+    # the first stop string to complete, token by token, ends the request
+    end = next((n for n in range(1, len(output) + 1)
+                if any(s in decode(output[:n]) for s in stop)), None)
+    if end is None:
+        assert ids == output and text == decode(output)
+        assert generation.finish_reason == "length" and generation.stop_reason is None
+        return
+    assert ids == output[:end]
+    cut = min(i for i in (decode(ids).find(s) for s in stop) if i >= 0)
+    assert text == decode(ids)[:cut]
+    assert generation.finish_reason == "stop" and generation.stop_reason in stop
+    assert decode(ids)[cut:].startswith(generation.stop_reason)
+
+
+def test_a_stop_token_ends_the_output_and_stays_in_it():
+    output = [0, 1, 2, 1, 0, 0, 2, 2]
+    generation, _ = generate(output, stop_ids=(2,), k=4)
+    assert generation.token_ids == [0, 1, 2]
+    assert (generation.finish_reason, generation.stop_reason) == ("stop", 2)
+
+
+def test_the_earlier_of_a_stop_string_and_a_stop_token_wins():
+    output = [0, 1, 0, 2, 1]  # "aba\nb": the stop string "ba" completes before token 2
+    generation, _ = generate(output, stop=("ba",), stop_ids=(2,), k=4)
+    assert generation.token_ids == [0, 1, 0] and generation.stop_reason == "ba"
+    assert generation.text == "a"
+
+
+def test_max_tokens_is_length():
+    generation, _ = generate([0, 1, 0, 1, 0, 1], max_tokens=4, k=5)
+    assert generation.token_ids == [0, 1, 0, 1] and generation.finish_reason == "length"
+
+
+def detokenized(tokenizer, prompt_ids, ids):
+    detokenizer = Detokenizer(lambda x: tokenizer.decode(x, skip_special_tokens=True), prompt_ids)
+    pieces = [detokenizer.add(i) for i in ids]
+    return "".join(pieces) + detokenizer.flush()
+
+
+def test_byte_level_text_equals_the_decoded_ids_with_multibyte_characters():
+    from specserve.demo import train_tokenizer
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
+    prompt = tokenizer("def f(", add_special_tokens=False)["input_ids"]
+    ids = tokenizer("x): é 日本 🐍 return x\n", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 12  # the rare characters are split into byte tokens
+    assert detokenized(tokenizer, prompt, ids) == tokenizer.decode(ids)
+
+
+def test_a_tokenizer_whose_decode_rewrites_earlier_text_loses_no_text():
+    from tests.tiny import rewriting_tokenizer
+
+    tokenizer = rewriting_tokenizer()
+    ids = tokenizer("it ' s a b , c ' d .", add_special_tokens=False)["input_ids"]
+    whole = tokenizer.decode(ids)
+    assert not whole.startswith(tokenizer.decode(ids[:2]))  # decode rewrites earlier text
+    text = detokenized(tokenizer, [], ids)
+    assert text.replace(" ", "") == whole.replace(" ", "")
+
+
+def test_sentencepiece_leading_spaces_survive_across_the_prompt_boundary():
+    from tests.tiny import metaspace_tokenizer
+
+    tokenizer = metaspace_tokenizer()
+    prompt = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    ids = tokenizer("hello world again", add_special_tokens=False)["input_ids"][len(prompt):]
+    assert detokenized(tokenizer, prompt, ids) == " world again"
