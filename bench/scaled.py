@@ -17,7 +17,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speculative.models import DEMO_TARGET, load_causal_lm
+from engine.models import DEMO_TARGET, load_causal_lm
 
 
 def widen(old: torch.Tensor, new: torch.Tensor, generator) -> torch.Tensor:

@@ -23,7 +23,7 @@ def main() -> None:
     from ray import serve
 
     from deployments.local import app_config
-    from speculative.models import load_tokenizer
+    from engine.models import load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pair", choices=sorted(PAIRS), default="demo")

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from speculative.loop import SpecStats
-from speculative.models import DEMO_DRAFT, DEMO_TARGET
+from engine.models import DEMO_DRAFT, DEMO_TARGET
 
 PROMPTS = [  # code prompts ending at a token boundary the tokenizer saw in training
     "import os\n",
@@ -160,7 +160,7 @@ class InProcess:
 
     def __init__(self, pair: Pair, draft_top_k: int) -> None:
         from drafter.model import ModelDrafter
-        from speculative.models import load_causal_lm
+        from engine.models import load_causal_lm
         from verifier.engine import ModelVerifier
 
         self.target = load_causal_lm(pair.target, pair.target_dtype)
@@ -361,7 +361,7 @@ def ensure_scaled_target() -> None:
 
 def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict]:
     from deployments.local import app_config
-    from speculative.models import load_tokenizer
+    from engine.models import load_tokenizer
 
     tokenizer = load_tokenizer(pair.target)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"]

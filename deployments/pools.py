@@ -21,7 +21,7 @@ from deployments.autoscaling import DIRECT_IN_FLIGHT
 from drafter.registry import DrafterSpec, build_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
+from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from speculative.types import StaleBase, timed
 from verifier.engine import ModelVerifier
 

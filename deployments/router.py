@@ -27,7 +27,7 @@ from deployments.openai_api import (
     usage,
 )
 from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
-from speculative.checkpoint import (
+from engine.checkpoint import (
     Checkpoint,
     check_vocabularies,
     context_limit,
@@ -37,7 +37,7 @@ from speculative.checkpoint import (
 from speculative.driver import Generation, text_decoder
 from speculative.loop import Request as SpecRequest
 from speculative.loop import SpecStats
-from speculative.models import DEMO_TARGET, load_tokenizer
+from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.policy import FixedK
 from speculative.sampling import derive_seeds
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from speculative.kv import SessionStore
+from engine.kv import SessionStore
 from speculative.sampling import fit_vocab, logits_to_probs, sample, truncate_top_k
 from speculative.types import DraftBlock, ProposeCall, check_call, timed
 

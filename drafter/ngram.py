@@ -7,7 +7,7 @@ which keeps the output exactly the target's.
 
 import torch
 
-from speculative.kv import SessionStore
+from engine.kv import SessionStore
 from speculative.types import DraftBlock, ProposeCall, check_call, timed
 
 

@@ -8,8 +8,8 @@ enough to run beside the router too, where a request may ask for one by name.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from speculative.checkpoint import Checkpoint, check_same_tokenizer, check_vocabularies
-from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
+from engine.checkpoint import Checkpoint, check_same_tokenizer, check_vocabularies
+from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from speculative.models import DEMO_DRAFT, DEMO_TARGET
+    from engine.models import DEMO_DRAFT, DEMO_TARGET
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_engines(args):
     """(drafter or None for K = 0, verifier, the target's Checkpoint), checked at start-up."""
     from drafter.registry import DRAFTERS, DrafterSpec, build_drafter
-    from speculative.checkpoint import Checkpoint
-    from speculative.models import load_causal_lm
+    from engine.checkpoint import Checkpoint
+    from engine.models import load_causal_lm
     from verifier.engine import ModelVerifier
 
     target = Checkpoint.load(args.target)
@@ -74,10 +74,10 @@ def build_engines(args):
 def generate(args) -> dict:
     """The same request the router serves, in-process: choices with text, token ids, finish
     and stop reasons; usage; the speculative stats."""
-    from speculative.checkpoint import end_token_ids, stop_token_ids
+    from engine.checkpoint import end_token_ids, stop_token_ids
     from speculative.driver import Generation, text_decoder
     from speculative.loop import Request, SpecStats
-    from speculative.models import load_tokenizer
+    from engine.models import load_tokenizer
     from speculative.policy import FixedK
     from speculative.sampling import SamplingParams, derive_seeds
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from speculative.kv import SessionStore
+from engine.kv import SessionStore
 from speculative.rejection import residual
 from speculative.sampling import logits_to_probs, sample
 from speculative.types import ScoreCall, TargetScores, check_call, timed

@@ -25,7 +25,7 @@ import signal
 import requests
 
 from deployments.local import app_config, deploy, load_config, on_free_ports, start_serve
-from speculative.models import DEMO_DRAFT, DEMO_TARGET
+from engine.models import DEMO_DRAFT, DEMO_TARGET
 
 DEADLINE_S = 360  # test_placement.py waits a little longer, then kills this process group
 POOLS = {"drafter": ("DrafterPool", DEMO_DRAFT), "verifier": ("VerifierPool", DEMO_TARGET)}
@@ -68,7 +68,7 @@ def torch_on_fake_gpu(args: dict) -> dict:
     import ray
     import torch
 
-    from speculative.models import load_causal_lm
+    from engine.models import load_causal_lm
 
     torch.set_num_threads(1)
     model = load_causal_lm(args["model"], args["dtype"], args["device"])

@@ -147,7 +147,7 @@ def test_chat_through_the_openai_client_plain_and_streaming(cluster):
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster):
     """Not capped at the completions default of 16: a prompt that leaves 40 tokens of the
     demo target's 2048 gets up to 40."""
-    from speculative.models import DEMO_TARGET, load_tokenizer
+    from engine.models import DEMO_TARGET, load_tokenizer
 
     tokenizer = load_tokenizer(DEMO_TARGET)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from speculative.models import DEMO_TARGET, load_causal_lm, load_tokenizer
+from engine.models import DEMO_TARGET, load_causal_lm, load_tokenizer
 from speculative.sampling import SamplingParams, logits_to_probs
 from tests.stats.chisq import chi_square
 

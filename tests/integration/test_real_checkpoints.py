@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specserve.cli import main
-from speculative.models import DEMO_TARGET, load_tokenizer
+from engine.models import DEMO_TARGET, load_tokenizer
 from tests.conftest import QUIRKY_PROMPT
 from tests.integration.conftest import deploy, with_pair
 
@@ -64,7 +64,7 @@ def test_the_router_stops_at_any_end_token_and_decodes_past_windows_and_padding(
 def test_the_cli_and_the_router_return_the_same_request(cluster, capsys, fields, flags):
     """Same ids, text, finish reason and usage (the router's config drafts with
     draft_top_k 64, so the CLI does too: then even the sampled draws are the same)."""
-    from speculative.models import DEMO_DRAFT
+    from engine.models import DEMO_DRAFT
 
     prompt = "def parse(self, text"
     http = post(cluster, "/v1/completions", {"prompt": prompt, "max_tokens": 40,

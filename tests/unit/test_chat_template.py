@@ -3,7 +3,7 @@
 import pytest
 
 from specserve.demo import DEMO_CHAT_TEMPLATE, save_tokenizer, train_tokenizer
-from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_tokenizer
+from engine.models import DEMO_DRAFT, DEMO_TARGET, load_tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You write Python."},

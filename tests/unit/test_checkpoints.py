@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specserve.cli import main
-from speculative.checkpoint import (
+from engine.checkpoint import (
     Checkpoint,
     check_same_tokenizer,
     check_vocabularies,
@@ -15,7 +15,7 @@ from speculative.checkpoint import (
     end_token_ids,
     stop_token_ids,
 )
-from speculative.models import load_tokenizer
+from engine.models import load_tokenizer
 from tests.conftest import QUIRKY_PROMPT
 
 

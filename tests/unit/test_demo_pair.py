@@ -4,7 +4,7 @@ import pytest
 
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
-from speculative.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
+from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
 from speculative.sampling import SamplingParams
 from tests.tiny import hf_greedy, run
 from verifier.engine import ModelVerifier

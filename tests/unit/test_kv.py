@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafter.model import ModelDrafter
-from speculative.kv import SessionStore
+from engine.kv import SessionStore
 from speculative.loop import Request, RequestState, run_rounds
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams

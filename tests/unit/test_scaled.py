@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench.scaled import SHAPE, scale_up
-from speculative.models import DEMO_TARGET, load_causal_lm, load_tokenizer
+from engine.models import DEMO_TARGET, load_causal_lm, load_tokenizer
 from tests.tiny import hf_greedy
 
 PROMPTS = ["def main():\n", "import os\n"]
