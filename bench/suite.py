@@ -5,7 +5,8 @@ Modes (the record field `mode`):
   hf_assisted  HF assisted generation with the same draft (`generate(assistant_model=...)`)
   inprocess    specserve's round loop with both engines in this process
   serve_off    specserve through Serve (cluster/config.yaml on a local Ray), K = 0
-  serve_sync   specserve through Serve with K drafted tokens per round
+  serve_sync   specserve through Serve with K drafted tokens per round, draft then verify
+  serve_pipelined  the same, drafting block r+1 while the verifier scores block r
 
 Prompts are interleaved: for each prompt every mode runs once before the next prompt, so
 machine drift hits all modes alike. Everything runs with the same torch thread count (each pool
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from speculative.loop import SpecStats
+from speculative.stats import SpecStats
 from engine.models import DEMO_DRAFT, DEMO_TARGET
 
 PROMPTS = [  # code prompts ending at a token boundary the tokenizer saw in training
@@ -48,12 +49,14 @@ PROMPTS = [  # code prompts ending at a token boundary the tokenizer saw in trai
     "        return self.",
 ]
 SCALED_TARGET = str(Path(DEMO_TARGET).parent.parent / "scaled-target")
-MODES = ("target_only", "hf_assisted", "inprocess", "serve_off", "serve_sync")
+MODES = ("target_only", "hf_assisted", "inprocess", "serve_off", "serve_sync",
+         "serve_pipelined")
 FIELDS = ("pair", "mode", "k", "temperature", "concurrency", "requests", "tokens",
           "seconds", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
           "predicted_tokens_per_round", "predicted_speedup", "speedup",
           "speedup_vs_predicted", "c", "acceptance_by_position", "ms_draft", "ms_verify",
-          "ms_transport", "ms_router", "ms_round", "overhead_ms_p50", "wire_bytes_per_round",
+          "ms_transport", "ms_router", "ms_round", "overhead_ms_p50", "exposed_ms_p50",
+          "wire_bytes_per_round",
           "greedy_matches_target", "sampled_matches_inprocess")
 
 
@@ -114,12 +117,13 @@ class Tally:
     seconds: float = 0.0
     stats: SpecStats | None = None
     overhead_p50s: list[float] = field(default_factory=list)
+    exposed_p50s: list[float] = field(default_factory=list)  # round time beyond the verify
     # requests whose ids differ from the reference: greedy, target_only's; sampled serve_sync,
     # inprocess's with the same seed (None: not compared)
     mismatches: int | None = None
 
     def add(self, tokens: int, seconds: float, stats: SpecStats | None = None,
-            overhead_p50: float | None = None) -> None:
+            overhead_p50: float | None = None, exposed_p50: float | None = None) -> None:
         self.requests += 1
         self.tokens += tokens
         self.seconds += seconds
@@ -128,6 +132,8 @@ class Tally:
             self.stats.add(stats)
         if overhead_p50 is not None:
             self.overhead_p50s.append(overhead_p50)
+        if exposed_p50 is not None:
+            self.exposed_p50s.append(exposed_p50)
 
     def compare(self, ids, reference) -> None:
         self.mismatches = (self.mismatches or 0) + (list(ids) != list(reference))
@@ -239,12 +245,13 @@ class Served:
         app_config(config, "router")["args"].update(model=pair.target)
         deploy(config, timeout_s=300)
 
-    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int):
+    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int,
+                 pipelined: bool = False):
         import requests
 
         body = {"prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
                 "seed": seed, "num_speculative_tokens": k, "ignore_eos": True,
-                "return_token_ids": True}
+                "return_token_ids": True, "pipelined": pipelined}
         started = time.perf_counter()
         response = requests.post(self.url + "/v1/completions", json=body, timeout=600)
         seconds = time.perf_counter() - started
@@ -297,6 +304,8 @@ def record(pair: str, mode: str, k: int, temperature: float, concurrency: int, t
             rec["wire_bytes_per_round"] = round(stats.wire_bytes / stats.rounds, 1)
     if tally.overhead_p50s:
         rec["overhead_ms_p50"] = round(statistics.median(tally.overhead_p50s), 3)
+    if tally.exposed_p50s:
+        rec["exposed_ms_p50"] = round(statistics.median(tally.exposed_p50s), 3)
     if k > 0:
         rec["c"] = facts["c"]
     if rec["acceptance_rate"] is not None and k > 0:
@@ -402,13 +411,15 @@ def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict
             inprocess[k] = out
             if greedy:
                 tally.compare(out, reference)
-        for k in (0, *plan.ks):
-            out, seconds, spec = served.complete(ids, n, temperature, seed, k)
-            tally = cell("serve_off" if k == 0 else "serve_sync", k, temperature)
-            tally.add(len(out), seconds, stats_from_http(spec), spec["overhead_ms_p50"])
+        for k, pipelined in [(0, False)] + [(k, p) for k in plan.ks for p in (False, True)]:
+            out, seconds, spec = served.complete(ids, n, temperature, seed, k, pipelined)
+            mode = "serve_off" if k == 0 else "serve_pipelined" if pipelined else "serve_sync"
+            tally = cell(mode, k, temperature)
+            tally.add(len(out), seconds, stats_from_http(spec), spec["overhead_ms_p50"],
+                      spec.get("exposed_ms_p50"))
             if greedy:
                 tally.compare(out, reference)
-            elif k in inprocess:  # same seed, same draws: the same tokens as in-process
+            elif k in inprocess and not pipelined:  # same seed, same draws: same tokens
                 tally.compare(out, inprocess[k])
         if plan.serve_concurrency > 1:
             c = plan.serve_concurrency
@@ -489,8 +500,8 @@ def markdown(results: dict) -> str:
                   "HF assisted generation uses the full q).", "",
                   "| T | mode | K | conc. | tokens/s | speedup | formula | measured/formula "
                   "| α | tokens/round | E[N] | ms/round: draft / verify / transport / router "
-                  "| overhead p50 ms | bytes/round | same tokens |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| overhead p50 ms | exposed p50 ms | bytes/round | same tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["results"]:
             if r["pair"] != name:
                 continue
@@ -502,13 +513,16 @@ def markdown(results: dict) -> str:
                 f"| {fmt(r['predicted_speedup'], 2, 'x')} | {fmt(r['speedup_vs_predicted'])} "
                 f"| {fmt(r['acceptance_rate'])} | {fmt(r['mean_acceptance_length'])} "
                 f"| {fmt(r['predicted_tokens_per_round'])} | {split} "
-                f"| {fmt(r['overhead_ms_p50'])} | {fmt(r['wire_bytes_per_round'], 0)} "
+                f"| {fmt(r['overhead_ms_p50'])} | {fmt(r['exposed_ms_p50'])} "
+                f"| {fmt(r['wire_bytes_per_round'], 0)} "
                 f"| {fmt(same_tokens(r))} |")
         lines.append("")
     lines += ["speedup: tokens/s over `target_only` of the same pair and temperature. formula: "
               "E[N] / (1 + K c) with E[N] = (1 - α^(K+1)) / (1 - α) from the measured α. "
               "overhead: the median over rounds of the round time less the pools' own compute "
-              "(transport and router work; the median of per-request medians). bytes/round: "
+              "(transport and router work; the median of per-request medians). exposed: the "
+              "same less only the verifier's compute (what a round waits beyond the verify: "
+              "the draft on the critical path, hops, router work). bytes/round: "
               "serialised gRPC messages of the round's two calls. same tokens: greedy, every "
               "request's tokens equal `target_only`'s; sampled serve_sync, equal to `inprocess`'s "
               "with the same seed (the same draws end to end).", ""]
@@ -526,7 +540,8 @@ def plot(results: dict, out: Path) -> None:
     cells = [(p, t) for p in results["pairs"] for t in results["machine"]["temperatures"]]
 
     def speedups(ax, rows):
-        for mode, style in (("inprocess", "o-"), ("serve_sync", "s-"), ("hf_assisted", "^-")):
+        for mode, style in (("inprocess", "o-"), ("serve_sync", "s-"), ("serve_pipelined", "D-"),
+                            ("hf_assisted", "^-")):
             pts = sorted((r["k"], r["speedup"]) for r in rows if r["mode"] == mode)
             if pts:
                 ax.plot(*zip(*pts), style, label=mode)

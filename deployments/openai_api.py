@@ -25,6 +25,7 @@ class SpecExtensions(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=32)  # extension
+    pipelined: bool | None = None  # extension: draft during verification (router default)
     # extension: "model" (the drafter pool, the default) or a kind the router runs itself
     drafter: str | None = None
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids

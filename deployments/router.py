@@ -36,7 +36,7 @@ from engine.checkpoint import (
 )
 from speculative.driver import Generation, text_decoder
 from speculative.loop import Request as SpecRequest
-from speculative.loop import SpecStats
+from speculative.stats import SpecStats
 from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.policy import FixedK
 from speculative.sampling import derive_seeds
@@ -55,6 +55,8 @@ class RouterArgs(BaseModel):
     drafter_app: str = "drafter"
     verifier_app: str = "verifier"
     num_speculative_tokens: int = 4
+    # draft the next block while the verifier scores this one (a request may say otherwise)
+    pipelined_drafting: bool = True
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
     # without max_tokens may use the rest of the context, as vLLM's does
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
@@ -97,10 +99,11 @@ class Job:
 
     def __init__(self, router: "Router", request_id: str, prompt_ids, params, k: int,
                  drafter_kind: str | None, chat: bool, return_token_ids: bool,
-                 stop_ids: tuple[int, ...]) -> None:
+                 stop_ids: tuple[int, ...], pipelined: bool) -> None:
         self.router, self.request_id, self.prompt_ids = router, request_id, prompt_ids
         self.params, self.k, self.drafter_kind, self.chat = params, k, drafter_kind, chat
         self.return_token_ids, self.stop_ids = return_token_ids, stop_ids
+        self.pipelined = pipelined
         self.model = router.args.served_model_name
 
     def generation(self, index: int) -> Generation:
@@ -111,7 +114,7 @@ class Job:
     async def run_choice(self, index: int, on_text) -> Generation:
         drafter, verifier = self.router.pools(self.drafter_kind)
         generation = self.generation(index)
-        async for delta in generation.stream(drafter, verifier, FixedK(self.k)):
+        async for delta in generation.stream(drafter, verifier, FixedK(self.k), self.pipelined):
             await on_text(index, delta)
         self.router.metrics.record(generation.state)
         return generation
@@ -243,8 +246,9 @@ class Router:
         if len(request_id) > 128 or not request_id.isprintable():
             return error_response(BadRequest("x-request-id must be at most 128 printable "
                                              "characters", param="x-request-id"))
+        pipelined = self.args.pipelined_drafting if body.pipelined is None else body.pipelined
         job = Job(self, request_id, prompt_ids, params, k, body.drafter, chat,
-                  body.return_token_ids, stop_ids)
+                  body.return_token_ids, stop_ids, pipelined)
         if body.stream:
             return StreamingResponse(job.events(), media_type="text/event-stream")
         try:

@@ -102,6 +102,7 @@ def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
         num_speculative_tokens=call.num_speculative_tokens,
         sampling=sampling_to_proto(call.sampling),
         seed=call.seed,
+        assumed_token_ids=call.assumed_token_ids,
     )
 
 
@@ -112,6 +113,7 @@ def propose_from_proto(message: pb.ProposeRequest) -> ProposeCall:
         num_speculative_tokens=message.num_speculative_tokens,
         sampling=sampling_from_proto(message.sampling),
         seed=message.seed,
+        assumed_token_ids=tuple(message.assumed_token_ids),
     )
 
 

@@ -32,18 +32,22 @@ class ModelDrafter:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
-        check_call(call.sync.new_token_ids, self.vocab_size, call.num_speculative_tokens)
+        assumed = list(call.assumed_token_ids)
+        check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
+                   call.num_speculative_tokens)
         sequence = self.sessions.sync(call.request_id, call.sync)
         num_tokens = call.num_speculative_tokens
         if self.max_positions is not None:  # the last drafted token is never fed
-            num_tokens = max(0, min(num_tokens, self.max_positions + 1 - len(sequence.committed)))
+            room = self.max_positions + 1 - len(sequence.committed) - len(assumed)
+            num_tokens = max(0, min(num_tokens, room))
         if num_tokens == 0:
             return DraftBlock((), None)
         generator = torch.Generator().manual_seed(call.seed)
         greedy = call.sampling.greedy
         # Feeding the committed tail also covers the "all K accepted" case: the drafter never
-        # fed its own last token x_K, so it is fed now together with the bonus token.
-        logits = sequence.feed(self.model, [], num_logits=1)[0]  # [V_draft]
+        # fed its own last token x_K, so it is fed now together with the bonus token (or, for
+        # a pre-draft, together with the assumed block under verification).
+        logits = sequence.feed(self.model, assumed, num_logits=1)[0]  # [V_draft]
         token_ids: list[int] = []
         draft_probs: list[torch.Tensor] = []
         for i in range(num_tokens):
@@ -55,5 +59,5 @@ class ModelDrafter:
                 token_ids.append(sample(probs, generator))
                 draft_probs.append(probs)
             if i + 1 < num_tokens:
-                logits = sequence.feed(self.model, token_ids, num_logits=1)[0]
+                logits = sequence.feed(self.model, assumed + token_ids, num_logits=1)[0]
         return DraftBlock(tuple(token_ids), torch.stack(draft_probs) if draft_probs else None)

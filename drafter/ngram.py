@@ -44,9 +44,11 @@ class NgramDrafter:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
-        check_call(call.sync.new_token_ids, self.vocab_size, call.num_speculative_tokens)
-        committed = self.sessions.sync(call.request_id, call.sync).committed
-        token_ids = lookup(committed, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
+        check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
+                   call.num_speculative_tokens)
+        context = self.sessions.sync(call.request_id, call.sync).committed \
+            + list(call.assumed_token_ids)
+        token_ids = lookup(context, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
         if call.sampling.greedy or not token_ids:
             return DraftBlock(tuple(token_ids), None)
         draft_probs = torch.zeros(len(token_ids), self.vocab_size)

@@ -55,18 +55,20 @@ class PrefixSync(_message.Message):
     def __init__(self, known_len: _Optional[int] = ..., known_hash: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "sync", "num_speculative_tokens", "sampling", "seed")
+    __slots__ = ("request_id", "sync", "num_speculative_tokens", "sampling", "seed", "assumed_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sync: PrefixSync
     num_speculative_tokens: int
     sampling: SamplingParams
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address", "compute_us")

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
                      help="K, tokens drafted per round; 0 = target alone, no drafter call")
     gen.add_argument("--n", type=int, default=1, help="independent samples")
+    gen.add_argument("--pipelined", action="store_true",
+                     help="draft the next block while the target verifies this one (the "
+                          "pools overlap only when served; in-process this costs the bonus "
+                          "token of fully accepted rounds)")
     gen.add_argument("--draft-top-k", type=int, default=0,
                      help="truncate each draft distribution to its top entries (0 = off)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -76,7 +80,8 @@ def generate(args) -> dict:
     and stop reasons; usage; the speculative stats."""
     from engine.checkpoint import end_token_ids, stop_token_ids
     from speculative.driver import Generation, text_decoder
-    from speculative.loop import Request, SpecStats
+    from speculative.loop import Request
+    from speculative.stats import SpecStats
     from engine.models import load_tokenizer
     from speculative.policy import FixedK
     from speculative.sampling import SamplingParams, derive_seeds
@@ -98,7 +103,8 @@ def generate(args) -> dict:
     for index, sampling in enumerate(params):
         generation = Generation(Request(uuid.uuid4().hex, prompt_ids, sampling, stop_ids),
                                 text_decoder(tokenizer))
-        asyncio.run(generation.run(drafter, verifier, FixedK(args.num_speculative_tokens)))
+        asyncio.run(generation.run(drafter, verifier, FixedK(args.num_speculative_tokens),
+                                   args.pipelined))
         choices.append({"index": index, "text": generation.text,
                         "token_ids": generation.token_ids,
                         "finish_reason": generation.finish_reason,

@@ -95,9 +95,10 @@ class Generation:
     def stats(self):
         return self.state.stats
 
-    async def stream(self, drafter: Drafter, verifier: Verifier,
-                     policy: KPolicy) -> AsyncIterator[str]:
-        rounds = run_rounds(self.state, drafter, verifier, policy)
+    async def stream(self, drafter: Drafter, verifier: Verifier, policy: KPolicy,
+                     pipelined: bool = False) -> AsyncIterator[str]:
+        """Text deltas as rounds commit; pipelined: draft the next block during each verify."""
+        rounds = run_rounds(self.state, drafter, verifier, policy, pipelined)
         async with contextlib.aclosing(rounds):  # an early stop releases the pools at once
             async for added in rounds:
                 self._take(added)
@@ -111,8 +112,9 @@ class Generation:
             self._sent = len(self.text)
             yield tail
 
-    async def run(self, drafter: Drafter, verifier: Verifier, policy: KPolicy) -> "Generation":
-        async for _ in self.stream(drafter, verifier, policy):
+    async def run(self, drafter: Drafter, verifier: Verifier, policy: KPolicy,
+                  pipelined: bool = False) -> "Generation":
+        async for _ in self.stream(drafter, verifier, policy, pipelined):
             pass
         return self
 

@@ -5,16 +5,17 @@ against the Drafter and Verifier interfaces. The request driver (speculative.dri
 over in-process engines for the CLI and over gRPC clients for the router.
 """
 
+import asyncio
 import secrets
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from speculative.policy import KPolicy
 from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
 from speculative.sampling import SamplingParams
+from speculative.stats import SpecStats
 from speculative.types import (
     EMPTY_PREFIX_HASH,
     DraftBlock,
@@ -39,99 +40,6 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
-
-
-@dataclass
-class SpecStats:
-    """Counters named as vLLM's spec_decode metrics."""
-
-    rounds: int = 0
-    num_drafts: int = 0  # rounds that drafted at least one token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0  # excludes recovered and bonus tokens
-    accepted_per_position: list[int] = field(default_factory=list)
-    cache_misses: int = 0
-    draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
-    verify_seconds: float = 0.0  # waiting for the verifier
-    round_seconds: float = 0.0  # whole rounds: the rest is the router's own time
-    draft_compute_seconds: float = 0.0  # the drafter's own time, as it reports it
-    verify_compute_seconds: float = 0.0  # the verifier's own time, as it reports it
-    # per round: the round's time less the pools' own (transport plus the router's work)
-    overhead_seconds: list[float] = field(default_factory=list)
-    wire_bytes: int = 0  # serialised messages of the rounds' pool calls (0 in-process)
-
-    def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
-        self.rounds += 1
-        self.num_drafts += num_drafted > 0
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += outcome.num_accepted
-        missing = num_drafted - len(self.accepted_per_position)
-        self.accepted_per_position.extend([0] * max(0, missing))
-        for position in range(outcome.num_accepted):
-            self.accepted_per_position[position] += 1
-
-    def add(self, other: "SpecStats") -> None:
-        """Accumulate another request's counters."""
-        missing = len(other.accepted_per_position) - len(self.accepted_per_position)
-        self.accepted_per_position.extend([0] * max(0, missing))
-        for position, count in enumerate(other.accepted_per_position):
-            self.accepted_per_position[position] += count
-        for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
-                     "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
-                     "wire_bytes"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        if not self.num_draft_tokens:
-            return None
-        return self.num_accepted_tokens / self.num_draft_tokens
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        """Tokens per round, the recovered or bonus token included (vLLM's definition)."""
-        if not self.rounds:
-            return None
-        return (self.num_accepted_tokens + self.rounds) / self.rounds
-
-    def as_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "num_drafts": self.num_drafts,
-            "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "cache_misses": self.cache_misses,
-            "ms_per_round": self.ms_per_round(),
-            "overhead_ms_p50": self.overhead_ms_p50,
-            "wire_bytes_per_round": self.wire_bytes / self.rounds if self.wire_bytes else None,
-        }
-
-    def phase_seconds(self) -> dict[str, float]:
-        """Total time by phase: the drafter's and the verifier's own compute, the transport
-        (waiting for a pool beyond its compute: network, serialisation, queues) and the
-        router's own work (rejection sampling, bookkeeping, streaming)."""
-        waits = self.draft_seconds + self.verify_seconds
-        return {"draft": self.draft_compute_seconds, "verify": self.verify_compute_seconds,
-                "transport": waits - self.draft_compute_seconds - self.verify_compute_seconds,
-                "router": self.round_seconds - waits}
-
-    def ms_per_round(self) -> dict | None:
-        """Mean milliseconds per round by phase (see phase_seconds), and in total."""
-        if not self.rounds:
-            return None
-        phases = {**self.phase_seconds(), "total": self.round_seconds}
-        return {name: round(1000 * seconds / self.rounds, 3) for name, seconds in phases.items()}
-
-    @property
-    def overhead_ms_p50(self) -> float | None:
-        """Median over rounds of what a round costs beyond the pools' compute."""
-        if not self.overhead_seconds:
-            return None
-        return round(1000 * statistics.median(self.overhead_seconds), 3)
 
 
 class PoolView:
@@ -193,20 +101,28 @@ class RequestState:
         self.finish_reason = "stop"
 
     async def synced(self, view: PoolView, call):
-        """Run call(sync) against a pool; on StaleBase resend the whole prefix once."""
+        """Run call(sync) against a pool; on StaleBase resend the whole prefix once.
+
+        The pool learns the prefix committed when the call was made, which a call that runs
+        beside the verifier (a pre-draft) must not confuse with what is committed when it ends.
+        """
+        length, fingerprint = len(self.committed), self._committed_hash()
         try:
             result = await call(view.sync(self.committed))
         except StaleBase:
             self.stats.cache_misses += 1
             view.forget()
-            result = await call(view.sync(self.committed))
-        view.confirm(len(self.committed), self._committed_hash())
+            result = await call(view.sync(self.committed[:length]))
+        view.confirm(length, fingerprint)
         return result
 
     def _committed_hash(self) -> int:
         if self._hashed_len != len(self.committed):  # both pools confirm the same prefix
             self._hash, self._hashed_len = prefix_hash(self.committed), len(self.committed)
         return self._hash
+
+
+NO_DRAFT = DraftBlock((), None)
 
 
 def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> RoundOutcome:
@@ -219,55 +135,119 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> 
                         scores.recovered_token_ids, scores.bonus_token_id, generator)
 
 
-async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
-    """One round; returns the newly committed token ids (1 to K + 1 of them)."""
+def draw_seed(state: RequestState) -> int:
+    return int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
+
+
+async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
+                  assumed: tuple[int, ...] = ()) -> DraftBlock:
+    """K draft tokens after the committed prefix, or after it plus `assumed` (a pre-draft)."""
+    request = state.request
+    return await state.synced(
+        state.drafter_view,
+        lambda sync: drafter.propose(
+            ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed)),
+    )
+
+
+def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock,
+                           predraft: DraftBlock) -> tuple[RoundOutcome, DraftBlock | None]:
+    """(the round's outcome, the next round's candidates) once a pre-draft is in hand.
+
+    The pre-draft was drawn from q given the committed prefix plus the whole block. When all
+    of the block is accepted that is the prefix, so the pre-drafted tokens stand as the next
+    candidates and the first of them takes the bonus position, tested there by the ordinary
+    ratio test in the next round; the bonus token is not used (using it as well would put two
+    tokens in one position). Otherwise the pre-draft is dropped, like any rejected suffix.
+    """
+    if outcome.num_accepted == len(block.token_ids) and predraft.token_ids:
+        return RoundOutcome(tuple(block.token_ids), outcome.num_accepted), predraft
+    return outcome, None
+
+
+async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,
+                    block: DraftBlock | None = None, pipelined: bool = False):
+    """One round: (the newly committed token ids, the next round's pre-drafted block or None).
+
+    `block`: candidates drafted during the previous round (pipelined), else drafted now.
+    pipelined: while the verifier scores this block, the drafter drafts the next one on the
+    assumption that this one is accepted whole.
+    """
     request = state.request
     started = time.perf_counter()
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
-    block = DraftBlock((), None)
-    if k > 0:
-        draft_seed = int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
-        block = await state.synced(
-            state.drafter_view,
-            lambda sync: drafter.propose(
-                ProposeCall(request.request_id, sync, k, request.sampling, draft_seed)
+    pre_drafted = block is not None
+    if block is None:
+        block = await propose(state, drafter, k, draw_seed(state)) if k > 0 else NO_DRAFT
+    drafted = time.perf_counter()
+    verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
+    next_k = min(policy.num_speculative_tokens(), state.remaining - len(block.token_ids) - 1)
+    predraft = None
+    if pipelined and block.token_ids and next_k > 0:
+        predraft = asyncio.ensure_future(
+            propose(state, drafter, next_k, draw_seed(state), tuple(block.token_ids)))
+    try:
+        scores = await state.synced(
+            state.verifier_view,
+            lambda sync: verifier.score(
+                ScoreCall(request.request_id, sync, block.token_ids, request.sampling,
+                          block.draft_probs, verify_seed)
             ),
         )
-    drafted = time.perf_counter()
-    verify_seed = int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
-    scores = await state.synced(
-        state.verifier_view,
-        lambda sync: verifier.score(
-            ScoreCall(request.request_id, sync, block.token_ids, request.sampling,
-                      block.draft_probs, verify_seed)
-        ),
-    )
+    except BaseException:
+        if predraft is not None:
+            predraft.cancel()
+        raise
     verified = time.perf_counter()
     outcome = accept(block, scores, request.sampling.greedy, state.generator)
+    next_block = None
+    if predraft is not None:
+        # awaited even when unused: the drafter finishes it anyway, and the router's view of
+        # the drafter's prefix stays exact
+        outcome, next_block = continue_with_predraft(outcome, block, await predraft)
     policy.update(len(block.token_ids), outcome.num_accepted)
     committed = state.commit(outcome.output_token_ids)
-    stats = state.stats
+    if state.finish_reason is not None:
+        next_block = None
+    record_round(state.stats, block, scores, outcome, pre_drafted,
+                 predraft.result() if predraft is not None else None,
+                 started, drafted, verified)
+    return committed, next_block
+
+
+def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
+                 outcome: RoundOutcome, pre_drafted: bool, predraft: DraftBlock | None,
+                 started: float, drafted: float, verified: float) -> None:
+    ended = time.perf_counter()
     stats.record(len(block.token_ids), outcome)
-    stats.draft_seconds += drafted - started
+    stats.pipelined_rounds += pre_drafted
+    stats.draft_seconds += drafted - started + ended - verified  # waiting for a draft
     stats.verify_seconds += verified - drafted
-    stats.draft_compute_seconds += block.compute_seconds
+    waited_draft = 0.0 if pre_drafted else block.compute_seconds
+    stats.draft_compute_seconds += waited_draft
+    stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
     stats.verify_compute_seconds += scores.compute_seconds
-    stats.wire_bytes += block.wire_bytes + scores.wire_bytes
-    round_seconds = time.perf_counter() - started
+    stats.wire_bytes += (0 if pre_drafted else block.wire_bytes) + scores.wire_bytes \
+        + (predraft.wire_bytes if predraft else 0)
+    round_seconds = ended - started
     stats.round_seconds += round_seconds
-    stats.overhead_seconds.append(round_seconds - block.compute_seconds - scores.compute_seconds)
-    return committed
+    stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
+    stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
 
 
-async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy):
+async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,
+                     pipelined: bool = False):
     """Run rounds until the request finishes, yielding each round's new token ids.
 
     Releases both pools' caches when it ends; a caller that stops early closes it with
     contextlib.aclosing so that the release happens at once.
     """
+    block = None
     try:
         while state.finish_reason is None:
-            yield await run_round(state, drafter, verifier, policy)
+            committed, block = await run_round(state, drafter, verifier, policy, block,
+                                               pipelined)
+            yield committed
     finally:
         if state.drafter_view.known_len:
             await drafter.release(state.request.request_id)

@@ -48,6 +48,8 @@ class ProposeCall:
     num_speculative_tokens: int
     sampling: SamplingParams
     seed: int  # seeds this call's draft sampling, so a retried call draws the same tokens
+    # a pre-draft: tokens after the committed prefix, still being verified, to draft after
+    assumed_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

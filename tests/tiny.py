@@ -41,10 +41,10 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def run(drafter, verifier, prompt, params: SamplingParams, k: int, request_id="r", stop=(),
-        decode=None):
+        decode=None, pipelined: bool = False):
     """Decode one request in-process through the request driver; returns (output ids, state)."""
     generation = Generation(Request(request_id, tuple(prompt), params, tuple(stop)), decode)
-    asyncio.run(generation.run(drafter, verifier, FixedK(k)))
+    asyncio.run(generation.run(drafter, verifier, FixedK(k), pipelined))
     return generation.token_ids, generation.state
 
 

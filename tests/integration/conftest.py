@@ -53,12 +53,12 @@ def cluster():
         ray.shutdown()
 
 
-def with_pair(config: dict, name: str, pair_dir) -> dict:
+def with_pair(config: dict, name: str, pair_dir, drafter_args: dict | None = None) -> dict:
     """config plus a second drafter / verifier / router trio serving the pair in pair_dir, its
     router under /<name> (served model name `name`); the first trio is untouched."""
     config = copy.deepcopy(config)
     target, draft = str(pair_dir / "target"), str(pair_dir / "draft")
-    extra = {"drafter": {"model": draft, "target": target},
+    extra = {"drafter": {"model": draft, "target": target, **(drafter_args or {})},
              "verifier": {"model": target},
              "router": {"model": target, "served_model_name": name,
                         "drafter_app": f"{name}-drafter", "verifier_app": f"{name}-verifier"}}

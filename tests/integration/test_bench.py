@@ -33,7 +33,7 @@ def test_every_mode_and_k_is_a_record_with_every_field(quick_run):
     cells = {(r["mode"], r["k"], r["temperature"]) for r in records}
     for temperature in (0.0, 1.0):
         assert {("target_only", 0, temperature), ("serve_off", 0, temperature)} <= cells
-        for mode in ("hf_assisted", "inprocess", "serve_sync"):
+        for mode in ("hf_assisted", "inprocess", "serve_sync", "serve_pipelined"):
             assert {(mode, 1, temperature), (mode, 4, temperature)} <= cells
     assert {r["mode"] for r in records} == set(MODES)
     assert all(r["tokens"] == r["requests"] * 32 and r["tokens_per_s"] > 0 for r in records)
@@ -47,6 +47,8 @@ def test_derived_figures_are_consistent(quick_run):
     for r in results["results"]:
         if r["mode"] == "target_only":
             assert r["speedup"] == 1.0
+        if r["mode"] in ("serve_sync", "serve_pipelined"):
+            assert r["exposed_ms_p50"] > 0
         if r["mode"] in ("inprocess", "serve_sync"):
             assert 0 <= r["acceptance_rate"] <= 1
             assert 1 <= r["mean_acceptance_length"] <= r["k"] + 1

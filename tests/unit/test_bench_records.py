@@ -3,7 +3,7 @@
 import pytest
 
 from bench.suite import FIELDS, Tally, add_speedups, expected_tokens_per_round, record
-from speculative.loop import SpecStats
+from speculative.stats import SpecStats
 
 
 def test_expected_tokens_per_round_is_the_geometric_formula():

@@ -1,0 +1,109 @@
+"""Per-request counters, named as vLLM's spec_decode metrics, and the round's time split."""
+
+import statistics
+from dataclasses import dataclass, field
+
+from speculative.rejection import RoundOutcome
+
+
+@dataclass
+class SpecStats:
+    """Counters named as vLLM's spec_decode metrics."""
+
+    rounds: int = 0
+    num_drafts: int = 0  # rounds that drafted at least one token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # excludes recovered and bonus tokens
+    accepted_per_position: list[int] = field(default_factory=list)
+    cache_misses: int = 0
+    draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
+    verify_seconds: float = 0.0  # waiting for the verifier
+    round_seconds: float = 0.0  # whole rounds: the rest is the router's own time
+    draft_compute_seconds: float = 0.0  # the drafter's own time, as it reports it
+    verify_compute_seconds: float = 0.0  # the verifier's own time, as it reports it
+    pipelined_rounds: int = 0  # rounds whose candidates were drafted during the previous one
+    predraft_compute_seconds: float = 0.0  # the drafter's time on pre-drafts (hidden, mostly)
+    # per round: the round's time less the pools' own (transport plus the router's work)
+    overhead_seconds: list[float] = field(default_factory=list)
+    # per round: the round's time less the verifier's own: what a round waits beyond the
+    # verifier's compute (draft compute on the critical path, hops, the router's work)
+    exposed_seconds: list[float] = field(default_factory=list)
+    wire_bytes: int = 0  # serialised messages of the rounds' pool calls (0 in-process)
+
+    def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
+        self.rounds += 1
+        self.num_drafts += num_drafted > 0
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += outcome.num_accepted
+        missing = num_drafted - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, missing))
+        for position in range(outcome.num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def add(self, other: "SpecStats") -> None:
+        """Accumulate another request's counters."""
+        missing = len(other.accepted_per_position) - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, missing))
+        for position, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[position] += count
+        for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
+                     "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
+                     "wire_bytes", "pipelined_rounds", "predraft_compute_seconds",
+                     "exposed_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per round, the recovered or bonus token included (vLLM's definition)."""
+        if not self.rounds:
+            return None
+        return (self.num_accepted_tokens + self.rounds) / self.rounds
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_drafts": self.num_drafts,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "cache_misses": self.cache_misses,
+            "ms_per_round": self.ms_per_round(),
+            "overhead_ms_p50": self.overhead_ms_p50,
+            "exposed_ms_p50": median_ms(self.exposed_seconds),
+            "pipelined_rounds": self.pipelined_rounds,
+            "wire_bytes_per_round": self.wire_bytes / self.rounds if self.wire_bytes else None,
+        }
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Total time by phase: the drafter's and the verifier's own compute, the transport
+        (waiting for a pool beyond its compute: network, serialisation, queues) and the
+        router's own work (rejection sampling, bookkeeping, streaming)."""
+        waits = self.draft_seconds + self.verify_seconds
+        return {"draft": self.draft_compute_seconds, "verify": self.verify_compute_seconds,
+                "transport": waits - self.draft_compute_seconds - self.verify_compute_seconds,
+                "router": self.round_seconds - waits}
+
+    def ms_per_round(self) -> dict | None:
+        """Mean milliseconds per round by phase (see phase_seconds), and in total."""
+        if not self.rounds:
+            return None
+        phases = {**self.phase_seconds(), "total": self.round_seconds}
+        return {name: round(1000 * seconds / self.rounds, 3) for name, seconds in phases.items()}
+
+    @property
+    def overhead_ms_p50(self) -> float | None:
+        """Median over rounds of what a round costs beyond the pools' compute."""
+        return median_ms(self.overhead_seconds)
+
+
+def median_ms(seconds: list[float]) -> float | None:
+    return round(1000 * statistics.median(seconds), 3) if seconds else None

@@ -1,0 +1,161 @@
+"""The first three output tokens through the real engines (tiny models, KV caches, rollback)
+follow the target's exact law, with K = 2 and q truncated to its top 3: the window covers both
+drafted positions and the position after them, which holds the bonus token (sequential) or
+the first pre-drafted token (pipelined). Each way of getting those positions wrong has a
+mutant here that must fail the same check.
+
+The law of three tokens over a vocabulary of 8 is computed exactly from 1 + 8 + 64 target
+forwards. Chi-square at a false-failure rate of 1e-6 per case; samples seeded.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import speculative.loop as loop
+from drafter.model import ModelDrafter
+from speculative.rejection import RoundOutcome
+from speculative.sampling import SamplingParams, logits_to_probs, sample
+from speculative.types import DraftBlock
+from tests.stats.chisq import chi_square
+from tests.tiny import noisy_copy, run, tiny_llama
+from verifier import engine as verifier_engine
+from verifier.engine import ModelVerifier
+
+VOCAB = 8
+PROMPT = [1, 5, 2]
+SAMPLES = 3000
+FALSE_FAILURE = 1e-6
+PARAMS = SamplingParams(temperature=1.0, max_tokens=4)  # 4: room for a pre-draft after 2
+K, DRAFT_TOP_K = 2, 3
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(31, vocab_size=VOCAB)  # the sharp default, not flattened
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return noisy_copy(target, 0.05, seed=32)
+
+
+@pytest.fixture(scope="module")
+def exact_law(target) -> np.ndarray:
+    """law[t1, t2, t3] = p(t1) p(t2 | t1) p(t3 | t1, t2) after the prompt."""
+
+    @torch.no_grad()
+    def next_probs(prefix) -> np.ndarray:
+        logits = target(input_ids=torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+        return logits_to_probs(logits, PARAMS).numpy()
+
+    law = np.zeros((VOCAB,) * 3)
+    first = next_probs(())
+    for t1 in range(VOCAB):
+        second = next_probs((t1,))
+        for t2 in range(VOCAB):
+            law[t1, t2] = first[t1] * second[t2] * next_probs((t1, t2))
+    return law
+
+
+def sample_counts(target, draft, pipelined: bool,
+                  samples: int = SAMPLES) -> tuple[np.ndarray, dict]:
+    drafter = ModelDrafter(draft, draft_top_k=DRAFT_TOP_K)
+    verifier = ModelVerifier(target)
+    counts = np.zeros((VOCAB,) * 3)
+    totals = {"accepted": 0, "drafted": 0, "pipelined_rounds": 0}
+    for i in range(samples):
+        params = SamplingParams(**{**PARAMS.__dict__, "seed": i})
+        out, state = run(drafter, verifier, PROMPT, params, K, request_id=str(i),
+                         pipelined=pipelined)
+        counts[tuple(out[:3])] += 1
+        totals["accepted"] += state.stats.num_accepted_tokens
+        totals["drafted"] += state.stats.num_draft_tokens
+        totals["pipelined_rounds"] += state.stats.pipelined_rounds
+    return counts, totals
+
+
+def chi2_passes(counts, law) -> tuple[bool, str]:
+    statistic, threshold, df = chi_square(counts, law, FALSE_FAILURE)
+    return statistic < threshold, f"chi2 = {statistic:.1f}, threshold {threshold:.1f} (df {df})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_three_tokens_follow_the_target_law(target, draft, exact_law, pipelined):
+    counts, totals = sample_counts(target, draft, pipelined)
+    passes, message = chi2_passes(counts, exact_law)
+    assert passes, f"{message}: a correct implementation fails with probability {FALSE_FAILURE}"
+    assert 0 < totals["accepted"] < totals["drafted"]
+    assert (totals["pipelined_rounds"] > SAMPLES / 10) == pipelined
+
+
+# --- mutants: each must fail the same check ---------------------------------------------
+
+def bonus_from_last_drafted_position(target_probs, drafted, draft_probs, seed):
+    """Draws the bonus token from p_K instead of p_(K+1)."""
+    scores = real_draw(target_probs, drafted, draft_probs, seed)
+    bonus = sample(target_probs[len(drafted) - 1], torch.Generator().manual_seed(seed + 1))
+    return type(scores)(**{**scores.__dict__, "bonus_token_id": bonus})
+
+
+real_draw = verifier_engine.draw_recovered_and_bonus
+real_propose_now = ModelDrafter.propose_now
+
+
+def q_shifted_by_one(self, call):
+    """Ships q_(i+1) as the distribution of x_i (the last row repeated)."""
+    block = real_propose_now(self, call)
+    if block.draft_probs is None or len(block.token_ids) < 2:
+        return block
+    shifted = torch.cat([block.draft_probs[1:], block.draft_probs[-1:]])
+    return DraftBlock(block.token_ids, shifted)
+
+
+def sampled_from_the_full_q(self, call):
+    """Draws from the untruncated q but ships the truncated one."""
+    top_k, self.draft_top_k = self.draft_top_k, 0
+    try:
+        full = real_propose_now(self, call)
+    finally:
+        self.draft_top_k = top_k
+    if full.draft_probs is None:
+        return full
+    from speculative.sampling import truncate_top_k
+
+    return DraftBlock(full.token_ids, truncate_top_k(full.draft_probs, top_k))
+
+
+def predraft_accepted_without_its_test(outcome, block, predraft):
+    """Commits the first pre-drafted token untested whenever the block was accepted whole."""
+    if outcome.num_accepted == len(block.token_ids) and predraft.token_ids:
+        rest = DraftBlock(predraft.token_ids[1:], None if predraft.draft_probs is None
+                          else predraft.draft_probs[1:])
+        committed = tuple(block.token_ids) + predraft.token_ids[:1]
+        return RoundOutcome(committed, outcome.num_accepted), rest if rest.token_ids else None
+    return outcome, None
+
+
+# (pipelined, samples, patch). Measured at 3000 samples, chi-square over its threshold: bonus
+# 1.04x (so it gets twice the samples), q shifted 2.1x, full q 2.6x (so half), pre-draft
+# untested 4.2x.
+MUTANTS = {
+    "bonus-from-p_K": (False, 2 * SAMPLES, lambda mp: mp.setattr(
+        verifier_engine, "draw_recovered_and_bonus", bonus_from_last_drafted_position)),
+    "q-shifted": (True, SAMPLES // 2, lambda mp: mp.setattr(
+        ModelDrafter, "propose_now", q_shifted_by_one)),
+    "full-q-sampled": (True, SAMPLES // 2, lambda mp: mp.setattr(
+        ModelDrafter, "propose_now", sampled_from_the_full_q)),
+    "predraft-untested": (True, SAMPLES, lambda mp: mp.setattr(
+        loop, "continue_with_predraft", predraft_accepted_without_its_test)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_mutants_fail(target, draft, exact_law, monkeypatch, name):
+    pipelined, samples, patch = MUTANTS[name]
+    patch(monkeypatch)
+    counts, _ = sample_counts(target, draft, pipelined, samples)
+    passes, message = chi2_passes(counts, exact_law)
+    assert not passes, f"the {name} mutant passed: {message}"
