@@ -12,6 +12,15 @@ torch.set_num_threads(1)
 TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 1\n"] * 20
 
 
+def save_pair(root, target, draft, tokenizer):
+    """Save a pair like hub models: root/target and root/draft, each with the tokenizer."""
+    for name, model in (("target", target), ("draft", draft)):
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_pair_dir(tmp_path_factory):
     """A tiny random target and draft with a real (tiny) tokenizer, saved like hub models."""
@@ -19,11 +28,7 @@ def tiny_pair_dir(tmp_path_factory):
     tokenizer = train_tokenizer(TEXT, vocab_size=300)
     target = tiny_llama(3, vocab_size=len(tokenizer))
     draft = noisy_copy(target, 0.05, seed=4)
-    for name, model in (("target", target), ("draft", draft)):
-        model.config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    return root
+    return save_pair(root, target, draft, tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -70,8 +75,4 @@ def tiny8_pair_dir(tmp_path_factory):
                                decoders.WordPiece(cleanup=False))
     target = tiny_llama(31, vocab_size=8)
     draft = noisy_copy(target, 0.05, seed=32)
-    for name, model in (("target", target), ("draft", draft)):
-        model.config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    return root
+    return save_pair(root, target, draft, tokenizer)
