@@ -150,19 +150,28 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
     )
 
 
-def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock,
-                           predraft: DraftBlock) -> tuple[RoundOutcome, DraftBlock | None]:
+def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock, predraft: DraftBlock,
+                           greedy: bool) -> tuple[RoundOutcome, DraftBlock | None]:
     """(the round's outcome, the next round's candidates) once a pre-draft is in hand.
 
-    The pre-draft was drawn from q given the committed prefix plus the whole block. When all
-    of the block is accepted that is the prefix, so the pre-drafted tokens stand as the next
-    candidates and the first of them takes the bonus position, tested there by the ordinary
-    ratio test in the next round; the bonus token is not used (using it as well would put two
-    tokens in one position). Otherwise the pre-draft is dropped, like any rejected suffix.
+    The pre-draft y1.. was drawn from q given the committed prefix plus the whole block, so it
+    continues only a round that accepted the whole block; otherwise it is dropped like any
+    rejected suffix. Then y1 stands at the bonus position:
+    - greedy: the ratio test of a one-hot p is y1 == argmax p(K+1), the bonus token the round
+      already holds: the bonus is committed either way, and y2.. go on when y1 equals it;
+    - sampling: the verifier could not test y1 (it scored the block before y1 existed), so
+      the bonus token is not used and y1.. stand as the next candidates, y1 meeting the
+      ordinary ratio test at the bonus position in the next round (using the bonus as well
+      would put two tokens in one position).
     """
-    if outcome.num_accepted == len(block.token_ids) and predraft.token_ids:
-        return RoundOutcome(tuple(block.token_ids), outcome.num_accepted), predraft
-    return outcome, None
+    if outcome.num_accepted < len(block.token_ids) or not predraft.token_ids:
+        return outcome, None
+    if greedy:
+        if predraft.token_ids[0] != outcome.output_token_ids[-1]:
+            return outcome, None
+        rest = DraftBlock(predraft.token_ids[1:], None, predraft.compute_seconds)
+        return outcome, rest if rest.token_ids else None
+    return RoundOutcome(tuple(block.token_ids), outcome.num_accepted), predraft
 
 
 async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,
@@ -181,7 +190,10 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
         block = await propose(state, drafter, k, draw_seed(state)) if k > 0 else NO_DRAFT
     drafted = time.perf_counter()
     verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
-    next_k = min(policy.num_speculative_tokens(), state.remaining - len(block.token_ids) - 1)
+    # greedy pre-drafts one more: its first token is settled against this round's bonus
+    greedy = request.sampling.greedy
+    next_k = min(policy.num_speculative_tokens() + greedy,
+                 state.remaining - len(block.token_ids) - 1)
     predraft = None
     if pipelined and block.token_ids and next_k > 0:
         predraft = asyncio.ensure_future(
@@ -199,12 +211,12 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
             predraft.cancel()
         raise
     verified = time.perf_counter()
-    outcome = accept(block, scores, request.sampling.greedy, state.generator)
+    outcome = accept(block, scores, greedy, state.generator)
     next_block = None
     if predraft is not None:
         # awaited even when unused: the drafter finishes it anyway, and the router's view of
         # the drafter's prefix stays exact
-        outcome, next_block = continue_with_predraft(outcome, block, await predraft)
+        outcome, next_block = continue_with_predraft(outcome, block, await predraft, greedy)
     policy.update(len(block.token_ids), outcome.num_accepted)
     committed = state.commit(outcome.output_token_ids)
     if state.finish_reason is not None:

