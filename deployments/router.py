@@ -8,6 +8,7 @@ call to each pool.
 import asyncio
 import json
 import uuid
+from typing import Literal
 
 import grpc
 from fastapi import FastAPI, Request
@@ -55,8 +56,10 @@ class RouterArgs(BaseModel):
     drafter_app: str = "drafter"
     verifier_app: str = "verifier"
     num_speculative_tokens: int = 4
-    # draft the next block while the verifier scores this one (a request may say otherwise)
-    pipelined_drafting: bool = True
+    # draft the next block while the verifier scores this one: "greedy" (greedy requests
+    # only: measured, it pays there and not yet for sampled ones), "on" or "off"; a request
+    # may say otherwise with "pipelined"
+    pipelined_drafting: Literal["off", "greedy", "on"] = "greedy"
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
     # without max_tokens may use the rest of the context, as vLLM's does
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
@@ -246,7 +249,10 @@ class Router:
         if len(request_id) > 128 or not request_id.isprintable():
             return error_response(BadRequest("x-request-id must be at most 128 printable "
                                              "characters", param="x-request-id"))
-        pipelined = self.args.pipelined_drafting if body.pipelined is None else body.pipelined
+        pipelined = body.pipelined
+        if pipelined is None:
+            mode = self.args.pipelined_drafting
+            pipelined = mode == "on" or mode == "greedy" and params[0].greedy
         job = Job(self, request_id, prompt_ids, params, k, body.drafter, chat,
                   body.return_token_ids, stop_ids, pipelined)
         if body.stream:

@@ -69,7 +69,8 @@ def test_the_cli_and_the_router_return_the_same_request(cluster, capsys, fields,
 
     prompt = "def parse(self, text"
     http = post(cluster, "/v1/completions", {"prompt": prompt, "max_tokens": 40,
-                                              "return_token_ids": True, **fields})
+                                              "return_token_ids": True, "pipelined": True,
+                                              **fields})
     local = cli(capsys, DEMO_TARGET, DEMO_DRAFT, prompt, "--max-tokens", "40", "-k", "4",
                 "--draft-top-k", "64", "--pipelined", *flags)
     tokenizer = load_tokenizer(DEMO_TARGET)
