@@ -35,12 +35,12 @@ from engine.checkpoint import (
     end_token_ids,
     stop_token_ids,
 )
+from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.driver import Generation, text_decoder
 from speculative.loop import Request as SpecRequest
-from speculative.stats import SpecStats
-from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.policy import FixedK
 from speculative.sampling import derive_seeds
+from speculative.stats import SpecStats
 
 app = FastAPI(title="specserve")
 

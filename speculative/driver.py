@@ -36,25 +36,29 @@ class Detokenizer:
 
     def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
         self.decode = decode
-        self.ids = list(context_ids[-CONTEXT_TOKENS:])
-        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.ids = list(context_ids[-CONTEXT_TOKENS:])  # the window, then tokens not yet read
+        self.window = len(self.ids)
 
     def add(self, token_id: int) -> str:
         """The text that token_id adds (possibly "" while a character is incomplete)."""
         self.ids.append(token_id)
-        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        text = self.decode(self.ids[self.prefix_offset :])
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return ""
-        del self.ids[: self.read_offset]  # the next window: the tokens just read
-        self.prefix_offset, self.read_offset = 0, len(self.ids)
-        return text[len(prefix) :]
+        delta = self._unread()
+        if delta and not delta.endswith("\ufffd"):
+            del self.ids[: self.window]  # the next window: the tokens just read
+            self.window = len(self.ids)
+            return delta
+        return ""
 
     def flush(self) -> str:
         """Text still held back at the end of a request (an incomplete character)."""
-        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        text = self.decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
+        delta = self._unread()
+        del self.ids[: self.window]
+        self.window = len(self.ids)
+        return delta
+
+    def _unread(self) -> str:
+        prefix = self.decode(self.ids[: self.window])
+        text = self.decode(self.ids)
         return text[len(prefix) :] if len(text) > len(prefix) else ""
 
 
@@ -80,6 +84,7 @@ class Generation:
             raise ValueError("stop strings need a tokenizer to decode with")
         self.detokenizer = Detokenizer(decode, request.prompt_token_ids) if decode else None
         self.text = ""
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.stop_reason: int | str | None = None
         self._sent = 0  # characters of text already yielded
 
@@ -125,10 +130,9 @@ class Generation:
         if self.detokenizer is None:
             return
         first_output = len(self.token_ids) - len(added)
-        longest = max((len(s) for s in self.stop), default=0)
         for offset, token in enumerate(added):
             delta = self.detokenizer.add(token)
-            start = max(0, len(self.text) - longest + 1)
+            start = max(0, len(self.text) - self.longest_stop + 1)
             self.text += delta
             hit = find_stop(self.text, self.stop, start) if delta and self.stop else None
             if hit is not None:

@@ -212,17 +212,17 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
         raise
     verified = time.perf_counter()
     outcome = accept(block, scores, greedy, state.generator)
-    next_block = None
+    next_block = predrafted = None
     if predraft is not None:
         # awaited even when unused: the drafter finishes it anyway, and the router's view of
         # the drafter's prefix stays exact
-        outcome, next_block = continue_with_predraft(outcome, block, await predraft, greedy)
+        predrafted = await predraft
+        outcome, next_block = continue_with_predraft(outcome, block, predrafted, greedy)
     policy.update(len(block.token_ids), outcome.num_accepted)
     committed = state.commit(outcome.output_token_ids)
     if state.finish_reason is not None:
         next_block = None
-    record_round(state.stats, block, scores, outcome, pre_drafted,
-                 predraft.result() if predraft is not None else None,
+    record_round(state.stats, block, scores, outcome, pre_drafted, predrafted,
                  started, drafted, verified)
     return committed, next_block
 

@@ -1,6 +1,7 @@
 """One local Ray instance and one Serve deployment of cluster/config.yaml, shared by every
 integration test; stopped at the end of the session by the fixture that started it."""
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -32,6 +33,17 @@ class Cluster:
     def redeploy(self, config: dict) -> None:
         deploy(config)
         self.config = config
+
+    @contextlib.contextmanager
+    def serving_pair(self, name: str, pair_dir, drafter_args: dict | None = None):
+        """The default apps plus a trio serving pair_dir under /<name> (see with_pair), for
+        the length of the block; declarative, so redeploying the base removes the trio."""
+        base = self.config
+        self.redeploy(with_pair(base, name, pair_dir, drafter_args))
+        try:
+            yield pair_dir
+        finally:
+            self.redeploy(base)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ import torch
 
 from engine.models import load_causal_lm
 from speculative.sampling import SamplingParams, logits_to_probs
-from tests.integration.conftest import deploy, with_pair
 from tests.stats.chisq import chi_square
 
 PROMPT = [1, 5, 2]
@@ -24,13 +23,8 @@ FALSE_FAILURE = 1e-6
 
 @pytest.fixture(scope="module")
 def tiny8(cluster, tiny8_pair_dir):
-    base = cluster.config
-    cluster.redeploy(with_pair(base, "tiny8", tiny8_pair_dir, {"draft_top_k": 3}))
-    try:
-        yield tiny8_pair_dir
-    finally:
-        deploy(base)
-        cluster.config = base
+    with cluster.serving_pair("tiny8", tiny8_pair_dir, {"draft_top_k": 3}) as pair_dir:
+        yield pair_dir
 
 
 @torch.no_grad()

@@ -9,18 +9,12 @@ import pytest
 from specserve.cli import main
 from engine.models import DEMO_TARGET, load_tokenizer
 from tests.conftest import QUIRKY_PROMPT
-from tests.integration.conftest import deploy, with_pair
 
 
 @pytest.fixture(scope="module")
 def quirky(cluster, quirky_pair_dir):
-    base = cluster.config
-    cluster.redeploy(with_pair(base, "quirky", quirky_pair_dir))
-    try:
-        yield quirky_pair_dir
-    finally:
-        deploy(base)  # declarative: the quirky apps go away
-        cluster.config = base
+    with cluster.serving_pair("quirky", quirky_pair_dir) as pair_dir:
+        yield pair_dir
 
 
 def post(cluster, path, body):
