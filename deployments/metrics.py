@@ -20,6 +20,10 @@ class RouterMetrics:
             description="Accepted tokens by position in the draft.", tag_keys=("position",))
         self.cache_misses = Counter("spec_decode_cache_misses",
                                     description="Pool calls that had to rebuild a KV cache.")
+        self.rounds_by_k = Counter(
+            "spec_decode_rounds_by_num_speculative_tokens",
+            description="Rounds by the number of tokens drafted (K, as the K policy chose it).",
+            tag_keys=("num_speculative_tokens",))
         self.round_seconds = Histogram(
             "spec_decode_round_seconds", description="Mean time per round of a request, by phase "
             "(draft and verify compute, transport, router).",
@@ -36,6 +40,8 @@ class RouterMetrics:
         for position, count in enumerate(stats.accepted_per_position):
             if count:
                 self.accepted_per_pos.inc(count, tags={"position": str(position)})
+        for k, count in stats.rounds_by_k.items():
+            self.rounds_by_k.inc(count, tags={"num_speculative_tokens": str(k)})
         if stats.rounds:
             for phase, seconds in stats.phase_seconds().items():
                 self.round_seconds.observe(seconds / stats.rounds, tags={"phase": phase})

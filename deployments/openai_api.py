@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response shapes (completions, chat completions, errors)."""
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,7 +24,8 @@ class SpecExtensions(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
-    num_speculative_tokens: int | None = Field(default=None, ge=0, le=32)  # extension
+    # extension: K, or "auto" for the router's adaptive K (default: the router's setting)
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=32)] | Literal["auto"] | None = None
     pipelined: bool | None = None  # extension: draft during verification (router default)
     # extension: "model" (the drafter pool, the default) or a kind the router runs itself
     drafter: str | None = None

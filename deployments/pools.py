@@ -8,6 +8,7 @@ router resends the whole prefix).
 """
 
 import asyncio
+from typing import Literal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -42,7 +43,11 @@ class DrafterArgs(PoolArgs):
     model: str = DEMO_DRAFT
     target: str = DEMO_TARGET  # the verifier's checkpoint: the vocabulary both pools agree on
     drafter: str = "model"  # a kind of drafter.registry.DRAFTERS
-    draft_top_k: int = 0  # > 0: truncate q to its top entries (sparse, smaller messages)
+    # q as shipped (drafter.registry.DrafterSpec): top entries (0 = all), the fewest top
+    # entries holding this mass (1 = all), precision
+    draft_top_k: int = 0
+    draft_q_mass: float = 0.99
+    draft_q_dtype: Literal["float32", "float16"] = "float16"
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -50,7 +55,8 @@ class DrafterArgs(PoolArgs):
         return DrafterSpec(kind=self.drafter, model=self.model, target=self.target,
                            dtype=self.dtype, device=self.device,
                            max_cached_requests=self.max_cached_requests,
-                           draft_top_k=self.draft_top_k, ngram_min=self.ngram_min,
+                           draft_top_k=self.draft_top_k, draft_q_mass=self.draft_q_mass,
+                           draft_q_dtype=self.draft_q_dtype, ngram_min=self.ngram_min,
                            ngram_max=self.ngram_max)
 
 

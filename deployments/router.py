@@ -13,7 +13,7 @@ from typing import Literal
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 
 from deployments.clients import GrpcDrafter, GrpcVerifier, PoolError
@@ -38,11 +38,27 @@ from engine.checkpoint import (
 from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.driver import Generation, text_decoder
 from speculative.loop import Request as SpecRequest
-from speculative.policy import FixedK
+from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds
 from speculative.sampling import derive_seeds
 from speculative.stats import SpecStats
 
 app = FastAPI(title="specserve")
+
+
+class AdaptiveKArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min: int = Field(default=1, ge=0, le=32)
+    max: int = Field(default=8, ge=0, le=32)
+    initial: int | None = Field(default=None, ge=0, le=32)  # first round (default: max)
+
+    def bounds(self) -> KBounds:
+        return KBounds(self.min, self.max, self.initial)
+
+    @model_validator(mode="after")
+    def ordered(self):
+        self.bounds()  # raises ValueError unless 0 <= min <= max
+        return self
 
 
 class RouterArgs(BaseModel):
@@ -55,7 +71,10 @@ class RouterArgs(BaseModel):
     grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
     drafter_app: str = "drafter"
     verifier_app: str = "verifier"
-    num_speculative_tokens: int = 4
+    # K drafted per round, or "auto": per request, the K in adaptive_k's bounds that the
+    # request's acceptance and the measured costs say is fastest (a request may say either)
+    num_speculative_tokens: int | Literal["auto"] = 4
+    adaptive_k: AdaptiveKArgs = AdaptiveKArgs()
     # draft the next block while the verifier scores this one: "greedy" (greedy requests
     # only: measured, it pays there and not yet for sampled ones), "on" or "off"; a request
     # may say otherwise with "pipelined"
@@ -100,7 +119,7 @@ async def parse(request: Request, schema):
 class Job:
     """One HTTP request: n choices decoded concurrently, each its own speculative request."""
 
-    def __init__(self, router: "Router", request_id: str, prompt_ids, params, k: int,
+    def __init__(self, router: "Router", request_id: str, prompt_ids, params, k: int | str,
                  drafter_kind: str | None, chat: bool, return_token_ids: bool,
                  stop_ids: tuple[int, ...], pipelined: bool) -> None:
         self.router, self.request_id, self.prompt_ids = router, request_id, prompt_ids
@@ -117,7 +136,9 @@ class Job:
     async def run_choice(self, index: int, on_text) -> Generation:
         drafter, verifier = self.router.pools(self.drafter_kind)
         generation = self.generation(index)
-        async for delta in generation.stream(drafter, verifier, FixedK(self.k), self.pipelined):
+        policy = self.router.k_policy(self.k, self.drafter_kind, self.pipelined,
+                                      self.params[index].greedy)
+        async for delta in generation.stream(drafter, verifier, policy, self.pipelined):
             await on_text(index, delta)
         self.router.metrics.record(generation.state)
         return generation
@@ -189,6 +210,7 @@ class Router:
                                                    self.target)
                                for kind in router_side_kinds()}
         self.metrics = RouterMetrics()
+        self.costs: dict[tuple, CostModel] = {}  # by drafter kind and greedy or not
         self._channel: grpc.aio.Channel | None = None
 
     def pools(self, drafter_kind: str | None = None) -> tuple:
@@ -200,6 +222,12 @@ class Router:
             self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct)
             self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout, direct)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
+
+    def k_policy(self, k: int | str, drafter_kind: str | None, pipelined: bool, greedy: bool):
+        if k != "auto":
+            return FixedK(k)
+        costs = self.costs.setdefault((drafter_kind, greedy), CostModel())
+        return AdaptiveK(self.args.adaptive_k.bounds(), costs, pipelined, greedy)
 
     @app.get("/health")
     async def health(self) -> dict:

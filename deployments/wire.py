@@ -47,28 +47,34 @@ def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
 
 
 def dists_to_proto(probs: torch.Tensor) -> pb.Distributions:
-    """[P, V] probabilities -> Distributions: sparse (ids, probs) when every row has few
-    non-zero entries (a draft q truncated to its top-k, a one-hot n-gram draft), else dense."""
+    """[P, V] draft weights (float32 or float16) -> Distributions in the same precision:
+    sparse (ids, values) when that is smaller (a q truncated by count or mass, a one-hot
+    n-gram draft), else dense. The values arrive bit for bit as they left."""
     vocab_size = probs.shape[-1]
+    if probs.dtype not in (torch.float32, torch.float16):
+        probs = probs.float()
     nonzero = int((probs > 0).sum(-1).max()) if probs.numel() else 0
-    if 2 * nonzero >= vocab_size:  # sparse costs 8 bytes an entry, dense 4
-        return pb.Distributions(probs=tensor_to_proto(probs.float()), vocab_size=vocab_size)
+    value_bytes = probs.element_size()
+    if nonzero * (4 + value_bytes) >= vocab_size * value_bytes:  # an id costs 4 bytes
+        return pb.Distributions(probs=tensor_to_proto(probs), vocab_size=vocab_size)
     values, ids = torch.topk(probs, nonzero, dim=-1)
     return pb.Distributions(
         ids=tensor_to_proto(ids.to(torch.int32)),
-        probs=tensor_to_proto(values.float()),
+        probs=tensor_to_proto(values),
         vocab_size=vocab_size,
     )
 
 
 def dists_from_proto(message: pb.Distributions) -> torch.Tensor:
-    probs = tensor_from_proto(message.probs).float()
+    probs = tensor_from_proto(message.probs)
+    if probs.dtype not in (torch.float32, torch.float16) or probs.dim() != 2:
+        raise ValueError("distributions must be [positions, entries] float32 or float16")
     if not message.HasField("ids"):
         return probs
     ids = tensor_from_proto(message.ids).long()
     if ids.shape != probs.shape or (ids.numel() and not 0 <= ids.min() <= ids.max() < message.vocab_size):
         raise ValueError("sparse distribution ids out of range or shaped unlike probs")
-    dense = torch.zeros(probs.shape[0], message.vocab_size)
+    dense = torch.zeros(probs.shape[0], message.vocab_size, dtype=probs.dtype)
     return dense.scatter(-1, ids, probs)
 
 

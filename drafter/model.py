@@ -3,7 +3,13 @@
 import torch
 
 from engine.kv import SessionStore
-from speculative.sampling import fit_vocab, logits_to_probs, sample, truncate_top_k
+from speculative.sampling import (
+    fit_vocab,
+    logits_to_probs,
+    sample,
+    truncate_mass,
+    truncate_top_k,
+)
 from speculative.types import DraftBlock, ProposeCall, check_call, timed
 
 
@@ -11,18 +17,21 @@ class ModelDrafter:
     """Proposes K tokens autoregressively with the draft model.
 
     `vocab_size` is the vocabulary the pools agree on (the target's embedding rows; default:
-    the draft's own). `draft_top_k` > 0 truncates each q to its top entries before sampling
-    (smaller messages); the output stays exact because the token is drawn from the very q
-    that is shipped. Past the draft's own context length it drafts nothing: those rounds are
-    the target's alone.
+    the draft's own). Each q may be made smaller for the wire before it is sampled from:
+    `draft_top_k` > 0 keeps its top entries, `draft_q_mass` < 1 the fewest top entries that
+    hold that mass, and `draft_q_dtype` float16 rounds it to half precision. The output stays
+    exact because the token is drawn from the very q that is shipped. Past the draft's own
+    context length it drafts nothing: those rounds are the target's alone.
     """
 
     def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
-                 draft_top_k: int = 0) -> None:
+                 draft_top_k: int = 0, draft_q_mass: float = 1.0,
+                 draft_q_dtype: str = "float32") -> None:
         self.model = model.eval()
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.draft_top_k = draft_top_k
+        self.draft_top_k, self.draft_q_mass = draft_top_k, draft_q_mass
+        self.draft_q_dtype = {"float32": torch.float32, "float16": torch.float16}[draft_q_dtype]
         self.sessions = SessionStore(max_cached_requests)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
@@ -55,9 +64,14 @@ class ModelDrafter:
             if greedy:
                 token_ids.append(int(logits.argmax()))
             else:
-                probs = truncate_top_k(logits_to_probs(logits, call.sampling), self.draft_top_k)
-                token_ids.append(sample(probs, generator))
+                probs = self.shipped_q(logits_to_probs(logits, call.sampling))
+                token_ids.append(sample(probs.float(), generator))
                 draft_probs.append(probs)
             if i + 1 < num_tokens:
                 logits = sequence.feed(self.model, assumed + token_ids, num_logits=1)[0]
         return DraftBlock(tuple(token_ids), torch.stack(draft_probs) if draft_probs else None)
+
+    def shipped_q(self, probs: torch.Tensor) -> torch.Tensor:
+        """[V] q as it will travel: truncated, then rounded to the wire's precision."""
+        probs = truncate_mass(truncate_top_k(probs, self.draft_top_k), self.draft_q_mass)
+        return probs.to(self.draft_q_dtype)

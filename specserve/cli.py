@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop token id besides the checkpoint's end tokens (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at the checkpoint's end tokens")
-    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
-                     help="K, tokens drafted per round; 0 = target alone, no drafter call")
+    gen.add_argument("--num-speculative-tokens", "-k", type=k_value, default=4,
+                     help="K, tokens drafted per round; 0 = target alone, no drafter call; "
+                          "auto = chosen per round from the acceptance so far, in 1..8")
     gen.add_argument("--n", type=int, default=1, help="independent samples")
     gen.add_argument("--pipelined", action="store_true",
                      help="draft the next block while the target verifies this one (the "
@@ -44,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "token of fully accepted rounds)")
     gen.add_argument("--draft-top-k", type=int, default=0,
                      help="truncate each draft distribution to its top entries (0 = off)")
+    gen.add_argument("--draft-q-mass", type=float, default=0.99,
+                     help="keep the fewest top entries of each draft distribution that hold "
+                          "this mass (1 = all)")
+    gen.add_argument("--draft-q-dtype", choices=["float32", "float16"], default="float16",
+                     help="the precision of the draft distributions (as a drafter pool ships)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--threads", type=int, default=None, help="torch threads")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,7 +75,8 @@ def build_engines(args):
 
     target = Checkpoint.load(args.target)
     spec = DrafterSpec(kind=args.drafter, model=args.draft, target=args.target, dtype=args.dtype,
-                       draft_top_k=args.draft_top_k)
+                       draft_top_k=args.draft_top_k, draft_q_mass=args.draft_q_mass,
+                       draft_q_dtype=args.draft_q_dtype)
     needed = args.num_speculative_tokens or not DRAFTERS[args.drafter].needs_model
     drafter = build_drafter(spec, target) if needed else None
     return drafter, ModelVerifier(load_causal_lm(args.target, args.dtype)), target
@@ -83,7 +90,6 @@ def generate(args) -> dict:
     from speculative.loop import Request
     from speculative.stats import SpecStats
     from engine.models import load_tokenizer
-    from speculative.policy import FixedK
     from speculative.sampling import SamplingParams, derive_seeds
 
     seeds = derive_seeds(args.seed, args.n)
@@ -103,8 +109,8 @@ def generate(args) -> dict:
     for index, sampling in enumerate(params):
         generation = Generation(Request(uuid.uuid4().hex, prompt_ids, sampling, stop_ids),
                                 text_decoder(tokenizer))
-        asyncio.run(generation.run(drafter, verifier, FixedK(args.num_speculative_tokens),
-                                   args.pipelined))
+        policy = k_policy(args.num_speculative_tokens, args.pipelined, sampling.greedy)
+        asyncio.run(generation.run(drafter, verifier, policy, args.pipelined))
         choices.append({"index": index, "text": generation.text,
                         "token_ids": generation.token_ids,
                         "finish_reason": generation.finish_reason,
@@ -118,15 +124,32 @@ def generate(args) -> dict:
     return {"choices": choices, "usage": usage, "stats": stats}
 
 
+def k_value(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
+def k_policy(k: int | str, pipelined: bool, greedy: bool):
+    from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds
+
+    return AdaptiveK(KBounds(), CostModel(), pipelined, greedy) if k == "auto" else FixedK(k)
+
+
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     from speculative.sampling import SamplingParams
 
-    if args.num_speculative_tokens < 0:
+    if args.num_speculative_tokens != "auto" and args.num_speculative_tokens < 0:
         parser.error("--num-speculative-tokens must be >= 0")
     if args.n < 1:
         parser.error("--n must be >= 1")
     if args.draft_top_k < 0:
         parser.error("--draft-top-k must be >= 0")
+    if not 0 < args.draft_q_mass <= 1:
+        parser.error("--draft-q-mass must be in (0, 1]")
     try:
         SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))

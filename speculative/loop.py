@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.policy import KPolicy
+from speculative.policy import KPolicy, RoundCost
 from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
-from speculative.sampling import SamplingParams
+from speculative.sampling import SamplingParams, draft_law
 from speculative.stats import SpecStats
 from speculative.types import (
     EMPTY_PREFIX_HASH,
@@ -129,8 +129,8 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> 
     if greedy:
         return accept_greedy(block.token_ids, scores.target_token_ids)
     drafted = block.token_ids
-    draft_at_draft = block.draft_probs[torch.arange(len(drafted)), list(drafted)] if drafted \
-        else ()
+    draft_at_draft = draft_law(block.draft_probs)[torch.arange(len(drafted)), list(drafted)] \
+        if drafted else ()
     return accept_drawn(drafted, draft_at_draft, scores.draft_target_probs,
                         scores.recovered_token_ids, scores.bonus_token_id, generator)
 
@@ -218,18 +218,18 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
         # the drafter's prefix stays exact
         predrafted = await predraft
         outcome, next_block = continue_with_predraft(outcome, block, predrafted, greedy)
-    policy.update(len(block.token_ids), outcome.num_accepted)
     committed = state.commit(outcome.output_token_ids)
     if state.finish_reason is not None:
         next_block = None
-    record_round(state.stats, block, scores, outcome, pre_drafted, predrafted,
-                 started, drafted, verified)
+    cost = record_round(state.stats, block, scores, outcome, pre_drafted, predrafted,
+                        started, drafted, verified)
+    policy.update(len(block.token_ids), outcome.num_accepted, cost)
     return committed, next_block
 
 
 def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
                  outcome: RoundOutcome, pre_drafted: bool, predraft: DraftBlock | None,
-                 started: float, drafted: float, verified: float) -> None:
+                 started: float, drafted: float, verified: float) -> RoundCost:
     ended = time.perf_counter()
     stats.record(len(block.token_ids), outcome)
     stats.pipelined_rounds += pre_drafted
@@ -245,6 +245,13 @@ def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
     stats.round_seconds += round_seconds
     stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
     stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
+    # for a K policy: the draft cost of this round's own draft, else of its pre-draft, and
+    # the time beyond the compute on the critical path (a pre-draft runs beside the verify)
+    drafted_now = predraft or NO_DRAFT if pre_drafted else block
+    beside = predraft.compute_seconds if predraft else 0.0
+    return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
+                     len(drafted_now.token_ids), drafted_now.compute_seconds,
+                     round_seconds - waited_draft - max(scores.compute_seconds, beside))
 
 
 async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,

@@ -86,6 +86,35 @@ def truncate_top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
     return truncated / truncated.sum(-1, keepdim=True)
 
 
+def truncate_mass(probs: torch.Tensor, mass: float) -> torch.Tensor:
+    """Keep, per [..., V] row, the fewest most likely entries whose total is >= mass, and
+    renormalise (draft-side q: a sharp row keeps a few entries, a flat one many). What is
+    cut is at most 1 - mass of q, so acceptance loses at most that much per position."""
+    if mass >= 1:
+        return probs
+    values, order = torch.sort(probs, dim=-1, descending=True)
+    before = values.cumsum(-1) - values  # the mass of the entries ahead of each
+    keep = (before < mass).scatter(-1, order, before < mass)
+    truncated = probs * keep
+    return truncated / truncated.sum(-1, keepdim=True)
+
+
+def draft_law(weights: torch.Tensor) -> torch.Tensor:
+    """The distributions q that [K, V] shipped draft weights stand for: each row over its sum.
+
+    A drafter ships q in the precision it chooses (float16 halves the bytes); the rounded
+    weights are what it sampled from (torch.multinomial draws in proportion to weights), so
+    every consumer reads q through this one function. Raises ValueError for weights no
+    sampler could have drawn from.
+    """
+    weights = weights.float()
+    totals = weights.sum(-1, keepdim=True)
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) \
+            or bool((totals <= 0).any()):
+        raise ValueError("draft_probs must be finite, non-negative, with a positive sum per row")
+    return weights / totals
+
+
 def derive_seeds(seed: int | None, n: int) -> list[int | None]:
     """Seeds of n independent samples derived from one request seed (None stays unseeded)."""
     if seed is None:

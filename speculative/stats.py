@@ -29,12 +29,14 @@ class SpecStats:
     # verifier's compute (draft compute on the critical path, hops, the router's work)
     exposed_seconds: list[float] = field(default_factory=list)
     wire_bytes: int = 0  # serialised messages of the rounds' pool calls (0 in-process)
+    rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds by tokens drafted
 
     def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
         self.rounds += 1
         self.num_drafts += num_drafted > 0
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += outcome.num_accepted
+        self.rounds_by_k[num_drafted] = self.rounds_by_k.get(num_drafted, 0) + 1
         missing = num_drafted - len(self.accepted_per_position)
         self.accepted_per_position.extend([0] * max(0, missing))
         for position in range(outcome.num_accepted):
@@ -46,6 +48,8 @@ class SpecStats:
         self.accepted_per_position.extend([0] * max(0, missing))
         for position, count in enumerate(other.accepted_per_position):
             self.accepted_per_position[position] += count
+        for k, count in other.rounds_by_k.items():
+            self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
@@ -66,6 +70,11 @@ class SpecStats:
             return None
         return (self.num_accepted_tokens + self.rounds) / self.rounds
 
+    @property
+    def mean_num_speculative_tokens(self) -> float | None:
+        """Tokens drafted per round (the K an adaptive policy chose, on average)."""
+        return self.num_draft_tokens / self.rounds if self.rounds else None
+
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds,
@@ -75,6 +84,9 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "mean_num_speculative_tokens": self.mean_num_speculative_tokens,
+            "rounds_by_num_speculative_tokens": {str(k): n for k, n in
+                                                 sorted(self.rounds_by_k.items())},
             "cache_misses": self.cache_misses,
             "ms_per_round": self.ms_per_round(),
             "overhead_ms_p50": self.overhead_ms_p50,

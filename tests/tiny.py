@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from speculative.driver import Generation
 from speculative.loop import Request
-from speculative.policy import FixedK
+from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds
 from speculative.sampling import SamplingParams
 
 
@@ -40,11 +40,16 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def run(drafter, verifier, prompt, params: SamplingParams, k: int, request_id="r", stop=(),
+def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request_id="r", stop=(),
         decode=None, pipelined: bool = False):
-    """Decode one request in-process through the request driver; returns (output ids, state)."""
+    """Decode one request in-process through the request driver; returns (output ids, state).
+
+    k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies).
+    """
     generation = Generation(Request(request_id, tuple(prompt), params, tuple(stop)), decode)
-    asyncio.run(generation.run(drafter, verifier, FixedK(k), pipelined))
+    policy = FixedK(k) if k != "auto" else \
+        AdaptiveK(KBounds(1, 8, initial=2), CostModel(), pipelined, params.greedy)
+    asyncio.run(generation.run(drafter, verifier, policy, pipelined))
     return generation.token_ids, generation.state
 
 

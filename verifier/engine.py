@@ -4,7 +4,7 @@ import torch
 
 from engine.kv import SessionStore
 from speculative.rejection import residual
-from speculative.sampling import logits_to_probs, sample
+from speculative.sampling import draft_law, logits_to_probs, sample
 from speculative.types import ScoreCall, TargetScores, check_call, timed
 
 
@@ -32,11 +32,13 @@ class ModelVerifier:
         check_call(call.sync.new_token_ids + call.draft_token_ids, vocab_size,
                    len(call.draft_token_ids))
         drafted = list(call.draft_token_ids)
+        draft_probs = None
         if not call.sampling.greedy and drafted:
             shape = None if call.draft_probs is None else tuple(call.draft_probs.shape)
             if shape != (len(drafted), vocab_size):
                 raise ValueError(f"sampling needs draft_probs of shape {(len(drafted), vocab_size)}"
                                  f", got {shape}")
+            draft_probs = draft_law(call.draft_probs)  # checked before the cache is touched
         length = call.sync.committed_len + len(drafted)
         if self.max_positions is not None and length > self.max_positions:
             raise ValueError(f"{length} tokens exceed the target's context of "
@@ -46,7 +48,7 @@ class ModelVerifier:
         if call.sampling.greedy:
             return TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
         return draw_recovered_and_bonus(logits_to_probs(logits, call.sampling), drafted,
-                               call.draft_probs, call.seed)
+                                        draft_probs, call.seed)
 
 
 def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:

@@ -2,7 +2,13 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from speculative.sampling import SamplingParams, logits_to_probs, truncate_top_k
+from speculative.sampling import (
+    SamplingParams,
+    draft_law,
+    logits_to_probs,
+    truncate_mass,
+    truncate_top_k,
+)
 
 
 @pytest.mark.parametrize(
@@ -64,3 +70,19 @@ def test_truncate_top_k_keeps_the_largest_and_renormalises():
     probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
     torch.testing.assert_close(truncate_top_k(probs, 2), torch.tensor([0, 4 / 7, 0, 3 / 7]))
     assert truncate_top_k(probs, 0) is probs
+
+
+def test_truncate_mass_keeps_the_fewest_entries_holding_the_mass():
+    probs = torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.97, 0.01, 0.01, 0.01]])
+    out = truncate_mass(probs, 0.75)
+    # row 0: 0.5 + 0.25 = 0.75 holds it; row 1: the top entry alone
+    torch.testing.assert_close(out, torch.tensor([[0, 2 / 3, 0, 1 / 3], [1.0, 0, 0, 0]]))
+    assert truncate_mass(probs, 1.0) is probs
+
+
+def test_draft_law_normalises_shipped_weights_and_refuses_impossible_ones():
+    weights = torch.tensor([[1.0, 3.0], [0.0, 2.0]], dtype=torch.float16)
+    torch.testing.assert_close(draft_law(weights), torch.tensor([[0.25, 0.75], [0.0, 1.0]]))
+    for bad in ([[0.0, 0.0]], [[-0.5, 1.5]], [[float("nan"), 1.0]], [[float("inf"), 1.0]]):
+        with pytest.raises(ValueError, match="draft_probs"):
+            draft_law(torch.tensor(bad))

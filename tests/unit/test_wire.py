@@ -61,3 +61,18 @@ def test_calls_and_results_round_trip():
 def test_invalid_sampling_on_the_wire_is_a_value_error():
     with pytest.raises(ValueError, match="temperature"):
         wire.sampling_from_proto(pb.SamplingParams(temperature=-1, top_p=1))
+
+
+def test_half_precision_distributions_travel_bit_exactly_and_sparse_when_smaller():
+    from speculative.sampling import truncate_mass
+
+    probs = torch.softmax(3 * torch.randn(3, 4096, generator=torch.Generator().manual_seed(1)), -1)
+    half = truncate_mass(probs, 0.9).half()
+    message = wire.dists_to_proto(half)
+    assert message.HasField("ids") and message.probs.dtype == "float16"
+    back = wire.dists_from_proto(pb.Distributions.FromString(message.SerializeToString()))
+    assert back.dtype == torch.float16 and torch.equal(back, half)
+    assert message.ByteSize() < 6.5 * int((half > 0).sum(-1).max()) * 3 + 100
+    dense = probs.half()  # every entry non-zero: 2 bytes an entry beats 6
+    message = wire.dists_to_proto(dense)
+    assert not message.HasField("ids") and torch.equal(wire.dists_from_proto(message), dense)

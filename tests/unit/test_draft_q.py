@@ -1,0 +1,51 @@
+"""The drafter samples from exactly the q it ships, whatever the wire makes of q."""
+
+import pytest
+import torch
+
+import drafter.model
+from drafter.model import ModelDrafter
+from speculative.sampling import SamplingParams, draft_law
+from speculative.types import PrefixSync, ProposeCall, ScoreCall, prefix_hash
+from tests.tiny import tiny_llama
+from verifier.engine import ModelVerifier
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"draft_top_k": 5}, {"draft_q_mass": 0.9}, {"draft_q_dtype": "float16"},
+    {"draft_q_mass": 0.99, "draft_q_dtype": "float16"}])
+def test_the_drafter_samples_from_the_q_it_ships(monkeypatch, options):
+    sampled_from = []
+
+    def recording_sample(probs, generator):
+        sampled_from.append(probs.clone())
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    monkeypatch.setattr(drafter.model, "sample", recording_sample)
+    engine = ModelDrafter(tiny_llama(2), **options)
+    call = ProposeCall("r", PrefixSync(0, prefix_hash([]), (1, 2, 3)), 4,
+                       SamplingParams(temperature=1.0), seed=5)
+    block = engine.propose_now(call)
+    assert len(sampled_from) == 4 == len(block.token_ids)
+    for shipped, used in zip(block.draft_probs, sampled_from):
+        assert torch.equal(shipped.float(), used)  # bit for bit
+    expected_dtype = torch.float16 if options.get("draft_q_dtype") == "float16" else torch.float32
+    assert block.draft_probs.dtype == expected_dtype
+    if "draft_top_k" in options or "draft_q_mass" in options:
+        assert int((block.draft_probs[0] > 0).sum()) < block.draft_probs.shape[-1]
+
+
+def test_the_verifier_refuses_weights_no_drafter_could_have_sampled_from():
+    verifier = ModelVerifier(tiny_llama(1))
+    bad = torch.zeros(2, verifier.model.config.vocab_size)
+    bad[0, 3], bad[1, 4] = 1.0, -1.0
+    call = ScoreCall("r", PrefixSync(0, prefix_hash([]), (1, 2)), (3, 4),
+                     SamplingParams(temperature=1.0), bad, seed=1)
+    with pytest.raises(ValueError, match="non-negative"):
+        verifier.score_now(call)
+    assert len(verifier.sessions) == 0  # refused before a cache was made
+
+
+def test_draft_law_is_what_the_router_and_verifier_read():
+    weights = torch.tensor([[2.0, 2.0, 0.0]], dtype=torch.float16)
+    assert draft_law(weights).tolist() == [[0.5, 0.5, 0.0]]

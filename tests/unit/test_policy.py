@@ -1,0 +1,97 @@
+"""The K policies: the adaptive K follows acceptance and cost the way the formula says."""
+
+import pytest
+
+from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds, RoundCost, expected_tokens
+
+
+def measured(verify_ms, draft_ms_per_token: float, overhead_ms: float = 0.0) -> CostModel:
+    """A cost model that has seen verifies of each n in verify_ms (ms by n) many times."""
+    costs = CostModel()
+    for _ in range(200):
+        for n, ms in verify_ms.items():
+            costs.observe(RoundCost(n, ms / 1000, n - 1, (n - 1) * draft_ms_per_token / 1000,
+                                    overhead_ms / 1000))
+    return costs
+
+
+def steady(policy: AdaptiveK, accept_first: int, rounds: int = 60) -> int:
+    """Run the policy over rounds that accept the first `accept_first` tokens; its last K."""
+    for _ in range(rounds):
+        k = policy.num_speculative_tokens()
+        policy.update(k, min(k, accept_first))
+    return policy.num_speculative_tokens()
+
+
+def test_fixed_k_never_moves_and_refuses_negative_k():
+    policy = FixedK(3)
+    policy.update(3, 0)
+    assert policy.num_speculative_tokens() == 3
+    with pytest.raises(ValueError):
+        FixedK(-1)
+
+
+def test_bounds_are_checked():
+    with pytest.raises(ValueError):
+        KBounds(5, 2)
+    with pytest.raises(ValueError):
+        KBounds(-1, 2)
+
+
+def test_expected_tokens_matches_the_closed_form():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_the_cost_model_learns_a_linear_verify_curve():
+    costs = measured({2: 20.0, 5: 50.0}, 1.0)
+    assert costs.verify_seconds(9) == pytest.approx(0.090, rel=1e-6)
+    assert costs.draft_seconds_per_token() == pytest.approx(0.001)
+
+
+def test_a_draft_that_is_always_accepted_on_free_verification_gets_the_largest_k():
+    costs = measured({2: 10.0, 9: 10.0}, 0.1)
+    policy = AdaptiveK(KBounds(1, 8), costs, pipelined=False, greedy=True)
+    assert steady(policy, accept_first=99) == 8
+
+
+def test_a_draft_that_is_never_accepted_gets_the_smallest_k():
+    costs = measured({2: 10.0, 9: 10.0}, 0.5)
+    policy = AdaptiveK(KBounds(1, 8), costs, pipelined=False, greedy=True)
+    assert steady(policy, accept_first=0) == 1
+    plain = AdaptiveK(KBounds(0, 8), costs, pipelined=False, greedy=True)
+    ks = []
+    for _ in range(40):
+        ks.append(plain.num_speculative_tokens())
+        plain.update(ks[-1], 0)
+    assert ks.count(0) > 30 and 1 in ks[5:]  # plain decoding, with a probe every 8 rounds
+
+
+def test_k_follows_a_request_whose_predictability_changes():
+    costs = measured({2: 10.0, 5: 12.0, 9: 16.0}, 1.0)
+    policy = AdaptiveK(KBounds(1, 8), costs, pipelined=False, greedy=True)
+    high = steady(policy, accept_first=99)
+    low = steady(policy, accept_first=0)
+    assert high >= 6 and low == 1
+
+
+def test_pipelined_the_best_k_is_where_the_draft_costs_about_a_verify():
+    # t(n) flat at 10 ms, 2.5 ms a draft token (c = 0.25), α = 0.95: sequentially every extra
+    # token still pays (the peak is at the bound); pipelined, a draft longer than the verify
+    # it hides behind is on the critical path, so the best K is where K c ≈ 1
+    costs = measured({2: 10.0, 9: 10.0}, 2.5)
+    sequential = AdaptiveK(KBounds(1, 8), costs, pipelined=False, greedy=True)
+    pipelined = AdaptiveK(KBounds(1, 8), costs, pipelined=True, greedy=True)
+    for policy in (sequential, pipelined):
+        policy.accepted, policy.tested = 0.95 * 1e6, 1e6  # α = 0.95, held
+    assert sequential.choose() == 8
+    assert pipelined.choose() in (3, 4)
+    assert all(pipelined.rate(k) > sequential.rate(k) for k in range(1, 9))
+
+
+def test_the_choice_is_the_argmax_of_the_rate():
+    costs = measured({2: 10.0, 5: 25.0, 9: 45.0}, 1.0, overhead_ms=2.0)
+    policy = AdaptiveK(KBounds(1, 8), costs, pipelined=True, greedy=False)
+    rates = {k: policy.rate(k) for k in range(1, 9)}
+    assert policy.choose() == max(rates, key=rates.get)
