@@ -73,6 +73,47 @@ def build(out: str, dtype: str = "bfloat16", **shape) -> int:
     return sum(p.numel() for p in big.parameters())
 
 
+# the balanced draft: the demo draft with the scaled target's head count and MLP width, and as
+# many layers as bring one draft token to c = 0.15-0.25 of a target token on this machine
+DRAFT_SHAPE = {"num_heads": 16, "intermediate_size": 3072}
+C_RANGE = (0.15, 0.25)
+
+
+def build_balanced_draft(out: str, target: str, dtype: str, repeats: int = 9) -> dict:
+    """Write (or keep, if its c is still in range here) the balanced draft; returns its facts.
+
+    The layer count comes from the measured cost of two trial depths (a token's cost is close
+    to linear in the layers), aiming at c = 0.2, since c depends on the machine and dtype.
+    """
+    from pathlib import Path
+
+    from bench.suite import forward_ms
+    from engine.models import DEMO_DRAFT
+
+    target_ms = forward_ms(load_causal_lm(target, dtype), 64, 1, repeats)
+    if (Path(out) / "config.json").exists():
+        draft = load_causal_lm(out, dtype)
+        c = forward_ms(draft, 64, 1, repeats) / target_ms
+        if C_RANGE[0] <= c <= C_RANGE[1]:
+            return facts_of(draft, c, target_ms)
+    demo = load_causal_lm(DEMO_DRAFT)
+    trial = {layers: forward_ms(scale_up(demo, layers, **DRAFT_SHAPE).to(getattr(torch, dtype)),
+                                64, 1, repeats) for layers in (2, 8)}
+    per_layer = (trial[8] - trial[2]) / 6
+    fixed = trial[2] - 2 * per_layer
+    layers = max(2, round((0.2 * target_ms - fixed) / max(per_layer, 1e-6)))
+    draft = scale_up(demo, layers, **DRAFT_SHAPE).to(getattr(torch, dtype))
+    draft.save_pretrained(out)
+    c = forward_ms(draft, 64, 1, repeats) / target_ms
+    return facts_of(draft, c, target_ms)
+
+
+def facts_of(draft, c: float, target_ms: float) -> dict:
+    return {"layers": draft.config.num_hidden_layers, "c": round(c, 4),
+            "parameters": sum(p.numel() for p in draft.parameters()),
+            "target_forward_ms": round(target_ms, 2), "in_range": C_RANGE[0] <= c <= C_RANGE[1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="models/scaled-target")

@@ -7,6 +7,13 @@ Modes (the record field `mode`):
   serve_off    specserve through Serve (cluster/config.yaml on a local Ray), K = 0
   serve_sync   specserve through Serve with K drafted tokens per round, draft then verify
   serve_pipelined  the same, drafting block r+1 while the verifier scores block r
+  serve_adaptive   K chosen per round by the router (num_speculative_tokens "auto", bounds
+                   from cluster/config.yaml), pipelined as the router's default says (greedy
+                   requests); the record's k is "auto"
+
+Sampled records carry `draft_q`: the draft distribution as shipped ("mass0.99-float16", the
+default config's) or "dense" (HF assisted generation, and in-process records with dense q at
+T > 0 for the comparison).
 
 Prompts are interleaved: for each prompt every mode runs once before the next prompt, so
 machine drift hits all modes alike. Everything runs with the same torch thread count (each pool
@@ -15,7 +22,10 @@ results.md and PNG plots into --out.
 
 The `scaled` pair is a benchmark construct: the demo target grown function-preservingly to
 ~124M parameters (bench/scaled.py), so its predictions, and so the acceptance rate, are exactly
-the demo target's while its forward costs what a model of that size costs.
+the demo target's while its forward costs what a model of that size costs. The `balanced` pair
+adds the demo draft grown the same way until one draft token costs c = 0.15-0.25 of a target
+token, as a 1B draft does for an 8B target. Both constructs run in the dtype whose target cost
+curve t(n)/t(1) over n = 1..K+1 is flattest on this machine (measured at the start).
 """
 
 import argparse
@@ -49,14 +59,15 @@ PROMPTS = [  # code prompts ending at a token boundary the tokenizer saw in trai
     "        return self.",
 ]
 SCALED_TARGET = str(Path(DEMO_TARGET).parent.parent / "scaled-target")
+BALANCED_DRAFT = str(Path(DEMO_TARGET).parent.parent / "balanced-draft")
 MODES = ("target_only", "hf_assisted", "inprocess", "serve_off", "serve_sync",
-         "serve_pipelined")
-FIELDS = ("pair", "mode", "k", "temperature", "concurrency", "requests", "tokens",
+         "serve_pipelined", "serve_adaptive")
+FIELDS = ("pair", "mode", "k", "temperature", "draft_q", "concurrency", "requests", "tokens",
           "seconds", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
           "predicted_tokens_per_round", "predicted_speedup", "speedup",
           "speedup_vs_predicted", "c", "acceptance_by_position", "ms_draft", "ms_verify",
           "ms_transport", "ms_router", "ms_round", "overhead_ms_p50", "exposed_ms_p50",
-          "wire_bytes_per_round",
+          "wire_bytes_per_round", "mean_k",
           "greedy_matches_target", "sampled_matches_inprocess")
 
 
@@ -73,9 +84,14 @@ class Pair:
 PAIRS = {
     "demo": Pair("demo", DEMO_TARGET, "float32", DEMO_DRAFT, "float32",
                  "the bundled demo pair (6.2M target, 0.95M draft)"),
-    "scaled": Pair("scaled", SCALED_TARGET, "bfloat16", DEMO_DRAFT, "float32",
+    "scaled": Pair("scaled", SCALED_TARGET, "auto", DEMO_DRAFT, "float32",
                    "benchmark construct: the demo target grown function-preservingly to ~124M "
                    "parameters (same predictions, realistic forward cost), demo draft"),
+    "balanced": Pair("balanced", SCALED_TARGET, "auto", BALANCED_DRAFT, "auto",
+                     "benchmark construct: the scaled target, and the demo draft grown "
+                     "function-preservingly until a draft token costs c = 0.15-0.25 of a target "
+                     "token (same acceptance as the demo pair, the draft cost of a 1B draft for "
+                     "an 8B target)"),
 }
 
 
@@ -93,7 +109,7 @@ class Plan:
         pairs = tuple(PAIRS) if pair == "all" else (pair,)
         if quick:
             return cls(pairs, (1, 4), (0.0, 1.0), 2, 32, 1)
-        return cls(pairs, (1, 2, 4, 6, 8), (0.0, 1.0), 6, 96, 4)
+        return cls(pairs, (1, 2, 4, 6), (0.0, 1.0), 3, 48, 4)
 
 
 def expected_tokens_per_round(alpha: float | None, k: int) -> float | None:
@@ -164,17 +180,20 @@ def hf_generate(model, prompt_ids, max_tokens: int, temperature: float, seed: in
 class InProcess:
     """The pair's models in this process: HF generate, assisted generation, our loop."""
 
-    def __init__(self, pair: Pair, draft_top_k: int) -> None:
+    def __init__(self, pair: Pair, q_options: dict) -> None:
         from drafter.model import ModelDrafter
         from engine.models import load_causal_lm
         from verifier.engine import ModelVerifier
 
         self.target = load_causal_lm(pair.target, pair.target_dtype)
         self.draft = load_causal_lm(pair.draft, pair.draft_dtype)
-        self.drafter = ModelDrafter(self.draft, draft_top_k=draft_top_k)
+        # q as the served drafter ships it (exact either way, but it changes α), and dense
+        self.drafter = ModelDrafter(self.draft, **q_options)
+        self.dense_drafter = ModelDrafter(self.draft)
         self.verifier = ModelVerifier(self.target)
 
-    def loop(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int):
+    def loop(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int,
+             dense_q: bool = False):
         from speculative.driver import Generation
         from speculative.loop import Request
         from speculative.policy import FixedK
@@ -185,7 +204,8 @@ class InProcess:
                                 max_tokens=max_tokens)
         generation = Generation(Request(uuid.uuid4().hex, tuple(prompt_ids), params))
         started = time.perf_counter()
-        asyncio.run(generation.run(self.drafter, self.verifier, FixedK(k)))
+        drafter = self.dense_drafter if dense_q else self.drafter
+        asyncio.run(generation.run(drafter, self.verifier, FixedK(k)))
         return generation.token_ids, time.perf_counter() - started, generation.stats
 
 
@@ -206,10 +226,27 @@ def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def pair_facts(pair: Pair, models: InProcess, ks) -> dict:
-    """Parameter counts and forward times; c = t_draft / t_target for the formula."""
-    repeats = 15
-    target_1 = forward_ms(models.target, 64, 1, repeats)
+def cost_curve(model, ns, repeats: int) -> dict[str, float]:
+    """Forward ms of n tokens over a 64-token cache, for each n."""
+    return {str(n): round(forward_ms(model, 64, n, repeats), 2) for n in ns}
+
+
+def flattest_dtype(path: str, ns, repeats: int) -> tuple[str, dict]:
+    """The dtype in which the target's t(max n) / t(1) is smallest on this machine, and the
+    curves measured: verification is nearly free where the forward is memory-bound (native
+    bf16, a GPU) and costs K + 1 times more where it is compute-bound (emulated bf16)."""
+    from engine.models import load_causal_lm
+
+    curves = {dtype: cost_curve(load_causal_lm(path, dtype), (1, max(ns)), repeats)
+              for dtype in ("float32", "bfloat16")}
+    ratio = lambda dtype: curves[dtype][str(max(ns))] / curves[dtype]["1"]  # noqa: E731
+    return min(curves, key=ratio), curves
+
+
+def pair_facts(pair: Pair, models: InProcess, ks, repeats: int) -> dict:
+    """Parameter counts, the target's cost curve t(n) for n = 1..K+1 and its ratio to t(1),
+    and c = t_draft(1) / t_target(1) for the formula."""
+    curve = cost_curve(models.target, sorted({1, *(k + 1 for k in ks)}), repeats)
     draft_1 = forward_ms(models.draft, 64, 1, repeats)
     return {
         "note": pair.note,
@@ -217,10 +254,10 @@ def pair_facts(pair: Pair, models: InProcess, ks) -> dict:
                    "parameters": sum(p.numel() for p in models.target.parameters())},
         "draft": {"path": Path(pair.draft).name, "dtype": pair.draft_dtype,
                   "parameters": sum(p.numel() for p in models.draft.parameters())},
-        "target_forward_ms": {"1": round(target_1, 2), **{
-            str(k + 1): round(forward_ms(models.target, 64, k + 1, repeats), 2) for k in ks}},
+        "target_forward_ms": curve,
+        "verify_cost": {n: round(ms / curve["1"], 3) for n, ms in curve.items()},
         "draft_forward_ms": round(draft_1, 2),
-        "c": round(draft_1 / target_1, 4),
+        "c": round(draft_1 / curve["1"], 4),
     }
 
 
@@ -245,13 +282,13 @@ class Served:
         app_config(config, "router")["args"].update(model=pair.target)
         deploy(config, timeout_s=300)
 
-    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int,
-                 pipelined: bool = False):
+    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int | str,
+                 pipelined: bool | None = False):
         import requests
 
         body = {"prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
                 "seed": seed, "num_speculative_tokens": k, "ignore_eos": True,
-                "return_token_ids": True, "pipelined": pipelined}
+                "return_token_ids": True, "pipelined": pipelined}  # None: the router's default
         started = time.perf_counter()
         response = requests.post(self.url + "/v1/completions", json=body, timeout=600)
         seconds = time.perf_counter() - started
@@ -273,6 +310,7 @@ def stats_from_http(spec: dict) -> SpecStats:
     return SpecStats(
         rounds=rounds, num_drafts=spec["num_drafts"], num_draft_tokens=spec["num_draft_tokens"],
         num_accepted_tokens=spec["num_accepted_tokens"],
+        num_emitted_tokens=spec["num_emitted_tokens"],
         accepted_per_position=list(spec["accepted_per_position"]),
         draft_compute_seconds=seconds("draft"), verify_compute_seconds=seconds("verify"),
         draft_seconds=seconds("draft") + seconds("transport"), verify_seconds=seconds("verify"),
@@ -283,20 +321,27 @@ def stats_from_http(spec: dict) -> SpecStats:
 # ---------------------------------------------------------------------------- records
 
 
-def record(pair: str, mode: str, k: int, temperature: float, concurrency: int, tally: Tally,
-           facts: dict) -> dict:
+def record(pair: str, mode: str, k: int | str, temperature: float, concurrency: int,
+           tally: Tally, facts: dict, draft_q: str | None = None) -> dict:
+    """One cell's record. k is "auto" for serve_adaptive; draft_q is set on sampled records
+    of modes that draft."""
     rec = dict.fromkeys(FIELDS)
     rec.update(pair=pair, mode=mode, k=k, temperature=temperature, concurrency=concurrency,
                requests=tally.requests, tokens=tally.tokens, seconds=round(tally.seconds, 3),
                tokens_per_s=round(tally.tokens / tally.seconds, 2))
+    if temperature > 0 and k != 0:
+        rec["draft_q"] = draft_q
+    fixed_k = k if isinstance(k, int) else 0
     stats = tally.stats
     if stats is not None and stats.rounds:
         alpha = stats.acceptance_rate
         rec["acceptance_rate"] = None if alpha is None else round(alpha, 4)
         rec["mean_acceptance_length"] = round(stats.mean_acceptance_length, 3)
+        rec["mean_k"] = round(stats.num_draft_tokens / stats.rounds, 3)
         if stats.num_drafts:
+            positions = fixed_k or len(stats.accepted_per_position)
             rec["acceptance_by_position"] = [round(n / stats.num_drafts, 4)
-                                             for n in stats.accepted_per_position[:k]]
+                                             for n in stats.accepted_per_position[:positions]]
         ms = stats.ms_per_round()
         rec.update(ms_draft=ms["draft"], ms_verify=ms["verify"], ms_transport=ms["transport"],
                    ms_router=ms["router"], ms_round=ms["total"])
@@ -306,16 +351,22 @@ def record(pair: str, mode: str, k: int, temperature: float, concurrency: int, t
         rec["overhead_ms_p50"] = round(statistics.median(tally.overhead_p50s), 3)
     if tally.exposed_p50s:
         rec["exposed_ms_p50"] = round(statistics.median(tally.exposed_p50s), 3)
-    if k > 0:
+    if k != 0:
         rec["c"] = facts["c"]
-    if rec["acceptance_rate"] is not None and k > 0:
-        tokens_per_round = expected_tokens_per_round(rec["acceptance_rate"], k)
+    if rec["acceptance_rate"] is not None and fixed_k > 0:
+        tokens_per_round = expected_tokens_per_round(rec["acceptance_rate"], fixed_k)
         rec["predicted_tokens_per_round"] = round(tokens_per_round, 3)
-        rec["predicted_speedup"] = round(tokens_per_round / (1 + k * facts["c"]), 3)
+        rec["predicted_speedup"] = round(tokens_per_round / round_cost(facts, fixed_k), 3)
     if tally.mismatches is not None:
         name = "greedy_matches_target" if temperature == 0 else "sampled_matches_inprocess"
         rec[name] = tally.mismatches == 0
     return rec
+
+
+def round_cost(facts: dict, k: int) -> float:
+    """A sequential round in target forwards: t(K+1)/t(1) + K c (1 + K c if t(K+1) is not
+    measured: a free verification)."""
+    return facts.get("verify_cost", {}).get(str(k + 1), 1.0) + k * facts["c"]
 
 
 def add_speedups(records: list[dict]) -> None:
@@ -368,22 +419,46 @@ def ensure_scaled_target() -> None:
         build(SCALED_TARGET)
 
 
+def resolve(pair: Pair, plan: Plan, repeats: int) -> tuple[Pair, dict]:
+    """The pair with "auto" dtypes chosen on this machine (the flattest target cost curve;
+    the balanced draft follows the target) and the balanced draft built to c in range."""
+    from dataclasses import replace
+
+    facts: dict = {}
+    if pair.target_dtype == "auto":
+        dtype, curves = flattest_dtype(pair.target, [k + 1 for k in plan.ks], repeats)
+        pair = replace(pair, target_dtype=dtype)
+        facts["dtype_choice"] = {"chosen": dtype, "target_forward_ms": curves}
+    if pair.draft_dtype == "auto":
+        pair = replace(pair, draft_dtype=pair.target_dtype)
+    if pair.draft == BALANCED_DRAFT:
+        from bench.scaled import build_balanced_draft
+
+        facts["balanced_draft"] = build_balanced_draft(
+            BALANCED_DRAFT, pair.target, pair.target_dtype, repeats=repeats)
+    return pair, facts
+
+
 def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict]:
     from deployments.local import app_config
     from engine.models import load_tokenizer
 
+    repeats = 5 if plan.num_prompts <= 2 else 15
+    pair, choices = resolve(pair, plan, repeats)
     tokenizer = load_tokenizer(pair.target)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"]
                for p in PROMPTS[: plan.num_prompts]]
-    # the same draft-side top-k truncation of q as the served drafter (exact, but it changes α)
-    draft_top_k = app_config(served.config, "drafter")["args"].get("draft_top_k", 0)
-    models = InProcess(pair, draft_top_k)
-    facts = pair_facts(pair, models, plan.ks) | {"draft_top_k": draft_top_k}
+    args = app_config(served.config, "drafter")["args"]
+    q_options = {name: args[name] for name in ("draft_top_k", "draft_q_mass", "draft_q_dtype")
+                 if name in args}
+    draft_q = describe_q(q_options)
+    models = InProcess(pair, q_options)
+    facts = pair_facts(pair, models, plan.ks, repeats) | choices | {"draft_q": draft_q}
     served.use(pair)
     tallies: dict[tuple, Tally] = {}
 
-    def cell(mode, k, temperature, concurrency=1) -> Tally:
-        return tallies.setdefault((mode, k, temperature, concurrency), Tally())
+    def cell(mode, k, temperature, concurrency=1, q=draft_q) -> Tally:
+        return tallies.setdefault((mode, k, temperature, concurrency, q), Tally())
 
     # warm-up: first forwards, channels, lazy imports (not measured)
     models.loop(prompts[0], 8, 0.0, 0, 2)
@@ -401,7 +476,7 @@ def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict
         greedy = temperature == 0
         for k in plan.ks:
             out, seconds = hf_generate(models.target, ids, n, temperature, seed, models.draft, k)
-            tally = cell("hf_assisted", k, temperature)
+            tally = cell("hf_assisted", k, temperature, q="dense")
             tally.add(len(out), seconds)
             if greedy:
                 tally.compare(out, reference)
@@ -411,9 +486,16 @@ def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict
             inprocess[k] = out
             if greedy:
                 tally.compare(out, reference)
-        for k, pipelined in [(0, False)] + [(k, p) for k in plan.ks for p in (False, True)]:
+            else:  # the same draws with dense q: what the shipped q costs in acceptance
+                out, seconds, stats = models.loop(ids, n, temperature, seed, k, dense_q=True)
+                cell("inprocess", k, temperature, q="dense").add(
+                    len(out), seconds, stats, stats.overhead_ms_p50)
+        # serve_adaptive: pipelined as the router's default says (greedy requests only)
+        runs = [(0, False)] + [(k, p) for k in plan.ks for p in (False, True)] + [("auto", None)]
+        for k, pipelined in runs:
             out, seconds, spec = served.complete(ids, n, temperature, seed, k, pipelined)
-            mode = "serve_off" if k == 0 else "serve_pipelined" if pipelined else "serve_sync"
+            mode = "serve_off" if k == 0 else "serve_adaptive" if k == "auto" else \
+                "serve_pipelined" if pipelined else "serve_sync"
             tally = cell(mode, k, temperature)
             tally.add(len(out), seconds, stats_from_http(spec), spec["overhead_ms_p50"],
                       spec.get("exposed_ms_p50"))
@@ -429,10 +511,22 @@ def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict
                 for out, _, spec in results:
                     tally.add(len(out), 0.0, stats_from_http(spec), spec["overhead_ms_p50"])
                 tally.seconds += seconds
-    records = [record(pair.name, mode, k, t, c, tally, facts)
-               for (mode, k, t, c), tally in sorted(tallies.items(), key=lambda kv: (
-                   kv[0][2], MODES.index(kv[0][0]), kv[0][1], kv[0][3]))]
+    order = lambda key: (key[2], MODES.index(key[0]), key[1] if isinstance(key[1], int)  # noqa
+                         else 99, key[3], key[4] == "dense")
+    records = [record(pair.name, mode, k, t, c, tallies[(mode, k, t, c, q)], facts, q)
+               for mode, k, t, c, q in sorted(tallies, key=order)]
     return records, facts
+
+
+def describe_q(options: dict) -> str:
+    """The draft_q label of a drafter's q options, e.g. "mass0.99-float16"."""
+    parts = []
+    if options.get("draft_top_k"):
+        parts.append(f"top{options['draft_top_k']}")
+    if options.get("draft_q_mass", 1.0) < 1:
+        parts.append(f"mass{options['draft_q_mass']:g}")
+    parts.append(options.get("draft_q_dtype", "float32"))
+    return "-".join(parts) if parts != ["float32"] else "dense"
 
 
 def run(plan: Plan, out: Path, threads: int, argv: list[str]) -> dict:
@@ -440,7 +534,7 @@ def run(plan: Plan, out: Path, threads: int, argv: list[str]) -> dict:
     from ray import serve
 
     torch.set_num_threads(threads)
-    if "scaled" in plan.pairs:
+    if {"scaled", "balanced"} & set(plan.pairs):
         ensure_scaled_target()
     results: dict = {"machine": machine(plan, threads, argv), "pairs": {}, "results": []}
     ray.init(address="local", include_dashboard=False, logging_level="error",
@@ -488,37 +582,36 @@ def markdown(results: dict) -> str:
              f"cores, no GPU, torch {m['torch']} with {m['torch_threads']} thread(s) per process, "
              f"transformers {m['transformers']}, ray {m['ray']}. {m['prompts']} prompts x "
              f"{m['max_tokens']} tokens per cell, modes interleaved prompt by prompt.", ""]
+    lines += ["Each pool replica has one torch thread: the drafter and the verifier have a core "
+              "each, as two GPUs would; the router and Serve's proxies share what is left "
+              "(on a 2-core machine, the same two cores).", ""]
     for name, facts in results["pairs"].items():
-        lines += [f"## {name} pair", "", facts["note"] + ".", "",
-                  f"Target {facts['target']['parameters'] / 1e6:.1f}M parameters "
-                  f"({facts['target']['dtype']}), draft {facts['draft']['parameters'] / 1e6:.2f}M "
-                  f"({facts['draft']['dtype']}). Forward over a 64-token cache: target "
-                  + ", ".join(f"{n} token(s) {ms} ms" for n, ms in facts["target_forward_ms"].items())
-                  + f"; draft 1 token {facts['draft_forward_ms']} ms; c = {facts['c']}. "
-                  f"The draft's q is truncated to its top {facts['draft_top_k']} entries in the "
-                  "inprocess and serve modes (exact, as the drafter samples from the q it ships; "
-                  "HF assisted generation uses the full q).", "",
-                  "| T | mode | K | conc. | tokens/s | speedup | formula | measured/formula "
-                  "| α | tokens/round | E[N] | ms/round: draft / verify / transport / router "
-                  "| overhead p50 ms | exposed p50 ms | bytes/round | same tokens |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {name} pair", "", facts["note"] + ".", ""] + pair_lines(facts) + [
+            "", "| T | mode | K | q | conc. | tokens/s | speedup | formula | measured/formula "
+            "| α | tokens/round | E[N] | mean K | ms/round: draft / verify / transport / router "
+            "| overhead p50 ms | exposed p50 ms | bytes/round | same tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["results"]:
             if r["pair"] != name:
                 continue
             split = "–" if r["ms_round"] is None else " / ".join(
                 fmt(r[f"ms_{p}"], 1) for p in ("draft", "verify", "transport", "router"))
             lines.append(
-                f"| {r['temperature']:g} | {r['mode']} | {r['k']} | {r['concurrency']} "
-                f"| {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup'], 2, 'x')} "
+                f"| {r['temperature']:g} | {r['mode']} | {r['k']} | {fmt(r['draft_q'])} "
+                f"| {r['concurrency']} | {fmt(r['tokens_per_s'], 1)} "
+                f"| {fmt(r['speedup'], 2, 'x')} "
                 f"| {fmt(r['predicted_speedup'], 2, 'x')} | {fmt(r['speedup_vs_predicted'])} "
                 f"| {fmt(r['acceptance_rate'])} | {fmt(r['mean_acceptance_length'])} "
-                f"| {fmt(r['predicted_tokens_per_round'])} | {split} "
+                f"| {fmt(r['predicted_tokens_per_round'])} | {fmt(r['mean_k'])} | {split} "
                 f"| {fmt(r['overhead_ms_p50'])} | {fmt(r['exposed_ms_p50'])} "
                 f"| {fmt(r['wire_bytes_per_round'], 0)} "
                 f"| {fmt(same_tokens(r))} |")
         lines.append("")
     lines += ["speedup: tokens/s over `target_only` of the same pair and temperature. formula: "
-              "E[N] / (1 + K c) with E[N] = (1 - α^(K+1)) / (1 - α) from the measured α. "
+              "E[N] / (t(K+1)/t(1) + K c) with E[N] = (1 - α^(K+1)) / (1 - α) from the measured "
+              "α and the target's measured cost curve. q: the draft distribution as shipped "
+              "(sampled records). mean K: tokens drafted per round (serve_adaptive: as chosen). "
+
               "overhead: the median over rounds of the round time less the pools' own compute "
               "(transport and router work; the median of per-request medians). exposed: the "
               "same less only the verifier's compute (what a round waits beyond the verify: "
@@ -529,6 +622,34 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def pair_lines(facts: dict) -> list[str]:
+    """The pair's sizes, dtypes, cost curve and c, with a warning where verifying is costly."""
+    curve, costs = facts["target_forward_ms"], facts["verify_cost"]
+    widest = max(curve, key=int)
+    lines = [f"Target {facts['target']['parameters'] / 1e6:.1f}M parameters "
+             f"({facts['target']['dtype']}), draft {facts['draft']['parameters'] / 1e6:.2f}M "
+             f"({facts['draft']['dtype']}). Target forward over a 64-token cache: "
+             + ", ".join(f"{n} token(s) {ms} ms" for n, ms in curve.items())
+             + "; t(n)/t(1) = " + ", ".join(str(costs[n]) for n in curve)
+             + f". Draft 1 token {facts['draft_forward_ms']} ms; c = {facts['c']}. "
+             f"Draft q as shipped: {facts['draft_q']} (exact: the drafter samples from the q "
+             "it ships; HF assisted generation uses the full q)."]
+    if "dtype_choice" in facts:
+        choice = facts["dtype_choice"]
+        lines.append("Dtype chosen on this machine: " + choice["chosen"] + " (flattest curve; "
+                     + "; ".join(f"{dtype}: " + ", ".join(f"{n} -> {ms} ms" for n, ms in c.items())
+                                 for dtype, c in choice["target_forward_ms"].items()) + ").")
+    if "balanced_draft" in facts:
+        draft = facts["balanced_draft"]
+        lines.append(f"Balanced draft: {draft['layers']} layers, c = {draft['c']} when built"
+                     + ("" if draft["in_range"] else " (OUTSIDE 0.15-0.25)") + ".")
+    if costs[widest] > 1.5:
+        lines.append(f"**Verification is far from free on this machine**: {widest} tokens cost "
+                     f"{costs[widest]}x one token (compute-bound), so every drafted token also "
+                     "costs verifier time and speculation gains less than on a GPU.")
+    return lines
+
+
 def plot(results: dict, out: Path) -> None:
     """speedup_vs_k.png and acceptance_by_position.png: one panel per pair and temperature."""
     import matplotlib
@@ -536,7 +657,9 @@ def plot(results: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in results["results"] if r["concurrency"] == 1]
+    records = [r for r in results["results"]
+               if r["concurrency"] == 1 and isinstance(r["k"], int) and r["draft_q"] != "dense"
+               or r["mode"] == "hf_assisted"]
     cells = [(p, t) for p in results["pairs"] for t in results["machine"]["temperatures"]]
 
     def speedups(ax, rows):
@@ -578,7 +701,7 @@ def plot(results: dict, out: Path) -> None:
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="2 prompts x 32 tokens, K in {1, 4}: a few minutes")
-    parser.add_argument("--pair", choices=["demo", "scaled", "all"], default="all")
+    parser.add_argument("--pair", choices=[*PAIRS, "all"], default="all")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads here (each replica of cluster/config.yaml has 1)")

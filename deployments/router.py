@@ -50,7 +50,8 @@ class AdaptiveKArgs(BaseModel):
 
     min: int = Field(default=1, ge=0, le=32)
     max: int = Field(default=8, ge=0, le=32)
-    initial: int | None = Field(default=None, ge=0, le=32)  # first round (default: max)
+    # the first round's K (default: the best under the prior and the costs measured so far)
+    initial: int | None = Field(default=None, ge=0, le=32)
 
     def bounds(self) -> KBounds:
         return KBounds(self.min, self.max, self.initial)

@@ -118,7 +118,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class KBounds:
     min: int = 1
     max: int = 8
-    initial: int | None = None  # the first round's K before anything is measured (None: max)
+    initial: int | None = None  # the first round's K (None: the best under the prior)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min <= self.max:
@@ -141,9 +141,10 @@ class AdaptiveK:
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
         self.accepted, self.tested = prior * prior_weight, prior_weight
         self.decay = decay
-        self.k = bounds.max if bounds.initial is None else bounds.initial
-        self.k = min(max(self.k, bounds.min), bounds.max)
         self.rounds_at_zero = 0
+        # the first round: what the prior and the costs measured so far say, unless configured
+        self.k = self.choose() if bounds.initial is None else \
+            min(max(bounds.initial, bounds.min), bounds.max)
 
     @property
     def alpha(self) -> float:

@@ -14,6 +14,9 @@ class SpecStats:
     num_drafts: int = 0  # rounds that drafted at least one token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # excludes recovered and bonus tokens
+    # tokens the rounds produced: accepted + recovered + bonus (a sampled round that hands
+    # its bonus position to a pre-drafted token produces its accepted tokens only)
+    num_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     cache_misses: int = 0
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
@@ -36,6 +39,7 @@ class SpecStats:
         self.num_drafts += num_drafted > 0
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += outcome.num_accepted
+        self.num_emitted_tokens += len(outcome.output_token_ids)
         self.rounds_by_k[num_drafted] = self.rounds_by_k.get(num_drafted, 0) + 1
         missing = num_drafted - len(self.accepted_per_position)
         self.accepted_per_position.extend([0] * max(0, missing))
@@ -51,7 +55,7 @@ class SpecStats:
         for k, count in other.rounds_by_k.items():
             self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
+                     "num_emitted_tokens",                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "predraft_compute_seconds",
                      "exposed_seconds"):
@@ -68,7 +72,7 @@ class SpecStats:
         """Tokens per round, the recovered or bonus token included (vLLM's definition)."""
         if not self.rounds:
             return None
-        return (self.num_accepted_tokens + self.rounds) / self.rounds
+        return self.num_emitted_tokens / self.rounds
 
     @property
     def mean_num_speculative_tokens(self) -> float | None:
@@ -80,6 +84,7 @@ class SpecStats:
             "rounds": self.rounds,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
             "num_drafts": self.num_drafts,
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate": self.acceptance_rate,

@@ -35,7 +35,12 @@ def test_every_mode_and_k_is_a_record_with_every_field(quick_run):
         assert {("target_only", 0, temperature), ("serve_off", 0, temperature)} <= cells
         for mode in ("hf_assisted", "inprocess", "serve_sync", "serve_pipelined"):
             assert {(mode, 1, temperature), (mode, 4, temperature)} <= cells
+        assert ("serve_adaptive", "auto", temperature) in cells
     assert {r["mode"] for r in records} == set(MODES)
+    sampled = {(r["mode"], r["k"], r["draft_q"]) for r in records if r["temperature"] == 1.0}
+    for k in (1, 4):  # the shipped q beside dense q, in-process, for the acceptance it costs
+        assert {("inprocess", k, "mass0.99-float16"), ("inprocess", k, "dense"),
+                ("hf_assisted", k, "dense"), ("serve_sync", k, "mass0.99-float16")} <= sampled
     assert all(r["tokens"] == r["requests"] * 32 and r["tokens_per_s"] > 0 for r in records)
 
 
@@ -44,11 +49,12 @@ def test_derived_figures_are_consistent(quick_run):
     _, results = quick_run
     facts = results["pairs"]["demo"]
     assert 0 < facts["c"] < 1
+    assert set(facts["verify_cost"]) == {"1", "2", "5"} and facts["verify_cost"]["1"] == 1.0
     for r in results["results"]:
         if r["mode"] == "target_only":
             assert r["speedup"] == 1.0
-        if r["mode"] in ("serve_sync", "serve_pipelined"):
-            assert r["exposed_ms_p50"] > 0
+        if r["mode"] in ("serve_sync", "serve_pipelined", "serve_adaptive"):
+            assert r["exposed_ms_p50"] > 0 and r["mean_k"] > 0
         if r["mode"] in ("inprocess", "serve_sync"):
             assert 0 <= r["acceptance_rate"] <= 1
             assert 1 <= r["mean_acceptance_length"] <= r["k"] + 1
@@ -58,7 +64,8 @@ def test_derived_figures_are_consistent(quick_run):
             assert r["wire_bytes_per_round"] > 0 and r["overhead_ms_p50"] > 0
             assert r["ms_transport"] > 0
         if r["mode"] == "serve_sync" and r["temperature"] == 1.0:
-            assert r["wire_bytes_per_round"] <= 8192  # sparse q, compact verifier answers
+            # q twice (drafter -> router -> verifier), at most 2 bytes an entry at V = 4096
+            assert r["wire_bytes_per_round"] <= 2 * r["k"] * (2 * 4096 + 64) + 1024
 
 
 @pytest.mark.slow

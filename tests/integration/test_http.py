@@ -31,6 +31,22 @@ def test_greedy_with_speculation_equals_target_alone(cluster, k):
         assert spec["speculative"]["num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_adaptive_k_is_exact_and_reports_the_k_it_chose(cluster, pipelined):
+    for prompt in PROMPTS[:3]:
+        alone = complete(cluster, prompt, max_tokens=32, temperature=0, num_speculative_tokens=0)
+        spec = complete(cluster, prompt, max_tokens=32, temperature=0,
+                        num_speculative_tokens="auto", pipelined=pipelined)
+        assert spec["choices"][0]["text"] == alone["choices"][0]["text"], prompt
+        stats = spec["speculative"]
+        by_k = {int(k): n for k, n in stats["rounds_by_num_speculative_tokens"].items()}
+        assert sum(by_k.values()) == stats["rounds"] and max(by_k) <= 8  # config bounds
+        assert stats["mean_num_speculative_tokens"] == pytest.approx(
+            stats["num_draft_tokens"] / stats["rounds"])
+    response = cluster.post("/v1/completions", {"prompt": "x", "num_speculative_tokens": "many"})
+    assert response.status_code == 400 and "num_speculative_tokens" in response.text
+
+
 def test_the_ngram_drafter_is_exact_too(cluster):
     prompt = "x = 1\nx = 1\nx = 1\n"
     alone = complete(cluster, prompt, max_tokens=24, temperature=0, num_speculative_tokens=0)

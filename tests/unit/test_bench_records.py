@@ -15,6 +15,7 @@ def test_expected_tokens_per_round_is_the_geometric_formula():
 
 def test_a_speculative_record_has_the_formula_and_the_measured_ratio():
     stats = SpecStats(rounds=10, num_drafts=10, num_draft_tokens=20, num_accepted_tokens=10,
+                      num_emitted_tokens=20,
                       accepted_per_position=[7, 3], draft_compute_seconds=0.01,
                       verify_compute_seconds=0.05, draft_seconds=0.02, verify_seconds=0.06,
                       round_seconds=0.081, wire_bytes=2500)
