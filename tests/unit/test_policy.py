@@ -95,3 +95,21 @@ def test_the_choice_is_the_argmax_of_the_rate():
     policy = AdaptiveK(KBounds(1, 8), costs, pipelined=True, greedy=False)
     rates = {k: policy.rate(k) for k in range(1, 9)}
     assert policy.choose() == max(rates, key=rates.get)
+
+
+def test_tokens_per_round_counts_what_rounds_emit_when_a_sampled_bonus_is_given_up():
+    # a self-draft is always accepted; sampled and pipelined, each round hands its bonus
+    # position to the pre-draft, so a round emits K tokens, not K + 1
+    from drafter.model import ModelDrafter
+    from speculative.sampling import SamplingParams
+    from tests.tiny import run, tiny_llama
+    from verifier.engine import ModelVerifier
+
+    target = tiny_llama(3)
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=25)
+    out, state = run(ModelDrafter(target), ModelVerifier(target), [1, 2, 3], params, 2,
+                     pipelined=True)
+    stats = state.stats
+    assert stats.num_emitted_tokens == len(out) == 25
+    assert stats.pipelined_rounds > 5 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.mean_acceptance_length < 2.5  # 2 a pipelined round, 3 only for the first
