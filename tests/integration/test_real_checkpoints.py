@@ -56,8 +56,8 @@ def test_the_router_stops_at_any_end_token_and_decodes_past_windows_and_padding(
     ({"temperature": 1, "seed": 7, "n": 2}, ["--temperature", "1", "--seed", "7", "--n", "2"]),
 ])
 def test_the_cli_and_the_router_return_the_same_request(cluster, capsys, fields, flags):
-    """Same ids, text, finish reason and usage (the router's config drafts with
-    draft_top_k 64 and pipelined, so the CLI does too: then even the sampled draws are the
+    """Same ids, text, finish reason and usage (the CLI's default draft q is the router
+    config's, mass 0.99 in float16, and both pipeline: then even the sampled draws are the
     same)."""
     from engine.models import DEMO_DRAFT
 
@@ -66,7 +66,7 @@ def test_the_cli_and_the_router_return_the_same_request(cluster, capsys, fields,
                                               "return_token_ids": True, "pipelined": True,
                                               **fields})
     local = cli(capsys, DEMO_TARGET, DEMO_DRAFT, prompt, "--max-tokens", "40", "-k", "4",
-                "--draft-top-k", "64", "--pipelined", *flags)
+                "--pipelined", *flags)
     tokenizer = load_tokenizer(DEMO_TARGET)
     for ours, theirs in zip(local["choices"], http["choices"], strict=True):
         for key in ("token_ids", "text", "finish_reason", "stop_reason"):
