@@ -79,8 +79,10 @@ DRAFT_SHAPE = {"num_heads": 16, "intermediate_size": 3072}
 C_RANGE = (0.15, 0.25)
 
 
-def build_balanced_draft(out: str, target: str, dtype: str, repeats: int = 9) -> dict:
+def build_balanced_draft(out: str, target_ms: float, dtype: str, repeats: int = 9) -> dict:
     """Write (or keep, if its c is still in range here) the balanced draft; returns its facts.
+
+    target_ms: the target's measured 1-token forward in `dtype` on this machine.
 
     The layer count comes from the measured cost of two trial depths (a token's cost is close
     to linear in the layers), aiming at c = 0.2, since c depends on the machine and dtype.
@@ -90,7 +92,6 @@ def build_balanced_draft(out: str, target: str, dtype: str, repeats: int = 9) ->
     from bench.suite import forward_ms
     from engine.models import DEMO_DRAFT
 
-    target_ms = forward_ms(load_causal_lm(target, dtype), 64, 1, repeats)
     if (Path(out) / "config.json").exists():
         draft = load_causal_lm(out, dtype)
         c = forward_ms(draft, 64, 1, repeats) / target_ms

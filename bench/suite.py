@@ -30,6 +30,7 @@ curve t(n)/t(1) over n = 1..K+1 is flattest on this machine (measured at the sta
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -231,15 +232,16 @@ def cost_curve(model, ns, repeats: int) -> dict[str, float]:
     return {str(n): round(forward_ms(model, 64, n, repeats), 2) for n in ns}
 
 
-def flattest_dtype(path: str, ns, repeats: int) -> tuple[str, dict]:
+@functools.cache  # the scaled and balanced pairs share their target: measured once a run
+def flattest_dtype(path: str, max_n: int, repeats: int) -> tuple[str, dict]:
     """The dtype in which the target's t(max n) / t(1) is smallest on this machine, and the
     curves measured: verification is nearly free where the forward is memory-bound (native
     bf16, a GPU) and costs K + 1 times more where it is compute-bound (emulated bf16)."""
     from engine.models import load_causal_lm
 
-    curves = {dtype: cost_curve(load_causal_lm(path, dtype), (1, max(ns)), repeats)
+    curves = {dtype: cost_curve(load_causal_lm(path, dtype), (1, max_n), repeats)
               for dtype in ("float32", "bfloat16")}
-    ratio = lambda dtype: curves[dtype][str(max(ns))] / curves[dtype]["1"]  # noqa: E731
+    ratio = lambda dtype: curves[dtype][str(max_n)] / curves[dtype]["1"]  # noqa: E731
     return min(curves, key=ratio), curves
 
 
@@ -337,7 +339,7 @@ def record(pair: str, mode: str, k: int | str, temperature: float, concurrency: 
         alpha = stats.acceptance_rate
         rec["acceptance_rate"] = None if alpha is None else round(alpha, 4)
         rec["mean_acceptance_length"] = round(stats.mean_acceptance_length, 3)
-        rec["mean_k"] = round(stats.num_draft_tokens / stats.rounds, 3)
+        rec["mean_k"] = round(stats.mean_num_speculative_tokens, 3)
         if stats.num_drafts:
             positions = fixed_k or len(stats.accepted_per_position)
             rec["acceptance_by_position"] = [round(n / stats.num_drafts, 4)
@@ -426,7 +428,7 @@ def resolve(pair: Pair, plan: Plan, repeats: int) -> tuple[Pair, dict]:
 
     facts: dict = {}
     if pair.target_dtype == "auto":
-        dtype, curves = flattest_dtype(pair.target, [k + 1 for k in plan.ks], repeats)
+        dtype, curves = flattest_dtype(pair.target, max(plan.ks) + 1, repeats)
         pair = replace(pair, target_dtype=dtype)
         facts["dtype_choice"] = {"chosen": dtype, "target_forward_ms": curves}
     if pair.draft_dtype == "auto":
@@ -434,8 +436,9 @@ def resolve(pair: Pair, plan: Plan, repeats: int) -> tuple[Pair, dict]:
     if pair.draft == BALANCED_DRAFT:
         from bench.scaled import build_balanced_draft
 
+        target_ms = curves[pair.target_dtype]["1"]  # the balanced pair's target is "auto"
         facts["balanced_draft"] = build_balanced_draft(
-            BALANCED_DRAFT, pair.target, pair.target_dtype, repeats=repeats)
+            BALANCED_DRAFT, target_ms, pair.target_dtype, repeats=repeats)
     return pair, facts
 
 

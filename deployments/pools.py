@@ -8,8 +8,8 @@ router resends the whole prefix).
 """
 
 import asyncio
-from typing import Literal
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import grpc
 import torch
@@ -45,9 +45,9 @@ class DrafterArgs(PoolArgs):
     drafter: str = "model"  # a kind of drafter.registry.DRAFTERS
     # q as shipped (drafter.registry.DrafterSpec): top entries (0 = all), the fewest top
     # entries holding this mass (1 = all), precision
-    draft_top_k: int = 0
-    draft_q_mass: float = 0.99
-    draft_q_dtype: Literal["float32", "float16"] = "float16"
+    draft_top_k: int = DrafterSpec.draft_top_k
+    draft_q_mass: float = DrafterSpec.draft_q_mass
+    draft_q_dtype: Literal["float32", "float16"] = DrafterSpec.draft_q_dtype
     ngram_min: int = 1
     ngram_max: int = 4
 

@@ -38,7 +38,7 @@ from engine.checkpoint import (
 from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.driver import Generation, text_decoder
 from speculative.loop import Request as SpecRequest
-from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds
+from speculative.policy import CostModel, KBounds, k_policy
 from speculative.sampling import derive_seeds
 from speculative.stats import SpecStats
 
@@ -225,10 +225,9 @@ class Router:
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 
     def k_policy(self, k: int | str, drafter_kind: str | None, pipelined: bool, greedy: bool):
-        if k != "auto":
-            return FixedK(k)
-        costs = self.costs.setdefault((drafter_kind, greedy), CostModel())
-        return AdaptiveK(self.args.adaptive_k.bounds(), costs, pipelined, greedy)
+        costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
+            else None
+        return k_policy(k, pipelined, greedy, self.args.adaptive_k.bounds(), costs)
 
     @app.get("/health")
     async def health(self) -> dict:

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="run the speculative round loop in-process")
     gen.add_argument("--target", default=DEMO_TARGET, help="target model (path or hub id)")
     gen.add_argument("--draft", default=DEMO_DRAFT, help="draft model (path or hub id)")
-    from drafter.registry import DRAFTERS
+    from drafter.registry import DRAFTERS, DrafterSpec
 
     gen.add_argument("--drafter", choices=sorted(DRAFTERS), default="model",
                      help="; ".join(f"{name}: {kind.help}" for name, kind in DRAFTERS.items()))
@@ -43,12 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft the next block while the target verifies this one (the "
                           "pools overlap only when served; in-process this costs the bonus "
                           "token of fully accepted rounds)")
-    gen.add_argument("--draft-top-k", type=int, default=0,
+    gen.add_argument("--draft-top-k", type=int, default=DrafterSpec.draft_top_k,
                      help="truncate each draft distribution to its top entries (0 = off)")
-    gen.add_argument("--draft-q-mass", type=float, default=0.99,
+    gen.add_argument("--draft-q-mass", type=float, default=DrafterSpec.draft_q_mass,
                      help="keep the fewest top entries of each draft distribution that hold "
                           "this mass (1 = all)")
-    gen.add_argument("--draft-q-dtype", choices=["float32", "float16"], default="float16",
+    gen.add_argument("--draft-q-dtype", choices=["float32", "float16"],
+                     default=DrafterSpec.draft_q_dtype,
                      help="the precision of the draft distributions (as a drafter pool ships)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -90,6 +91,7 @@ def generate(args) -> dict:
     from speculative.loop import Request
     from speculative.stats import SpecStats
     from engine.models import load_tokenizer
+    from speculative.policy import k_policy
     from speculative.sampling import SamplingParams, derive_seeds
 
     seeds = derive_seeds(args.seed, args.n)
@@ -131,12 +133,6 @@ def k_value(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
-
-
-def k_policy(k: int | str, pipelined: bool, greedy: bool):
-    from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds
-
-    return AdaptiveK(KBounds(), CostModel(), pipelined, greedy) if k == "auto" else FixedK(k)
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:

@@ -247,7 +247,7 @@ def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
     stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
     # for a K policy: the draft cost of this round's own draft, else of its pre-draft, and
     # the time beyond the compute on the critical path (a pre-draft runs beside the verify)
-    drafted_now = predraft or NO_DRAFT if pre_drafted else block
+    drafted_now = (predraft or NO_DRAFT) if pre_drafted else block
     beside = predraft.compute_seconds if predraft else 0.0
     return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
                      len(drafted_now.token_ids), drafted_now.compute_seconds,

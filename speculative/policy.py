@@ -76,28 +76,33 @@ class CostModel:
         self.verify: dict[int, Ema] = {}
         self.draft_per_token, self.overhead = Ema(weight), Ema(weight)
         self.alpha = Ema(weight)  # acceptance across requests: a new request's prior
+        self.line = (1.0, prior_slope)  # t(1) and seconds per extra token (t(1) units a priori)
 
     def observe(self, cost: RoundCost) -> None:
         if cost.verify_tokens > 0 and cost.verify_seconds > 0:
             self.verify.setdefault(cost.verify_tokens, Ema(self.weight)).add(cost.verify_seconds)
+            self.line = self.fit()
         if cost.draft_tokens > 0 and cost.draft_seconds > 0:
             self.draft_per_token.add(cost.draft_seconds / cost.draft_tokens)
         self.overhead.add(max(0.0, cost.overhead_seconds))
 
-    def verify_seconds(self, num_tokens: int) -> float:
+    def fit(self) -> tuple[float, float]:
+        """(t(1), slope) of the line through the mean verify time of each n seen."""
         points = [(n, ema.value) for n, ema in self.verify.items()]
-        if not points:
-            return 1.0 + self.prior_slope * (num_tokens - 1)  # in units of t(1)
         if len(points) == 1:
             n, seconds = points[0]
             base = seconds / (1 + self.prior_slope * (n - 1))
-            return base * (1 + self.prior_slope * (num_tokens - 1))
+            return base, self.prior_slope * base
         mean_n = sum(n for n, _ in points) / len(points)
         mean_t = sum(t for _, t in points) / len(points)
         slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / \
             sum((n - mean_n) ** 2 for n, _ in points)
         slope = max(0.0, slope)  # noise must not make longer verifies look cheaper
-        return max(1e-6, mean_t + slope * (num_tokens - mean_n))
+        return mean_t + slope * (1 - mean_n), slope
+
+    def verify_seconds(self, num_tokens: int) -> float:
+        base, slope = self.line
+        return max(1e-6, base + slope * (num_tokens - 1))
 
     def draft_seconds_per_token(self) -> float:
         value = self.draft_per_token.value
@@ -174,16 +179,24 @@ class AdaptiveK:
         """Expected tokens per second at K = k."""
         costs, alpha = self.costs, self.alpha
         verify = costs.verify_seconds(k + 1)
-        draft = k * costs.draft_seconds_per_token()
+        per_token = costs.draft_seconds_per_token()
         tokens = expected_tokens(alpha, k)
         if k == 0:
             seconds = verify
         elif not self.pipelined:
-            seconds = verify + draft
+            seconds = verify + k * per_token
         else:
             used = alpha ** (k + self.greedy)  # the block accepted (greedy: and y1 == bonus)
-            predraft = (k + self.greedy) * costs.draft_seconds_per_token()
-            seconds = max(verify, predraft) + (1 - used) * draft
+            predraft = (k + self.greedy) * per_token
+            seconds = max(verify, predraft) + (1 - used) * k * per_token
             if not self.greedy:
                 tokens -= alpha ** k
         return tokens / (seconds + costs.overhead_seconds())
+
+
+def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,
+             costs: CostModel | None = None) -> KPolicy:
+    """FixedK(k), or for k == "auto" an AdaptiveK in `bounds` learning into `costs`."""
+    if k != "auto":
+        return FixedK(k)
+    return AdaptiveK(bounds or KBounds(), costs or CostModel(), pipelined, greedy)

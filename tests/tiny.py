@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from speculative.driver import Generation
 from speculative.loop import Request
-from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds
+from speculative.policy import KBounds, k_policy
 from speculative.sampling import SamplingParams
 
 
@@ -47,8 +47,7 @@ def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request
     k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies).
     """
     generation = Generation(Request(request_id, tuple(prompt), params, tuple(stop)), decode)
-    policy = FixedK(k) if k != "auto" else \
-        AdaptiveK(KBounds(1, 8, initial=2), CostModel(), pipelined, params.greedy)
+    policy = k_policy(k, pipelined, params.greedy, KBounds(1, 8, initial=2))
     asyncio.run(generation.run(drafter, verifier, policy, pipelined))
     return generation.token_ids, generation.state
 
