@@ -13,17 +13,18 @@ from typing import Literal
 
 import grpc
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import wire
-from deployments.autoscaling import DIRECT_IN_FLIGHT
+from deployments.batcher import ContinuousBatcher
+from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from drafter.registry import DrafterSpec, build_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
-from speculative.types import StaleBase, timed
+from speculative.types import StaleBase
 from verifier.engine import ModelVerifier
 
 
@@ -37,6 +38,8 @@ class PoolArgs(BaseModel):
     device: str = "cpu"
     torch_threads: int = 1  # match the replica's num_cpus
     max_cached_requests: int = 256
+    # calls that share one forward: those arriving while the model is busy join the next
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
 
 
 class DrafterArgs(PoolArgs):
@@ -102,40 +105,56 @@ def refuse(grpc_context, error: Exception, response):
 
 
 class PoolReplica:
-    """What both pools share: the direct server, answering a call, release, introspection.
+    """What both pools share: the direct server, batching, answering a call, release,
+    introspection.
 
-    The model work runs on one worker thread, one call at a time (the engine and its caches
-    are single-threaded), so the event loop stays free for gRPC, health checks and metrics,
-    and calls waiting for the model are visible as in flight.
+    Calls, from Serve's proxy or the direct port alike, queue for the replica's batcher:
+    whatever has arrived while the model was busy runs as one batch (one forward per step
+    for all its calls, `engine.batch`), on one worker thread (the engine and
+    its caches are single-threaded), so the event loop stays free for gRPC, health checks
+    and metrics, and calls waiting for the model are visible as in flight.
     """
 
     engine = None  # set by the subclass before start()
 
-    async def start(self, add_to_server) -> None:
+    async def start(self, add_to_server, run_batch, max_batch_size: int) -> None:
+        """run_batch: the engine's list of calls -> list of answers (or their refusals)."""
         self.replica_id = replica_id()
         self.direct_calls = 0  # served over the replica's own port, ever
         self.direct_in_flight = 0  # the same, now: Serve's autoscaler cannot see these
+        self.occupancy = Occupancy(max_batch_size)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
                                          initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
+
+        async def in_batch(calls: list) -> list:
+            self.occupancy.observe(len(calls))
+            return await self.on_worker(run_batch, calls)
+
+        self.batcher = ContinuousBatcher(in_batch, max_batch_size)
         self.server, self.address = await serve_directly(self, add_to_server)
 
     async def on_worker(self, work, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
 
-    async def answer(self, work, call_from_proto, request, to_proto, response_type, grpc_context):
-        """to_proto(work(call)); StaleBase -> REBUILD; ValueError -> INVALID_ARGUMENT."""
+    async def answer(self, call_from_proto, request, to_proto, response_type, grpc_context):
+        """to_proto(the call's answer in a batch); StaleBase -> REBUILD; ValueError ->
+        INVALID_ARGUMENT."""
         direct = is_direct(grpc_context)
         self.direct_calls += direct
         self.direct_in_flight += direct
         try:
-            response = to_proto(await self.on_worker(timed, work, call_from_proto(request)))
-        except StaleBase:
-            response = response_type(status=pb.REBUILD)
-        except ValueError as error:
-            return refuse(grpc_context, error, response_type(replica_id=self.replica_id))
+            result = await self.batcher.submit(call_from_proto(request))
+        except ValueError as error:  # refused while decoding the message
+            result = error
         finally:
             self.direct_in_flight -= direct
+        if isinstance(result, StaleBase):
+            response = response_type(status=pb.REBUILD)
+        elif isinstance(result, ValueError):
+            return refuse(grpc_context, result, response_type(replica_id=self.replica_id))
+        else:
+            response = to_proto(result)
         response.replica_id, response.direct_address = self.replica_id, self.address
         return response
 
@@ -146,8 +165,10 @@ class PoolReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Load Serve cannot see (polled when the deployment has an autoscaling_config; the
-        policy deployments.autoscaling:direct_aware_policy adds it to Serve's own count)."""
-        return {DIRECT_IN_FLIGHT: float(self.direct_in_flight)}
+        policy deployments.autoscaling:direct_aware_policy adds it to Serve's own count), and
+        how full the replica's batches have been since the last poll."""
+        return {DIRECT_IN_FLIGHT: float(self.direct_in_flight),
+                BATCH_OCCUPANCY: self.occupancy.take()}
 
     def where(self) -> str:
         """The Ray node this replica runs on (for operators and placement tests)."""
@@ -162,11 +183,12 @@ class DrafterPool(PoolReplica):
     async def __init__(self, args: DrafterArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.engine = build_drafter(args.spec())
-        await self.start(pb_grpc.add_DrafterServicer_to_server)
+        await self.start(pb_grpc.add_DrafterServicer_to_server, self.engine.propose_batch,
+                         args.max_batch_size)
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
-        return await self.answer(self.engine.propose_now, wire.propose_from_proto, request,
-                                 wire.block_to_proto, pb.ProposeResponse, grpc_context)
+        return await self.answer(wire.propose_from_proto, request, wire.block_to_proto,
+                                 pb.ProposeResponse, grpc_context)
 
 
 @serve.deployment
@@ -175,8 +197,9 @@ class VerifierPool(PoolReplica):
         torch.set_num_threads(args.torch_threads)
         self.engine = ModelVerifier(load_causal_lm(args.model, args.dtype, args.device),
                                     max_cached_requests=args.max_cached_requests)
-        await self.start(pb_grpc.add_VerifierServicer_to_server)
+        await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,
+                         args.max_batch_size)
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
-        return await self.answer(self.engine.score_now, wire.score_from_proto, request,
-                                 wire.scores_to_proto, pb.ScoreResponse, grpc_context)
+        return await self.answer(wire.score_from_proto, request, wire.scores_to_proto,
+                                 pb.ScoreResponse, grpc_context)

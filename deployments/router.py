@@ -48,10 +48,13 @@ app = FastAPI(title="specserve")
 class AdaptiveKArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min: int = Field(default=1, ge=0, le=32)
+    min: int = Field(default=0, ge=0, le=32)  # 0: speculation off when it does not pay
     max: int = Field(default=8, ge=0, le=32)
     # the first round's K (default: the best under the prior and the costs measured so far)
     initial: int | None = Field(default=None, ge=0, le=32)
+    # the K of a seeded sampled request: an adaptive K follows timings and load, and the same
+    # seed must give the same tokens (greedy output is the same whatever the K)
+    seeded: int = Field(default=4, ge=0, le=32)
 
     def bounds(self) -> KBounds:
         return KBounds(self.min, self.max, self.initial)
@@ -73,8 +76,9 @@ class RouterArgs(BaseModel):
     drafter_app: str = "drafter"
     verifier_app: str = "verifier"
     # K drafted per round, or "auto": per request, the K in adaptive_k's bounds that the
-    # request's acceptance and the measured costs say is fastest (a request may say either)
-    num_speculative_tokens: int | Literal["auto"] = 4
+    # request's acceptance and the measured costs (the verifier's load among them) say is
+    # fastest (a request may say either; a fixed K is kept whatever the load)
+    num_speculative_tokens: int | Literal["auto"] = "auto"
     adaptive_k: AdaptiveKArgs = AdaptiveKArgs()
     # draft the next block while the verifier scores this one: "greedy" (greedy requests
     # only: measured, it pays there and not yet for sampled ones), "on" or "off"; a request
@@ -138,7 +142,7 @@ class Job:
         drafter, verifier = self.router.pools(self.drafter_kind)
         generation = self.generation(index)
         policy = self.router.k_policy(self.k, self.drafter_kind, self.pipelined,
-                                      self.params[index].greedy)
+                                      self.params[index])
         async for delta in generation.stream(drafter, verifier, policy, self.pipelined):
             await on_text(index, delta)
         self.router.metrics.record(generation.state)
@@ -224,7 +228,10 @@ class Router:
             self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout, direct)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 
-    def k_policy(self, k: int | str, drafter_kind: str | None, pipelined: bool, greedy: bool):
+    def k_policy(self, k: int | str, drafter_kind: str | None, pipelined: bool, params):
+        greedy = params.greedy
+        if k == "auto" and not greedy and params.seed is not None:
+            k = self.args.adaptive_k.seeded  # reproducible: no K chosen from timings
         costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
             else None
         return k_policy(k, pipelined, greedy, self.args.adaptive_k.bounds(), costs)

@@ -5,6 +5,7 @@ import torch
 from protos import specserve_pb2 as pb
 from speculative.sampling import SamplingParams
 from speculative.types import (
+    BatchLoad,
     DraftBlock,
     PrefixSync,
     ProposeCall,
@@ -128,12 +129,25 @@ def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
                                   compute_us=round(block.compute_seconds * 1e6))
     if block.draft_probs is not None:
         response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs))
+    if block.load is not None:
+        response.load.CopyFrom(load_to_proto(block.load))
     return response
 
 
 def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
     probs = dists_from_proto(message.draft_probs) if message.HasField("draft_probs") else None
-    return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6)
+    return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6,
+                      load=load_from_proto(message))
+
+
+def load_to_proto(load: BatchLoad) -> pb.BatchLoad:
+    return pb.BatchLoad(batch_size=load.batch_size, batch_tokens=load.batch_tokens)
+
+
+def load_from_proto(message) -> BatchLoad | None:
+    if not message.HasField("load"):
+        return None
+    return BatchLoad(message.load.batch_size, message.load.batch_tokens)
 
 
 def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
@@ -170,6 +184,8 @@ def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
     )
     if scores.bonus_token_id is not None:
         response.bonus_token_id = scores.bonus_token_id
+    if scores.load is not None:
+        response.load.CopyFrom(load_to_proto(scores.load))
     return response
 
 
@@ -181,4 +197,5 @@ def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
         recovered_token_ids=tuple(message.recovered_token_ids),
         bonus_token_id=message.bonus_token_id if sampled else None,
         compute_seconds=message.compute_us / 1e6,
+        load=load_from_proto(message),
     )

@@ -1,8 +1,12 @@
 """A draft engine around any Hugging Face causal LM, with per-request KV caches."""
 
+import time
+from dataclasses import dataclass, field
+
 import torch
 
-from engine.kv import SessionStore
+from engine.batch import forward_packed, use_packed_attention
+from engine.kv import Sequence, SessionStore
 from speculative.sampling import (
     fit_vocab,
     logits_to_probs,
@@ -10,7 +14,7 @@ from speculative.sampling import (
     truncate_mass,
     truncate_top_k,
 )
-from speculative.types import DraftBlock, ProposeCall, check_call, timed
+from speculative.types import BatchLoad, DraftBlock, ProposeCall, StaleBase, check_call
 
 
 class ModelDrafter:
@@ -27,7 +31,7 @@ class ModelDrafter:
     def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
                  draft_top_k: int = 0, draft_q_mass: float = 1.0,
                  draft_q_dtype: str = "float32") -> None:
-        self.model = model.eval()
+        self.model = use_packed_attention(model.eval())
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.draft_top_k, self.draft_q_mass = draft_top_k, draft_q_mass
@@ -35,43 +39,108 @@ class ModelDrafter:
         self.sessions = SessionStore(max_cached_requests)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
-        return timed(self.propose_now, call)
+        return self.propose_now(call)
 
     async def release(self, request_id: str) -> None:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
-        assumed = list(call.assumed_token_ids)
+        result = self.propose_batch([call])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
+        """Every call's DraftBlock, or the ValueError / StaleBase that refused it. The calls
+        draft together: step i is one forward over every call still drafting."""
+        try:
+            return self.draft_together(calls)
+        except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
+            for call in calls:
+                self.sessions.release(call.request_id)
+            raise
+
+    def draft_together(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
+        started = time.perf_counter()
+        results: list = [None] * len(calls)
+        drafts, later, seen = [], [], set()
+        for index, call in enumerate(calls):
+            if call.request_id in seen:  # one cache cannot feed twice in a forward
+                later.append(index)
+                continue
+            try:
+                draft = self.start_draft(call)
+            except (ValueError, StaleBase) as error:
+                results[index] = error
+                continue
+            seen.add(call.request_id)
+            if draft.num_tokens == 0:
+                results[index] = DraftBlock((), None)
+            else:
+                drafts.append((index, draft))
+        first_tokens = 0
+        # Feeding the committed tail also covers the "all K accepted" case: the drafter never
+        # fed its own last token x_K, so it is fed now together with the bonus token (or, for
+        # a pre-draft, together with the assumed block under verification).
+        active = [(index, draft, draft.sequence.segment(self.model, draft.assumed, 1))
+                  for index, draft in drafts]
+        while active:
+            segments = [segment for _, _, segment in active]
+            first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)
+            logits = forward_packed(self.model, segments)
+            still = []
+            for (index, draft, _), rows in zip(active, logits):
+                self.draw(draft, rows[0])
+                if len(draft.token_ids) < draft.num_tokens:
+                    still.append((index, draft, draft.sequence.segment(
+                        self.model, draft.assumed + draft.token_ids, 1)))
+            active = still
+        load = BatchLoad(len(drafts), first_tokens)
+        elapsed = time.perf_counter() - started
+        for index, draft in drafts:
+            probs = torch.stack(draft.probs) if draft.probs else None
+            results[index] = DraftBlock(tuple(draft.token_ids), probs, elapsed, load=load)
+        if later:
+            for index, result in zip(later, self.draft_together([calls[i] for i in later])):
+                results[index] = result
+        return results
+
+    def start_draft(self, call: ProposeCall) -> "Draft":
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
                    call.num_speculative_tokens)
         sequence = self.sessions.sync(call.request_id, call.sync)
+        assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
         if self.max_positions is not None:  # the last drafted token is never fed
             room = self.max_positions + 1 - len(sequence.committed) - len(assumed)
             num_tokens = max(0, min(num_tokens, room))
-        if num_tokens == 0:
-            return DraftBlock((), None)
-        generator = torch.Generator().manual_seed(call.seed)
-        greedy = call.sampling.greedy
-        # Feeding the committed tail also covers the "all K accepted" case: the drafter never
-        # fed its own last token x_K, so it is fed now together with the bonus token (or, for
-        # a pre-draft, together with the assumed block under verification).
-        logits = sequence.feed(self.model, assumed, num_logits=1)[0]  # [V_draft]
-        token_ids: list[int] = []
-        draft_probs: list[torch.Tensor] = []
-        for i in range(num_tokens):
-            logits = fit_vocab(logits, self.vocab_size)  # [V]
-            if greedy:
-                token_ids.append(int(logits.argmax()))
-            else:
-                probs = self.shipped_q(logits_to_probs(logits, call.sampling))
-                token_ids.append(sample(probs.float(), generator))
-                draft_probs.append(probs)
-            if i + 1 < num_tokens:
-                logits = sequence.feed(self.model, assumed + token_ids, num_logits=1)[0]
-        return DraftBlock(tuple(token_ids), torch.stack(draft_probs) if draft_probs else None)
+        return Draft(call, sequence, assumed, num_tokens,
+                     torch.Generator().manual_seed(call.seed))
+
+    def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
+        """The next drafted token from the draft's logits [V_draft] at the block's end."""
+        logits = fit_vocab(logits, self.vocab_size)  # [V]
+        if draft.call.sampling.greedy:
+            draft.token_ids.append(int(logits.argmax()))
+            return
+        probs = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
+        draft.token_ids.append(sample(probs.float(), draft.generator))
+        draft.probs.append(probs)
 
     def shipped_q(self, probs: torch.Tensor) -> torch.Tensor:
         """[V] q as it will travel: truncated, then rounded to the wire's precision."""
         probs = truncate_mass(truncate_top_k(probs, self.draft_top_k), self.draft_q_mass)
         return probs.to(self.draft_q_dtype)
+
+
+@dataclass
+class Draft:
+    """One call's block while it is being drafted."""
+
+    call: ProposeCall
+    sequence: Sequence
+    assumed: list[int]
+    num_tokens: int
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)

@@ -8,7 +8,7 @@ which keeps the output exactly the target's.
 import torch
 
 from engine.kv import SessionStore
-from speculative.types import DraftBlock, ProposeCall, check_call, timed
+from speculative.types import DraftBlock, ProposeCall, StaleBase, check_call, timed
 
 
 def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -42,6 +42,16 @@ class NgramDrafter:
 
     async def release(self, request_id: str) -> None:
         self.sessions.release(request_id)
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
+        """No model, nothing to share: each call on its own (refusals are its answer)."""
+        results = []
+        for call in calls:
+            try:
+                results.append(timed(self.propose_now, call))
+            except (ValueError, StaleBase) as error:
+                results.append(error)
+        return results
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from engine.batch import Segment, forward_packed
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
 
 
@@ -55,18 +56,21 @@ class Sequence:
 
     def feed(self, model, extra: list[int], num_logits: int) -> torch.Tensor:
         """Bring the cache to committed + extra; returns the logits of its last `num_logits`
-        positions, [num_logits, V].
+        positions, [num_logits, V]."""
+        return forward_packed(model, [self.segment(model, extra, num_logits)])[0]
+
+    def segment(self, model, extra: list[int], num_logits: int) -> Segment:
+        """What to feed to bring the cache to committed + extra, as one part of a batch.
 
         The cache is cropped to the longest prefix it shares with committed + extra, but never
         past the first position whose logits are asked for, so those are always recomputed.
         """
         ids = self.committed + extra
         start = min(common_prefix_len(self.cached_ids, ids), len(ids) - num_logits)
-        return self.forward(model, ids[start:], start)[-num_logits:]
+        return self.prepare(model, ids[start:], start, num_logits)
 
-    @torch.no_grad()
-    def forward(self, model, token_ids: list[int], start: int) -> torch.Tensor:
-        """Crop the cache to `start` tokens, feed token_ids after it; returns [len, V] logits."""
+    def prepare(self, model, token_ids: list[int], start: int, num_logits: int) -> Segment:
+        """Crop the cache to `start` tokens; the segment feeds token_ids after it."""
         if self.cache is not None:
             remove = max(0, self.cache.get_seq_length() - start)
             if can_roll_back(self.cache, remove):
@@ -77,13 +81,8 @@ class Sequence:
             self.cache = new_cache(model.config)
             token_ids, start = self.cached_ids[:start] + token_ids, 0
         del self.cached_ids[start:]
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-        # ids past a (differently padded) draft's embedding are fed as its last row: that only
-        # changes what the draft conditions on, never the exactness of what it ships
-        input_ids.clamp_(max=model.get_input_embeddings().num_embeddings - 1)
-        logits = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True).logits
         self.cached_ids.extend(token_ids)
-        return logits[0]
+        return Segment(self.cache, token_ids, start, num_logits)
 
 
 def new_cache(config) -> DynamicCache:

@@ -71,20 +71,22 @@ class ProposeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address", "compute_us")
+    __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address", "compute_us", "load")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     status: Status
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: Distributions
     replica_id: str
     direct_address: str
     compute_us: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    load: BatchLoad
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed")
@@ -103,7 +105,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("status", "target_token_ids", "replica_id", "direct_address", "draft_target_probs", "recovered_token_ids", "bonus_token_id", "compute_us")
+    __slots__ = ("status", "target_token_ids", "replica_id", "direct_address", "draft_target_probs", "recovered_token_ids", "bonus_token_id", "compute_us", "load")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class ScoreResponse(_message.Message):
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     status: Status
     target_token_ids: _containers.RepeatedScalarFieldContainer[int]
     replica_id: str
@@ -120,7 +123,16 @@ class ScoreResponse(_message.Message):
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
     compute_us: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., target_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    load: BatchLoad
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., target_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ...) -> None: ...
+
+class BatchLoad(_message.Message):
+    __slots__ = ("batch_size", "batch_tokens")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    batch_tokens: int
+    def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -239,6 +239,7 @@ def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
     stats.draft_compute_seconds += waited_draft
     stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
     stats.verify_compute_seconds += scores.compute_seconds
+    stats.record_batches(scores.load, None if pre_drafted else block.load)
     stats.wire_bytes += (0 if pre_drafted else block.wire_bytes) + scores.wire_bytes \
         + (predraft.wire_bytes if predraft else 0)
     round_seconds = ended - started
@@ -249,9 +250,11 @@ def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
     # the time beyond the compute on the critical path (a pre-draft runs beside the verify)
     drafted_now = (predraft or NO_DRAFT) if pre_drafted else block
     beside = predraft.compute_seconds if predraft else 0.0
+    load = scores.load
     return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
                      len(drafted_now.token_ids), drafted_now.compute_seconds,
-                     round_seconds - waited_draft - max(scores.compute_seconds, beside))
+                     round_seconds - waited_draft - max(scores.compute_seconds, beside),
+                     load.batch_size if load else 1, load.batch_tokens if load else 0)
 
 
 async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,

@@ -29,6 +29,10 @@ class RoundCost:
     draft_tokens: int  # tokens the drafter computed for this round (0 if pre-drafted)
     draft_seconds: float
     overhead_seconds: float  # the round's time beyond the pools' compute
+    # the verifier's batch that scored the round: calls in it and tokens it fed (0: unknown,
+    # e.g. a verifier that reports no load; the round's own verify_tokens stand for them)
+    batch_size: int = 1
+    batch_tokens: int = 0
 
 
 class KPolicy(Protocol):
@@ -66,9 +70,16 @@ class Ema:
 class CostModel:
     """The pools' costs as the rounds measure them, shared by a router's requests.
 
-    t(n) is a line a + b (n - 1) fitted to the mean verify time of each n seen (a new
-    machine's curve is learnt, not configured); until two different n are seen the slope is
-    `prior_slope` of t(1) per extra token.
+    The verifier's forward time is a line a + b (N - 1) in the tokens N its batch feeds,
+    fitted to the mean time of each N seen (a new machine's curve is learnt, not configured);
+    until two different N are seen the slope is `prior_slope` of t(1) per extra token.
+
+    Load: the verifier batches the rounds of all requests that call it meanwhile, B of them
+    on average (measured from its answers). If each drafts K, a round's forward feeds about
+    B (K + 1) tokens, so t(K + 1) is read off the line at N = B (K + 1). Drafted tokens cost
+    everyone in the batch: as B grows, a K's extra tokens grow B-fold in the forward while a
+    request's tokens per round do not, so the best K shrinks, down to 0 (speculation off)
+    once the forward's fixed cost a is small beside B b, and comes back as B falls.
     """
 
     def __init__(self, prior_slope: float = 0.1, weight: float = 0.05) -> None:
@@ -76,12 +87,15 @@ class CostModel:
         self.verify: dict[int, Ema] = {}
         self.draft_per_token, self.overhead = Ema(weight), Ema(weight)
         self.alpha = Ema(weight)  # acceptance across requests: a new request's prior
+        self.batch = Ema(weight)  # calls per verifier batch
         self.line = (1.0, prior_slope)  # t(1) and seconds per extra token (t(1) units a priori)
 
     def observe(self, cost: RoundCost) -> None:
         if cost.verify_tokens > 0 and cost.verify_seconds > 0:
-            self.verify.setdefault(cost.verify_tokens, Ema(self.weight)).add(cost.verify_seconds)
+            tokens = cost.batch_tokens or cost.verify_tokens
+            self.verify.setdefault(tokens, Ema(self.weight)).add(cost.verify_seconds)
             self.line = self.fit()
+            self.batch.add(max(1, cost.batch_size))
         if cost.draft_tokens > 0 and cost.draft_seconds > 0:
             self.draft_per_token.add(cost.draft_seconds / cost.draft_tokens)
         self.overhead.add(max(0.0, cost.overhead_seconds))
@@ -101,12 +115,19 @@ class CostModel:
         return mean_t + slope * (1 - mean_n), slope
 
     def verify_seconds(self, num_tokens: int) -> float:
+        """A round's verify time when it scores num_tokens (K + 1), in a batch of B such."""
+        return self.forward_seconds(self.batch_size() * num_tokens)
+
+    def forward_seconds(self, batch_tokens: float) -> float:
         base, slope = self.line
-        return max(1e-6, base + slope * (num_tokens - 1))
+        return max(1e-6, base + slope * (batch_tokens - 1))
+
+    def batch_size(self) -> float:
+        return self.batch.value or 1.0
 
     def draft_seconds_per_token(self) -> float:
         value = self.draft_per_token.value
-        return 0.1 * self.verify_seconds(1) if value is None else value
+        return 0.1 * self.forward_seconds(1) if value is None else value
 
     def overhead_seconds(self) -> float:
         return self.overhead.value or 0.0

@@ -33,6 +33,20 @@ class SpecStats:
     exposed_seconds: list[float] = field(default_factory=list)
     wire_bytes: int = 0  # serialised messages of the rounds' pool calls (0 in-process)
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds by tokens drafted
+    # the pools' batches that served the rounds: calls summed over the calls that said
+    verifier_batch_calls: int = 0
+    verifier_batches: int = 0
+    drafter_batch_calls: int = 0
+    drafter_batches: int = 0
+
+    def record_batches(self, verify_load, draft_load) -> None:
+        """The BatchLoad (or None) of a round's verify and of the draft it waited for."""
+        if verify_load is not None:
+            self.verifier_batch_calls += verify_load.batch_size
+            self.verifier_batches += 1
+        if draft_load is not None:
+            self.drafter_batch_calls += draft_load.batch_size
+            self.drafter_batches += 1
 
     def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
         self.rounds += 1
@@ -55,10 +69,11 @@ class SpecStats:
         for k, count in other.rounds_by_k.items():
             self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens",                     "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
+                     "num_emitted_tokens", "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "predraft_compute_seconds",
-                     "exposed_seconds"):
+                     "exposed_seconds", "verifier_batch_calls", "verifier_batches",
+                     "drafter_batch_calls", "drafter_batches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -98,6 +113,9 @@ class SpecStats:
             "exposed_ms_p50": median_ms(self.exposed_seconds),
             "pipelined_rounds": self.pipelined_rounds,
             "wire_bytes_per_round": self.wire_bytes / self.rounds if self.wire_bytes else None,
+            # the mean number of calls in the pool batches that served this request's rounds
+            "mean_batch_size_verifier": ratio(self.verifier_batch_calls, self.verifier_batches),
+            "mean_batch_size_drafter": ratio(self.drafter_batch_calls, self.drafter_batches),
         }
 
     def phase_seconds(self) -> dict[str, float]:
@@ -120,6 +138,10 @@ class SpecStats:
     def overhead_ms_p50(self) -> float | None:
         """Median over rounds of what a round costs beyond the pools' compute."""
         return median_ms(self.overhead_seconds)
+
+
+def ratio(total: float, count: int) -> float | None:
+    return total / count if count else None
 
 
 def median_ms(seconds: list[float]) -> float | None:

@@ -64,6 +64,7 @@ class DraftBlock:
     draft_probs: torch.Tensor | None
     compute_seconds: float = 0.0  # the drafter's own time on the call, transport excluded
     wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
+    load: "BatchLoad | None" = None  # the batch the call was drafted in
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,16 @@ class TargetScores:
     bonus_token_id: int | None = None
     compute_seconds: float = 0.0  # the verifier's own time on the call, transport excluded
     wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
+    load: "BatchLoad | None" = None  # the batch the call was scored in
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """The batch a pool served a call in: how many calls shared its forward(s), and how many
+    tokens its (first) forward fed. A call's compute_seconds is then the whole batch's time."""
+
+    batch_size: int = 1
+    batch_tokens: int = 0
 
 
 def timed(work, call):

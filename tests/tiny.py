@@ -115,3 +115,52 @@ def metaspace_tokenizer():
 
     return word_tokenizer(["▁hello", "▁world", "▁again"], pre_tokenizers.Metaspace(),
                           decoders.Metaspace())
+
+
+class Batched:
+    """An engine behind the pools' continuous batcher, in-process: the rounds of all requests
+    decoding concurrently on one event loop share forwards (tests of batching exactness)."""
+
+    def __init__(self, engine, max_batch_size: int = 64) -> None:
+        from deployments.batcher import ContinuousBatcher
+
+        self.engine = engine
+        self.batch_sizes: list[int] = []
+        work = getattr(engine, "score_batch", None) or engine.propose_batch
+
+        async def run_batch(calls):
+            self.batch_sizes.append(len(calls))
+            await asyncio.sleep(0)  # let the other requests queue behind this batch
+            return work(calls)
+
+        self.batcher = ContinuousBatcher(run_batch, max_batch_size)
+
+    async def answer(self, call):
+        result = await self.batcher.submit(call)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    propose = score = answer
+
+    async def release(self, request_id: str) -> None:
+        await self.engine.release(request_id)
+
+
+def run_concurrently(drafter, verifier, prompts, params: SamplingParams, k: int | str,
+                     max_tokens: list[int] | None = None, pipelined: bool = False):
+    """Decode every prompt at once through the request driver; returns each one's ids."""
+    from dataclasses import replace
+
+    async def one(i, prompt):
+        p = params if max_tokens is None else replace(params, max_tokens=max_tokens[i])
+        p = replace(p, seed=(params.seed or 0) + i) if params.seed is not None else p
+        generation = Generation(Request(f"r{i}", tuple(prompt), p, ()), None)
+        policy = k_policy(k, pipelined, p.greedy, KBounds(1, 8, initial=2))
+        await generation.run(drafter, verifier, policy, pipelined)
+        return generation.token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    return asyncio.run(main())

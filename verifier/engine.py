@@ -1,11 +1,21 @@
 """The target engine: score K drafted tokens plus the position after them in ONE forward."""
 
+import time
+from dataclasses import replace
+
 import torch
 
+from engine.batch import forward_packed, use_packed_attention
 from engine.kv import SessionStore
 from speculative.rejection import residual
 from speculative.sampling import draft_law, logits_to_probs, sample
-from speculative.types import ScoreCall, TargetScores, check_call, timed
+from speculative.types import (
+    BatchLoad,
+    ScoreCall,
+    StaleBase,
+    TargetScores,
+    check_call,
+)
 
 
 class ModelVerifier:
@@ -13,21 +23,39 @@ class ModelVerifier:
 
     A call first rolls the request's cache back to the committed prefix (the rejected suffix
     of the previous round is cropped away), or rebuilds it when the call carries the whole
-    prefix, then feeds the newly committed tokens and x1..xK in a single forward.
+    prefix, then feeds the newly committed tokens and x1..xK. The calls of a batch share ONE
+    forward (`engine.batch`: their tokens packed, attention per request), so a call's answer
+    is the same whichever calls it is batched with.
     """
 
     def __init__(self, model, *, max_cached_requests: int = 256) -> None:
-        self.model = model.eval()
+        self.model = use_packed_attention(model.eval())
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.sessions = SessionStore(max_cached_requests)
 
     async def score(self, call: ScoreCall) -> TargetScores:
-        return timed(self.score_now, call)
+        return self.score_now(call)
 
     async def release(self, request_id: str) -> None:
         self.sessions.release(request_id)
 
     def score_now(self, call: ScoreCall) -> TargetScores:
+        result = self.score_batch([call])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
+        """Every call's TargetScores, or the ValueError / StaleBase that refused it."""
+        try:
+            return run_batch(calls, self.prepare, self.model, self.finish)
+        except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
+            for call in calls:
+                self.sessions.release(call.request_id)
+            raise
+
+    def prepare(self, call: ScoreCall):
+        """Check the call and bring its sequence to the committed prefix: (segment, q)."""
         vocab_size = self.model.config.vocab_size
         check_call(call.sync.new_token_ids + call.draft_token_ids, vocab_size,
                    len(call.draft_token_ids))
@@ -44,11 +72,49 @@ class ModelVerifier:
             raise ValueError(f"{length} tokens exceed the target's context of "
                              f"{self.max_positions} (max_position_embeddings)")
         sequence = self.sessions.sync(call.request_id, call.sync)
-        logits = sequence.feed(self.model, drafted, num_logits=len(drafted) + 1)  # [K+1, V]
+        return sequence.segment(self.model, drafted, num_logits=len(drafted) + 1), draft_probs
+
+    def finish(self, call: ScoreCall, logits: torch.Tensor, draft_probs) -> TargetScores:
+        """logits: [K + 1, V] of the call's drafted positions and the one after them."""
         if call.sampling.greedy:
             return TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
-        return draw_recovered_and_bonus(logits_to_probs(logits, call.sampling), drafted,
-                                        draft_probs, call.seed)
+        return draw_recovered_and_bonus(logits_to_probs(logits, call.sampling),
+                                        list(call.draft_token_ids), draft_probs, call.seed)
+
+
+def run_batch(calls, prepare, model, finish) -> list:
+    """prepare each call (refusals are its answer), one packed forward over the rest, finish.
+
+    Calls of the same request in one batch cannot share a forward (each feeds its cache):
+    the later ones run in a batch of their own after it.
+    """
+    started = time.perf_counter()
+    results: list = [None] * len(calls)
+    ready, later, seen = [], [], set()
+    for index, call in enumerate(calls):
+        if call.request_id in seen:
+            later.append(index)
+            continue
+        try:
+            segment, extra = prepare(call)
+        except (ValueError, StaleBase) as error:
+            results[index] = error
+            continue
+        seen.add(call.request_id)
+        ready.append((index, segment, extra))
+    if ready:
+        logits = forward_packed(model, [segment for _, segment, _ in ready])
+        for (index, _, extra), rows in zip(ready, logits):
+            results[index] = finish(calls[index], rows, extra)
+        load = BatchLoad(len(ready), sum(len(segment.token_ids) for _, segment, _ in ready))
+        elapsed = time.perf_counter() - started
+        for index, _, _ in ready:
+            results[index] = replace(results[index], compute_seconds=elapsed, load=load)
+    if later:
+        for index, result in zip(later, run_batch([calls[i] for i in later], prepare, model,
+                                                  finish)):
+            results[index] = result
+    return results
 
 
 def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:

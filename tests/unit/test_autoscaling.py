@@ -6,15 +6,24 @@ import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deployments.autoscaling import DIRECT_IN_FLIGHT, direct_aware_policy
+from deployments.autoscaling import (
+    BATCH_OCCUPANCY,
+    DIRECT_IN_FLIGHT,
+    TARGET_OCCUPANCY,
+    Occupancy,
+    direct_aware_policy,
+)
 from deployments.local import load_config
 
 DEPLOYMENT = DeploymentID(name="VerifierPool", app_name="verifier")
 
 
-def context(replicas: int, serve_requests: float, direct: list[float] | None) -> AutoscalingContext:
+def context(replicas: int, serve_requests: float, direct: list[float] | None,
+            occupancy: list[float] | None = None) -> AutoscalingContext:
     ids = [ReplicaID(f"r{i}", DEPLOYMENT) for i in range(replicas)]
     metrics = None if direct is None else {DIRECT_IN_FLIGHT: dict(zip(ids, direct))}
+    if occupancy is not None:
+        metrics[BATCH_OCCUPANCY] = dict(zip(ids, occupancy))
     return AutoscalingContext(
         deployment_id=DEPLOYMENT, deployment_name="VerifierPool", app_name="verifier",
         current_num_replicas=replicas, target_num_replicas=replicas, running_replicas=ids,
@@ -33,6 +42,24 @@ def context(replicas: int, serve_requests: float, direct: list[float] | None) ->
 ])
 def test_desired_replicas_count_direct_calls(replicas, serve_requests, direct, desired):
     assert direct_aware_policy(context(replicas, serve_requests, direct)) == (desired, {})
+
+
+@pytest.mark.parametrize("occupancy, desired", [
+    ([0.25, 0.25], 2.0),                          # batches half empty: the queue rule rules
+    ([1.0, 1.0], 2 / TARGET_OCCUPANCY),           # every batch full: saturated, scale up
+    ([1.0, 0.5], 2 * 0.75 / TARGET_OCCUPANCY),    # the pool's mean occupancy
+])
+def test_full_batches_ask_for_more_replicas(occupancy, desired):
+    ctx = context(2, 8, [0, 0], occupancy)  # the queue rule alone: 8 / 4 = 2 replicas
+    assert direct_aware_policy(ctx)[0] == pytest.approx(desired)
+
+
+def test_occupancy_is_the_mean_batch_over_the_cap_since_the_last_poll():
+    occupancy = Occupancy(max_batch_size=8)
+    for size in (8, 4, 2, 2):
+        occupancy.observe(size)
+    assert occupancy.take() == 0.5
+    assert occupancy.take() == 0.0  # nothing ran since: idle
 
 
 def test_from_zero_replicas_it_defers_to_serve():

@@ -1,0 +1,54 @@
+"""Continuous batching for a pool replica: the calls that arrive while the model is busy run
+together as soon as it is free.
+
+Serve's `serve.batch` seals a batch when it forms it (at the first call plus
+batch_wait_timeout_s) and queues the sealed batches behind the running one: measured here,
+three calls arriving during a forward ran as three batches of one. A verifier must instead
+form its next batch at the moment the model frees up, from everything that has arrived, with
+no added wait at low load (a lone call runs at once). That is this loop.
+"""
+
+import asyncio
+
+
+class ContinuousBatcher:
+    """`await batcher.submit(call)` -> its answer from `run(calls) -> answers` (a coroutine);
+    at most max_batch_size calls per run, one run at a time, in arrival order."""
+
+    def __init__(self, run, max_batch_size: int) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.run, self.max_batch_size = run, max_batch_size
+        self.waiting: list[tuple[object, asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    async def submit(self, call):
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._serve())
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((call, future))
+        self._wakeup.set()
+        return await future
+
+    async def _serve(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while True:
+                # a cancelled caller (a client gone) leaves its call behind
+                live = [(call, future) for call, future in self.waiting if not future.done()]
+                if not live:
+                    self.waiting.clear()
+                    break
+                batch, self.waiting = live[:self.max_batch_size], live[self.max_batch_size:]
+                try:
+                    answers = await self.run([call for call, _ in batch])
+                except Exception as error:  # the whole batch failed: every caller learns why
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                for (_, future), answer in zip(batch, answers):
+                    if not future.done():
+                        future.set_result(answer)

@@ -1,0 +1,121 @@
+"""One forward over many requests: their new tokens packed into one row, each with its own cache.
+
+Every request of a batch feeds a different number of tokens at a different position, on top of
+its own `DynamicCache`. The tokens of all requests are packed into a single sequence [1, N]
+with each token's own position (`position_ids`), so the projections, the MLP and the LM head
+run once over all N tokens, with no padding. Only attention is per request: the model's
+attention layers call `packed_attention` (registered with transformers' AttentionInterface),
+which appends each request's new keys and values to that request's cache and attends its
+queries over its cache alone, causally and within a sliding window where the layer has one.
+No position of one request can reach another's logits, and no cache is copied into a batch:
+a rollback stays a crop of the request's own cache.
+
+A model forward without a batch (HF `generate`, tests) goes to SDPA unchanged.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION = "specserve_packed"
+BATCH_KWARG = "specserve_batch"
+
+
+@dataclass
+class Segment:
+    """One request's part of a packed forward: token_ids fed at positions start.., on cache."""
+
+    cache: object  # transformers DynamicCache
+    token_ids: list[int]
+    start: int
+    num_logits: int  # logits wanted for the last num_logits of token_ids
+
+
+class PackedBatch:
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+        bounds, offset = [], 0
+        for segment in segments:
+            bounds.append((offset, offset + len(segment.token_ids)))
+            offset += len(segment.token_ids)
+        self.bounds = bounds
+        self._masks: dict[tuple, torch.Tensor | None] = {}
+
+    def mask(self, index: int, kv_len: int, window: int | None, device) -> torch.Tensor | None:
+        """[1, 1, n, kv_len] where query i (position start + i) may see key j: the keys are
+        the kv_len positions that end with the request's last new token."""
+        segment = self.segments[index]
+        n = len(segment.token_ids)
+        if n == 1 and (window is None or kv_len <= window):
+            return None  # one query, every key visible
+        key = (index, kv_len, window)
+        if key not in self._masks:
+            end = segment.start + n
+            q_pos = torch.arange(segment.start, end, device=device)[:, None]
+            k_pos = torch.arange(end - kv_len, end, device=device)[None, :]
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= q_pos - k_pos < window
+            self._masks[key] = visible[None, None]
+        return self._masks[key]
+
+
+def packed_attention(module, query, key, value, attention_mask, **kwargs):
+    """query [1, H, N, D], key/value [1, H_kv, N, D]: the batch's new tokens, packed."""
+    batch: PackedBatch | None = kwargs.pop(BATCH_KWARG, None)
+    if batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    window = kwargs.pop("sliding_window", None)
+    kwargs.pop("is_causal", None)
+    outputs = []
+    for index, (segment, (lo, hi)) in enumerate(zip(batch.segments, batch.bounds)):
+        keys, values = segment.cache.update(key[:, :, lo:hi], value[:, :, lo:hi],
+                                            module.layer_idx)
+        mask = batch.mask(index, keys.shape[-2], window, query.device)
+        output, _ = sdpa_attention_forward(module, query[:, :, lo:hi], keys, values, mask,
+                                           is_causal=False, **kwargs)
+        outputs.append(output)  # [1, n, H, D]
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(ATTENTION, packed_attention)
+# unbatched calls get SDPA's masks; a packed forward builds its own per request
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def use_packed_attention(model):
+    """Route the model's attention through packed_attention (SDPA when called unbatched)."""
+    model.config._attn_implementation = ATTENTION
+    for config in (getattr(model.config, "text_config", None),):
+        if config is not None:
+            config._attn_implementation = ATTENTION
+    return model
+
+
+@torch.no_grad()
+def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
+    """One forward over all segments; returns each segment's logits [num_logits, V]."""
+    if model.config._attn_implementation != ATTENTION:
+        use_packed_attention(model)
+    batch = PackedBatch(segments)
+    ids = [t for segment in segments for t in segment.token_ids]
+    positions = [segment.start + i for segment in segments
+                 for i in range(len(segment.token_ids))]
+    keep = [hi - segment.num_logits + i for segment, (_, hi) in zip(segments, batch.bounds)
+            for i in range(segment.num_logits)]
+    device = model.device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    # ids past a (differently padded) draft's embedding are fed as its last row: that only
+    # changes what the draft conditions on, never the exactness of what it ships
+    input_ids.clamp_(max=model.get_input_embeddings().num_embeddings - 1)
+    logits = model(input_ids=input_ids, position_ids=torch.tensor([positions], device=device),
+                   use_cache=False, logits_to_keep=torch.tensor(keep, device=device),
+                   **{BATCH_KWARG: batch}).logits[0]
+    out, offset = [], 0
+    for segment in segments:
+        out.append(logits[offset:offset + segment.num_logits])
+        offset += segment.num_logits
+    return out

@@ -1,0 +1,138 @@
+"""Batching across requests: one packed forward answers every request exactly as if alone.
+
+The bug to catch is a position of one request (or a padded / later position of its own)
+leaking into another's logits; a cache fed twice in one forward; a refusal that takes its
+batch-mates down. Reference: a fresh full forward of each request's own tokens.
+"""
+
+import pytest
+import torch
+
+from drafter.model import ModelDrafter
+from engine import batch as packed
+from engine.batch import forward_packed
+from engine.kv import SessionStore
+from speculative.sampling import SamplingParams
+from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
+from tests.tiny import Batched, hf_greedy, noisy_copy, run_concurrently, tiny_llama, tiny_sliding
+from verifier.engine import ModelVerifier
+
+ATOL = 1e-4  # float reassociation only (see test_kv); a leak moves logits by O(1)
+GREEDY = SamplingParams(temperature=0.0)
+
+MODELS = {"llama": lambda: tiny_llama(1), "mistral-sliding": lambda: tiny_sliding(2),
+          "qwen2-mixed": lambda: tiny_sliding(3, mixed=True)}
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def sync(known, new):
+    return PrefixSync(len(known), prefix_hash(known), tuple(new))
+
+
+def batched_rounds_error(model) -> float:
+    """Four requests of different lengths (some past the sliding window), three rounds of
+    verify-then-rollback, every round one packed forward; the largest gap to a fresh forward."""
+    store = SessionStore(8)
+    prompts = [[3, 1, 4], list(range(5, 16)), [9] * 20, [2, 7, 1, 8, 2, 8]]
+    committed = [list(p) for p in prompts]
+    known = [[] for _ in prompts]
+    worst = 0.0
+    for round_ in range(3):
+        segments, wanted = [], []
+        for i, ids in enumerate(committed):
+            sequence = store.sync(f"r{i}", sync(known[i], ids[len(known[i]):]))
+            known[i] = list(ids)
+            drafted = [(7 * i + round_ + j) % 60 for j in range(1 + (i + round_) % 4)]
+            segments.append(sequence.segment(model, drafted, num_logits=len(drafted) + 1))
+            wanted.append(ids + drafted)
+        for logits, ids, segment in zip(forward_packed(model, segments), wanted, segments):
+            reference = full_logits(model, ids)[-segment.num_logits:]
+            worst = max(worst, float((logits - reference).abs().max()))
+        for i, ids in enumerate(committed):  # accept part of the block, reject the rest
+            ids.extend(wanted[i][len(ids):len(ids) + round_ % 2] + [(11 * i + round_) % 60])
+    return worst
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_packed_batch_equals_each_request_alone(name):
+    assert batched_rounds_error(MODELS[name]()) < ATOL
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
+def test_the_test_sees_a_query_that_attends_past_its_position(name, monkeypatch):
+    """Mutant: no mask inside a request's segment (a query sees the drafted tokens after it,
+    and a sliding layer forgets its window)."""
+    monkeypatch.setattr(packed.PackedBatch, "mask", lambda self, *args: None)
+    assert batched_rounds_error(MODELS[name]()) > 0.01
+
+
+def test_refusals_stay_with_their_call_and_a_repeated_request_waits_for_the_next_forward():
+    model = tiny_llama(1)
+    verifier, alone = ModelVerifier(model), ModelVerifier(model)
+    calls = [ScoreCall("a", sync([], [1, 2, 3]), (4, 5), GREEDY),
+             ScoreCall("bad", sync([], [1, 99]), (), GREEDY),  # outside the vocabulary
+             ScoreCall("gone", sync([1, 2], [3]), (4,), GREEDY),  # a base never seen here
+             ScoreCall("b", sync([], [6, 7]), (8, 9, 10), GREEDY),
+             ScoreCall("a", sync([1, 2, 3], [4, 5, 6]), (7,), GREEDY)]  # a's next round
+    results = verifier.score_batch(calls)
+    assert isinstance(results[1], ValueError) and isinstance(results[2], StaleBase)
+    for index in (0, 3, 4):
+        assert results[index].target_token_ids == alone.score_now(calls[index]).target_token_ids
+    assert results[0].load.batch_size == 2 and results[4].load.batch_size == 1
+    assert results[3].load.batch_tokens == 2 + 3 + 2 + 3  # a's 3 + 2 and b's 2 + 3 fed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafting_in_a_batch_equals_drafting_alone(temperature):
+    draft = tiny_llama(4)
+    batch_drafter, alone = ModelDrafter(draft, draft_q_mass=0.99), \
+        ModelDrafter(draft, draft_q_mass=0.99)
+    params = SamplingParams(temperature=temperature)
+    calls = [ProposeCall(f"r{i}", sync([], list(range(1 + i, 4 + 3 * i))), k, params,
+                         seed=100 + i, assumed_token_ids=tuple(range(i)))
+             for i, k in enumerate([1, 4, 2, 6])]
+    together = batch_drafter.propose_batch(calls)
+    for call, block in zip(calls, together):
+        single = alone.propose_now(call)
+        assert block.token_ids == single.token_ids
+        assert len(block.token_ids) == call.num_speculative_tokens
+        if temperature:  # the same q up to float reassociation (each ships what it drew from)
+            torch.testing.assert_close(block.draft_probs, single.draft_probs, atol=1e-5, rtol=0)
+    assert together[0].load.batch_size == 4
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_greedy_oracle_with_requests_joining_and_leaving_batches(pipelined):
+    """Eight requests of different prompt and output lengths decode at once through batched
+    pools (each finishes, and leaves its batches, at its own time); every one's output is the
+    target's own greedy decoding."""
+    target = tiny_llama(1)
+    draft = noisy_copy(target, 0.02, seed=5)
+    verifier, drafter = Batched(ModelVerifier(target)), Batched(ModelDrafter(draft))
+    prompts = [[(3 * i + j) % 60 + 1 for j in range(2 + 3 * i)] for i in range(8)]
+    lengths = [6 + 5 * (i % 4) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=max(lengths))
+    outputs = run_concurrently(drafter, verifier, prompts, params, 3, lengths, pipelined)
+    for prompt, length, output in zip(prompts, lengths, outputs):
+        assert output == hf_greedy(target, prompt, length)
+    assert max(verifier.batch_sizes) >= 6 and min(verifier.batch_sizes) < 6  # joined and left
+    assert max(drafter.batch_sizes) >= 6
+
+
+def test_a_request_evicted_while_its_batch_mates_run_is_rebuilt_exactly():
+    """Pools that hold only 3 caches serve 6 concurrent requests: caches are evicted under
+    running requests round after round, and each is rebuilt from its prefix."""
+    target = tiny_llama(1)
+    draft = noisy_copy(target, 0.02, seed=6)
+    verifier = Batched(ModelVerifier(target, max_cached_requests=3))
+    drafter = Batched(ModelDrafter(draft, max_cached_requests=3))
+    prompts = [[i + 1, i + 2, i + 3] for i in range(6)]
+    outputs = run_concurrently(drafter, verifier, prompts, SamplingParams(temperature=0.0,
+                               max_tokens=12), 3)
+    assert verifier.engine.sessions.stats.evictions > 0
+    for prompt, output in zip(prompts, outputs):
+        assert output == hf_greedy(target, prompt, 12)
