@@ -1,10 +1,31 @@
-"""Router metrics, exported through Serve's Prometheus metrics (names as vLLM users know them)."""
+"""Router and pool metrics, exported through Serve's Prometheus metrics (the router's named as
+vLLM users know them)."""
 
-from ray.serve.metrics import Counter, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from speculative.loop import RequestState
 
 ROUND_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
+BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+class PoolMetrics:
+    """A pool replica's batches: how many calls each ran, and how full they were (the
+    occupancy its autoscaling policy reads: deployments.autoscaling)."""
+
+    def __init__(self, pool: str) -> None:
+        self.tags = {"pool": pool}
+        self.batch_size = Histogram(
+            "specserve_pool_batch_size", description="Calls per batch a pool replica ran in "
+            "one forward (a step, for the drafter).", boundaries=BATCH_BOUNDARIES,
+            tag_keys=("pool",))
+        self.occupancy = Gauge(
+            "specserve_pool_batch_occupancy", description="The last batch's size over "
+            "max_batch_size (1: full batches, the pool is saturated).", tag_keys=("pool",))
+
+    def record_batch(self, batch_size: int, max_batch_size: int) -> None:
+        self.batch_size.observe(batch_size, tags=self.tags)
+        self.occupancy.set(batch_size / max_batch_size, tags=self.tags)
 
 
 class RouterMetrics:

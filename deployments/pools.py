@@ -19,6 +19,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import wire
 from deployments.batcher import ContinuousBatcher
+from deployments.metrics import PoolMetrics
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from drafter.registry import DrafterSpec, build_drafter
 from protos import specserve_pb2 as pb
@@ -117,7 +118,7 @@ class PoolReplica:
 
     engine = None  # set by the subclass before start()
 
-    async def start(self, add_to_server, run_batch, max_batch_size: int) -> None:
+    async def start(self, add_to_server, run_batch, max_batch_size: int, pool: str) -> None:
         """run_batch: the engine's list of calls -> list of answers (or their refusals)."""
         self.replica_id = replica_id()
         self.direct_calls = 0  # served over the replica's own port, ever
@@ -127,8 +128,11 @@ class PoolReplica:
                                          initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
 
+        self.metrics = PoolMetrics(pool)
+
         async def in_batch(calls: list) -> list:
             self.occupancy.observe(len(calls))
+            self.metrics.record_batch(len(calls), max_batch_size)
             return await self.on_worker(run_batch, calls)
 
         self.batcher = ContinuousBatcher(in_batch, max_batch_size)
@@ -184,7 +188,7 @@ class DrafterPool(PoolReplica):
         torch.set_num_threads(args.torch_threads)
         self.engine = build_drafter(args.spec())
         await self.start(pb_grpc.add_DrafterServicer_to_server, self.engine.propose_batch,
-                         args.max_batch_size)
+                         args.max_batch_size, "drafter")
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
         return await self.answer(wire.propose_from_proto, request, wire.block_to_proto,
@@ -198,7 +202,7 @@ class VerifierPool(PoolReplica):
         self.engine = ModelVerifier(load_causal_lm(args.model, args.dtype, args.device),
                                     max_cached_requests=args.max_cached_requests)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,
-                         args.max_batch_size)
+                         args.max_batch_size, "verifier")
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
         return await self.answer(wire.score_from_proto, request, wire.scores_to_proto,

@@ -31,6 +31,27 @@ def test_greedy_with_speculation_equals_target_alone(cluster, k):
         assert spec["speculative"]["num_draft_tokens"] > 0
 
 
+def test_concurrent_requests_share_the_pools_batches_and_stay_exact(cluster):
+    """12 requests at once, of different lengths, speculation on (auto K, fixed K) and off:
+    each one's text equals the target alone's, and the pools ran them in shared batches."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(PROMPTS[i % len(PROMPTS)], 12 + 4 * (i % 4), ("auto", 3, 0)[i % 3])
+            for i in range(12)]
+    alone = {(p, n): complete(cluster, p, max_tokens=n, temperature=0, ignore_eos=True,
+                              num_speculative_tokens=0)["choices"][0]["text"]
+             for p, n, _ in jobs}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: complete(
+            cluster, job[0], max_tokens=job[1], temperature=0, ignore_eos=True,
+            num_speculative_tokens=job[2]), jobs))
+    for (prompt, n, k), answer in zip(jobs, answers):
+        assert answer["choices"][0]["text"] == alone[(prompt, n)], (prompt, n, k)
+    batches = [a["speculative"]["mean_batch_size_verifier"] for a in answers]
+    assert max(batches) > 1, batches
+    assert any(a["speculative"]["mean_batch_size_drafter"] for a in answers)
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_adaptive_k_is_exact_and_reports_the_k_it_chose(cluster, pipelined):
     for prompt in PROMPTS[:3]:

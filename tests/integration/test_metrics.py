@@ -32,3 +32,15 @@ def test_spec_decode_counters_are_exported(cluster):
     assert all(name in found for name in NAMES), sorted(found)
     assert found["spec_decode_num_draft_tokens"] >= drafted > 0
     assert found["spec_decode_num_accepted_tokens"] <= found["spec_decode_num_draft_tokens"]
+
+
+def test_pool_batch_metrics_are_exported(cluster):
+    cluster.post("/v1/completions", {"prompt": "import os\n", "max_tokens": 8,
+                                     "temperature": 0, "num_speculative_tokens": 2})
+    deadline, pools = time.monotonic() + 60, set()
+    while time.monotonic() < deadline and pools != {"drafter", "verifier"}:
+        text = requests.get(cluster.metrics_url, timeout=10).text
+        pools = set(re.findall(r'ray_specserve_pool_batch_size_count\{[^}]*pool="(\w+)"', text))
+        time.sleep(1)
+    assert pools == {"drafter", "verifier"}
+    assert "ray_specserve_pool_batch_occupancy" in text

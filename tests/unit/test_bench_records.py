@@ -1,8 +1,22 @@
-"""The suite's derived figures, on hand-made tallies (the end-to-end run is in integration)."""
+"""The suite's derived figures, on hand-made tallies, and the sweep's streaming client on a
+stand-in server (the end-to-end run is in integration)."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.suite import FIELDS, Tally, add_speedups, expected_tokens_per_round, record
+from bench.suite import (
+    FIELDS,
+    Tally,
+    add_speedups,
+    expected_tokens_per_round,
+    record,
+    stats_from_http,
+)
+from bench.sweep import Streamed, latency_fields, percentile, stream_completion
 from speculative.stats import SpecStats
 
 
@@ -37,3 +51,94 @@ def test_a_speculative_record_has_the_formula_and_the_measured_ratio():
     assert rec["wire_bytes_per_round"] == 250 and rec["overhead_ms_p50"] == 2.0
     assert rec["greedy_matches_target"] is True and rec["sampled_matches_inprocess"] is None
     assert anchor["acceptance_rate"] is None and anchor["predicted_speedup"] is None
+
+
+def test_percentiles_interpolate_between_order_statistics():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.99) == pytest.approx(3.97)
+    assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) is None
+
+
+def sweep_stats(num_draft_tokens: int) -> dict:
+    """A response's speculative object: 4 rounds of 2 tokens, K = num_draft_tokens / 4."""
+    stats = SpecStats(rounds=4, num_drafts=4 if num_draft_tokens else 0,
+                      num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_draft_tokens // 2,
+                      num_emitted_tokens=8, round_seconds=0.04)
+    return stats.as_dict() | {"mean_batch_size_verifier": 3.0,
+                              "mean_batch_size_drafter": 2.0 if num_draft_tokens else None}
+
+
+def test_a_sweep_cell_has_latencies_batch_sizes_and_the_ratio_to_speculation_off():
+    def cell(mode, k, num_draft_tokens, seconds):
+        streams = [Streamed(list(range(8)), 0.1 * (i + 1), 0.1 * (i + 1) + 0.07,
+                            sweep_stats(num_draft_tokens)) for i in range(4)]
+        tally = Tally()
+        for s in streams:
+            tally.add(len(s.token_ids), 0.0, stats_from_http(s.speculative))
+        tally.seconds = seconds
+        rec = record("demo", mode, k, 0.0, 4, tally, {"c": 0.25})
+        rec.update(stream=True, **latency_fields(streams))
+        return rec
+
+    off, on = cell("serve_off", 0, 0, 0.5), cell("serve_adaptive", "auto", 8, 0.4)
+    single = record("demo", "serve_off", 0, 0.0, 4, Tally(4, 32, 1.0), {"c": 0.25})
+    add_speedups([off, on, single])
+    assert set(on) == set(FIELDS) and single["stream"] is None
+    assert (off["tokens_per_s"], on["tokens_per_s"]) == (64.0, 80.0)
+    assert (off["speedup_vs_off"], on["speedup_vs_off"], single["speedup_vs_off"]) == \
+        (1.0, 1.25, None)
+    assert on["ttft_ms_p50"] == 250.0  # sent -> first chunk: 100, 200, 300, 400 ms
+    assert on["tpot_ms_p50"] == on["tpot_ms_p99"] == 10.0  # 70 ms over 7 tokens after the first
+    assert (on["batch_mean_verifier"], on["batch_mean_drafter"]) == (3.0, 2.0)
+    assert (off["batch_mean_drafter"], off["mean_k"], on["mean_k"]) == (None, 0.0, 2.0)
+
+
+class SSE(BaseHTTPRequestHandler):
+    """Streams what the router streams, in chunked transfer encoding, 20 ms apart (usage says
+    the server's completion_tokens)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] and body["ignore_eos"] and body["return_token_ids"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        final = {"choices": [], "usage": {"completion_tokens": self.server.completion_tokens},
+                 "speculative": {"rounds": 2}}
+        for chunk in ({"choices": [{"index": 0, "text": "a b", "finish_reason": None}]},
+                      {"choices": [{"index": 0, "text": " c", "finish_reason": None}]},
+                      {"choices": [{"index": 0, "text": "", "finish_reason": "length",
+                                    "token_ids": [5, 6, 7]}]},
+                      final, "[DONE]"):
+            time.sleep(0.02)
+            event = f"data: {chunk if chunk == '[DONE]' else json.dumps(chunk)}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_streamed_request_is_timed_chunk_by_chunk():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SSE)
+    server.completion_tokens = 3
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        streamed = stream_completion(url, [1, 2], 3, "auto", timeout_s=10)
+        assert streamed.token_ids == [5, 6, 7] and streamed.speculative == {"rounds": 2}
+        # the first chunk after one gap, the final chunk three gaps later
+        assert 0.02 <= streamed.first_chunk_s < streamed.final_chunk_s
+        assert streamed.final_chunk_s - streamed.first_chunk_s >= 0.06
+        assert streamed.tpot_s == pytest.approx(
+            (streamed.final_chunk_s - streamed.first_chunk_s) / 2)
+        server.completion_tokens = 4
+        with pytest.raises(RuntimeError, match="disagree with its usage"):
+            stream_completion(url, [1, 2], 3, 0, timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
