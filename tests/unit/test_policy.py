@@ -113,3 +113,40 @@ def test_tokens_per_round_counts_what_rounds_emit_when_a_sampled_bonus_is_given_
     assert stats.num_emitted_tokens == len(out) == 25
     assert stats.pipelined_rounds > 5 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert stats.mean_acceptance_length < 2.5  # 2 a pipelined round, 3 only for the first
+
+
+def loaded(batch_size: int, per_token_ms: float = 2.0, fixed_ms: float = 20.0) -> CostModel:
+    """A verifier whose forward costs fixed + per_token x the tokens its batch feeds, seen
+    serving batches of `batch_size` rounds with K from 0 to 8."""
+    costs = CostModel()
+    for _ in range(50):
+        for k in range(9):
+            tokens = batch_size * (k + 1)
+            costs.observe(RoundCost(k + 1, (fixed_ms + per_token_ms * tokens) / 1000, k,
+                                    k * 0.5 / 1000, 0.0, batch_size, tokens))
+    return costs
+
+
+def test_k_shrinks_as_the_verifier_batch_grows_turns_off_and_comes_back():
+    """α = 0.8. Alone, the forward is mostly its fixed cost and a long K pays; in a batch of
+    many, each drafted token costs batch_size tokens of forward and speculation stops."""
+    ks = {}
+    for batch_size in (1, 4, 16, 64):
+        policy = AdaptiveK(KBounds(0, 8), loaded(batch_size), pipelined=False, greedy=True)
+        policy.accepted, policy.tested = 80.0, 100.0
+        ks[batch_size] = policy.choose()
+    assert ks[1] > ks[4] > ks[16] >= 0 and ks[1] >= 4
+    assert ks[64] == 0
+    costs = loaded(64)  # the same router's costs, as load falls again
+    for _ in range(200):
+        costs.observe(RoundCost(3, (20 + 2 * 3) / 1000, 2, 1 / 1000, 0.0, 1, 3))
+    policy = AdaptiveK(KBounds(0, 8), costs, pipelined=False, greedy=True)
+    policy.accepted, policy.tested = 80.0, 100.0
+    assert policy.choose() >= 4
+
+
+def test_a_mutant_that_ignores_the_batch_keeps_drafting_under_load(monkeypatch):
+    monkeypatch.setattr(CostModel, "batch_size", lambda self: 1.0)
+    policy = AdaptiveK(KBounds(0, 8), loaded(64), pipelined=False, greedy=True)
+    policy.accepted, policy.tested = 80.0, 100.0
+    assert policy.choose() > 0
