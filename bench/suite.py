@@ -11,6 +11,10 @@ Modes (the record field `mode`):
                    from cluster/config.yaml), pipelined as the router's default says (greedy
                    requests); the record's k is "auto"
 
+The concurrency sweep (bench/sweep.py; records with `stream` true): 1, 4, 16 and 32 streaming
+HTTP clients at once, greedy, serve_off against serve_adaptive, on the demo and scaled pairs:
+aggregate tokens/s, TTFT and TPOT percentiles, the pools' mean batch sizes, the K chosen.
+
 Sampled records carry `draft_q`: the draft distribution as shipped ("mass0.99-float16", the
 default config's) or "dense" (HF assisted generation, and in-process records with dense q at
 T > 0 for the comparison).
@@ -18,7 +22,7 @@ T > 0 for the comparison).
 Prompts are interleaved: for each prompt every mode runs once before the next prompt, so
 machine drift hits all modes alike. Everything runs with the same torch thread count (each pool
 replica of cluster/config.yaml has 1 thread). Writes results.json (a flat list of records),
-results.md and PNG plots into --out.
+results.md and PNG plots (speedup_vs_k, acceptance_by_position, concurrency) into --out.
 
 The `scaled` pair is a benchmark construct: the demo target grown function-preservingly to
 ~124M parameters (bench/scaled.py), so its predictions, and so the acceptance rate, are exactly
@@ -46,6 +50,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench import sweep
 from speculative.stats import SpecStats
 from engine.models import DEMO_DRAFT, DEMO_TARGET
 
@@ -69,7 +74,10 @@ FIELDS = ("pair", "mode", "k", "temperature", "draft_q", "concurrency", "request
           "speedup_vs_predicted", "c", "acceptance_by_position", "ms_draft", "ms_verify",
           "ms_transport", "ms_router", "ms_round", "overhead_ms_p50", "exposed_ms_p50",
           "wire_bytes_per_round", "mean_k",
-          "greedy_matches_target", "sampled_matches_inprocess")
+          "greedy_matches_target", "sampled_matches_inprocess",
+          # the concurrency sweep's records (bench/sweep.py), None elsewhere
+          "stream", "speedup_vs_off", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99",
+          "batch_mean_verifier", "batch_mean_drafter")
 
 
 @dataclass(frozen=True)
@@ -104,13 +112,18 @@ class Plan:
     num_prompts: int
     max_tokens: int
     serve_concurrency: int  # serve modes also run this many requests at once (K = 4), if > 1
+    # the concurrency sweep: client counts (none: no sweep), tokens a request, the pairs swept
+    sweep_levels: tuple[int, ...] = sweep.LEVELS
+    sweep_tokens: int = 40
+    sweep_requests_per_client: int = 1
+    sweep_pairs: tuple[str, ...] = ("demo", "scaled")
 
     @classmethod
-    def make(cls, quick: bool, pair: str) -> "Plan":
+    def make(cls, quick: bool, pair: str, levels: tuple[int, ...] = sweep.LEVELS) -> "Plan":
         pairs = tuple(PAIRS) if pair == "all" else (pair,)
         if quick:
-            return cls(pairs, (1, 4), (0.0, 1.0), 2, 32, 1)
-        return cls(pairs, (1, 2, 4, 6), (0.0, 1.0), 3, 48, 4)
+            return cls(pairs, (1, 4), (0.0, 1.0), 2, 32, 1, levels, sweep_tokens=12)
+        return cls(pairs, (1, 2, 4, 6), (0.0, 1.0), 3, 48, 4, levels)
 
 
 def expected_tokens_per_round(alpha: float | None, k: int) -> float | None:
@@ -374,6 +387,11 @@ def round_cost(facts: dict, k: int) -> float:
 def add_speedups(records: list[dict]) -> None:
     base = {(r["pair"], r["temperature"]): r["tokens_per_s"] for r in records
             if r["mode"] == "target_only"}
+    off = {(r["pair"], r["concurrency"]): r["tokens_per_s"] for r in records
+           if r["stream"] and r["mode"] == "serve_off"}
+    for r in records:
+        if r["stream"] and (r["pair"], r["concurrency"]) in off:
+            r["speedup_vs_off"] = round(r["tokens_per_s"] / off[(r["pair"], r["concurrency"])], 3)
     for r in records:
         anchor = base.get((r["pair"], r["temperature"]))
         if anchor:
@@ -407,6 +425,9 @@ def machine(plan: Plan, threads: int, argv: list[str]) -> dict:
         "transformers": transformers.__version__, "ray": ray.__version__,
         "torch_threads": threads, "prompts": plan.num_prompts, "max_tokens": plan.max_tokens,
         "ks": list(plan.ks), "temperatures": list(plan.temperatures),
+        "sweep": {"concurrency": list(plan.sweep_levels), "max_tokens": plan.sweep_tokens,
+                  "requests_per_client": plan.sweep_requests_per_client,
+                  "pairs": [p for p in plan.pairs if p in plan.sweep_pairs]},
     }
 
 
@@ -518,7 +539,36 @@ def bench_pair(pair: Pair, plan: Plan, served: Served) -> tuple[list[dict], dict
                          else 99, key[3], key[4] == "dense")
     records = [record(pair.name, mode, k, t, c, tallies[(mode, k, t, c, q)], facts, q)
                for mode, k, t, c, q in sorted(tallies, key=order)]
+    if pair.name in plan.sweep_pairs and plan.sweep_levels:
+        records += sweep_pair(pair.name, plan, served, models, tokenizer, facts)
     return records, facts
+
+
+def sweep_pair(name: str, plan: Plan, served: Served, models: InProcess, tokenizer,
+               facts: dict) -> list[dict]:
+    """The concurrency sweep's records (bench/sweep.py): at each level, off then on."""
+    n, per_client = plan.sweep_tokens, plan.sweep_requests_per_client
+    # distinct prompts: the code prompts behind a numbered comment line
+    prompts = [tokenizer(f"# {i}\n" + PROMPTS[i % len(PROMPTS)], add_special_tokens=False)
+               ["input_ids"] for i in range(max(plan.sweep_levels) * per_client)]
+    references = [hf_generate(models.target, ids, n, 0.0, 0)[0]
+                  for ids in tqdm(prompts, desc=f"{name} sweep references", unit="prompt")]
+    records = []
+    cells = [(c, mode, k) for c in plan.sweep_levels for mode, k in sweep.SWEEP_MODES]
+    for clients, mode, k in tqdm(cells, desc=f"{name} sweep", unit="cell"):
+        cell_prompts = prompts[: clients * per_client]
+        streams, seconds = sweep.run_cell(served.url, cell_prompts, clients, n, k)
+        tally = Tally()
+        for streamed, reference in zip(streams, references):
+            spec = streamed.speculative
+            tally.add(len(streamed.token_ids), 0.0, stats_from_http(spec),
+                      spec["overhead_ms_p50"], spec.get("exposed_ms_p50"))
+            tally.compare(streamed.token_ids, reference)
+        tally.seconds = seconds  # the cell's wall time: the clients ran at once
+        rec = record(name, mode, k, 0.0, clients, tally, facts)
+        rec.update(stream=True, **sweep.latency_fields(streams))
+        records.append(rec)
+    return records
 
 
 def describe_q(options: dict) -> str:
@@ -595,7 +645,7 @@ def markdown(results: dict) -> str:
             "| overhead p50 ms | exposed p50 ms | bytes/round | same tokens |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["results"]:
-            if r["pair"] != name:
+            if r["pair"] != name or r["stream"]:
                 continue
             split = "–" if r["ms_round"] is None else " / ".join(
                 fmt(r[f"ms_{p}"], 1) for p in ("draft", "verify", "transport", "router"))
@@ -622,6 +672,9 @@ def markdown(results: dict) -> str:
               "serialised gRPC messages of the round's two calls. same tokens: greedy, every "
               "request's tokens equal `target_only`'s; sampled serve_sync, equal to `inprocess`'s "
               "with the same seed (the same draws end to end).", ""]
+    streamed = [r for r in results["results"] if r["stream"]]
+    if streamed:
+        lines += sweep.section(streamed, m["sweep"], fmt)
     return "\n".join(lines)
 
 
@@ -654,15 +707,19 @@ def pair_lines(facts: dict) -> list[str]:
 
 
 def plot(results: dict, out: Path) -> None:
-    """speedup_vs_k.png and acceptance_by_position.png: one panel per pair and temperature."""
+    """speedup_vs_k.png and acceptance_by_position.png: one panel per pair and temperature;
+    concurrency.png (bench/sweep.py)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in results["results"]
-               if r["concurrency"] == 1 and isinstance(r["k"], int) and r["draft_q"] != "dense"
-               or r["mode"] == "hf_assisted"]
+    streamed = [r for r in results["results"] if r["stream"]]
+    if streamed:
+        sweep.plot(streamed, out)
+    records = [r for r in results["results"] if not r["stream"] and (
+               r["concurrency"] == 1 and isinstance(r["k"], int) and r["draft_q"] != "dense"
+               or r["mode"] == "hf_assisted")]
     cells = [(p, t) for p in results["pairs"] for t in results["machine"]["temperatures"]]
 
     def speedups(ax, rows):
@@ -703,20 +760,37 @@ def plot(results: dict, out: Path) -> None:
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
-                        help="2 prompts x 32 tokens, K in {1, 4}: a few minutes")
+                        help="2 prompts x 32 tokens, K in {1, 4}; the sweep's requests 12 "
+                             "tokens: a few minutes")
     parser.add_argument("--pair", choices=[*PAIRS, "all"], default="all")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads here (each replica of cluster/config.yaml has 1)")
+    parser.add_argument("--concurrency", type=client_counts, default=sweep.LEVELS,
+                        help="the sweep's concurrent streaming clients, comma-separated "
+                             "(default 1,4,16,32; none: no sweep)")
     return parser
 
 
+def client_counts(text: str) -> tuple[int, ...]:
+    if text == "none":
+        return ()
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of client counts: {text!r}") from None
+    if not all(v >= 1 for v in values):
+        raise argparse.ArgumentTypeError("client counts are at least 1")
+    return values
+
+
 def main(args, argv: list[str]) -> int:
-    plan = Plan.make(args.quick, args.pair)
+    plan = Plan.make(args.quick, args.pair, args.concurrency)
     results = run(plan, args.out, args.threads, argv)
     print(markdown(results))
     print(f"wrote {args.out}/results.json, results.md, speedup_vs_k.png, "
-          "acceptance_by_position.png")
+          "acceptance_by_position.png"
+          + (", concurrency.png" if any(r["stream"] for r in results["results"]) else ""))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`specserve bench --quick` end to end: every mode, every field, greedy exact in every mode.
+"""`specserve bench --quick` end to end: every mode, every field, greedy exact in every mode,
+the concurrency sweep at every level (the demo pair's costs about ten seconds).
 
 It starts its own Ray instance (as the command does for a user), so it runs in a child process;
 the shared instance of the other tests is untouched.
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from bench.suite import FIELDS, MODES
+from bench.sweep import LEVELS
 from tests.integration.conftest import ROOT
 
 
@@ -41,7 +43,8 @@ def test_every_mode_and_k_is_a_record_with_every_field(quick_run):
     for k in (1, 4):  # the shipped q beside dense q, in-process, for the acceptance it costs
         assert {("inprocess", k, "mass0.99-float16"), ("inprocess", k, "dense"),
                 ("hf_assisted", k, "dense"), ("serve_sync", k, "mass0.99-float16")} <= sampled
-    assert all(r["tokens"] == r["requests"] * 32 and r["tokens_per_s"] > 0 for r in records)
+    assert all(r["tokens"] == r["requests"] * (12 if r["stream"] else 32) and r["tokens_per_s"] > 0
+               for r in records)
 
 
 @pytest.mark.slow
@@ -51,6 +54,8 @@ def test_derived_figures_are_consistent(quick_run):
     assert 0 < facts["c"] < 1
     assert set(facts["verify_cost"]) == {"1", "2", "5"} and facts["verify_cost"]["1"] == 1.0
     for r in results["results"]:
+        if r["stream"]:  # the sweep's (test_the_concurrency_sweep): K may drop to 0 under load
+            continue
         if r["mode"] == "target_only":
             assert r["speedup"] == 1.0
         if r["mode"] in ("serve_sync", "serve_pipelined", "serve_adaptive"):
@@ -83,9 +88,33 @@ def test_sampled_serving_draws_what_the_in_process_loop_draws(quick_run):
 
 
 @pytest.mark.slow
+def test_the_concurrency_sweep(quick_run):
+    _, results = quick_run
+    assert results["machine"]["sweep"] == {"concurrency": list(LEVELS), "max_tokens": 12,
+                                           "requests_per_client": 1, "pairs": ["demo"]}
+    sweep = {(r["mode"], r["concurrency"]): r for r in results["results"] if r["stream"]}
+    assert set(sweep) == {(mode, c) for mode in ("serve_off", "serve_adaptive") for c in LEVELS}
+    for (mode, clients), r in sweep.items():
+        assert (r["k"], r["temperature"], r["requests"]) == \
+            (0 if mode == "serve_off" else "auto", 0.0, clients)
+        assert 0 < r["ttft_ms_p50"] and 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
+        assert 1 <= r["batch_mean_verifier"] <= clients
+        assert r["greedy_matches_target"] is True
+        if mode == "serve_off":
+            assert r["mean_k"] == 0 and r["batch_mean_drafter"] is None
+            assert r["speedup_vs_off"] == 1.0
+        else:
+            assert r["speedup_vs_off"] == pytest.approx(
+                r["tokens_per_s"] / sweep[("serve_off", clients)]["tokens_per_s"], abs=1e-2)
+    # one client alone: every pool batch is its own call
+    assert sweep[("serve_adaptive", 1)]["batch_mean_verifier"] == 1.0
+
+
+@pytest.mark.slow
 def test_the_report_and_plots_are_written(quick_run):
     out, _ = quick_run
     table = (out / "results.md").read_text()
     assert "| 0 | serve_sync | 4 |" in table and "## demo pair" in table
-    for name in ("speedup_vs_k.png", "acceptance_by_position.png"):
+    assert "## Concurrency sweep" in table and "| demo | serve_adaptive | 32 | 32 |" in table
+    for name in ("speedup_vs_k.png", "acceptance_by_position.png", "concurrency.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
