@@ -251,10 +251,13 @@ def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
     drafted_now = (predraft or NO_DRAFT) if pre_drafted else block
     beside = predraft.compute_seconds if predraft else 0.0
     load = scores.load
+    hop = drafted - started - block.compute_seconds if not pre_drafted and block.token_ids \
+        else 0.0
     return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
                      len(drafted_now.token_ids), drafted_now.compute_seconds,
                      round_seconds - waited_draft - max(scores.compute_seconds, beside),
-                     load.batch_size if load else 1, load.batch_tokens if load else 0)
+                     load.batch_size if load else 1, load.batch_tokens if load else 0,
+                     max(0.0, hop))
 
 
 async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,

@@ -33,6 +33,7 @@ class RoundCost:
     # e.g. a verifier that reports no load; the round's own verify_tokens stand for them)
     batch_size: int = 1
     batch_tokens: int = 0
+    draft_hop_seconds: float = 0.0  # waiting for this round's draft beyond its compute
 
 
 class KPolicy(Protocol):
@@ -86,6 +87,9 @@ class CostModel:
         self.prior_slope, self.weight = prior_slope, weight
         self.verify: dict[int, Ema] = {}
         self.draft_per_token, self.overhead = Ema(weight), Ema(weight)
+        # a round without a draft (K = 0) makes one pool call, not two: its own overhead,
+        # estimated until such rounds are seen as the overhead less the draft call's hop
+        self.overhead_plain, self.draft_hop = Ema(weight), Ema(weight)
         self.alpha = Ema(weight)  # acceptance across requests: a new request's prior
         self.batch = Ema(weight)  # calls per verifier batch
         self.line = (1.0, prior_slope)  # t(1) and seconds per extra token (t(1) units a priori)
@@ -98,7 +102,12 @@ class CostModel:
             self.batch.add(max(1, cost.batch_size))
         if cost.draft_tokens > 0 and cost.draft_seconds > 0:
             self.draft_per_token.add(cost.draft_seconds / cost.draft_tokens)
-        self.overhead.add(max(0.0, cost.overhead_seconds))
+        if cost.verify_tokens <= 1:
+            self.overhead_plain.add(max(0.0, cost.overhead_seconds))
+        else:
+            self.overhead.add(max(0.0, cost.overhead_seconds))
+        if cost.draft_hop_seconds > 0:
+            self.draft_hop.add(cost.draft_hop_seconds)
 
     def fit(self) -> tuple[float, float]:
         """(t(1), slope) of the line through the mean verify time of each n seen."""
@@ -129,8 +138,14 @@ class CostModel:
         value = self.draft_per_token.value
         return 0.1 * self.forward_seconds(1) if value is None else value
 
-    def overhead_seconds(self) -> float:
-        return self.overhead.value or 0.0
+    def overhead_seconds(self, k: int = 1) -> float:
+        """A round's time beyond the pools' compute, with a draft call (k > 0) or without."""
+        drafting = self.overhead.value or 0.0
+        if k > 0:
+            return drafting
+        if self.overhead_plain.value is not None:
+            return self.overhead_plain.value
+        return max(0.0, drafting - (self.draft_hop.value or 0.0))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -212,7 +227,7 @@ class AdaptiveK:
             seconds = max(verify, predraft) + (1 - used) * k * per_token
             if not self.greedy:
                 tokens -= alpha ** k
-        return tokens / (seconds + costs.overhead_seconds())
+        return tokens / (seconds + costs.overhead_seconds(k))
 
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,

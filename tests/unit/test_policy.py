@@ -150,3 +150,19 @@ def test_a_mutant_that_ignores_the_batch_keeps_drafting_under_load(monkeypatch):
     policy = AdaptiveK(KBounds(0, 8), loaded(64), pipelined=False, greedy=True)
     policy.accepted, policy.tested = 80.0, 100.0
     assert policy.choose() > 0
+
+
+def test_a_round_without_a_draft_is_charged_one_hop_not_two():
+    """Pools' compute is cheap beside the hops (the demo pair served): a draft call's hop
+    costs more than the draft saves, and K = 0 wins once that is known."""
+    costs = CostModel()
+    for _ in range(100):
+        for k in (1, 2, 4):
+            costs.observe(RoundCost(k + 1, (5 + 0.5 * k) / 1000, k, k * 1.5 / 1000, 6 / 1000,
+                                    draft_hop_seconds=3 / 1000))
+    assert costs.overhead_seconds(0) == pytest.approx(0.003)
+    policy = AdaptiveK(KBounds(0, 8), costs, pipelined=False, greedy=True)
+    policy.accepted, policy.tested = 50.0, 100.0
+    assert policy.choose() == 0
+    costs.observe(RoundCost(1, 5 / 1000, 0, 0.0, 20 / 1000))  # measured: use that instead
+    assert costs.overhead_seconds(0) > 0.003
