@@ -77,7 +77,7 @@ def test_the_ngram_drafter_is_exact_too(cluster):
 
 
 def test_response_shape_usage_and_speculative_stats(cluster):
-    body = complete(cluster, "def ", max_tokens=12, temperature=0)
+    body = complete(cluster, "def ", max_tokens=12, temperature=0, num_speculative_tokens=3)
     assert body["object"] == "text_completion" and body["model"] == "specserve-demo"
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
     assert body["usage"]["completion_tokens"] <= 12
