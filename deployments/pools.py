@@ -111,9 +111,9 @@ class PoolReplica:
 
     Calls, from Serve's proxy or the direct port alike, queue for the replica's batcher:
     whatever has arrived while the model was busy runs as one batch (one forward per step
-    for all its calls, `engine.batch`), on one worker thread (the engine and
-    its caches are single-threaded), so the event loop stays free for gRPC, health checks
-    and metrics, and calls waiting for the model are visible as in flight.
+    for all its calls, `engine.batch`), on one worker thread (the engine and its caches are
+    single-threaded), so the event loop stays free for gRPC, health checks and metrics, and
+    calls waiting for the model are visible as in flight.
     """
 
     engine = None  # set by the subclass before start()
@@ -127,7 +127,6 @@ class PoolReplica:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
                                          initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
-
         self.metrics = PoolMetrics(pool)
 
         async def in_batch(calls: list) -> list:
