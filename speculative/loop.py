@@ -232,8 +232,7 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
         next_block = None
     cost = record_round(state.stats, block, scores, outcome, pre_drafted, predrafted,
                         started, drafted, verified)
-    # a warm-up round's time holds the two prefills: not what a round costs
-    policy.update(len(block.token_ids), outcome.num_accepted, None if warm_up else cost)
+    policy.update(len(block.token_ids), outcome.num_accepted, cost)
     return committed, next_block
 
 
