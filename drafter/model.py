@@ -74,8 +74,8 @@ class ModelDrafter:
                 results[index] = error
                 continue
             seen.add(call.request_id)
-            if draft.num_tokens == 0 and not draft.warm_up:
-                results[index] = DraftBlock((), None)  # past the draft's context: nothing
+            if draft.num_tokens == 0:
+                results[index] = DraftBlock((), None)
             else:
                 drafts.append((index, draft))
         first_tokens = 0
@@ -90,8 +90,6 @@ class ModelDrafter:
             logits = forward_packed(self.model, segments)
             still = []
             for (index, draft, _), rows in zip(active, logits):
-                if draft.num_tokens == 0:
-                    continue  # a warm-up: its cache now holds the prefix
                 self.draw(draft, rows[0])
                 if len(draft.token_ids) < draft.num_tokens:
                     still.append((index, draft, draft.sequence.segment(
@@ -113,15 +111,11 @@ class ModelDrafter:
         sequence = self.sessions.sync(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
-        room = None
         if self.max_positions is not None:  # the last drafted token is never fed
             room = self.max_positions + 1 - len(sequence.committed) - len(assumed)
             num_tokens = max(0, min(num_tokens, room))
-        # K = 0 is a warm-up: the prefix is fed (a request's first round prefills the draft
-        # while the target prefills), nothing is drafted
-        warm_up = call.num_speculative_tokens == 0 and (room is None or room > 1)
         return Draft(call, sequence, assumed, num_tokens,
-                     torch.Generator().manual_seed(call.seed), warm_up)
+                     torch.Generator().manual_seed(call.seed))
 
     def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
         """The next drafted token from the draft's logits [V_draft] at the block's end."""
@@ -148,6 +142,5 @@ class Draft:
     assumed: list[int]
     num_tokens: int
     generator: torch.Generator
-    warm_up: bool = False
     token_ids: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)

@@ -186,12 +186,6 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     started = time.perf_counter()
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
     pre_drafted = block is not None
-    warm_up = None
-    if block is None and k > 0 and state.drafter_view.known_len == 0:
-        # the first round is the target's alone, while the drafter prefills the prompt beside
-        # it (a K = 0 call): the two prefills overlap instead of adding up before any token
-        warm_up = asyncio.ensure_future(propose(state, drafter, 0, draw_seed(state)))
-        k = 0
     if block is None:
         block = await propose(state, drafter, k, draw_seed(state)) if k > 0 else NO_DRAFT
     drafted = time.perf_counter()
@@ -213,12 +207,9 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
             ),
         )
     except BaseException:
-        for pending in (predraft, warm_up):
-            if pending is not None:
-                pending.cancel()
+        if predraft is not None:
+            predraft.cancel()
         raise
-    if warm_up is not None:
-        await warm_up
     verified = time.perf_counter()
     outcome = accept(block, scores, greedy, state.generator)
     next_block = predrafted = None

@@ -136,14 +136,3 @@ def test_a_request_evicted_while_its_batch_mates_run_is_rebuilt_exactly():
     assert verifier.engine.sessions.stats.evictions > 0
     for prompt, output in zip(prompts, outputs):
         assert output == hf_greedy(target, prompt, 12)
-
-
-def test_the_first_round_is_the_targets_while_the_drafter_prefills_beside_it():
-    target = tiny_llama(1)
-    drafter = ModelDrafter(noisy_copy(target, 0.02, seed=7))
-    warm = drafter.propose_now(ProposeCall("w", sync([], [4, 5, 6]), 0, GREEDY, seed=1))
-    assert warm.token_ids == () and drafter.sessions.sync("w", sync([4, 5, 6], [])).cached_ids \
-        == [4, 5, 6]  # a K = 0 call feeds the prefix and drafts nothing
-    verifier = Batched(ModelVerifier(target))
-    outputs = run_concurrently(Batched(drafter), verifier, [[1, 2, 3]], GREEDY, 3, [10])
-    assert outputs[0] == hf_greedy(target, [1, 2, 3], 10)
