@@ -20,11 +20,15 @@ class ContinuousBatcher:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.run, self.max_batch_size = run, max_batch_size
         self.waiting: list[tuple[object, asyncio.Future]] = []
-        self._wakeup = asyncio.Event()
+        self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
 
     async def submit(self, call):
-        if self._loop_task is None or self._loop_task.done():
+        task = self._loop_task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            # the serving task belongs to the event loop it runs on (a replica has one; a
+            # test may run several in turn)
+            self._wakeup = asyncio.Event()
             self._loop_task = asyncio.create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((call, future))
