@@ -6,8 +6,15 @@ places the request on a replica. The answer names that replica's own gRPC addres
 the request talks to it directly (a pin), which skips the proxy's cost per call. When the
 pinned replica is gone the call falls back to the proxy, whose replica rebuilds the cache from
 the committed prefix if it lacks it (the version stamp makes that exact).
+
+Every call has a deadline: the verifier's is long (a prefill may take seconds); the drafter's
+is short, since a round that gives up on its draft goes on without one (speculative.loop),
+except for seeded sampled requests, whose tokens depend on the drafts they got: they wait as
+long as for the verifier. Releases are sent in the background and never delay an answer.
 """
 
+import asyncio
+import logging
 from dataclasses import replace
 
 import grpc
@@ -15,14 +22,33 @@ import grpc
 from deployments import wire
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from speculative.types import DraftBlock, ProposeCall, ScoreCall, StaleBase, TargetScores
+from speculative.types import (
+    DraftBlock,
+    PoolUnavailable,
+    ProposeCall,
+    ScoreCall,
+    StaleBase,
+    TargetScores,
+)
+
+log = logging.getLogger(__name__)
 
 # codes meaning "that replica is not there any more": try Serve's routing instead
 GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+RELEASE_TIMEOUT_S = 2.0
 
 
-class PoolError(RuntimeError):
-    """A pool failed a call (unreachable, overloaded, internal error)."""
+class PoolError(PoolUnavailable):
+    """A pool failed a call; `pool` names it (its app) and `code` is the gRPC status. The
+    details (addresses, exception text) are for the log, not for HTTP clients."""
+
+    def __init__(self, pool: str, code: grpc.StatusCode, details: str | None) -> None:
+        super().__init__(f"{pool}: {code.name}: {details}")
+        self.pool, self.code, self.details = pool, code, details
+
+    @classmethod
+    def of(cls, pool: str, error: grpc.aio.AioRpcError) -> "PoolError":
+        return cls(pool, error.code(), error.details())
 
 
 class PoolClient:
@@ -34,38 +60,55 @@ class PoolClient:
         self.timeout_s, self.direct = timeout_s, direct
         self.proxy = stub_class(proxy_channel)
         self.pins: dict[str, object] = {}  # request id -> stub of the replica holding it
+        self._releasing: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
         return (("application", self.application), ("session_id", request_id))
 
-    async def call(self, method: str, message, request_id: str):
+    async def call(self, method: str, message, request_id: str, timeout_s: float | None = None):
+        """The pool's answer; PoolError when it fails or the deadline (the whole call's,
+        proxy fallback included) passes."""
+        timeout_s = timeout_s or self.timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         stub = self.pins.get(request_id)
         if stub is not None:
             try:
-                return await getattr(stub, method)(message, timeout=self.timeout_s)
+                return await getattr(stub, method)(message, timeout=timeout_s)
             except grpc.aio.AioRpcError as error:
                 if error.code() not in GONE:
-                    raise PoolError(f"{self.application}: {error.code().name}: "
-                                    f"{error.details()}") from error
+                    raise PoolError.of(self.application, error) from error
                 del self.pins[request_id]
+                timeout_s = deadline - asyncio.get_running_loop().time()
+                if timeout_s <= 0:
+                    raise PoolError.of(self.application, error) from error
         try:
             response = await getattr(self.proxy, method)(
-                message, metadata=self.metadata(request_id), timeout=self.timeout_s)
+                message, metadata=self.metadata(request_id), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise PoolError(f"{self.application}: {error.code().name}: {error.details()}") \
-                from error
+            raise PoolError.of(self.application, error) from error
         if self.direct and getattr(response, "direct_address", ""):
             self.pins[request_id] = self._stub(response.direct_address)
         return response
 
-    async def release(self, request_id: str) -> None:
-        """Best effort: a lost release only leaves a cache entry for the LRU to evict."""
+    def release(self, request_id: str) -> None:
+        """Send a Release in the background (bounded by RELEASE_TIMEOUT_S) and forget the
+        pin at once; best effort: a lost release leaves a cache entry for the pool's LRU
+        and TTL to evict."""
+        task = asyncio.create_task(self._release(request_id, self.pins.pop(request_id, None)))
+        self._releasing.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release(self, request_id: str, pin) -> None:
+        message = pb.ReleaseRequest(request_id=request_id)
         try:
-            await self.call("Release", pb.ReleaseRequest(request_id=request_id), request_id)
-        except PoolError:
-            pass
-        self.pins.pop(request_id, None)
+            if pin is not None:
+                await pin.Release(message, timeout=RELEASE_TIMEOUT_S)
+            else:
+                await self.proxy.Release(message, metadata=self.metadata(request_id),
+                                         timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            log.debug("release of %s on %s: %s", request_id, self.application, error.code())
 
     def _stub(self, address: str):
         if address not in self._channels:
@@ -74,20 +117,26 @@ class PoolClient:
 
 
 class GrpcDrafter:
+    """timeout_s: a seeded sampled request's deadline; draft_timeout_s: everyone else's."""
+
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
-                 direct: bool = True) -> None:
+                 direct: bool = True, draft_timeout_s: float | None = None) -> None:
         self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct)
+        self.draft_timeout_s = draft_timeout_s or timeout_s
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         message = wire.propose_to_proto(call)
-        response = await self.pool.call("Propose", message, call.request_id)
+        sampling = call.sampling
+        seeded = sampling.seed is not None and not sampling.greedy
+        response = await self.pool.call("Propose", message, call.request_id,
+                                        None if seeded else self.draft_timeout_s)
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
         return replace(wire.block_from_proto(response),
                        wire_bytes=message.ByteSize() + response.ByteSize())
 
     async def release(self, request_id: str) -> None:
-        await self.pool.release(request_id)
+        self.pool.release(request_id)
 
 
 class GrpcVerifier:
@@ -104,4 +153,4 @@ class GrpcVerifier:
                        wire_bytes=message.ByteSize() + response.ByteSize())
 
     async def release(self, request_id: str) -> None:
-        await self.pool.release(request_id)
+        self.pool.release(request_id)

@@ -41,6 +41,9 @@ class RouterMetrics:
             description="Accepted tokens by position in the draft.", tag_keys=("position",))
         self.cache_misses = Counter("spec_decode_cache_misses",
                                     description="Pool calls that had to rebuild a KV cache.")
+        self.draft_fallback_rounds = Counter(
+            "specserve_draft_fallback_rounds", description="Rounds run by the target alone "
+            "because the drafter failed or missed its deadline (exact, slower).")
         self.rounds_by_k = Counter(
             "spec_decode_rounds_by_num_speculative_tokens",
             description="Rounds by the number of tokens drafted (K, as the K policy chose it).",
@@ -55,7 +58,8 @@ class RouterMetrics:
         for counter, value in ((self.num_drafts, stats.num_drafts),
                                (self.num_draft_tokens, stats.num_draft_tokens),
                                (self.num_accepted_tokens, stats.num_accepted_tokens),
-                               (self.cache_misses, stats.cache_misses)):
+                               (self.cache_misses, stats.cache_misses),
+                               (self.draft_fallback_rounds, stats.draft_fallback_rounds)):
             if value:  # Ray counters refuse increments of 0
                 counter.inc(value)
         for position, count in enumerate(stats.accepted_per_position):

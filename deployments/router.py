@@ -87,7 +87,13 @@ class RouterArgs(BaseModel):
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
     # without max_tokens may use the rest of the context, as vLLM's does
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
-    call_timeout_s: float = 60.0
+    # a pool call's deadline: the verifier's (and the drafter's for seeded sampled
+    # requests, whose tokens depend on their drafts); past it the request answers 503
+    call_timeout_s: float = Field(default=30.0, gt=0)
+    # the drafter's deadline for everyone else: past it (or when the drafter fails) the
+    # round runs without a draft, exact, and the request's next rounds skip the drafter a
+    # while (speculative.loop.DraftBackoff)
+    draft_timeout_s: float = Field(default=1.0, gt=0)
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
 
 
@@ -224,7 +230,8 @@ class Router:
             self._channel = grpc.aio.insecure_channel(self.args.grpc_address)
             timeout = self.args.call_timeout_s
             direct = self.args.direct_data_path
-            self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct)
+            self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct,
+                                        self.args.draft_timeout_s)
             self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout, direct)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 

@@ -20,6 +20,7 @@ from speculative.types import (
     EMPTY_PREFIX_HASH,
     DraftBlock,
     Drafter,
+    PoolUnavailable,
     PrefixSync,
     ProposeCall,
     ScoreCall,
@@ -59,6 +60,34 @@ class PoolView:
         self.known_len, self.known_hash = 0, EMPTY_PREFIX_HASH
 
 
+MAX_SKIPPED_DRAFTS = 32
+
+
+class DraftBackoff:
+    """The drafter is an accelerator, not a dependency: after a draft fails (the pool is
+    down, overloaded or past its deadline) the request's next rounds run without one, 1, 2,
+    4 ... up to MAX_SKIPPED_DRAFTS rounds after consecutive failures, so a dead pool costs a
+    few failed calls, not one per round; a draft that arrives resets it."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.skipping = 0  # rounds left to run without asking the drafter
+
+    def may_draft(self) -> bool:
+        """Whether this round may ask the drafter (a round that may not counts down)."""
+        if self.skipping:
+            self.skipping -= 1
+            return False
+        return True
+
+    def failed(self) -> None:
+        self.failures += 1
+        self.skipping = min(2 ** (self.failures - 1), MAX_SKIPPED_DRAFTS)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+
 class RequestState:
     """Per-request state the router owns: committed ids, sampling RNG, counters."""
 
@@ -71,6 +100,8 @@ class RequestState:
         )
         self.stats = SpecStats()
         self.drafter_view, self.verifier_view = PoolView(), PoolView()
+        self.draft_backoff = DraftBackoff()
+        self.drafter_called = False  # the drafter may hold a cache for it: release at the end
         self.finish_reason: str | None = None
         self._hash, self._hashed_len = EMPTY_PREFIX_HASH, 0
 
@@ -143,6 +174,7 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
                   assumed: tuple[int, ...] = ()) -> DraftBlock:
     """K draft tokens after the committed prefix, or after it plus `assumed` (a pre-draft)."""
     request = state.request
+    state.drafter_called = True
     return await state.synced(
         state.drafter_view,
         lambda sync: drafter.propose(
@@ -174,6 +206,20 @@ def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock, predraft: D
     return RoundOutcome(tuple(block.token_ids), outcome.num_accepted), predraft
 
 
+async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int,
+                        assumed: tuple[int, ...] = ()) -> DraftBlock | None:
+    """propose(), or None when the drafter failed: the round goes on without it. A failed
+    call leaves the router's view of the drafter's prefix unconfirmed, so the next call
+    rebuilds it if the pool moved on (exact either way)."""
+    try:
+        block = await propose(state, drafter, k, seed, assumed)
+    except PoolUnavailable:
+        state.draft_backoff.failed()
+        return None
+    state.draft_backoff.succeeded()
+    return block
+
+
 async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,
                     block: DraftBlock | None = None, pipelined: bool = False):
     """One round: (the newly committed token ids, the next round's pre-drafted block or None).
@@ -186,8 +232,13 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     started = time.perf_counter()
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
     pre_drafted = block is not None
-    if block is None:
-        block = await propose(state, drafter, k, draw_seed(state)) if k > 0 else NO_DRAFT
+    fell_back = False
+    if block is None and k > 0:
+        seed = draw_seed(state)  # drawn even when the drafter is skipped: seeds stay in order
+        block = await draft_or_none(state, drafter, k, seed) \
+            if state.draft_backoff.may_draft() else None
+        fell_back = block is None
+    block = block or NO_DRAFT
     drafted = time.perf_counter()
     verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
     # greedy pre-drafts one more: its first token is settled against this round's bonus
@@ -195,9 +246,9 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     next_k = min(policy.num_speculative_tokens() + greedy,
                  state.remaining - len(block.token_ids) - 1)
     predraft = None
-    if pipelined and block.token_ids and next_k > 0:
+    if pipelined and block.token_ids and next_k > 0 and not state.draft_backoff.skipping:
         predraft = asyncio.ensure_future(
-            propose(state, drafter, next_k, draw_seed(state), tuple(block.token_ids)))
+            draft_or_none(state, drafter, next_k, draw_seed(state), tuple(block.token_ids)))
     try:
         scores = await state.synced(
             state.verifier_view,
@@ -216,14 +267,16 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     if predraft is not None:
         # awaited even when unused: the drafter finishes it anyway, and the router's view of
         # the drafter's prefix stays exact
-        predrafted = await predraft
+        predrafted = await predraft or NO_DRAFT
         outcome, next_block = continue_with_predraft(outcome, block, predrafted, greedy)
     committed = state.commit(outcome.output_token_ids)
     if state.finish_reason is not None:
         next_block = None
     cost = record_round(state.stats, block, scores, outcome, pre_drafted, predrafted,
                         started, drafted, verified)
-    policy.update(len(block.token_ids), outcome.num_accepted, cost)
+    state.stats.draft_fallback_rounds += fell_back
+    if not fell_back:  # a failed call's wait says nothing about what a K costs
+        policy.update(len(block.token_ids), outcome.num_accepted, cost)
     return committed, next_block
 
 
@@ -264,7 +317,8 @@ async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, 
                      pipelined: bool = False):
     """Run rounds until the request finishes, yielding each round's new token ids.
 
-    Releases both pools' caches when it ends; a caller that stops early closes it with
+    Releases both pools' caches when it ends (a pool client returns at once: releases never
+    delay an answer); a caller that stops early closes it with
     contextlib.aclosing so that the release happens at once.
     """
     block = None
@@ -274,6 +328,6 @@ async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, 
                                                pipelined)
             yield committed
     finally:
-        if state.drafter_view.known_len:
+        if state.drafter_called:
             await drafter.release(state.request.request_id)
         await verifier.release(state.request.request_id)

@@ -24,6 +24,9 @@ class SpecStats:
     round_seconds: float = 0.0  # whole rounds: the rest is the router's own time
     draft_compute_seconds: float = 0.0  # the drafter's own time, as it reports it
     verify_compute_seconds: float = 0.0  # the verifier's own time, as it reports it
+    # rounds that ran without a draft because the drafter failed, timed out, or had just
+    # done so (the target alone commits one token: exact, slower)
+    draft_fallback_rounds: int = 0
     pipelined_rounds: int = 0  # rounds whose candidates were drafted during the previous one
     predraft_compute_seconds: float = 0.0  # the drafter's time on pre-drafts (hidden, mostly)
     # per round: the round's time less the pools' own (transport plus the router's work)
@@ -73,7 +76,7 @@ class SpecStats:
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "predraft_compute_seconds",
                      "exposed_seconds", "verifier_batch_calls", "verifier_batches",
-                     "drafter_batch_calls", "drafter_batches"):
+                     "drafter_batch_calls", "drafter_batches", "draft_fallback_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -112,6 +115,7 @@ class SpecStats:
             "overhead_ms_p50": self.overhead_ms_p50,
             "exposed_ms_p50": median_ms(self.exposed_seconds),
             "pipelined_rounds": self.pipelined_rounds,
+            "draft_fallback_rounds": self.draft_fallback_rounds,
             "wire_bytes_per_round": self.wire_bytes / self.rounds if self.wire_bytes else None,
             # the mean number of calls in the pool batches that served this request's rounds
             "mean_batch_size_verifier": ratio(self.verifier_batch_calls, self.verifier_batches),

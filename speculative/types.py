@@ -126,6 +126,14 @@ def check_call(token_ids, vocab_size: int, num_speculative_tokens: int = 0) -> N
                          f"got {num_speculative_tokens}")
 
 
+class PoolUnavailable(RuntimeError):
+    """A pool did not answer a call: unreachable, overloaded, past its deadline or failing.
+
+    A drafter's is survivable (the round goes on without a draft); a verifier's ends the
+    request.
+    """
+
+
 class StaleBase(Exception):
     """A pool cannot reach the base a call builds on (evicted, moved, or never seen).
 

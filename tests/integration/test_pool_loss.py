@@ -1,0 +1,88 @@
+"""Losing a pool: without its drafter the deployment still answers, exactly (the target
+alone); without its verifier it answers 503 fast, and a stream in flight ends with an error
+event and [DONE]."""
+
+import copy
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Tree:\n", "for i in range(", "# sort a list"]
+
+
+def without(config: dict, app: str) -> dict:
+    config = copy.deepcopy(config)
+    config["applications"] = [a for a in config["applications"] if a["name"] != app]
+    return config
+
+
+def complete(cluster, prompt: str, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True,
+            "num_speculative_tokens": 3, **extra}
+    response = cluster.post("/v1/completions", body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def token_ids(answer: dict) -> list[int]:
+    return answer["choices"][0]["token_ids"]
+
+
+@pytest.mark.slow
+def test_without_the_drafter_requests_complete_as_the_target_alone(cluster):
+    before = [complete(cluster, p) for p in PROMPTS]
+    assert all(a["speculative"]["num_drafts"] > 0 for a in before)
+    base = cluster.config
+    cluster.redeploy(without(base, "drafter"))
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            during = list(pool.map(lambda p: complete(cluster, p), PROMPTS))
+        streamed = complete(cluster, PROMPTS[0], pipelined=True)
+    finally:
+        cluster.redeploy(base)
+    for a, b in zip(before, during):
+        assert token_ids(a) == token_ids(b)  # greedy: the target's own tokens
+        assert b["speculative"]["draft_fallback_rounds"] > 0
+    assert token_ids(streamed) == token_ids(before[0])
+    after = complete(cluster, PROMPTS[1])  # the drafter is back: speculation too
+    assert after["speculative"]["num_drafts"] > 0 and token_ids(after) == token_ids(before[1])
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):]
+            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.mark.slow
+def test_without_the_verifier_errors_are_fast_and_streams_end_cleanly(cluster):
+    base = cluster.config
+    body = {"prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with requests.post(cluster.base_url + "/v1/completions", json=body, stream=True,
+                       timeout=120) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith(b"data: "))  # the stream is running
+        cluster.redeploy(without(base, "verifier"))
+        try:
+            started = time.monotonic()
+            events = sse_events(stream)
+            stream_ended = time.monotonic() - started
+            started = time.monotonic()
+            plain = cluster.post("/v1/completions", {"prompt": "x", "max_tokens": 4}, timeout=60)
+            plain_seconds = time.monotonic() - started
+        finally:
+            cluster.redeploy(base)
+    assert events[-1] == "[DONE]"
+    assert "error" in events[-2], events[-2]
+    assert plain.status_code == 503 and "error" in plain.json()
+    # bounded: seconds, not the 30 s call deadline
+    assert plain_seconds < 10 and stream_ended < 10, (plain_seconds, stream_ended)
+    assert complete(cluster, PROMPTS[2])["choices"][0]["token_ids"]  # back in service

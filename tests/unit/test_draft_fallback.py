@@ -1,0 +1,101 @@
+"""The drafter is optional: a draft that fails makes its round a target-alone round, the
+request goes on exact, and speculation comes back when the drafter answers again."""
+
+import asyncio
+import random
+
+import pytest
+
+from drafter.model import ModelDrafter
+from speculative.loop import MAX_SKIPPED_DRAFTS, DraftBackoff
+from speculative.sampling import SamplingParams
+from speculative.types import PoolUnavailable
+from tests.tiny import hf_greedy, noisy_copy, run, tiny_llama
+from verifier.engine import ModelVerifier
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+class Flaky:
+    """A drafter that fails the calls `fails(n)` picks (n counts calls from 0): before doing
+    anything, or after the real drafter has advanced its cache ("after": the router then
+    believes the drafter is behind it, and the next call must rebuild)."""
+
+    def __init__(self, drafter, fails, after: bool = False) -> None:
+        self.drafter, self.fails, self.after = drafter, fails, after
+        self.calls = 0
+        self.released: list[str] = []
+
+    async def propose(self, call):
+        n, self.calls = self.calls, self.calls + 1
+        if self.fails(n):
+            if self.after:
+                await self.drafter.propose(call)
+            raise PoolUnavailable("drafter: UNAVAILABLE: injected")
+        return await self.drafter.propose(call)
+
+    async def release(self, request_id):
+        self.released.append(request_id)
+        await self.drafter.release(request_id)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(5)
+    return target, noisy_copy(target, 0.2, seed=6)
+
+
+def test_backoff_skips_more_rounds_after_each_failure_and_resets():
+    backoff = DraftBackoff()
+    pattern = []
+    for _ in range(7):
+        backoff.failed()
+        skipped = 0
+        while not backoff.may_draft():
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [1, 2, 4, 8, 16, 32, MAX_SKIPPED_DRAFTS]
+    backoff.succeeded()
+    backoff.failed()
+    assert not backoff.may_draft() and backoff.may_draft()
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after-advancing"])
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_greedy_output_is_the_targets_whatever_fails(pair, after, pipelined):
+    target, draft = pair
+    rng = random.Random(7)
+    failing = {n for n in range(400) if rng.random() < 0.4}
+    drafter = Flaky(ModelDrafter(draft), failing.__contains__, after)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    out, state = run(drafter, ModelVerifier(target), PROMPT, params, k=3,
+                     pipelined=pipelined)
+    assert out == hf_greedy(target, PROMPT, 40)
+    stats = state.stats
+    assert stats.draft_fallback_rounds > 0 and stats.num_drafts > 0
+    assert drafter.released == ["r"]  # released even though calls failed
+    if after:
+        assert stats.cache_misses > 0  # the drafter had moved on: it rebuilt, exactly
+
+
+def test_a_dead_drafter_costs_a_few_calls_and_speculation_comes_back(pair):
+    target, draft = pair
+    # down for the first 5 calls, then up
+    drafter = Flaky(ModelDrafter(draft), lambda n: n < 5)
+    params = SamplingParams(temperature=0, max_tokens=120)
+    out, state = run(drafter, ModelVerifier(target), PROMPT, params, k=2)
+    assert out == hf_greedy(target, PROMPT, 120)
+    stats = state.stats
+    # 5 failures skip 1 + 2 + 4 + 8 + 16 rounds: 36 rounds by the target alone
+    assert stats.draft_fallback_rounds == 5 + 1 + 2 + 4 + 8 + 16
+    assert stats.num_drafts > 0 and drafter.calls > 5
+
+
+def test_a_drafter_that_never_answers_still_gives_the_targets_output(pair):
+    target, draft = pair
+    drafter = Flaky(ModelDrafter(draft), lambda n: True)
+    out, state = run(drafter, ModelVerifier(target), PROMPT,
+                     SamplingParams(temperature=0, max_tokens=30), k=4)
+    assert out == hf_greedy(target, PROMPT, 30)
+    assert state.stats.num_drafts == 0 and state.stats.rounds == 30
+    assert drafter.calls <= 5  # backoff: 1 + 2 + 4 + 8 + 16 rounds cover 30 after 5 calls
