@@ -33,16 +33,23 @@ def token_ids(answer: dict) -> list[int]:
 
 @pytest.mark.slow
 def test_without_the_drafter_requests_complete_as_the_target_alone(cluster):
-    before = [complete(cluster, p) for p in PROMPTS]
-    assert all(a["speculative"]["num_drafts"] > 0 for a in before)
-    base = cluster.config
-    cluster.redeploy(without(base, "drafter"))
-    try:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        started = time.monotonic()
+        before = list(pool.map(lambda p: complete(cluster, p), PROMPTS))
+        undisturbed = time.monotonic() - started
+        assert all(a["speculative"]["num_drafts"] > 0 for a in before)
+        base = cluster.config
+        cluster.redeploy(without(base, "drafter"))
+        try:
+            started = time.monotonic()
             during = list(pool.map(lambda p: complete(cluster, p), PROMPTS))
-        streamed = complete(cluster, PROMPTS[0], pipelined=True)
-    finally:
-        cluster.redeploy(base)
+            without_drafter = time.monotonic() - started
+            streamed = complete(cluster, PROMPTS[0], pipelined=True)
+        finally:
+            cluster.redeploy(base)
+    identical = sum(token_ids(a) == token_ids(b) for a, b in zip(before, during))
+    print(f"\nfault: drafter app deleted; requests {len(PROMPTS)}, completed {len(during)}, "
+          f"identical {identical}, batch {undisturbed:.2f} s -> {without_drafter:.2f} s")
     for a, b in zip(before, during):
         assert token_ids(a) == token_ids(b)  # greedy: the target's own tokens
         assert b["speculative"]["draft_fallback_rounds"] > 0
@@ -80,6 +87,9 @@ def test_without_the_verifier_errors_are_fast_and_streams_end_cleanly(cluster):
             plain_seconds = time.monotonic() - started
         finally:
             cluster.redeploy(base)
+    print(f"\nfault: verifier app deleted; in-flight stream ended in {stream_ended:.2f} s "
+          f"with an error event and [DONE]; a new request got {plain.status_code} in "
+          f"{plain_seconds:.2f} s")
     assert events[-1] == "[DONE]"
     assert "error" in events[-2], events[-2]
     assert plain.status_code == 503 and "error" in plain.json()
