@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import grpc
 
-from deployments import wire
+from deployments import auth, wire
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import (
@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 # codes meaning "that replica is not there any more": try Serve's routing instead
 GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 RELEASE_TIMEOUT_S = 2.0
+# the largest answer a pool sends is a q (drafter) or a few ids (verifier): 64 MB covers a
+# dense float32 q over 33 positions of a 256k vocabulary
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 class PoolError(PoolUnavailable):
@@ -64,7 +69,8 @@ class PoolClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
-        return (("application", self.application), ("session_id", request_id))
+        return (("application", self.application), ("session_id", request_id),
+                *auth.metadata())
 
     async def call(self, method: str, message, request_id: str, timeout_s: float | None = None):
         """The pool's answer; PoolError when it fails or the deadline (the whole call's,
@@ -74,7 +80,8 @@ class PoolClient:
         stub = self.pins.get(request_id)
         if stub is not None:
             try:
-                return await getattr(stub, method)(message, timeout=timeout_s)
+                return await getattr(stub, method)(message, timeout=timeout_s,
+                                                   metadata=auth.metadata())
             except grpc.aio.AioRpcError as error:
                 if error.code() not in GONE:
                     raise PoolError.of(self.application, error) from error
@@ -103,7 +110,7 @@ class PoolClient:
         message = pb.ReleaseRequest(request_id=request_id)
         try:
             if pin is not None:
-                await pin.Release(message, timeout=RELEASE_TIMEOUT_S)
+                await pin.Release(message, timeout=RELEASE_TIMEOUT_S, metadata=auth.metadata())
             else:
                 await self.proxy.Release(message, metadata=self.metadata(request_id),
                                          timeout=RELEASE_TIMEOUT_S)
@@ -112,7 +119,7 @@ class PoolClient:
 
     def _stub(self, address: str):
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return self.stub_class(self._channels[address])
 
 

@@ -9,6 +9,24 @@ from drafter.registry import router_side_kinds
 from speculative.sampling import SamplingParams
 
 
+# bounds on what a request may ask, checked before any work (the prompt's own size is
+# checked against the router's max_prompt_bytes and the context)
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+MIN_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): logits / 1e-30 overflow
+MAX_MESSAGES = 1024
+
+
+def encodable(text: str, field: str) -> str:
+    """Text that UTF-8 can encode (JSON may carry lone surrogates, which tokenizers reject)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} contains text that is not valid Unicode (a lone "
+                         "surrogate?)") from None
+    return text
+
+
 class SpecExtensions(BaseModel):
     """Sampling fields shared by both endpoints, with the speculative extensions."""
 
@@ -19,7 +37,7 @@ class SpecExtensions(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)  # extension (as vLLM)
+    top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # extension (as vLLM); <= vocabulary
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -45,13 +63,16 @@ class SpecExtensions(BaseModel):
     @classmethod
     def stop_list(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or not all(stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return stops
+        if len(stops) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS
+                                                    for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at "
+                             f"most {MAX_STOP_CHARS} characters")
+        return [encodable(s, "stop") for s in stops]
 
     def sampling(self, default_max_tokens: int, seed: int | None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
                               seed=seed, max_tokens=max_tokens, stop=tuple(self.stop or ()))
 
 
@@ -63,23 +84,34 @@ class CompletionRequest(SpecExtensions):
     def non_empty(cls, value):
         if not value:
             raise ValueError("prompt must not be empty")
-        return value
+        return encodable(value, "prompt") if isinstance(value, str) else value
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str
 
+    @field_validator("content")
+    @classmethod
+    def valid_text(cls, value):
+        return encodable(value, "content")
+
 
 class ChatCompletionRequest(SpecExtensions):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+
+ERROR_TYPES = {401: ("invalid_request_error", "invalid_api_key"),
+               404: ("not_found_error", None),
+               413: ("invalid_request_error", "request_too_large"),
+               429: ("requests", "rate_limit_exceeded")}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 404:
-        kind = "not_found_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    """OpenAI's error shape; type and code as OpenAI sends them for that status."""
+    default = "invalid_request_error" if status < 500 else "server_error"
+    kind, code = ERROR_TYPES.get(status, (default, None))
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -8,6 +8,7 @@ router resends the whole prefix).
 """
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -17,13 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
-from deployments import wire
+from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
 from deployments.metrics import PoolMetrics
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from drafter.registry import DrafterSpec, build_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from engine.checkpoint import Checkpoint
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from speculative.types import StaleBase
 from verifier.engine import ModelVerifier
@@ -38,9 +40,23 @@ class PoolArgs(BaseModel):
     dtype: str = "float32"
     device: str = "cpu"
     torch_threads: int = 1  # match the replica's num_cpus
-    max_cached_requests: int = 256
+    max_cached_requests: int = Field(default=256, ge=1)
+    # cached tokens over all sessions (prompt and output): least recently used sessions are
+    # evicted beyond it (they rebuild once, exact); size it for the router's admission
+    max_cached_tokens: int = Field(default=262_144, ge=1)
+    session_ttl_s: float = Field(default=600.0, gt=0)  # an idle session is dropped after it
     # calls that share one forward: those arriving while the model is busy join the next
     max_batch_size: int = Field(default=32, ge=1, le=1024)
+    # calls in flight on the replica's own gRPC port; beyond it gRPC answers
+    # RESOURCE_EXHAUSTED at once (default: twice max_batch_size)
+    max_concurrent_rpcs: int | None = Field(default=None, ge=1)
+    # where the replica's own gRPC port listens: "loopback" (127.0.0.1: one machine) or
+    # "node" (the node's cluster-internal address: routers on other nodes); either way every
+    # call must carry the pool secret (deployments.auth)
+    direct_host: Literal["loopback", "node"] = "loopback"
+    # a replica whose model worker has not finished a batch for this long while calls wait
+    # fails its health check, and Serve replaces it
+    health_stall_s: float = Field(default=60.0, gt=0)
 
 
 class DrafterArgs(PoolArgs):
@@ -59,6 +75,8 @@ class DrafterArgs(PoolArgs):
         return DrafterSpec(kind=self.drafter, model=self.model, target=self.target,
                            dtype=self.dtype, device=self.device,
                            max_cached_requests=self.max_cached_requests,
+                           max_cached_tokens=self.max_cached_tokens,
+                           session_ttl_s=self.session_ttl_s,
                            draft_top_k=self.draft_top_k, draft_q_mass=self.draft_q_mass,
                            draft_q_dtype=self.draft_q_dtype, ngram_min=self.ngram_min,
                            ngram_max=self.ngram_max)
@@ -81,12 +99,18 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-async def serve_directly(servicer, add_to_server) -> tuple[grpc.aio.Server, str]:
+async def serve_directly(servicer, add_to_server, host: str = "loopback",
+                         max_concurrent_rpcs: int | None = None,
+                         max_message_bytes: int | None = None) -> tuple[grpc.aio.Server, str]:
     """Serve `servicer` on a free port of this node; returns (server, "host:port")."""
     import ray
 
-    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    server = grpc.aio.server()
+    host = ray.util.get_node_ip_address() if host == "node" and ray.is_initialized() \
+        else "127.0.0.1"
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)] if max_message_bytes \
+        else []
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
     add_to_server(servicer, server)
     port = server.add_insecure_port(f"{host}:0")
     await server.start()
@@ -98,11 +122,16 @@ def is_direct(grpc_context) -> bool:
     return grpc_context is not None and not isinstance(grpc_context, RayServegRPCContext)
 
 
-def refuse(grpc_context, error: Exception, response):
+def refuse(grpc_context, error: Exception, response,
+           code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
     if grpc_context is not None:
-        grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+        grpc_context.set_code(code)
         grpc_context.set_details(str(error))
     return response
+
+
+class Unauthenticated(Exception):
+    pass
 
 
 class PoolReplica:
@@ -118,8 +147,13 @@ class PoolReplica:
 
     engine = None  # set by the subclass before start()
 
-    async def start(self, add_to_server, run_batch, max_batch_size: int, pool: str) -> None:
-        """run_batch: the engine's list of calls -> list of answers (or their refusals)."""
+    async def start(self, add_to_server, run_batch, args: PoolArgs, pool: str,
+                    limits: wire.Limits) -> None:
+        """run_batch: the engine's list of calls -> list of answers (or their refusals);
+        limits: what a call may ask (checked before it is decoded or queued)."""
+        max_batch_size = args.max_batch_size
+        self.limits, self.health_stall_s = limits, args.health_stall_s
+        self.secret = auth.pool_secret()  # resolved now: a missing Ray KV fails the start
         self.replica_id = replica_id()
         self.direct_calls = 0  # served over the replica's own port, ever
         self.direct_in_flight = 0  # the same, now: Serve's autoscaler cannot see these
@@ -129,29 +163,61 @@ class PoolReplica:
                                          initargs=(torch.get_num_threads(),))
         self.metrics = PoolMetrics(pool)
 
+        self.waiting = 0  # calls submitted and not answered
+        self.last_progress = time.monotonic()  # when the worker last finished a batch
+
         async def in_batch(calls: list) -> list:
             self.occupancy.observe(len(calls))
             self.metrics.record_batch(len(calls), max_batch_size)
-            return await self.on_worker(run_batch, calls)
+            try:
+                return await self.on_worker(self.engine_batch, run_batch, calls)
+            finally:
+                self.last_progress = time.monotonic()
 
         self.batcher = ContinuousBatcher(in_batch, max_batch_size)
-        self.server, self.address = await serve_directly(self, add_to_server)
+        self.server, self.address = await serve_directly(
+            self, add_to_server, args.direct_host,
+            args.max_concurrent_rpcs or 2 * max_batch_size, limits.message_bytes())
+
+    def engine_batch(self, run_batch, calls: list) -> list:
+        """On the worker: drop sessions idle past their TTL, then run the batch."""
+        self.engine.sessions.sweep()
+        return run_batch(calls)
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: fail (Serve then replaces the replica) when calls
+        wait and the model worker has not finished a batch for health_stall_s."""
+        stalled = time.monotonic() - self.last_progress
+        if self.waiting and stalled > self.health_stall_s:
+            raise RuntimeError(f"{self.waiting} calls wait and the model worker has not "
+                               f"finished a batch for {stalled:.0f} s")
 
     async def on_worker(self, work, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
 
-    async def answer(self, call_from_proto, request, to_proto, response_type, grpc_context):
-        """to_proto(the call's answer in a batch); StaleBase -> REBUILD; ValueError ->
-        INVALID_ARGUMENT."""
+    async def answer(self, check, call_from_proto, request, to_proto, response_type,
+                     grpc_context):
+        """to_proto(the call's answer in a batch); no pool secret -> UNAUTHENTICATED;
+        check(request, limits) or decoding fails -> INVALID_ARGUMENT, before the call
+        queues; StaleBase -> REBUILD."""
+        if not auth.authorized(grpc_context):
+            return refuse(grpc_context, Unauthenticated("this pool serves the router only"),
+                          response_type(), grpc.StatusCode.UNAUTHENTICATED)
         direct = is_direct(grpc_context)
         self.direct_calls += direct
         self.direct_in_flight += direct
+        self.waiting += 1
         try:
-            result = await self.batcher.submit(call_from_proto(request))
-        except ValueError as error:  # refused while decoding the message
+            check(request, self.limits)
+            call = call_from_proto(request)
+            if self.waiting == 1:
+                self.last_progress = time.monotonic()  # an idle worker is not a stalled one
+            result = await self.batcher.submit(call)
+        except ValueError as error:  # refused before it reached the engine
             result = error
         finally:
             self.direct_in_flight -= direct
+            self.waiting -= 1
         if isinstance(result, StaleBase):
             response = response_type(status=pb.REBUILD)
         elif isinstance(result, ValueError):
@@ -162,6 +228,9 @@ class PoolReplica:
         return response
 
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
+        if not auth.authorized(grpc_context):
+            return refuse(grpc_context, Unauthenticated("this pool serves the router only"),
+                          pb.ReleaseResponse(), grpc.StatusCode.UNAUTHENTICATED)
         released = request.request_id in self.engine.sessions
         await self.on_worker(self.engine.sessions.release, request.request_id)
         return pb.ReleaseResponse(released=released)
@@ -180,18 +249,24 @@ class PoolReplica:
     def direct_calls_served(self) -> int:
         return self.direct_calls
 
+    def session_ids(self) -> list[str]:
+        """The requests whose caches this replica holds (for operators and tests)."""
+        return list(self.engine.sessions._sequences)
+
 
 @serve.deployment
 class DrafterPool(PoolReplica):
     async def __init__(self, args: DrafterArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.engine = build_drafter(args.spec())
+        target = Checkpoint.load(args.target)
+        limits = wire.Limits(target.vocab_size, target.max_position_embeddings)
         await self.start(pb_grpc.add_DrafterServicer_to_server, self.engine.propose_batch,
-                         args.max_batch_size, "drafter")
+                         args, "drafter", limits)
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
-        return await self.answer(wire.propose_from_proto, request, wire.block_to_proto,
-                                 pb.ProposeResponse, grpc_context)
+        return await self.answer(wire.check_propose, wire.propose_from_proto, request,
+                                 wire.block_to_proto, pb.ProposeResponse, grpc_context)
 
 
 @serve.deployment
@@ -199,10 +274,14 @@ class VerifierPool(PoolReplica):
     async def __init__(self, args: VerifierArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.engine = ModelVerifier(load_causal_lm(args.model, args.dtype, args.device),
-                                    max_cached_requests=args.max_cached_requests)
+                                    max_cached_requests=args.max_cached_requests,
+                                    max_cached_tokens=args.max_cached_tokens,
+                                    session_ttl_s=args.session_ttl_s)
+        config = self.engine.model.config
+        limits = wire.Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,
-                         args.max_batch_size, "verifier")
+                         args, "verifier", limits)
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
-        return await self.answer(wire.score_from_proto, request, wire.scores_to_proto,
-                                 pb.ScoreResponse, grpc_context)
+        return await self.answer(wire.check_score, wire.score_from_proto, request,
+                                 wire.scores_to_proto, pb.ScoreResponse, grpc_context)

@@ -6,17 +6,22 @@ call to each pool.
 """
 
 import asyncio
+import hmac
 import json
+import logging
+import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 
-from deployments.clients import GrpcDrafter, GrpcVerifier, PoolError
+from deployments.clients import CHANNEL_OPTIONS, GrpcDrafter, GrpcVerifier, PoolError
 from deployments.metrics import RouterMetrics
 from deployments.openai_api import (
     ChatCompletionRequest,
@@ -42,7 +47,18 @@ from speculative.policy import CostModel, KBounds, k_policy
 from speculative.sampling import derive_seeds
 from speculative.stats import SpecStats
 
+log = logging.getLogger("ray.serve")
+API_KEY_ENV = "SPECSERVE_API_KEY"
+RETRY_AFTER_S = 1
+
 app = FastAPI(title="specserve")
+
+
+@app.exception_handler(Exception)
+async def unexpected(request: Request, error: Exception) -> JSONResponse:
+    """A bug: logged with its traceback, answered in OpenAI's shape without its details."""
+    log.exception("unexpected error serving %s", request.url.path)
+    return JSONResponse(error_body("internal error", 500), 500)
 
 
 class AdaptiveKArgs(BaseModel):
@@ -95,16 +111,46 @@ class RouterArgs(BaseModel):
     # while (speculative.loop.DraftBackoff)
     draft_timeout_s: float = Field(default=1.0, gt=0)
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
+    # admission: choices (n counts) running at once in this replica; beyond it a request
+    # gets 429 with Retry-After at once instead of queueing. Keep replicas x this within
+    # the pools' session and token bounds (max_cached_requests, max_cached_tokens), so that
+    # running requests are never evicted from the caches
+    max_running_requests: int = Field(default=64, ge=1)
+    max_prompt_bytes: int = Field(default=1 << 20, ge=1)  # checked before tokenizing
+    # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
+    # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)
+    api_key: str | None = None
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.headers = status, param, headers
 
 
 def error_response(error: BadRequest) -> JSONResponse:
-    return JSONResponse(error_body(str(error), error.status, error.param), error.status)
+    return JSONResponse(error_body(str(error), error.status, error.param), error.status,
+                        headers=error.headers)
+
+
+def pool_failure(error: PoolError) -> BadRequest:
+    """A 503 naming the pool; the details (addresses, exception text) go to the log."""
+    log.warning("pool call failed: %s", error)
+    return BadRequest(f"the {error.pool} pool is unavailable; retry later", 503,
+                      headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def all_or_none(coroutines) -> list:
+    """Run the coroutines concurrently; when one fails, cancel the others (no pool work goes
+    on for a request that has already failed) and raise its error."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def merged_stats(done: list[Generation]) -> dict:
@@ -138,6 +184,7 @@ class Job:
         self.return_token_ids, self.stop_ids = return_token_ids, stop_ids
         self.pipelined = pipelined
         self.model = router.args.served_model_name
+        self.admitted = True  # holds len(params) of the router's running slots
 
     def generation(self, index: int) -> Generation:
         request = SpecRequest(f"{self.request_id}-{index}", self.prompt_ids, self.params[index],
@@ -158,7 +205,7 @@ class Job:
         async def ignore(index, delta):
             pass
 
-        done = await asyncio.gather(*(self.run_choice(i, ignore) for i in range(len(self.params))))
+        done = await all_or_none(self.run_choice(i, ignore) for i in range(len(self.params)))
         choices = [choice_body(i, g.text, g.finish_reason, g.stop_reason, self.chat,
                                g.token_ids if self.return_token_ids else None)
                    for i, g in enumerate(done)]
@@ -187,7 +234,7 @@ class Job:
                                        stop_reason=generation.stop_reason, token_ids=token_ids))
             return generation
 
-        task = asyncio.gather(*(run(i) for i in range(len(self.params))))
+        task = asyncio.ensure_future(all_or_none(run(i) for i in range(len(self.params))))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while (chunk := await queue.get()) is not None:
@@ -197,11 +244,22 @@ class Job:
             final = {"id": self.request_id, "object": kind, "model": self.model,
                      "choices": [], "usage": self.usage(done), "speculative": merged_stats(done)}
             yield f"data: {json.dumps(final)}\n\n"
-        except PoolError as error:
-            yield f"data: {json.dumps(error_body(f'a model pool failed: {error}', 503))}\n\n"
+        except PoolError as error:  # the stream ends with an error event, then [DONE]
+            failure = pool_failure(error)
+            yield f"data: {json.dumps(error_body(str(failure), failure.status))}\n\n"
+        except Exception:
+            log.exception("unexpected error in a stream")
+            yield f"data: {json.dumps(error_body('internal error', 500))}\n\n"
         finally:
             task.cancel()
+            self.finished()
         yield "data: [DONE]\n\n"
+
+    def finished(self) -> None:
+        """Give back the request's admission (once, however the request ended)."""
+        if self.admitted:
+            self.admitted = False
+            self.router.running -= len(self.params)
 
 
 # Defined last: Serve serialises the ingress class when it is decorated, so everything it
@@ -223,11 +281,17 @@ class Router:
         self.metrics = RouterMetrics()
         self.costs: dict[tuple, CostModel] = {}  # by drafter kind and greedy or not
         self._channel: grpc.aio.Channel | None = None
+        self.running = 0  # admitted choices not yet finished
+        self.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        # tokenizing is CPU work: off the event loop, one at a time (a fast tokenizer is not
+        # safe to share between threads)
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def pools(self, drafter_kind: str | None = None) -> tuple:
         """(drafter, verifier): the pools' gRPC clients, or a drafter run here by kind."""
         if self._channel is None:  # grpc.aio objects belong to the running event loop
-            self._channel = grpc.aio.insecure_channel(self.args.grpc_address)
+            self._channel = grpc.aio.insecure_channel(self.args.grpc_address,
+                                                      options=CHANNEL_OPTIONS)
             timeout = self.args.call_timeout_s
             direct = self.args.direct_data_path
             self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct,
@@ -248,10 +312,23 @@ class Router:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request):
+        if refused := self.unauthorized(request):
+            return refused
         model = {"id": self.args.served_model_name, "object": "model", "created": 0,
                  "owned_by": "specserve"}
         return {"object": "list", "data": [model]}
+
+    def unauthorized(self, request: Request) -> JSONResponse | None:
+        """401 unless the request carries the API key (when one is set)."""
+        if self.api_key is None:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(),
+                                                              self.api_key.encode()):
+            return None
+        return error_response(BadRequest("invalid or missing API key (Authorization: Bearer "
+                                         "<key>)", 401, headers={"WWW-Authenticate": "Bearer"}))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -262,9 +339,17 @@ class Router:
         return await self.serve_request(request, ChatCompletionRequest, chat=True)
 
     async def serve_request(self, request: Request, schema, chat: bool):
+        if refused := self.unauthorized(request):
+            return refused
         try:
+            size = int(request.headers.get("content-length") or 0)
+            if size > 2 * self.args.max_prompt_bytes + (1 << 16):
+                raise BadRequest(f"the request body has {size} bytes; the limit is about "
+                                 f"{2 * self.args.max_prompt_bytes}", 413)
             body = await parse(request, schema)
-            prompt_ids = self.prompt_ids(body, chat)
+            self.check_sizes(body, chat)
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, self.prompt_ids, body, chat)
             limit = self.context_limit
             # completions default to OpenAI's 16 tokens; chat may use the rest of the context
             default = self.args.default_max_tokens if not chat else limit - len(prompt_ids)
@@ -285,12 +370,15 @@ class Router:
                                              404, "model"))
         k = self.args.num_speculative_tokens if body.num_speculative_tokens is None \
             else body.num_speculative_tokens
-        # Serve's proxy gives every HTTP request an x-request-id (a client may set its own)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-" + \
-            request.headers.get("x-request-id", uuid.uuid4().hex)
-        if len(request_id) > 128 or not request_id.isprintable():
-            return error_response(BadRequest("x-request-id must be at most 128 printable "
-                                             "characters", param="x-request-id"))
+        # the request's own id, which also keys its pool sessions: never the client's
+        # x-request-id (two requests sharing one would share caches), which Serve's proxy
+        # logs and echoes
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if self.running + len(params) > self.args.max_running_requests:
+            return error_response(BadRequest(
+                f"the server is at capacity ({self.args.max_running_requests} running "
+                "choices); retry later", 429, headers={"Retry-After": str(RETRY_AFTER_S)}))
+        self.running += len(params)
         pipelined = body.pipelined
         if pipelined is None:
             mode = self.args.pipelined_drafting
@@ -298,11 +386,31 @@ class Router:
         job = Job(self, request_id, prompt_ids, params, k, body.drafter, chat,
                   body.return_token_ids, stop_ids, pipelined)
         if body.stream:
-            return StreamingResponse(job.events(), media_type="text/event-stream")
+            return StreamingResponse(job.events(), media_type="text/event-stream",
+                                     background=BackgroundTask(job.finished))
         try:
             return await job.complete()
         except PoolError as error:
-            return error_response(BadRequest(f"a model pool failed: {error}", 503))
+            return error_response(pool_failure(error))
+        finally:
+            job.finished()
+
+    def check_sizes(self, body, chat: bool) -> None:
+        """What must hold before tokenizing: the prompt's size in bytes, top_k."""
+        text = [m.content for m in body.messages] if chat else \
+            [body.prompt] if isinstance(body.prompt, str) else []
+        size = sum(len(t.encode()) for t in text)
+        if size > self.args.max_prompt_bytes:
+            raise BadRequest(f"the prompt has {size} bytes; the limit is "
+                             f"{self.args.max_prompt_bytes}", param="messages" if chat
+                             else "prompt")
+        if not chat and not isinstance(body.prompt, str) and \
+                len(body.prompt) >= self.context_limit:
+            raise BadRequest(f"the prompt has {len(body.prompt)} tokens; the limit is "
+                             f"{self.context_limit - 1}", param="prompt")
+        if body.top_k > self.target.vocab_size:
+            raise BadRequest(f"top_k must be at most the vocabulary size "
+                             f"({self.target.vocab_size}); 0 disables it", param="top_k")
 
     def stop_ids(self, body) -> tuple[int, ...]:
         requested = tuple(body.stop_token_ids or ())
@@ -317,8 +425,12 @@ class Router:
                 raise BadRequest("this model has no chat template: use /v1/completions",
                                  param="messages")
             messages = [m.model_dump() for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=True)
+            except Exception as error:  # a template may raise on roles or order it rejects
+                raise BadRequest(f"the model's chat template rejected the messages: "
+                                 f"{str(error)[:200]}", param="messages") from None
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(body.prompt, str):
             ids = self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]

@@ -30,13 +30,14 @@ class ModelDrafter:
 
     def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
                  draft_top_k: int = 0, draft_q_mass: float = 1.0,
-                 draft_q_dtype: str = "float32") -> None:
+                 draft_q_dtype: str = "float32", max_cached_tokens: int | None = None,
+                 session_ttl_s: float | None = None) -> None:
         self.model = use_packed_attention(model.eval())
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.draft_top_k, self.draft_q_mass = draft_top_k, draft_q_mass
         self.draft_q_dtype = {"float32": torch.float32, "float16": torch.float16}[draft_q_dtype]
-        self.sessions = SessionStore(max_cached_requests)
+        self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         return self.propose_now(call)

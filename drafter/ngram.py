@@ -30,12 +30,14 @@ class NgramDrafter:
         min_ngram: int = 1,
         max_ngram: int = 4,
         max_cached_requests: int = 1024,
+        max_cached_tokens: int | None = None,
+        session_ttl_s: float | None = None,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size = vocab_size
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self.sessions = SessionStore(max_cached_requests)
+        self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         return timed(self.propose_now, call)

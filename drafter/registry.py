@@ -20,6 +20,8 @@ class DrafterSpec:
     dtype: str = "float32"
     device: str = "cpu"
     max_cached_requests: int = 256
+    max_cached_tokens: int | None = None  # see deployments.pools.PoolArgs
+    session_ttl_s: float | None = None
     # model: q as shipped: its top entries (0 = all), the fewest top entries holding this
     # mass (1 = all), in this precision. The defaults cost at most 0.01 of acceptance per
     # position (measured: under 0.01 at K = 1..8) at about 6 KB a drafted position.
@@ -52,14 +54,18 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
     model = load_causal_lm(spec.model, spec.dtype, spec.device)
     return ModelDrafter(model, vocab_size=target.vocab_size, draft_top_k=spec.draft_top_k,
                         draft_q_mass=spec.draft_q_mass, draft_q_dtype=spec.draft_q_dtype,
-                        max_cached_requests=spec.max_cached_requests)
+                        max_cached_requests=spec.max_cached_requests,
+                        max_cached_tokens=spec.max_cached_tokens,
+                        session_ttl_s=spec.session_ttl_s)
 
 
 def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):
     from drafter.ngram import NgramDrafter
 
     return NgramDrafter(target.vocab_size, min_ngram=spec.ngram_min, max_ngram=spec.ngram_max,
-                        max_cached_requests=spec.max_cached_requests)
+                        max_cached_requests=spec.max_cached_requests,
+                        max_cached_tokens=spec.max_cached_tokens,
+                        session_ttl_s=spec.session_ttl_s)
 
 
 DRAFTERS: dict[str, DrafterKind] = {

@@ -13,6 +13,7 @@ therefore reaches back as far as the previous call fed, which covers the rejecte
 deeper one (a rebuild that keeps part of a cache) re-prefills instead. Exact either way.
 """
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -110,20 +111,28 @@ class StoreStats:
 
 
 class SessionStore:
-    """Bounded LRU of per-request sequences."""
+    """Per-request sequences, least recently used first out: bounded in sessions and in
+    committed tokens (what their caches hold, near enough), and swept of sessions idle
+    longer than ttl_s. An evicted request's next call answers REBUILD: slower, exact."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_tokens: int | None = None,
+                 ttl_s: float | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
+        self.capacity, self.max_tokens, self.ttl_s = capacity, max_tokens, ttl_s
         self.stats = StoreStats()
         self._sequences: OrderedDict[str, Sequence] = OrderedDict()
+        self._used: dict[str, float] = {}  # request id -> when last synced
 
     def __len__(self) -> int:
         return len(self._sequences)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sequences
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.committed) for s in self._sequences.values())
 
     def sync(self, request_id: str, sync: PrefixSync) -> Sequence:
         """The request's sequence advanced to `sync`; raises StaleBase when it cannot be."""
@@ -134,12 +143,11 @@ class SessionStore:
                 raise StaleBase(f"request {request_id!r} is not cached here")
             sequence = Sequence()
             self._sequences[request_id] = sequence
-            while len(self._sequences) > self.capacity:
-                self._sequences.popitem(last=False)
-                self.stats.evictions += 1
         else:
             self.stats.hits += 1
             self._sequences.move_to_end(request_id)
+        self._used[request_id] = time.monotonic()
+        self._make_room(len(sync.new_token_ids))
         try:
             sequence.apply(sync)
         except StaleBase:
@@ -147,5 +155,32 @@ class SessionStore:
             raise
         return sequence
 
+    def _make_room(self, incoming: int) -> None:
+        """Evict from the least recently used end (never the session just synced, the
+        newest) until both bounds hold."""
+        def over() -> bool:
+            if len(self._sequences) > self.capacity:
+                return True
+            return self.max_tokens is not None and self.tokens + incoming > self.max_tokens
+        while len(self._sequences) > 1 and over():
+            oldest = next(iter(self._sequences))
+            self.release(oldest)
+            self.stats.evictions += 1
+
+    def sweep(self) -> int:
+        """Drop sessions idle longer than ttl_s (a release that never came); how many."""
+        if self.ttl_s is None:
+            return 0
+        expired = time.monotonic() - self.ttl_s
+        dropped = 0
+        while self._sequences:
+            oldest = next(iter(self._sequences))
+            if self._used[oldest] > expired:
+                break
+            self.release(oldest)
+            dropped += 1
+        return dropped
+
     def release(self, request_id: str) -> None:
         self._sequences.pop(request_id, None)
+        self._used.pop(request_id, None)

@@ -28,10 +28,11 @@ class ModelVerifier:
     is the same whichever calls it is batched with.
     """
 
-    def __init__(self, model, *, max_cached_requests: int = 256) -> None:
+    def __init__(self, model, *, max_cached_requests: int = 256,
+                 max_cached_tokens: int | None = None, session_ttl_s: float | None = None) -> None:
         self.model = use_packed_attention(model.eval())
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.sessions = SessionStore(max_cached_requests)
+        self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
     async def score(self, call: ScoreCall) -> TargetScores:
         return self.score_now(call)

@@ -5,6 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from deployments import auth
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from tests.integration.conftest import app_config
@@ -19,7 +20,8 @@ def verifier_replica(cluster) -> str:
         response = pb_grpc.VerifierStub(channel).Score(
             pb.ScoreRequest(request_id="probe", sync=pb.PrefixSync(new_token_ids=[1]),
                             sampling=pb.SamplingParams(temperature=0, top_p=1)),
-            metadata=(("application", "verifier"), ("session_id", "probe")), timeout=30)
+            metadata=(("application", "verifier"), ("session_id", "probe"), *auth.metadata()),
+            timeout=30)
     return response.replica_id
 
 
@@ -63,7 +65,8 @@ def test_a_pool_answers_rebuild_for_a_base_it_does_not_hold(cluster):
             pb.ScoreRequest(request_id="never-seen",
                             sync=pb.PrefixSync(known_len=5, known_hash=1, new_token_ids=[2]),
                             sampling=pb.SamplingParams(temperature=0, top_p=1)),
-            metadata=(("application", "verifier"), ("session_id", "never-seen")), timeout=30)
+            metadata=(("application", "verifier"), ("session_id", "never-seen"),
+                      *auth.metadata()), timeout=30)
     assert response.status == pb.REBUILD
 
 
@@ -75,7 +78,8 @@ def test_bad_grpc_input_is_invalid_argument(cluster):
                 pb.ProposeRequest(request_id="bad", sync=pb.PrefixSync(new_token_ids=[10**6]),
                                   num_speculative_tokens=2,
                                   sampling=pb.SamplingParams(temperature=0, top_p=1)),
-                metadata=(("application", "drafter"), ("session_id", "bad")), timeout=30)
+                metadata=(("application", "drafter"), ("session_id", "bad"), *auth.metadata()),
+                timeout=30)
         except grpc.RpcError as error:
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "out of range" in error.details()
@@ -89,6 +93,7 @@ def test_a_request_whose_caches_vanish_mid_flight_stays_exact(cluster):
     import threading
 
     import requests
+    from ray import serve
 
     prompt = "def main():\n"
     expected = greedy(cluster, prompt, 0, 160)["choices"][0]["text"]
@@ -97,18 +102,22 @@ def test_a_request_whose_caches_vanish_mid_flight_stays_exact(cluster):
     def run():
         result["body"] = requests.post(
             cluster.base_url + "/v1/completions", timeout=120,
-            headers={"x-request-id": "vanishing"},
             json={"prompt": prompt, "max_tokens": 160, "temperature": 0,
                   "num_speculative_tokens": 3}).json()
 
+    handles = {"drafter": serve.get_deployment_handle("DrafterPool", "drafter"),
+               "verifier": serve.get_deployment_handle("VerifierPool", "verifier")}
     thread = threading.Thread(target=run)
     thread.start()
     with grpc.insecure_channel(cluster.grpc_address) as channel:
         stubs = {"drafter": pb_grpc.DrafterStub(channel), "verifier": pb_grpc.VerifierStub(channel)}
         while thread.is_alive():
             for app, stub in stubs.items():
-                stub.Release(pb.ReleaseRequest(request_id="cmpl-vanishing-0"), timeout=30,
-                             metadata=(("application", app), ("session_id", "cmpl-vanishing-0")))
+                # the session ids are the router's own: ask the pool which it holds
+                for session in handles[app].session_ids.remote().result():
+                    stub.Release(pb.ReleaseRequest(request_id=session), timeout=30,
+                                 metadata=(("application", app), ("session_id", session),
+                                           *auth.metadata()))
             thread.join(0.05)
     body = result["body"]
     assert body["choices"][0]["text"] == expected

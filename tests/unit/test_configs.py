@@ -70,3 +70,21 @@ def test_the_three_apps_name_the_same_target(name, config):
     args = {app["name"]: ARGS[app["name"]].model_validate(app.get("args", {}))
             for app in config["applications"]}
     assert args["drafter"].target == args["verifier"].model == args["router"].model
+
+
+@pytest.mark.parametrize("name, config", serve_configs().items())
+def test_the_routers_admission_fits_the_pools_caches(name, config):
+    """A running request is never evicted: per replica, the router's running choices at the
+    full context fit each pool's token bound, and their sessions its session bound."""
+    apps = {app["name"]: app for app in config["applications"]}
+    router = RouterArgs.model_validate(apps["router"]["args"])
+    context = router.max_context_tokens or 2048  # the demo target's
+    for pool, args_model in (("drafter", DrafterArgs), ("verifier", VerifierArgs)):
+        args = args_model.model_validate(apps[pool]["args"])
+        assert router.max_running_requests <= args.max_cached_requests, pool
+        assert router.max_running_requests * context <= args.max_cached_tokens, pool
+    for app in config["applications"]:
+        for deployment in app["deployments"]:
+            assert deployment.get("max_queued_requests", -1) > 0, (app["name"], "unbounded queue")
+    router_deployment = apps["router"]["deployments"][0]
+    assert router_deployment["max_ongoing_requests"] > router.max_running_requests

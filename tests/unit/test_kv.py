@@ -193,3 +193,32 @@ def test_sliding_window_pair_decodes_the_targets_greedy_tokens(mixed):
                      SamplingParams(temperature=0, max_tokens=40), k=4)
     assert out == hf_greedy(target, prompt, 40)
     assert state.stats.num_accepted_tokens < state.stats.num_draft_tokens  # rollbacks ran
+
+
+def full(ids) -> PrefixSync:
+    return PrefixSync(0, 0, tuple(ids))
+
+
+def test_the_store_is_bounded_in_tokens_least_recently_used_out():
+    store = SessionStore(capacity=100, max_tokens=10)
+    store.sync("a", full([1, 2, 3, 4]))
+    store.sync("b", full([1, 2, 3, 4]))
+    store.sync("a", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (5,)))  # a is the newest now
+    store.sync("c", full([1, 2, 3]))  # 5 + 4 + 3 > 10: b (least recently used) goes
+    assert "b" not in store and "a" in store and "c" in store
+    assert store.tokens == 8 and store.stats.evictions == 1
+    with pytest.raises(StaleBase):  # b's next call rebuilds
+        store.sync("b", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (5,)))
+    store.sync("big", full(range(30)))  # one session beyond the bound stays: it is in use
+    assert list(store._sequences) == ["big"]
+
+
+def test_idle_sessions_are_swept_after_their_ttl(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("engine.kv.time.monotonic", lambda: now[0])
+    store = SessionStore(capacity=10, ttl_s=60)
+    store.sync("old", full([1]))
+    now[0] += 50
+    store.sync("new", full([1]))
+    now[0] += 20  # old idle 70 s, new 20 s
+    assert store.sweep() == 1 and "old" not in store and "new" in store

@@ -1,21 +1,38 @@
 """A pool replica outside Serve: its own gRPC port, its worker thread, its load report."""
 
 import asyncio
+import math
 import threading
+import time
 
 import grpc
+import pytest
+import torch
 
+from deployments import auth, wire
 from deployments.autoscaling import DIRECT_IN_FLIGHT
-from deployments.pools import DrafterArgs, DrafterPool
+from deployments.pools import DrafterArgs, DrafterPool, VerifierArgs, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 
+KEY = auth.metadata  # called at each use: the secret the fixture set
+
+
+@pytest.fixture(autouse=True)
+def pool_secret(monkeypatch):
+    monkeypatch.setenv(auth.ENV, "test-secret")
+    monkeypatch.setattr(auth, "_secret", None)
+
+
+async def local_replica(deployment, args):
+    cls = deployment.func_or_class
+    replica = cls.__new__(cls)
+    await cls.__init__(replica, args)
+    return replica
+
 
 async def local_drafter():
-    cls = DrafterPool.func_or_class
-    replica = cls.__new__(cls)
-    await cls.__init__(replica, DrafterArgs())
-    return replica
+    return await local_replica(DrafterPool, DrafterArgs())
 
 
 def propose(request_id: str) -> pb.ProposeRequest:
@@ -38,7 +55,8 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
         stub = pb_grpc.DrafterStub(channel)
         gate = threading.Event()
         replica.worker.submit(gate.wait)  # the model is busy until the gate opens
-        calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"))) for i in range(3)]
+        calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"), metadata=KEY()))
+                 for i in range(3)]
         await until(lambda: replica.direct_in_flight == 3)
         assert replica.record_autoscaling_stats()[DIRECT_IN_FLIGHT] == 3.0
         gate.set()
@@ -62,13 +80,110 @@ def test_a_bad_direct_call_is_invalid_argument_and_not_left_in_flight():
         bad = propose("bad")
         bad.sync.new_token_ids[:] = [10**6]
         try:
-            await pb_grpc.DrafterStub(channel).Propose(bad)
+            await pb_grpc.DrafterStub(channel).Propose(bad, metadata=KEY())
             raise AssertionError("a token id outside the vocabulary was accepted")
         except grpc.aio.AioRpcError as error:
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "out of range" in error.details()
         assert replica.direct_in_flight == 0
         await channel.close()
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def score(request_id: str, **fields) -> pb.ScoreRequest:
+    fields = {"draft_token_ids": [8, 9], **fields}
+    return pb.ScoreRequest(request_id=request_id, sync=pb.PrefixSync(new_token_ids=[5, 6, 7]),
+                           sampling=pb.SamplingParams(temperature=1), seed=1, **fields)
+
+
+def q(rows: int, vocab: int, value: float = 0.5) -> pb.Distributions:
+    probs = torch.full((rows, 1), value)
+    return pb.Distributions(ids=wire.tensor_to_proto(torch.zeros(rows, 1, dtype=torch.int32)),
+                            probs=wire.tensor_to_proto(probs), vocab_size=vocab)
+
+
+def test_pools_serve_only_callers_with_the_secret():
+    async def main():
+        replica = await local_drafter()
+        channel = grpc.aio.insecure_channel(replica.address)
+        stub = pb_grpc.DrafterStub(channel)
+        for metadata in [None, ((auth.METADATA_KEY, "guess"),)]:
+            for call in (stub.Propose(propose("a"), metadata=metadata),
+                         stub.Release(pb.ReleaseRequest(request_id="a"), metadata=metadata)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert len(replica.engine.sessions) == 0  # nothing reached the engine
+        answer = await stub.Propose(propose("a"), metadata=KEY())
+        assert len(answer.token_ids) == 3
+        await channel.close()
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_the_direct_port_listens_on_loopback_by_default():
+    async def main():
+        replica = await local_drafter()
+        assert replica.address.startswith("127.0.0.1:")
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_hostile_messages_are_refused_fast_before_any_allocation():
+    """Each answers INVALID_ARGUMENT within seconds (a 2^24-entry vocabulary once made the
+    verifier allocate ~17 GB), and the replica answers a good call afterwards."""
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs())
+        vocab = replica.limits.vocab_size
+        channel = grpc.aio.insecure_channel(replica.address)
+        stub = pb_grpc.VerifierStub(channel)
+        long_prefix = score("long")
+        long_prefix.sync.new_token_ids[:] = [1] * 300_000
+        many_drafts = score("many")
+        many_drafts.draft_token_ids[:] = [1] * 100_000
+        bad = {
+            "huge vocabulary": score("v", draft_probs=q(2, 2**24)),
+            "300k-token prefix": long_prefix,
+            "K = 100000": many_drafts,
+            "NaN q": score("nan", draft_probs=q(2, vocab, math.nan)),
+            "negative q": score("neg", draft_probs=q(2, vocab, -0.5)),
+            "q rows unlike the draft": score("rows", draft_probs=q(5, vocab)),
+            "unknown id": score("id", draft_token_ids=[vocab + 1]),
+            "no request id": score(""),
+        }
+        for name, message in bad.items():
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Score(message, metadata=KEY())
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert time.monotonic() - started < 5, name
+        assert len(replica.engine.sessions) == 0
+        good = await stub.Score(score("good", draft_probs=q(2, vocab, 1.0)), metadata=KEY())
+        assert len(good.draft_target_probs) == 2
+        await channel.close()
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_stuck_model_worker_fails_the_health_check():
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs(health_stall_s=0.2))
+        await replica.check_health()  # idle: healthy
+        gate = threading.Event()
+        replica.worker.submit(gate.wait)  # the worker is stuck
+        call = asyncio.ensure_future(replica.Propose(propose("s")))
+        await until(lambda: replica.waiting == 1)
+        await asyncio.sleep(0.3)
+        with pytest.raises(RuntimeError, match="has not finished a batch"):
+            await replica.check_health()
+        gate.set()
+        await call
+        await replica.check_health()  # progressing again
         await replica.server.stop(None)
 
     asyncio.run(main())
