@@ -1,0 +1,94 @@
+"""Every field bounded, never a 500; sessions that belong to requests; admission with 429;
+the optional API key."""
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.integration.conftest import app_config
+
+VOCAB = 4096  # the demo pair's
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": "x", "stop": ["\udfff"]}, "stop"),
+    ({"prompt": "x", "top_k": 2**40}, "top_k"),
+    ({"prompt": "x", "top_k": VOCAB + 1}, "top_k"),
+    ({"prompt": "x", "stop": ["s" * 257]}, "stop"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x" * ((1 << 20) + 1)}, "prompt"),
+    ({"prompt": [1] * 5000}, "prompt"),
+])
+def test_out_of_bounds_fields_are_400s(cluster, body, param):
+    response = cluster.post("/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith(param) and error["type"] == "invalid_request_error"
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400(cluster):
+    response = cluster.post("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "\ud83d"}]})
+    assert response.status_code == 400, response.text
+
+
+def test_a_tiny_temperature_is_greedy(cluster):
+    bodies = [{"prompt": "import os\n", "max_tokens": 24, "temperature": t} for t in (0, 1e-9)]
+    texts = [cluster.post("/v1/completions", b).json()["choices"][0]["text"] for b in bodies]
+    assert texts[0] == texts[1]
+
+
+PROMPTS = ["import os\n", "def main():\n", "class A:\n", "for i in range("]
+
+
+def greedy(cluster, prompt, headers=None, max_tokens=48):
+    response = requests.post(cluster.base_url + "/v1/completions", headers=headers, timeout=120,
+                             json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                   "return_token_ids": True})
+    return response
+
+
+def test_requests_sharing_a_client_request_id_keep_their_own_sessions(cluster):
+    alone = [greedy(cluster, p).json()["choices"][0]["token_ids"] for p in PROMPTS]
+    shared = {"x-request-id": "same-id"}
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: greedy(cluster, p, shared), PROMPTS))
+    assert [r.json()["choices"][0]["token_ids"] for r in together] == alone
+    assert len({r.json()["id"] for r in together}) == len(PROMPTS)  # the router's own ids
+
+
+@pytest.mark.slow
+def test_overload_gets_fast_429s_and_the_admitted_stay_exact(cluster):
+    """4x the configured capacity at once: only 200s and 429s (with Retry-After), and the
+    200s are the target's own tokens. Also the API key, set in the same redeploy."""
+    base = cluster.config
+    limited = copy.deepcopy(base)
+    app_config(limited, "router")["args"].update(max_running_requests=2, api_key="sesame")
+    expected = {p: greedy(cluster, p, max_tokens=96).json()["choices"][0]["token_ids"]
+                for p in PROMPTS}
+    cluster.redeploy(limited)
+    try:
+        key = {"Authorization": "Bearer sesame"}
+        assert greedy(cluster, PROMPTS[0]).status_code == 401
+        assert greedy(cluster, PROMPTS[0], {"Authorization": "Bearer guess"}).status_code == 401
+        assert requests.get(cluster.base_url + "/health", timeout=30).status_code == 200
+        prompts = PROMPTS * 2  # 8 requests for 2 running slots
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(pool.map(lambda p: greedy(cluster, p, key, 96), prompts))
+    finally:
+        cluster.redeploy(base)
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429}, codes
+    for prompt, response in zip(prompts, responses):
+        if response.status_code == 429:
+            assert response.headers["Retry-After"] == "1"
+            assert response.json()["error"]["code"] == "rate_limit_exceeded"
+            assert response.elapsed.total_seconds() < 5
+        else:
+            assert response.json()["choices"][0]["token_ids"] == expected[prompt]
+    print(f"\noverload: {len(prompts)} requests for 2 slots: {codes.count(200)} x 200, "
+          f"{codes.count(429)} x 429 (slowest 429: "
+          f"{max(r.elapsed.total_seconds() for r in responses if r.status_code == 429):.3f} s)")
