@@ -43,11 +43,35 @@ def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
         assert body is not None, "serve run never answered"
         assert body["usage"]["completion_tokens"] == 4
         print(f"serve run -> first completion in {first_token_s:.1f}s")
-    finally:
         process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
+        stopping = time.monotonic()
+        returncode = process.wait(GRACEFUL_S)  # raises if it does not stop by itself
+        stopped_s = time.monotonic() - stopping
+        print(f"serve run stopped {stopped_s:.1f}s after SIGTERM, exit code {returncode}")
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"http://127.0.0.1:{http_port}/health", timeout=5)
+        deadline = time.monotonic() + GRACEFUL_S
+        while group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = subprocess.run(["ps", "-o", "pid,args", "-g", str(process.pid)],
+                              capture_output=True, text=True).stdout
+        print(f"all of serve run's processes gone {time.monotonic() - stopping:.1f}s after "
+              f"SIGTERM" if not group_alive(process.pid) else f"left: {left}")
+        assert not group_alive(process.pid), f"processes of serve run outlived it:\n{left}"
+    finally:
+        if process.poll() is None or group_alive(process.pid):  # the test already failed
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode is not None
+
+
+# Serve's graceful shutdown of its replicas (20 s by default) plus Ray's own stop
+GRACEFUL_S = 60
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group serve run leads (its Ray) is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
