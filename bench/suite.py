@@ -769,6 +769,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=client_counts, default=sweep.LEVELS,
                         help="the sweep's concurrent streaming clients, comma-separated "
                              "(default 1,4,16,32; none: no sweep)")
+    parser.add_argument("--soak", action="store_true",
+                        help="instead of the suite: streams for minutes with cancellations "
+                             "and disconnects; errors, latency and every replica's RSS "
+                             "(bench/soak.py)")
+    parser.add_argument("--soak-seconds", type=float, default=300)
+    parser.add_argument("--soak-streams", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="the soak's clients' seed")
     return parser
 
 
@@ -785,6 +792,10 @@ def client_counts(text: str) -> tuple[int, ...]:
 
 
 def main(args, argv: list[str]) -> int:
+    if args.soak:
+        from bench import soak
+
+        return soak.main(args)
     plan = Plan.make(args.quick, args.pair, args.concurrency)
     results = run(plan, args.out, args.threads, argv)
     print(markdown(results))

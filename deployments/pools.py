@@ -117,6 +117,13 @@ async def serve_directly(servicer, add_to_server, host: str = "loopback",
     return server, f"{host}:{port}"
 
 
+def rss_mb() -> float:
+    """This process's resident set size in MB (Linux)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 def is_direct(grpc_context) -> bool:
     """Whether a call came over the replica's own port (not through Serve's proxy)."""
     return grpc_context is not None and not isinstance(grpc_context, RayServegRPCContext)
@@ -248,6 +255,10 @@ class PoolReplica:
 
     def direct_calls_served(self) -> int:
         return self.direct_calls
+
+    def memory(self) -> dict:
+        """This replica's resident memory (MB) and cached sessions (for the soak)."""
+        return {"rss_mb": rss_mb(), "sessions": len(self.engine.sessions)}
 
     def session_ids(self) -> list[str]:
         """The requests whose caches this replica holds (for operators and tests)."""

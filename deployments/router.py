@@ -330,6 +330,12 @@ class Router:
             else None
         return k_policy(k, pipelined, greedy, self.args.adaptive_k.bounds(), costs)
 
+    def memory(self) -> dict:
+        """This replica's resident memory (MB) and admitted choices (for the soak)."""
+        from deployments.pools import rss_mb
+
+        return {"rss_mb": rss_mb(), "running": self.running}
+
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
