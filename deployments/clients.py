@@ -64,7 +64,8 @@ class PoolClient:
         self.stub_class, self.application = stub_class, application
         self.timeout_s, self.direct = timeout_s, direct
         self.proxy = stub_class(proxy_channel)
-        self.pins: dict[str, object] = {}  # request id -> stub of the replica holding it
+        # request id -> (address, stub) of the replica holding its cache
+        self.pins: dict[str, tuple[str, object]] = {}
         self._releasing: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -77,8 +78,9 @@ class PoolClient:
         proxy fallback included) passes."""
         timeout_s = timeout_s or self.timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
-        stub = self.pins.get(request_id)
-        if stub is not None:
+        pin = self.pins.get(request_id)
+        if pin is not None:
+            address, stub = pin
             try:
                 return await getattr(stub, method)(message, timeout=timeout_s,
                                                    metadata=auth.metadata())
@@ -86,6 +88,9 @@ class PoolClient:
                 if error.code() not in GONE:
                     raise PoolError.of(self.application, error) from error
                 del self.pins[request_id]
+                # a dead replica's channel: new pins get a new one, and this one closes when
+                # the last pin to it fails over (garbage collected)
+                self._channels.pop(address, None)
                 timeout_s = deadline - asyncio.get_running_loop().time()
                 if timeout_s <= 0:
                     raise PoolError.of(self.application, error) from error
@@ -95,14 +100,16 @@ class PoolClient:
         except grpc.aio.AioRpcError as error:
             raise PoolError.of(self.application, error) from error
         if self.direct and getattr(response, "direct_address", ""):
-            self.pins[request_id] = self._stub(response.direct_address)
+            self.pins[request_id] = (response.direct_address,
+                                     self._stub(response.direct_address))
         return response
 
     def release(self, request_id: str) -> None:
         """Send a Release in the background (bounded by RELEASE_TIMEOUT_S) and forget the
         pin at once; best effort: a lost release leaves a cache entry for the pool's LRU
         and TTL to evict."""
-        task = asyncio.create_task(self._release(request_id, self.pins.pop(request_id, None)))
+        pin = self.pins.pop(request_id, None)
+        task = asyncio.create_task(self._release(request_id, pin and pin[1]))
         self._releasing.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._releasing.discard)
 
