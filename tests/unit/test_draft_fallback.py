@@ -1,7 +1,6 @@
 """The drafter is optional: a draft that fails makes its round a target-alone round, the
 request goes on exact, and speculation comes back when the drafter answers again."""
 
-import asyncio
 import random
 
 import pytest
