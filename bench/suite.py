@@ -77,7 +77,7 @@ FIELDS = ("pair", "mode", "k", "temperature", "draft_q", "concurrency", "request
           "greedy_matches_target", "sampled_matches_inprocess",
           # the concurrency sweep's records (bench/sweep.py), None elsewhere
           "stream", "speedup_vs_off", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99",
-          "batch_mean_verifier", "batch_mean_drafter")
+          "batch_mean_verifier", "batch_mean_drafter", "draft_fallback_rounds")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ Per cell (pair, mode, concurrency), over its requests:
   batch_mean_verifier / _drafter  the mean over requests of each response's
                   mean_batch_size_verifier / _drafter (calls in the pool batches that served
                   its rounds)
+  draft_fallback_rounds  rounds of all requests that ran without a draft because the
+                  drafter failed or missed the router's draft_timeout_s
 """
 
 import http.client
@@ -130,6 +132,8 @@ def latency_fields(streams: list[Streamed]) -> dict:
         "tpot_ms_p99": rounded(percentile(tpots, 0.99), 1000),
         "batch_mean_verifier": rounded(mean(s.get("mean_batch_size_verifier") for s in spec)),
         "batch_mean_drafter": rounded(mean(s.get("mean_batch_size_drafter") for s in spec)),
+        # rounds the target ran alone because a draft failed or missed its deadline
+        "draft_fallback_rounds": sum(s.get("draft_fallback_rounds", 0) for s in spec),
     }
 
 
