@@ -23,6 +23,18 @@ REPLICAS = {"router": ("router", "Router"), "drafter": ("drafter", "DrafterPool"
             "verifier": ("verifier", "VerifierPool")}
 
 
+DONE = "[DONE]"
+
+
+def sse_events(response):
+    """A streamed completion's server-sent events as they arrive: each data line parsed
+    (a dict), and DONE for `data: [DONE]`."""
+    for line in response.iter_lines():
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):]
+            yield DONE if data == b"[DONE]" else json.loads(data)
+
+
 @dataclass
 class Tally:
     requests: int = 0
@@ -51,14 +63,10 @@ def one_request(url: str, rng: random.Random, tally: Tally) -> None:
                 outcome = f"status {response.status_code}: {response.text[:200]}"
             else:
                 chunks, done = 0, False
-                for line in response.iter_lines():
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[len(b"data: "):]
-                    if data == b"[DONE]":
+                for event in sse_events(response):
+                    if event == DONE:
                         done = True
                         break
-                    event = json.loads(data)
                     if "error" in event:
                         outcome = f"error event: {event['error']['message']}"
                         break

@@ -39,8 +39,7 @@ RELEASE_TIMEOUT_S = 2.0
 # the largest answer a pool sends is a q (drafter) or a few ids (verifier): 64 MB covers a
 # dense float32 q over 33 positions of a 256k vocabulary
 MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = wire.message_size_options(MAX_MESSAGE_BYTES)
 
 
 class PoolError(PoolUnavailable):

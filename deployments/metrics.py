@@ -9,6 +9,13 @@ ROUND_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
+def rss_mb() -> float:
+    """This process's resident set size in MB (Linux)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 class PoolMetrics:
     """A pool replica's batches: how many calls each ran, and how full they were (the
     occupancy its autoscaling policy reads: deployments.autoscaling)."""

@@ -20,7 +20,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
-from deployments.metrics import PoolMetrics
+from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from drafter.registry import DrafterSpec, build_drafter
 from protos import specserve_pb2 as pb
@@ -107,9 +107,7 @@ async def serve_directly(servicer, add_to_server, host: str = "loopback",
 
     host = ray.util.get_node_ip_address() if host == "node" and ray.is_initialized() \
         else "127.0.0.1"
-    options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)] if max_message_bytes \
-        else []
+    options = wire.message_size_options(max_message_bytes) if max_message_bytes else []
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
     add_to_server(servicer, server)
     port = server.add_insecure_port(f"{host}:0")
@@ -117,19 +115,12 @@ async def serve_directly(servicer, add_to_server, host: str = "loopback",
     return server, f"{host}:{port}"
 
 
-def rss_mb() -> float:
-    """This process's resident set size in MB (Linux)."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
-
-
 def is_direct(grpc_context) -> bool:
     """Whether a call came over the replica's own port (not through Serve's proxy)."""
     return grpc_context is not None and not isinstance(grpc_context, RayServegRPCContext)
 
 
-def refuse(grpc_context, error: Exception, response,
+def refuse(grpc_context, error, response,
            code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
     if grpc_context is not None:
         grpc_context.set_code(code)
@@ -137,8 +128,9 @@ def refuse(grpc_context, error: Exception, response,
     return response
 
 
-class Unauthenticated(Exception):
-    pass
+def unauthenticated(grpc_context, response):
+    return refuse(grpc_context, "this pool serves the router only", response,
+                  grpc.StatusCode.UNAUTHENTICATED)
 
 
 class PoolReplica:
@@ -208,8 +200,7 @@ class PoolReplica:
         check(request, limits) or decoding fails -> INVALID_ARGUMENT, before the call
         queues; StaleBase -> REBUILD."""
         if not auth.authorized(grpc_context):
-            return refuse(grpc_context, Unauthenticated("this pool serves the router only"),
-                          response_type(), grpc.StatusCode.UNAUTHENTICATED)
+            return unauthenticated(grpc_context, response_type())
         direct = is_direct(grpc_context)
         self.direct_calls += direct
         self.direct_in_flight += direct
@@ -236,8 +227,7 @@ class PoolReplica:
 
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         if not auth.authorized(grpc_context):
-            return refuse(grpc_context, Unauthenticated("this pool serves the router only"),
-                          pb.ReleaseResponse(), grpc.StatusCode.UNAUTHENTICATED)
+            return unauthenticated(grpc_context, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
         await self.on_worker(self.engine.sessions.release, request.request_id)
         return pb.ReleaseResponse(released=released)
@@ -262,7 +252,7 @@ class PoolReplica:
 
     def session_ids(self) -> list[str]:
         """The requests whose caches this replica holds (for operators and tests)."""
-        return list(self.engine.sessions._sequences)
+        return list(self.engine.sessions)
 
 
 @serve.deployment

@@ -24,7 +24,7 @@ from pydantic.json_schema import models_json_schema
 from ray import serve
 
 from deployments.clients import CHANNEL_OPTIONS, GrpcDrafter, GrpcVerifier, PoolError
-from deployments.metrics import RouterMetrics
+from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -332,8 +332,6 @@ class Router:
 
     def memory(self) -> dict:
         """This replica's resident memory (MB) and admitted choices (for the soak)."""
-        from deployments.pools import rss_mb
-
         return {"rss_mb": rss_mb(), "running": self.running}
 
     @app.get("/health")
@@ -433,10 +431,6 @@ class Router:
             raise BadRequest(f"the prompt has {size} bytes; the limit is "
                              f"{self.args.max_prompt_bytes}", param="messages" if chat
                              else "prompt")
-        if not chat and not isinstance(body.prompt, str) and \
-                len(body.prompt) >= self.context_limit:
-            raise BadRequest(f"the prompt has {len(body.prompt)} tokens; the limit is "
-                             f"{self.context_limit - 1}", param="prompt")
         if body.top_k > self.target.vocab_size:
             raise BadRequest(f"top_k must be at most the vocabulary size "
                              f"({self.target.vocab_size}); 0 disables it", param="top_k")

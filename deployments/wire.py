@@ -51,6 +51,12 @@ class Limits:
         return positions * self.vocab_size * 8 + 5 * (self.context or 0) + (1 << 16)
 
 
+def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
+    """gRPC server or channel options bounding messages both ways to max_bytes."""
+    return [("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes)]
+
+
 def check_request(request_id: str, sync: pb.PrefixSync, token_ids, k: int,
                   limits: Limits) -> None:
     """ValueError unless the call's id, prefix, ids (the new committed ones and token_ids:

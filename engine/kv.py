@@ -40,6 +40,7 @@ class Sequence:
         self.committed_hash = EMPTY_PREFIX_HASH
         self.cached_ids: list[int] = []
         self.cache: DynamicCache | None = None
+        self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
 
     def apply(self, sync: PrefixSync) -> None:
         """Advance to the committed prefix the call names, or raise StaleBase."""
@@ -122,13 +123,16 @@ class SessionStore:
         self.capacity, self.max_tokens, self.ttl_s = capacity, max_tokens, ttl_s
         self.stats = StoreStats()
         self._sequences: OrderedDict[str, Sequence] = OrderedDict()
-        self._used: dict[str, float] = {}  # request id -> when last synced
 
     def __len__(self) -> int:
         return len(self._sequences)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sequences
+
+    def __iter__(self):
+        """The request ids held, least recently used first."""
+        return iter(list(self._sequences))
 
     @property
     def tokens(self) -> int:
@@ -146,7 +150,7 @@ class SessionStore:
         else:
             self.stats.hits += 1
             self._sequences.move_to_end(request_id)
-        self._used[request_id] = time.monotonic()
+        sequence.last_used = time.monotonic()
         self._make_room(len(sync.new_token_ids))
         try:
             sequence.apply(sync)
@@ -158,13 +162,12 @@ class SessionStore:
     def _make_room(self, incoming: int) -> None:
         """Evict from the least recently used end (never the session just synced, the
         newest) until both bounds hold."""
-        def over() -> bool:
-            if len(self._sequences) > self.capacity:
-                return True
-            return self.max_tokens is not None and self.tokens + incoming > self.max_tokens
-        while len(self._sequences) > 1 and over():
-            oldest = next(iter(self._sequences))
-            self.release(oldest)
+        limit = self.max_tokens
+        tokens = self.tokens + incoming if limit is not None else 0  # summed once
+        while len(self._sequences) > 1 and (len(self._sequences) > self.capacity
+                                            or limit is not None and tokens > limit):
+            _, evicted = self._sequences.popitem(last=False)
+            tokens -= len(evicted.committed)
             self.stats.evictions += 1
 
     def sweep(self) -> int:
@@ -173,14 +176,10 @@ class SessionStore:
             return 0
         expired = time.monotonic() - self.ttl_s
         dropped = 0
-        while self._sequences:
-            oldest = next(iter(self._sequences))
-            if self._used[oldest] > expired:
-                break
-            self.release(oldest)
+        while self._sequences and next(iter(self._sequences.values())).last_used <= expired:
+            self._sequences.popitem(last=False)
             dropped += 1
         return dropped
 
     def release(self, request_id: str) -> None:
         self._sequences.pop(request_id, None)
-        self._used.pop(request_id, None)

@@ -3,12 +3,13 @@ undisturbed run (greedy, and seeded sampled at a fixed K). The router's pinned d
 dies with the replica, and its calls fall back to Serve's routing, which places them on the
 replacement (the cache rebuilt from the committed prefix: exact)."""
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+
+from bench.soak import DONE, sse_events
 
 PROMPTS = ["import os\n", "def main():\n", "class Tree:\n", "for i in range(", "# parse\n",
            "from collections import", "try:\n", "if x:\n", "while True:\n", "return "]
@@ -24,14 +25,10 @@ def stream(cluster, body) -> list[int]:
     with requests.post(cluster.base_url + "/v1/completions", json=body, stream=True,
                        timeout=120) as response:
         assert response.status_code == 200, response.text
-        for line in response.iter_lines():
-            if not line.startswith(b"data: "):
-                continue
-            data = line[len(b"data: "):]
-            if data == b"[DONE]":
+        for chunk in sse_events(response):
+            if chunk == DONE:
                 done = True
                 continue
-            chunk = json.loads(data)
             assert "error" not in chunk, chunk
             for choice in chunk["choices"]:
                 ids = choice.get("token_ids", ids)

@@ -3,12 +3,13 @@ alone); without its verifier it answers 503 fast, and a stream in flight ends wi
 event and [DONE]."""
 
 import copy
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+
+from bench.soak import sse_events
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Tree:\n", "for i in range(", "# sort a list"]
 
@@ -58,15 +59,6 @@ def test_without_the_drafter_requests_complete_as_the_target_alone(cluster):
     assert after["speculative"]["num_drafts"] > 0 and token_ids(after) == token_ids(before[1])
 
 
-def sse_events(response) -> list:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith(b"data: "):
-            data = line[len(b"data: "):]
-            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return events
-
-
 @pytest.mark.slow
 def test_without_the_verifier_errors_are_fast_and_streams_end_cleanly(cluster):
     base = cluster.config
@@ -80,7 +72,7 @@ def test_without_the_verifier_errors_are_fast_and_streams_end_cleanly(cluster):
         cluster.redeploy(without(base, "verifier"))
         try:
             started = time.monotonic()
-            events = sse_events(stream)
+            events = list(sse_events(stream))
             stream_ended = time.monotonic() - started
             started = time.monotonic()
             plain = cluster.post("/v1/completions", {"prompt": "x", "max_tokens": 4}, timeout=60)

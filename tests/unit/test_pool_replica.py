@@ -1,6 +1,7 @@
 """A pool replica outside Serve: its own gRPC port, its worker thread, its load report."""
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -31,6 +32,17 @@ async def local_replica(deployment, args):
     return replica
 
 
+@contextlib.asynccontextmanager
+async def direct(replica, stub_class):
+    """A stub of the replica's own gRPC port; the channel and the server stop after."""
+    channel = grpc.aio.insecure_channel(replica.address)
+    try:
+        yield stub_class(channel)
+    finally:
+        await channel.close()
+        await replica.server.stop(None)
+
+
 async def local_drafter():
     return await local_replica(DrafterPool, DrafterArgs())
 
@@ -51,24 +63,22 @@ async def until(condition, timeout_s: float = 10) -> None:
 def test_direct_calls_waiting_for_the_model_are_reported_as_load():
     async def main():
         replica = await local_drafter()
-        channel = grpc.aio.insecure_channel(replica.address)
-        stub = pb_grpc.DrafterStub(channel)
-        gate = threading.Event()
-        replica.worker.submit(gate.wait)  # the model is busy until the gate opens
-        calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"), metadata=KEY()))
-                 for i in range(3)]
-        await until(lambda: replica.direct_in_flight == 3)
-        assert replica.record_autoscaling_stats()[DIRECT_IN_FLIGHT] == 3.0
-        gate.set()
-        responses = await asyncio.gather(*calls)
-        assert [len(r.token_ids) for r in responses] == [3, 3, 3]
-        assert all(r.direct_address == replica.address and r.compute_us > 0 for r in responses)
-        # the calls that waited for the busy model ran as one batch
-        assert max(r.load.batch_size for r in responses) >= 2
-        assert replica.record_autoscaling_stats()[DIRECT_IN_FLIGHT] == 0.0
-        assert replica.direct_calls_served() == 3
-        await channel.close()
-        await replica.server.stop(None)
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            gate = threading.Event()
+            replica.worker.submit(gate.wait)  # the model is busy until the gate opens
+            calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"), metadata=KEY()))
+                     for i in range(3)]
+            await until(lambda: replica.direct_in_flight == 3)
+            assert replica.record_autoscaling_stats()[DIRECT_IN_FLIGHT] == 3.0
+            gate.set()
+            responses = await asyncio.gather(*calls)
+            assert [len(r.token_ids) for r in responses] == [3, 3, 3]
+            assert all(r.direct_address == replica.address and r.compute_us > 0
+                       for r in responses)
+            # the calls that waited for the busy model ran as one batch
+            assert max(r.load.batch_size for r in responses) >= 2
+            assert replica.record_autoscaling_stats()[DIRECT_IN_FLIGHT] == 0.0
+            assert replica.direct_calls_served() == 3
 
     asyncio.run(main())
 
@@ -76,18 +86,16 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
 def test_a_bad_direct_call_is_invalid_argument_and_not_left_in_flight():
     async def main():
         replica = await local_drafter()
-        channel = grpc.aio.insecure_channel(replica.address)
-        bad = propose("bad")
-        bad.sync.new_token_ids[:] = [10**6]
-        try:
-            await pb_grpc.DrafterStub(channel).Propose(bad, metadata=KEY())
-            raise AssertionError("a token id outside the vocabulary was accepted")
-        except grpc.aio.AioRpcError as error:
-            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "out of range" in error.details()
-        assert replica.direct_in_flight == 0
-        await channel.close()
-        await replica.server.stop(None)
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            bad = propose("bad")
+            bad.sync.new_token_ids[:] = [10**6]
+            try:
+                await stub.Propose(bad, metadata=KEY())
+                raise AssertionError("a token id outside the vocabulary was accepted")
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "out of range" in error.details()
+            assert replica.direct_in_flight == 0
 
     asyncio.run(main())
 
@@ -107,19 +115,16 @@ def q(rows: int, vocab: int, value: float = 0.5) -> pb.Distributions:
 def test_pools_serve_only_callers_with_the_secret():
     async def main():
         replica = await local_drafter()
-        channel = grpc.aio.insecure_channel(replica.address)
-        stub = pb_grpc.DrafterStub(channel)
-        for metadata in [None, ((auth.METADATA_KEY, "guess"),)]:
-            for call in (stub.Propose(propose("a"), metadata=metadata),
-                         stub.Release(pb.ReleaseRequest(request_id="a"), metadata=metadata)):
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await call
-                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert len(replica.engine.sessions) == 0  # nothing reached the engine
-        answer = await stub.Propose(propose("a"), metadata=KEY())
-        assert len(answer.token_ids) == 3
-        await channel.close()
-        await replica.server.stop(None)
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            for metadata in [None, ((auth.METADATA_KEY, "guess"),)]:
+                for call in (stub.Propose(propose("a"), metadata=metadata),
+                             stub.Release(pb.ReleaseRequest(request_id="a"), metadata=metadata)):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call
+                    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert len(replica.engine.sessions) == 0  # nothing reached the engine
+            answer = await stub.Propose(propose("a"), metadata=KEY())
+            assert len(answer.token_ids) == 3
 
     asyncio.run(main())
 
@@ -139,33 +144,30 @@ def test_hostile_messages_are_refused_fast_before_any_allocation():
     async def main():
         replica = await local_replica(VerifierPool, VerifierArgs())
         vocab = replica.limits.vocab_size
-        channel = grpc.aio.insecure_channel(replica.address)
-        stub = pb_grpc.VerifierStub(channel)
-        long_prefix = score("long")
-        long_prefix.sync.new_token_ids[:] = [1] * 300_000
-        many_drafts = score("many")
-        many_drafts.draft_token_ids[:] = [1] * 100_000
-        bad = {
-            "huge vocabulary": score("v", draft_probs=q(2, 2**24)),
-            "300k-token prefix": long_prefix,
-            "K = 100000": many_drafts,
-            "NaN q": score("nan", draft_probs=q(2, vocab, math.nan)),
-            "negative q": score("neg", draft_probs=q(2, vocab, -0.5)),
-            "q rows unlike the draft": score("rows", draft_probs=q(5, vocab)),
-            "unknown id": score("id", draft_token_ids=[vocab + 1]),
-            "no request id": score(""),
-        }
-        for name, message in bad.items():
-            started = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.Score(message, metadata=KEY())
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-            assert time.monotonic() - started < 5, name
-        assert len(replica.engine.sessions) == 0
-        good = await stub.Score(score("good", draft_probs=q(2, vocab, 1.0)), metadata=KEY())
-        assert len(good.draft_target_probs) == 2
-        await channel.close()
-        await replica.server.stop(None)
+        async with direct(replica, pb_grpc.VerifierStub) as stub:
+            long_prefix = score("long")
+            long_prefix.sync.new_token_ids[:] = [1] * 300_000
+            many_drafts = score("many")
+            many_drafts.draft_token_ids[:] = [1] * 100_000
+            bad = {
+                "huge vocabulary": score("v", draft_probs=q(2, 2**24)),
+                "300k-token prefix": long_prefix,
+                "K = 100000": many_drafts,
+                "NaN q": score("nan", draft_probs=q(2, vocab, math.nan)),
+                "negative q": score("neg", draft_probs=q(2, vocab, -0.5)),
+                "q rows unlike the draft": score("rows", draft_probs=q(5, vocab)),
+                "unknown id": score("id", draft_token_ids=[vocab + 1]),
+                "no request id": score(""),
+            }
+            for name, message in bad.items():
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Score(message, metadata=KEY())
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert time.monotonic() - started < 5, name
+            assert len(replica.engine.sessions) == 0
+            good = await stub.Score(score("good", draft_probs=q(2, vocab, 1.0)), metadata=KEY())
+            assert len(good.draft_target_probs) == 2
 
     asyncio.run(main())
 
