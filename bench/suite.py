@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import sweep
+from bench import checks, sweep
 from speculative.stats import SpecStats
 from engine.models import DEMO_DRAFT, DEMO_TARGET
 
@@ -602,6 +602,7 @@ def run(plan: Plan, out: Path, threads: int, argv: list[str]) -> dict:
         serve.shutdown()
         ray.shutdown()
     add_speedups(results["results"])
+    results["checks"] = checks.adaptive_checks(results["results"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text(markdown(results))
@@ -672,6 +673,7 @@ def markdown(results: dict) -> str:
               "serialised gRPC messages of the round's two calls. same tokens: greedy, every "
               "request's tokens equal `target_only`'s; sampled serve_sync, equal to `inprocess`'s "
               "with the same seed (the same draws end to end).", ""]
+    lines += checks.section(results.get("checks", []))
     streamed = [r for r in results["results"] if r["stream"]]
     if streamed:
         lines += sweep.section(streamed, m["sweep"], fmt)

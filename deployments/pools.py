@@ -27,8 +27,19 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from engine.checkpoint import Checkpoint
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
-from speculative.types import StaleBase
+from speculative.sampling import SamplingParams
+from speculative.types import (
+    EMPTY_PREFIX_HASH,
+    PrefixSync,
+    ProposeCall,
+    ScoreCall,
+    StaleBase,
+    prefix_hash,
+)
 from verifier.engine import ModelVerifier
+
+WARM_UP_PROMPT_TOKENS = 16
+WARM_UP_K = 4
 
 
 class PoolArgs(BaseModel):
@@ -174,9 +185,25 @@ class PoolReplica:
                 self.last_progress = time.monotonic()
 
         self.batcher = ContinuousBatcher(in_batch, max_batch_size)
+        # before the replica reports ready: no request pays the model's first forwards
+        await self.on_worker(self.warm_up, run_batch, limits.vocab_size)
         self.server, self.address = await serve_directly(
             self, add_to_server, args.direct_host,
             args.max_concurrent_rpcs or 2 * max_batch_size, limits.message_bytes())
+
+    def warm_up(self, run_batch, vocab_size: int) -> None:
+        """Run the engine on throwaway greedy and sampled calls (a prompt's prefill, then a
+        K-token step), on the worker thread that will serve, then drop their caches."""
+        prompt = tuple(i % vocab_size for i in range(1, WARM_UP_PROMPT_TOKENS + 1))
+        for index, params in enumerate((SamplingParams(temperature=0.0),
+                                        SamplingParams(temperature=1.0))):
+            request_id = f"warm-up-{index}"
+            for call in self.warm_up_calls(request_id, prompt, params):
+                run_batch([call])
+            self.engine.sessions.release(request_id)
+
+    def warm_up_calls(self, request_id: str, prompt: tuple[int, ...], params) -> list:
+        raise NotImplementedError
 
     def engine_batch(self, run_batch, calls: list) -> list:
         """On the worker: drop sessions idle past their TTL, then run the batch."""
@@ -265,6 +292,10 @@ class DrafterPool(PoolReplica):
         await self.start(pb_grpc.add_DrafterServicer_to_server, self.engine.propose_batch,
                          args, "drafter", limits)
 
+    def warm_up_calls(self, request_id: str, prompt: tuple[int, ...], params) -> list:
+        start = PrefixSync(0, EMPTY_PREFIX_HASH, prompt)
+        return [ProposeCall(request_id, start, WARM_UP_K, params, seed=0)]
+
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
         return await self.answer(wire.check_propose, wire.propose_from_proto, request,
                                  wire.block_to_proto, pb.ProposeResponse, grpc_context)
@@ -282,6 +313,15 @@ class VerifierPool(PoolReplica):
         limits = wire.Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,
                          args, "verifier", limits)
+
+    def warm_up_calls(self, request_id: str, prompt: tuple[int, ...], params) -> list:
+        """A prefill without a draft, then (greedy: its q is not needed) a K-token verify."""
+        start = PrefixSync(0, EMPTY_PREFIX_HASH, prompt)
+        calls = [ScoreCall(request_id, start, (), params)]
+        if params.greedy:
+            step = PrefixSync(len(prompt), prefix_hash(prompt), ())
+            calls.append(ScoreCall(request_id, step, prompt[:WARM_UP_K], params))
+        return calls
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
         return await self.answer(wire.check_score, wire.score_from_proto, request,

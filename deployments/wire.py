@@ -15,6 +15,7 @@ from speculative.types import (
     MAX_SPECULATIVE_TOKENS,
     BatchLoad,
     DraftBlock,
+    DraftDists,
     PrefixSync,
     ProposeCall,
     ScoreCall,
@@ -123,38 +124,33 @@ def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
-def dists_to_proto(probs: torch.Tensor) -> pb.Distributions:
-    """[P, V] draft weights (float32 or float16) -> Distributions in the same precision:
-    sparse (ids, values) when that is smaller (a q truncated by count or mass, a one-hot
-    n-gram draft), else dense. The values arrive bit for bit as they left."""
-    vocab_size = probs.shape[-1]
-    if probs.dtype not in (torch.float32, torch.float16):
-        probs = probs.float()
-    nonzero = int((probs > 0).sum(-1).max()) if probs.numel() else 0
-    value_bytes = probs.element_size()
-    if nonzero * (4 + value_bytes) >= vocab_size * value_bytes:  # an id costs 4 bytes
-        return pb.Distributions(probs=tensor_to_proto(probs), vocab_size=vocab_size)
-    values, ids = torch.topk(probs, nonzero, dim=-1)
-    return pb.Distributions(
-        ids=tensor_to_proto(ids.to(torch.int32)),
-        probs=tensor_to_proto(values),
-        vocab_size=vocab_size,
-    )
+def dists_to_proto(dists: DraftDists) -> pb.Distributions:
+    """q as the drafter shipped it: its weights (float32 or float16) and, when sparse, its ids,
+    bit for bit (the drafter chose the smaller form; a router forwards what it received)."""
+    weights = dists.weights
+    if weights.dtype not in (torch.float32, torch.float16):
+        weights = weights.float()
+    message = pb.Distributions(probs=tensor_to_proto(weights), vocab_size=dists.vocab_size)
+    if dists.ids is not None:
+        message.ids.CopyFrom(tensor_to_proto(dists.ids.to(torch.int32)))
+    return message
 
 
-def dists_from_proto(message: pb.Distributions) -> torch.Tensor:
-    probs = tensor_from_proto(message.probs)
-    if probs.dtype not in (torch.float32, torch.float16) or probs.dim() != 2:
+def dists_from_proto(message: pb.Distributions) -> DraftDists:
+    """The DraftDists a message carries, checked (finite, non-negative weights; ids in the
+    vocabulary and shaped like the weights) and left in its form: nothing is densified."""
+    weights = tensor_from_proto(message.probs)
+    if weights.dtype not in (torch.float32, torch.float16) or weights.dim() != 2:
         raise ValueError("distributions must be [positions, entries] float32 or float16")
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
         raise ValueError("draft probabilities must be finite and non-negative")
-    if not message.HasField("ids"):
-        return probs
-    ids = tensor_from_proto(message.ids).long()
-    if ids.shape != probs.shape or (ids.numel() and not 0 <= ids.min() <= ids.max() < message.vocab_size):
-        raise ValueError("sparse distribution ids out of range or shaped unlike probs")
-    dense = torch.zeros(probs.shape[0], message.vocab_size, dtype=probs.dtype)
-    return dense.scatter(-1, ids, probs)
+    ids = None
+    if message.HasField("ids"):
+        ids = tensor_from_proto(message.ids)
+        if ids.dtype not in (torch.int32, torch.int64) or ids.shape != weights.shape or (
+                ids.numel() and not 0 <= ids.min() <= ids.max() < message.vocab_size):
+            raise ValueError("sparse distribution ids out of range or shaped unlike probs")
+    return DraftDists(weights, ids, message.vocab_size)
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:

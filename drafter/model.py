@@ -7,14 +7,15 @@ import torch
 
 from engine.batch import forward_packed, use_packed_attention
 from engine.kv import Sequence, SessionStore
-from speculative.sampling import (
-    fit_vocab,
-    logits_to_probs,
-    sample,
-    truncate_mass,
-    truncate_top_k,
+from speculative.sampling import fit_vocab, kept_entries, logits_to_probs, sample
+from speculative.types import (
+    BatchLoad,
+    DraftBlock,
+    DraftDists,
+    ProposeCall,
+    StaleBase,
+    check_call,
 )
-from speculative.types import BatchLoad, DraftBlock, ProposeCall, StaleBase, check_call
 
 
 class ModelDrafter:
@@ -23,9 +24,11 @@ class ModelDrafter:
     `vocab_size` is the vocabulary the pools agree on (the target's embedding rows; default:
     the draft's own). Each q may be made smaller for the wire before it is sampled from:
     `draft_top_k` > 0 keeps its top entries, `draft_q_mass` < 1 the fewest top entries that
-    hold that mass, and `draft_q_dtype` float16 rounds it to half precision. The output stays
-    exact because the token is drawn from the very q that is shipped. Past the draft's own
-    context length it drafts nothing: those rounds are the target's alone.
+    hold that mass (both: top-k first), and `draft_q_dtype` float16 rounds it to half
+    precision. A truncated q is built sparse (ids and weights) without sorting the vocabulary,
+    and a block travels in the smaller of its sparse and dense forms. The output stays exact
+    because the token is drawn from the very q that is shipped. Past the draft's own context
+    length it drafts nothing: those rounds are the target's alone.
     """
 
     def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
@@ -36,6 +39,7 @@ class ModelDrafter:
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.draft_top_k, self.draft_q_mass = draft_top_k, draft_q_mass
+        self.truncates = 0 < draft_top_k < self.vocab_size or draft_q_mass < 1
         self.draft_q_dtype = {"float32": torch.float32, "float16": torch.float16}[draft_q_dtype]
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
@@ -99,7 +103,8 @@ class ModelDrafter:
         load = BatchLoad(len(drafts), first_tokens)
         elapsed = time.perf_counter() - started
         for index, draft in drafts:
-            probs = torch.stack(draft.probs) if draft.probs else None
+            probs = DraftDists.stack(draft.q_rows, self.vocab_size).compact() \
+                if draft.q_rows else None
             results[index] = DraftBlock(tuple(draft.token_ids), probs, elapsed, load=load)
         if later:
             for index, result in zip(later, self.draft_together([calls[i] for i in later])):
@@ -124,14 +129,18 @@ class ModelDrafter:
         if draft.call.sampling.greedy:
             draft.token_ids.append(int(logits.argmax()))
             return
-        probs = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
-        draft.token_ids.append(sample(probs.float(), draft.generator))
-        draft.probs.append(probs)
+        weights, ids = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
+        index = sample(weights.float(), draft.generator)  # drawn from the shipped weights
+        draft.token_ids.append(index if ids is None else int(ids[index]))
+        draft.q_rows.append((weights, ids))
 
-    def shipped_q(self, probs: torch.Tensor) -> torch.Tensor:
-        """[V] q as it will travel: truncated, then rounded to the wire's precision."""
-        probs = truncate_mass(truncate_top_k(probs, self.draft_top_k), self.draft_q_mass)
-        return probs.to(self.draft_q_dtype)
+    def shipped_q(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[V] q as it will travel, rounded to the wire's precision: (weights [m], ids [m])
+        of its truncation, renormalised, or (weights [V], None) when it is not truncated."""
+        if not self.truncates:
+            return probs.to(self.draft_q_dtype), None
+        values, ids = kept_entries(probs, self.draft_top_k, self.draft_q_mass)
+        return (values / values.sum()).to(self.draft_q_dtype), ids
 
 
 @dataclass
@@ -144,4 +153,4 @@ class Draft:
     num_tokens: int
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
+    q_rows: list[tuple] = field(default_factory=list)  # shipped_q of each drafted token

@@ -8,7 +8,7 @@ which keeps the output exactly the target's.
 import torch
 
 from engine.kv import SessionStore
-from speculative.types import DraftBlock, ProposeCall, StaleBase, check_call, timed
+from speculative.types import DraftBlock, DraftDists, ProposeCall, StaleBase, check_call, timed
 
 
 def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -63,6 +63,6 @@ class NgramDrafter:
         token_ids = lookup(context, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
         if call.sampling.greedy or not token_ids:
             return DraftBlock(tuple(token_ids), None)
-        draft_probs = torch.zeros(len(token_ids), self.vocab_size)
-        draft_probs[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 1.0
-        return DraftBlock(tuple(token_ids), draft_probs)
+        one_hot = DraftDists(torch.ones(len(token_ids), 1),  # [K, 1]: each q_i is x_i alone
+                             torch.tensor(token_ids)[:, None], self.vocab_size)
+        return DraftBlock(tuple(token_ids), one_hot)

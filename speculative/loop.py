@@ -14,7 +14,7 @@ import torch
 
 from speculative.policy import KPolicy, RoundCost
 from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
-from speculative.sampling import SamplingParams, draft_law
+from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.types import (
     EMPTY_PREFIX_HASH,
@@ -160,8 +160,7 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> 
     if greedy:
         return accept_greedy(block.token_ids, scores.target_token_ids)
     drafted = block.token_ids
-    draft_at_draft = draft_law(block.draft_probs)[torch.arange(len(drafted)), list(drafted)] \
-        if drafted else ()
+    draft_at_draft = block.draft_probs.at(drafted) if drafted else ()  # q_i(x_i), gathered
     return accept_drawn(drafted, draft_at_draft, scores.draft_target_probs,
                         scores.recovered_token_ids, scores.bonus_token_id, generator)
 
@@ -220,6 +219,22 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
     return block
 
 
+def first_round(state: RequestState, k: int, pipelined: bool) -> int | None:
+    """The length of the draft a request's first round asks for beside its verify, or None
+    when it drafts as any other round.
+
+    The first round is the target's alone (K = 0) while the drafter prefills the prompt
+    beside it, so the two prefills overlap instead of adding up before the first token. A
+    greedy pipelined request also drafts K + 1 tokens there: y1 is settled against the
+    round's token, as a pre-draft is (continue_with_predraft), and y2.. are the next
+    candidates. Anyone else asks for 0 tokens: a prefill.
+    """
+    if state.drafter_called or k <= 0 or not state.draft_backoff.may_draft():
+        return None
+    greedy = state.request.sampling.greedy
+    return min(k + 1, state.remaining - 1) if pipelined and greedy else 0
+
+
 async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,
                     block: DraftBlock | None = None, pipelined: bool = False):
     """One round: (the newly committed token ids, the next round's pre-drafted block or None).
@@ -230,10 +245,13 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     """
     request = state.request
     started = time.perf_counter()
+    misses = state.stats.cache_misses
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
     pre_drafted = block is not None
+    warm_up = None if pre_drafted else first_round(state, k, pipelined)
     fell_back = False
-    if block is None and k > 0:
+    catch_up = len(state.committed) - state.drafter_view.known_len
+    if block is None and k > 0 and warm_up is None:
         seed = draw_seed(state)  # drawn even when the drafter is skipped: seeds stay in order
         block = await draft_or_none(state, drafter, k, seed) \
             if state.draft_backoff.may_draft() else None
@@ -246,7 +264,10 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     next_k = min(policy.num_speculative_tokens() + greedy,
                  state.remaining - len(block.token_ids) - 1)
     predraft = None
-    if pipelined and block.token_ids and next_k > 0 and not state.draft_backoff.skipping:
+    if warm_up is not None:
+        predraft = asyncio.ensure_future(
+            draft_or_none(state, drafter, warm_up, draw_seed(state)))
+    elif pipelined and block.token_ids and next_k > 0 and not state.draft_backoff.skipping:
         predraft = asyncio.ensure_future(
             draft_or_none(state, drafter, next_k, draw_seed(state), tuple(block.token_ids)))
     try:
@@ -272,8 +293,10 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     committed = state.commit(outcome.output_token_ids)
     if state.finish_reason is not None:
         next_block = None
+    # a first round's prefills and a rebuilt cache say nothing about what a K costs
+    comparable = warm_up is None and state.stats.cache_misses == misses
     cost = record_round(state.stats, block, scores, outcome, pre_drafted, predrafted,
-                        started, drafted, verified)
+                        started, drafted, verified, comparable, catch_up)
     state.stats.draft_fallback_rounds += fell_back
     if not fell_back:  # a failed call's wait says nothing about what a K costs
         policy.update(len(block.token_ids), outcome.num_accepted, cost)
@@ -282,7 +305,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
 
 def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
                  outcome: RoundOutcome, pre_drafted: bool, predraft: DraftBlock | None,
-                 started: float, drafted: float, verified: float) -> RoundCost:
+                 started: float, drafted: float, verified: float, comparable: bool = True,
+                 catch_up: int = 0) -> RoundCost:
     ended = time.perf_counter()
     stats.record(len(block.token_ids), outcome)
     stats.pipelined_rounds += pre_drafted
@@ -310,7 +334,7 @@ def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
                      len(drafted_now.token_ids), drafted_now.compute_seconds,
                      round_seconds - waited_draft - max(scores.compute_seconds, beside),
                      load.batch_size if load else 1, load.batch_tokens if load else 0,
-                     max(0.0, hop))
+                     max(0.0, hop), comparable, catch_up if not pre_drafted else 0)
 
 
 async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,

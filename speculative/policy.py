@@ -4,19 +4,35 @@ FixedK drafts the same K every round. AdaptiveK chooses, before each round, the 
 request's acceptance so far and the measured costs say gives the most tokens per second:
 
     tokens(K) = (1 - α^(K+1)) / (1 - α)                  expected output of a round
-    time(K)   = t(K+1) + K d + h                           draft, then verify (sequential)
-    time(K)   = max(t(K+1), K' d) + (1 - P) K d + h        pipelined: the next block is
+    time(K)   = t(B (K+1)) + d(K) + h                      draft, then verify (sequential)
+    time(K)   = max(t(B (K+1)), d(K')) + (1 - P) d(K) + h  pipelined: the next block is
                                                             drafted during this verify
 
-t(n) is the verifier's time for an n-token forward, d the drafter's time per token, h what a
-round spends beyond both (hops, the router's work), P = α^K the chance that the pre-drafted
-block is used (the whole block accepted) and K' the pre-draft's length. A sampled pipelined
-round loses its bonus token when the pre-draft is used (loop.continue_with_predraft), so its
-tokens(K) is α^K smaller. With the drafter off the critical path the best K is near where
-K d ≈ t(K+1), further out than where the sequential formula peaks.
+t(n) is the verifier's forward time when its batch feeds n tokens (B rounds of K + 1),
+d(n) = d0 + n d1 the drafter's time for an n-token call, h what a round spends beyond both
+(hops, the router's work), P = α^K the chance that the pre-drafted block is used (the whole
+block accepted) and K' the pre-draft's length. A sampled pipelined round loses its bonus
+token when the pre-draft is used (loop.continue_with_predraft), so its tokens(K) is α^K
+smaller.
+
+What keeps the estimates honest (a policy that believes speculation is dear stops drafting,
+and a K it never runs is a K it never measures):
+- costs come from warm, comparable rounds only: a request's first round (prefills) and rounds
+  that rebuilt a cache are not costs; a draft that first caught up on many tokens committed
+  while the request ran without drafts is not a draft cost;
+- each cost is the median of its recent values, so one cold or stray value moves nothing;
+- the verify line is fitted to every token count seen, weighted by how often it was seen,
+  through the measured t(1) when there is one;
+- every `explore_every` rounds a request runs a neighbour of its K (one up, then one down),
+  so the costs of the K it might choose next are measured, not assumed;
+- K = 0 (speculation off) is reachable only when it pays under batch load (or when this
+  request's draft is measured to be useless), with a margin to enter and to leave, and it is
+  left as soon as the load falls.
 """
 
+from collections import deque
 from dataclasses import dataclass
+from statistics import median_low
 from typing import Protocol
 
 
@@ -34,6 +50,12 @@ class RoundCost:
     batch_size: int = 1
     batch_tokens: int = 0
     draft_hop_seconds: float = 0.0  # waiting for this round's draft beyond its compute
+    # False for rounds whose costs say nothing about a K: a request's first round (prompt
+    # prefills), a round that rebuilt a pool's cache
+    comparable: bool = True
+    # committed tokens the drafter fed before drafting (catching up after rounds without a
+    # draft): beyond a round's usual one or two, its draft time is not a draft cost
+    draft_catch_up: int = 0
 
 
 class KPolicy(Protocol):
@@ -68,75 +90,118 @@ class Ema:
             (1 - self.weight) * self.value + self.weight * value
 
 
+class Recent:
+    """The lower median of the last `size` values (None before the first): robust to a cold
+    start or a stray value (of two values, the lower: slow is what cold and stray values
+    are), and it forgets old regimes after `size` new values."""
+
+    def __init__(self, size: int = 31) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def value(self) -> float | None:
+        return median_low(self.values) if self.values else None
+
+
+class Curve:
+    """Times by size (tokens): a median per size and how often each size was seen lately,
+    fitted with a weighted line a + b (n - 1); b >= 0 (noise must not make more tokens look
+    cheaper)."""
+
+    def __init__(self, decay: float = 0.02) -> None:
+        self.points: dict[int, Recent] = {}
+        self.seen: dict[int, float] = {}  # decayed counts: how common each size is now
+        self.decay = decay
+
+    def add(self, size: int, seconds: float) -> None:
+        for n in self.seen:
+            self.seen[n] *= 1 - self.decay
+        self.points.setdefault(size, Recent()).add(seconds)
+        self.seen[size] = self.seen.get(size, 0.0) + 1.0
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def confirmed(self) -> list[int]:
+        """The sizes seen at least twice (a size seen once may have been seen cold), or
+        every size while none has been."""
+        twice = [n for n, recent in self.points.items() if len(recent.values) > 1]
+        return twice or list(self.points)
+
+    def fit(self, prior_slope: float) -> tuple[float, float]:
+        """(a, b): the line through an anchor, the measured value at n = 1 when there is one,
+        else at the most common size, whose slope is the mean of the slopes from the anchor
+        to every other size, weighted by how often each is seen (a rare size, however far
+        out, weighs as rarely as it occurs); one size alone gets `prior_slope` of a."""
+        sizes = self.confirmed()
+        anchor = 1 if 1 in sizes else max(sizes, key=self.seen.get)
+        base = self.points[anchor].value
+        others = [(n, self.points[n].value, self.seen[n]) for n in sizes if n != anchor]
+        if others:
+            slope = sum(w * (t - base) / (n - anchor) for n, t, w in others) / \
+                sum(w for _, _, w in others)
+            slope = max(0.0, slope)
+        else:
+            slope = prior_slope * base / (1 + prior_slope * (anchor - 1))
+        return max(1e-6, base - slope * (anchor - 1)), slope
+
+
+# a drafter fed more committed tokens than a round's usual (its last draft token and the
+# bonus) was catching up after rounds without a draft
+USUAL_CATCH_UP = 2
+
+
 class CostModel:
-    """The pools' costs as the rounds measure them, shared by a router's requests.
+    """The pools' costs as warm rounds measure them, shared by a router's requests.
 
-    The verifier's forward time is a line a + b (N - 1) in the tokens N its batch feeds,
-    fitted to the mean time of each N seen (a new machine's curve is learnt, not configured);
-    until two different N are seen the slope is `prior_slope` of t(1) per extra token.
-
-    Load: the verifier batches the rounds of all requests that call it meanwhile, B of them
-    on average (measured from its answers). If each drafts K, a round's forward feeds about
-    B (K + 1) tokens, so t(K + 1) is read off the line at N = B (K + 1). Drafted tokens cost
-    everyone in the batch: as B grows, a K's extra tokens grow B-fold in the forward while a
-    request's tokens per round do not, so the best K shrinks, down to 0 (speculation off)
-    once the forward's fixed cost a is small beside B b, and comes back as B falls.
+    Verify: the forward's time as a line in the tokens its batch feeds (a new machine's curve
+    is learnt, not configured); until two sizes are seen the slope is `prior_slope` of t(1)
+    per extra token. Draft: a call's time as a per-call part plus a per-token part.
+    Overheads: a round's time beyond the pools' compute, with a draft call and without.
     """
 
-    def __init__(self, prior_slope: float = 0.1, weight: float = 0.05) -> None:
-        self.prior_slope, self.weight = prior_slope, weight
-        self.verify: dict[int, Ema] = {}
-        self.draft_per_token, self.overhead = Ema(weight), Ema(weight)
-        # a round without a draft (K = 0) makes one pool call, not two: its own overhead,
-        # estimated until such rounds are seen as the overhead less the draft call's hop
-        self.overhead_plain, self.draft_hop = Ema(weight), Ema(weight)
-        self.alpha = Ema(weight)  # acceptance across requests: a new request's prior
-        self.batch = Ema(weight)  # calls per verifier batch
-        self.line = (1.0, prior_slope)  # t(1) and seconds per extra token (t(1) units a priori)
+    def __init__(self, prior_slope: float = 0.1) -> None:
+        self.prior_slope = prior_slope
+        self.verify, self.draft = Curve(), Curve()
+        self.overhead, self.overhead_plain, self.draft_hop = Recent(), Recent(), Recent()
+        self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
 
     def observe(self, cost: RoundCost) -> None:
+        if not cost.comparable:
+            return
         if cost.verify_tokens > 0 and cost.verify_seconds > 0:
-            tokens = cost.batch_tokens or cost.verify_tokens
-            self.verify.setdefault(tokens, Ema(self.weight)).add(cost.verify_seconds)
-            self.line = self.fit()
-            self.batch.add(max(1, cost.batch_size))
-        if cost.draft_tokens > 0 and cost.draft_seconds > 0:
-            self.draft_per_token.add(cost.draft_seconds / cost.draft_tokens)
-        if cost.verify_tokens <= 1:
-            self.overhead_plain.add(max(0.0, cost.overhead_seconds))
-        else:
-            self.overhead.add(max(0.0, cost.overhead_seconds))
+            self.verify.add(cost.batch_tokens or cost.verify_tokens, cost.verify_seconds)
+        if cost.draft_tokens > 0 and cost.draft_seconds > 0 \
+                and cost.draft_catch_up <= USUAL_CATCH_UP:
+            self.draft.add(cost.draft_tokens, cost.draft_seconds)
+        (self.overhead_plain if cost.verify_tokens <= 1 else self.overhead).add(
+            max(0.0, cost.overhead_seconds))
         if cost.draft_hop_seconds > 0:
             self.draft_hop.add(cost.draft_hop_seconds)
 
-    def fit(self) -> tuple[float, float]:
-        """(t(1), slope) of the line through the mean verify time of each n seen."""
-        points = [(n, ema.value) for n, ema in self.verify.items()]
-        if len(points) == 1:
-            n, seconds = points[0]
-            base = seconds / (1 + self.prior_slope * (n - 1))
-            return base, self.prior_slope * base
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / \
-            sum((n - mean_n) ** 2 for n, _ in points)
-        slope = max(0.0, slope)  # noise must not make longer verifies look cheaper
-        return mean_t + slope * (1 - mean_n), slope
-
-    def verify_seconds(self, num_tokens: int) -> float:
-        """A round's verify time when it scores num_tokens (K + 1), in a batch of B such."""
-        return self.forward_seconds(self.batch_size() * num_tokens)
-
     def forward_seconds(self, batch_tokens: float) -> float:
-        base, slope = self.line
+        """The verifier's forward when its batch feeds batch_tokens tokens."""
+        if not self.verify:
+            return 1.0  # nothing measured: only ratios to t(1) matter until then
+        base, slope = self.verify.fit(self.prior_slope)
         return max(1e-6, base + slope * (batch_tokens - 1))
 
-    def batch_size(self) -> float:
-        return self.batch.value or 1.0
-
-    def draft_seconds_per_token(self) -> float:
-        value = self.draft_per_token.value
-        return 0.1 * self.forward_seconds(1) if value is None else value
+    def draft_seconds(self, num_tokens: int) -> float:
+        """A draft call of num_tokens tokens (0: no call)."""
+        if num_tokens <= 0:
+            return 0.0
+        if not self.draft:
+            return 0.1 * num_tokens * self.forward_seconds(1)
+        sizes = self.draft.confirmed()
+        if len(sizes) == 1:  # one size: all of it per token (dear for long K)
+            n = sizes[0]
+            return self.draft.points[n].value * num_tokens / n
+        per_call, per_token = self.draft.fit(0.0)
+        # the fit's a is the time at n = 1: split into a call's part and a token's
+        return max(1e-6, per_call - per_token + per_token * num_tokens)
 
     def overhead_seconds(self, k: int = 1) -> float:
         """A round's time beyond the pools' compute, with a draft call (k > 0) or without."""
@@ -171,8 +236,16 @@ class AdaptiveK:
 
     α is the request's own acceptance, counted per position tested (a round that accepts n of
     K tested n + 1 positions, or K when all were accepted), with older rounds decaying and the
-    router-wide acceptance as a prior worth `prior_weight` positions.
+    router-wide acceptance as a prior worth `prior_weight` positions. The load is the
+    verifier batch this request's own recent rounds were scored in (1 until it has seen one):
+    a request that starts after a burst drafts at once.
     """
+
+    explore_every = 8  # rounds between two runs of a neighbouring K
+    zero_load = 1.5  # K = 0 only in verifier batches at least this large on average...
+    useless_alpha = 0.1  # ...or when this request's draft is accepted less than this...
+    min_tested = 16  # ...over at least this many positions tested by this request
+    margin = 0.1  # K = 0 is entered when it beats the best K by this much, left likewise
 
     def __init__(self, bounds: KBounds, costs: CostModel, pipelined: bool, greedy: bool,
                  prior_alpha: float = 0.6, prior_weight: float = 4.0,
@@ -182,10 +255,13 @@ class AdaptiveK:
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
         self.accepted, self.tested = prior * prior_weight, prior_weight
         self.decay = decay
-        self.rounds_at_zero = 0
-        # the first round: what the prior and the costs measured so far say, unless configured
-        self.k = self.choose() if bounds.initial is None else \
+        self.positions_tested = 0  # by this request's own rounds, not the prior
+        self.load = 1.0
+        self.rounds = 0
+        self.explored_up = False
+        self.chosen = self.choose(None) if bounds.initial is None else \
             min(max(bounds.initial, bounds.min), bounds.max)
+        self.k = self.chosen
 
     @property
     def alpha(self) -> float:
@@ -199,32 +275,55 @@ class AdaptiveK:
             tested = num_accepted + (num_accepted < num_drafted)
             self.accepted = self.decay * self.accepted + num_accepted
             self.tested = self.decay * self.tested + tested
+            self.positions_tested += tested
             self.costs.alpha.add(num_accepted / tested)
         if cost is not None:
+            self.load = 0.5 * self.load + 0.5 * max(1, cost.batch_size)
             self.costs.observe(cost)
-        self.k = self.choose()
-        # K = 0 learns nothing of α: try one token every 8 rounds
-        self.rounds_at_zero = self.rounds_at_zero + 1 if self.k == 0 else 0
-        if self.rounds_at_zero >= 8:
-            self.k, self.rounds_at_zero = 1, 0
+        self.rounds += 1
+        self.chosen = self.choose(self.chosen)
+        self.k = self.explore(self.chosen) if self.rounds % self.explore_every == 0 \
+            else self.chosen
 
-    def choose(self) -> int:
-        return max(range(self.bounds.min, self.bounds.max + 1), key=self.rate)
+    def explore(self, k: int) -> int:
+        """A neighbour of k: one up and one down in turn, within what may be chosen."""
+        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
+        self.explored_up = not self.explored_up
+        step = 1 if self.explored_up or k <= low else -1
+        return min(max(k + step, low), self.bounds.max)
+
+    def zero_allowed(self) -> bool:
+        if self.bounds.min > 0:
+            return False
+        useless = self.positions_tested >= self.min_tested and self.alpha < self.useless_alpha
+        return self.load >= self.zero_load or useless
+
+    def choose(self, current: int | None = None) -> int:
+        """The best K, where K = 0 must win by `margin` to be entered or kept."""
+        low = max(1, self.bounds.min)
+        if low > self.bounds.max:
+            return 0
+        best = max(range(low, self.bounds.max + 1), key=self.rate)
+        if not self.zero_allowed():
+            return best
+        plain, drafting = self.rate(0), self.rate(best)
+        if current == 0:
+            return 0 if drafting <= plain * (1 + self.margin) else best
+        return 0 if plain > drafting * (1 + self.margin) else best
 
     def rate(self, k: int) -> float:
         """Expected tokens per second at K = k."""
         costs, alpha = self.costs, self.alpha
-        verify = costs.verify_seconds(k + 1)
-        per_token = costs.draft_seconds_per_token()
+        verify = costs.forward_seconds(self.load * (k + 1))
         tokens = expected_tokens(alpha, k)
         if k == 0:
             seconds = verify
         elif not self.pipelined:
-            seconds = verify + k * per_token
+            seconds = verify + costs.draft_seconds(k)
         else:
             used = alpha ** (k + self.greedy)  # the block accepted (greedy: and y1 == bonus)
-            predraft = (k + self.greedy) * per_token
-            seconds = max(verify, predraft) + (1 - used) * k * per_token
+            predraft = costs.draft_seconds(k + self.greedy)
+            seconds = max(verify, predraft) + (1 - used) * costs.draft_seconds(k)
             if not self.greedy:
                 tokens -= alpha ** k
         return tokens / (seconds + costs.overhead_seconds(k))

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from speculative.sampling import SamplingParams
+from speculative.sampling import SamplingParams, draft_law
 
 
 def prefix_hash(token_ids) -> int:
@@ -52,16 +52,100 @@ class ProposeCall:
     assumed_token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, eq=False)
+class DraftDists:
+    """The draft distributions q1..qK in their wire form: per position, weights over ids.
+
+    weights: [K, m] float32 or float16; row i's q_i is weights[i] / its sum (`draft_law`): the
+    drafter drew x_i from these very (rounded) weights. ids: [K, m] integer token ids of the
+    weights (sparse: an id not listed has q = 0; one listed twice, the sum of its weights), or
+    None when dense (m == vocab_size, column j is id j). Consumers read q_i(x_i) with `at`, a
+    gather over m entries; only the verifier, which needs whole rows for its residuals,
+    builds the dense [K, V] q, once.
+    """
+
+    weights: torch.Tensor
+    ids: torch.Tensor | None
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.weights.shape)
+        if len(shape) != 2:
+            raise ValueError(f"draft weights must be [positions, entries], got {list(shape)}")
+        if self.ids is None and shape[1] != self.vocab_size:
+            raise ValueError(f"dense draft weights must have {self.vocab_size} entries per "
+                             f"position, got {shape[1]}")
+        if self.ids is not None and (tuple(self.ids.shape) != shape
+                                     or self.ids.dtype not in (torch.int32, torch.int64)):
+            raise ValueError("draft ids must be integers shaped like the draft weights")
+
+    @classmethod
+    def from_dense(cls, weights: torch.Tensor) -> "DraftDists":
+        """[K, V] weights (one-hot rows, full or truncated q) as the dense form."""
+        return cls(weights, None, weights.shape[-1])
+
+    @classmethod
+    def stack(cls, rows: list[tuple[torch.Tensor, torch.Tensor | None]],
+              vocab_size: int) -> "DraftDists":
+        """One (weights [m_i], ids [m_i] or None: dense [V]) per position; sparse rows are
+        padded to the widest with zero weights, which change no q."""
+        if all(ids is None for _, ids in rows):
+            return cls(torch.stack([weights for weights, _ in rows]), None, vocab_size)
+        pad = torch.nn.utils.rnn.pad_sequence
+        return cls(pad([weights for weights, _ in rows], batch_first=True),
+                   pad([ids for _, ids in rows], batch_first=True), vocab_size)
+
+    def __len__(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(K, V): the shape of the dense q this stands for."""
+        return len(self), self.vocab_size
+
+    def at(self, token_ids) -> list[float]:
+        """[q_1(x_1), .., q_K(x_K)] for token_ids x_1..x_K, gathered from the m entries per
+        row (never densified); 0 for an id the row does not list."""
+        tokens = list(token_ids)
+        if len(tokens) != len(self) or not all(0 <= t < self.vocab_size for t in tokens):
+            raise ValueError(f"need {len(self)} token ids in [0, {self.vocab_size}), got "
+                             f"{tokens[:8]}")
+        law = draft_law(self.weights)  # [K, m], checked
+        tokens = torch.tensor(tokens, dtype=torch.long, device=law.device)[:, None]  # [K, 1]
+        if self.ids is None:
+            return law.gather(1, tokens).squeeze(1).tolist()
+        return (law * (self.ids == tokens)).sum(1).tolist()
+
+    def dense(self, device=None) -> torch.Tensor:
+        """[K, V] float32 q (on `device`): each row over its sum; ValueError for weights no
+        sampler could have drawn from (not finite, negative, a row summing to 0)."""
+        law = draft_law(self.weights.to(device))  # [K, m]
+        if self.ids is None:
+            return law
+        dense = torch.zeros(len(self), self.vocab_size, device=law.device)
+        return dense.scatter_add_(1, self.ids.to(law.device, torch.long), law)
+
+    def compact(self) -> "DraftDists":
+        """The same weights, bit for bit, in whichever form takes fewer bytes on the wire
+        (an id costs 4): a flat q keeps so many entries that dense is smaller."""
+        entry = self.weights.element_size()
+        if self.ids is None or self.weights.shape[1] * (4 + entry) < self.vocab_size * entry:
+            return self
+        dense = torch.zeros(len(self), self.vocab_size, dtype=self.weights.dtype,
+                            device=self.weights.device)
+        return DraftDists.from_dense(dense.scatter_add_(1, self.ids.long(), self.weights))
+
+
 @dataclass(frozen=True)
 class DraftBlock:
     """Candidate tokens x1..xK and the distributions q1..qK they were drawn from.
 
-    draft_probs is [K, V] (dense) or None for greedy, where only the ids matter. A drafter may
-    return fewer than the K tokens asked for (the n-gram drafter without a match).
+    draft_probs is None for greedy, where only the ids matter. A drafter may return fewer than
+    the K tokens asked for (the n-gram drafter without a match).
     """
 
     token_ids: tuple[int, ...]
-    draft_probs: torch.Tensor | None
+    draft_probs: DraftDists | None
     compute_seconds: float = 0.0  # the drafter's own time on the call, transport excluded
     wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
     load: "BatchLoad | None" = None  # the batch the call was drafted in
@@ -73,7 +157,7 @@ class ScoreCall:
     sync: PrefixSync
     draft_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    draft_probs: torch.Tensor | None = None  # sampling: q1..qK [K, V], for the residuals
+    draft_probs: DraftDists | None = None  # sampling: q1..qK, for the residuals
     seed: int = 0  # seeds the residual and bonus draws, so a retried call draws the same
 
 

@@ -8,7 +8,7 @@ import torch
 from engine.batch import forward_packed, use_packed_attention
 from engine.kv import SessionStore
 from speculative.rejection import residual
-from speculative.sampling import draft_law, logits_to_probs, sample
+from speculative.sampling import logits_to_probs, sample
 from speculative.types import (
     BatchLoad,
     ScoreCall,
@@ -63,11 +63,12 @@ class ModelVerifier:
         drafted = list(call.draft_token_ids)
         draft_probs = None
         if not call.sampling.greedy and drafted:
-            shape = None if call.draft_probs is None else tuple(call.draft_probs.shape)
+            shape = None if call.draft_probs is None else call.draft_probs.shape
             if shape != (len(drafted), vocab_size):
                 raise ValueError(f"sampling needs draft_probs of shape {(len(drafted), vocab_size)}"
                                  f", got {shape}")
-            draft_probs = draft_law(call.draft_probs)  # checked before the cache is touched
+            # the one dense [K, V] q of a round, checked before the cache is touched
+            draft_probs = call.draft_probs.dense(self.model.device)
         length = call.sync.committed_len + len(drafted)
         if self.max_positions is not None and length > self.max_positions:
             raise ValueError(f"{length} tokens exceed the target's context of "

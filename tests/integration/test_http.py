@@ -68,6 +68,19 @@ def test_adaptive_k_is_exact_and_reports_the_k_it_chose(cluster, pipelined):
     assert response.status_code == 400 and "num_speculative_tokens" in response.text
 
 
+def test_the_default_request_drafts(cluster):
+    """The router's default (auto K, greedy demo prompts, one at a time) speculates: alone in
+    its batches a request never turns speculation off, and the K it runs follows costs
+    measured on warm rounds."""
+    mean_ks = []
+    for prompt in PROMPTS:
+        body = complete(cluster, prompt, max_tokens=48, temperature=0, ignore_eos=True)
+        stats = body["speculative"]
+        assert stats["num_draft_tokens"] > 0, prompt
+        mean_ks.append(stats["mean_num_speculative_tokens"])
+    assert min(mean_ks) >= 1, mean_ks
+
+
 def test_the_ngram_drafter_is_exact_too(cluster):
     prompt = "x = 1\nx = 1\nx = 1\n"
     alone = complete(cluster, prompt, max_tokens=24, temperature=0, num_speculative_tokens=0)

@@ -1,8 +1,10 @@
 """Sampling through HTTP follows the target's own distribution.
 
-The first two tokens after a prompt, sampled through the whole distributed path (router,
-gRPC, both pools, rejection sampling), against their exact law computed from the demo target
-in this process with the same temperature / top-k / top-p processing. Chi-square at a
+The two tokens after the first, sampled through the whole distributed path (router, gRPC,
+both pools, rejection sampling), against their exact law given the first, computed from the
+demo target in this process with the same temperature / top-k / top-p processing. The first
+token is the target's alone (the drafter prefills beside that round); the next round drafts
+the second and scores the third (its bonus). Chi-square conditioned on the first token at a
 false-failure rate of 1e-6; requests seeded.
 """
 
@@ -12,7 +14,7 @@ import torch
 
 from engine.models import DEMO_TARGET, load_causal_lm, load_tokenizer
 from speculative.sampling import SamplingParams, logits_to_probs
-from tests.stats.chisq import chi_square
+from tests.stats.chisq import conditional_chi_square
 
 PROMPT = "def "
 PARAMS = SamplingParams(temperature=0.8, top_k=6)
@@ -21,40 +23,57 @@ FALSE_FAILURE = 1e-6
 
 
 @torch.no_grad()
-def exact_pairs(prompt_ids) -> dict[tuple[int, ...], float]:
+def exact_law(prompt_ids) -> dict[int, dict[tuple[int, ...], float]]:
+    """{t1: {(t2, t3) or (t2,) when t2 ends the output: its probability given t1}}."""
     model = load_causal_lm(DEMO_TARGET)
-    first = logits_to_probs(model(input_ids=torch.tensor([prompt_ids])).logits[0, -1], PARAMS)
+    eos = model.config.eos_token_id
+
+    def next_probs(ids):
+        return logits_to_probs(model(input_ids=torch.tensor([ids])).logits[0, -1], PARAMS)
+
     law = {}
-    for t1 in first.nonzero().flatten().tolist():
-        if t1 == model.config.eos_token_id:  # the output stops at EOS
-            law[(t1,)] = float(first[t1])
+    for t1 in next_probs(prompt_ids).nonzero().flatten().tolist():
+        if t1 == eos:  # the output stops at EOS: nothing after it to test
             continue
-        logits = model(input_ids=torch.tensor([prompt_ids + [t1]])).logits[0, -1]
-        second = logits_to_probs(logits, PARAMS)
+        second, given = next_probs(prompt_ids + [t1]), {}
         for t2 in second.nonzero().flatten().tolist():
-            law[(t1, t2)] = float(first[t1] * second[t2])
+            if t2 == eos:
+                given[(t2,)] = float(second[t2])
+                continue
+            third = next_probs(prompt_ids + [t1, t2])
+            for t3 in third.nonzero().flatten().tolist():
+                given[(t2, t3)] = float(second[t2] * third[t3])
+        law[t1] = given
     return law
 
 
 @pytest.mark.slow
 def test_sampled_pairs_through_http_match_the_target(cluster):
     prompt_ids = load_tokenizer(DEMO_TARGET)(PROMPT, add_special_tokens=False)["input_ids"]
-    law = exact_pairs(prompt_ids)
-    cells = {pair: i for i, pair in enumerate(law)}
-    counts = np.zeros(len(cells) + 1)  # last cell: outside the support (must stay empty)
+    law = exact_law(prompt_ids)
+    groups = {t1: i for i, t1 in enumerate(law)}
+    cells = [{rest: i for i, rest in enumerate(law[t1])} for t1 in law]
+    width = max(len(c) for c in cells) + 1  # last cell: outside the support (stays empty)
+    counts, expected = np.zeros((len(law), width)), np.zeros((len(law), width))
+    for t1, row in groups.items():
+        expected[row, : len(law[t1])] = list(law[t1].values())
     accepted = 0
     for seed in range(REQUESTS):
         response = cluster.post("/v1/completions", {
-            "prompt": PROMPT, "max_tokens": 2, "temperature": PARAMS.temperature,
+            "prompt": PROMPT, "max_tokens": 3, "temperature": PARAMS.temperature,
             "top_k": PARAMS.top_k, "seed": seed, "n": N, "num_speculative_tokens": 3,
             "return_token_ids": True})
         assert response.status_code == 200, response.text
         body = response.json()
         accepted += body["speculative"]["num_accepted_tokens"]
         for choice in body["choices"]:
-            counts[cells.get(tuple(choice["token_ids"]), len(cells))] += 1
-    expected = np.append(np.array(list(law.values())), 0.0)
-    statistic, threshold, df = chi_square(counts, expected, FALSE_FAILURE)
+            first, *rest = choice["token_ids"]
+            if not rest:  # EOS first: the output ended at the target's own token
+                continue
+            assert first in groups, f"a first token outside the target's support: {first}"
+            row = groups[first]
+            counts[row, cells[row].get(tuple(rest), width - 1)] += 1
+    statistic, threshold, df = conditional_chi_square(counts, expected, FALSE_FAILURE)
     assert statistic < threshold, (
         f"chi2 = {statistic:.1f} > {threshold:.1f} (df {df}); a correct implementation fails "
         f"this with probability {FALSE_FAILURE}")

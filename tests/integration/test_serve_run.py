@@ -43,6 +43,13 @@ def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
         assert body is not None, "serve run never answered"
         assert body["usage"]["completion_tokens"] == 4
         print(f"serve run -> first completion in {first_token_s:.1f}s")
+        # a newcomer's first requests speculate: nothing was warmed by hand
+        mean_ks = [requests.post(f"http://127.0.0.1:{http_port}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 96, "temperature": 0, "ignore_eos": True},
+            timeout=60).json()["speculative"]["mean_num_speculative_tokens"]
+            for prompt in NEWCOMER_PROMPTS]
+        print(f"mean K of the first four requests: {mean_ks}")
+        assert sum(mean_ks) / len(mean_ks) >= 1.5, mean_ks
         process.send_signal(signal.SIGTERM)
         stopping = time.monotonic()
         returncode = process.wait(GRACEFUL_S)  # raises if it does not stop by itself
@@ -63,6 +70,8 @@ def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
+
+NEWCOMER_PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "for i in range("]
 
 # Serve's graceful shutdown of its replicas (20 s by default) plus Ray's own stop
 GRACEFUL_S = 60

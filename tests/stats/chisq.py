@@ -24,3 +24,32 @@ def chi_square(counts, expected_probs, false_failure: float):
     statistic = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     df = int(keep.sum()) - 1
     return statistic, float(stats.chi2.isf(false_failure, df)), df
+
+
+def conditional_chi_square(counts, conditional_probs, false_failure: float):
+    """(statistic, threshold, df) of counts[g, ...] against a known law of the rest given
+    the group g: each group's expected counts are its own total times its row of
+    `conditional_probs` (rows sum to 1), so only the law within groups is tested.
+
+    A request's first token is the target's alone (its round drafts nothing while the
+    drafter prefills beside it), so the law tests condition on it: the groups are the first
+    token, the cells the drafted positions after it. Cells with fewer than 5 expected samples
+    are pooled into one; df loses one per group (each group's total is given).
+    """
+    counts = np.asarray(counts, dtype=float)
+    groups = counts.shape[0]
+    counts = counts.reshape(groups, -1)
+    law = np.asarray(conditional_probs, dtype=float).reshape(groups, -1)
+    expected = law * counts.sum(1, keepdims=True)
+    observed_groups = int((counts.sum(1) > 0).sum())
+    counts, expected = counts.ravel(), expected.ravel()
+    small = expected < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    if np.any((expected == 0) & (counts > 0)):
+        return float("inf"), 0.0, len(counts) - observed_groups
+    keep = expected > 0
+    statistic = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    df = max(1, int(keep.sum()) - observed_groups)
+    return statistic, float(stats.chi2.isf(false_failure, df)), df

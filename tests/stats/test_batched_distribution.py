@@ -1,6 +1,6 @@
 """Sampling through batched pools keeps the target's law: requests decode concurrently, join
 and leave the pools' batches at different rounds (their lengths differ), and each one's first
-three tokens still follow the exact law of test_pipelined_distribution. A mutant that hands a
+three tokens after the first still follow the exact law of test_pipelined_distribution. A mutant that hands a
 request its batch-mate's logits must fail the same check.
 """
 
@@ -26,7 +26,7 @@ from tests.tiny import Batched, run_concurrently
 from verifier import engine as verifier_engine
 from verifier.engine import ModelVerifier
 
-SAMPLES, GROUP = 3000, 16  # 16 requests at a time; lengths 4..7 so they leave unevenly
+SAMPLES, GROUP = 3000, 16  # 16 requests at a time; lengths 5..8 so they leave unevenly
 
 
 def batched_counts(target, draft, pipelined: bool) -> tuple[np.ndarray, list[int]]:
@@ -35,10 +35,10 @@ def batched_counts(target, draft, pipelined: bool) -> tuple[np.ndarray, list[int
     counts = np.zeros((VOCAB,) * 3)
     for start in range(0, SAMPLES, GROUP):
         params = SamplingParams(**{**PARAMS.__dict__, "seed": 7_000_000 + start})
-        lengths = [4 + (start + i) % 4 for i in range(GROUP)]
+        lengths = [5 + (start + i) % 4 for i in range(GROUP)]
         for out in run_concurrently(drafter, verifier, [PROMPT] * GROUP, params, K, lengths,
                                     pipelined):
-            counts[tuple(out[:3])] += 1
+            counts[tuple(out[1:4])] += 1
     return counts, verifier.batch_sizes
 
 

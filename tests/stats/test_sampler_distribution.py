@@ -13,6 +13,7 @@ import torch
 
 import speculative.rejection as rejection
 from speculative.sampling import SamplingParams, logits_to_probs, sample
+from speculative.types import DraftDists
 from tests.stats.chisq import chi_square
 from verifier.engine import draw_recovered_and_bonus
 
@@ -52,7 +53,7 @@ class MarkovPair:
             if drawn:
                 seed = int(torch.randint(0, 2**62, (), generator=generator))
                 scores = draw_recovered_and_bonus(target, drafted, draft, seed)
-                at_draft = draft[torch.arange(k), drafted]
+                at_draft = DraftDists.from_dense(draft).at(drafted)  # as the router reads q
                 out = rejection.accept_drawn(drafted, at_draft, scores.draft_target_probs,
                                              scores.recovered_token_ids, scores.bonus_token_id,
                                              generator)

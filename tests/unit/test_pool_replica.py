@@ -106,10 +106,12 @@ def score(request_id: str, **fields) -> pb.ScoreRequest:
                            sampling=pb.SamplingParams(temperature=1), seed=1, **fields)
 
 
-def q(rows: int, vocab: int, value: float = 0.5) -> pb.Distributions:
+def q(rows: int, vocab: int, value: float = 0.5, token: int = 0) -> pb.Distributions:
+    """A sparse q of one entry per row, as a truncating drafter ships it."""
     probs = torch.full((rows, 1), value)
-    return pb.Distributions(ids=wire.tensor_to_proto(torch.zeros(rows, 1, dtype=torch.int32)),
-                            probs=wire.tensor_to_proto(probs), vocab_size=vocab)
+    ids = torch.full((rows, 1), token, dtype=torch.int32)
+    return pb.Distributions(ids=wire.tensor_to_proto(ids), probs=wire.tensor_to_proto(probs),
+                            vocab_size=vocab)
 
 
 def test_pools_serve_only_callers_with_the_secret():
@@ -156,6 +158,7 @@ def test_hostile_messages_are_refused_fast_before_any_allocation():
                 "NaN q": score("nan", draft_probs=q(2, vocab, math.nan)),
                 "negative q": score("neg", draft_probs=q(2, vocab, -0.5)),
                 "q rows unlike the draft": score("rows", draft_probs=q(5, vocab)),
+                "q id outside the vocabulary": score("qid", draft_probs=q(2, vocab, token=vocab)),
                 "unknown id": score("id", draft_token_ids=[vocab + 1]),
                 "no request id": score(""),
             }
@@ -189,3 +192,32 @@ def test_a_stuck_model_worker_fails_the_health_check():
         await replica.server.stop(None)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("pool", ["drafter", "verifier"])
+def test_a_replica_runs_its_model_before_it_is_ready_and_keeps_no_session(monkeypatch, pool):
+    """No request pays the model's first forwards: the replica's start runs greedy and
+    sampled calls through its engine (prefill and K-token steps) and drops their caches."""
+    import drafter.model
+    import verifier.engine
+
+    module = drafter.model if pool == "drafter" else verifier.engine
+    shapes = []
+    forward = module.forward_packed
+
+    def counting(model, segments):
+        shapes.append(sum(len(s.token_ids) for s in segments))
+        return forward(model, segments)
+
+    monkeypatch.setattr(module, "forward_packed", counting)
+
+    async def main():
+        deployment, args = (DrafterPool, DrafterArgs()) if pool == "drafter" else \
+            (VerifierPool, VerifierArgs())
+        replica = await local_replica(deployment, args)
+        assert len(replica.engine.sessions) == 0
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+    assert max(shapes) >= 16 and min(shapes) <= 5  # a prefill and a step of a few tokens
+    assert len(shapes) >= 3

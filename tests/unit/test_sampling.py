@@ -2,13 +2,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from speculative.sampling import (
-    SamplingParams,
-    draft_law,
-    logits_to_probs,
-    truncate_mass,
-    truncate_top_k,
-)
+from speculative.sampling import SamplingParams, draft_law, kept_entries, logits_to_probs
 
 
 @pytest.mark.parametrize(
@@ -66,18 +60,24 @@ def test_greedy_is_one_hot_argmax():
     assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
 
 
-def test_truncate_top_k_keeps_the_largest_and_renormalises():
+def test_top_k_keeps_the_largest_renormalised_and_no_zeros():
     probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
-    torch.testing.assert_close(truncate_top_k(probs, 2), torch.tensor([0, 4 / 7, 0, 3 / 7]))
-    assert truncate_top_k(probs, 0) is probs
+    values, ids = kept_entries(probs, 2, 1.0)
+    assert ids.tolist() == [1, 3]
+    torch.testing.assert_close(values, torch.tensor([4 / 7, 3 / 7]))
+    values, ids = kept_entries(torch.tensor([0.0, 0.75, 0.25, 0.0]), 3, 1.0)
+    assert ids.tolist() == [1, 2] and values.tolist() == [0.75, 0.25]
 
 
-def test_truncate_mass_keeps_the_fewest_entries_holding_the_mass():
+def test_mass_keeps_the_fewest_entries_holding_it_after_top_k():
     probs = torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.97, 0.01, 0.01, 0.01]])
-    out = truncate_mass(probs, 0.75)
     # row 0: 0.5 + 0.25 = 0.75 holds it; row 1: the top entry alone
-    torch.testing.assert_close(out, torch.tensor([[0, 2 / 3, 0, 1 / 3], [1.0, 0, 0, 0]]))
-    assert truncate_mass(probs, 1.0) is probs
+    assert kept_entries(probs[0], 0, 0.75)[1].tolist() == [1, 3]
+    assert kept_entries(probs[1], 0, 0.75)[1].tolist() == [0]
+    # top 3 renormalised first: 0.5 / 0.9 < 0.75 <= (0.5 + 0.25) / 0.9
+    values, ids = kept_entries(probs[0], 3, 0.75)
+    assert ids.tolist() == [1, 3]
+    torch.testing.assert_close(values, torch.tensor([0.5, 0.25]) / 0.9)
 
 
 def test_draft_law_normalises_shipped_weights_and_refuses_impossible_ones():

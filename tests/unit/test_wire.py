@@ -5,8 +5,33 @@ import torch
 
 from deployments import wire
 from protos import specserve_pb2 as pb
-from speculative.sampling import SamplingParams, truncate_top_k
-from speculative.types import DraftBlock, PrefixSync, ProposeCall, ScoreCall, TargetScores
+from speculative import loop
+from speculative.sampling import SamplingParams, kept_entries
+from speculative.types import (
+    DraftBlock,
+    DraftDists,
+    PrefixSync,
+    ProposeCall,
+    ScoreCall,
+    TargetScores,
+)
+
+
+def truncated_q(positions: int, vocab_size: int, top_k: int = 0, mass: float = 1.0,
+                dtype=torch.float32, seed: int = 0) -> DraftDists:
+    """q as a truncating drafter ships it: kept entries per position, sparse."""
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(3 * torch.randn(positions, vocab_size, generator=generator), -1)
+    rows = [kept_entries(row, top_k, mass) for row in probs]
+    return DraftDists.stack([((v / v.sum()).to(dtype), ids) for v, ids in rows], vocab_size)
+
+
+def same_q(a: DraftDists, b: DraftDists) -> bool:
+    """The same form, ids and weights, bit for bit."""
+    same_ids = a.ids is None and b.ids is None or a.ids is not None and b.ids is not None \
+        and torch.equal(a.ids.long(), b.ids.long())
+    return same_ids and a.vocab_size == b.vocab_size and a.weights.dtype == b.weights.dtype \
+        and torch.equal(a.weights, b.weights)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
@@ -23,17 +48,65 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
         wire.tensor_from_proto(pb.Tensor(data=b"", dtype="complex64", shape=[0]))
 
 
-def test_truncated_distributions_travel_sparse_and_full_ones_dense():
-    probs = truncate_top_k(torch.softmax(torch.randn(4, 100), -1), 8)
-    message = wire.dists_to_proto(probs)
+def test_distributions_travel_in_the_form_they_were_shipped_in():
+    q = truncated_q(4, 100, top_k=8)
+    message = wire.dists_to_proto(q)
     assert message.HasField("ids") and list(message.probs.shape) == [4, 8]
-    torch.testing.assert_close(wire.dists_from_proto(message), probs)
-    one_hot = torch.nn.functional.one_hot(torch.tensor([3, 7]), 128_000).float()
+    assert same_q(wire.dists_from_proto(message), q)
+    one_hot = DraftDists(torch.ones(2, 1), torch.tensor([[3], [7]]), 128_000)  # n-gram q
     message = wire.dists_to_proto(one_hot)
-    assert message.ByteSize() < 100 and torch.equal(wire.dists_from_proto(message), one_hot)
-    full = torch.softmax(torch.randn(2, 100), -1)
+    assert message.ByteSize() < 100 and same_q(wire.dists_from_proto(message), one_hot)
+    full = DraftDists.from_dense(torch.softmax(torch.randn(2, 100), -1))
     message = wire.dists_to_proto(full)
-    assert not message.HasField("ids") and torch.equal(wire.dists_from_proto(message), full)
+    assert not message.HasField("ids") and same_q(wire.dists_from_proto(message), full)
+
+
+def test_a_received_q_is_checked_and_stays_sparse():
+    q = truncated_q(3, 50, top_k=4)
+    back = wire.dists_from_proto(wire.dists_to_proto(q))
+    assert back.weights.shape == (3, 4) and back.ids.shape == (3, 4)
+    for name, edit, match in [
+        ("id past the vocabulary", lambda m: m.ids.CopyFrom(wire.tensor_to_proto(
+            torch.full((3, 4), 50, dtype=torch.int32))), "ids out of range"),
+        ("negative weight", lambda m: m.probs.CopyFrom(wire.tensor_to_proto(
+            -torch.ones(3, 4))), "non-negative"),
+        ("NaN weight", lambda m: m.probs.CopyFrom(wire.tensor_to_proto(
+            torch.full((3, 4), float("nan")))), "finite"),
+        ("ids unlike weights", lambda m: m.ids.CopyFrom(wire.tensor_to_proto(
+            torch.zeros(3, 5, dtype=torch.int32))), "shaped unlike"),
+        ("float ids", lambda m: m.ids.CopyFrom(wire.tensor_to_proto(
+            torch.zeros(3, 4))), "ids out of range"),
+        ("dense row too short", lambda m: m.ClearField("ids"), "entries per position"),
+    ]:
+        message = wire.dists_to_proto(q)
+        edit(message)
+        with pytest.raises(ValueError, match=match):
+            wire.dists_from_proto(message)
+
+
+def test_the_router_forwards_q_without_building_a_dense_one(monkeypatch):
+    """Drafter -> router -> verifier: the ids and values the drafter wrote reach the verifier
+    bit for bit, and the router reads q_i(x_i) by gathering: no [K, V] tensor on its path."""
+    def no_dense(self, device=None):
+        raise AssertionError("the router built a dense q")
+
+    q = truncated_q(4, 128_000, mass=0.9, dtype=torch.float16, seed=3)
+    drafted = tuple(int(ids[0]) for ids in q.ids)
+    proposed = pb.ProposeResponse.FromString(
+        wire.block_to_proto(DraftBlock(drafted, q)).SerializeToString())
+    monkeypatch.setattr(DraftDists, "dense", no_dense)
+    block = wire.block_from_proto(proposed)  # the router's side
+    sync = PrefixSync(0, 0, (1, 2))
+    score = wire.score_to_proto(ScoreCall("r", sync, drafted, SamplingParams(),
+                                          block.draft_probs, seed=1))
+    scores = TargetScores(draft_target_probs=(1.0,) * 4, recovered_token_ids=(0,) * 4,
+                          bonus_token_id=5)
+    outcome = loop.accept(block, scores, False, torch.Generator().manual_seed(0))
+    assert outcome.num_accepted == 4  # p = 1 >= q everywhere
+    assert block.draft_probs.weights.shape == q.weights.shape
+    assert score.draft_probs.ids.data == proposed.draft_probs.ids.data
+    assert score.draft_probs.probs == proposed.draft_probs.probs
+    assert same_q(wire.score_from_proto(score).draft_probs, q)
 
 
 def test_calls_and_results_round_trip():
@@ -44,13 +117,13 @@ def test_calls_and_results_round_trip():
     assert wire.propose_from_proto(message) == propose
     score = ScoreCall("r1", sync, (1, 2, 3), sampling)
     assert wire.score_from_proto(wire.score_to_proto(score)) == score
-    q = truncate_top_k(torch.softmax(torch.randn(3, 50), -1), 4)
+    q = truncated_q(3, 50, top_k=4)
     back = wire.score_from_proto(wire.score_to_proto(ScoreCall("r", sync, (1, 2, 3), sampling, q, 9)))
-    assert back.seed == 9 and torch.equal(back.draft_probs, q)
+    assert back.seed == 9 and same_q(back.draft_probs, q)
 
-    block = DraftBlock((1, 2), torch.softmax(torch.randn(2, 10), -1))
+    block = DraftBlock((1, 2), DraftDists.from_dense(torch.softmax(torch.randn(2, 10), -1)))
     back = wire.block_from_proto(wire.block_to_proto(block))
-    assert back.token_ids == block.token_ids and torch.equal(back.draft_probs, block.draft_probs)
+    assert back.token_ids == block.token_ids and same_q(back.draft_probs, block.draft_probs)
     greedy = TargetScores(target_token_ids=(3, 4, 5))
     assert wire.scores_from_proto(wire.scores_to_proto(greedy)) == greedy
     drawn = TargetScores(draft_target_probs=(0.5, 0.25), recovered_token_ids=(7, 0),
@@ -63,16 +136,13 @@ def test_invalid_sampling_on_the_wire_is_a_value_error():
         wire.sampling_from_proto(pb.SamplingParams(temperature=-1, top_p=1))
 
 
-def test_half_precision_distributions_travel_bit_exactly_and_sparse_when_smaller():
-    from speculative.sampling import truncate_mass
-
-    probs = torch.softmax(3 * torch.randn(3, 4096, generator=torch.Generator().manual_seed(1)), -1)
-    half = truncate_mass(probs, 0.9).half()
+def test_half_precision_distributions_travel_bit_exactly_in_their_form():
+    half = truncated_q(3, 4096, mass=0.9, dtype=torch.float16, seed=1)
     message = wire.dists_to_proto(half)
     assert message.HasField("ids") and message.probs.dtype == "float16"
     back = wire.dists_from_proto(pb.Distributions.FromString(message.SerializeToString()))
-    assert back.dtype == torch.float16 and torch.equal(back, half)
-    assert message.ByteSize() < 6.5 * int((half > 0).sum(-1).max()) * 3 + 100
-    dense = probs.half()  # every entry non-zero: 2 bytes an entry beats 6
+    assert same_q(back, half) and back.weights.dtype == torch.float16
+    assert message.ByteSize() < 6 * half.weights.numel() + 100  # 4 bytes an id, 2 a weight
+    dense = DraftDists.from_dense(torch.softmax(torch.randn(3, 4096), -1).half())
     message = wire.dists_to_proto(dense)
-    assert not message.HasField("ids") and torch.equal(wire.dists_from_proto(message), dense)
+    assert not message.HasField("ids") and same_q(wire.dists_from_proto(message), dense)
