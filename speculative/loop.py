@@ -229,7 +229,7 @@ def first_round(state: RequestState, k: int, pipelined: bool) -> int | None:
     round's token, as a pre-draft is (continue_with_predraft), and y2.. are the next
     candidates. Anyone else asks for 0 tokens: a prefill.
     """
-    if state.drafter_called or k <= 0 or not state.draft_backoff.may_draft():
+    if state.drafter_called or k <= 0 or state.draft_backoff.skipping:
         return None
     greedy = state.request.sampling.greedy
     return min(k + 1, state.remaining - 1) if pipelined and greedy else 0
