@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # codes meaning "that replica is not there any more": try Serve's routing instead
 GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 RELEASE_TIMEOUT_S = 2.0
+RETRY_PAUSE_S, MAX_RETRY_PAUSE_S = 0.05, 0.8  # a GONE answer from the proxy, tried again
 # the largest answer a pool sends is a q (drafter) or a few ids (verifier): 64 MB covers a
 # dense float32 q over 33 positions of a 256k vocabulary
 MAX_MESSAGE_BYTES = 64 << 20
@@ -93,15 +94,31 @@ class PoolClient:
                 timeout_s = deadline - asyncio.get_running_loop().time()
                 if timeout_s <= 0:
                     raise PoolError.of(self.application, error) from error
-        try:
-            response = await getattr(self.proxy, method)(
-                message, metadata=self.metadata(request_id), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise PoolError.of(self.application, error) from error
+        response = await self._through_proxy(method, message, request_id, deadline)
         if self.direct and getattr(response, "direct_address", ""):
             self.pins[request_id] = (response.direct_address,
                                      self._stub(response.direct_address))
         return response
+
+    async def _through_proxy(self, method: str, message, request_id: str, deadline: float):
+        """The proxy's answer. Until Serve notices a dead replica its routing may still pick
+        it: a GONE answer is tried again (after 50 ms, doubling to 0.8 s) while the deadline
+        allows, so a request whose tokens depend on its drafts (seeded sampling) or a verify
+        survives the window in which the replacement starts."""
+        pause = RETRY_PAUSE_S
+        while True:
+            timeout_s = deadline - asyncio.get_running_loop().time()
+            try:
+                return await getattr(self.proxy, method)(
+                    message, metadata=self.metadata(request_id), timeout=max(timeout_s, 1e-3))
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in GONE or \
+                        deadline - asyncio.get_running_loop().time() <= pause:
+                    raise PoolError.of(self.application, error) from error
+                log.debug("%s on %s through the proxy: %s, again in %.2f s", method,
+                          self.application, error.code(), pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, MAX_RETRY_PAUSE_S)
 
     def release(self, request_id: str) -> None:
         """Send a Release in the background (bounded by RELEASE_TIMEOUT_S) and forget the

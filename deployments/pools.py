@@ -56,6 +56,13 @@ class PoolArgs(BaseModel):
     # evicted beyond it (they rebuild once, exact); size it for the router's admission
     max_cached_tokens: int = Field(default=262_144, ge=1)
     session_ttl_s: float = Field(default=600.0, gt=0)  # an idle session is dropped after it
+    # the forward: "paged" (engine.paged: a block-paged KV cache, one attention call per
+    # layer; Llama, Mistral, Qwen2), "transformers" (its modeling, a DynamicCache per
+    # request), "auto" (paged where the architecture allows)
+    engine: Literal["auto", "paged", "transformers"] = "auto"
+    # positions the paged KV pool holds (default: on a GPU its free memory less 10 %, on a
+    # CPU 262144, backed by memory only as blocks are used)
+    kv_cache_tokens: int | None = Field(default=None, ge=16)
     # calls that share one forward: those arriving while the model is busy join the next
     max_batch_size: int = Field(default=32, ge=1, le=1024)
     # calls in flight on the replica's own gRPC port; beyond it gRPC answers
@@ -87,7 +94,8 @@ class DrafterArgs(PoolArgs):
                            dtype=self.dtype, device=self.device,
                            max_cached_requests=self.max_cached_requests,
                            max_cached_tokens=self.max_cached_tokens,
-                           session_ttl_s=self.session_ttl_s,
+                           session_ttl_s=self.session_ttl_s, engine=self.engine,
+                           kv_cache_tokens=self.kv_cache_tokens,
                            draft_top_k=self.draft_top_k, draft_q_mass=self.draft_q_mass,
                            draft_q_dtype=self.draft_q_dtype, ngram_min=self.ngram_min,
                            ngram_max=self.ngram_max)
@@ -308,7 +316,8 @@ class VerifierPool(PoolReplica):
         self.engine = ModelVerifier(load_causal_lm(args.model, args.dtype, args.device),
                                     max_cached_requests=args.max_cached_requests,
                                     max_cached_tokens=args.max_cached_tokens,
-                                    session_ttl_s=args.session_ttl_s)
+                                    session_ttl_s=args.session_ttl_s, engine=args.engine,
+                                    kv_cache_tokens=args.kv_cache_tokens)
         config = self.engine.model.config
         limits = wire.Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,

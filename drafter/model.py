@@ -5,9 +5,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.batch import forward_packed, use_packed_attention
+from engine.batch import forward_packed
 from engine.kv import Sequence, SessionStore
-from speculative.sampling import fit_vocab, kept_entries, logits_to_probs, sample
+from engine.paged import serving_engine
+from speculative.sampling import fit_vocab, kept_entries, logits_to_probs, sample, seeded_generator
 from speculative.types import (
     BatchLoad,
     DraftBlock,
@@ -34,8 +35,9 @@ class ModelDrafter:
     def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
                  draft_top_k: int = 0, draft_q_mass: float = 1.0,
                  draft_q_dtype: str = "float32", max_cached_tokens: int | None = None,
-                 session_ttl_s: float | None = None) -> None:
-        self.model = use_packed_attention(model.eval())
+                 session_ttl_s: float | None = None, engine: str = "auto",
+                 kv_cache_tokens: int | None = None) -> None:
+        self.model = serving_engine(model, engine, kv_cache_tokens, max_cached_requests)
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.draft_top_k, self.draft_q_mass = draft_top_k, draft_q_mass
@@ -103,7 +105,8 @@ class ModelDrafter:
         load = BatchLoad(len(drafts), first_tokens)
         elapsed = time.perf_counter() - started
         for index, draft in drafts:
-            probs = DraftDists.stack(draft.q_rows, self.vocab_size).compact() \
+            # q leaves the device here, on the worker thread, not on the event loop
+            probs = DraftDists.stack(draft.q_rows, self.vocab_size).compact().to("cpu") \
                 if draft.q_rows else None
             results[index] = DraftBlock(tuple(draft.token_ids), probs, elapsed, load=load)
         if later:
@@ -121,7 +124,7 @@ class ModelDrafter:
             room = self.max_positions + 1 - len(sequence.committed) - len(assumed)
             num_tokens = max(0, min(num_tokens, room))
         return Draft(call, sequence, assumed, num_tokens,
-                     torch.Generator().manual_seed(call.seed))
+                     seeded_generator(call.seed, self.model.device))
 
     def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
         """The next drafted token from the draft's logits [V_draft] at the block's end."""

@@ -22,6 +22,8 @@ class DrafterSpec:
     max_cached_requests: int = 256
     max_cached_tokens: int | None = None  # see deployments.pools.PoolArgs
     session_ttl_s: float | None = None
+    engine: str = "auto"  # see deployments.pools.PoolArgs
+    kv_cache_tokens: int | None = None
     # model: q as shipped: its top entries (0 = all), the fewest top entries holding this
     # mass (1 = all), in this precision. The defaults cost at most 0.01 of acceptance per
     # position (measured: under 0.01 at K = 1..8) at about 6 KB a drafted position.
@@ -56,7 +58,8 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
                         draft_q_mass=spec.draft_q_mass, draft_q_dtype=spec.draft_q_dtype,
                         max_cached_requests=spec.max_cached_requests,
                         max_cached_tokens=spec.max_cached_tokens,
-                        session_ttl_s=spec.session_ttl_s)
+                        session_ttl_s=spec.session_ttl_s, engine=spec.engine,
+                        kv_cache_tokens=spec.kv_cache_tokens)
 
 
 def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):

@@ -28,7 +28,7 @@ BATCH_KWARG = "specserve_batch"
 class Segment:
     """One request's part of a packed forward: token_ids fed at positions start.., on cache."""
 
-    cache: object  # transformers DynamicCache
+    cache: object  # transformers DynamicCache, or engine.paged.PagedCache
     token_ids: list[int]
     start: int
     num_logits: int  # logits wanted for the last num_logits of token_ids
@@ -95,9 +95,17 @@ def use_packed_attention(model):
     return model
 
 
+LEAN = "specserve_lean"  # the model's engine.paged.LeanForward, when it has one
+
+
 @torch.no_grad()
 def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
-    """One forward over all segments; returns each segment's logits [num_logits, V]."""
+    """One forward over all segments; returns each segment's logits [num_logits, V]: the
+    paged lean forward when the model has one (engine.paged), else transformers' modeling
+    with packed_attention."""
+    lean = getattr(model, LEAN, None)
+    if lean is not None:
+        return lean(segments)
     if model.config._attn_implementation != ATTENTION:
         use_packed_attention(model)
     batch = PackedBatch(segments)

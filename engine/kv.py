@@ -1,5 +1,9 @@
 """Per-request token state and KV caches, kept in the replica that holds the model.
 
+A cache is a paged one (engine.paged: a block table in the replica's block pool, rolled back
+by a length reset) when the model runs the lean forward, else a transformers DynamicCache;
+what follows about sliding windows concerns the latter (a paged cache keeps every position).
+
 A pool keeps one `Sequence` per request in a bounded LRU (`SessionStore`). Each call names the
 committed prefix it builds on (`PrefixSync`); the sequence checks that base, appends the newly
 committed tokens, and crops its transformers `DynamicCache` to the longest prefix it shares with
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.batch import Segment, forward_packed
+from engine.batch import LEAN, Segment, forward_packed
+from engine.paged import PagedCache
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
 
 
@@ -80,22 +85,29 @@ class Sequence:
             else:
                 self.cache = None
         if self.cache is None:
-            self.cache = new_cache(model.config)
+            self.cache = new_cache(model)
             token_ids, start = self.cached_ids[:start] + token_ids, 0
         del self.cached_ids[start:]
         self.cached_ids.extend(token_ids)
         return Segment(self.cache, token_ids, start, num_logits)
 
 
-def new_cache(config) -> DynamicCache:
-    cache = DynamicCache(config=config)
+def new_cache(model):
+    """A paged cache in the model's block pool when it runs the lean forward, else a
+    DynamicCache."""
+    lean = getattr(model, LEAN, None)
+    if lean is not None:
+        return lean.new_cache()
+    cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding layers keep what a rollback needs (see above)
     return cache
 
 
-def can_roll_back(cache: DynamicCache, num_tokens: int) -> bool:
+def can_roll_back(cache, num_tokens: int) -> bool:
     """Whether every layer still holds what it needs after removing num_tokens: a sliding
-    layer must keep min(window - 1, its new length) positions."""
+    layer must keep min(window - 1, its new length) positions (a paged cache keeps all)."""
+    if isinstance(cache, PagedCache):
+        return True
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False) and layer.is_initialized:
             kept = layer.keys.shape[-2] - num_tokens

@@ -50,6 +50,13 @@ def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Ten
     return diff / total
 
 
+def residual_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """`residual` of every row at once: [K, V] p and q -> [K, V], on their device."""
+    diff = (target_probs - draft_probs).clamp_min(0)
+    total = diff.sum(-1, keepdim=True)
+    return torch.where(total > 1e-12, diff / total.clamp_min(1e-12), target_probs)
+
+
 def rejection_sample(
     draft_token_ids,
     draft_probs: torch.Tensor,

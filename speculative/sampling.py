@@ -173,6 +173,12 @@ def derive_seeds(seed: int | None, n: int) -> list[int | None]:
     return [int(state.generate_state(1, dtype=np.uint64)[0] >> 1) for state in states]
 
 
+def seeded_generator(seed: int, device) -> torch.Generator:
+    """A generator on the device its draws run on (a CPU generator cannot draw from CUDA
+    probabilities): a seed repeats its tokens on the same kind of device."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token id drawn from a [V] distribution."""
     return int(torch.multinomial(probs, 1, generator=generator).item())

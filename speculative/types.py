@@ -125,6 +125,10 @@ class DraftDists:
         dense = torch.zeros(len(self), self.vocab_size, device=law.device)
         return dense.scatter_add_(1, self.ids.to(law.device, torch.long), law)
 
+    def to(self, device) -> "DraftDists":
+        ids = None if self.ids is None else self.ids.to(device)
+        return DraftDists(self.weights.to(device), ids, self.vocab_size)
+
     def compact(self) -> "DraftDists":
         """The same weights, bit for bit, in whichever form takes fewer bytes on the wire
         (an id costs 4): a flat q keeps so many entries that dense is smaller."""

@@ -5,10 +5,11 @@ from dataclasses import replace
 
 import torch
 
-from engine.batch import forward_packed, use_packed_attention
+from engine.batch import forward_packed
 from engine.kv import SessionStore
-from speculative.rejection import residual
-from speculative.sampling import logits_to_probs, sample
+from engine.paged import serving_engine
+from speculative.rejection import residual_rows
+from speculative.sampling import logits_to_probs, seeded_generator
 from speculative.types import (
     BatchLoad,
     ScoreCall,
@@ -29,8 +30,9 @@ class ModelVerifier:
     """
 
     def __init__(self, model, *, max_cached_requests: int = 256,
-                 max_cached_tokens: int | None = None, session_ttl_s: float | None = None) -> None:
-        self.model = use_packed_attention(model.eval())
+                 max_cached_tokens: int | None = None, session_ttl_s: float | None = None,
+                 engine: str = "auto", kv_cache_tokens: int | None = None) -> None:
+        self.model = serving_engine(model, engine, kv_cache_tokens, max_cached_requests)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
@@ -122,14 +124,19 @@ def run_batch(calls, prepare, model, finish) -> list:
 def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:
     """p_i(x_i), a residual draw per position and a bonus draw: all the router needs.
 
-    target_probs: [K + 1, V]; draft_probs: [K, V]. Every residual is drawn, used or not, so
-    the draws do not depend on where the router's coins reject.
+    target_probs: [K + 1, V]; draft_probs: [K, V], both on the model's device, where the
+    draws run too (one multinomial over K + 1 rows, one transfer to the host). Every residual
+    is drawn, used or not, so the draws do not depend on where the router's coins reject.
     """
-    generator = torch.Generator().manual_seed(seed)
-    positions = torch.arange(len(drafted))
-    at_draft = target_probs[positions, torch.tensor(drafted, dtype=torch.long)].tolist()
-    recovered = [sample(residual(target_probs[i], draft_probs[i]), generator)
-                 for i in range(len(drafted))]
-    bonus = sample(target_probs[len(drafted)], generator)
-    return TargetScores(draft_target_probs=tuple(at_draft), recovered_token_ids=tuple(recovered),
-                        bonus_token_id=bonus)
+    k = len(drafted)
+    generator = seeded_generator(seed, target_probs.device)
+    rows = target_probs if k == 0 else \
+        torch.cat([residual_rows(target_probs[:k], draft_probs), target_probs[k:]])
+    draws = torch.multinomial(rows, 1, generator=generator).squeeze(-1)  # [K + 1]
+    tokens = torch.tensor(drafted, dtype=torch.long, device=target_probs.device)
+    at_draft = target_probs[torch.arange(k, device=target_probs.device), tokens]
+    # one host sync: ids < 2**53 and probabilities travel exactly as float64
+    values = torch.cat([draws.double(), at_draft.double()]).tolist()
+    return TargetScores(draft_target_probs=tuple(values[k + 1:]),
+                        recovered_token_ids=tuple(int(t) for t in values[:k]),
+                        bonus_token_id=int(values[k]))

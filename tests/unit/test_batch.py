@@ -10,8 +10,10 @@ import torch
 
 from drafter.model import ModelDrafter
 from engine import batch as packed
+from engine import paged
 from engine.batch import forward_packed
 from engine.kv import SessionStore
+from engine.paged import serving_engine
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
 from tests.tiny import Batched, hf_greedy, noisy_copy, run_concurrently, tiny_llama, tiny_sliding
@@ -22,6 +24,12 @@ GREEDY = SamplingParams(temperature=0.0)
 
 MODELS = {"llama": lambda: tiny_llama(1), "mistral-sliding": lambda: tiny_sliding(2),
           "qwen2-mixed": lambda: tiny_sliding(3, mixed=True)}
+ENGINES = ["transformers", "paged"]
+
+
+def served(name: str, engine: str):
+    """The named tiny model as a pool serves it: paged (lean forward) or transformers'."""
+    return serving_engine(MODELS[name](), engine, kv_cache_tokens=4096)
 
 
 def full_logits(model, ids):
@@ -57,9 +65,10 @@ def batched_rounds_error(model) -> float:
     return worst
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", MODELS)
-def test_a_packed_batch_equals_each_request_alone(name):
-    assert batched_rounds_error(MODELS[name]()) < ATOL
+def test_a_packed_batch_equals_each_request_alone(name, engine):
+    assert batched_rounds_error(served(name, engine)) < ATOL
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
@@ -67,7 +76,30 @@ def test_the_test_sees_a_query_that_attends_past_its_position(name, monkeypatch)
     """Mutant: no mask inside a request's segment (a query sees the drafted tokens after it,
     and a sliding layer forgets its window)."""
     monkeypatch.setattr(packed.PackedBatch, "mask", lambda self, *args: None)
-    assert batched_rounds_error(MODELS[name]()) > 0.01
+    assert batched_rounds_error(served(name, "transformers")) > 0.01
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
+def test_the_test_sees_a_paged_batch_without_its_mask(name, monkeypatch):
+    """Mutant of the paged forward: every key of the padded batch visible (later drafted
+    tokens, another request's padding, positions past the window)."""
+    plan_init = paged.BatchPlan.__init__
+
+    def unmasked(self, *args):
+        plan_init(self, *args)
+        self.masks = dict.fromkeys(self.masks)
+
+    monkeypatch.setattr(paged.BatchPlan, "__init__", unmasked)
+    assert batched_rounds_error(served(name, "paged")) > 0.01
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
+def test_the_test_sees_a_paged_write_to_the_wrong_block(name, monkeypatch):
+    """Mutant: a cache's positions written one block off (into another request's keys)."""
+    slots = paged.PagedCache.slots
+    monkeypatch.setattr(paged.PagedCache, "slots", lambda self, start, end, device:
+                        slots(self, start, end, device) + self.pool.block_size)
+    assert batched_rounds_error(served(name, "paged")) > 0.01
 
 
 def test_refusals_stay_with_their_call_and_a_repeated_request_waits_for_the_next_forward():

@@ -4,7 +4,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.rejection import accept_drawn, accept_greedy, rejection_sample, residual
+from speculative.rejection import (
+    accept_drawn,
+    accept_greedy,
+    rejection_sample,
+    residual,
+    residual_rows,
+)
 
 
 def gen(seed=0):
@@ -106,3 +112,15 @@ def test_invariants(case):
         assert target[-1, last] > 0
     for i in range(n):  # an accepted token is possible under the target
         assert target[i, tokens[i]] > 0
+
+
+def test_residual_rows_are_each_rows_residual():
+    """The verifier's batched residuals, a row with no residual mass (p == q) included."""
+    g = torch.Generator().manual_seed(3)
+    target = torch.rand(4, 9, generator=g).softmax(-1)
+    draft = torch.rand(4, 9, generator=g).softmax(-1)
+    draft[2] = target[2]
+    rows = residual_rows(target, draft)
+    for i in range(4):
+        assert torch.allclose(rows[i], residual(target[i], draft[i]))
+    assert torch.equal(rows[2], target[2])

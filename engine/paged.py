@@ -1,0 +1,355 @@
+"""A paged KV cache and a lean forward for the Llama family (Llama, Mistral, Qwen2).
+
+Memory: one `BlockPool` per model replica holds every layer's keys and values in blocks of
+`block_size` positions, allocated once ([layers, blocks * block_size, kv_heads, head_dim]).
+A request's cache (`PagedCache`) is a block table and a length: feeding writes its new keys
+and values into its slots, a rollback is a length reset (the blocks stay, the next feed
+overwrites them), and freeing returns its blocks to the pool. Nothing is ever copied or
+concatenated per step. Sliding-window layers keep every position too, so a rollback never
+needs a re-prefill (memory is the full context's, as vLLM's non-sliding blocks).
+
+Compute: `LeanForward` runs the checkpoint's own modules (embeddings, RMSNorms, rotary
+embedding, projections, LM head) with q/k/v and gate/up fused into one matmul each (the
+original weights become views of the fused ones: no second copy). All requests' new tokens
+are packed into one row, and each layer makes ONE attention call for the whole batch: the
+queries padded to [B, H, max_new, D], each request's keys gathered from its blocks into
+[B, H_kv, max_len, D], SDPA with GQA (no KV expansion) under one [B, 1, max_new, max_len]
+mask built once per forward (causal, the request's own length, the sliding window where a
+layer has one). The mask is per request, never N x N over the batch; a tree mask inside
+one request's new tokens would replace its causal block.
+
+Architectures outside the family (or with features the lean path does not implement) keep
+transformers' own modeling through `engine.batch`.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+BLOCK_SIZE = 16
+
+
+class KVCacheFull(RuntimeError):
+    """The block pool has no free block left for a feed."""
+
+
+class BlockPool:
+    """Every layer's keys and values, in blocks. Block 0 is zeros and never handed out:
+    the padding of a gathered batch reads it."""
+
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
+                 dtype, device, block_size: int = BLOCK_SIZE) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks, got {num_blocks}")
+        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        # empty: a CPU allocation this large is backed by pages only as blocks are written
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.keys[:, :block_size].zero_()
+        self.values[:, :block_size].zero_()
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self._free = list(range(num_blocks - 1, 0, -1))  # a stack: 1, 2, .. first
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise KVCacheFull(f"the KV cache needs {count} more blocks of {self.block_size} "
+                              f"tokens, {len(self._free)} of {self.num_blocks - 1} are free")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class PagedCache:
+    """One request's keys and values in a BlockPool: a block table and a length."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool, self.blocks, self.length = pool, [], 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first max_length positions (negative: drop that many), as DynamicCache."""
+        self.length = max(0, self.length + max_length if max_length < 0 else
+                          min(max_length, self.length))
+
+    def reserve(self, length: int) -> None:
+        """Blocks for `length` positions (raises KVCacheFull, holding what it had)."""
+        needed = -(-length // self.pool.block_size) - len(self.blocks)
+        if needed > 0:
+            self.blocks.extend(self.pool.allocate(needed))
+
+    def slots(self, start: int, end: int, device) -> torch.Tensor:
+        """Pool slot of each position in [start, end)."""
+        size = self.pool.block_size
+        positions = torch.arange(start, end)
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return (table[positions // size] * size + positions % size).to(device)
+
+    def free(self) -> None:
+        self.pool.release(self.blocks)
+        self.blocks, self.length = [], 0
+
+    def __del__(self) -> None:  # a dropped sequence gives its blocks back
+        if self.blocks:
+            self.free()
+
+
+def lean_supported(model) -> str | None:
+    """Why the lean path cannot run this model, or None when it can."""
+    config = model.config
+    if config.model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {sorted(LEAN_MODEL_TYPES)}"
+    layer = model.model.layers[0]
+    if not hasattr(layer.input_layernorm, "variance_epsilon"):
+        return "the norms are not Llama's RMSNorm"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not isinstance(getattr(layer.self_attn, name, None), torch.nn.Linear):
+            return f"attention has no plain {name}"
+    if not all(isinstance(getattr(layer.mlp, n, None), torch.nn.Linear)
+               for n in ("gate_proj", "up_proj", "down_proj")):
+        return "the MLP is not a gated gate/up/down"
+    return None
+
+
+def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several Linears over the same input; each Linear's own
+    parameters become views of it, so the model keeps working and no memory is doubled."""
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        has_bias = [linear.bias is not None for linear in linears]
+        bias = torch.cat([linear.bias if linear.bias is not None else
+                          torch.zeros(linear.out_features, dtype=weight.dtype,
+                                      device=weight.device) for linear in linears]) \
+            if any(has_bias) else None
+    offset = 0
+    for linear, with_bias in zip(linears, has_bias):
+        rows = slice(offset, offset + linear.out_features)
+        linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
+        if with_bias:
+            linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
+        offset += linear.out_features
+    return weight, bias
+
+
+class RMSNorm:
+    """A Llama-family RMSNorm as one fused op (F.rms_norm): in float32, then back to the
+    input's dtype before the weight, as transformers computes it."""
+
+    def __init__(self, module) -> None:
+        self.weight, self.eps = module.weight, module.variance_epsilon
+        self.shape = (module.weight.shape[-1],)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+class LeanLayer:
+    def __init__(self, layer, config) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.input_norm = RMSNorm(layer.input_layernorm)
+        self.post_norm = RMSNorm(layer.post_attention_layernorm)
+        self.head_dim = attention.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.scaling = attention.scaling
+        self.window = getattr(attention, "sliding_window",
+                              getattr(config, "sliding_window", None))
+        self.qkv_weight, self.qkv_bias = fuse([attention.q_proj, attention.k_proj,
+                                               attention.v_proj])
+        self.o_proj = attention.o_proj
+        self.gate_up_weight, self.gate_up_bias = fuse([mlp.gate_proj, mlp.up_proj])
+        self.down_proj, self.act = mlp.down_proj, mlp.act_fn
+        self.split = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                      self.kv_heads * self.head_dim]
+
+
+class BatchPlan:
+    """The index tensors and masks of one packed forward, built once for all its layers."""
+
+    def __init__(self, segments, pool: BlockPool, windows: set, device) -> None:
+        lengths = [len(s.token_ids) for s in segments]
+        ends = [s.start + n for s, n in zip(segments, lengths)]
+        self.batch, self.max_new, self.max_len = len(segments), max(lengths), max(ends)
+        self.num_tokens = sum(lengths)
+        self.uniform = all(n == self.max_new for n in lengths)
+        self.write_slots = torch.cat([s.cache.slots(s.start, end, device)
+                                      for s, end in zip(segments, ends)])
+        size = pool.block_size
+        blocks = segments[0].cache.blocks
+        # one request whose blocks follow each other (a fresh pool hands them out in order):
+        # its keys are a slice of the pool, read in place
+        self.run = blocks[0] * size if self.batch == 1 and \
+            blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
+        gather = torch.zeros(self.batch, self.max_len, dtype=torch.long)  # slot 0: zeros
+        for row, (segment, end) in enumerate(zip(segments, ends)):
+            table = torch.tensor(segment.cache.blocks, dtype=torch.long)
+            gather[row, :end] = (table[:, None] * size + torch.arange(size)).flatten()[:end]
+        self.gather = gather.flatten().to(device)
+        # query j of row b sits at position start_b + j; a padding query sits at 0
+        query_pos = torch.zeros(self.batch, self.max_new, dtype=torch.long)
+        self.rows = None
+        if not self.uniform:  # packed token -> its (row, j) in the padded layout
+            flat = []
+            for row, (segment, n) in enumerate(zip(segments, lengths)):
+                flat.extend(row * self.max_new + j for j in range(n))
+            self.rows = torch.tensor(flat, device=device)
+        for row, (segment, n) in enumerate(zip(segments, lengths)):
+            query_pos[row, :n] = torch.arange(segment.start, segment.start + n)
+        key_pos = torch.arange(self.max_len)
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, max_new, max_len]
+        self.masks = {}
+        for window in windows:
+            mask = visible if window is None else \
+                visible & (query_pos[:, :, None] - key_pos[None, None, :] < window)
+            # one query per row that sees every key of one request: no mask at all
+            needed = not (self.batch == 1 and self.max_new == 1 and bool(mask.all()))
+            self.masks[window] = mask[:, None].to(device) if needed else None
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, heads, D] packed -> [B, heads, max_new, D]."""
+        if self.uniform:
+            return x.view(self.batch, self.max_new, *x.shape[1:]).transpose(1, 2)
+        padded = x.new_zeros(self.batch * self.max_new, *x.shape[1:])
+        padded[self.rows] = x
+        return padded.view(self.batch, self.max_new, *x.shape[1:]).transpose(1, 2)
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """[slots, H_kv, D] of one layer -> the batch's [B, H_kv, max_len, D]."""
+        if self.run is not None:
+            return cache[self.run:self.run + self.max_len].unsqueeze(0).transpose(1, 2)
+        picked = cache.index_select(0, self.gather)
+        return picked.view(self.batch, self.max_len, *cache.shape[1:]).transpose(1, 2)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, max_new, D] -> [N, heads * D] packed."""
+        x = x.transpose(1, 2).reshape(self.batch * self.max_new, -1)
+        return x if self.uniform else x[self.rows]
+
+
+class LeanForward:
+    """The packed forward of a Llama-family model over a BlockPool (see the module doc)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        reason = lean_supported(model)
+        if reason is not None:
+            raise ValueError(f"no lean forward for this model: {reason}")
+        self.model, config = model, model.config
+        self.embed = model.get_input_embeddings()
+        self.rotary, self.norm = model.model.rotary_emb, RMSNorm(model.model.norm)
+        self.lm_head = model.lm_head
+        self.layers = [LeanLayer(layer, config) for layer in model.model.layers]
+        first = self.layers[0]
+        self.pool = BlockPool(len(self.layers), num_blocks, first.kv_heads, first.head_dim,
+                              self.embed.weight.dtype, self.embed.weight.device, block_size)
+        self.windows = {layer.window for layer in self.layers}
+
+    def new_cache(self) -> PagedCache:
+        return PagedCache(self.pool)
+
+    @torch.no_grad()
+    def __call__(self, segments) -> list[torch.Tensor]:
+        """Each segment's logits [num_logits, V]; segment caches are PagedCaches."""
+        device = self.embed.weight.device
+        for segment in segments:  # before any write: a full pool fails the batch untouched
+            segment.cache.crop(segment.start)
+            segment.cache.reserve(segment.start + len(segment.token_ids))
+        plan = BatchPlan(segments, self.pool, self.windows, device)
+        ids = torch.tensor([t for s in segments for t in s.token_ids], device=device)
+        ids.clamp_(max=self.embed.num_embeddings - 1)  # as engine.batch: a padded draft
+        positions = torch.tensor([s.start + i for s in segments
+                                  for i in range(len(s.token_ids))], device=device)
+        hidden = self.embed(ids)  # [N, hidden]
+        cos, sin = self.rotary(hidden[None], positions[None])
+        cos, sin = cos[0], sin[0]  # [N, D]
+        n = plan.num_tokens
+        for index, layer in enumerate(self.layers):
+            x = layer.input_norm(hidden)
+            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split(layer.split, -1)
+            q, k = apply_rotary_pos_emb(q.view(n, layer.heads, layer.head_dim),
+                                        k.view(n, layer.kv_heads, layer.head_dim), cos, sin)
+            keys, values = self.pool.keys[index], self.pool.values[index]
+            keys.index_copy_(0, plan.write_slots, k.to(keys.dtype))
+            values.index_copy_(0, plan.write_slots, v.view(n, layer.kv_heads, layer.head_dim))
+            attended = F.scaled_dot_product_attention(
+                plan.pad(q), plan.keys(keys), plan.keys(values),
+                attn_mask=plan.masks[layer.window],
+                scale=layer.scaling, enable_gqa=layer.kv_heads != layer.heads)
+            hidden = hidden + layer.o_proj(plan.unpad(attended))
+            gate, up = F.linear(layer.post_norm(hidden), layer.gate_up_weight,
+                                layer.gate_up_bias).chunk(2, -1)
+            hidden = hidden + layer.down_proj(layer.act(gate) * up)
+        for segment in segments:
+            segment.cache.length = segment.start + len(segment.token_ids)
+        keep, offset = [], 0
+        for segment in segments:
+            offset += len(segment.token_ids)
+            keep.extend(range(offset - segment.num_logits, offset))
+        logits = self.lm_head(self.norm(hidden[torch.tensor(keep, device=device)]))
+        return list(logits.split([s.num_logits for s in segments]))
+
+
+def blocks_for(tokens: int, sequences: int, extra_per_sequence: int,
+               block_size: int = BLOCK_SIZE) -> int:
+    """Blocks that hold `tokens` committed tokens over `sequences` caches, each with up to
+    `extra_per_sequence` uncommitted (drafted) positions and a partly filled last block,
+    plus the zero block."""
+    per_sequence = math.ceil((extra_per_sequence + block_size - 1) / block_size) + 1
+    return math.ceil(tokens / block_size) + sequences * per_sequence + 1
+
+
+ENGINES = ("auto", "paged", "transformers")
+CPU_KV_TOKENS = 262_144  # on a CPU, pages back only the blocks written (see BlockPool)
+GPU_MEMORY_LEFT = 0.1  # of the GPU's memory, left free for activations beside the pool
+
+
+def kv_bytes_per_token(model) -> int:
+    config, weight = model.config, model.get_input_embeddings().weight
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * weight.element_size()
+
+
+def kv_budget_tokens(model, configured: int | None) -> int:
+    """How many positions the pool holds: `configured`, else on a GPU what its free memory
+    holds less GPU_MEMORY_LEFT of the total, else CPU_KV_TOKENS."""
+    if configured is not None:
+        return configured
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(free - GPU_MEMORY_LEFT * total)) // kv_bytes_per_token(model)
+    return CPU_KV_TOKENS
+
+
+def serving_engine(model, engine: str = "auto", kv_cache_tokens: int | None = None,
+                   max_sequences: int = 256, max_new_per_sequence: int = 64):
+    """The model, ready for engine.batch.forward_packed: with a paged lean forward attached
+    (`paged`; `auto` where the architecture allows), or transformers' modeling with packed
+    attention (`transformers`; `auto` otherwise)."""
+    from engine.batch import LEAN, use_packed_attention
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    model = use_packed_attention(model.eval())
+    reason = lean_supported(model) if engine != "transformers" else "transformers asked for"
+    if reason is not None:
+        if engine == "paged":
+            raise ValueError(f"engine paged: {reason}")
+        return model
+    if getattr(model, LEAN, None) is None:
+        tokens = kv_budget_tokens(model, kv_cache_tokens)
+        setattr(model, LEAN, LeanForward(
+            model, blocks_for(tokens, max_sequences, max_new_per_sequence)))
+    return model

@@ -1,0 +1,58 @@
+"""PoolClient: a proxy answer saying the replica is gone is tried again within the deadline."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from deployments import auth, clients
+from deployments.clients import PoolClient, PoolError
+
+
+class Gone(grpc.aio.AioRpcError):
+    def __init__(self, code=grpc.StatusCode.UNAVAILABLE):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "replica gone")
+
+
+class Proxy:
+    """A proxy stub whose first `failures` Propose calls fail with `code`."""
+
+    def __init__(self, failures: int, code=grpc.StatusCode.UNAVAILABLE) -> None:
+        self.failures, self.code, self.calls = failures, code, 0
+
+    async def Propose(self, message, metadata, timeout):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise Gone(self.code)
+        return "answer"
+
+
+def client(proxy: Proxy, timeout_s: float) -> PoolClient:
+    return PoolClient(None, lambda channel: proxy, "drafter", timeout_s, direct=False)
+
+
+@pytest.fixture(autouse=True)
+def fast_retries(monkeypatch):
+    monkeypatch.setattr(auth, "_secret", "test-secret")  # no Ray to share one through
+    monkeypatch.setattr(clients, "RETRY_PAUSE_S", 0.001)
+    monkeypatch.setattr(clients, "MAX_RETRY_PAUSE_S", 0.002)
+
+
+def test_a_gone_replica_is_tried_again_until_the_replacement_answers():
+    proxy = Proxy(failures=3)
+    assert asyncio.run(client(proxy, 5.0).call("Propose", None, "r1")) == "answer"
+    assert proxy.calls == 4
+
+
+def test_other_errors_are_not_retried():
+    proxy = Proxy(failures=3, code=grpc.StatusCode.INVALID_ARGUMENT)
+    with pytest.raises(PoolError) as error:
+        asyncio.run(client(proxy, 5.0).call("Propose", None, "r1"))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and proxy.calls == 1
+
+
+def test_retries_stop_at_the_deadline():
+    proxy = Proxy(failures=10**9)
+    with pytest.raises(PoolError) as error:
+        asyncio.run(client(proxy, 0.05).call("Propose", None, "r1"))
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE and 1 < proxy.calls < 10**9
