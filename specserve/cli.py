@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser(commands.add_parser("bench", help="every mode side by side: tokens/s, "
                                      "acceptance, overhead, bytes (results.json/.md, plots)"))
 
+    from specserve.check_gpu import add_arguments as check_gpu_parser
+
+    check_gpu_parser(commands.add_parser("check-gpu", help="the engine's acceptance run on a "
+                                         "device: exactness, batching, forward times, memory"))
+
     build = commands.add_parser("build-demo-models", help="train the offline demo pair")
     build.add_argument("--out", type=Path, default=Path(DEMO_TARGET).parent)
     build.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -156,12 +161,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.threads:
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if args.command == "bench":
         from bench.suite import main as bench
 
         return bench(args, sys.argv[1:] if argv is None else argv)
+    if args.command == "check-gpu":
+        from specserve.check_gpu import main as check_gpu
+
+        return check_gpu(args)
     if args.command == "build-demo-models":
         from specserve.demo import DemoRecipe, build_demo_models
 

@@ -1,0 +1,259 @@
+"""`specserve check-gpu`: the engine's acceptance run on one device (a GPU, or the CPU with
+`--device cpu --small`), with models built from configs (random weights: no hub).
+
+What it checks and measures, per model shape:
+- greedy identity: the speculative loop (fixed K, the model drafting for itself) against
+  transformers' own `generate` on the same weights; in float32 they must agree, in bfloat16
+  a divergence is reported with the logit gap where it happened (a near-tie);
+- sampling at T = 1 through both pools on the device (the draws run there);
+- one request alone against the same request in a batch of 32: the largest logit
+  difference and the argmax flips;
+- verify forward time at 1, 8 and 32 requests x the context x K of 4 and 8, and the draft
+  step (1 token) at the same batch sizes;
+- memory at peak, and what happens when the KV pool is full (a clear KVCacheFull).
+
+It prints one JSON report (and writes it with --out); `ok` is false when a check fails.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.batch import forward_packed
+from engine.kv import SessionStore
+from engine.paged import KVCacheFull, serving_engine
+from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool = False
+
+
+FULL = [Shape("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128_256, tied=True),
+        Shape("llama-3.1-8b", 4096, 14_336, 32, 32, 8, 128_256)]
+SMALL = [Shape("small-1b-like", 128, 512, 2, 8, 2, 1024, tied=True),
+         Shape("small-8b-like", 256, 896, 4, 8, 2, 1024)]
+
+
+def build(shape: Shape, dtype, device, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                         intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         max_position_embeddings=8192, tie_word_embeddings=shape.tied,
+                         rope_theta=500_000.0, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():  # sharper than the default init: fewer exact near-ties
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def sync_device(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(work, device, repeats: int) -> float:
+    """The median of `repeats` timings of work(), in milliseconds, after one warm-up."""
+    work()
+    times = []
+    for _ in range(repeats):
+        sync_device(device)
+        started = time.perf_counter()
+        work()
+        sync_device(device)
+        times.append(time.perf_counter() - started)
+    return round(sorted(times)[len(times) // 2] * 1e3, 3)
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (count, length), generator=generator).tolist()
+
+
+def greedy_identity(model, prompt: list[int], max_tokens: int, k: int) -> dict:
+    """The speculative loop (the model drafting for itself, fixed K) against HF generate."""
+    from drafter.model import ModelDrafter
+    from speculative.sampling import SamplingParams
+    from verifier.engine import ModelVerifier
+
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.no_grad():
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                   pad_token_id=0, output_scores=True,
+                                   return_dict_in_generate=True)
+    expected = reference.sequences[0, len(prompt):].tolist()
+    drafter, verifier = ModelDrafter(model), ModelVerifier(model)
+    output = run_request(drafter, verifier, prompt, SamplingParams(temperature=0.0,
+                         max_tokens=max_tokens), k)
+    report = {"tokens": max_tokens, "identical": output == expected}
+    if output != expected:
+        at = next(i for i, (a, b) in enumerate(zip(output, expected)) if a != b)
+        top = reference.scores[at][0].float().topk(2).values
+        report.update(first_divergence=at, logit_gap_there=round(float(top[0] - top[1]), 6))
+    return report
+
+
+def sampled_run(model, prompt: list[int], max_tokens: int, k: int) -> dict:
+    from drafter.model import ModelDrafter
+    from speculative.sampling import SamplingParams
+    from verifier.engine import ModelVerifier
+
+    drafter = ModelDrafter(model, draft_q_mass=0.99, draft_q_dtype="float16")
+    verifier = ModelVerifier(model)
+    started = time.perf_counter()
+    output = run_request(drafter, verifier, prompt, SamplingParams(temperature=1.0, seed=7,
+                         max_tokens=max_tokens), k)
+    return {"tokens": len(output), "in_vocabulary": all(0 <= t < model.config.vocab_size
+                                                        for t in output),
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def prefill(model, store: SessionStore, request_id: str, prompt: list[int]):
+    sequence = store.sync(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt)))
+    forward_packed(model, [sequence.segment(model, [], 1)])
+    return sequence
+
+
+def alone_vs_batch(model, batch: int, length: int) -> dict:
+    """Request 0's logits over K + 1 = 5 new tokens, alone and beside batch - 1 others,
+    each longer than it by i tokens (its keys padded in the batch's layout)."""
+    store = SessionStore(2 * batch + 2)
+    texts = [text[:length - batch + 1 + i] for i, text in
+             enumerate(prompts(batch, length, model.config.vocab_size, seed=1))]
+    draft = [3, 1, 4, 1]
+    alone = prefill(model, store, "alone", texts[0])
+    single = forward_packed(model, [alone.segment(model, draft, 5)])[0].float()
+    sequences = [prefill(model, store, f"b{i}", text) for i, text in enumerate(texts)]
+    together = forward_packed(model, [s.segment(model, draft, 5) for s in sequences])[0].float()
+    return {"batch": batch, "max_logit_difference": float((single - together).abs().max()),
+            "argmax_flips": int((single.argmax(-1) != together.argmax(-1)).sum())}
+
+
+def forward_times(model, batches: list[int], length: int, ks: list[int], repeats: int) -> dict:
+    """Verify forward (K + 1 new tokens per request) and a 1-token step, per batch size."""
+    times = {}
+    for batch in batches:
+        store = SessionStore(batch + 1)
+        sequences = [prefill(model, store, f"t{i}", text) for i, text in
+                     enumerate(prompts(batch, length, model.config.vocab_size, seed=2))]
+        for k in [0, *ks]:
+            work = lambda: forward_packed(model, [s.segment(model, [5] * k, k + 1)  # noqa: E731
+                                                  for s in sequences])
+            times[f"batch {batch} x K {k}"] = timed_ms(work, model.device, repeats)
+        del sequences, store
+    return times
+
+
+def full_pool(model) -> dict:
+    """Feed one request until the KV pool refuses: the refusal must be a KVCacheFull."""
+    from engine.batch import LEAN
+
+    lean = getattr(model, LEAN)
+    capacity = (lean.pool.num_blocks - 1) * lean.pool.block_size
+    store = SessionStore(4)
+    sequence = store.sync("full", PrefixSync(0, EMPTY_PREFIX_HASH, (1,)))
+    try:
+        forward_packed(model, [sequence.segment(model, [2] * capacity, 1)])
+    except KVCacheFull as error:
+        return {"capacity_tokens": capacity, "refused": True, "message": str(error)}
+    return {"capacity_tokens": capacity, "refused": False}
+
+
+def check_shape(shape: Shape, device: str, small: bool, dtype) -> dict:
+    length = 64 if small else 2048
+    kv_tokens = 34 * (length + 16) + 64
+    model = serving_engine(build(shape, dtype, device), "paged", kv_cache_tokens=kv_tokens,
+                           max_sequences=64)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    prompt = prompts(1, 16, shape.vocab, seed=3)[0]
+    report = {"dtype": str(dtype).removeprefix("torch."),
+              "greedy": greedy_identity(model, prompt, 16 if small else 64, 4),
+              "sampled": sampled_run(model, prompt, 16 if small else 64, 4),
+              "alone_vs_batch": alone_vs_batch(model, 32, length // 2)}
+    report["forward_ms"] = forward_times(model, [1, 8, 32], length, [4, 8], 3 if small else 5)
+    if device.startswith("cuda"):
+        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    report["when_full"] = full_pool(model)
+    return report
+
+
+def passed(report: dict) -> bool:
+    """fp32 greedy identical; a batch changes logits by reassociation only; the pool refuses
+    cleanly; sampling returned its tokens."""
+    for entry in report["models"].values():
+        exact = entry["dtype"] == "float32"
+        if exact and not entry["greedy"]["identical"]:
+            return False
+        if exact and entry["alone_vs_batch"]["max_logit_difference"] > 1e-3:
+            return False
+        if not entry["when_full"]["refused"] or not entry["sampled"]["in_vocabulary"]:
+            return False
+    return True
+
+
+def run(device: str, small: bool) -> dict:
+    shapes = SMALL if small else FULL
+    report = {"device": device, "small": small, "torch": torch.__version__, "models": {}}
+    if device.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name(device)
+    for shape in shapes:
+        dtypes = [torch.float32] if small else [torch.bfloat16]
+        if not small and shape.name == "llama-3.2-1b":
+            dtypes = [torch.float32, torch.bfloat16]  # exact in fp32, near-ties in bf16
+        for dtype in dtypes:
+            name = f"{shape.name} {str(dtype).removeprefix('torch.')}"
+            report["models"][name] = check_shape(shape, device, small, dtype)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    report["ok"] = passed(report)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    parser.add_argument("--small", action="store_true",
+                        help="small shapes and a 64-token context (what CI runs on a CPU)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+
+
+def main(args) -> int:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("specserve check-gpu: no CUDA device here (use --device cpu --small)")
+        return 2
+    report = run(args.device, args.small)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0 if report["ok"] else 1
+
+
+def run_request(drafter, verifier, prompt, params, k: int) -> list[int]:
+    """One request through the in-process loop with a fixed K; its output ids."""
+    from speculative.driver import Generation
+    from speculative.loop import Request
+    from speculative.policy import k_policy
+
+    generation = Generation(Request("check", tuple(prompt), params, ()), None)
+    asyncio.run(generation.run(drafter, verifier, k_policy(k, False, params.greedy), False))
+    return generation.token_ids

@@ -1,0 +1,37 @@
+"""`specserve check-gpu --device cpu --small`: the GPU acceptance run's checks, on a CPU."""
+
+import pytest
+
+from engine import paged
+from specserve import check_gpu
+
+
+@pytest.fixture(scope="module")
+def report():
+    return check_gpu.run("cpu", small=True)
+
+
+def test_the_small_run_passes_and_reports_every_measure(report):
+    assert report["ok"] is True
+    assert set(report["models"]) == {"small-1b-like float32", "small-8b-like float32"}
+    for entry in report["models"].values():
+        assert entry["greedy"]["identical"] is True
+        assert entry["sampled"]["tokens"] == 16
+        assert entry["alone_vs_batch"]["argmax_flips"] == 0
+        assert set(entry["forward_ms"]) == {f"batch {b} x K {k}" for b in (1, 8, 32)
+                                            for k in (0, 4, 8)}
+        assert all(ms > 0 for ms in entry["forward_ms"].values())
+        assert entry["when_full"]["refused"] is True
+
+
+def test_the_run_fails_an_engine_whose_batch_leaks(monkeypatch):
+    """Mutant: the paged forward without its masks (queries see later and foreign keys)."""
+    plan_init = paged.BatchPlan.__init__
+
+    def unmasked(self, *args):
+        plan_init(self, *args)
+        self.masks = dict.fromkeys(self.masks)
+
+    monkeypatch.setattr(paged.BatchPlan, "__init__", unmasked)
+    monkeypatch.setattr(check_gpu, "SMALL", check_gpu.SMALL[:1])
+    assert check_gpu.run("cpu", small=True)["ok"] is False
