@@ -95,9 +95,13 @@ class ModelDrafter:
             segments = [segment for _, _, segment in active]
             first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)
             logits = forward_packed(self.model, segments)
+            picked = self.greedy_picks([draft for _, draft, _ in active], logits)
             still = []
-            for (index, draft, _), rows in zip(active, logits):
-                self.draw(draft, rows[0])
+            for row, ((index, draft, _), rows) in enumerate(zip(active, logits)):
+                if row in picked:
+                    draft.token_ids.append(picked[row])
+                else:
+                    self.draw(draft, rows[0])
                 if len(draft.token_ids) < draft.num_tokens:
                     still.append((index, draft, draft.sequence.segment(
                         self.model, draft.assumed + draft.token_ids, 1)))
@@ -125,6 +129,15 @@ class ModelDrafter:
             num_tokens = max(0, min(num_tokens, room))
         return Draft(call, sequence, assumed, num_tokens,
                      seeded_generator(call.seed, self.model.device))
+
+    def greedy_picks(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> dict[int, int]:
+        """{row: argmax} of the greedy drafts of a step, with one host sync for all of them
+        (a greedy draft ships no q)."""
+        rows = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
+        if not rows:
+            return {}
+        last = torch.stack([logits[row][0] for row in rows])  # [greedy drafts, V_draft]
+        return dict(zip(rows, fit_vocab(last, self.vocab_size).argmax(-1).tolist()))
 
     def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
         """The next drafted token from the draft's logits [V_draft] at the block's end."""
