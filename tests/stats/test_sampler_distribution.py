@@ -114,7 +114,7 @@ def test_the_checks_catch_a_broken_sampler(monkeypatch, mutant):
     else:
         import verifier.engine
 
-        monkeypatch.setattr(verifier.engine, "residual", recover_from_target)
+        monkeypatch.setattr(verifier.engine, "residual_rows", recover_from_target)
     pair = MarkovPair(SamplingParams(temperature=1.0), seed=11)
     results = checks(pair, 3, 5, drawn=mutant == "verifier draws from p")
     assert any(statistic > threshold for statistic, threshold, _ in results), results
