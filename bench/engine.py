@@ -19,7 +19,7 @@ from engine.batch import forward_packed
 from engine.kv import SessionStore
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from engine.paged import kv_bytes_per_token, serving_engine
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
+from specserve.check_gpu import prefill
 
 CASES = [(1, 1), (1, 5), (8, 1), (8, 5), (32, 1), (32, 5)]  # (requests, new tokens each)
 
@@ -47,12 +47,8 @@ def peak_flops(dtype) -> float:
 
 def forward_ms(model, batch: int, new: int, context: int, repeats: int) -> float:
     store = SessionStore(batch + 1)
-    sequences = []
-    for b in range(batch):
-        prompt = tuple((7 * b + i) % 4000 + 1 for i in range(context))
-        sequence = store.sync(f"r{b}", PrefixSync(0, EMPTY_PREFIX_HASH, prompt))
-        forward_packed(model, [sequence.segment(model, [], 1)])
-        sequences.append(sequence)
+    sequences = [prefill(model, store, f"r{b}", [(7 * b + i) % 4000 + 1 for i in range(context)])
+                 for b in range(batch)]
     return 1e3 * median_s(lambda: forward_packed(
         model, [s.segment(model, [5] * (new - 1), new) for s in sequences]), repeats)
 

@@ -140,11 +140,9 @@ class ModelDrafter:
         return dict(zip(rows, fit_vocab(last, self.vocab_size).argmax(-1).tolist()))
 
     def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
-        """The next drafted token from the draft's logits [V_draft] at the block's end."""
+        """A sampled draft's next token from its logits [V_draft] at the block's end (greedy
+        drafts are picked together: greedy_picks)."""
         logits = fit_vocab(logits, self.vocab_size)  # [V]
-        if draft.call.sampling.greedy:
-            draft.token_ids.append(int(logits.argmax()))
-            return
         weights, ids = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
         index = sample(weights.float(), draft.generator)  # drawn from the shipped weights
         draft.token_ids.append(index if ids is None else int(ids[index]))

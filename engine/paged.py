@@ -262,7 +262,6 @@ class LeanForward:
         """Each segment's logits [num_logits, V]; segment caches are PagedCaches."""
         device = self.embed.weight.device
         for segment in segments:  # before any write: a full pool fails the batch untouched
-            segment.cache.crop(segment.start)
             segment.cache.reserve(segment.start + len(segment.token_ids))
         plan = BatchPlan(segments, self.pool, self.windows, device)
         ids = torch.tensor([t for s in segments for t in s.token_ids], device=device)
@@ -279,7 +278,7 @@ class LeanForward:
             q, k = apply_rotary_pos_emb(q.view(n, layer.heads, layer.head_dim),
                                         k.view(n, layer.kv_heads, layer.head_dim), cos, sin)
             keys, values = self.pool.keys[index], self.pool.values[index]
-            keys.index_copy_(0, plan.write_slots, k.to(keys.dtype))
+            keys.index_copy_(0, plan.write_slots, k)
             values.index_copy_(0, plan.write_slots, v.view(n, layer.kv_heads, layer.head_dim))
             attended = F.scaled_dot_product_attention(
                 plan.pad(q), plan.keys(keys), plan.keys(values),
