@@ -180,5 +180,19 @@ def seeded_generator(seed: int, device) -> torch.Generator:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id drawn from a [V] distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One index drawn from [m] non-negative weights, in proportion to them (they need not
+    sum to 1), on their device.
+
+    It inverts the weights' cumulative sum at one uniform, so every draw takes the same
+    randomness whatever m: a seeded draft stays in step when float rounding at the mass
+    boundary keeps one entry more or fewer in a truncated q (torch.multinomial draws one
+    exponential per entry, and shifted every later draw of the request's generator), and
+    a tiny change of the weights moves a draw only when the uniform falls that close to a
+    boundary.
+    """
+    cumulative = probs.double().cumsum(-1)
+    uniform = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
+    index = int(torch.searchsorted(cumulative, uniform * cumulative[-1], right=True))
+    if index >= probs.shape[-1]:  # the product rounded up to the total
+        index = int(probs.nonzero()[-1])
+    return index
