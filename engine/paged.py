@@ -120,11 +120,16 @@ def lean_supported(model) -> str | None:
     return None
 
 
-def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse(linears: list[torch.nn.Linear], transposed: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several Linears over the same input; each Linear's own
-    parameters become views of it, so the model keeps working and no memory is doubled."""
+    parameters become views of it, so the model keeps working and no memory is doubled.
+
+    The weight is [out, in] as F.linear takes it, or [in, out] (`transposed`) for x @ W."""
     with torch.no_grad():
         weight = torch.cat([linear.weight for linear in linears])
+        if transposed:
+            weight = weight.t().contiguous()
         has_bias = [linear.bias is not None for linear in linears]
         bias = torch.cat([linear.bias if linear.bias is not None else
                           torch.zeros(linear.out_features, dtype=weight.dtype,
@@ -133,11 +138,37 @@ def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     offset = 0
     for linear, with_bias in zip(linears, has_bias):
         rows = slice(offset, offset + linear.out_features)
-        linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
+        own = weight[:, rows].t() if transposed else weight[rows]
+        linear.weight = torch.nn.Parameter(own, requires_grad=False)
         if with_bias:
             linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
         offset += linear.out_features
     return weight, bias
+
+
+class Projection:
+    """x -> x W^T + b of one Linear, or of several over the same input fused into one matmul.
+
+    On a CPU the weight is kept [in, out] and applied as x @ W: a one-token matmul streams
+    it from memory about twice as fast as F.linear's [out, in] (measured on the demo
+    shapes with one thread, weights out of cache: 3.3 against 7.5 ms for 63 MB; see
+    README, The engine). On a GPU it stays [out, in], cuBLAS's own layout."""
+
+    def __init__(self, linears: list[torch.nn.Linear], copy: bool = False) -> None:
+        weight = linears[0].weight
+        self.transposed = weight.device.type == "cpu"
+        if copy:  # a weight shared with another module (tied embeddings): a copy of our own
+            self.weight = weight.detach().t().contiguous() if self.transposed else weight
+            self.bias = linears[0].bias
+        else:
+            self.weight, self.bias = fuse(linears, self.transposed)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return x @ self.weight
+        return torch.addmm(self.bias, x, self.weight)
 
 
 class RMSNorm:
@@ -165,11 +196,10 @@ class LeanLayer:
         self.scaling = attention.scaling
         self.window = getattr(attention, "sliding_window",
                               getattr(config, "sliding_window", None))
-        self.qkv_weight, self.qkv_bias = fuse([attention.q_proj, attention.k_proj,
-                                               attention.v_proj])
-        self.o_proj = attention.o_proj
-        self.gate_up_weight, self.gate_up_bias = fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj, self.act = mlp.down_proj, mlp.act_fn
+        self.qkv = Projection([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.o_proj = Projection([attention.o_proj])
+        self.gate_up = Projection([mlp.gate_proj, mlp.up_proj])
+        self.down_proj, self.act = Projection([mlp.down_proj]), mlp.act_fn
         self.split = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
                       self.kv_heads * self.head_dim]
 
@@ -247,7 +277,8 @@ class LeanForward:
         self.model, config = model, model.config
         self.embed = model.get_input_embeddings()
         self.rotary, self.norm = model.model.rotary_emb, RMSNorm(model.model.norm)
-        self.lm_head = model.lm_head
+        tied = model.lm_head.weight is self.embed.weight
+        self.lm_head = Projection([model.lm_head], copy=tied)
         self.layers = [LeanLayer(layer, config) for layer in model.model.layers]
         first = self.layers[0]
         self.pool = BlockPool(len(self.layers), num_blocks, first.kv_heads, first.head_dim,
@@ -274,7 +305,7 @@ class LeanForward:
         n = plan.num_tokens
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
-            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split(layer.split, -1)
+            q, k, v = layer.qkv(x).split(layer.split, -1)
             q, k = apply_rotary_pos_emb(q.view(n, layer.heads, layer.head_dim),
                                         k.view(n, layer.kv_heads, layer.head_dim), cos, sin)
             keys, values = self.pool.keys[index], self.pool.values[index]
@@ -285,8 +316,7 @@ class LeanForward:
                 attn_mask=plan.masks[layer.window],
                 scale=layer.scaling, enable_gqa=layer.kv_heads != layer.heads)
             hidden = hidden + layer.o_proj(plan.unpad(attended))
-            gate, up = F.linear(layer.post_norm(hidden), layer.gate_up_weight,
-                                layer.gate_up_bias).chunk(2, -1)
+            gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, -1)
             hidden = hidden + layer.down_proj(layer.act(gate) * up)
         for segment in segments:
             segment.cache.length = segment.start + len(segment.token_ids)
