@@ -27,6 +27,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from engine.checkpoint import Checkpoint
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
+from engine.paged import KVCacheFull
 from speculative.sampling import SamplingParams
 from speculative.types import (
     EMPTY_PREFIX_HASH,
@@ -233,7 +234,7 @@ class PoolReplica:
                      grpc_context):
         """to_proto(the call's answer in a batch); no pool secret -> UNAUTHENTICATED;
         check(request, limits) or decoding fails -> INVALID_ARGUMENT, before the call
-        queues; StaleBase -> REBUILD."""
+        queues; StaleBase -> REBUILD; KVCacheFull -> RESOURCE_EXHAUSTED."""
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, response_type())
         direct = is_direct(grpc_context)
@@ -255,6 +256,9 @@ class PoolReplica:
             response = response_type(status=pb.REBUILD)
         elif isinstance(result, ValueError):
             return refuse(grpc_context, result, response_type(replica_id=self.replica_id))
+        elif isinstance(result, KVCacheFull):  # the batch's other requests hold the blocks
+            return refuse(grpc_context, result, response_type(replica_id=self.replica_id),
+                          grpc.StatusCode.RESOURCE_EXHAUSTED)
         else:
             response = to_proto(result)
         response.replica_id, response.direct_address = self.replica_id, self.address

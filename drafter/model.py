@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import forward_packed
-from engine.kv import Sequence, SessionStore
+from engine.kv import Sequence, SessionStore, admitted
 from engine.paged import serving_engine
 from speculative.sampling import fit_vocab, kept_entries, logits_to_probs, sample, seeded_generator
 from speculative.types import (
@@ -91,6 +91,11 @@ class ModelDrafter:
         # a pre-draft, together with the assumed block under verification).
         active = [(index, draft, draft.sequence.segment(self.model, draft.assumed, 1))
                   for index, draft in drafts]
+        # blocks for the whole block up front (its last token is never fed), or a refusal
+        active = admitted(active, [segment.cache for _, _, segment in active],
+                          [segment.start + len(segment.token_ids) + draft.num_tokens - 1
+                           for _, draft, segment in active], calls, results, self.sessions)
+        drafts = [(index, draft) for index, draft, _ in active]
         while active:
             segments = [segment for _, _, segment in active]
             first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)

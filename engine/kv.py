@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.batch import LEAN, Segment, forward_packed
-from engine.paged import PagedCache
+from engine.paged import KVCacheFull, PagedCache
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
 
 
@@ -194,4 +194,58 @@ class SessionStore:
         return dropped
 
     def release(self, request_id: str) -> None:
-        self._sequences.pop(request_id, None)
+        """Forget the request; a paged cache gives its blocks back at once."""
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None and isinstance(sequence.cache, PagedCache):
+            sequence.cache.free()
+
+    def evict_idle(self, keep: set[str]) -> bool:
+        """Release the least recently used session not in `keep`; False when there is none."""
+        for request_id in self._sequences:
+            if request_id not in keep:
+                self.release(request_id)
+                self.stats.evictions += 1
+                return True
+        return False
+
+
+def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -> None:
+    """Blocks in a request's paged cache for `length` positions, before a batch's forward:
+    while the pool is short, idle sessions give theirs back (least recently used first,
+    never one of the batch, `keep`: they rebuild later, exact).
+
+    Raises ValueError when the pool could never hold `length` positions, KVCacheFull when
+    the batch's other requests hold what it needs now (the pool answers RESOURCE_EXHAUSTED,
+    the router 429). A transformers cache needs nothing."""
+    if not isinstance(cache, PagedCache):
+        return
+    pool = cache.pool
+    if -(-length // pool.block_size) > pool.num_blocks - 1:
+        raise ValueError(f"{length} positions need more KV cache than this replica holds "
+                         f"({(pool.num_blocks - 1) * pool.block_size} tokens)")
+    while True:
+        try:
+            cache.reserve(length)
+            return
+        except KVCacheFull:
+            if not sessions.evict_idle(keep):
+                raise
+
+
+def admitted(entries: list, caches: list, lengths: list[int], calls: list, results: list,
+             sessions: SessionStore) -> list:
+    """The entries (each starts with its call's index) whose caches could reserve blocks for
+    their lengths (reserve_blocks); the others get their refusal in `results` and lose their
+    sessions (no blocks held for a request that cannot go on)."""
+    keep = {calls[entry[0]].request_id for entry in entries}
+    kept = []
+    for entry, cache, length in zip(entries, caches, lengths):
+        try:
+            reserve_blocks(sessions, cache, length, keep)
+        except (ValueError, KVCacheFull) as error:
+            # an answer, not a raise: its traceback would keep the batch's caches alive
+            results[entry[0]] = error.with_traceback(None)
+            sessions.release(calls[entry[0]].request_id)
+            continue
+        kept.append(entry)
+    return kept

@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from engine.batch import forward_packed
-from engine.kv import SessionStore
+from engine.kv import SessionStore, admitted
 from engine.paged import serving_engine
 from speculative.rejection import residual_rows
 from speculative.sampling import logits_to_probs, seeded_generator
@@ -51,7 +51,7 @@ class ModelVerifier:
     def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
         """Every call's TargetScores, or the ValueError / StaleBase that refused it."""
         try:
-            return run_batch(calls, self.prepare, self.model, self.finish)
+            return run_batch(calls, self.prepare, self.model, self.finish, self.sessions)
         except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
             for call in calls:
                 self.sessions.release(call.request_id)
@@ -86,8 +86,10 @@ class ModelVerifier:
                                         list(call.draft_token_ids), draft_probs, call.seed)
 
 
-def run_batch(calls, prepare, model, finish) -> list:
-    """prepare each call (refusals are its answer), one packed forward over the rest, finish.
+def run_batch(calls, prepare, model, finish, sessions: SessionStore) -> list:
+    """prepare each call (refusals are its answer), reserve its KV blocks (a call that cannot
+    have them is refused with KVCacheFull and its session dropped), one packed forward over
+    the rest, finish.
 
     Calls of the same request in one batch cannot share a forward (each feeds its cache):
     the later ones run in a batch of their own after it.
@@ -106,6 +108,9 @@ def run_batch(calls, prepare, model, finish) -> list:
             continue
         seen.add(call.request_id)
         ready.append((index, segment, extra))
+    ready = admitted(ready, [segment.cache for _, segment, _ in ready],
+                     [segment.start + len(segment.token_ids) for _, segment, _ in ready],
+                     calls, results, sessions)
     if ready:
         logits = forward_packed(model, [segment for _, segment, _ in ready])
         for (index, _, extra), rows in zip(ready, logits):
@@ -116,7 +121,7 @@ def run_batch(calls, prepare, model, finish) -> list:
             results[index] = replace(results[index], compute_seconds=elapsed, load=load)
     if later:
         for index, result in zip(later, run_batch([calls[i] for i in later], prepare, model,
-                                                  finish)):
+                                                  finish, sessions)):
             results[index] = result
     return results
 

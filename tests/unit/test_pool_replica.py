@@ -221,3 +221,35 @@ def test_a_replica_runs_its_model_before_it_is_ready_and_keeps_no_session(monkey
     asyncio.run(main())
     assert max(shapes) >= 16 and min(shapes) <= 5  # a prefill and a step of a few tokens
     assert len(shapes) >= 3
+
+
+def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
+    """Two 120-token prompts in one batch of a verifier whose paged cache holds 208
+    positions (tests/unit/test_admission.py): the first is served, the second refused
+    with RESOURCE_EXHAUSTED (the router's 429), and served once the first is released."""
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs(kv_cache_tokens=16,
+                                                                 max_cached_requests=2))
+        async with direct(replica, pb_grpc.VerifierStub) as stub:
+            def long_score(request_id: str, length: int = 120) -> pb.ScoreRequest:
+                return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
+                                       sync=pb.PrefixSync(new_token_ids=range(1, length + 1)))
+            gate = threading.Event()
+            replica.worker.submit(gate.wait)  # the model is busy until the gate opens
+            first = asyncio.ensure_future(stub.Score(long_score("x", 8), metadata=KEY()))
+            await until(lambda: replica.waiting == 1)  # x holds the batcher: a and b queue
+            calls = [asyncio.ensure_future(stub.Score(long_score(r), metadata=KEY()))
+                     for r in ("a", "b")]
+            await until(lambda: replica.waiting == 3)
+            gate.set()
+            await first
+            served, refused = await asyncio.gather(*calls, return_exceptions=True)
+            assert len(served.target_token_ids) == 1
+            assert isinstance(refused, grpc.aio.AioRpcError)
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "KV cache" in refused.details()
+            await stub.Release(pb.ReleaseRequest(request_id="a"), metadata=KEY())
+            again = await stub.Score(long_score("b"), metadata=KEY())
+            assert again.target_token_ids == served.target_token_ids
+
+    asyncio.run(main())

@@ -1,0 +1,95 @@
+"""Admission by free KV blocks: a pool replica's paged cache is bounded, and a call that
+cannot have the blocks it needs is refused alone (KVCacheFull -> RESOURCE_EXHAUSTED -> 429),
+one that never could is refused as bad input (ValueError -> 400), idle sessions give their
+blocks back before anyone is refused, and the calls admitted beside a refusal are answered
+exactly as alone.
+
+The pool here: kv_cache_tokens 16 and two cached requests give 14 blocks of 16 positions
+(engine.paged.blocks_for), 13 usable (block 0 is the zeros the padding reads): 208
+positions. A request of 100 positions takes 7 blocks: two do not fit together.
+"""
+
+import grpc
+import pytest
+
+from deployments.clients import PoolError
+from deployments.router import pool_failure
+from drafter.model import ModelDrafter
+from engine.paged import KVCacheFull
+from speculative.sampling import SamplingParams
+from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
+from tests.tiny import tiny_llama
+from verifier.engine import ModelVerifier
+
+GREEDY = SamplingParams(temperature=0.0)
+USABLE_BLOCKS = 13
+
+
+def small_verifier() -> ModelVerifier:
+    # a model of its own: a block pool belongs to the model it is attached to
+    return ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=16, max_cached_requests=2)
+
+
+def prompt(length: int, offset: int = 0) -> tuple[int, ...]:
+    return tuple((offset + 7 * i) % 60 + 1 for i in range(length))
+
+
+def first_call(request_id: str, ids: tuple[int, ...], draft=(3, 4)) -> ScoreCall:
+    return ScoreCall(request_id, PrefixSync(0, prefix_hash([]), ids), draft, GREEDY)
+
+
+def free_blocks(engine) -> int:
+    return engine.model.specserve_lean.pool.free_blocks
+
+
+def test_a_call_the_pool_could_never_hold_is_refused_as_bad_input():
+    verifier = small_verifier()
+    [result] = verifier.score_batch([first_call("long", prompt(220))])
+    assert isinstance(result, ValueError) and "KV cache" in str(result)
+    assert free_blocks(verifier) == USABLE_BLOCKS  # nothing held for it
+
+
+def test_a_call_that_does_not_fit_beside_its_batch_is_refused_alone():
+    verifier, alone = small_verifier(), small_verifier()
+    calls = [first_call("a", prompt(98)), first_call("b", prompt(98, 1))]  # 98 + 2: 7 blocks each
+    first, second = verifier.score_batch(calls)
+    assert first.target_token_ids == alone.score_now(calls[0]).target_token_ids
+    assert isinstance(second, KVCacheFull)
+    assert "b" not in verifier.sessions and free_blocks(verifier) == USABLE_BLOCKS - 7
+    verifier.sessions.release("a")
+    assert free_blocks(verifier) == USABLE_BLOCKS  # a release gives the blocks back at once
+    [retried] = verifier.score_batch([calls[1]])
+    assert retried.target_token_ids == alone.score_now(first_call("b2", prompt(98, 1))) \
+        .target_token_ids
+
+
+def test_idle_sessions_give_their_blocks_back_before_anyone_is_refused():
+    verifier = small_verifier()
+    assert not isinstance(verifier.score_batch([first_call("idle", prompt(98))])[0], Exception)
+    [fresh] = verifier.score_batch([first_call("new", prompt(98, 1))])
+    assert not isinstance(fresh, Exception)
+    assert "idle" not in verifier.sessions
+    ids = prompt(98)
+    later = ScoreCall("idle", PrefixSync(98, prefix_hash(list(ids)), (5,)), (), GREEDY)
+    assert isinstance(verifier.score_batch([later])[0], StaleBase)  # it rebuilds: exact
+
+
+def test_the_drafter_reserves_its_whole_block_or_is_refused_alone():
+    drafter = ModelDrafter(tiny_llama(4), engine="paged", kv_cache_tokens=16,
+                           max_cached_requests=2)
+    calls = [ProposeCall(name, PrefixSync(0, prefix_hash([]), prompt(length, i)), 8, GREEDY, 0)
+             for i, (name, length) in enumerate([("a", 100), ("b", 90)])]
+    first, second = drafter.propose_batch(calls)
+    assert len(first.token_ids) == 8 and isinstance(second, KVCacheFull)
+    assert free_blocks(drafter) == USABLE_BLOCKS - 7  # 100 + 8 - 1 positions: 7 blocks
+
+
+@pytest.mark.parametrize("code, status", [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+                                          (grpc.StatusCode.INVALID_ARGUMENT, 400),
+                                          (grpc.StatusCode.UNAVAILABLE, 503),
+                                          (grpc.StatusCode.INTERNAL, 503)])
+def test_the_router_answers_a_pool_refusal_with_its_http_status(code, status):
+    failure = pool_failure(PoolError("verifier", code, "the reason"))
+    assert failure.status == status
+    assert ("the reason" in str(failure)) == (status == 400)
+    assert ("Retry-After" in (failure.headers or {})) == (status != 400)
