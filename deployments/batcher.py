@@ -13,12 +13,14 @@ import asyncio
 
 class ContinuousBatcher:
     """`await batcher.submit(call)` -> its answer from `run(calls) -> answers` (a coroutine);
-    at most max_batch_size calls per run, one run at a time, in arrival order."""
+    at most max_batch_size calls per run, one run at a time, in arrival order. An answer
+    for which `unfinished(answer)` holds (a prefill cut to the forward's token budget) is
+    no answer yet: its call goes first into the next run."""
 
-    def __init__(self, run, max_batch_size: int) -> None:
+    def __init__(self, run, max_batch_size: int, unfinished=lambda answer: False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.run, self.max_batch_size = run, max_batch_size
+        self.run, self.max_batch_size, self.unfinished = run, max_batch_size, unfinished
         self.waiting: list[tuple[object, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -53,6 +55,10 @@ class ContinuousBatcher:
                         if not future.done():
                             future.set_exception(error)
                     continue
-                for (_, future), answer in zip(batch, answers):
-                    if not future.done():
+                again = []
+                for (call, future), answer in zip(batch, answers):
+                    if self.unfinished(answer):
+                        again.append((call, future))
+                    elif not future.done():
                         future.set_result(answer)
+                self.waiting = again + self.waiting

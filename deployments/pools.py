@@ -27,6 +27,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from engine.checkpoint import Checkpoint
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
+from engine.batch import UNFINISHED
 from engine.paged import KVCacheFull
 from speculative.sampling import SamplingParams
 from speculative.types import (
@@ -104,6 +105,9 @@ class DrafterArgs(PoolArgs):
 
 class VerifierArgs(PoolArgs):
     model: str = DEMO_TARGET
+    # tokens per forward: a longer prefill is fed in chunks over several forwards, each
+    # shared with the decodes that arrive meanwhile (chunked prefill); none: no bound
+    max_batch_tokens: int | None = Field(default=512, ge=16)
 
 
 def replica_id() -> str:
@@ -193,7 +197,8 @@ class PoolReplica:
             finally:
                 self.last_progress = time.monotonic()
 
-        self.batcher = ContinuousBatcher(in_batch, max_batch_size)
+        self.batcher = ContinuousBatcher(in_batch, max_batch_size,
+                                         lambda answer: answer is UNFINISHED)
         # before the replica reports ready: no request pays the model's first forwards
         await self.on_worker(self.warm_up, run_batch, limits.vocab_size)
         self.server, self.address = await serve_directly(
@@ -208,7 +213,8 @@ class PoolReplica:
                                         SamplingParams(temperature=1.0))):
             request_id = f"warm-up-{index}"
             for call in self.warm_up_calls(request_id, prompt, params):
-                run_batch([call])
+                while run_batch([call])[0] is UNFINISHED:
+                    pass
             self.engine.sessions.release(request_id)
 
     def warm_up_calls(self, request_id: str, prompt: tuple[int, ...], params) -> list:
@@ -321,7 +327,8 @@ class VerifierPool(PoolReplica):
                                     max_cached_requests=args.max_cached_requests,
                                     max_cached_tokens=args.max_cached_tokens,
                                     session_ttl_s=args.session_ttl_s, engine=args.engine,
-                                    kv_cache_tokens=args.kv_cache_tokens)
+                                    kv_cache_tokens=args.kv_cache_tokens,
+                                    max_batch_tokens=args.max_batch_tokens)
         config = self.engine.model.config
         limits = wire.Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,

@@ -24,6 +24,17 @@ ATTENTION = "specserve_packed"
 BATCH_KWARG = "specserve_batch"
 
 
+class Unfinished:
+    """The answer of a call whose feed was cut to the forward's token budget (chunked
+    prefill): it waits for the next batch, first in line (deployments.batcher)."""
+
+    def __repr__(self) -> str:
+        return "UNFINISHED"
+
+
+UNFINISHED = Unfinished()
+
+
 @dataclass
 class Segment:
     """One request's part of a packed forward: token_ids fed at positions start.., on cache."""
@@ -120,7 +131,8 @@ def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
     # changes what the draft conditions on, never the exactness of what it ships
     input_ids.clamp_(max=model.get_input_embeddings().num_embeddings - 1)
     logits = model(input_ids=input_ids, position_ids=torch.tensor([positions], device=device),
-                   use_cache=False, logits_to_keep=torch.tensor(keep, device=device),
+                   use_cache=False,
+                   logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                    **{BATCH_KWARG: batch}).logits[0]
     out, offset = [], 0
     for segment in segments:

@@ -46,6 +46,7 @@ class Sequence:
         self.cached_ids: list[int] = []
         self.cache: DynamicCache | None = None
         self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
+        self.unfinished = None  # the call whose feed was cut (chunked prefill), to resume
 
     def apply(self, sync: PrefixSync) -> None:
         """Advance to the committed prefix the call names, or raise StaleBase."""
@@ -66,14 +67,19 @@ class Sequence:
         positions, [num_logits, V]."""
         return forward_packed(model, [self.segment(model, extra, num_logits)])[0]
 
-    def segment(self, model, extra: list[int], num_logits: int) -> Segment:
+    def segment(self, model, extra: list[int], num_logits: int,
+                limit: int | None = None) -> Segment:
         """What to feed to bring the cache to committed + extra, as one part of a batch.
 
         The cache is cropped to the longest prefix it shares with committed + extra, but never
         past the first position whose logits are asked for, so those are always recomputed.
+        A feed longer than `limit` (a long prompt's prefill) gives its first `limit` tokens
+        and no logits: a chunk; the next segment goes on from there.
         """
         ids = self.committed + extra
         start = min(common_prefix_len(self.cached_ids, ids), len(ids) - num_logits)
+        if limit is not None and len(ids) - start > limit:
+            return self.prepare(model, ids[start:start + limit], start, 0)
         return self.prepare(model, ids[start:], start, num_logits)
 
     def prepare(self, model, token_ids: list[int], start: int, num_logits: int) -> Segment:
@@ -169,6 +175,16 @@ class SessionStore:
         except StaleBase:
             self.stats.misses += 1
             raise
+        return sequence
+
+    def resume(self, request_id: str, call) -> "Sequence | None":
+        """The request's sequence when `call` is the one whose feed was cut (it is already
+        synced: chunked prefill goes on), else None."""
+        sequence = self._sequences.get(request_id)
+        if sequence is None or sequence.unfinished is not call:
+            return None
+        self._sequences.move_to_end(request_id)
+        sequence.last_used = time.monotonic()
         return sequence
 
     def _make_room(self, incoming: int) -> None:

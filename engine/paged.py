@@ -324,7 +324,8 @@ class LeanForward:
         for segment in segments:
             offset += len(segment.token_ids)
             keep.extend(range(offset - segment.num_logits, offset))
-        logits = self.lm_head(self.norm(hidden[torch.tensor(keep, device=device)]))
+        logits = self.lm_head(self.norm(hidden[torch.tensor(keep, dtype=torch.long,
+                                                            device=device)]))
         return list(logits.split([s.num_logits for s in segments]))
 
 

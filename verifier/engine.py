@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.batch import forward_packed
+from engine.batch import UNFINISHED, forward_packed
 from engine.kv import SessionStore, admitted
 from engine.paged import serving_engine
 from speculative.rejection import residual_rows
@@ -31,8 +31,10 @@ class ModelVerifier:
 
     def __init__(self, model, *, max_cached_requests: int = 256,
                  max_cached_tokens: int | None = None, session_ttl_s: float | None = None,
-                 engine: str = "auto", kv_cache_tokens: int | None = None) -> None:
+                 engine: str = "auto", kv_cache_tokens: int | None = None,
+                 max_batch_tokens: int | None = None) -> None:
         self.model = serving_engine(model, engine, kv_cache_tokens, max_cached_requests)
+        self.max_batch_tokens = max_batch_tokens  # per forward; None: no chunked prefill
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
@@ -43,7 +45,9 @@ class ModelVerifier:
         self.sessions.release(request_id)
 
     def score_now(self, call: ScoreCall) -> TargetScores:
-        result = self.score_batch([call])[0]
+        result = UNFINISHED
+        while result is UNFINISHED:  # a prefill cut to the token budget goes on
+            result = self.score_batch([call])[0]
         if isinstance(result, Exception):
             raise result
         return result
@@ -51,14 +55,17 @@ class ModelVerifier:
     def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
         """Every call's TargetScores, or the ValueError / StaleBase that refused it."""
         try:
-            return run_batch(calls, self.prepare, self.model, self.finish, self.sessions)
+            return run_batch(calls, self.prepare, self.model, self.finish, self.sessions,
+                             self.max_batch_tokens)
         except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
             for call in calls:
                 self.sessions.release(call.request_id)
             raise
 
-    def prepare(self, call: ScoreCall):
-        """Check the call and bring its sequence to the committed prefix: (segment, q)."""
+    def prepare(self, call: ScoreCall, limit: int | None = None):
+        """Check the call and bring its sequence to the committed prefix: (segment, q); a
+        feed longer than `limit` is cut (the segment asks no logits) and resumed by the
+        same call."""
         vocab_size = self.model.config.vocab_size
         check_call(call.sync.new_token_ids + call.draft_token_ids, vocab_size,
                    len(call.draft_token_ids))
@@ -75,8 +82,11 @@ class ModelVerifier:
         if self.max_positions is not None and length > self.max_positions:
             raise ValueError(f"{length} tokens exceed the target's context of "
                              f"{self.max_positions} (max_position_embeddings)")
-        sequence = self.sessions.sync(call.request_id, call.sync)
-        return sequence.segment(self.model, drafted, num_logits=len(drafted) + 1), draft_probs
+        sequence = self.sessions.resume(call.request_id, call) or \
+            self.sessions.sync(call.request_id, call.sync)
+        segment = sequence.segment(self.model, drafted, len(drafted) + 1, limit)
+        sequence.unfinished = call if segment.num_logits == 0 else None
+        return segment, draft_probs
 
     def finish(self, call: ScoreCall, logits: torch.Tensor, draft_probs) -> TargetScores:
         """logits: [K + 1, V] of the call's drafted positions and the one after them."""
@@ -86,42 +96,53 @@ class ModelVerifier:
                                         list(call.draft_token_ids), draft_probs, call.seed)
 
 
-def run_batch(calls, prepare, model, finish, sessions: SessionStore) -> list:
+MIN_CHUNK = 16  # tokens a cut feed still gets when the budget is spent: it always advances
+
+
+def run_batch(calls, prepare, model, finish, sessions: SessionStore,
+              max_tokens: int | None = None) -> list:
     """prepare each call (refusals are its answer), reserve its KV blocks (a call that cannot
     have them is refused with KVCacheFull and its session dropped), one packed forward over
     the rest, finish.
 
+    `max_tokens` bounds the forward's tokens: the calls are prepared shortest feed first,
+    and a feed longer than what is left (a long prompt's prefill) is cut to it, at least
+    MIN_CHUNK: that call's answer is UNFINISHED, and the same call goes on from its cache in
+    the next batch (chunked prefill), so a long prompt does not stall everyone's decode.
     Calls of the same request in one batch cannot share a forward (each feeds its cache):
     the later ones run in a batch of their own after it.
     """
     started = time.perf_counter()
     results: list = [None] * len(calls)
-    ready, later, seen = [], [], set()
+    first, later, seen = [], [], set()
     for index, call in enumerate(calls):
-        if call.request_id in seen:
-            later.append(index)
-            continue
+        (later if call.request_id in seen else first).append(index)
+        seen.add(call.request_id)
+    first.sort(key=lambda i: len(calls[i].sync.new_token_ids) + len(calls[i].draft_token_ids))
+    ready, budget = [], max_tokens
+    for index in first:
+        limit = None if budget is None else max(budget, MIN_CHUNK)
         try:
-            segment, extra = prepare(call)
+            segment, extra = prepare(calls[index], limit)
         except (ValueError, StaleBase) as error:
             results[index] = error
             continue
-        seen.add(call.request_id)
+        if budget is not None:
+            budget -= len(segment.token_ids)
         ready.append((index, segment, extra))
     ready = admitted(ready, [segment.cache for _, segment, _ in ready],
                      [segment.start + len(segment.token_ids) for _, segment, _ in ready],
                      calls, results, sessions)
     if ready:
         logits = forward_packed(model, [segment for _, segment, _ in ready])
-        for (index, _, extra), rows in zip(ready, logits):
-            results[index] = finish(calls[index], rows, extra)
         load = BatchLoad(len(ready), sum(len(segment.token_ids) for _, segment, _ in ready))
         elapsed = time.perf_counter() - started
-        for index, _, _ in ready:
-            results[index] = replace(results[index], compute_seconds=elapsed, load=load)
+        for (index, segment, extra), rows in zip(ready, logits):
+            results[index] = UNFINISHED if segment.num_logits == 0 else \
+                replace(finish(calls[index], rows, extra), compute_seconds=elapsed, load=load)
     if later:
         for index, result in zip(later, run_batch([calls[i] for i in later], prepare, model,
-                                                  finish, sessions)):
+                                                  finish, sessions, max_tokens)):
             results[index] = result
     return results
 
