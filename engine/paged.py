@@ -26,7 +26,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 BLOCK_SIZE = 16
@@ -336,12 +335,14 @@ class LeanForward:
         n = plan.num_tokens
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
-            q, k, v = layer.qkv(x).split(layer.split, -1)
-            q, k = apply_rotary_pos_emb(q.view(n, layer.heads, layer.head_dim),
-                                        k.view(n, layer.kv_heads, layer.head_dim), cos, sin)
+            qkv = layer.qkv(x).view(n, layer.heads + 2 * layer.kv_heads, layer.head_dim)
+            # q's and k's heads lie side by side: one rotary pass for both
+            qk = rotate(qkv[:, :layer.heads + layer.kv_heads], cos, sin)
+            q, k = qk[:, :layer.heads], qk[:, layer.heads:]
+            v = qkv[:, layer.heads + layer.kv_heads:]
             keys, values = self.pool.keys[index], self.pool.values[index]
             keys.index_copy_(0, plan.write_slots, k)
-            values.index_copy_(0, plan.write_slots, v.view(n, layer.kv_heads, layer.head_dim))
+            values.index_copy_(0, plan.write_slots, v)
             attended = F.scaled_dot_product_attention(
                 plan.pad(q), plan.keys(keys), plan.keys(values),
                 attn_mask=plan.masks[layer.window],
@@ -358,6 +359,14 @@ class LeanForward:
         logits = self.lm_head(self.norm(hidden[torch.tensor(keep, dtype=torch.long,
                                                             device=device)]))
         return list(logits.split([s.num_logits for s in segments]))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of [N, heads, D] at cos, sin [N, D], as transformers' Llama computes
+    it (x cos + rotate_half(x) sin, the halves rotated)."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
 def blocks_for(tokens: int, sequences: int, extra_per_sequence: int,
