@@ -251,30 +251,44 @@ class BatchPlan:
         # its keys are a slice of the pool, read in place
         self.run = blocks[0] * size if self.batch == 1 and \
             blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
-        gather = torch.zeros(self.batch, self.max_len, dtype=torch.long)  # slot 0: zeros
-        for row, (segment, end) in enumerate(zip(segments, ends)):
-            table = torch.tensor(segment.cache.blocks, dtype=torch.long)
-            gather[row, :end] = (table[:, None] * size + torch.arange(size)).flatten()[:end]
-        self.gather = gather.flatten().to(device)
-        # query j of row b sits at position start_b + j; a padding query sits at 0
-        query_pos = torch.zeros(self.batch, self.max_new, dtype=torch.long)
+        self.gather = None if self.run is not None else self.gather_index(segments, ends, size,
+                                                                          device)
         self.rows = None
         if not self.uniform:  # packed token -> its (row, j) in the padded layout
             flat = []
             for row, (segment, n) in enumerate(zip(segments, lengths)):
                 flat.extend(row * self.max_new + j for j in range(n))
             self.rows = torch.tensor(flat, device=device)
+        if self.batch == 1 and self.max_new == 1:  # one query, at the last position
+            last = self.max_len - 1  # sees every key, and a window unless it reaches past it
+            self.masks = {window: None for window in windows if window is None or last < window}
+            if len(self.masks) == len(windows):
+                return
+        self.masks = self.build_masks(segments, lengths, windows, device)
+
+    def gather_index(self, segments, ends, size: int, device) -> torch.Tensor:
+        """Pool slot of each (request, key position) of the padded [B, max_len] layout; the
+        padding reads slot 0 (zeros)."""
+        gather = torch.zeros(self.batch, self.max_len, dtype=torch.long)
+        for row, (segment, end) in enumerate(zip(segments, ends)):
+            table = torch.tensor(segment.cache.blocks, dtype=torch.long)
+            gather[row, :end] = (table[:, None] * size + torch.arange(size)).flatten()[:end]
+        return gather.flatten().to(device)
+
+    def build_masks(self, segments, lengths, windows: set, device) -> dict:
+        """{window: [B, 1, max_new, max_len] boolean mask, or None where none is needed}."""
+        # query j of row b sits at position start_b + j; a padding query sits at 0
+        query_pos = torch.zeros(self.batch, self.max_new, dtype=torch.long)
         for row, (segment, n) in enumerate(zip(segments, lengths)):
             query_pos[row, :n] = torch.arange(segment.start, segment.start + n)
         key_pos = torch.arange(self.max_len)
         visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, max_new, max_len]
-        self.masks = {}
+        masks = {}
         for window in windows:
             mask = visible if window is None else \
                 visible & (query_pos[:, :, None] - key_pos[None, None, :] < window)
-            # one query per row that sees every key of one request: no mask at all
-            needed = not (self.batch == 1 and self.max_new == 1 and bool(mask.all()))
-            self.masks[window] = mask[:, None].to(device) if needed else None
+            masks[window] = mask[:, None].to(device)
+        return masks
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[N, heads, D] packed -> [B, heads, max_new, D]."""
