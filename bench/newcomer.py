@@ -15,6 +15,7 @@ Prints a table of ratios from this one run; stops `serve run` by its process gro
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -50,6 +51,32 @@ def start(config_path: Path, port: int) -> tuple[subprocess.Popen, float]:
             pass
         time.sleep(0.5)
     raise RuntimeError("serve run never answered")
+
+
+@contextlib.contextmanager
+def fresh_serve_run():
+    """(port, seconds until it answered) of `serve run cluster/config.yaml` on free ports,
+    started fresh and stopped after by its process group."""
+    config = on_free_ports(load_config())
+    port = config["http_options"]["port"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        process, ready_s = start(path, port)
+        try:
+            yield port, ready_s
+        finally:
+            stop_group(process)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """Stop a server started in its own session, by its process group."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def complete(port: int, prompt: str, **fields) -> dict:
@@ -89,43 +116,31 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(HELD_OUT))
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
-    config = on_free_ports(load_config())
-    port = config["http_options"]["port"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        process, ready_s = start(path, port)
-        try:
-            print(f"serve run answered the README's request after {ready_s:.1f} s")
-            first = [complete(port, p, max_tokens=args.max_tokens, temperature=0,
-                              ignore_eos=True)["speculative"]["mean_num_speculative_tokens"]
-                     for p in HELD_OUT[:4]]
-            print(f"1. the first four default requests: mean K {[round(k, 2) for k in first]}"
-                  f" (mean {statistics.mean(first):.2f}; goal >= 1.5)")
-            prompts = HELD_OUT[: args.prompts]
-            for temperature, goal in ((0.0, 0.75), (1.0, 0.9)):
-                r = compare(port, prompts, args.max_tokens, temperature)
-                cells = ", ".join(f"K={k}: {s:.2f}" for k, s in r["seconds"].items())
-                print(f"2. T = {temperature:g}, {len(prompts)} prompts x {args.max_tokens} "
-                      f"tokens, seconds: {cells}; default mean K {r['mean_k']:.2f}; default / "
-                      f"best fixed (K={r['best_fixed']}) {r['vs_best']:.2f}x (goal <= 1.1), "
-                      f"default / K=0 {r['vs_off']:.2f}x (goal <= {goal})")
-            with ThreadPoolExecutor(16) as pool:
-                list(pool.map(lambda i: complete(port, HELD_OUT[i % len(HELD_OUT)],
-                                                 max_tokens=48, temperature=0,
-                                                 ignore_eos=True), range(16)))
-            after = complete(port, HELD_OUT[0], max_tokens=args.max_tokens, temperature=0,
-                             ignore_eos=True)["speculative"]["mean_num_speculative_tokens"]
-            print(f"3. one request right after a burst of 16: mean K {after:.2f}")
-            seeded = [complete(port, "def ", max_tokens=48, temperature=1, seed=7)["choices"][0]
-                      ["text"] for _ in range(2)]
-            print(f"4. a seeded sampled request twice: same tokens: {seeded[0] == seeded[1]}")
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+    with fresh_serve_run() as (port, ready_s):
+        print(f"serve run answered the README's request after {ready_s:.1f} s")
+        first = [complete(port, p, max_tokens=args.max_tokens, temperature=0,
+                          ignore_eos=True)["speculative"]["mean_num_speculative_tokens"]
+                 for p in HELD_OUT[:4]]
+        print(f"1. the first four default requests: mean K {[round(k, 2) for k in first]}"
+              f" (mean {statistics.mean(first):.2f}; goal >= 1.5)")
+        prompts = HELD_OUT[: args.prompts]
+        for temperature, goal in ((0.0, 0.75), (1.0, 0.9)):
+            r = compare(port, prompts, args.max_tokens, temperature)
+            cells = ", ".join(f"K={k}: {s:.2f}" for k, s in r["seconds"].items())
+            print(f"2. T = {temperature:g}, {len(prompts)} prompts x {args.max_tokens} "
+                  f"tokens, seconds: {cells}; default mean K {r['mean_k']:.2f}; default / "
+                  f"best fixed (K={r['best_fixed']}) {r['vs_best']:.2f}x (goal <= 1.1), "
+                  f"default / K=0 {r['vs_off']:.2f}x (goal <= {goal})")
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda i: complete(port, HELD_OUT[i % len(HELD_OUT)],
+                                             max_tokens=48, temperature=0,
+                                             ignore_eos=True), range(16)))
+        after = complete(port, HELD_OUT[0], max_tokens=args.max_tokens, temperature=0,
+                         ignore_eos=True)["speculative"]["mean_num_speculative_tokens"]
+        print(f"3. one request right after a burst of 16: mean K {after:.2f}")
+        seeded = [complete(port, "def ", max_tokens=48, temperature=1, seed=7)["choices"][0]
+                  ["text"] for _ in range(2)]
+        print(f"4. a seeded sampled request twice: same tokens: {seeded[0] == seeded[1]}")
 
 
 if __name__ == "__main__":

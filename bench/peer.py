@@ -16,7 +16,6 @@ row against vLLM's best at the same stream count (ratios from this one run).
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,11 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
-import yaml
 
-from bench.newcomer import HELD_OUT, ROOT
-from bench.newcomer import start as start_specserve
-from deployments.local import free_port, load_config, on_free_ports
+from bench.newcomer import HELD_OUT, ROOT, fresh_serve_run, stop_group
+from deployments.local import free_port
 
 DEMO = ROOT / "models" / "demo"
 
@@ -60,29 +57,12 @@ def measure(url: str, rows: dict, stream_counts, max_tokens: int) -> dict:
             for name, fields in rows.items()}
 
 
-def stop(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 def run_specserve(stream_counts, max_tokens: int) -> dict:
-    config = on_free_ports(load_config())
-    port = config["http_options"]["port"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        process, _ = start_specserve(path, port)
-        try:
-            rows = {"specserve, default (auto K)": {},
-                    "specserve, K = 0": {"num_speculative_tokens": 0},
-                    "specserve, K = 4": {"num_speculative_tokens": 4}}
-            return measure(f"http://127.0.0.1:{port}", rows, stream_counts, max_tokens)
-        finally:
-            stop(process)
+    rows = {"specserve, default (auto K)": {},
+            "specserve, K = 0": {"num_speculative_tokens": 0},
+            "specserve, K = 4": {"num_speculative_tokens": 4}}
+    with fresh_serve_run() as (port, _):
+        return measure(f"http://127.0.0.1:{port}", rows, stream_counts, max_tokens)
 
 
 def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int) -> dict:
@@ -114,7 +94,7 @@ def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int) -> dict:
         rows = {name: {"model": str(DEMO / "target")}}
         return measure(url, rows, stream_counts, max_tokens)
     finally:
-        stop(process)
+        stop_group(process)
 
 
 def main() -> None:
