@@ -10,7 +10,9 @@ What it checks and measures, per model shape:
   difference and the argmax flips;
 - verify forward time at 1, 8 and 32 requests x the context x K of 4 and 8, and the draft
   step (1 token) at the same batch sizes;
-- memory at peak, and what happens when the KV pool is full (a clear KVCacheFull).
+- memory at peak, and what happens when the KV pool is full (a clear KVCacheFull);
+- the bundled demo pair on the device: greedy identity with its own draft, a sampled run,
+  in-process tokens/s at K = 0 and 4.
 
 It prints one JSON report (and writes it with --out); `ok` is false when a check fails.
 """
@@ -88,8 +90,9 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(1, vocab, (count, length), generator=generator).tolist()
 
 
-def greedy_identity(model, prompt: list[int], max_tokens: int, k: int) -> dict:
-    """The speculative loop (the model drafting for itself, fixed K) against HF generate."""
+def greedy_identity(model, prompt: list[int], max_tokens: int, k: int, draft=None) -> dict:
+    """The speculative loop (fixed K; `draft` drafting, else the model for itself) against
+    HF generate."""
     from drafter.model import ModelDrafter
     from speculative.sampling import SamplingParams
     from verifier.engine import ModelVerifier
@@ -101,7 +104,7 @@ def greedy_identity(model, prompt: list[int], max_tokens: int, k: int) -> dict:
                                    pad_token_id=0, output_scores=True,
                                    return_dict_in_generate=True)
     expected = reference.sequences[0, len(prompt):].tolist()
-    drafter, verifier = ModelDrafter(model), ModelVerifier(model)
+    drafter, verifier = ModelDrafter(draft or model), ModelVerifier(model)
     output = run_request(drafter, verifier, prompt, SamplingParams(temperature=0.0,
                          max_tokens=max_tokens), k)
     report = {"tokens": max_tokens, "identical": output == expected}
@@ -112,12 +115,12 @@ def greedy_identity(model, prompt: list[int], max_tokens: int, k: int) -> dict:
     return report
 
 
-def sampled_run(model, prompt: list[int], max_tokens: int, k: int) -> dict:
+def sampled_run(model, prompt: list[int], max_tokens: int, k: int, draft=None) -> dict:
     from drafter.model import ModelDrafter
     from speculative.sampling import SamplingParams
     from verifier.engine import ModelVerifier
 
-    drafter = ModelDrafter(model, draft_q_mass=0.99, draft_q_dtype="float16")
+    drafter = ModelDrafter(draft or model, draft_q_mass=0.99, draft_q_dtype="float16")
     verifier = ModelVerifier(model)
     started = time.perf_counter()
     output = run_request(drafter, verifier, prompt, SamplingParams(temperature=1.0, seed=7,
@@ -197,9 +200,40 @@ def check_shape(shape: Shape, device: str, small: bool, dtype) -> dict:
     return report
 
 
+def check_demo_pair(device: str, small: bool) -> dict:
+    """The bundled demo pair on the device, float32: greedy identity with its own draft at
+    K = 4, a sampled run through both pools, and greedy tokens/s in-process at K = 0 and 4."""
+    from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
+    from speculative.sampling import SamplingParams
+    from drafter.model import ModelDrafter
+    from verifier.engine import ModelVerifier
+
+    target, draft = (serving_engine(load_causal_lm(path, "float32", device), "paged",
+                                    kv_cache_tokens=4096, max_sequences=8)
+                     for path in (DEMO_TARGET, DEMO_DRAFT))
+    prompt = prompts(1, 16, target.config.vocab_size, seed=5)[0]
+    tokens = 32 if small else 96
+    report = {"dtype": "float32", "greedy": greedy_identity(target, prompt, tokens, 4, draft),
+              "sampled": sampled_run(target, prompt, tokens, 4, draft), "tokens_per_s": {}}
+    drafter, verifier = ModelDrafter(draft), ModelVerifier(target)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens)
+    for k in (0, 4):
+        run_request(drafter, verifier, prompt, params, k)  # warm
+        sync_device(device)
+        started = time.perf_counter()
+        run_request(drafter, verifier, prompt, params, k)
+        sync_device(device)
+        report["tokens_per_s"][f"K={k}"] = round(tokens / (time.perf_counter() - started), 1)
+    return report
+
+
 def passed(report: dict) -> bool:
     """fp32 greedy identical; a batch changes logits by reassociation only; the pool refuses
-    cleanly; sampling returned its tokens."""
+    cleanly; sampling returned its tokens; the demo pair is exact."""
+    demo = report.get("demo_pair")
+    if demo is not None and not (demo["greedy"]["identical"]
+                                 and demo["sampled"]["in_vocabulary"]):
+        return False
     for entry in report["models"].values():
         exact = entry["dtype"] == "float32"
         if exact and not entry["greedy"]["identical"]:
@@ -225,6 +259,7 @@ def run(device: str, small: bool) -> dict:
             report["models"][name] = check_shape(shape, device, small, dtype)
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+    report["demo_pair"] = check_demo_pair(device, small)
     report["ok"] = passed(report)
     return report
 

@@ -22,6 +22,10 @@ def test_the_small_run_passes_and_reports_every_measure(report):
                                             for k in (0, 4, 8)}
         assert all(ms > 0 for ms in entry["forward_ms"].values())
         assert entry["when_full"]["refused"] is True
+    demo = report["demo_pair"]
+    assert demo["greedy"] == {"tokens": 32, "identical": True}
+    assert demo["sampled"]["tokens"] == 32 and demo["sampled"]["in_vocabulary"]
+    assert set(demo["tokens_per_s"]) == {"K=0", "K=4"}
 
 
 def test_the_run_fails_an_engine_whose_batch_leaks(monkeypatch):
