@@ -179,20 +179,25 @@ def seeded_generator(seed: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One index drawn from [m] non-negative weights, in proportion to them (they need not
-    sum to 1), on their device.
+def sample_rows(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of [R, m] non-negative weights, drawn in proportion to them (a row
+    need not sum to 1), on their device, with no host sync: [R] int64.
 
-    It inverts the weights' cumulative sum at one uniform, so every draw takes the same
-    randomness whatever m: a seeded draft stays in step when float rounding at the mass
-    boundary keeps one entry more or fewer in a truncated q (torch.multinomial draws one
-    exponential per entry, and shifted every later draw of the request's generator), and
-    a tiny change of the weights moves a draw only when the uniform falls that close to a
-    boundary.
+    Each row inverts its cumulative sum at one uniform, so a draw takes the same randomness
+    whatever m: a seeded draft stays in step when float rounding at the mass boundary keeps
+    one entry more or fewer in a truncated q (torch.multinomial draws one exponential per
+    entry, and shifted every later draw of the request's generator), a tiny change of the
+    weights moves a draw only when its uniform falls that close to a boundary, and a row of
+    a 4096-entry vocabulary costs a cumulative sum, not 4096 exponentials.
     """
-    cumulative = probs.double().cumsum(-1)
-    uniform = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
-    index = int(torch.searchsorted(cumulative, uniform * cumulative[-1], right=True))
-    if index >= probs.shape[-1]:  # the product rounded up to the total
-        index = int(probs.nonzero()[-1])
-    return index
+    cumulative = weights.double().cumsum(-1)
+    uniform = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64,
+                         device=weights.device)
+    index = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
+    last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1, keepdim=True)
+    return torch.minimum(index, last).squeeze(-1)  # a product rounded up to the row's total
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One index drawn from [m] non-negative weights (sample_rows of one row)."""
+    return int(sample_rows(probs[None], generator)[0])

@@ -9,7 +9,7 @@ from engine.batch import UNFINISHED, forward_packed
 from engine.kv import SessionStore, admitted
 from engine.paged import serving_engine
 from speculative.rejection import residual_rows
-from speculative.sampling import logits_to_probs, seeded_generator
+from speculative.sampling import logits_to_probs, sample_rows, seeded_generator
 from speculative.types import (
     BatchLoad,
     ScoreCall,
@@ -151,14 +151,14 @@ def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed
     """p_i(x_i), a residual draw per position and a bonus draw: all the router needs.
 
     target_probs: [K + 1, V]; draft_probs: [K, V], both on the model's device, where the
-    draws run too (one multinomial over K + 1 rows, one transfer to the host). Every residual
+    draws run too (one draw over K + 1 rows, one transfer to the host). Every residual
     is drawn, used or not, so the draws do not depend on where the router's coins reject.
     """
     k = len(drafted)
     generator = seeded_generator(seed, target_probs.device)
     rows = target_probs if k == 0 else \
         torch.cat([residual_rows(target_probs[:k], draft_probs), target_probs[k:]])
-    draws = torch.multinomial(rows, 1, generator=generator).squeeze(-1)  # [K + 1]
+    draws = sample_rows(rows, generator)  # [K + 1]
     tokens = torch.tensor(drafted, dtype=torch.long, device=target_probs.device)
     at_draft = target_probs[torch.arange(k, device=target_probs.device), tokens]
     # one host sync: ids < 2**53 and probabilities travel exactly as float64

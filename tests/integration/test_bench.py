@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from bench.suite import FIELDS, MODES
+from bench.suite import FIELDS, MODES, describe_q
 from bench.sweep import LEVELS
+from deployments.local import app_config, load_config
 from tests.integration.conftest import ROOT
 
 
@@ -40,9 +41,11 @@ def test_every_mode_and_k_is_a_record_with_every_field(quick_run):
         assert ("serve_adaptive", "auto", temperature) in cells
     assert {r["mode"] for r in records} == set(MODES)
     sampled = {(r["mode"], r["k"], r["draft_q"]) for r in records if r["temperature"] == 1.0}
+    shipped = describe_q(app_config(load_config(), "drafter")["args"])  # the config's q
+    assert shipped != "dense"
     for k in (1, 4):  # the shipped q beside dense q, in-process, for the acceptance it costs
-        assert {("inprocess", k, "mass0.99-float16"), ("inprocess", k, "dense"),
-                ("hf_assisted", k, "dense"), ("serve_sync", k, "mass0.99-float16")} <= sampled
+        assert {("inprocess", k, shipped), ("inprocess", k, "dense"),
+                ("hf_assisted", k, "dense"), ("serve_sync", k, shipped)} <= sampled
     assert all(r["tokens"] == r["requests"] * (12 if r["stream"] else 32) and r["tokens_per_s"] > 0
                for r in records)
 

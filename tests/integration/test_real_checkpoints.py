@@ -57,7 +57,7 @@ def test_the_router_stops_at_any_end_token_and_decodes_past_windows_and_padding(
 ])
 def test_the_cli_and_the_router_return_the_same_request(cluster, capsys, fields, flags):
     """Same ids, text, finish reason and usage (the CLI's default draft q is the router
-    config's, mass 0.99 in float16, and both pipeline: then even the sampled draws are the
+    config's, whole in float16, and both pipeline: then even the sampled draws are the
     same)."""
     from engine.models import DEMO_DRAFT
 

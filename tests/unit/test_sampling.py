@@ -3,7 +3,7 @@ import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from speculative.sampling import (SamplingParams, draft_law, kept_entries, logits_to_probs, sample,
-                                  seeded_generator)
+                                  sample_rows, seeded_generator)
 from tests.stats.chisq import chi_square
 
 
@@ -117,3 +117,15 @@ def test_sample_follows_unnormalised_weights_and_never_picks_a_zero():
 def test_a_uniform_that_rounds_up_to_the_total_picks_the_last_positive_weight(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *_, **kw: torch.tensor(1.0, dtype=kw["dtype"]))
     assert sample(torch.tensor([0.25, 0.75, 0.0]), torch.Generator()) == 1
+
+
+def test_sample_rows_draws_each_row_from_its_own_weights():
+    """The verifier's residual and bonus draws: one row each, in one call."""
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0], [2.0, 0.0, 2.0, 4.0]])
+    generator = torch.Generator().manual_seed(11)
+    draws = torch.stack([sample_rows(weights, generator) for _ in range(20_000)])  # [n, 2]
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=4).numpy()
+        statistic, threshold, _ = chi_square(counts, (weights[row] / weights[row].sum()).numpy(),
+                                             5e-8)
+        assert statistic < threshold
