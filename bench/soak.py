@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import requests
 
@@ -194,7 +195,8 @@ def main(args) -> int:
         serve.shutdown()
         ray.shutdown()
     print(report(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}/soak.json")
+    out = args.out or Path("bench/results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}/soak.json")
     return 1 if result["errors"] else 0

@@ -765,7 +765,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="2 prompts x 32 tokens, K in {1, 4}; the sweep's requests 12 "
                              "tokens: a few minutes")
     parser.add_argument("--pair", choices=[*PAIRS, "all"], default="all")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where results go (default bench/results, the committed full "
+                             "run; with --quick bench/results/quick, not committed)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads here (each replica of cluster/config.yaml has 1)")
     parser.add_argument("--concurrency", type=client_counts, default=sweep.LEVELS,
@@ -799,9 +801,10 @@ def main(args, argv: list[str]) -> int:
 
         return soak.main(args)
     plan = Plan.make(args.quick, args.pair, args.concurrency)
-    results = run(plan, args.out, args.threads, argv)
+    out = args.out or Path("bench/results/quick" if args.quick else "bench/results")
+    results = run(plan, out, args.threads, argv)
     print(markdown(results))
-    print(f"wrote {args.out}/results.json, results.md, speedup_vs_k.png, "
+    print(f"wrote {out}/results.json, results.md, speedup_vs_k.png, "
           "acceptance_by_position.png"
           + (", concurrency.png" if any(r["stream"] for r in results["results"]) else ""))
     return 0
