@@ -15,7 +15,9 @@ class ContinuousBatcher:
     """`await batcher.submit(call)` -> its answer from `run(calls) -> answers` (a coroutine);
     at most max_batch_size calls per run, one run at a time, in arrival order. An answer
     for which `unfinished(answer)` holds (a prefill cut to the forward's token budget) is
-    no answer yet: its call goes first into the next run."""
+    no answer yet: its call goes first into the next run, up to half the batch's calls
+    (more wait behind the calls that arrived meanwhile, so long prompts cannot fill every
+    slot while decodes wait)."""
 
     def __init__(self, run, max_batch_size: int, unfinished=lambda answer: False) -> None:
         if max_batch_size < 1:
@@ -61,4 +63,5 @@ class ContinuousBatcher:
                         again.append((call, future))
                     elif not future.done():
                         future.set_result(answer)
-                self.waiting = again + self.waiting
+                first = max(1, self.max_batch_size // 2)
+                self.waiting = again[:first] + self.waiting + again[first:]

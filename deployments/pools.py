@@ -28,6 +28,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from engine.checkpoint import Checkpoint
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from engine.batch import UNFINISHED
+from engine.kv import KVCacheTooSmall
 from engine.paged import KVCacheFull
 from speculative.sampling import SamplingParams
 from speculative.types import (
@@ -240,7 +241,8 @@ class PoolReplica:
                      grpc_context):
         """to_proto(the call's answer in a batch); no pool secret -> UNAUTHENTICATED;
         check(request, limits) or decoding fails -> INVALID_ARGUMENT, before the call
-        queues; StaleBase -> REBUILD; KVCacheFull -> RESOURCE_EXHAUSTED."""
+        queues; StaleBase -> REBUILD; KVCacheFull -> RESOURCE_EXHAUSTED; KVCacheTooSmall ->
+        OUT_OF_RANGE."""
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, response_type())
         direct = is_direct(grpc_context)
@@ -260,6 +262,9 @@ class PoolReplica:
             self.waiting -= 1
         if isinstance(result, StaleBase):
             response = response_type(status=pb.REBUILD)
+        elif isinstance(result, KVCacheTooSmall):  # the request never fits this replica
+            return refuse(grpc_context, result, response_type(replica_id=self.replica_id),
+                          grpc.StatusCode.OUT_OF_RANGE)
         elif isinstance(result, ValueError):
             return refuse(grpc_context, result, response_type(replica_id=self.replica_id))
         elif isinstance(result, KVCacheFull):  # the batch's other requests hold the blocks

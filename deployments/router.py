@@ -139,15 +139,16 @@ def error_response(error: BadRequest) -> JSONResponse:
 def pool_failure(error: PoolError) -> BadRequest:
     """What a client learns of a failed pool call: 429 when the pool had no room for the
     request now (its KV cache, or its calls in flight: RESOURCE_EXHAUSTED), 400 with the
-    pool's reason when it can never serve it (INVALID_ARGUMENT: the pools word those reasons
-    for clients), else 503; the details go to the log."""
+    pool's reason when the request can never fit its KV cache (OUT_OF_RANGE), else 503 (an
+    INVALID_ARGUMENT from a pool is the router's fault, not the client's); the details go
+    to the log."""
     log.warning("pool call failed: %s", error)
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return BadRequest(f"the {error.pool} pool has no room for this request now (its KV "
                           "cache or its calls in flight are full); retry later", 429,
                           headers=retry)
-    if error.code == grpc.StatusCode.INVALID_ARGUMENT:
+    if error.code == grpc.StatusCode.OUT_OF_RANGE:
         return BadRequest(f"the {error.pool} pool refused the request: {error.details}", 400)
     return BadRequest(f"the {error.pool} pool is unavailable; retry later", 503, headers=retry)
 

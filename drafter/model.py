@@ -78,7 +78,7 @@ class ModelDrafter:
             try:
                 draft = self.start_draft(call)
             except (ValueError, StaleBase) as error:
-                results[index] = error
+                results[index] = error.with_traceback(None)  # keeps no frame alive
                 continue
             seen.add(call.request_id)
             if draft.num_tokens == 0:

@@ -73,13 +73,17 @@ class Sequence:
 
         The cache is cropped to the longest prefix it shares with committed + extra, but never
         past the first position whose logits are asked for, so those are always recomputed.
-        A feed longer than `limit` (a long prompt's prefill) gives its first `limit` tokens
-        and no logits: a chunk; the next segment goes on from there.
+        A feed longer than `limit` (a long prompt's prefill) gives at most its first `limit`
+        tokens and no logits: a chunk, cut before the positions whose logits are asked for
+        (those are always fed together), so every chunk advances; the next segment goes on
+        from there.
         """
         ids = self.committed + extra
         start = min(common_prefix_len(self.cached_ids, ids), len(ids) - num_logits)
         if limit is not None and len(ids) - start > limit:
-            return self.prepare(model, ids[start:start + limit], start, 0)
+            end = min(start + limit, len(ids) - num_logits)
+            if end > start:
+                return self.prepare(model, ids[start:end], start, 0)
         return self.prepare(model, ids[start:], start, num_logits)
 
     def prepare(self, model, token_ids: list[int], start: int, num_logits: int) -> Segment:
@@ -215,6 +219,11 @@ class SessionStore:
         if sequence is not None and isinstance(sequence.cache, PagedCache):
             sequence.cache.free()
 
+    def evictable_blocks(self, keep: set[str]) -> int:
+        """Paged blocks held by sessions not in `keep` (what evict_idle could give back)."""
+        return sum(len(sequence.cache.blocks) for request_id, sequence in self._sequences.items()
+                   if request_id not in keep and isinstance(sequence.cache, PagedCache))
+
     def evict_idle(self, keep: set[str]) -> bool:
         """Release the least recently used session not in `keep`; False when there is none."""
         for request_id in self._sequences:
@@ -225,20 +234,30 @@ class SessionStore:
         return False
 
 
+class KVCacheTooSmall(ValueError):
+    """A request needs more KV positions than the replica's whole pool holds: it never
+    fits (the pool answers OUT_OF_RANGE, the router 400)."""
+
+
 def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -> None:
     """Blocks in a request's paged cache for `length` positions, before a batch's forward:
     while the pool is short, idle sessions give theirs back (least recently used first,
     never one of the batch, `keep`: they rebuild later, exact).
 
-    Raises ValueError when the pool could never hold `length` positions, KVCacheFull when
-    the batch's other requests hold what it needs now (the pool answers RESOURCE_EXHAUSTED,
-    the router 429). A transformers cache needs nothing."""
+    Raises KVCacheTooSmall when the pool could never hold `length` positions, KVCacheFull
+    when the batch's requests hold what it needs now (the pool answers RESOURCE_EXHAUSTED,
+    the router 429), without evicting anyone when evicting every idle session would not be
+    enough. A transformers cache needs nothing."""
     if not isinstance(cache, PagedCache):
         return
     pool = cache.pool
     if -(-length // pool.block_size) > pool.num_blocks - 1:
-        raise ValueError(f"{length} positions need more KV cache than this replica holds "
-                         f"({(pool.num_blocks - 1) * pool.block_size} tokens)")
+        raise KVCacheTooSmall(f"{length} positions need more KV cache than this replica "
+                              f"holds ({(pool.num_blocks - 1) * pool.block_size} tokens)")
+    needed = -(-length // pool.block_size) - len(cache.blocks)
+    if needed > pool.free_blocks + sessions.evictable_blocks(keep):
+        raise KVCacheFull(f"the KV cache needs {needed} more blocks of {pool.block_size} "
+                          f"tokens, {pool.free_blocks} are free and the batch holds the rest")
     while True:
         try:
             cache.reserve(length)

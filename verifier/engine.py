@@ -26,7 +26,8 @@ class ModelVerifier:
     of the previous round is cropped away), or rebuilds it when the call carries the whole
     prefix, then feeds the newly committed tokens and x1..xK. The calls of a batch share ONE
     forward (`engine.batch`: their tokens packed, attention per request), so a call's answer
-    is the same whichever calls it is batched with.
+    is the same whichever calls it is batched with, up to float rounding (a matmul's kernel
+    and blocking follow the batch's rows).
     """
 
     def __init__(self, model, *, max_cached_requests: int = 256,
@@ -125,7 +126,7 @@ def run_batch(calls, prepare, model, finish, sessions: SessionStore,
         try:
             segment, extra = prepare(calls[index], limit)
         except (ValueError, StaleBase) as error:
-            results[index] = error
+            results[index] = error.with_traceback(None)  # keeps no frame alive
             continue
         if budget is not None:
             budget -= len(segment.token_ids)

@@ -1,8 +1,9 @@
 """Admission by free KV blocks: a pool replica's paged cache is bounded, and a call that
 cannot have the blocks it needs is refused alone (KVCacheFull -> RESOURCE_EXHAUSTED -> 429),
-one that never could is refused as bad input (ValueError -> 400), idle sessions give their
-blocks back before anyone is refused, and the calls admitted beside a refusal are answered
-exactly as alone.
+one that never could is refused as bad input (KVCacheTooSmall -> OUT_OF_RANGE -> 400), idle
+sessions give their blocks back before anyone is refused (and none is evicted when that
+would not be enough), and the calls admitted beside a refusal are answered exactly as
+alone.
 
 The pool here: kv_cache_tokens 16 and two cached requests give 14 blocks of 16 positions
 (engine.paged.blocks_for), 13 usable (block 0 is the zeros the padding reads): 208
@@ -15,6 +16,7 @@ import pytest
 from deployments.clients import PoolError
 from deployments.router import pool_failure
 from drafter.model import ModelDrafter
+from engine.kv import KVCacheTooSmall
 from engine.paged import KVCacheFull
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
@@ -45,7 +47,7 @@ def free_blocks(engine) -> int:
 def test_a_call_the_pool_could_never_hold_is_refused_as_bad_input():
     verifier = small_verifier()
     [result] = verifier.score_batch([first_call("long", prompt(220))])
-    assert isinstance(result, ValueError) and "KV cache" in str(result)
+    assert isinstance(result, KVCacheTooSmall) and "KV cache" in str(result)
     assert free_blocks(verifier) == USABLE_BLOCKS  # nothing held for it
 
 
@@ -74,6 +76,19 @@ def test_idle_sessions_give_their_blocks_back_before_anyone_is_refused():
     assert isinstance(verifier.score_batch([later])[0], StaleBase)  # it rebuilds: exact
 
 
+def test_no_idle_session_is_evicted_when_evicting_them_all_would_not_make_room():
+    # three cached requests: 20 blocks, 19 usable (and no eviction by count)
+    verifier = ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=16,
+                             max_cached_requests=3)
+    assert not isinstance(verifier.score_batch([first_call("idle", prompt(20))])[0], Exception)
+    # 'idle' holds 2 blocks, a takes 7 (98 + 2 positions), b needs 13 (200 + 2): 10 free
+    # and 2 to evict are not enough
+    served, refused = verifier.score_batch([first_call("a", prompt(98)),
+                                            first_call("b", prompt(200, 1))])
+    assert not isinstance(served, Exception) and isinstance(refused, KVCacheFull)
+    assert "idle" in verifier.sessions  # not evicted for nothing
+
+
 def test_the_drafter_reserves_its_whole_block_or_is_refused_alone():
     drafter = ModelDrafter(tiny_llama(4), engine="paged", kv_cache_tokens=16,
                            max_cached_requests=2)
@@ -85,7 +100,8 @@ def test_the_drafter_reserves_its_whole_block_or_is_refused_alone():
 
 
 @pytest.mark.parametrize("code, status", [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-                                          (grpc.StatusCode.INVALID_ARGUMENT, 400),
+                                          (grpc.StatusCode.OUT_OF_RANGE, 400),
+                                          (grpc.StatusCode.INVALID_ARGUMENT, 503),
                                           (grpc.StatusCode.UNAVAILABLE, 503),
                                           (grpc.StatusCode.INTERNAL, 503)])
 def test_the_router_answers_a_pool_refusal_with_its_http_status(code, status):

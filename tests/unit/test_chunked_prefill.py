@@ -34,6 +34,7 @@ def until_answered(engine: ModelVerifier, pending: ScoreCall) -> tuple[object, i
     """(the answer, how many batches it took)."""
     batches, answer = 0, UNFINISHED
     while answer is UNFINISHED:
+        assert batches < 100, "a cut feed that never finishes"
         answer, batches = engine.score_batch([pending])[0], batches + 1
     return answer, batches
 
@@ -68,6 +69,16 @@ def test_a_cut_feed_that_builds_on_a_cached_prefix_resumes_without_syncing_twice
     answer, batches = until_answered(chunked, catch_up)
     assert batches == 4  # 16 + 16 + 16, then the last 2 + 2 drafts with the logits
     assert answer.target_token_ids == whole.score_now(catch_up).target_token_ids
+
+
+def test_a_cut_never_reaches_into_the_positions_whose_logits_are_asked_for():
+    """K + 1 = 21 positions need logits, more than the 16-token chunk: the cut stops before
+    them, the next feed takes them whole (a cut inside them made no progress, forever)."""
+    chunked, whole = verifier(MIN_CHUNK), verifier(None)
+    long_draft = call("r", (), prompt(30), draft=tuple(range(1, 21)))
+    answer, batches = until_answered(chunked, long_draft)
+    assert batches == 3  # 16 prompt tokens, then 13 (up to the 21), then the 21 with logits
+    assert answer.target_token_ids == whole.score_now(long_draft).target_token_ids
 
 
 @pytest.mark.parametrize("budget", [8, 32])
