@@ -251,20 +251,18 @@ def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -
     if not isinstance(cache, PagedCache):
         return
     pool = cache.pool
-    if -(-length // pool.block_size) > pool.num_blocks - 1:
+    if length > (pool.num_blocks - 1) * pool.block_size:
         raise KVCacheTooSmall(f"{length} positions need more KV cache than this replica "
                               f"holds ({(pool.num_blocks - 1) * pool.block_size} tokens)")
-    needed = -(-length // pool.block_size) - len(cache.blocks)
-    if needed > pool.free_blocks + sessions.evictable_blocks(keep):
-        raise KVCacheFull(f"the KV cache needs {needed} more blocks of {pool.block_size} "
-                          f"tokens, {pool.free_blocks} are free and the batch holds the rest")
-    while True:
-        try:
-            cache.reserve(length)
-            return
-        except KVCacheFull:
-            if not sessions.evict_idle(keep):
-                raise
+    needed = cache.missing_blocks(length)
+    if needed > pool.free_blocks:  # only then are the idle sessions counted
+        if needed > pool.free_blocks + sessions.evictable_blocks(keep):
+            raise KVCacheFull(f"the KV cache needs {needed} more blocks of {pool.block_size} "
+                              f"tokens, {pool.free_blocks} are free and the batch holds the "
+                              f"rest")
+        while pool.free_blocks < needed:
+            sessions.evict_idle(keep)
+    cache.reserve(length)
 
 
 def admitted(entries: list, caches: list, lengths: list[int], calls: list, results: list,

@@ -80,9 +80,13 @@ class PagedCache:
         self.length = max(0, self.length + max_length if max_length < 0 else
                           min(max_length, self.length))
 
+    def missing_blocks(self, length: int) -> int:
+        """Blocks it lacks to hold `length` positions (0 when it has them)."""
+        return max(0, -(-length // self.pool.block_size) - len(self.blocks))
+
     def reserve(self, length: int) -> None:
         """Blocks for `length` positions (raises KVCacheFull, holding what it had)."""
-        needed = -(-length // self.pool.block_size) - len(self.blocks)
+        needed = self.missing_blocks(length)
         if needed > 0:
             self.blocks.extend(self.pool.allocate(needed))
 
