@@ -68,6 +68,10 @@ class PoolArgs(BaseModel):
     kv_cache_tokens: int | None = Field(default=None, ge=16)
     # calls that share one forward: those arriving while the model is busy join the next
     max_batch_size: int = Field(default=32, ge=1, le=1024)
+    # under load, a batch may wait for the requests of the previous batch to come back, up
+    # to this fraction of the previous forward's time (at most 10 ms; 0: never waits), so
+    # that the requests do not split into groups that take turns (deployments.batcher)
+    batch_linger: float = Field(default=0.5, ge=0)
     # calls in flight on the replica's own gRPC port; beyond it gRPC answers
     # RESOURCE_EXHAUSTED at once (default: twice max_batch_size)
     max_concurrent_rpcs: int | None = Field(default=None, ge=1)
@@ -199,7 +203,9 @@ class PoolReplica:
                 self.last_progress = time.monotonic()
 
         self.batcher = ContinuousBatcher(in_batch, max_batch_size,
-                                         lambda answer: answer is UNFINISHED)
+                                         lambda answer: answer is UNFINISHED,
+                                         key=lambda call: call.request_id,
+                                         linger=args.batch_linger)
         # before the replica reports ready: no request pays the model's first forwards
         await self.on_worker(self.warm_up, run_batch, limits.vocab_size)
         self.server, self.address = await serve_directly(
@@ -279,6 +285,7 @@ class PoolReplica:
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
+        self.batcher.forget(request.request_id)
         await self.on_worker(self.engine.sessions.release, request.request_id)
         return pb.ReleaseResponse(released=released)
 

@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from deployments import batcher as batcher_module
 from deployments.batcher import ContinuousBatcher
 
 
@@ -75,3 +76,74 @@ def test_a_cancelled_caller_is_left_out_and_a_failed_batch_fails_its_callers_onl
 def test_max_batch_size_must_be_positive():
     with pytest.raises(ValueError, match="max_batch_size"):
         ContinuousBatcher(None, 0)
+
+
+def request_of(call: str) -> str:
+    return call[0]  # "a1" is request a's first call
+
+
+async def first_batch(batcher, model, calls) -> None:
+    """Run `calls` as one batch (the model held until all have arrived)."""
+    model.release.clear()
+    started = [asyncio.ensure_future(batcher.submit(c)) for c in calls]
+    await asyncio.sleep(0)
+    model.release.set()
+    await asyncio.gather(*started)
+
+
+@pytest.mark.parametrize("linger", [0.0, 1e9])
+def test_a_batch_waits_for_the_requests_of_the_previous_one_only_when_lingering(
+        linger, monkeypatch):
+    """a and b were answered together; c arrives first: with a linger the next batch waits
+    until a and b are back (one forward for all three), without one c runs alone."""
+    monkeypatch.setattr(batcher_module, "MAX_LINGER_S", 60.0)  # only their return ends it
+
+    async def main():
+        model = Model()
+        batcher = ContinuousBatcher(model.run, 8, key=request_of, linger=linger)
+        await first_batch(batcher, model, ["a1", "b1"])
+        c = asyncio.ensure_future(batcher.submit("c1"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        back = [asyncio.ensure_future(batcher.submit(x)) for x in ("a2", "b2")]
+        await asyncio.gather(c, *back)
+        return model.batches[1:]
+
+    together = [["c1", "a2", "b2"]]
+    assert asyncio.run(main()) == (together if linger else [["c1"], ["a2", "b2"]])
+
+
+def test_the_linger_ends_at_its_deadline_and_a_released_request_is_not_waited_for(
+        monkeypatch):
+    monkeypatch.setattr(batcher_module, "MAX_LINGER_S", 0.05)
+
+    async def main():
+        model = Model()
+        batcher = ContinuousBatcher(model.run, 8, key=request_of, linger=1e9)
+        await first_batch(batcher, model, ["a1", "b1"])
+        # a and b never come back (a broken deadline would hold c1 past the 30 s below)
+        assert await asyncio.wait_for(batcher.submit("c1"), 30) == "answer c1"
+        await first_batch(batcher, model, ["a2", "b2"])
+        batcher.forget("a")  # a ended; b is still out
+        monkeypatch.setattr(batcher_module, "MAX_LINGER_S", 60.0)
+        c = asyncio.ensure_future(batcher.submit("c2"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        # a broken forget would hold the batch for a until the 60 s linger ends
+        await asyncio.wait_for(asyncio.gather(c, batcher.submit("b3")), 30)
+        return model.batches
+
+    assert asyncio.run(main())[1:] == [["c1"], ["a2", "b2"], ["c2", "b3"]]
+
+
+def test_a_lone_request_never_waits(monkeypatch):
+    monkeypatch.setattr(batcher_module, "MAX_LINGER_S", 60.0)
+
+    async def main():
+        model = Model()
+        batcher = ContinuousBatcher(model.run, 8, key=request_of, linger=1e9)
+        for index in range(3):
+            assert await batcher.submit(f"a{index}") == f"answer a{index}"
+        return model.batches
+
+    assert asyncio.run(main()) == [["a0"], ["a1"], ["a2"]]
