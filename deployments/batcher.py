@@ -65,14 +65,10 @@ class ContinuousBatcher:
             await self._wakeup.wait()
             self._wakeup.clear()
             while True:
-                # a cancelled caller (a client gone) leaves its call behind
-                live = [(call, future) for call, future in self.waiting if not future.done()]
-                if not live:
-                    self.waiting.clear()
+                if not self._drop_cancelled():
                     break
-                self.waiting = live
                 await self._wait_for_returning()
-                live = [(call, future) for call, future in self.waiting if not future.done()]
+                live = self._drop_cancelled()
                 batch, self.waiting = live[:self.max_batch_size], live[self.max_batch_size:]
                 started = time.perf_counter()
                 try:
@@ -95,6 +91,11 @@ class ContinuousBatcher:
                                       zip(batch, answers) if not self.unfinished(answer)}
                 first = max(1, self.max_batch_size // 2)
                 self.waiting = again[:first] + self.waiting + again[first:]
+
+    def _drop_cancelled(self) -> list:
+        """The waiting calls whose callers still wait (a client gone leaves its call)."""
+        self.waiting = [(call, future) for call, future in self.waiting if not future.done()]
+        return self.waiting
 
     async def _wait_for_returning(self) -> None:
         """Wait (up to the linger) for the requests of the previous batch that have not come
