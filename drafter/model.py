@@ -7,7 +7,7 @@ import torch
 
 from engine.batch import forward_packed
 from engine.kv import Sequence, SessionStore, admitted
-from engine.paged import serving_engine
+from engine.lean import serving_engine
 from speculative.sampling import fit_vocab, kept_entries, logits_to_probs, sample, seeded_generator
 from speculative.types import (
     BatchLoad,
@@ -70,6 +70,26 @@ class ModelDrafter:
     def draft_together(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
         started = time.perf_counter()
         results: list = [None] * len(calls)
+        drafts, later = self.start_drafts(calls, results)
+        active = self.admit_first_feeds(drafts, calls, results)
+        drafts = [(index, draft) for index, draft, _ in active]
+        first_tokens = self.draft_steps(active)
+        load = BatchLoad(len(drafts), first_tokens)
+        elapsed = time.perf_counter() - started
+        for index, draft in drafts:
+            # q leaves the device here, on the worker thread, not on the event loop
+            probs = DraftDists.stack(draft.q_rows, self.vocab_size).compact().to("cpu") \
+                if draft.q_rows else None
+            results[index] = DraftBlock(tuple(draft.token_ids), probs, elapsed, load=load)
+        if later:
+            for index, result in zip(later, self.draft_together([calls[i] for i in later])):
+                results[index] = result
+        return results
+
+    def start_drafts(self, calls: list[ProposeCall], results: list
+                     ) -> tuple[list[tuple[int, "Draft"]], list[int]]:
+        """(call index, Draft) of each call that drafts in this forward, and the indices of
+        the calls left for the next one; a refusal or an empty block goes into `results`."""
         drafts, later, seen = [], [], set()
         for index, call in enumerate(calls):
             if call.request_id in seen:  # one cache cannot feed twice in a forward
@@ -85,17 +105,26 @@ class ModelDrafter:
                 results[index] = DraftBlock((), None)
             else:
                 drafts.append((index, draft))
-        first_tokens = 0
+        return drafts, later
+
+    def admit_first_feeds(self, drafts: list[tuple[int, "Draft"]], calls: list[ProposeCall],
+                          results: list) -> list[tuple]:
+        """(call index, Draft, its first Segment) of each draft whose cache could reserve
+        blocks for its whole block; a refusal goes into `results` (engine.kv.admitted)."""
         # Feeding the committed tail also covers the "all K accepted" case: the drafter never
         # fed its own last token x_K, so it is fed now together with the bonus token (or, for
         # a pre-draft, together with the assumed block under verification).
         active = [(index, draft, draft.sequence.segment(self.model, draft.assumed, 1))
                   for index, draft in drafts]
         # blocks for the whole block up front (its last token is never fed), or a refusal
-        active = admitted(active, [segment.cache for _, _, segment in active],
-                          [segment.start + len(segment.token_ids) + draft.num_tokens - 1
-                           for _, draft, segment in active], calls, results, self.sessions)
-        drafts = [(index, draft) for index, draft, _ in active]
+        return admitted(active, [segment.cache for _, _, segment in active],
+                        [segment.start + len(segment.token_ids) + draft.num_tokens - 1
+                         for _, draft, segment in active], calls, results, self.sessions)
+
+    def draft_steps(self, active: list[tuple]) -> int:
+        """Draft each (call index, Draft, Segment) to its full block: step i is one forward
+        over every draft still drafting. Returns the tokens the first forward fed."""
+        first_tokens = 0
         while active:
             segments = [segment for _, _, segment in active]
             first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)
@@ -111,17 +140,7 @@ class ModelDrafter:
                     still.append((index, draft, draft.sequence.segment(
                         self.model, draft.assumed + draft.token_ids, 1)))
             active = still
-        load = BatchLoad(len(drafts), first_tokens)
-        elapsed = time.perf_counter() - started
-        for index, draft in drafts:
-            # q leaves the device here, on the worker thread, not on the event loop
-            probs = DraftDists.stack(draft.q_rows, self.vocab_size).compact().to("cpu") \
-                if draft.q_rows else None
-            results[index] = DraftBlock(tuple(draft.token_ids), probs, elapsed, load=load)
-        if later:
-            for index, result in zip(later, self.draft_together([calls[i] for i in later])):
-                results[index] = result
-        return results
+        return first_tokens
 
     def start_draft(self, call: ProposeCall) -> "Draft":
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,

@@ -106,13 +106,13 @@ def use_packed_attention(model):
     return model
 
 
-LEAN = "specserve_lean"  # the model's engine.paged.LeanForward, when it has one
+LEAN = "specserve_lean"  # the model's engine.lean.LeanForward, when it has one
 
 
 @torch.no_grad()
 def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
     """One forward over all segments; returns each segment's logits [num_logits, V]: the
-    paged lean forward when the model has one (engine.paged), else transformers' modeling
+    paged lean forward when the model has one (engine.lean), else transformers' modeling
     with packed_attention."""
     lean = getattr(model, LEAN, None)
     if lean is not None:

@@ -7,7 +7,7 @@ import torch
 
 from engine.batch import UNFINISHED, forward_packed
 from engine.kv import SessionStore, admitted
-from engine.paged import serving_engine
+from engine.lean import serving_engine
 from speculative.rejection import residual_rows
 from speculative.sampling import logits_to_probs, sample_rows, seeded_generator
 from speculative.types import (

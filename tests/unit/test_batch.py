@@ -10,10 +10,10 @@ import torch
 
 from drafter.model import ModelDrafter
 from engine import batch as packed
-from engine import paged
+from engine import lean, paged
 from engine.batch import forward_packed
 from engine.kv import SessionStore
-from engine.paged import serving_engine
+from engine.lean import serving_engine
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
 from tests.tiny import Batched, hf_greedy, noisy_copy, run_concurrently, tiny_llama, tiny_sliding
@@ -84,13 +84,13 @@ def test_the_test_sees_a_query_that_attends_past_its_position(name, monkeypatch)
 def test_the_test_sees_a_paged_batch_without_its_mask(name, monkeypatch):
     """Mutant of the paged forward: every key of the padded batch visible (later drafted
     tokens, another request's padding, positions past the window)."""
-    plan_init = paged.BatchPlan.__init__
+    plan_init = lean.BatchPlan.__init__
 
     def unmasked(self, *args):
         plan_init(self, *args)
         self.masks = dict.fromkeys(self.masks)
 
-    monkeypatch.setattr(paged.BatchPlan, "__init__", unmasked)
+    monkeypatch.setattr(lean.BatchPlan, "__init__", unmasked)
     assert batched_rounds_error(served(name, "paged")) > 0.01
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import paged
+from engine import lean
 from specserve import check_gpu
 
 
@@ -30,12 +30,12 @@ def test_the_small_run_passes_and_reports_every_measure(report):
 
 def test_the_run_fails_an_engine_whose_batch_leaks(monkeypatch):
     """Mutant: the paged forward without its masks (queries see later and foreign keys)."""
-    plan_init = paged.BatchPlan.__init__
+    plan_init = lean.BatchPlan.__init__
 
     def unmasked(self, *args):
         plan_init(self, *args)
         self.masks = dict.fromkeys(self.masks)
 
-    monkeypatch.setattr(paged.BatchPlan, "__init__", unmasked)
+    monkeypatch.setattr(lean.BatchPlan, "__init__", unmasked)
     monkeypatch.setattr(check_gpu, "SMALL", check_gpu.SMALL[:1])
     assert check_gpu.run("cpu", small=True)["ok"] is False
