@@ -3,7 +3,7 @@
 `python -m bench.engine` (one thread by default, as a pool replica runs): for the demo target
 and draft, the forward of B requests x n new tokens over a context of C cached positions,
 with transformers' modeling (a DynamicCache per request, attention per request) and with the
-paged lean forward (engine.paged). Each time is set against its floor on this machine: the
+paged lean forward (engine.lean). Each time is set against its floor on this machine: the
 bytes it must read (weights, and the batch's cached keys and values) over the measured memory
 bandwidth, and its matmul FLOPs over the measured peak; the larger of the two is the floor.
 Medians of repeated runs; ratios from one run.
@@ -18,7 +18,8 @@ import torch
 from engine.batch import forward_packed
 from engine.kv import SessionStore
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
-from engine.paged import kv_bytes_per_token, serving_engine
+from engine.lean import serving_engine
+from engine.paged import kv_bytes_per_token
 from specserve.check_gpu import prefill
 
 CASES = [(1, 1), (1, 5), (8, 1), (8, 5), (32, 1), (32, 5)]  # (requests, new tokens each)

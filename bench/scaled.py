@@ -13,11 +13,13 @@ residual stream, and so every logit, is the demo target's: adding exact zeros ch
 
 import argparse
 import copy
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.models import DEMO_TARGET, load_causal_lm
+from bench.costs import forward_ms
+from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 
 
 def widen(old: torch.Tensor, new: torch.Tensor, generator) -> torch.Tensor:
@@ -87,11 +89,6 @@ def build_balanced_draft(out: str, target_ms: float, dtype: str, repeats: int = 
     The layer count comes from the measured cost of two trial depths (a token's cost is close
     to linear in the layers), aiming at c = 0.2, since c depends on the machine and dtype.
     """
-    from pathlib import Path
-
-    from bench.suite import forward_ms
-    from engine.models import DEMO_DRAFT
-
     if (Path(out) / "config.json").exists():
         draft = load_causal_lm(out, dtype)
         c = forward_ms(draft, 64, 1, repeats) / target_ms

@@ -15,7 +15,9 @@ import statistics
 
 import torch
 
-from bench.suite import PAIRS, PROMPTS, Served, Tally, stats_from_http
+from bench.pairs import PAIRS, PROMPTS
+from bench.records import Tally
+from bench.runners import Served, stats_from_http
 
 
 def main() -> None:

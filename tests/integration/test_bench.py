@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench.suite import FIELDS, MODES, describe_q
+from bench.records import FIELDS, MODES, describe_q
 from bench.sweep import LEVELS
 from deployments.local import app_config, load_config
 from tests.integration.conftest import ROOT

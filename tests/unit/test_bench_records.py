@@ -8,14 +8,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.suite import (
-    FIELDS,
-    Tally,
-    add_speedups,
-    expected_tokens_per_round,
-    record,
-    stats_from_http,
-)
+from bench.costs import expected_tokens_per_round
+from bench.records import FIELDS, Tally, add_speedups, record
+from bench.runners import stats_from_http
 from bench.sweep import Streamed, latency_fields, percentile, stream_completion
 from speculative.stats import SpecStats
 

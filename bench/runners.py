@@ -1,0 +1,133 @@
+"""The ways `specserve bench` produces tokens: HF `generate` (the target alone, or assisted by the
+draft), specserve's round loop in this process, and specserve served by Ray Serve over HTTP.
+Each returns the new token ids and the seconds they took (and the round statistics, if any)."""
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from bench.pairs import Pair
+from speculative.stats import SpecStats
+
+
+def sampling_kwargs(temperature: float) -> dict:
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+def hf_generate(model, prompt_ids, max_tokens: int, temperature: float, seed: int,
+                assistant=None, k: int = 0) -> tuple[list[int], float]:
+    ids = torch.tensor([prompt_ids])
+    extra = {}
+    if assistant is not None:
+        extra = {"assistant_model": assistant, "num_assistant_tokens": k,
+                 "num_assistant_tokens_schedule": "constant",
+                 "assistant_confidence_threshold": 0.0}
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens, pad_token_id=0,
+                         **sampling_kwargs(temperature), **extra)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - started
+
+
+class InProcess:
+    """The pair's models in this process: HF generate, assisted generation, our loop."""
+
+    def __init__(self, pair: Pair, q_options: dict) -> None:
+        from drafter.model import ModelDrafter
+        from engine.models import load_causal_lm
+        from verifier.engine import ModelVerifier
+
+        self.target = load_causal_lm(pair.target, pair.target_dtype)
+        self.draft = load_causal_lm(pair.draft, pair.draft_dtype)
+        # q as the served drafter ships it (exact either way, but it changes α), and dense
+        self.drafter = ModelDrafter(self.draft, **q_options)
+        self.dense_drafter = ModelDrafter(self.draft)
+        self.verifier = ModelVerifier(self.target)
+
+    def loop(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int,
+             dense_q: bool = False):
+        from speculative.driver import Generation
+        from speculative.loop import Request
+        from speculative.policy import FixedK
+        from speculative.sampling import SamplingParams, derive_seeds
+
+        # the seed the router gives choice 0 of an HTTP request with this seed: the same draws
+        params = SamplingParams(temperature=temperature, seed=derive_seeds(seed, 1)[0],
+                                max_tokens=max_tokens)
+        generation = Generation(Request(uuid.uuid4().hex, tuple(prompt_ids), params))
+        started = time.perf_counter()
+        drafter = self.dense_drafter if dense_q else self.drafter
+        asyncio.run(generation.run(drafter, self.verifier, FixedK(k)))
+        return generation.token_ids, time.perf_counter() - started, generation.stats
+
+
+class Served:
+    """cluster/config.yaml on this process's Ray instance (free ports), serving one pair."""
+
+    def __init__(self) -> None:
+        from deployments.local import load_config, on_free_ports, start_serve
+
+        self.config = on_free_ports(load_config())
+        self.url = f"http://127.0.0.1:{self.config['http_options']['port']}"
+        start_serve(self.config)
+
+    def use(self, pair: Pair) -> None:
+        """Deploy the pair (the same apps and resources, other model paths)."""
+        from deployments.local import app_config, deploy
+
+        config = self.config
+        app_config(config, "drafter")["args"].update(model=pair.draft, target=pair.target,
+                                                     dtype=pair.draft_dtype)
+        app_config(config, "verifier")["args"].update(model=pair.target, dtype=pair.target_dtype)
+        app_config(config, "router")["args"].update(model=pair.target)
+        deploy(config, timeout_s=300)
+
+    def draft_q_options(self) -> dict:
+        """The q options the drafter pool is configured with (top-k, mass, dtype), as set."""
+        from deployments.local import app_config
+
+        args = app_config(self.config, "drafter")["args"]
+        return {name: args[name] for name in ("draft_top_k", "draft_q_mass", "draft_q_dtype")
+                if name in args}
+
+    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int | str,
+                 pipelined: bool | None = False):
+        import requests
+
+        body = {"prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
+                "seed": seed, "num_speculative_tokens": k, "ignore_eos": True,
+                "return_token_ids": True, "pipelined": pipelined}  # None: the router's default
+        started = time.perf_counter()
+        response = requests.post(self.url + "/v1/completions", json=body, timeout=600)
+        seconds = time.perf_counter() - started
+        response.raise_for_status()
+        answer = response.json()
+        return answer["choices"][0]["token_ids"], seconds, answer["speculative"]
+
+    def concurrent(self, prompt_ids, max_tokens, temperature, seed, k, concurrency: int):
+        with ThreadPoolExecutor(concurrency) as pool:
+            started = time.perf_counter()
+            results = list(pool.map(lambda i: self.complete(prompt_ids, max_tokens, temperature,
+                                                            seed + i, k), range(concurrency)))
+            return results, time.perf_counter() - started
+
+
+def stats_from_http(spec: dict) -> SpecStats:
+    """The round statistics of an HTTP answer's `speculative` object."""
+    rounds, ms = spec["rounds"], spec["ms_per_round"] or {}
+    seconds = lambda name: ms.get(name, 0) * rounds / 1000  # noqa: E731
+    return SpecStats(
+        rounds=rounds, num_drafts=spec["num_drafts"], num_draft_tokens=spec["num_draft_tokens"],
+        num_accepted_tokens=spec["num_accepted_tokens"],
+        num_emitted_tokens=spec["num_emitted_tokens"],
+        accepted_per_position=list(spec["accepted_per_position"]),
+        draft_compute_seconds=seconds("draft"), verify_compute_seconds=seconds("verify"),
+        draft_seconds=seconds("draft") + seconds("transport"), verify_seconds=seconds("verify"),
+        round_seconds=seconds("total"),
+        wire_bytes=round((spec["wire_bytes_per_round"] or 0) * rounds))
