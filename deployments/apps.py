@@ -3,7 +3,8 @@
 from ray.serve import Application
 
 from deployments.pools import DrafterArgs, DrafterPool, VerifierArgs, VerifierPool
-from deployments.router import Router, RouterArgs
+from deployments.router import Router
+from deployments.router_args import RouterArgs
 
 
 def drafter_app(args: DrafterArgs) -> Application:

@@ -27,8 +27,8 @@ def encodable(text: str, field: str) -> str:
     return text
 
 
-class SpecExtensions(BaseModel):
-    """Sampling fields shared by both endpoints, with the speculative extensions."""
+class SamplingFields(BaseModel):
+    """The fields both endpoints share: sampling, n, streaming and the speculative extensions."""
 
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
@@ -69,14 +69,16 @@ class SpecExtensions(BaseModel):
                              f"most {MAX_STOP_CHARS} characters")
         return [encodable(s, "stop") for s in stops]
 
-    def sampling(self, default_max_tokens: int, seed: int | None) -> SamplingParams:
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """The request's sampling parameters, with its own seed (each choice's is derived
+        from it: speculative.frontend)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
-                              seed=seed, max_tokens=max_tokens, stop=tuple(self.stop or ()))
+                              seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()))
 
 
-class CompletionRequest(SpecExtensions):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int]
 
     @field_validator("prompt")
@@ -97,7 +99,7 @@ class ChatMessage(BaseModel):
         return encodable(value, "content")
 
 
-class ChatCompletionRequest(SpecExtensions):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
@@ -114,12 +116,7 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict,
+def completion_body(request_id: str, model: str, choices: list[dict], usage: dict,
                     speculative: dict, chat: bool) -> dict:
     return {
         "id": request_id,
@@ -127,7 +124,7 @@ def completion_body(request_id: str, model: str, choices: list[dict], usage_: di
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage_,
+        "usage": usage,
         "speculative": speculative,
     }
 

@@ -28,7 +28,8 @@ import torch
 
 from engine.batch import forward_packed
 from engine.kv import SessionStore
-from engine.paged import KVCacheFull, serving_engine
+from engine.lean import serving_engine
+from engine.paged import KVCacheFull
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
 
 
@@ -284,11 +285,14 @@ def main(args) -> int:
 
 
 def run_request(drafter, verifier, prompt, params, k: int) -> list[int]:
-    """One request through the in-process loop with a fixed K; its output ids."""
+    """One request through the request front end and the in-process loop with a fixed K;
+    its output ids."""
     from speculative.driver import Generation
-    from speculative.loop import Request
-    from speculative.policy import k_policy
+    from speculative.frontend import RequestFrontEnd, SpeculationDefaults
 
-    generation = Generation(Request("check", tuple(prompt), params, ()), None)
-    asyncio.run(generation.run(drafter, verifier, k_policy(k, False, params.greedy), False))
+    front_end = RequestFrontEnd(SpeculationDefaults(k, pipelined_drafting="off"))
+    plan = front_end.plan("check", prompt, params)
+    [choice] = plan.choices
+    generation = Generation(choice.request, None)
+    asyncio.run(generation.run(drafter, verifier, choice.policy, plan.pipelined))
     return generation.token_ids

@@ -12,48 +12,11 @@ import torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.models import DEMO_DRAFT, DEMO_TARGET
-
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="run the speculative round loop in-process")
-    gen.add_argument("--target", default=DEMO_TARGET, help="target model (path or hub id)")
-    gen.add_argument("--draft", default=DEMO_DRAFT, help="draft model (path or hub id)")
-    from drafter.registry import DRAFTERS, DrafterSpec
-
-    gen.add_argument("--drafter", choices=sorted(DRAFTERS), default="model",
-                     help="; ".join(f"{name}: {kind.help}" for name, kind in DRAFTERS.items()))
-    gen.add_argument("--prompt", default="def ", help="prompt text")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k truncation")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", type=int, action="append", default=[],
-                     help="stop token id besides the checkpoint's end tokens (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true",
-                     help="do not stop at the checkpoint's end tokens")
-    gen.add_argument("--num-speculative-tokens", "-k", type=k_value, default=4,
-                     help="K, tokens drafted per round; 0 = target alone, no drafter call; "
-                          "auto = chosen per round from the acceptance so far, in 1..8")
-    gen.add_argument("--n", type=int, default=1, help="independent samples")
-    gen.add_argument("--pipelined", action="store_true",
-                     help="draft the next block while the target verifies this one (the "
-                          "pools overlap only when served; in-process this costs the bonus "
-                          "token of fully accepted rounds)")
-    gen.add_argument("--draft-top-k", type=int, default=DrafterSpec.draft_top_k,
-                     help="truncate each draft distribution to its top entries (0 = off)")
-    gen.add_argument("--draft-q-mass", type=float, default=DrafterSpec.draft_q_mass,
-                     help="keep the fewest top entries of each draft distribution that hold "
-                          "this mass (1 = all)")
-    gen.add_argument("--draft-q-dtype", choices=["float32", "float16"],
-                     default=DrafterSpec.draft_q_dtype,
-                     help="the precision of the draft distributions (as a drafter pool ships)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    gen.add_argument("--threads", type=int, default=None, help="torch threads")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    add_generate_arguments(commands.add_parser(
+        "generate", help="run the speculative round loop in-process"))
 
     from bench.suite import build_parser as bench_parser
 
@@ -65,11 +28,57 @@ def build_parser() -> argparse.ArgumentParser:
     check_gpu_parser(commands.add_parser("check-gpu", help="the engine's acceptance run on a "
                                          "device: exactness, batching, forward times, memory"))
 
-    build = commands.add_parser("build-demo-models", help="train the offline demo pair")
-    build.add_argument("--out", type=Path, default=Path(DEMO_TARGET).parent)
-    build.add_argument("--threads", type=int, default=None, help="torch threads")
-    build.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
+    add_build_demo_arguments(commands.add_parser("build-demo-models",
+                                                 help="train the offline demo pair"))
     return parser
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    from drafter.registry import DRAFTERS, DrafterSpec
+    from engine.models import DEMO_DRAFT, DEMO_TARGET
+
+    parser.add_argument("--target", default=DEMO_TARGET, help="target model (path or hub id)")
+    parser.add_argument("--draft", default=DEMO_DRAFT, help="draft model (path or hub id)")
+    parser.add_argument("--drafter", choices=sorted(DRAFTERS), default="model",
+                        help="; ".join(f"{name}: {kind.help}" for name, kind in DRAFTERS.items()))
+    parser.add_argument("--prompt", default="def ", help="prompt text")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k truncation")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=[],
+                        help="stop token id besides the checkpoint's end tokens (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="do not stop at the checkpoint's end tokens")
+    parser.add_argument("--num-speculative-tokens", "-k", type=k_value, default=4,
+                        help="K, tokens drafted per round; 0 = target alone, no drafter call; "
+                             "auto = chosen per round from the acceptance so far, in 1..8")
+    parser.add_argument("--n", type=int, default=1, help="independent samples")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="draft the next block while the target verifies this one (the "
+                             "pools overlap only when served; in-process this costs the bonus "
+                             "token of fully accepted rounds)")
+    parser.add_argument("--draft-top-k", type=int, default=DrafterSpec.draft_top_k,
+                        help="truncate each draft distribution to its top entries (0 = off)")
+    parser.add_argument("--draft-q-mass", type=float, default=DrafterSpec.draft_q_mass,
+                        help="keep the fewest top entries of each draft distribution that hold "
+                             "this mass (1 = all)")
+    parser.add_argument("--draft-q-dtype", choices=["float32", "float16"],
+                        default=DrafterSpec.draft_q_dtype,
+                        help="the precision of the draft distributions (as a drafter pool ships)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_build_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.models import DEMO_TARGET
+
+    parser.add_argument("--out", type=Path, default=Path(DEMO_TARGET).parent)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
 
 
 def build_engines(args):
@@ -92,17 +101,9 @@ def generate(args) -> dict:
     """The same request the router serves, in-process: choices with text, token ids, finish
     and stop reasons; usage; the speculative stats."""
     from engine.checkpoint import end_token_ids, stop_token_ids
-    from speculative.driver import Generation, text_decoder
-    from speculative.loop import Request
-    from speculative.stats import SpecStats
     from engine.models import load_tokenizer
-    from speculative.policy import k_policy
-    from speculative.sampling import SamplingParams, derive_seeds
+    from speculative.driver import Generation, text_decoder
 
-    seeds = derive_seeds(args.seed, args.n)
-    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             seed=s, max_tokens=args.max_tokens, stop=tuple(args.stop))
-              for s in seeds]
     tokenizer = load_tokenizer(args.target)
     prompt_ids = tuple(tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
     if not prompt_ids:
@@ -110,25 +111,40 @@ def generate(args) -> dict:
     drafter, verifier, _ = build_engines(args)
     stop_ids = stop_token_ids(end_token_ids(args.target, tokenizer), args.stop_token_id,
                               args.ignore_eos)
-    total = SpecStats()
-    choices = []
+    plan = request_front_end(args).plan(uuid.uuid4().hex, prompt_ids, sampling(args), args.n,
+                                        stop_ids, drafter_kind=args.drafter)
+    decode, done = text_decoder(tokenizer), []
     started = time.perf_counter()
-    for index, sampling in enumerate(params):
-        generation = Generation(Request(uuid.uuid4().hex, prompt_ids, sampling, stop_ids),
-                                text_decoder(tokenizer))
-        policy = k_policy(args.num_speculative_tokens, args.pipelined, sampling.greedy)
-        asyncio.run(generation.run(drafter, verifier, policy, args.pipelined))
-        choices.append({"index": index, "text": generation.text,
-                        "token_ids": generation.token_ids,
-                        "finish_reason": generation.finish_reason,
-                        "stop_reason": generation.stop_reason})
-        total.add(generation.stats)
+    for choice in plan.choices:
+        generation = Generation(choice.request, decode)
+        asyncio.run(generation.run(drafter, verifier, choice.policy, plan.pipelined))
+        done.append(generation)
     seconds = time.perf_counter() - started
-    num_tokens = sum(len(c["token_ids"]) for c in choices)
-    stats = total.as_dict() | {"seconds": seconds, "tokens_per_s": num_tokens / seconds}
-    usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": num_tokens,
-             "total_tokens": len(prompt_ids) + num_tokens}
+    choices = [{"index": index, "text": g.text, "token_ids": g.token_ids,
+                "finish_reason": g.finish_reason, "stop_reason": g.stop_reason}
+               for index, g in enumerate(done)]
+    usage = plan.usage(done)
+    stats = plan.merged_stats(done) | {
+        "seconds": seconds, "tokens_per_s": usage["completion_tokens"] / seconds}
     return {"choices": choices, "usage": usage, "stats": stats}
+
+
+def sampling(args):
+    """The request's sampling parameters (its seed; each choice's is derived from it)."""
+    from speculative.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+
+
+def request_front_end(args):
+    """The request front end the router uses, under the CLI's defaults: its K (4, or auto in
+    1..8; a seeded sampled request pins auto to 4, as the router does) and --pipelined."""
+    from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+
+    return RequestFrontEnd(SpeculationDefaults(
+        num_speculative_tokens=args.num_speculative_tokens,
+        pipelined_drafting="on" if args.pipelined else "off"))
 
 
 def k_value(text: str) -> int | str:
@@ -141,8 +157,6 @@ def k_value(text: str) -> int | str:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    from speculative.sampling import SamplingParams
-
     if args.num_speculative_tokens != "auto" and args.num_speculative_tokens < 0:
         parser.error("--num-speculative-tokens must be >= 0")
     if args.n < 1:
@@ -152,8 +166,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if not 0 < args.draft_q_mass <= 1:
         parser.error("--draft-q-mass must be in (0, 1]")
     try:
-        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+        sampling(args)
     except ValueError as error:
         parser.error(str(error))
 

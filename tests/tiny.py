@@ -9,6 +9,7 @@ from speculative.driver import Generation
 from speculative.loop import Request
 from speculative.policy import KBounds, k_policy
 from speculative.sampling import SamplingParams
+from speculative.types import DraftBlock, TargetScores
 
 
 def tiny_llama(seed: int, *, vocab_size: int = 64, layers: int = 2, hidden: int = 32):
@@ -50,6 +51,19 @@ def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request
     policy = k_policy(k, pipelined, params.greedy, KBounds(1, 8, initial=2))
     asyncio.run(generation.run(drafter, verifier, policy, pipelined))
     return generation.token_ids, generation.state
+
+
+class Agreeing:
+    """A drafter and a verifier that always agree on token 1: every draft is accepted."""
+
+    async def propose(self, call):
+        return DraftBlock((1,) * call.num_speculative_tokens, None)
+
+    async def score(self, call):
+        return TargetScores(target_token_ids=(1,) * (len(call.draft_token_ids) + 1))
+
+    async def release(self, request_id):
+        pass
 
 
 def noisy_copy(model, scale: float, seed: int):

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from deployments.clients import PoolError
-from deployments.router import pool_failure
+from deployments.ingress import pool_failure
 from drafter.model import ModelDrafter
 from engine.kv import KVCacheTooSmall
 from engine.paged import KVCacheFull

@@ -47,6 +47,18 @@ def test_same_seed_same_samples(capsys, tiny_pair_dir):
     assert ids != [c["token_ids"] for c in other["choices"]]
 
 
+def test_a_seeded_sampled_auto_request_repeats(capsys, tiny_pair_dir):
+    # an adaptive K would follow this run's timings: the front end pins it to 4, as the
+    # router does
+    flags = ("--temperature", "1", "--seed", "5", "-k", "auto", "--max-tokens", "32",
+             "--ignore-eos")
+    first = generate(capsys, tiny_pair_dir, *flags)
+    second = generate(capsys, tiny_pair_dir, *flags)
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    assert len(first["choices"][0]["token_ids"]) == 32
+    assert max(map(int, first["stats"]["rounds_by_num_speculative_tokens"])) == 4
+
+
 def test_stop_strings_cut_the_text(capsys, tiny_pair_dir):
     full = generate(capsys, tiny_pair_dir, "-k", "2")["choices"][0]["text"]
     stop = full[3:5]

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.pools import DrafterArgs, VerifierArgs
-from deployments.router import RouterArgs
+from deployments.router_args import RouterArgs
 
 CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 ARGS = {"drafter": DrafterArgs, "verifier": VerifierArgs, "router": RouterArgs}

@@ -1,11 +1,18 @@
-"""Router parts that need no Ray: n > 1 choices fail together; error bodies."""
+"""Router parts that need no Ray: n > 1 choices fail together; error bodies; admission;
+the fan-out of a request's choices, whole and streamed."""
 
 import asyncio
+import json
 
 import pytest
 
+from deployments.admission import Admission
+from deployments.choices import Choices, all_or_none
+from deployments.ingress import BadRequest
 from deployments.openai_api import error_body
-from deployments.router import all_or_none
+from speculative.frontend import RequestFrontEnd
+from speculative.sampling import SamplingParams
+from tests.tiny import Agreeing
 
 
 def test_one_failing_choice_cancels_its_siblings():
@@ -34,3 +41,59 @@ def test_error_bodies_have_openais_types():
     assert error_body("slow down", 429)["error"]["code"] == "rate_limit_exceeded"
     assert error_body("who", 401)["error"]["code"] == "invalid_api_key"
     assert error_body("down", 503)["error"]["type"] == "server_error"
+
+
+def test_admission_refuses_beyond_its_running_choices_and_a_ticket_returns_once():
+    admission = Admission(4)
+    ticket = admission.admit(3)
+    with pytest.raises(BadRequest) as refused:
+        admission.admit(2)
+    assert refused.value.status == 429 and "Retry-After" in refused.value.headers
+    ticket.release()
+    ticket.release()
+    assert admission.running == 0
+    admission.admit(4)
+
+
+class Recorded:
+    def __init__(self):
+        self.states = []
+
+    def record(self, state):
+        self.states.append(state)
+
+
+def fan_out(chat: bool):
+    admission = Admission(8)
+    plan = RequestFrontEnd().plan("cmpl-x", (2, 3), SamplingParams(temperature=0.0,
+                                                                    max_tokens=4), n=2)
+    engine, metrics = Agreeing(), Recorded()
+    choices = Choices(plan, (engine, engine), lambda ids: "a" * len(ids), metrics,
+                      admission.admit(2), model="m", chat=chat, return_token_ids=True)
+    return choices, admission, metrics
+
+
+def test_a_completion_has_every_choice_and_the_merged_usage():
+    choices, _, metrics = fan_out(chat=False)
+    body = asyncio.run(choices.complete())
+    assert [c["text"] for c in body["choices"]] == ["aaaa", "aaaa"]
+    assert [c["token_ids"] for c in body["choices"]] == [[1] * 4] * 2
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+    assert body["id"] == "cmpl-x" and len(metrics.states) == 2
+
+
+def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_back():
+    choices, admission, _ = fan_out(chat=True)
+
+    async def collect():
+        return [event async for event in choices.events()]
+
+    events = asyncio.run(collect())
+    assert events[-1] == "data: [DONE]\n\n" and admission.running == 0
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == "aaaa"
+        assert mine[-1]["finish_reason"] == "length" and mine[-1]["token_ids"] == [1] * 4

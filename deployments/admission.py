@@ -1,0 +1,30 @@
+"""Admission: choices (n counts) running at once in one router replica. Beyond the limit a
+request is refused at once with 429 and Retry-After instead of queueing."""
+
+from deployments.ingress import retry_later
+
+
+class Admission:
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self.running = 0  # admitted choices not yet finished
+
+    def admit(self, num_choices: int) -> "Ticket":
+        if self.running + num_choices > self.max_running:
+            raise retry_later(f"the server is at capacity ({self.max_running} running "
+                              "choices); retry later", 429)
+        self.running += num_choices
+        return Ticket(self, num_choices)
+
+
+class Ticket:
+    """An admitted request's running choices, given back once however the request ends."""
+
+    def __init__(self, admission: Admission, num_choices: int) -> None:
+        self.admission, self.num_choices = admission, num_choices
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.admission.running -= self.num_choices

@@ -1,0 +1,111 @@
+"""The fan-out of one HTTP request: its n choices decoded concurrently over the pools,
+answered as one completion body or as server-sent events."""
+
+import asyncio
+import json
+import logging
+
+from deployments.admission import Ticket
+from deployments.clients import PoolError
+from deployments.ingress import pool_failure
+from deployments.metrics import RouterMetrics
+from deployments.openai_api import chunk_body, choice_body, completion_body, error_body
+from speculative.driver import Decode, Generation
+from speculative.frontend import RequestPlan
+from speculative.types import Drafter, Verifier
+
+log = logging.getLogger("ray.serve")
+
+
+async def all_or_none(coroutines) -> list:
+    """Run the coroutines concurrently; when one fails, cancel the others (no pool work goes
+    on for a request that has already failed) and raise its error."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Choices:
+    """An admitted request's choices: each its own speculative request, all succeeding or
+    failing together; the admission ticket goes back once, however the request ends."""
+
+    def __init__(self, plan: RequestPlan, pools: tuple[Drafter, Verifier], decode: Decode,
+                 metrics: RouterMetrics, ticket: Ticket, *, model: str, chat: bool,
+                 return_token_ids: bool) -> None:
+        self.plan, self.pools, self.decode = plan, pools, decode
+        self.metrics, self.ticket = metrics, ticket
+        self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
+
+    @property
+    def request_id(self) -> str:
+        return self.plan.request_id
+
+    async def run_choice(self, index: int, on_text) -> Generation:
+        choice = self.plan.choices[index]
+        generation = Generation(choice.request, self.decode)
+        async for delta in generation.stream(*self.pools, choice.policy, self.plan.pipelined):
+            await on_text(index, delta)
+        self.metrics.record(generation.state)
+        return generation
+
+    def all_choices(self, run):
+        """run(index) for every choice, all or none (a coroutine)."""
+        return all_or_none(run(index) for index in range(len(self.plan.choices)))
+
+    async def complete(self) -> dict:
+        async def ignore(index, delta):
+            pass
+
+        done = await self.all_choices(lambda index: self.run_choice(index, ignore))
+        choices = [choice_body(i, g.text, g.finish_reason, g.stop_reason, self.chat,
+                               g.token_ids if self.return_token_ids else None)
+                   for i, g in enumerate(done)]
+        return completion_body(self.request_id, self.model, choices, self.plan.usage(done),
+                               self.plan.merged_stats(done), self.chat)
+
+    async def events(self):
+        """Server-sent events: a first chunk per choice (chat: the role, as OpenAI sends it),
+        one chunk per text delta, a final chunk per choice, usage, [DONE]."""
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(
+            self.all_choices(lambda index: self.stream_choice(index, queue)))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (chunk := await queue.get()) is not None:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            done = await task
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            final = {"id": self.request_id, "object": kind, "model": self.model,
+                     "choices": [], "usage": self.plan.usage(done),
+                     "speculative": self.plan.merged_stats(done)}
+            yield f"data: {json.dumps(final)}\n\n"
+        except PoolError as error:  # the stream ends with an error event, then [DONE]
+            failure = pool_failure(error)
+            yield f"data: {json.dumps(error_body(str(failure), failure.status))}\n\n"
+        except Exception:
+            log.exception("unexpected error in a stream")
+            yield f"data: {json.dumps(error_body('internal error', 500))}\n\n"
+        finally:
+            task.cancel()
+            self.ticket.release()
+        yield "data: [DONE]\n\n"
+
+    async def stream_choice(self, index: int, queue: asyncio.Queue) -> Generation:
+        """One choice's chunks into the queue: the role (chat), its text deltas, its end."""
+        def chunk(text, finish_reason=None, **fields):
+            return chunk_body(self.request_id, self.model, index, text, finish_reason,
+                              self.chat, **fields)
+
+        async def push(_, delta):
+            await queue.put(chunk(delta))
+
+        if self.chat:
+            await queue.put(chunk("", role="assistant"))
+        generation = await self.run_choice(index, push)
+        await queue.put(chunk(None, generation.finish_reason, stop_reason=generation.stop_reason,
+                              token_ids=generation.token_ids if self.return_token_ids else None))
+        return generation

@@ -1,0 +1,120 @@
+"""What the router's HTTP ingress does around a request: errors in OpenAI's shape (a failed
+pool call among them), the API key, body parsing, the OpenAPI document."""
+
+import functools
+import hmac
+import json
+import logging
+import os
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
+
+from deployments.clients import PoolError
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest, error_body
+
+log = logging.getLogger("ray.serve")
+API_KEY_ENV = "SPECSERVE_API_KEY"
+RETRY_AFTER_S = 1
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.headers = status, param, headers
+
+
+def error_response(error: BadRequest) -> JSONResponse:
+    return JSONResponse(error_body(str(error), error.status, error.param), error.status,
+                        headers=error.headers)
+
+
+def retry_later(message: str, status: int) -> BadRequest:
+    return BadRequest(message, status, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def pool_failure(error: PoolError) -> BadRequest:
+    """What a client learns of a failed pool call: 429 when the pool had no room for the
+    request now (its KV cache, or its calls in flight: RESOURCE_EXHAUSTED), 400 with the
+    pool's reason when the request can never fit its KV cache (OUT_OF_RANGE), else 503 (an
+    INVALID_ARGUMENT from a pool is the router's fault, not the client's); the details go
+    to the log."""
+    log.warning("pool call failed: %s", error)
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return retry_later(f"the {error.pool} pool has no room for this request now (its KV "
+                           "cache or its calls in flight are full); retry later", 429)
+    if error.code == grpc.StatusCode.OUT_OF_RANGE:
+        return BadRequest(f"the {error.pool} pool refused the request: {error.details}", 400)
+    return retry_later(f"the {error.pool} pool is unavailable; retry later", 503)
+
+
+async def unexpected(request: Request, error: Exception) -> JSONResponse:
+    """A bug: logged with its traceback, answered in OpenAI's shape without its details."""
+    log.exception("unexpected error serving %s", request.url.path)
+    return JSONResponse(error_body("internal error", 500), 500)
+
+
+def api_key(configured: str | None) -> str | None:
+    """The key /v1/* require: the router's arg, else the environment's, else none."""
+    return configured or os.environ.get(API_KEY_ENV) or None
+
+
+def unauthorized(request: Request, key: str | None) -> JSONResponse | None:
+    """401 unless the request carries the API key (when one is set)."""
+    if key is None:
+        return None
+    scheme, _, sent = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode(), key.encode()):
+        return None
+    return error_response(BadRequest("invalid or missing API key (Authorization: Bearer "
+                                     "<key>)", 401, headers={"WWW-Authenticate": "Bearer"}))
+
+
+async def parse(request: Request, schema, max_prompt_bytes: int):
+    """The body as `schema`, refused before reading when its declared size is far beyond
+    what a prompt of max_prompt_bytes needs."""
+    size = int(request.headers.get("content-length") or 0)
+    if size > 2 * max_prompt_bytes + (1 << 16):
+        raise BadRequest(f"the request body has {size} bytes; the limit is about "
+                         f"{2 * max_prompt_bytes}", 413)
+    try:
+        payload = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+    try:
+        return schema.model_validate(payload)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise BadRequest(f"{param}: {first['msg']}", param=param) from None
+
+
+def openapi_document(app: FastAPI) -> dict:
+    """FastAPI's document, with the request bodies the endpoints parse themselves (so that
+    clients and schema-based fuzzers see them)."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version="1", routes=app.routes)
+        _, definitions = models_json_schema(
+            [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+            ref_template="#/components/schemas/{model}")
+        document.setdefault("components", {}).setdefault("schemas", {}).update(
+            definitions["$defs"])
+        for path, model in (("/v1/completions", "CompletionRequest"),
+                            ("/v1/chat/completions", "ChatCompletionRequest")):
+            document["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
+def ingress_app(title: str) -> FastAPI:
+    """A FastAPI app that answers bugs in OpenAI's shape and documents the request bodies."""
+    app = FastAPI(title=title)
+    app.add_exception_handler(Exception, unexpected)
+    app.openapi = functools.partial(openapi_document, app)
+    return app

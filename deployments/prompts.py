@@ -1,0 +1,95 @@
+"""A validated body read into what the request front end takes: the prompt's token ids
+(tokenized off the event loop, within the context and the vocabulary), the sampling
+parameters with max_tokens settled, the stop token ids."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from deployments.ingress import BadRequest
+from deployments.router_args import RouterArgs
+from engine.checkpoint import Checkpoint, context_limit, end_token_ids, stop_token_ids
+from speculative.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams  # the request's seed: the front end derives each choice's
+    stop_token_ids: tuple[int, ...]
+
+
+class PromptReader:
+    def __init__(self, args: RouterArgs, tokenizer, target: Checkpoint) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, target.vocab_size
+        self.context_limit = context_limit(target, args.max_context_tokens)
+        self.end_ids = end_token_ids(args.model, tokenizer)
+        self.max_prompt_bytes = args.max_prompt_bytes
+        self.default_max_tokens = args.default_max_tokens
+        # tokenizing is CPU work: off the event loop, one at a time (a fast tokenizer is not
+        # safe to share between threads)
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def read(self, body, chat: bool) -> Prompt:
+        self.check_sizes(body, chat)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizing, self.token_ids, body, chat)
+        limit = self.context_limit
+        # completions default to OpenAI's 16 tokens; chat may use the rest of the context
+        default = self.default_max_tokens if not chat else limit - len(prompt_ids)
+        sampling = body.sampling(min(default, limit - len(prompt_ids)))
+        if len(prompt_ids) + sampling.max_tokens > limit:
+            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
+                             f"({sampling.max_tokens}) exceed the context limit of {limit}",
+                             param="max_tokens")
+        return Prompt(prompt_ids, sampling, self.stop_ids(body))
+
+    def check_sizes(self, body, chat: bool) -> None:
+        """What must hold before tokenizing: the prompt's size in bytes, top_k."""
+        text = [m.content for m in body.messages] if chat else \
+            [body.prompt] if isinstance(body.prompt, str) else []
+        size = sum(len(t.encode()) for t in text)
+        if size > self.max_prompt_bytes:
+            raise BadRequest(f"the prompt has {size} bytes; the limit is "
+                             f"{self.max_prompt_bytes}", param="messages" if chat
+                             else "prompt")
+        if body.top_k > self.vocab_size:
+            raise BadRequest(f"top_k must be at most the vocabulary size "
+                             f"({self.vocab_size}); 0 disables it", param="top_k")
+
+    def stop_ids(self, body) -> tuple[int, ...]:
+        requested = tuple(body.stop_token_ids or ())
+        if any(not 0 <= t < self.vocab_size for t in requested):
+            raise BadRequest(f"stop_token_ids must be in [0, {self.vocab_size})",
+                             param="stop_token_ids")
+        return stop_token_ids(self.end_ids, requested, body.ignore_eos)
+
+    def token_ids(self, body, chat: bool) -> tuple[int, ...]:
+        if chat:
+            ids = self.tokenizer(self.chat_text(body), add_special_tokens=False)["input_ids"]
+        elif isinstance(body.prompt, str):
+            ids = self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = body.prompt
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})",
+                                 param="prompt")
+        if not ids:
+            raise BadRequest("the prompt is empty after tokenization", param="prompt")
+        if len(ids) >= self.context_limit:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is "
+                             f"{self.context_limit - 1}", param="prompt")
+        return tuple(ids)
+
+    def chat_text(self, body) -> str:
+        """The messages through the model's chat template, up to the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest("this model has no chat template: use /v1/completions",
+                             param="messages")
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as error:  # a template may raise on roles or order it rejects
+            raise BadRequest(f"the model's chat template rejected the messages: "
+                             f"{str(error)[:200]}", param="messages") from None

@@ -1,0 +1,73 @@
+"""The router's args (`applications[].args` of the "router" app in cluster/*.yaml)."""
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.models import DEMO_TARGET
+from speculative.frontend import NumSpeculativeTokens, PipelinedDrafting, SpeculationDefaults
+from speculative.policy import KBounds
+
+
+class AdaptiveKArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min: int = Field(default=0, ge=0, le=32)  # 0: speculation off when it does not pay
+    max: int = Field(default=8, ge=0, le=32)
+    # the first round's K (default: the best under the prior and the costs measured so far)
+    initial: int | None = Field(default=None, ge=0, le=32)
+    # the K of a seeded sampled request: an adaptive K follows timings and load, and the same
+    # seed must give the same tokens (greedy output is the same whatever the K)
+    seeded: int = Field(default=4, ge=0, le=32)
+
+    def bounds(self) -> KBounds:
+        return KBounds(self.min, self.max, self.initial)
+
+    @model_validator(mode="after")
+    def ordered(self):
+        self.bounds()  # raises ValueError unless 0 <= min <= max
+        return self
+
+
+class RouterArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # the target checkpoint: its end tokens, context length and vocabulary (no weights loaded)
+    model: str = DEMO_TARGET
+    tokenizer: str | None = None  # default: the model's (the pools only see token ids)
+    served_model_name: str = "specserve-demo"
+    grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
+    drafter_app: str = "drafter"
+    verifier_app: str = "verifier"
+    # K drafted per round, or "auto": per request, the K in adaptive_k's bounds that the
+    # request's acceptance and the measured costs (the verifier's load among them) say is
+    # fastest (a request may say either; a fixed K is kept whatever the load)
+    num_speculative_tokens: NumSpeculativeTokens = "auto"
+    adaptive_k: AdaptiveKArgs = AdaptiveKArgs()
+    # draft the next block while the verifier scores this one: "greedy" (greedy requests
+    # only: measured, it pays there and not yet for sampled ones), "on" or "off"; a request
+    # may say otherwise with "pipelined"
+    pipelined_drafting: PipelinedDrafting = "greedy"
+    default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
+    # without max_tokens may use the rest of the context, as vLLM's does
+    max_context_tokens: int | None = None  # default: the model's max_position_embeddings
+    # a pool call's deadline: the verifier's (and the drafter's for seeded sampled
+    # requests, whose tokens depend on their drafts); past it the request answers 503
+    call_timeout_s: float = Field(default=30.0, gt=0)
+    # the drafter's deadline for everyone else: past it (or when the drafter fails) the
+    # round runs without a draft, exact, and the request's next rounds skip the drafter a
+    # while (speculative.loop.DraftBackoff)
+    draft_timeout_s: float = Field(default=1.0, gt=0)
+    direct_data_path: bool = True  # after Serve places a request, call its replicas directly
+    # admission: choices (n counts) running at once in this replica; beyond it a request
+    # gets 429 with Retry-After at once instead of queueing. Keep replicas x this within
+    # the pools' session and token bounds (max_cached_requests, max_cached_tokens), so that
+    # running requests are never evicted from the caches
+    max_running_requests: int = Field(default=64, ge=1)
+    max_prompt_bytes: int = Field(default=1 << 20, ge=1)  # checked before tokenizing
+    # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
+    # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)
+    api_key: str | None = None
+
+    def speculation_defaults(self) -> SpeculationDefaults:
+        """What the request front end gives a request for the fields it leaves unset."""
+        return SpeculationDefaults(self.num_speculative_tokens, self.adaptive_k.bounds(),
+                                   self.adaptive_k.seeded, self.pipelined_drafting)

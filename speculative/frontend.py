@@ -1,0 +1,116 @@
+"""The request front end: what the router and the CLI do with a user's request around the
+round loop, in one place, so that they cannot disagree.
+
+Before the loop, from the fields a user sets (sampling parameters with the request's seed, n,
+K or "auto", pipelined or not, stop token ids) it plans the request: n choices, each its own
+speculative request (id, seed derived from the request's) with its own K policy. After the
+loop it merges usage and statistics across the choices. Tokenizing, HTTP and the pools are
+the callers' business (the tokenizer lives in the router and the CLI).
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from speculative.driver import Generation
+from speculative.loop import Request
+from speculative.policy import CostModel, KBounds, KPolicy, k_policy
+from speculative.sampling import SamplingParams, derive_seeds
+from speculative.stats import SpecStats
+
+NumSpeculativeTokens = int | Literal["auto"]
+PipelinedDrafting = Literal["off", "greedy", "on"]
+
+
+@dataclass(frozen=True)
+class SpeculationDefaults:
+    """What a request gets for the fields it leaves unset (the router's args, the CLI's flags)."""
+
+    # K drafted per round, or "auto": the K in adaptive_bounds the request's acceptance and
+    # the measured costs say is fastest
+    num_speculative_tokens: NumSpeculativeTokens = "auto"
+    adaptive_bounds: KBounds = KBounds()
+    # the K of a seeded sampled request that asks for "auto": an adaptive K follows timings
+    # and load, and the same seed must give the same tokens (greedy output is the same
+    # whatever the K)
+    seeded_num_speculative_tokens: int = 4
+    # draft the next block while the verifier scores this one: "greedy" for greedy requests
+    # only, "on" or "off"
+    pipelined_drafting: PipelinedDrafting = "greedy"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a request's n choices: its own speculative request and K policy."""
+
+    request: Request  # id "<request id>-<index>", the choice's derived seed
+    policy: KPolicy
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What the round loop runs for one user request: its choices, and how they draft."""
+
+    request_id: str
+    choices: tuple[Choice, ...]
+    num_speculative_tokens: NumSpeculativeTokens  # after the seeded rule
+    pipelined: bool
+    drafter_kind: str | None  # keys the shared costs (the router: None for its pool's model)
+
+    def usage(self, done: Sequence[Generation]) -> dict:
+        """OpenAI's usage: the prompt counted once, the completion tokens of every choice."""
+        prompt_tokens = len(self.choices[0].request.prompt_token_ids)
+        completion_tokens = sum(len(generation.token_ids) for generation in done)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def merged_stats(self, done: Sequence[Generation]) -> dict:
+        """The choices' speculative statistics added up."""
+        total = SpecStats()
+        for generation in done:
+            total.add(generation.stats)
+        return total.as_dict()
+
+
+class RequestFrontEnd:
+    """Plans requests under one set of defaults; the adaptive K policies of its requests learn
+    into cost models it shares between them, one per (drafter kind, greedy or not)."""
+
+    def __init__(self, defaults: SpeculationDefaults = SpeculationDefaults()) -> None:
+        self.defaults = defaults
+        self.costs: dict[tuple[str | None, bool], CostModel] = {}
+
+    def plan(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+             n: int = 1, stop_token_ids: Sequence[int] = (), *,
+             num_speculative_tokens: NumSpeculativeTokens | None = None,
+             pipelined: bool | None = None, drafter_kind: str | None = None) -> RequestPlan:
+        """n choices of the request; sampling carries the request's seed, from which each
+        choice's is derived. None for K or pipelined: the defaults."""
+        k = self.num_speculative_tokens(num_speculative_tokens, sampling)
+        pipelined = self.pipelined(pipelined, sampling)
+        choices = tuple(
+            Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
+                           dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids)),
+                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind))
+            for index, seed in enumerate(derive_seeds(sampling.seed, n)))
+        return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
+
+    def num_speculative_tokens(self, requested: NumSpeculativeTokens | None,
+                               sampling: SamplingParams) -> NumSpeculativeTokens:
+        k = self.defaults.num_speculative_tokens if requested is None else requested
+        if k == "auto" and not sampling.greedy and sampling.seed is not None:
+            return self.defaults.seeded_num_speculative_tokens  # reproducible: not from timings
+        return k
+
+    def pipelined(self, requested: bool | None, sampling: SamplingParams) -> bool:
+        if requested is not None:
+            return requested
+        mode = self.defaults.pipelined_drafting
+        return mode == "on" or mode == "greedy" and sampling.greedy
+
+    def k_policy(self, k: NumSpeculativeTokens, pipelined: bool, greedy: bool,
+                 drafter_kind: str | None) -> KPolicy:
+        costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
+            else None
+        return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs)

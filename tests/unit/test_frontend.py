@@ -1,0 +1,101 @@
+"""The request front end the router and the CLI share: choices, derived seeds, the K policy
+(a seeded sampled "auto" request is pinned), pipelining defaults, shared costs, usage."""
+
+import asyncio
+
+import pytest
+
+from deployments.router_args import RouterArgs
+from specserve.cli import build_parser, request_front_end
+from speculative.driver import Generation
+from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+from speculative.policy import AdaptiveK, FixedK
+from speculative.sampling import SamplingParams, derive_seeds
+from tests.tiny import Agreeing
+
+SAMPLED = SamplingParams(temperature=1.0, seed=5, max_tokens=32)
+PROMPT = (3, 4, 5)
+
+
+def cli_front_end(*flags) -> RequestFrontEnd:
+    return request_front_end(build_parser().parse_args(["generate", *flags]))
+
+
+def router_front_end(**args) -> RequestFrontEnd:
+    return RequestFrontEnd(RouterArgs(**args).speculation_defaults())
+
+
+@pytest.mark.parametrize("front_end", [router_front_end(), cli_front_end("-k", "auto")],
+                         ids=["router", "cli"])
+def test_a_seeded_sampled_auto_request_gets_k_4_from_both_front_ends(front_end):
+    plan = front_end.plan("r", PROMPT, SAMPLED, n=2, num_speculative_tokens="auto")
+    assert plan.num_speculative_tokens == 4
+    for choice in plan.choices:
+        assert isinstance(choice.policy, FixedK) and choice.policy.num_speculative_tokens() == 4
+
+
+def test_the_seeded_k_follows_the_routers_args():
+    plan = router_front_end(adaptive_k={"seeded": 2}).plan("r", PROMPT, SAMPLED)
+    assert plan.choices[0].policy.num_speculative_tokens() == 2
+
+
+@pytest.mark.parametrize("sampling, k, adaptive", [
+    (SamplingParams(temperature=1.0, seed=None), "auto", True),  # unseeded: free to adapt
+    (SamplingParams(temperature=0.0, seed=5), "auto", True),  # greedy: same ids whatever K
+    (SAMPLED, 6, False),  # a K the request names is kept
+])
+def test_only_seeded_sampled_auto_requests_are_pinned(sampling, k, adaptive):
+    plan = RequestFrontEnd().plan("r", PROMPT, sampling, num_speculative_tokens=k)
+    policy = plan.choices[0].policy
+    assert isinstance(policy, AdaptiveK) == adaptive
+    if not adaptive:
+        assert policy.num_speculative_tokens() == k
+
+
+def test_choices_have_their_own_ids_and_derived_seeds():
+    plan = RequestFrontEnd().plan("cmpl-1", PROMPT, SAMPLED, n=3, stop_token_ids=[7])
+    requests = [choice.request for choice in plan.choices]
+    assert [r.request_id for r in requests] == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+    assert [r.sampling.seed for r in requests] == derive_seeds(5, 3)
+    assert all(r.prompt_token_ids == PROMPT and r.stop_token_ids == (7,) for r in requests)
+    assert all(r.sampling.max_tokens == 32 for r in requests)
+
+
+@pytest.mark.parametrize("mode, requested, greedy, pipelined", [
+    ("greedy", None, True, True), ("greedy", None, False, False), ("on", None, False, True),
+    ("off", None, True, False), ("off", True, False, True), ("on", False, True, False),
+])
+def test_pipelining_follows_the_default_unless_the_request_says(mode, requested, greedy,
+                                                                pipelined):
+    front_end = RequestFrontEnd(SpeculationDefaults(pipelined_drafting=mode))
+    sampling = SamplingParams(temperature=0.0 if greedy else 1.0)
+    assert front_end.plan("r", PROMPT, sampling, pipelined=requested).pipelined == pipelined
+
+
+def test_the_cli_pipelines_only_when_asked():
+    greedy = SamplingParams(temperature=0.0)
+    assert cli_front_end().plan("r", PROMPT, greedy).pipelined is False
+    assert cli_front_end("--pipelined").plan("r", PROMPT, SAMPLED).pipelined is True
+
+
+def test_adaptive_policies_share_costs_by_drafter_kind_and_greediness():
+    front_end = RequestFrontEnd()
+    unseeded = SamplingParams(temperature=1.0)
+
+    def costs(sampling, kind=None):
+        return front_end.plan("r", PROMPT, sampling, drafter_kind=kind).choices[0].policy.costs
+
+    assert costs(unseeded) is costs(unseeded)
+    assert costs(unseeded) is not costs(SamplingParams(temperature=0.0))
+    assert costs(unseeded) is not costs(unseeded, "ngram")
+
+
+def test_usage_and_stats_are_merged_across_choices():
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    plan = RequestFrontEnd().plan("r", PROMPT, greedy, n=2, num_speculative_tokens=2)
+    engine = Agreeing()
+    done = [asyncio.run(Generation(c.request).run(engine, engine, c.policy)) for c in plan.choices]
+    assert plan.usage(done) == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    stats = plan.merged_stats(done)
+    assert stats["rounds"] == sum(g.stats.rounds for g in done)
+    assert stats["num_accepted_tokens"] == sum(g.stats.num_accepted_tokens for g in done) > 0
