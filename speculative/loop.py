@@ -7,12 +7,12 @@ over in-process engines for the CLI and over gRPC clients for the router.
 
 import asyncio
 import secrets
-import time
 from dataclasses import dataclass
 
 import torch
 
-from speculative.policy import KPolicy, RoundCost
+from speculative.meter import RoundMeter
+from speculative.policy import KPolicy
 from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
@@ -50,7 +50,7 @@ class PoolView:
         self.known_len = 0
         self.known_hash = EMPTY_PREFIX_HASH
 
-    def sync(self, committed: list[int]) -> PrefixSync:
+    def prefix_sync(self, committed: list[int]) -> PrefixSync:
         return PrefixSync(self.known_len, self.known_hash, tuple(committed[self.known_len :]))
 
     def confirm(self, committed_len: int, committed_hash: int) -> None:
@@ -131,7 +131,7 @@ class RequestState:
         del self.committed[len(self.request.prompt_token_ids) + num_output_tokens :]
         self.finish_reason = "stop"
 
-    async def synced(self, view: PoolView, call):
+    async def call_pool(self, view: PoolView, call):
         """Run call(sync) against a pool; on StaleBase resend the whole prefix once.
 
         The pool learns the prefix committed when the call was made, which a call that runs
@@ -139,11 +139,11 @@ class RequestState:
         """
         length, fingerprint = len(self.committed), self._committed_hash()
         try:
-            result = await call(view.sync(self.committed))
+            result = await call(view.prefix_sync(self.committed))
         except StaleBase:
             self.stats.cache_misses += 1
             view.forget()
-            result = await call(view.sync(self.committed[:length]))
+            result = await call(view.prefix_sync(self.committed[:length]))
         view.confirm(length, fingerprint)
         return result
 
@@ -174,7 +174,7 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
     """K draft tokens after the committed prefix, or after it plus `assumed` (a pre-draft)."""
     request = state.request
     state.drafter_called = True
-    return await state.synced(
+    return await state.call_pool(
         state.drafter_view,
         lambda sync: drafter.propose(
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed)),
@@ -237,104 +237,84 @@ def first_round(state: RequestState, k: int, pipelined: bool) -> int | None:
 
 async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,
                     block: DraftBlock | None = None, pipelined: bool = False):
-    """One round: (the newly committed token ids, the next round's pre-drafted block or None).
+    """One round: draft -> verify -> accept -> commit. Returns the newly committed token ids
+    and the next round's candidates when a pre-draft supplied them (else None).
 
-    `block`: candidates drafted during the previous round (pipelined), else drafted now.
+    `block`: candidates pre-drafted during the previous round, else drafted now.
     pipelined: while the verifier scores this block, the drafter drafts the next one on the
-    assumption that this one is accepted whole.
+    assumption that this one is accepted whole (a pre-draft).
     """
-    request = state.request
-    started = time.perf_counter()
-    misses = state.stats.cache_misses
+    meter = RoundMeter(state, carried=block is not None)
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
-    pre_drafted = block is not None
-    warm_up = None if pre_drafted else first_round(state, k, pipelined)
-    fell_back = False
-    catch_up = len(state.committed) - state.drafter_view.known_len
-    if block is None and k > 0 and warm_up is None:
-        seed = draw_seed(state)  # drawn even when the drafter is skipped: seeds stay in order
-        block = await draft_or_none(state, drafter, k, seed) \
-            if state.draft_backoff.may_draft() else None
-        fell_back = block is None
-    block = block or NO_DRAFT
-    drafted = time.perf_counter()
+    warm_up = None if meter.carried else first_round(state, k, pipelined)
+    if block is None and warm_up is None:
+        block = await draft(state, drafter, k)
+        meter.fell_back = block is None
+    block = meter.drafted(block or NO_DRAFT)
     verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
+    predraft = start_predraft(state, drafter, policy, block, warm_up, pipelined)
+    scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft))
+    greedy = state.request.sampling.greedy
+    outcome = accept(block, scores, greedy, state.generator)
+    outcome, next_block = await settle_predraft(predraft, meter, outcome, block, greedy)
+    committed = state.commit(outcome.output_token_ids)
+    cost = meter.finish(block, scores, outcome, first_round=warm_up is not None)
+    if not meter.fell_back:  # a failed call's wait says nothing about what a K costs
+        policy.update(len(block.token_ids), outcome.num_accepted, cost)
+    return committed, None if state.finish_reason is not None else next_block
+
+
+async def draft(state: RequestState, drafter: Drafter, k: int) -> DraftBlock | None:
+    """This round's k candidates: NO_DRAFT for k = 0, None when the drafter failed or is
+    being skipped after failures (the round runs without a draft: exact)."""
+    if k <= 0:
+        return NO_DRAFT
+    seed = draw_seed(state)  # drawn even when the drafter is skipped: seeds stay in order
+    return await draft_or_none(state, drafter, k, seed) if state.draft_backoff.may_draft() \
+        else None
+
+
+def start_predraft(state: RequestState, drafter: Drafter, policy: KPolicy, block: DraftBlock,
+                   warm_up: int | None, pipelined: bool) -> asyncio.Future | None:
+    """The draft that runs beside the verify, or None: a first round's (the drafter's
+    prefill, see first_round), or, pipelined, the next block after this one."""
+    if warm_up is not None:
+        return asyncio.ensure_future(draft_or_none(state, drafter, warm_up, draw_seed(state)))
     # greedy pre-drafts one more: its first token is settled against this round's bonus
-    greedy = request.sampling.greedy
+    greedy = state.request.sampling.greedy
     next_k = min(policy.num_speculative_tokens() + greedy,
                  state.remaining - len(block.token_ids) - 1)
-    predraft = None
-    if warm_up is not None:
-        predraft = asyncio.ensure_future(
-            draft_or_none(state, drafter, warm_up, draw_seed(state)))
-    elif pipelined and block.token_ids and next_k > 0 and not state.draft_backoff.skipping:
-        predraft = asyncio.ensure_future(
-            draft_or_none(state, drafter, next_k, draw_seed(state), tuple(block.token_ids)))
+    if not pipelined or not block.token_ids or next_k <= 0 or state.draft_backoff.skipping:
+        return None
+    return asyncio.ensure_future(
+        draft_or_none(state, drafter, next_k, draw_seed(state), tuple(block.token_ids)))
+
+
+async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, seed: int,
+                 predraft: asyncio.Future | None) -> TargetScores:
+    """The target's scores of the block; a failure cancels the pre-draft beside it."""
+    request = state.request
     try:
-        scores = await state.synced(
+        return await state.call_pool(
             state.verifier_view,
-            lambda sync: verifier.score(
-                ScoreCall(request.request_id, sync, block.token_ids, request.sampling,
-                          block.draft_probs, verify_seed)
-            ),
-        )
+            lambda sync: verifier.score(ScoreCall(request.request_id, sync, block.token_ids,
+                                                  request.sampling, block.draft_probs, seed)))
     except BaseException:
         if predraft is not None:
             predraft.cancel()
         raise
-    verified = time.perf_counter()
-    outcome = accept(block, scores, greedy, state.generator)
-    next_block = predrafted = None
-    if predraft is not None:
-        # awaited even when unused: the drafter finishes it anyway, and the router's view of
-        # the drafter's prefix stays exact
-        predrafted = await predraft or NO_DRAFT
-        outcome, next_block = continue_with_predraft(outcome, block, predrafted, greedy)
-    committed = state.commit(outcome.output_token_ids)
-    if state.finish_reason is not None:
-        next_block = None
-    # a first round's prefills and a rebuilt cache say nothing about what a K costs
-    comparable = warm_up is None and state.stats.cache_misses == misses
-    cost = record_round(state.stats, block, scores, outcome, pre_drafted, predrafted,
-                        started, drafted, verified, comparable, catch_up)
-    state.stats.draft_fallback_rounds += fell_back
-    if not fell_back:  # a failed call's wait says nothing about what a K costs
-        policy.update(len(block.token_ids), outcome.num_accepted, cost)
-    return committed, next_block
 
 
-def record_round(stats: SpecStats, block: DraftBlock, scores: TargetScores,
-                 outcome: RoundOutcome, pre_drafted: bool, predraft: DraftBlock | None,
-                 started: float, drafted: float, verified: float, comparable: bool = True,
-                 catch_up: int = 0) -> RoundCost:
-    ended = time.perf_counter()
-    stats.record(len(block.token_ids), outcome)
-    stats.pipelined_rounds += pre_drafted
-    stats.draft_seconds += drafted - started + ended - verified  # waiting for a draft
-    stats.verify_seconds += verified - drafted
-    waited_draft = 0.0 if pre_drafted else block.compute_seconds
-    stats.draft_compute_seconds += waited_draft
-    stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
-    stats.verify_compute_seconds += scores.compute_seconds
-    stats.record_batches(scores.load, None if pre_drafted else block.load)
-    stats.wire_bytes += (0 if pre_drafted else block.wire_bytes) + scores.wire_bytes \
-        + (predraft.wire_bytes if predraft else 0)
-    round_seconds = ended - started
-    stats.round_seconds += round_seconds
-    stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
-    stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
-    # for a K policy: the draft cost of this round's own draft, else of its pre-draft, and
-    # the time beyond the compute on the critical path (a pre-draft runs beside the verify)
-    drafted_now = (predraft or NO_DRAFT) if pre_drafted else block
-    beside = predraft.compute_seconds if predraft else 0.0
-    load = scores.load
-    hop = drafted - started - block.compute_seconds if not pre_drafted and block.token_ids \
-        else 0.0
-    return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
-                     len(drafted_now.token_ids), drafted_now.compute_seconds,
-                     round_seconds - waited_draft - max(scores.compute_seconds, beside),
-                     load.batch_size if load else 1, load.batch_tokens if load else 0,
-                     max(0.0, hop), comparable, catch_up if not pre_drafted else 0)
+async def settle_predraft(predraft: asyncio.Future | None, meter: RoundMeter,
+                          outcome: RoundOutcome, block: DraftBlock,
+                          greedy: bool) -> tuple[RoundOutcome, DraftBlock | None]:
+    """(the round's outcome, the next round's candidates) once the pre-draft is in hand:
+    awaited even when unused, as the drafter finishes it anyway and the router's view of
+    the drafter's prefix must stay exact."""
+    if predraft is None:
+        return outcome, None
+    meter.predraft = await predraft or NO_DRAFT
+    return continue_with_predraft(outcome, block, meter.predraft, greedy)
 
 
 async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,

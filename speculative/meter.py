@@ -1,0 +1,71 @@
+"""A round's clock: where its time went, into the request's SpecStats and a RoundCost for the
+K policy. The round loop marks the steps (drafted, verified) and hands over what the pools
+reported; the algorithm itself never reads a clock."""
+
+import time
+
+from speculative.policy import RoundCost
+from speculative.rejection import RoundOutcome
+from speculative.types import DraftBlock, TargetScores
+
+
+class RoundMeter:
+    def __init__(self, state, carried: bool) -> None:
+        self.stats = state.stats
+        self.carried = carried  # the candidates were pre-drafted during the previous round
+        self.fell_back = False  # the round asked for a draft and ran without one
+        self.predraft: DraftBlock | None = None  # the draft that ran beside the verify
+        self.misses = state.stats.cache_misses
+        # committed tokens the drafter had not seen when the round began
+        self.catch_up = 0 if carried else len(state.committed) - state.drafter_view.known_len
+        self.started = time.perf_counter()
+        self.drafted_at = self.verified_at = self.started
+
+    def drafted(self, block: DraftBlock) -> DraftBlock:
+        self.drafted_at = time.perf_counter()
+        return block
+
+    def verified(self, scores: TargetScores) -> TargetScores:
+        self.verified_at = time.perf_counter()
+        return scores
+
+    def finish(self, block: DraftBlock, scores: TargetScores, outcome: RoundOutcome,
+               first_round: bool) -> RoundCost:
+        """Record the round in the stats; its cost for a K policy."""
+        ended, stats, predraft = time.perf_counter(), self.stats, self.predraft
+        stats.record(len(block.token_ids), outcome)
+        stats.draft_fallback_rounds += self.fell_back
+        stats.pipelined_rounds += self.carried
+        # waiting for a draft: before the verify, and for the pre-draft after it
+        stats.draft_seconds += self.drafted_at - self.started + ended - self.verified_at
+        stats.verify_seconds += self.verified_at - self.drafted_at
+        waited_draft = 0.0 if self.carried else block.compute_seconds
+        stats.draft_compute_seconds += waited_draft
+        stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
+        stats.verify_compute_seconds += scores.compute_seconds
+        stats.record_batches(scores.load, None if self.carried else block.load)
+        stats.wire_bytes += (0 if self.carried else block.wire_bytes) + scores.wire_bytes \
+            + (predraft.wire_bytes if predraft else 0)
+        round_seconds = ended - self.started
+        stats.round_seconds += round_seconds
+        stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
+        stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
+        return self.cost(block, scores, round_seconds - waited_draft, first_round)
+
+    def cost(self, block: DraftBlock, scores: TargetScores, unwaited_seconds: float,
+             first_round: bool) -> RoundCost:
+        """For a K policy: the draft cost of this round's own draft, else of its pre-draft,
+        and the time beyond the compute on the critical path (a pre-draft runs beside the
+        verify). A first round's prefills and a rebuilt cache say nothing about a K."""
+        predraft = self.predraft
+        drafted_now = (predraft or DraftBlock((), None)) if self.carried else block
+        beside = predraft.compute_seconds if predraft else 0.0
+        load = scores.load
+        hop = 0.0 if self.carried or not block.token_ids \
+            else self.drafted_at - self.started - block.compute_seconds
+        comparable = not first_round and self.stats.cache_misses == self.misses
+        return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
+                         len(drafted_now.token_ids), drafted_now.compute_seconds,
+                         unwaited_seconds - max(scores.compute_seconds, beside),
+                         load.batch_size if load else 1, load.batch_tokens if load else 0,
+                         max(0.0, hop), comparable, self.catch_up)
