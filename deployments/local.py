@@ -2,6 +2,7 @@
 `serve run` / `serve deploy` would."""
 
 import copy
+import os
 import socket
 import time
 from pathlib import Path
@@ -11,10 +12,31 @@ import yaml
 CLUSTER_DIR = Path(__file__).resolve().parents[1] / "cluster"
 
 
+# Ports for servers we start are taken from below Linux's ephemeral range (32768 and up) and
+# above Ray's worker ports (10002-19999): the kernel never hands these out for a bind to port
+# 0 or an outgoing connection, so one that is free now stays free until our server binds it
+# (a port from bind(0), closed and returned, may be handed to anyone in between). Each
+# process starts at its own offset and never returns a port twice.
+PORT_RANGE = range(20000, 32000)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no server on this machine listens on that this process has not handed out."""
+    span = len(PORT_RANGE)
+    start = (os.getpid() * 97) % span
+    for i in range(span):
+        port = PORT_RANGE.start + (start + i) % span
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 def load_config(name: str = "config.yaml") -> dict:

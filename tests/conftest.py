@@ -9,6 +9,14 @@ from tests.tiny import noisy_copy, tiny_llama
 # Tiny models gain nothing from threads, and two test workers must not fight over cores.
 torch.set_num_threads(1)
 
+def pytest_collection_modifyitems(items):
+    """The tests that use the shared Ray cluster run on one xdist worker, in file order (one
+    deployment, started once); everything else spreads over the workers beside them."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
 TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 1\n"] * 20
 
 

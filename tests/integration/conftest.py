@@ -1,5 +1,13 @@
-"""One local Ray instance and one Serve deployment of cluster/config.yaml, shared by every
-integration test; stopped at the end of the session by the fixture that started it."""
+"""One local Ray instance and one Serve deployment shared by every integration test that
+needs a cluster; stopped at the end of the session by the fixture that started it.
+
+The deployment holds every app those tests use, deployed once: cluster/config.yaml's three,
+a router with a 64-token context (/short, for fuzzing), a router with 2 running slots and
+an API key (/limited), and drafter / verifier / router trios serving the tiny8 and quirky
+pairs (/tiny8, /quirky). Only the tests of pool loss and rescaling redeploy: removing a pool
+or adding a replica is what they test. Under pytest-xdist the tests that use the cluster run
+on one worker (one xdist group: tests/conftest.py), beside the in-process tests on the other.
+"""
 
 import contextlib
 import copy
@@ -35,23 +43,41 @@ class Cluster:
         self.config = config
 
     @contextlib.contextmanager
-    def serving_pair(self, name: str, pair_dir, drafter_args: dict | None = None):
-        """The default apps plus a trio serving pair_dir under /<name> (see with_pair), for
-        the length of the block; declarative, so redeploying the base removes the trio."""
+    def deployed(self, config: dict):
+        """config for the length of the block, then the session's deployment again (in a
+        finally: a failed test leaves the next one the cluster it expects)."""
         base = self.config
-        self.redeploy(with_pair(base, name, pair_dir, drafter_args))
         try:
-            yield pair_dir
+            self.redeploy(config)
+            yield self
         finally:
             self.redeploy(base)
 
 
+def session_config(tiny8_dir, quirky_dir) -> dict:
+    """cluster/config.yaml on free ports plus the apps the tests need (module docstring)."""
+    config = on_free_ports(load_config())
+    router = app_config(config, "router")
+    for name, args in (("short", {"max_context_tokens": 64}),
+                       ("limited", {"max_running_requests": 2, "api_key": LIMITED_KEY})):
+        app = copy.deepcopy(router)
+        app.update(name=name, route_prefix=f"/{name}")
+        app["args"] = {**app["args"], **args}
+        app["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.1}
+        config["applications"].append(app)
+    config = with_pair(config, "tiny8", tiny8_dir, {"draft_top_k": 3})
+    return with_pair(config, "quirky", quirky_dir)
+
+
+LIMITED_KEY = "sesame"
+
+
 @pytest.fixture(scope="session")
-def cluster():
+def cluster(tiny8_pair_dir, quirky_pair_dir):
     import ray
     from ray import serve
 
-    config = on_free_ports(load_config())
+    config = session_config(tiny8_pair_dir, quirky_pair_dir)
     metrics_port = free_port()
     # 4 logical CPUs on this 2-core machine: room for a second drafter replica in tests
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning",
@@ -74,7 +100,7 @@ def with_pair(config: dict, name: str, pair_dir, drafter_args: dict | None = Non
              "verifier": {"model": target},
              "router": {"model": target, "served_model_name": name,
                         "drafter_app": f"{name}-drafter", "verifier_app": f"{name}-verifier"}}
-    for base in list(config["applications"]):
+    for base in [a for a in config["applications"] if a["name"] in extra]:
         app = copy.deepcopy(base)
         app["name"] = f"{name}-{base['name']}"
         app["route_prefix"] = f"/{name}" + (base["route_prefix"] if base["name"] != "router"

@@ -3,6 +3,7 @@ undisturbed run (greedy, and seeded sampled at a fixed K). The router's pinned d
 dies with the replica, and its calls fall back to Serve's routing, which places them on the
 replacement (the cache rebuilt from the committed prefix: exact)."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,10 +19,11 @@ REQUESTS = [{"prompt": p, "max_tokens": 64, "temperature": 0} for p in PROMPTS] 
       "num_speculative_tokens": 4} for i, p in enumerate(PROMPTS)]
 
 
-def stream(cluster, body) -> list[int]:
-    """The token ids of a streamed completion (the final chunk carries them)."""
+def stream(cluster, body, started: threading.Semaphore) -> tuple[list[int], dict]:
+    """The token ids of a streamed completion (the final chunk carries them) and its stats;
+    releases `started` once its first text arrives (the stream is running)."""
     body = {**body, "stream": True, "return_token_ids": True, "ignore_eos": True}
-    ids, done = None, False
+    ids, stats, done, running = None, None, False, False
     with requests.post(cluster.base_url + "/v1/completions", json=body, stream=True,
                        timeout=120) as response:
         assert response.status_code == 200, response.text
@@ -30,40 +32,60 @@ def stream(cluster, body) -> list[int]:
                 done = True
                 continue
             assert "error" not in chunk, chunk
+            if not running and any(c.get("text") for c in chunk["choices"]):
+                running = True
+                started.release()
             for choice in chunk["choices"]:
                 ids = choice.get("token_ids", ids)
-    assert done and ids is not None
-    return ids
+            stats = chunk.get("speculative", stats)
+    assert done and ids is not None and stats is not None
+    return ids, stats
 
 
-def run_all(cluster, during=None) -> tuple[list, float]:
+def run_all(cluster, during=None) -> tuple[list, list, float]:
+    running = threading.Semaphore(0)
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
         started = time.monotonic()
-        futures = [pool.submit(stream, cluster, body) for body in REQUESTS]
+        futures = [pool.submit(stream, cluster, body, running) for body in REQUESTS]
         if during is not None:
-            time.sleep(1.0)  # the streams are running
+            for _ in REQUESTS:  # every stream has produced text: all of them are running
+                assert running.acquire(timeout=120), "a stream never started"
             during()
-        outputs = [f.result() for f in futures]
-    return outputs, time.monotonic() - started
+        results = [f.result() for f in futures]
+    return [ids for ids, _ in results], [stats for _, stats in results], \
+        time.monotonic() - started
 
 
-def kill_replica(app: str, deployment: str) -> None:
+def replicas(app: str, deployment: str) -> set[str]:
+    """The names of the deployment's live replica actors."""
     import ray
 
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(prefix)]
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+def kill_replica(app: str, deployment: str) -> str:
+    import ray
+
+    names = sorted(replicas(app, deployment))
     assert names, f"no replica of {app}"
     ray.kill(ray.get_actor(names[0], namespace="serve"))
+    return names[0]
 
 
-def wait_running(app: str, timeout_s: float = 120) -> None:
+def wait_replaced(app: str, deployment: str, killed: str | None,
+                  timeout_s: float = 120) -> None:
+    """Until Serve has replaced the killed replica (a replica of another name is live, the
+    killed one gone) and the app is healthy again: a status read right after a kill may
+    still be the one from before it."""
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        live = replicas(app, deployment)
         status = serve.status().applications[app]
-        if status.status == "RUNNING" and all(
+        if live and killed not in live and status.status == "RUNNING" and all(
                 d.status == "HEALTHY" for d in status.deployments.values()):
             return
         time.sleep(0.5)
@@ -74,13 +96,18 @@ def wait_running(app: str, timeout_s: float = 120) -> None:
 @pytest.mark.parametrize("app, deployment", [("drafter", "DrafterPool"),
                                              ("verifier", "VerifierPool")])
 def test_a_replica_killed_mid_stream_loses_no_request(cluster, app, deployment):
-    expected, undisturbed = run_all(cluster)
+    expected, _, undisturbed = run_all(cluster)
+    killed = []
     try:
-        outputs, disturbed = run_all(cluster, lambda: kill_replica(app, deployment))
+        outputs, stats, disturbed = run_all(cluster,
+                                     lambda: killed.append(kill_replica(app, deployment)))
     finally:
-        wait_running(app)
+        wait_replaced(app, deployment, killed[0] if killed else None)
     identical = sum(a == b for a, b in zip(outputs, expected))
     print(f"\nfault: {app} replica killed; requests {len(REQUESTS)}, completed {len(outputs)}, "
           f"identical {identical}, batch {undisturbed:.2f} s -> {disturbed:.2f} s "
           f"(+{disturbed - undisturbed:.2f} s)")
     assert outputs == expected
+    # the kill hit running streams: their calls failed over to the replacement, which
+    # rebuilt their caches (a drafter's may also have run rounds without a draft)
+    assert sum(s["cache_misses"] + s["draft_fallback_rounds"] for s in stats) > 0

@@ -23,8 +23,7 @@ FALSE_FAILURE = 1e-6
 
 @pytest.fixture(scope="module")
 def tiny8(cluster, tiny8_pair_dir):
-    with cluster.serving_pair("tiny8", tiny8_pair_dir, {"draft_top_k": 3}) as pair_dir:
-        yield pair_dir
+    return tiny8_pair_dir  # served at /tiny8 by the session's deployment (conftest)
 
 
 def exact_law(target_dir) -> np.ndarray:

@@ -11,6 +11,7 @@ import requests
 
 from bench.soak import sse_events
 
+FAST_S = 20  # below the router's call_timeout_s (30 s): an answer by then was not a deadline
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Tree:\n", "for i in range(", "# sort a list"]
 
 
@@ -39,15 +40,11 @@ def test_without_the_drafter_requests_complete_as_the_target_alone(cluster):
         before = list(pool.map(lambda p: complete(cluster, p), PROMPTS))
         undisturbed = time.monotonic() - started
         assert all(a["speculative"]["num_drafts"] > 0 for a in before)
-        base = cluster.config
-        cluster.redeploy(without(base, "drafter"))
-        try:
+        with cluster.deployed(without(cluster.config, "drafter")):
             started = time.monotonic()
             during = list(pool.map(lambda p: complete(cluster, p), PROMPTS))
             without_drafter = time.monotonic() - started
             streamed = complete(cluster, PROMPTS[0], pipelined=True)
-        finally:
-            cluster.redeploy(base)
     identical = sum(token_ids(a) == token_ids(b) for a, b in zip(before, during))
     print(f"\nfault: drafter app deleted; requests {len(PROMPTS)}, completed {len(during)}, "
           f"identical {identical}, batch {undisturbed:.2f} s -> {without_drafter:.2f} s")
@@ -61,30 +58,28 @@ def test_without_the_drafter_requests_complete_as_the_target_alone(cluster):
 
 @pytest.mark.slow
 def test_without_the_verifier_errors_are_fast_and_streams_end_cleanly(cluster):
-    base = cluster.config
+    """Fast: both answers come within FAST_S, short of the router's 30 s call deadline (a
+    client timeout, not a measured threshold: they take well under a second)."""
     body = {"prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
             "stream": True}
+    # the read timeout bounds each wait for a line of the stream
     with requests.post(cluster.base_url + "/v1/completions", json=body, stream=True,
-                       timeout=120) as stream:
+                       timeout=FAST_S) as stream:
         assert stream.status_code == 200
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith(b"data: "))  # the stream is running
-        cluster.redeploy(without(base, "verifier"))
-        try:
+        with cluster.deployed(without(cluster.config, "verifier")):
             started = time.monotonic()
             events = list(sse_events(stream))
             stream_ended = time.monotonic() - started
             started = time.monotonic()
-            plain = cluster.post("/v1/completions", {"prompt": "x", "max_tokens": 4}, timeout=60)
+            plain = cluster.post("/v1/completions", {"prompt": "x", "max_tokens": 4},
+                                 timeout=FAST_S)
             plain_seconds = time.monotonic() - started
-        finally:
-            cluster.redeploy(base)
     print(f"\nfault: verifier app deleted; in-flight stream ended in {stream_ended:.2f} s "
           f"with an error event and [DONE]; a new request got {plain.status_code} in "
           f"{plain_seconds:.2f} s")
     assert events[-1] == "[DONE]"
     assert "error" in events[-2], events[-2]
     assert plain.status_code == 503 and "error" in plain.json()
-    # bounded: seconds, not the 30 s call deadline
-    assert plain_seconds < 10 and stream_ended < 10, (plain_seconds, stream_ended)
     assert complete(cluster, PROMPTS[2])["choices"][0]["token_ids"]  # back in service

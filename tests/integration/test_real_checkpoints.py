@@ -13,8 +13,7 @@ from tests.conftest import QUIRKY_PROMPT
 
 @pytest.fixture(scope="module")
 def quirky(cluster, quirky_pair_dir):
-    with cluster.serving_pair("quirky", quirky_pair_dir) as pair_dir:
-        yield pair_dir
+    return quirky_pair_dir  # served at /quirky by the session's deployment (conftest)
 
 
 def post(cluster, path, body):

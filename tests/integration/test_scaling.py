@@ -10,6 +10,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from tests.integration.conftest import app_config
 
+RUNNING, TOKENS = 20, 320
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self",
            "for i in range(", "from collections import", "if x:\n", "try:\n"]
 
@@ -39,22 +40,25 @@ def with_drafter_replicas(config, n):
 
 
 def test_rescaling_the_drafter_keeps_the_verifier_and_moved_requests_exact(cluster):
-    expected = {p: greedy(cluster, p, 0, 120)["choices"][0]["text"] for p in PROMPTS}
+    """RUNNING requests of TOKENS tokens are in flight while the drafter pool grows to 2
+    replicas: sessions that the ring now maps to the new replica lose their draft cache and
+    are rebuilt (cache misses). With a ring of 2 replicas each request moves with
+    probability about 1/2, so none of RUNNING moving is about 2**-RUNNING."""
+    prompts = (PROMPTS * 3)[:RUNNING]
+    expected = {p: greedy(cluster, p, 0, TOKENS)["choices"][0]["text"] for p in PROMPTS}
     before = verifier_replica(cluster)
-    base = cluster.config
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        # requests in flight while the drafter pool grows to 2 replicas: sessions that the
-        # ring now maps to the new replica lose their draft cache and are rebuilt
-        running = [pool.submit(greedy, cluster, p, 4, 120) for p in PROMPTS]
-        cluster.redeploy(with_drafter_replicas(base, 2))
-        results = [f.result() for f in running]
-        # two drafter replicas under concurrent requests
-        concurrent = list(pool.map(lambda p: greedy(cluster, p, 4, 120), PROMPTS))
-    for prompt, result, again in zip(PROMPTS, results, concurrent):
+    with ThreadPoolExecutor(RUNNING) as pool:
+        running = [pool.submit(greedy, cluster, p, 4, TOKENS) for p in prompts]
+        with cluster.deployed(with_drafter_replicas(cluster.config, 2)):
+            results = [f.result() for f in running]
+            # two drafter replicas under concurrent requests
+            concurrent = list(pool.map(lambda p: greedy(cluster, p, 4, 120), PROMPTS))
+            assert verifier_replica(cluster) == before  # the verifier was not restarted
+    for prompt, result in zip(prompts, results):
         assert result["choices"][0]["text"] == expected[prompt]
-        assert again["choices"][0]["text"] == expected[prompt]
-    assert verifier_replica(cluster) == before  # the verifier replica was not restarted
-    cluster.redeploy(base)
+    for prompt, again in zip(PROMPTS, concurrent):
+        assert again["choices"][0]["text"] == expected[prompt][:len(again["choices"][0]["text"])]
+    assert sum(r["speculative"]["cache_misses"] for r in results) > 0  # some moved
     assert verifier_replica(cluster) == before
 
 

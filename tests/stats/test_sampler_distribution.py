@@ -7,15 +7,17 @@ false-failure rate of 5e-7, two checks per case: a correct sampler fails a case 
 probability < 1e-6. Mutants of the sampler must fail the same checks, so they can fail.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 import speculative.rejection as rejection
+import verifier.engine
 from speculative.sampling import SamplingParams, logits_to_probs, sample
 from speculative.types import DraftDists
 from tests.stats.chisq import chi_square
-from verifier.engine import draw_recovered_and_bonus
 
 VOCAB = 6
 SAMPLES = 30_000
@@ -37,10 +39,11 @@ class MarkovPair:
     def draft_row(self, previous):
         return self.draft_start if previous is None else self.draft_next[previous]
 
-    def first_two(self, k: int, generator, drawn: bool = False) -> tuple[int, int]:
-        """Speculative rounds with K = k until two tokens are committed. drawn: the verifier
-        draws every residual and the bonus in advance (its own seed) and the router only
-        tosses the coins, as the distributed path does."""
+    def first_two(self, k: int, generator) -> tuple[int, int]:
+        """Speculative rounds with K = k until two tokens are committed, on the product's
+        path: the verifier draws every residual and the bonus in advance (its own seed,
+        verifier.engine.draw_recovered_and_bonus) and the router tosses the coins
+        (rejection.accept_drawn), reading q_i(x_i) as it does from the wire form."""
         output: list[int] = []
         while len(output) < 2:
             last = output[-1] if output else None
@@ -50,15 +53,12 @@ class MarkovPair:
                 drafted.append(sample(draft_rows[-1], generator))
                 target_rows.append(self.target_row(drafted[-1]))
             draft, target = torch.stack(draft_rows), torch.stack(target_rows)
-            if drawn:
-                seed = int(torch.randint(0, 2**62, (), generator=generator))
-                scores = draw_recovered_and_bonus(target, drafted, draft, seed)
-                at_draft = DraftDists.from_dense(draft).at(drafted)  # as the router reads q
-                out = rejection.accept_drawn(drafted, at_draft, scores.draft_target_probs,
-                                             scores.recovered_token_ids, scores.bonus_token_id,
-                                             generator)
-            else:
-                out = rejection.rejection_sample(drafted, draft, target, generator)
+            seed = int(torch.randint(0, 2**62, (), generator=generator))
+            scores = verifier.engine.draw_recovered_and_bonus(target, drafted, draft, seed)
+            at_draft = DraftDists.from_dense(draft).at(drafted)
+            out = rejection.accept_drawn(drafted, at_draft, scores.draft_target_probs,
+                                         scores.recovered_token_ids, scores.bonus_token_id,
+                                         generator)
             output.extend(out.output_token_ids)
         return output[0], output[1]
 
@@ -66,11 +66,11 @@ class MarkovPair:
         return (self.target_start[:, None] * self.target_next).numpy()
 
 
-def checks(pair: MarkovPair, k: int, seed: int, drawn: bool = False):
+def checks(pair: MarkovPair, k: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((VOCAB, VOCAB))
     for _ in range(SAMPLES):
-        counts[pair.first_two(k, generator, drawn)] += 1
+        counts[pair.first_two(k, generator)] += 1
     exact = pair.exact_pairs()
     first = chi_square(counts.sum(1), exact.sum(1), FALSE_FAILURE)
     joint = chi_square(counts, exact, FALSE_FAILURE)
@@ -88,11 +88,10 @@ PARAMS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-@pytest.mark.parametrize("k, drawn", [(1, False), (3, False), (3, True)],
-                         ids=["K1", "K3", "K3-drawn-by-verifier"])
-def test_first_token_and_first_two_tokens_match_the_target(params, k, drawn):
+@pytest.mark.parametrize("k", [1, 3], ids=["K1", "K3"])
+def test_first_token_and_first_two_tokens_match_the_target(params, k):
     pair = MarkovPair(params, seed=11)
-    results = checks(pair, k, 5, drawn)
+    results = checks(pair, k, 5)
     for name, (statistic, threshold, df) in zip(("first token", "first two"), results):
         assert statistic < threshold, (
             f"{name}: chi2 = {statistic:.1f} > {threshold:.1f} (df {df}); a correct sampler "
@@ -104,17 +103,32 @@ def recover_from_target(target_probs, draft_probs):
     return target_probs  # mutant: skips the residual
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mutant", ["no residual", "accept all", "verifier draws from p"])
-def test_the_checks_catch_a_broken_sampler(monkeypatch, mutant):
-    if mutant == "no residual":
-        monkeypatch.setattr(rejection, "residual", recover_from_target)
-    elif mutant == "accept all":
-        monkeypatch.setattr(rejection.torch, "rand", lambda *a, **kw: torch.tensor(0.0))
-    else:
-        import verifier.engine
+real_draw = verifier.engine.draw_recovered_and_bonus
 
-        monkeypatch.setattr(verifier.engine, "residual_rows", recover_from_target)
+
+def bonus_from_last_drafted_position(target_probs, drafted, draft_probs, seed):
+    """Mutant: draws the bonus token from p_K instead of p_(K+1)."""
+    scores = real_draw(target_probs, drafted, draft_probs, seed)
+    bonus = sample(target_probs[max(len(drafted) - 1, 0)], torch.Generator().manual_seed(seed))
+    return dataclasses.replace(scores, bonus_token_id=bonus)
+
+
+MUTANTS = {
+    "accept all": lambda mp: mp.setattr(rejection.torch, "rand",
+                                        lambda *a, **kw: torch.tensor(0.0)),
+    "residual is p": lambda mp: mp.setattr(verifier.engine, "residual_rows",
+                                           recover_from_target),
+    "bonus from p_K": lambda mp: mp.setattr(verifier.engine, "draw_recovered_and_bonus",
+                                            bonus_from_last_drafted_position),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_the_checks_catch_a_broken_sampler(monkeypatch, mutant):
+    """Each mutant fails the real test's check, at its sample size, for K = 1 (where a
+    round's bonus is the second token)."""
+    MUTANTS[mutant](monkeypatch)
     pair = MarkovPair(SamplingParams(temperature=1.0), seed=11)
-    results = checks(pair, 3, 5, drawn=mutant == "verifier draws from p")
+    results = checks(pair, 1, 5)
     assert any(statistic > threshold for statistic, threshold, _ in results), results
