@@ -53,17 +53,20 @@ class InProcess:
     def loop(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int,
              dense_q: bool = False):
         from speculative.driver import Generation
-        from speculative.loop import Request
-        from speculative.policy import FixedK
-        from speculative.sampling import SamplingParams, derive_seeds
+        from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+        from speculative.sampling import SamplingParams
 
-        # the seed the router gives choice 0 of an HTTP request with this seed: the same draws
-        params = SamplingParams(temperature=temperature, seed=derive_seeds(seed, 1)[0],
-                                max_tokens=max_tokens)
-        generation = Generation(Request(uuid.uuid4().hex, tuple(prompt_ids), params))
+        # planned as the router plans an HTTP request with this seed (choice 0's derived
+        # seed: the same draws), at a fixed K, drafting then verifying
+        front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
+                                                        pipelined_drafting="off"))
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+        plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params)
+        [choice] = plan.choices
+        generation = Generation(choice.request)
         started = time.perf_counter()
         drafter = self.dense_drafter if dense_q else self.drafter
-        asyncio.run(generation.run(drafter, self.verifier, FixedK(k)))
+        asyncio.run(generation.run(drafter, self.verifier, choice.policy, plan.pipelined))
         return generation.token_ids, time.perf_counter() - started, generation.stats
 
 

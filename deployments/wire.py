@@ -250,26 +250,26 @@ def score_from_proto(message: pb.ScoreRequest) -> ScoreCall:
 
 
 def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
-    response = pb.ScoreResponse(
-        target_token_ids=scores.target_token_ids,
-        draft_target_probs=scores.draft_target_probs,
-        recovered_token_ids=scores.recovered_token_ids,
-        compute_us=round(scores.compute_seconds * 1e6),
-    )
-    if scores.bonus_token_id is not None:
-        response.bonus_token_id = scores.bonus_token_id
+    response = pb.ScoreResponse(compute_us=round(scores.compute_seconds * 1e6))
+    if scores.bonus_token_id is None:
+        response.greedy.target_token_ids.extend(scores.target_token_ids)
+    else:
+        response.sampled.draft_target_probs.extend(scores.draft_target_probs)
+        response.sampled.recovered_token_ids.extend(scores.recovered_token_ids)
+        response.sampled.bonus_token_id = scores.bonus_token_id
     if scores.load is not None:
         response.load.CopyFrom(load_to_proto(scores.load))
     return response
 
 
 def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
-    sampled = not message.target_token_ids
-    return TargetScores(
-        target_token_ids=tuple(message.target_token_ids),
-        draft_target_probs=tuple(message.draft_target_probs),
-        recovered_token_ids=tuple(message.recovered_token_ids),
-        bonus_token_id=message.bonus_token_id if sampled else None,
-        compute_seconds=message.compute_us / 1e6,
-        load=load_from_proto(message),
-    )
+    timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message)}
+    kind = message.WhichOneof("scores")
+    if kind == "greedy":
+        return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)
+    if kind == "sampled":
+        sampled = message.sampled
+        return TargetScores(draft_target_probs=tuple(sampled.draft_target_probs),
+                            recovered_token_ids=tuple(sampled.recovered_token_ids),
+                            bonus_token_id=sampled.bonus_token_id, **timing)
+    raise ValueError("a score response without scores")

@@ -105,26 +105,38 @@ class ScoreRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("status", "target_token_ids", "replica_id", "direct_address", "draft_target_probs", "recovered_token_ids", "bonus_token_id", "compute_us", "load")
+    __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled")
     STATUS_FIELD_NUMBER: _ClassVar[int]
-    TARGET_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    replica_id: str
+    direct_address: str
+    compute_us: int
+    load: BatchLoad
+    greedy: GreedyScores
+    sampled: SampledScores
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., greedy: _Optional[_Union[GreedyScores, _Mapping]] = ..., sampled: _Optional[_Union[SampledScores, _Mapping]] = ...) -> None: ...
+
+class GreedyScores(_message.Message):
+    __slots__ = ("target_token_ids",)
+    TARGET_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    target_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, target_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SampledScores(_message.Message):
+    __slots__ = ("draft_target_probs", "recovered_token_ids", "bonus_token_id")
     DRAFT_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FIELD_NUMBER: _ClassVar[int]
-    status: Status
-    target_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    replica_id: str
-    direct_address: str
     draft_target_probs: _containers.RepeatedScalarFieldContainer[float]
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
-    compute_us: int
-    load: BatchLoad
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., target_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ...) -> None: ...
+    def __init__(self, draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
 
 class BatchLoad(_message.Message):
     __slots__ = ("batch_size", "batch_tokens")

@@ -10,11 +10,15 @@ from tests.tiny import noisy_copy, tiny_llama
 torch.set_num_threads(1)
 
 def pytest_collection_modifyitems(items):
-    """The tests that use the shared Ray cluster run on one xdist worker, in file order (one
-    deployment, started once); everything else spreads over the workers beside them."""
+    """xdist groups: the tests that use the shared Ray cluster run on one worker, in file
+    order (one deployment, started once); every other integration module runs whole on one
+    worker (its module fixture, such as `bench --quick` or a three-node cluster, runs once);
+    everything else spreads over the workers beside them."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif "integration" in item.nodeid.split("::")[0]:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 1\n"] * 20

@@ -69,6 +69,11 @@ def test_hostile_pool_input_is_refused_fast_and_the_pool_stays_healthy(cluster):
             seconds[name] = round(time.monotonic() - started, 3)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
     print(f"\nhostile pool input, seconds to INVALID_ARGUMENT: {seconds}")
-    assert max(seconds.values()) < 5, seconds  # was 7.9 to 30 s
+    # refused before any work: the verifier holds no session of theirs (a call that got as
+    # far as a cache would have left one)
+    from ray import serve
+
+    held = serve.get_deployment_handle("VerifierPool", "verifier").session_ids.remote().result()
+    assert not set(held) & {m.request_id for m in hostile.values()}, held
     response = cluster.post("/v1/completions", {"prompt": "x", "max_tokens": 4})
     assert response.status_code == 200

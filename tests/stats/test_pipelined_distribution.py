@@ -52,8 +52,10 @@ def exact_law(target) -> np.ndarray:
     return np.tensordot(first, law_after_first(target, PROMPT, PARAMS, 3), axes=1)
 
 
-def sample_counts(target, draft, pipelined: bool,
-                  samples: int = SAMPLES) -> tuple[np.ndarray, dict]:
+def sample_counts(target, draft, pipelined: bool, samples: int = SAMPLES,
+                  stop_law=None) -> tuple[np.ndarray, dict]:
+    """Counts of the window over `samples` seeded requests; with stop_law, stops early once
+    the counts fail the check against it (a mutant's run)."""
     drafter = ModelDrafter(draft, draft_top_k=DRAFT_TOP_K)
     verifier = ModelVerifier(target)
     counts = np.zeros((VOCAB,) * 3)
@@ -66,6 +68,9 @@ def sample_counts(target, draft, pipelined: bool,
         totals["accepted"] += state.stats.num_accepted_tokens
         totals["drafted"] += state.stats.num_draft_tokens
         totals["pipelined_rounds"] += state.stats.pipelined_rounds
+        if stop_law is not None and (i + 1) % 500 == 0 and not chi2_passes(counts,
+                                                                          stop_law)[0]:
+            break
     return counts, totals
 
 
@@ -129,12 +134,12 @@ def predraft_accepted_without_its_test(outcome, block, predraft, greedy):
     return outcome, None
 
 
-# (pipelined, samples, patch). The bonus mutant gets twice the samples; with the window after
-# the first token (the target's alone), q shifted passed at 1500 samples (so it has 3000) and
-# the full q at 1500 (chi-square 0.67 of its threshold; so it has 9000).
+# (pipelined, samples, patch). With the window after the first token (the target's alone),
+# q shifted passed at 1500 samples (so it has 3000) and the full q at 1500 (chi-square 0.67
+# of its threshold; so it has 9000). The bonus-from-p_K mutant is caught at the real sample
+# size by the draft-is-target case of tests/stats/test_engine_laws.py, where every window
+# ends in a bonus token (here, with a noisy draft, it needed twice the samples).
 MUTANTS = {
-    "bonus-from-p_K": (False, 2 * SAMPLES, lambda mp: mp.setattr(
-        verifier_engine, "draw_recovered_and_bonus", bonus_from_last_drafted_position)),
     "q-shifted": (True, SAMPLES, lambda mp: mp.setattr(
         ModelDrafter, "propose_now", q_shifted_by_one)),
     "full-q-sampled": (True, 3 * SAMPLES, lambda mp: mp.setattr(
@@ -149,6 +154,6 @@ MUTANTS = {
 def test_mutants_fail(target, draft, exact_law, monkeypatch, name):
     pipelined, samples, patch = MUTANTS[name]
     patch(monkeypatch)
-    counts, _ = sample_counts(target, draft, pipelined, samples)
+    counts, _ = sample_counts(target, draft, pipelined, samples, stop_law=exact_law)
     passes, message = chi2_passes(counts, exact_law)
     assert not passes, f"the {name} mutant passed: {message}"

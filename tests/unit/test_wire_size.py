@@ -25,7 +25,7 @@ def test_a_sampled_round_is_at_most_8_kb_on_the_wire(vocab_size):
                                           wire.block_from_proto(proposed).draft_probs, seed=2))
     assert score.draft_probs.HasField("ids")  # q travels sparse
     scored = wire.scores_to_proto(verifier.score_now(wire.score_from_proto(score)))
-    assert len(block.token_ids) == 5 and len(scored.recovered_token_ids) == 5
+    assert len(block.token_ids) == 5 and len(scored.sampled.recovered_token_ids) == 5
     # a round after the first carries only the tokens committed since (here 3), not the prompt
     later = PrefixSync(len(prompt), prefix_hash(prompt), (7, 8, 9))
     requests = [wire.propose_to_proto(ProposeCall("r", later, 5, sampling, seed=3)),

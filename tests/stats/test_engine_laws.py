@@ -1,0 +1,179 @@
+"""The target's law through the real engines in the configurations the other law tests do not
+reach: the seeded default K = 4, an adaptive K ("auto"), caches rebuilt mid-request, a
+pipelined drafter that fails, a padded draft vocabulary at K = 3, and a draft equal to the
+target (every window ends in a bonus token). Same pair, window and
+exact law as tests/stats/test_pipelined_distribution.py (the three tokens after the first,
+whose law is computed from the target's forwards); chi-square at a false-failure rate of 1e-6
+per case, samples seeded.
+
+Each case has a mutant that breaks what the case is about and must fail the same check at
+the same sample size (it stops as soon as the statistic passes the threshold).
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+import speculative.loop as loop
+from drafter.model import ModelDrafter
+from speculative.sampling import SamplingParams
+from speculative.types import StaleBase
+from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
+    DRAFT_TOP_K,
+    PROMPT,
+    SAMPLES,
+    VOCAB,
+    bonus_from_last_drafted_position,
+    chi2_passes,
+    draft,
+    exact_law,
+    predraft_accepted_without_its_test,
+    q_shifted_by_one,
+    target,
+)
+from tests.tiny import noisy_copy, run
+from tests.unit.test_draft_fallback import Flaky
+from verifier import engine as verifier_engine
+from verifier.engine import ModelVerifier
+
+CHUNK = 500  # a mutant's counts are checked after every CHUNK samples
+
+
+class Forgetful:
+    """A pool that loses a request's cache before half of its calls (seeded), as a replica
+    restart or an eviction would: the next call finds no base and is rebuilt."""
+
+    def __init__(self, pool, seed: int) -> None:
+        self.pool, self.rng = pool, random.Random(seed)
+
+    async def _forget_maybe(self, call) -> None:
+        if self.rng.random() < 0.5:
+            await self.pool.release(call.request_id)
+
+    async def propose(self, call):
+        await self._forget_maybe(call)
+        return await self.pool.propose(call)
+
+    async def score(self, call):
+        await self._forget_maybe(call)
+        return await self.pool.score(call)
+
+    async def release(self, request_id):
+        await self.pool.release(request_id)
+
+
+def padded_drafter(target):
+    """A close draft whose embedding has 3 rows more than the target's (as Qwen2.5 sizes
+    differ), its q fitted to the target's vocabulary."""
+    padded = noisy_copy(target, 0.05, seed=33)
+    padded.resize_token_embeddings(VOCAB + 3)
+    return ModelDrafter(padded, vocab_size=VOCAB, draft_top_k=DRAFT_TOP_K)
+
+
+def flaky_drafter(draft):
+    """The draft's pool failing 30% of its calls (seeded), after advancing its cache."""
+    rng = random.Random(3)
+    return Flaky(ModelDrafter(draft, draft_top_k=DRAFT_TOP_K), lambda n: rng.random() < 0.3,
+                 after=True)
+
+
+# name: (k, max_tokens, pipelined, pools(target, draft) -> (drafter, verifier))
+CASES = {
+    "K4": (4, 6, False, lambda t, d: (ModelDrafter(d, draft_top_k=DRAFT_TOP_K),
+                                      ModelVerifier(t))),
+    "auto": ("auto", 6, False, lambda t, d: (ModelDrafter(d, draft_top_k=DRAFT_TOP_K),
+                                               ModelVerifier(t))),
+    "rebuilds": (2, 5, False, lambda t, d: (
+        Forgetful(ModelDrafter(d, draft_top_k=DRAFT_TOP_K), seed=1),
+        Forgetful(ModelVerifier(t), seed=2))),
+    "pipelined-fallback": (2, 5, True, lambda t, d: (flaky_drafter(d), ModelVerifier(t))),
+    "padded-K3": (3, 5, False, lambda t, d: (padded_drafter(t), ModelVerifier(t))),
+    # the draft is the target (q = p): every block is accepted whole, so the window's last
+    # token is always a bonus token, drawn from p(K+1)
+    "bonus": (2, 5, False, lambda t, d: (ModelDrafter(t), ModelVerifier(t))),
+}
+
+
+def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray, dict]:
+    """Counts of the window over SAMPLES seeded requests; with exact_law, stops early once
+    the counts fail the check (a mutant's run)."""
+    k, max_tokens, pipelined, pools = CASES[case]
+    drafter, verifier = pools(target, draft)
+    counts = np.zeros((VOCAB,) * 3)
+    totals = {"accepted": 0, "drafted": 0, "misses": 0, "fallbacks": 0, "pipelined": 0,
+              "ks": set()}
+    for i in range(SAMPLES):
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i)
+        out, state = run(drafter, verifier, PROMPT, params, k, request_id=str(i),
+                         pipelined=pipelined)
+        counts[tuple(out[1:4])] += 1
+        stats = state.stats
+        totals["accepted"] += stats.num_accepted_tokens
+        totals["drafted"] += stats.num_draft_tokens
+        totals["misses"] += stats.cache_misses
+        totals["fallbacks"] += stats.draft_fallback_rounds
+        totals["pipelined"] += stats.pipelined_rounds
+        totals["ks"] |= set(stats.rounds_by_k)
+        if exact_law is not None and (i + 1) % CHUNK == 0 and not chi2_passes(counts,
+                                                                                exact_law)[0]:
+            break
+    return counts, totals
+
+
+def what_ran(case: str, totals: dict) -> bool:
+    """Whether the case's own path really ran (else the law check proves nothing of it)."""
+    ran = {"K4": 4 in totals["ks"], "auto": len(totals["ks"] - {0}) > 1,
+           "rebuilds": totals["misses"] > SAMPLES / 2,
+           "pipelined-fallback": totals["fallbacks"] > SAMPLES / 10
+           and totals["pipelined"] > SAMPLES / 10,
+           "padded-K3": 3 in totals["ks"],
+           "bonus": totals["accepted"] > 0.99 * totals["drafted"] > 0}
+    return ran[case] and (case == "bonus" or 0 < totals["accepted"] < totals["drafted"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_three_tokens_follow_the_target_law(target, draft, exact_law, case):
+    counts, totals = sample_counts(case, target, draft)
+    passes, message = chi2_passes(counts, exact_law)
+    assert passes, f"{message}: a correct implementation fails with probability 1e-6"
+    assert what_ran(case, totals), totals
+
+
+async def rebuild_from_a_shorter_prefix(self, view, call):
+    """Mutant of RequestState.call_pool: a rebuild resends the prefix less its last token."""
+    length, fingerprint = len(self.committed), self._committed_hash()
+    try:
+        result = await call(view.prefix_sync(self.committed))
+    except StaleBase:
+        self.stats.cache_misses += 1
+        view.forget()
+        result = await call(view.prefix_sync(self.committed[:length - 1]))
+    view.confirm(length, fingerprint)
+    return result
+
+
+MUTANTS = {  # case: (mutant name, patch)
+    "K4": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_now", q_shifted_by_one)),
+    "auto": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_now",
+                                                q_shifted_by_one)),
+    "rebuilds": ("rebuild-drops-a-token", lambda mp: mp.setattr(
+        loop.RequestState, "call_pool", rebuild_from_a_shorter_prefix)),
+    "pipelined-fallback": ("predraft-untested", lambda mp: mp.setattr(
+        loop, "continue_with_predraft", predraft_accepted_without_its_test)),
+    "padded-K3": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_now",
+                                                     q_shifted_by_one)),
+    "bonus": ("bonus-from-p_K", lambda mp: mp.setattr(
+        verifier_engine, "draw_recovered_and_bonus", bonus_from_last_drafted_position)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MUTANTS))
+def test_each_case_catches_its_mutant(target, draft, exact_law, monkeypatch, case):
+    name, patch = MUTANTS[case]
+    patch(monkeypatch)
+    counts, _ = sample_counts(case, target, draft, exact_law)
+    passes, message = chi2_passes(counts, exact_law)
+    assert not passes, f"{case}: the {name} mutant passed: {message}"
