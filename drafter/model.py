@@ -145,7 +145,7 @@ class ModelDrafter:
     def start_draft(self, call: ProposeCall) -> "Draft":
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
                    call.num_speculative_tokens)
-        sequence = self.sessions.sync(call.request_id, call.sync)
+        sequence = self.sessions.apply(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
         if self.max_positions is not None:  # the last drafted token is never fed

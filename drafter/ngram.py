@@ -58,7 +58,7 @@ class NgramDrafter:
     def propose_now(self, call: ProposeCall) -> DraftBlock:
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
                    call.num_speculative_tokens)
-        context = self.sessions.sync(call.request_id, call.sync).committed \
+        context = self.sessions.apply(call.request_id, call.sync).committed \
             + list(call.assumed_token_ids)
         token_ids = lookup(context, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
         if call.sampling.greedy or not token_ids:

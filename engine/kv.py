@@ -160,7 +160,7 @@ class SessionStore:
     def tokens(self) -> int:
         return sum(len(s.committed) for s in self._sequences.values())
 
-    def sync(self, request_id: str, sync: PrefixSync) -> Sequence:
+    def apply(self, request_id: str, sync: PrefixSync) -> Sequence:
         """The request's sequence advanced to `sync`; raises StaleBase when it cannot be."""
         sequence = self._sequences.get(request_id)
         if sequence is None:

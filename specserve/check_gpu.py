@@ -132,7 +132,7 @@ def sampled_run(model, prompt: list[int], max_tokens: int, k: int, draft=None) -
 
 
 def prefill(model, store: SessionStore, request_id: str, prompt: list[int]):
-    sequence = store.sync(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt)))
+    sequence = store.apply(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt)))
     forward_packed(model, [sequence.segment(model, [], 1)])
     return sequence
 
@@ -174,7 +174,7 @@ def full_pool(model) -> dict:
     lean = getattr(model, LEAN)
     capacity = (lean.pool.num_blocks - 1) * lean.pool.block_size
     store = SessionStore(4)
-    sequence = store.sync("full", PrefixSync(0, EMPTY_PREFIX_HASH, (1,)))
+    sequence = store.apply("full", PrefixSync(0, EMPTY_PREFIX_HASH, (1,)))
     try:
         forward_packed(model, [sequence.segment(model, [2] * capacity, 1)])
     except KVCacheFull as error:

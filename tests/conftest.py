@@ -9,6 +9,7 @@ from tests.tiny import noisy_copy, tiny_llama
 # Tiny models gain nothing from threads, and two test workers must not fight over cores.
 torch.set_num_threads(1)
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """xdist groups: the tests that use the shared Ray cluster run on one worker, in file
     order (one deployment, started once); every other integration module runs whole on one

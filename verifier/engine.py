@@ -84,7 +84,7 @@ class ModelVerifier:
             raise ValueError(f"{length} tokens exceed the target's context of "
                              f"{self.max_positions} (max_position_embeddings)")
         sequence = self.sessions.resume(call.request_id, call) or \
-            self.sessions.sync(call.request_id, call.sync)
+            self.sessions.apply(call.request_id, call.sync)
         segment = sequence.segment(self.model, drafted, len(drafted) + 1, limit)
         sequence.unfinished = call if segment.num_logits == 0 else None
         return segment, draft_probs

@@ -46,8 +46,11 @@ def test_every_mode_and_k_is_a_record_with_every_field(quick_run):
     for k in (1, 4):  # the shipped q beside dense q, in-process, for the acceptance it costs
         assert {("inprocess", k, shipped), ("inprocess", k, "dense"),
                 ("hf_assisted", k, "dense"), ("serve_sync", k, shipped)} <= sampled
-    assert all(r["tokens"] == r["requests"] * (12 if r["stream"] else 32) and r["tokens_per_s"] > 0
-               for r in records)
+    for r in records:
+        assert r["tokens"] == r["requests"] * (12 if r["stream"] else 32), r
+        # the rate is the record's own tokens over its own time (the sweep's over its span)
+        assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(
+            r["tokens"] / r["seconds"], rel=1e-2), r
 
 
 @pytest.mark.slow
@@ -63,6 +66,10 @@ def test_derived_figures_are_consistent(quick_run):
             assert r["speedup"] == 1.0
         if r["mode"] in ("serve_sync", "serve_pipelined", "serve_adaptive"):
             assert r["exposed_ms_p50"] > 0 and r["mean_k"] > 0
+        if r["mode"] in ("serve_sync", "serve_pipelined"):
+            # a fixed K: every round after the first (the prefill beside it) drafts K, but
+            # for the last rounds, which stop at max_tokens
+            assert r["k"] / 2 < r["mean_k"] <= r["k"], r
         if r["mode"] in ("inprocess", "serve_sync"):
             assert 0 <= r["acceptance_rate"] <= 1
             assert 1 <= r["mean_acceptance_length"] <= r["k"] + 1

@@ -52,7 +52,7 @@ def batched_rounds_error(model) -> float:
     for round_ in range(3):
         segments, wanted = [], []
         for i, ids in enumerate(committed):
-            sequence = store.sync(f"r{i}", sync(known[i], ids[len(known[i]):]))
+            sequence = store.apply(f"r{i}", sync(known[i], ids[len(known[i]):]))
             known[i] = list(ids)
             drafted = [(7 * i + round_ + j) % 60 for j in range(1 + (i + round_) % 4)]
             segments.append(sequence.segment(model, drafted, num_logits=len(drafted) + 1))

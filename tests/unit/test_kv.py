@@ -38,9 +38,9 @@ def sync(known, new):
 def test_logits_after_rollback_and_refeed_equal_a_fresh_forward(model):
     store = SessionStore(4)
     prompt = [3, 14, 15, 9, 26]
-    seq = store.sync("r", sync([], prompt))
+    seq = store.apply("r", sync([], prompt))
     seq.feed(model, [7, 7, 7, 7], num_logits=5)  # a drafted block, later rejected
-    seq = store.sync("r", sync(prompt, [7, 40]))  # committed: 1 accepted + 1 recovered
+    seq = store.apply("r", sync(prompt, [7, 40]))  # committed: 1 accepted + 1 recovered
     logits = seq.feed(model, [1, 2, 3], num_logits=4)
     expected = full_logits(model, prompt + [7, 40, 1, 2, 3])[-4:]
     assert seq.cache.get_seq_length() == len(prompt) + 5 == len(seq.cached_ids)
@@ -50,7 +50,7 @@ def test_logits_after_rollback_and_refeed_equal_a_fresh_forward(model):
 def test_a_k_token_verify_equals_one_token_decodes(model):
     store = SessionStore(4)
     prompt, drafted = [5, 6, 7], [8, 9, 10, 11]
-    seq = store.sync("r", sync([], prompt))
+    seq = store.apply("r", sync([], prompt))
     block = seq.feed(model, drafted, num_logits=5)
     stepwise = [full_logits(model, prompt + drafted[:i])[-1] for i in range(5)]
     torch.testing.assert_close(block, torch.stack(stepwise), atol=ATOL, rtol=0)
@@ -59,26 +59,26 @@ def test_a_k_token_verify_equals_one_token_decodes(model):
 def test_a_call_whose_base_is_not_here_is_refused_without_changing_state(model):
     store = SessionStore(4)
     with pytest.raises(StaleBase):
-        store.sync("unknown", sync([1, 2], [3]))
-    store.sync("r", sync([], [1, 2, 3]))
+        store.apply("unknown", sync([1, 2], [3]))
+    store.apply("r", sync([], [1, 2, 3]))
     with pytest.raises(StaleBase):
-        store.sync("r", sync([1, 2, 9], [4]))  # right length, wrong tokens
+        store.apply("r", sync([1, 2, 9], [4]))  # right length, wrong tokens
     with pytest.raises(StaleBase):
-        store.sync("r", sync([1, 2], [3]))  # an older base
-    assert store.sync("r", sync([1, 2, 3], [4])).committed == [1, 2, 3, 4]
+        store.apply("r", sync([1, 2], [3]))  # an older base
+    assert store.apply("r", sync([1, 2, 3], [4])).committed == [1, 2, 3, 4]
     assert store.stats.misses == 3
 
 
 def test_the_lru_bound_holds_and_evicts_the_least_recently_used():
     store = SessionStore(3)
     for name in "abcd":
-        store.sync(name, sync([], [1]))
-    store.sync("b", sync([1], [2]))  # touch b
-    store.sync("e", sync([], [1]))
+        store.apply(name, sync([], [1]))
+    store.apply("b", sync([1], [2]))  # touch b
+    store.apply("e", sync([], [1]))
     assert len(store) == 3 and store.stats.evictions == 2
     assert "a" not in store and "c" not in store and "b" in store
     with pytest.raises(StaleBase):
-        store.sync("a", sync([1], [2]))
+        store.apply("a", sync([1], [2]))
 
 
 class MovingPool:
@@ -169,14 +169,14 @@ def test_sliding_window_rollback_past_the_window_stays_exact(mixed):
     model = tiny_sliding(5, window=8, mixed=mixed)
     store = SessionStore(4)
     prompt = list(range(3, 15))  # already past the window
-    seq = store.sync("r", sync([], prompt))
+    seq = store.apply("r", sync([], prompt))
     seq.feed(model, [7, 7, 7, 7], num_logits=5)  # rejected after one token
-    seq = store.sync("r", sync(prompt, [7, 40]))
+    seq = store.apply("r", sync(prompt, [7, 40]))
     logits = seq.feed(model, [1, 2, 3], num_logits=4)
     torch.testing.assert_close(logits, full_logits(model, prompt + [7, 40, 1, 2, 3])[-4:],
                                atol=ATOL, rtol=0)
     # a rebuild that keeps only an early part of the cache re-prefills (deeper than a crop)
-    seq = store.sync("r", sync([], prompt[:4] + [9, 9]))
+    seq = store.apply("r", sync([], prompt[:4] + [9, 9]))
     logits = seq.feed(model, [5], num_logits=2)
     torch.testing.assert_close(logits, full_logits(model, prompt[:4] + [9, 9, 5])[-2:],
                                atol=ATOL, rtol=0)
@@ -201,15 +201,15 @@ def full(ids) -> PrefixSync:
 
 def test_the_store_is_bounded_in_tokens_least_recently_used_out():
     store = SessionStore(capacity=100, max_tokens=10)
-    store.sync("a", full([1, 2, 3, 4]))
-    store.sync("b", full([1, 2, 3, 4]))
-    store.sync("a", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (5,)))  # a is the newest now
-    store.sync("c", full([1, 2, 3]))  # 5 + 4 + 3 > 10: b (least recently used) goes
+    store.apply("a", full([1, 2, 3, 4]))
+    store.apply("b", full([1, 2, 3, 4]))
+    store.apply("a", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (5,)))  # a is the newest now
+    store.apply("c", full([1, 2, 3]))  # 5 + 4 + 3 > 10: b (least recently used) goes
     assert "b" not in store and "a" in store and "c" in store
     assert store.tokens == 8 and store.stats.evictions == 1
     with pytest.raises(StaleBase):  # b's next call rebuilds
-        store.sync("b", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (5,)))
-    store.sync("big", full(range(30)))  # one session beyond the bound stays: it is in use
+        store.apply("b", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (5,)))
+    store.apply("big", full(range(30)))  # one session beyond the bound stays: it is in use
     assert list(store._sequences) == ["big"]
 
 
@@ -217,8 +217,8 @@ def test_idle_sessions_are_swept_after_their_ttl(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr("engine.kv.time.monotonic", lambda: now[0])
     store = SessionStore(capacity=10, ttl_s=60)
-    store.sync("old", full([1]))
+    store.apply("old", full([1]))
     now[0] += 50
-    store.sync("new", full([1]))
+    store.apply("new", full([1]))
     now[0] += 20  # old idle 70 s, new 20 s
     assert store.sweep() == 1 and "old" not in store and "new" in store
