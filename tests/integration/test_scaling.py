@@ -1,6 +1,7 @@
 """Operating the pools: rescale one pool, the other keeps running; moved requests stay exact."""
 
 import copy
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -9,8 +10,9 @@ from deployments import auth
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from tests.integration.conftest import app_config
+from tests.integration.test_faults import stream
 
-RUNNING, TOKENS = 20, 320
+RUNNING, TOKENS = 20, 160
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self",
            "for i in range(", "from collections import", "if x:\n", "try:\n"]
 
@@ -40,25 +42,31 @@ def with_drafter_replicas(config, n):
 
 
 def test_rescaling_the_drafter_keeps_the_verifier_and_moved_requests_exact(cluster):
-    """RUNNING requests of TOKENS tokens are in flight while the drafter pool grows to 2
-    replicas: sessions that the ring now maps to the new replica lose their draft cache and
-    are rebuilt (cache misses). With a ring of 2 replicas each request moves with
-    probability about 1/2, so none of RUNNING moving is about 2**-RUNNING."""
-    prompts = (PROMPTS * 3)[:RUNNING]
-    expected = {p: greedy(cluster, p, 0, TOKENS)["choices"][0]["text"] for p in PROMPTS}
+    """The drafter pool grows to 2 replicas (requests on both stay exact, the verifier is
+    not restarted), then shrinks back to 1 under RUNNING streams. A running request keeps
+    calling the replica it was placed on (the direct data path), so growing moves none;
+    the streams the ring placed on the removed replica move to the other one, which
+    rebuilds their caches (cache misses) and stays exact. Each stream is on the removed
+    replica with probability about 1/2: none of RUNNING there is about 2**-RUNNING."""
+    bodies = [{"prompt": p, "max_tokens": TOKENS, "temperature": 0, "num_speculative_tokens": 4}
+              for p in (PROMPTS * 3)[:RUNNING]]
     before = verifier_replica(cluster)
     with ThreadPoolExecutor(RUNNING) as pool:
-        running = [pool.submit(greedy, cluster, p, 4, TOKENS) for p in prompts]
+        alone = list(pool.map(lambda b: stream(cluster, {**b, "num_speculative_tokens": 0},
+                                               threading.Semaphore(0))[0], bodies))
         with cluster.deployed(with_drafter_replicas(cluster.config, 2)):
-            results = [f.result() for f in running]
-            # two drafter replicas under concurrent requests
-            concurrent = list(pool.map(lambda p: greedy(cluster, p, 4, 120), PROMPTS))
+            on_two = list(pool.map(lambda b: stream(cluster, b, threading.Semaphore(0)),
+                                   bodies))
             assert verifier_replica(cluster) == before  # the verifier was not restarted
-    for prompt, result in zip(prompts, results):
-        assert result["choices"][0]["text"] == expected[prompt]
-    for prompt, again in zip(PROMPTS, concurrent):
-        assert again["choices"][0]["text"] == expected[prompt][:len(again["choices"][0]["text"])]
-    assert sum(r["speculative"]["cache_misses"] for r in results) > 0  # some moved
+            started = threading.Semaphore(0)
+            running = [pool.submit(stream, cluster, b, started) for b in bodies]
+            for _ in bodies:  # every stream has produced text: all of them are running
+                assert started.acquire(timeout=120), "a stream never started"
+        # leaving the block scaled the drafter pool back to 1 replica under the streams
+        moved = [f.result() for f in running]
+    assert [ids for ids, _ in on_two] == alone
+    assert [ids for ids, _ in moved] == alone
+    assert sum(stats["cache_misses"] for _, stats in moved) > 0  # some moved, exact
     assert verifier_replica(cluster) == before
 
 
