@@ -18,6 +18,7 @@ from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.types import (
     EMPTY_PREFIX_HASH,
+    NO_DRAFT,
     DraftBlock,
     Drafter,
     PoolUnavailable,
@@ -151,9 +152,6 @@ class RequestState:
         if self._hashed_len != len(self.committed):  # both pools confirm the same prefix
             self._hash, self._hashed_len = prefix_hash(self.committed), len(self.committed)
         return self._hash
-
-
-NO_DRAFT = DraftBlock((), None)
 
 
 def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> RoundOutcome:

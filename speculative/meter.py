@@ -6,7 +6,7 @@ import time
 
 from speculative.policy import RoundCost
 from speculative.rejection import RoundOutcome
-from speculative.types import DraftBlock, TargetScores
+from speculative.types import NO_DRAFT, DraftBlock, TargetScores
 
 
 class RoundMeter:
@@ -58,7 +58,7 @@ class RoundMeter:
         and the time beyond the compute on the critical path (a pre-draft runs beside the
         verify). A first round's prefills and a rebuilt cache say nothing about a K."""
         predraft = self.predraft
-        drafted_now = (predraft or DraftBlock((), None)) if self.carried else block
+        drafted_now = (predraft or NO_DRAFT) if self.carried else block
         beside = predraft.compute_seconds if predraft else 0.0
         load = scores.load
         hop = 0.0 if self.carried or not block.token_ids \

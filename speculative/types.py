@@ -155,6 +155,9 @@ class DraftBlock:
     load: "BatchLoad | None" = None  # the batch the call was drafted in
 
 
+NO_DRAFT = DraftBlock((), None)  # a round without candidates
+
+
 @dataclass(frozen=True)
 class ScoreCall:
     request_id: str

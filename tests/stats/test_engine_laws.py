@@ -10,6 +10,7 @@ Each case has a mutant that breaks what the case is about and must fail the same
 the same sample size (it stops as soon as the statistic passes the threshold).
 """
 
+import dataclasses
 import random
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 import speculative.loop as loop
 from drafter.model import ModelDrafter
 from speculative.sampling import SamplingParams
-from speculative.types import PoolUnavailable, StaleBase
+from speculative.types import PoolUnavailable
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     DRAFT_TOP_K,
     PROMPT,
@@ -153,17 +154,22 @@ def test_three_tokens_follow_the_target_law(target, draft, exact_law, case):
     assert what_ran(case, totals), totals
 
 
+real_call_pool = loop.RequestState.call_pool
+
+
 async def rebuild_from_a_shorter_prefix(self, view, call):
-    """Mutant of RequestState.call_pool: a rebuild resends the prefix less its last token."""
-    length, fingerprint = len(self.committed), self._committed_hash()
-    try:
-        result = await call(view.prefix_sync(self.committed))
-    except StaleBase:
-        self.stats.cache_misses += 1
-        view.forget()
-        result = await call(view.prefix_sync(self.committed[:length - 1]))
-    view.confirm(length, fingerprint)
-    return result
+    """Mutant of RequestState.call_pool: a rebuild (the resend after StaleBase) carries the
+    prefix less its last token."""
+    sent = 0
+
+    async def shortened(sync):
+        nonlocal sent
+        sent += 1
+        if sent > 1:
+            sync = dataclasses.replace(sync, new_token_ids=sync.new_token_ids[:-1])
+        return await call(sync)
+
+    return await real_call_pool(self, view, shortened)
 
 
 MUTANTS = {  # case: (mutant name, patch)
