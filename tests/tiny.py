@@ -161,6 +161,28 @@ class Batched:
         await self.engine.release(request_id)
 
 
+def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, samples: int,
+               pipelined: bool = False, group: int = 100):
+    """Request i (its seed i, its id str(i)) for i in 0..samples-1, `group` of them decoding
+    at once (the pools wrapped in `Batched` serve each group's rounds in shared forwards);
+    yields each one's (output ids, state) in order. A caller may stop early between groups."""
+    from dataclasses import replace
+
+    async def one(i):
+        generation = Generation(Request(str(i), tuple(prompt), replace(params, seed=i), ()),
+                                None)
+        policy = k_policy(k, pipelined, params.greedy, KBounds(1, 8, initial=2))
+        await generation.run(drafter, verifier, policy, pipelined)
+        return generation.token_ids, generation.state
+
+    async def main(start):
+        return await asyncio.gather(*(one(i) for i in range(start, min(start + group,
+                                                                      samples))))
+
+    for start in range(0, samples, group):
+        yield from asyncio.run(main(start))
+
+
 def run_concurrently(drafter, verifier, prompts, params: SamplingParams, k: int | str,
                      max_tokens: list[int] | None = None, pipelined: bool = False):
     """Decode every prompt at once through the request driver; returns each one's ids."""

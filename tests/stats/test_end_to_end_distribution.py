@@ -1,5 +1,5 @@
 """End to end in sampling mode: sequences from the speculative loop over real engines (tiny
-random models, KV caches, rollback) follow the target's own distribution.
+random models, KV caches, rollback, batched pools) follow the target's own distribution.
 
 The first output token t1 is the target's alone (the drafter prefills beside that round); the
 next round drafts one token, so t2 is the accepted or recovered token and t3 the bonus. Given
@@ -18,7 +18,7 @@ from drafter.ngram import NgramDrafter
 from speculative.sampling import SamplingParams
 from tests.stats.chisq import conditional_chi_square
 from tests.stats.laws import law_after_first
-from tests.tiny import noisy_copy, run, tiny_llama
+from tests.tiny import Batched, noisy_copy, run_seeded, tiny_llama
 from verifier.engine import ModelVerifier
 
 VOCAB = 8
@@ -55,13 +55,11 @@ def make_drafter(target, kind: str):
 )
 @pytest.mark.parametrize("drafter_kind", ["model", "ngram", "padded-smaller", "padded-larger"])
 def test_two_token_sequences_match_target_only_sampling(target, params, drafter_kind):
-    drafter = make_drafter(target, drafter_kind)
-    verifier = ModelVerifier(target)
+    drafter = Batched(make_drafter(target, drafter_kind))
+    verifier = Batched(ModelVerifier(target))
     counts = np.zeros((VOCAB,) * 3)
     accepted = 0
-    for i in range(SAMPLES):
-        seeded = SamplingParams(**{**params.__dict__, "seed": i})
-        out, state = run(drafter, verifier, PROMPT, seeded, k=1, request_id=str(i))
+    for out, state in run_seeded(drafter, verifier, PROMPT, params, 1, SAMPLES):
         counts[tuple(out)] += 1
         accepted += state.stats.num_accepted_tokens
     law = law_after_first(target, PROMPT, params, 2)

@@ -33,7 +33,7 @@ from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     q_shifted_by_one,
     target,
 )
-from tests.tiny import noisy_copy, run
+from tests.tiny import Batched, noisy_copy, run_seeded
 from verifier import engine as verifier_engine
 from verifier.engine import ModelVerifier
 
@@ -90,36 +90,41 @@ class FailingPredrafts:
         await self.drafter.release(request_id)
 
 
-# name: (k, max_tokens, pipelined, pools(target, draft) -> (drafter, verifier))
+def close(draft):
+    return Batched(ModelDrafter(draft, draft_top_k=DRAFT_TOP_K))
+
+
+def verifying(target):
+    return Batched(ModelVerifier(target))
+
+
+# name: (k, max_tokens, pipelined, pools(target, draft) -> (drafter, verifier)); the pools
+# are batched (tests.tiny.Batched), as a replica's are
 CASES = {
-    "K4": (4, 6, False, lambda t, d: (ModelDrafter(d, draft_top_k=DRAFT_TOP_K),
-                                      ModelVerifier(t))),
-    "auto": ("auto", 6, False, lambda t, d: (ModelDrafter(d, draft_top_k=DRAFT_TOP_K),
-                                               ModelVerifier(t))),
-    "rebuilds": (2, 5, False, lambda t, d: (
-        Forgetful(ModelDrafter(d, draft_top_k=DRAFT_TOP_K), seed=1),
-        Forgetful(ModelVerifier(t), seed=2))),
-    "pipelined-fallback": (2, 5, True, lambda t, d: (
-        FailingPredrafts(ModelDrafter(d, draft_top_k=DRAFT_TOP_K), seed=3), ModelVerifier(t))),
-    "padded-K3": (3, 5, False, lambda t, d: (padded_drafter(t), ModelVerifier(t))),
+    "K4": (4, 6, False, lambda t, d: (close(d), verifying(t))),
+    "auto": ("auto", 6, False, lambda t, d: (close(d), verifying(t))),
+    "rebuilds": (2, 5, False, lambda t, d: (Forgetful(close(d), seed=1),
+                                            Forgetful(verifying(t), seed=2))),
+    "pipelined-fallback": (2, 5, True, lambda t, d: (FailingPredrafts(close(d), seed=3),
+                                                      verifying(t))),
+    "padded-K3": (3, 5, False, lambda t, d: (Batched(padded_drafter(t)), verifying(t))),
     # the draft is the target (q = p): every block is accepted whole, so the window's last
     # token is always a bonus token, drawn from p(K+1)
-    "bonus": (2, 5, False, lambda t, d: (ModelDrafter(t), ModelVerifier(t))),
+    "bonus": (2, 5, False, lambda t, d: (Batched(ModelDrafter(t)), verifying(t))),
 }
 
 
 def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray, dict]:
-    """Counts of the window over SAMPLES seeded requests; with exact_law, stops early once
-    the counts fail the check (a mutant's run)."""
+    """Counts of the window over SAMPLES seeded requests (decoded concurrently, a group at a
+    time); with exact_law, stops early once the counts fail the check (a mutant's run)."""
     k, max_tokens, pipelined, pools = CASES[case]
     drafter, verifier = pools(target, draft)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
     counts = np.zeros((VOCAB,) * 3)
     totals = {"accepted": 0, "drafted": 0, "misses": 0, "fallbacks": 0, "pipelined": 0,
               "ks": set()}
-    for i in range(SAMPLES):
-        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i)
-        out, state = run(drafter, verifier, PROMPT, params, k, request_id=str(i),
-                         pipelined=pipelined)
+    for i, (out, state) in enumerate(run_seeded(drafter, verifier, PROMPT, params, k, SAMPLES,
+                                                pipelined)):
         counts[tuple(out[1:4])] += 1
         stats = state.stats
         totals["accepted"] += stats.num_accepted_tokens
@@ -173,14 +178,14 @@ async def rebuild_from_a_shorter_prefix(self, view, call):
 
 
 MUTANTS = {  # case: (mutant name, patch)
-    "K4": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_now", q_shifted_by_one)),
-    "auto": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_now",
+    "K4": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch", q_shifted_by_one)),
+    "auto": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
                                                 q_shifted_by_one)),
     "rebuilds": ("rebuild-drops-a-token", lambda mp: mp.setattr(
         loop.RequestState, "call_pool", rebuild_from_a_shorter_prefix)),
     "pipelined-fallback": ("predraft-untested", lambda mp: mp.setattr(
         loop, "continue_with_predraft", predraft_accepted_without_its_test)),
-    "padded-K3": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_now",
+    "padded-K3": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
                                                      q_shifted_by_one)),
     "bonus": ("bonus-from-p_K", lambda mp: mp.setattr(
         verifier_engine, "draw_recovered_and_bonus", bonus_from_last_drafted_position)),

@@ -18,7 +18,7 @@ from tests.stats.test_end_to_end_distribution import (  # noqa: F401 (fixture)
     VOCAB,
     target,
 )
-from tests.tiny import noisy_copy, run
+from tests.tiny import Batched, noisy_copy, run_seeded
 from tests.unit.test_draft_fallback import Flaky
 from verifier.engine import ModelVerifier
 
@@ -28,13 +28,11 @@ def test_two_token_sequences_through_a_failing_drafter(target):
     params = SamplingParams(temperature=1.0, max_tokens=4)
     draft = ModelDrafter(noisy_copy(target, 0.3, seed=2))
     rng = random.Random(11)
-    drafter = Flaky(draft, lambda n: rng.random() < 0.5, after=True)
-    verifier = ModelVerifier(target)
+    drafter = Flaky(Batched(draft), lambda n: rng.random() < 0.5, after=True)
+    verifier = Batched(ModelVerifier(target))
     counts = np.zeros((VOCAB,) * 3)
     fallbacks = drafted = 0
-    for i in range(SAMPLES):
-        seeded = SamplingParams(**{**params.__dict__, "seed": i})
-        out, state = run(drafter, verifier, PROMPT, seeded, k=1, request_id=str(i))
+    for out, state in run_seeded(drafter, verifier, PROMPT, params, 1, SAMPLES):
         counts[tuple(out[:3])] += 1
         fallbacks += state.stats.draft_fallback_rounds
         drafted += state.stats.num_drafts

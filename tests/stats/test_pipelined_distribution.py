@@ -23,7 +23,7 @@ from speculative.sampling import SamplingParams, sample
 from speculative.types import DraftBlock, DraftDists
 from tests.stats.chisq import chi_square
 from tests.stats.laws import law_after_first, sequence_law
-from tests.tiny import noisy_copy, run, tiny_llama
+from tests.tiny import Batched, noisy_copy, run_seeded, tiny_llama
 from verifier import engine as verifier_engine
 from verifier.engine import ModelVerifier
 
@@ -54,16 +54,15 @@ def exact_law(target) -> np.ndarray:
 
 def sample_counts(target, draft, pipelined: bool, samples: int = SAMPLES,
                   stop_law=None) -> tuple[np.ndarray, dict]:
-    """Counts of the window over `samples` seeded requests; with stop_law, stops early once
-    the counts fail the check against it (a mutant's run)."""
-    drafter = ModelDrafter(draft, draft_top_k=DRAFT_TOP_K)
-    verifier = ModelVerifier(target)
+    """Counts of the window over `samples` seeded requests, decoded GROUP at a time through
+    batched pools; with stop_law, stops early once the counts fail the check against it (a
+    mutant's run)."""
+    drafter = Batched(ModelDrafter(draft, draft_top_k=DRAFT_TOP_K))
+    verifier = Batched(ModelVerifier(target))
     counts = np.zeros((VOCAB,) * 3)
     totals = {"accepted": 0, "drafted": 0, "pipelined_rounds": 0}
-    for i in range(samples):
-        params = SamplingParams(**{**PARAMS.__dict__, "seed": i})
-        out, state = run(drafter, verifier, PROMPT, params, K, request_id=str(i),
-                         pipelined=pipelined)
+    for i, (out, state) in enumerate(run_seeded(drafter, verifier, PROMPT, PARAMS, K, samples,
+                                                pipelined)):
         counts[tuple(out[1:4])] += 1
         totals["accepted"] += state.stats.num_accepted_tokens
         totals["drafted"] += state.stats.num_draft_tokens
@@ -99,29 +98,36 @@ def bonus_from_last_drafted_position(target_probs, drafted, draft_probs, seed):
 
 
 real_draw = verifier_engine.draw_recovered_and_bonus
-real_propose_now = ModelDrafter.propose_now
+real_propose_batch = ModelDrafter.propose_batch
 
 
-def q_shifted_by_one(self, call):
+def q_shifted_by_one(self, calls):
     """Ships q_(i+1) as the distribution of x_i (the last row repeated)."""
-    block = real_propose_now(self, call)
-    if block.draft_probs is None or len(block.token_ids) < 2:
+    return [shifted(block) for block in real_propose_batch(self, calls)]
+
+
+def shifted(block):
+    if isinstance(block, Exception) or block.draft_probs is None or len(block.token_ids) < 2:
         return block
     dense = block.draft_probs.dense()
     return DraftBlock(block.token_ids, DraftDists.from_dense(torch.cat([dense[1:], dense[-1:]])))
 
 
-def sampled_from_the_full_q(self, call):
+def sampled_from_the_full_q(self, calls):
     """Draws from the untruncated q but ships the truncated one."""
     top_k, self.draft_top_k = self.draft_top_k, 0
     try:
-        full = real_propose_now(self, call)
+        full = real_propose_batch(self, calls)
     finally:
         self.draft_top_k = top_k
-    if full.draft_probs is None:
-        return full
-    values, ids = torch.topk(full.draft_probs.dense(), top_k)
-    return DraftBlock(full.token_ids, DraftDists(values, ids, full.draft_probs.vocab_size))
+    return [truncated(block, top_k) for block in full]
+
+
+def truncated(block, top_k: int):
+    if isinstance(block, Exception) or block.draft_probs is None:
+        return block
+    values, ids = torch.topk(block.draft_probs.dense(), top_k)
+    return DraftBlock(block.token_ids, DraftDists(values, ids, block.draft_probs.vocab_size))
 
 
 def predraft_accepted_without_its_test(outcome, block, predraft, greedy):
@@ -141,9 +147,9 @@ def predraft_accepted_without_its_test(outcome, block, predraft, greedy):
 # ends in a bonus token (here, with a noisy draft, it needed twice the samples).
 MUTANTS = {
     "q-shifted": (True, SAMPLES, lambda mp: mp.setattr(
-        ModelDrafter, "propose_now", q_shifted_by_one)),
+        ModelDrafter, "propose_batch", q_shifted_by_one)),
     "full-q-sampled": (True, 3 * SAMPLES, lambda mp: mp.setattr(
-        ModelDrafter, "propose_now", sampled_from_the_full_q)),
+        ModelDrafter, "propose_batch", sampled_from_the_full_q)),
     "predraft-untested": (True, SAMPLES, lambda mp: mp.setattr(
         loop, "continue_with_predraft", predraft_accepted_without_its_test)),
 }
