@@ -35,11 +35,10 @@ def exact_law(target_dir) -> np.ndarray:
 def test_three_tokens_over_http_follow_the_target_law(cluster, tiny8):
     counts = np.zeros((8, 8, 8, 8))
     pipelined_rounds = 0
-    for seed in range(REQUESTS):
-        response = cluster.post("/tiny8/v1/completions", {
-            "model": "tiny8", "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0,
-            "n": N, "seed": seed, "num_speculative_tokens": 2, "pipelined": True,
-            "ignore_eos": True, "return_token_ids": True})
+    bodies = [{"model": "tiny8", "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0,
+               "n": N, "seed": seed, "num_speculative_tokens": 2, "pipelined": True,
+               "ignore_eos": True, "return_token_ids": True} for seed in range(REQUESTS)]
+    for response in cluster.post_many("/tiny8/v1/completions", bodies):
         assert response.status_code == 200, response.text
         body = response.json()
         for choice in body["choices"]:

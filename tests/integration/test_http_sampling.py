@@ -58,11 +58,10 @@ def test_sampled_pairs_through_http_match_the_target(cluster):
     for t1, row in groups.items():
         expected[row, : len(law[t1])] = list(law[t1].values())
     accepted = 0
-    for seed in range(REQUESTS):
-        response = cluster.post("/v1/completions", {
-            "prompt": PROMPT, "max_tokens": 3, "temperature": PARAMS.temperature,
-            "top_k": PARAMS.top_k, "seed": seed, "n": N, "num_speculative_tokens": 3,
-            "return_token_ids": True})
+    bodies = [{"prompt": PROMPT, "max_tokens": 3, "temperature": PARAMS.temperature,
+               "top_k": PARAMS.top_k, "seed": seed, "n": N, "num_speculative_tokens": 3,
+               "return_token_ids": True} for seed in range(REQUESTS)]
+    for response in cluster.post_many("/v1/completions", bodies):
         assert response.status_code == 200, response.text
         body = response.json()
         accepted += body["speculative"]["num_accepted_tokens"]
