@@ -64,8 +64,10 @@ def start_serve(config: dict) -> None:
                 proxy_location=config["proxy_location"])
 
 
-def deploy(config: dict, timeout_s: float = 120) -> None:
-    """What `serve deploy` does: declare the whole config, then wait until it runs."""
+def deploy(config: dict, timeout_s: float = 600) -> None:
+    """What `serve deploy` does: declare the whole config, then wait until it runs (a guard
+    against a hang, not a speed check: the tests' twelve apps on two busy cores took 104-113 s,
+    and once over 120 s)."""
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from drafter.registry import router_side_kinds
-from speculative.sampling import SamplingParams
+from speculative.sampling import MAX_REPETITION_PENALTY, SamplingParams
 
 
 # bounds on what a request may ask, checked before any work (the prompt's own size is
@@ -38,6 +38,10 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # extension (as vLLM); <= vocabulary
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    # extension (as vLLM, Hugging Face semantics): > 1 discourages the prompt's and output's
+    repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -75,7 +79,10 @@ class SamplingFields(BaseModel):
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
-                              seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()))
+                              seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty)
 
 
 class CompletionRequest(SamplingFields):

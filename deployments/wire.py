@@ -155,14 +155,18 @@ def dists_from_proto(message: pb.Distributions) -> DraftDists:
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
 
 
 def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Validated: a bad value raises ValueError (the servicer's INVALID_ARGUMENT)."""
     return SamplingParams(
-        temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0
+        temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
+        presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
+        repetition_penalty=message.repetition_penalty or 1.0,
     )
 
 
@@ -184,6 +188,7 @@ def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
         sampling=sampling_to_proto(call.sampling),
         seed=call.seed,
         assumed_token_ids=call.assumed_token_ids,
+        prompt_len=call.prompt_len,
     )
 
 
@@ -195,6 +200,7 @@ def propose_from_proto(message: pb.ProposeRequest) -> ProposeCall:
         sampling=sampling_from_proto(message.sampling),
         seed=message.seed,
         assumed_token_ids=tuple(message.assumed_token_ids),
+        prompt_len=message.prompt_len,
     )
 
 
@@ -231,6 +237,7 @@ def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
         draft_token_ids=call.draft_token_ids,
         sampling=sampling_to_proto(call.sampling),
         seed=call.seed,
+        prompt_len=call.prompt_len,
     )
     if call.draft_probs is not None:
         message.draft_probs.CopyFrom(dists_to_proto(call.draft_probs))
@@ -246,6 +253,7 @@ def score_from_proto(message: pb.ScoreRequest) -> ScoreCall:
         sampling=sampling_from_proto(message.sampling),
         draft_probs=dists_from_proto(message.draft_probs) if has_probs else None,
         seed=message.seed,
+        prompt_len=message.prompt_len,
     )
 
 

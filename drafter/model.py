@@ -8,7 +8,14 @@ import torch
 from engine.batch import forward_packed
 from engine.kv import Sequence, SessionStore, admitted
 from engine.lean import serving_engine
-from speculative.sampling import fit_vocab, kept_entries, logits_to_probs, sample, seeded_generator
+from speculative.sampling import (
+    fit_vocab,
+    kept_entries,
+    logits_to_probs,
+    penalize,
+    sample,
+    seeded_generator,
+)
 from speculative.types import (
     BatchLoad,
     DraftBlock,
@@ -16,6 +23,7 @@ from speculative.types import (
     ProposeCall,
     StaleBase,
     check_call,
+    check_prompt_len,
 )
 
 
@@ -145,6 +153,7 @@ class ModelDrafter:
     def start_draft(self, call: ProposeCall) -> "Draft":
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
                    call.num_speculative_tokens)
+        check_prompt_len(call.prompt_len, call.sync.committed_len)
         sequence = self.sessions.apply(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
@@ -160,13 +169,14 @@ class ModelDrafter:
         rows = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
         if not rows:
             return {}
-        last = torch.stack([logits[row][0] for row in rows])  # [greedy drafts, V_draft]
-        return dict(zip(rows, fit_vocab(last, self.vocab_size).argmax(-1).tolist()))
+        last = fit_vocab(torch.stack([logits[row][0] for row in rows]), self.vocab_size)
+        last = torch.stack([drafts[row].penalized(line) for row, line in zip(rows, last)])
+        return dict(zip(rows, last.argmax(-1).tolist()))  # [greedy drafts, V] -> ids
 
     def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
         """A sampled draft's next token from its logits [V_draft] at the block's end (greedy
         drafts are picked together: greedy_picks)."""
-        logits = fit_vocab(logits, self.vocab_size)  # [V]
+        logits = draft.penalized(fit_vocab(logits, self.vocab_size))  # [V]
         weights, ids = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
         index = sample(weights.float(), draft.generator)  # drawn from the shipped weights
         draft.token_ids.append(index if ids is None else int(ids[index]))
@@ -192,3 +202,13 @@ class Draft:
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[tuple] = field(default_factory=list)  # shipped_q of each drafted token
+
+    def penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] logits of the block's next position under the request's penalties, which
+        count the output so far: committed, assumed and drafted (as the verifier will)."""
+        sampling = self.call.sampling
+        if not sampling.penalized:
+            return logits
+        committed, start = self.sequence.committed, self.call.prompt_len
+        output = committed[start:] + self.assumed + self.token_ids
+        return penalize(logits[None], sampling, committed[:start], output)[0]

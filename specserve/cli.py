@@ -46,6 +46,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k truncation")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="Hugging Face semantics, on the prompt's and output's tokens")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[],
@@ -134,7 +138,10 @@ def sampling(args):
     from speculative.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty)
 
 
 def request_front_end(args):

@@ -175,7 +175,8 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
     return await state.call_pool(
         state.drafter_view,
         lambda sync: drafter.propose(
-            ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed)),
+            ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
+                        len(request.prompt_token_ids))),
     )
 
 
@@ -296,7 +297,8 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         return await state.call_pool(
             state.verifier_view,
             lambda sync: verifier.score(ScoreCall(request.request_id, sync, block.token_ids,
-                                                  request.sampling, block.draft_probs, seed)))
+                                                  request.sampling, block.draft_probs, seed,
+                                                  len(request.prompt_token_ids))))
     except BaseException:
         if predraft is not None:
             predraft.cancel()

@@ -21,6 +21,11 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 64
     stop: tuple[str, ...] = field(default_factory=tuple)
+    # penalties (0, 0, 1: none): OpenAI's on the output's tokens, vLLM's repetition penalty
+    # (Hugging Face semantics) on the prompt's and the output's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         errors = []
@@ -36,12 +41,64 @@ class SamplingParams:
             errors.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             errors.append(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                errors.append(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or \
+                not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            errors.append(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                          f"{self.repetition_penalty!r}")
         if errors:
             raise ValueError("; ".join(errors))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != \
+            (0, 0, 1)
+
+
+MAX_REPETITION_PENALTY = 100.0
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+             output: list[int], drafted: list[int] = ()) -> torch.Tensor:
+    """[R, V] logits of R consecutive positions after `prompt + output`, penalised as vLLM
+    does before temperature: row r counts the output's tokens and drafted[:r] (the tokens
+    drafted before it). The repetition penalty (Hugging Face's: a positive logit divided by
+    it, a negative one multiplied) hits every token seen in the prompt or before the row;
+    then the frequency penalty times each token's count in the output before the row and
+    the presence penalty once per token that occurs there are subtracted."""
+    if not params.penalized:
+        return logits
+    rows, vocab = logits.shape
+    if len(drafted) < rows - 1:
+        raise ValueError(f"{rows} positions need the {rows - 1} tokens drafted before them")
+    device = logits.device
+    history = torch.tensor(list(output) + list(drafted[:rows - 1]), dtype=torch.long,
+                           device=device)
+    counts = torch.zeros(rows, vocab, device=device)
+    if len(output):
+        counts += torch.bincount(history[:len(output)], minlength=vocab)[:vocab].float()
+    if rows > 1:  # row r also counts drafted[:r]
+        steps = torch.nn.functional.one_hot(history[len(output):], vocab).float()
+        counts[1:] += steps.cumsum(0)
+    logits = logits.float()
+    if params.repetition_penalty != 1:
+        seen = counts > 0
+        if len(prompt):
+            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+            in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+            seen = seen | in_prompt
+        scaled = torch.where(logits > 0, logits / params.repetition_penalty,
+                             logits * params.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    return logits - params.frequency_penalty * counts - \
+        params.presence_penalty * (counts > 0).float()
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

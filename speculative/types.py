@@ -50,6 +50,7 @@ class ProposeCall:
     seed: int  # seeds this call's draft sampling, so a retried call draws the same tokens
     # a pre-draft: tokens after the committed prefix, still being verified, to draft after
     assumed_token_ids: tuple[int, ...] = ()
+    prompt_len: int = 0  # the committed prefix's first tokens that are the prompt (penalties)
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,6 +167,7 @@ class ScoreCall:
     sampling: SamplingParams
     draft_probs: DraftDists | None = None  # sampling: q1..qK, for the residuals
     seed: int = 0  # seeds the residual and bonus draws, so a retried call draws the same
+    prompt_len: int = 0  # the committed prefix's first tokens that are the prompt (penalties)
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,13 @@ def timed(work, call):
 
 
 MAX_SPECULATIVE_TOKENS = 64
+
+
+def check_prompt_len(prompt_len: int, committed_len: int) -> None:
+    """A call's prompt is a prefix of what it commits (checked before a pool changes)."""
+    if not 0 <= prompt_len <= committed_len:
+        raise ValueError(f"prompt_len {prompt_len} is beyond the committed prefix "
+                         f"({committed_len} tokens)")
 
 
 def check_call(token_ids, vocab_size: int, num_speculative_tokens: int = 0) -> None:

@@ -9,13 +9,14 @@ from engine.batch import UNFINISHED, forward_packed
 from engine.kv import SessionStore, admitted
 from engine.lean import serving_engine
 from speculative.rejection import residual_rows
-from speculative.sampling import logits_to_probs, sample_rows, seeded_generator
+from speculative.sampling import logits_to_probs, penalize, sample_rows, seeded_generator
 from speculative.types import (
     BatchLoad,
     ScoreCall,
     StaleBase,
     TargetScores,
     check_call,
+    check_prompt_len,
 )
 
 
@@ -64,9 +65,10 @@ class ModelVerifier:
             raise
 
     def prepare(self, call: ScoreCall, limit: int | None = None):
-        """Check the call and bring its sequence to the committed prefix: (segment, q); a
-        feed longer than `limit` is cut (the segment asks no logits) and resumed by the
-        same call."""
+        """Check the call and bring its sequence to the committed prefix: (segment,
+        (q, history)), history the (prompt, output) a penalised call's logits need; a feed
+        longer than `limit` is cut (the segment asks no logits) and resumed by the same
+        call."""
         vocab_size = self.model.config.vocab_size
         check_call(call.sync.new_token_ids + call.draft_token_ids, vocab_size,
                    len(call.draft_token_ids))
@@ -80,6 +82,7 @@ class ModelVerifier:
             # the one dense [K, V] q of a round, checked before the cache is touched
             draft_probs = call.draft_probs.dense(self.model.device)
         length = call.sync.committed_len + len(drafted)
+        check_prompt_len(call.prompt_len, call.sync.committed_len)
         if self.max_positions is not None and length > self.max_positions:
             raise ValueError(f"{length} tokens exceed the target's context of "
                              f"{self.max_positions} (max_position_embeddings)")
@@ -87,14 +90,25 @@ class ModelVerifier:
             self.sessions.apply(call.request_id, call.sync)
         segment = sequence.segment(self.model, drafted, len(drafted) + 1, limit)
         sequence.unfinished = call if segment.num_logits == 0 else None
-        return segment, draft_probs
+        return segment, (draft_probs, penalty_history(call, sequence.committed))
 
-    def finish(self, call: ScoreCall, logits: torch.Tensor, draft_probs) -> TargetScores:
+    def finish(self, call: ScoreCall, logits: torch.Tensor, extra) -> TargetScores:
         """logits: [K + 1, V] of the call's drafted positions and the one after them."""
+        draft_probs, history = extra
+        drafted = list(call.draft_token_ids)
+        if history is not None:  # row i counts the tokens drafted before it
+            logits = penalize(logits, call.sampling, *history, drafted)
         if call.sampling.greedy:
             return TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
-        return draw_recovered_and_bonus(logits_to_probs(logits, call.sampling),
-                                        list(call.draft_token_ids), draft_probs, call.seed)
+        return draw_recovered_and_bonus(logits_to_probs(logits, call.sampling), drafted,
+                                        draft_probs, call.seed)
+
+
+def penalty_history(call, committed: list[int]) -> tuple[list[int], list[int]] | None:
+    """(prompt, output) of the committed prefix when the call's sampling is penalised."""
+    if not call.sampling.penalized:
+        return None
+    return committed[:call.prompt_len], committed[call.prompt_len:]
 
 
 MIN_CHUNK = 16  # tokens a cut feed still gets when the budget is spent: it always advances

@@ -10,25 +10,31 @@ import itertools
 import numpy as np
 import torch
 
-from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.sampling import SamplingParams, logits_to_probs, penalize
 
 
 @torch.no_grad()
-def next_probs(model, prefix: list[int], params: SamplingParams) -> np.ndarray:
+def next_probs(model, prefix: list[int], params: SamplingParams, prompt_len: int) -> np.ndarray:
+    """The next token's law after prefix, whose first prompt_len tokens are the prompt (the
+    rest is output, which penalties count)."""
     logits = model(input_ids=torch.tensor([prefix])).logits[0, -1]
+    logits = penalize(logits[None], params, prefix[:prompt_len], prefix[prompt_len:])[0]
     return logits_to_probs(logits, params).numpy()
 
 
-def sequence_law(model, prompt: list[int], params: SamplingParams, length: int) -> np.ndarray:
-    """law[t1, ..., t_length] of the next `length` tokens after the prompt."""
+def sequence_law(model, prompt: list[int], params: SamplingParams, length: int,
+                 prompt_len: int | None = None) -> np.ndarray:
+    """law[t1, ..., t_length] of the next `length` tokens after the prompt (of which the
+    first prompt_len tokens are the request's prompt: default all)."""
     vocab = model.config.vocab_size
+    prompt_len = len(prompt) if prompt_len is None else prompt_len
     law = np.zeros((vocab,) * length)
     for head in itertools.product(range(vocab), repeat=length - 1):
         weight = 1.0
         for i in range(length - 1):
-            weight *= next_probs(model, prompt + list(head[:i]), params)[head[i]]
+            weight *= next_probs(model, prompt + list(head[:i]), params, prompt_len)[head[i]]
         if weight > 0:
-            law[head] = weight * next_probs(model, prompt + list(head), params)
+            law[head] = weight * next_probs(model, prompt + list(head), params, prompt_len)
     return law
 
 
@@ -37,4 +43,5 @@ def law_after_first(model, prompt: list[int], params: SamplingParams,
     """law[t1, ...]: the law of the `length` tokens after the first, given the first t1
     (each row sums to 1)."""
     vocab = model.config.vocab_size
-    return np.stack([sequence_law(model, prompt + [t1], params, length) for t1 in range(vocab)])
+    return np.stack([sequence_law(model, prompt + [t1], params, length, len(prompt))
+                     for t1 in range(vocab)])
