@@ -8,6 +8,7 @@ import logging
 from deployments.admission import Ticket
 from deployments.clients import PoolError
 from deployments.ingress import pool_failure
+from deployments.logprobs import chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
 from deployments.openai_api import chunk_body, choice_body, completion_body, error_body
 from speculative.driver import Decode, Generation
@@ -62,7 +63,8 @@ class Choices:
 
         done = await self.all_choices(lambda index: self.run_choice(index, ignore))
         choices = [choice_body(i, g.text, g.finish_reason, g.stop_reason, self.chat,
-                               g.token_ids if self.return_token_ids else None)
+                               g.token_ids if self.return_token_ids else None,
+                               self.logprobs(g))
                    for i, g in enumerate(done)]
         return completion_body(self.request_id, self.model, choices, self.plan.usage(done),
                                self.plan.merged_stats(done), self.chat)
@@ -107,5 +109,13 @@ class Choices:
             await queue.put(chunk("", role="assistant"))
         generation = await self.run_choice(index, push)
         await queue.put(chunk(None, generation.finish_reason, stop_reason=generation.stop_reason,
-                              token_ids=generation.token_ids if self.return_token_ids else None))
+                              token_ids=generation.token_ids if self.return_token_ids else None,
+                              logprobs=self.logprobs(generation)))
         return generation
+
+    def logprobs(self, generation: Generation) -> dict | None:
+        """The choice's logprobs in its API's shape, when the request asked for them."""
+        if generation.state.request.sampling.logprobs is None:
+            return None
+        shape = chat_logprobs if self.chat else completion_logprobs
+        return shape(generation.state.logprobs, self.decode)

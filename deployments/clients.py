@@ -162,8 +162,11 @@ class GrpcDrafter:
                                         None if seeded else self.draft_timeout_s)
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
-        return replace(wire.block_from_proto(response),
-                       wire_bytes=message.ByteSize() + response.ByteSize())
+        try:
+            block = wire.block_from_proto(response)
+        except ValueError as error:  # a drafter's bad answer costs its draft, not the request
+            raise PoolUnavailable(f"drafter: malformed answer: {error}") from None
+        return replace(block, wire_bytes=message.ByteSize() + response.ByteSize())
 
     async def release(self, request_id: str) -> None:
         self.pool.release(request_id)

@@ -6,7 +6,12 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from drafter.registry import router_side_kinds
-from speculative.sampling import MAX_REPETITION_PENALTY, SamplingParams
+from speculative.sampling import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 
 # bounds on what a request may ask, checked before any work (the prompt's own size is
@@ -41,7 +46,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extension (as vLLM, Hugging Face semantics): > 1 discourages the prompt's and output's
-    repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY,
+                                      le=MAX_REPETITION_PENALTY)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -82,11 +88,20 @@ class SamplingFields(BaseModel):
                               seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty,
+                              logprobs=self.top_logprobs_asked())
+
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; n: each token's logprob and its position's top n."""
+        return None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -108,6 +123,18 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def needs_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 ERROR_TYPES = {401: ("invalid_request_error", "invalid_api_key"),
@@ -137,13 +164,14 @@ def completion_body(request_id: str, model: str, choices: list[dict], usage: dic
 
 
 def choice_body(index: int, text: str, finish_reason: str | None, stop_reason, chat: bool,
-                token_ids: list[int] | None = None) -> dict:
+                token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
     """One choice; stop_reason (as vLLM) is the stop token id or string, None at length."""
     if chat:
         body = {"index": index, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason, "logprobs": None}
+                "finish_reason": finish_reason, "logprobs": logprobs}
     else:
-        body = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        body = {"index": index, "text": text, "finish_reason": finish_reason,
+                "logprobs": logprobs}
     body["stop_reason"] = stop_reason
     if token_ids is not None:
         body["token_ids"] = token_ids
@@ -152,7 +180,8 @@ def choice_body(index: int, text: str, finish_reason: str | None, stop_reason, c
 
 def chunk_body(request_id: str, model: str, index: int, text: str | None,
                finish_reason: str | None, chat: bool, *, role: str | None = None,
-               stop_reason=None, token_ids: list[int] | None = None) -> dict:
+               stop_reason=None, token_ids: list[int] | None = None,
+               logprobs: dict | None = None) -> dict:
     if chat:
         delta = {"role": role} if role else {}
         if text is not None:
@@ -160,6 +189,8 @@ def chunk_body(request_id: str, model: str, index: int, text: str | None,
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
+    if logprobs is not None:  # the whole choice's, on its final chunk
+        choice["logprobs"] = logprobs
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
         if token_ids is not None:

@@ -16,6 +16,7 @@ from speculative.types import (
     BatchLoad,
     DraftBlock,
     DraftDists,
+    PositionLogprobs,
     PrefixSync,
     ProposeCall,
     ScoreCall,
@@ -158,6 +159,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0,
     )
 
 
@@ -167,6 +169,7 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
         presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty or 1.0,
+        logprobs=message.top_logprobs if message.logprobs else None,
     )
 
 
@@ -267,11 +270,35 @@ def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
         response.sampled.bonus_token_id = scores.bonus_token_id
     if scores.load is not None:
         response.load.CopyFrom(load_to_proto(scores.load))
+    if scores.logprobs is not None:
+        response.logprobs.CopyFrom(logprobs_to_proto(scores.logprobs))
     return response
 
 
+def logprobs_to_proto(logprobs: PositionLogprobs) -> pb.PositionLogprobs:
+    top_n = len(logprobs.top[0]) if logprobs.top else 0
+    return pb.PositionLogprobs(
+        drafted=logprobs.drafted, chosen=logprobs.chosen, top_n=top_n,
+        top_ids=[token for row in logprobs.top for token, _ in row],
+        top_logprobs=[logprob for row in logprobs.top for _, logprob in row])
+
+
+def logprobs_from_proto(message: pb.ScoreResponse) -> PositionLogprobs | None:
+    if not message.HasField("logprobs"):
+        return None
+    got, n = message.logprobs, message.logprobs.top_n
+    positions = len(got.chosen)
+    if positions != len(got.drafted) + 1 or len(got.top_ids) != positions * n \
+            or len(got.top_logprobs) != positions * n:
+        raise ValueError("logprobs shaped unlike their K + 1 positions")
+    pairs = list(zip(got.top_ids, got.top_logprobs))
+    return PositionLogprobs(tuple(got.drafted), tuple(got.chosen),
+                            tuple(tuple(pairs[r * n:(r + 1) * n]) for r in range(positions)))
+
+
 def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
-    timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message)}
+    timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message),
+              "logprobs": logprobs_from_proto(message)}
     kind = message.WhichOneof("scores")
     if kind == "greedy":
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)

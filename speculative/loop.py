@@ -27,6 +27,7 @@ from speculative.types import (
     ScoreCall,
     StaleBase,
     TargetScores,
+    TokenLogprob,
     Verifier,
     prefix_hash,
 )
@@ -104,6 +105,7 @@ class RequestState:
         self.draft_backoff = DraftBackoff()
         self.drafter_called = False  # the drafter may hold a cache for it: release at the end
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
         self._hash, self._hashed_len = EMPTY_PREFIX_HASH, 0
 
     @property
@@ -114,8 +116,9 @@ class RequestState:
     def remaining(self) -> int:
         return self.request.sampling.max_tokens - len(self.output_token_ids)
 
-    def commit(self, token_ids: tuple[int, ...]) -> list[int]:
-        """Append a round's output, cut at a stop token or max_tokens; returns what was added."""
+    def commit(self, token_ids: tuple[int, ...], logprobs: list | None = None) -> list[int]:
+        """Append a round's output (and its logprobs), cut at a stop token or max_tokens;
+        returns what was added."""
         added: list[int] = []
         for token in token_ids[: self.remaining]:
             added.append(token)
@@ -123,6 +126,8 @@ class RequestState:
                 self.finish_reason = "stop"
                 break
         self.committed.extend(added)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[:len(added)])
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return added
@@ -130,6 +135,7 @@ class RequestState:
     def stop_after(self, num_output_tokens: int) -> None:
         """End the request after its first num_output_tokens (a stop string ended there)."""
         del self.committed[len(self.request.prompt_token_ids) + num_output_tokens :]
+        del self.logprobs[num_output_tokens:]
         self.finish_reason = "stop"
 
     async def call_pool(self, view: PoolView, call):
@@ -256,11 +262,18 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     greedy = state.request.sampling.greedy
     outcome = accept(block, scores, greedy, state.generator)
     outcome, next_block = await settle_predraft(predraft, meter, outcome, block, greedy)
-    committed = state.commit(outcome.output_token_ids)
+    committed = state.commit(outcome.output_token_ids, round_logprobs(scores, outcome))
     cost = meter.finish(block, scores, outcome, first_round=warm_up is not None)
     if not meter.fell_back:  # a failed call's wait says nothing about what a K costs
         policy.update(len(block.token_ids), outcome.num_accepted, cost)
     return committed, None if state.finish_reason is not None else next_block
+
+
+def round_logprobs(scores: TargetScores, outcome: RoundOutcome) -> list | None:
+    """The logprobs of a round's output tokens, when the request asked for them."""
+    if scores.logprobs is None:
+        return None
+    return scores.logprobs.committed(outcome.output_token_ids, outcome.num_accepted)
 
 
 async def draft(state: RequestState, drafter: Drafter, k: int) -> DraftBlock | None:

@@ -26,6 +26,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # None: no logprobs; n >= 0: each output token's logprob and its position's top n
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -45,10 +47,14 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -2 <= value <= 2:
                 errors.append(f"{name} must be in [-2, 2], got {value!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or \
-                not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            errors.append(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
-                          f"{self.repetition_penalty!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not \
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            errors.append(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                          f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            errors.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                          f"{self.logprobs!r}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -62,7 +68,9 @@ class SamplingParams:
             (0, 0, 1)
 
 
-MAX_REPETITION_PENALTY = 100.0
+# a logit divided by the penalty stays finite (1e-300 made it inf, and q NaN: found by fuzzing)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],

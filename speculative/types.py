@@ -187,6 +187,35 @@ class TargetScores:
     compute_seconds: float = 0.0  # the verifier's own time on the call, transport excluded
     wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
     load: "BatchLoad | None" = None  # the batch the call was scored in
+    logprobs: "PositionLogprobs | None" = None  # when the request asks for logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target and its position's top n."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """The target's log-probabilities at a call's K + 1 positions, as the model gives them
+    (before temperature, penalties and masks: vLLM's default, "raw"): of each drafted token,
+    of the target's own token at each position (greedy: the argmax; sampled: the residual
+    draw, then the bonus) and each position's top n (n may be 0). Only the positions a
+    round commits reach the client (`committed`)."""
+
+    drafted: tuple[float, ...]  # K
+    chosen: tuple[float, ...]  # K + 1
+    top: tuple[tuple[tuple[int, float], ...], ...]  # K + 1 rows of n (id, logprob)
+
+    def committed(self, output_token_ids, num_accepted: int) -> list[TokenLogprob]:
+        """The entries of a round's output: its first num_accepted tokens are drafted ones,
+        a token after them is the target's own at that position."""
+        return [TokenLogprob(token, self.drafted[j] if j < num_accepted else self.chosen[j],
+                             self.top[j]) for j, token in enumerate(output_token_ids)]
 
 
 @dataclass(frozen=True)

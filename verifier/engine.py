@@ -14,6 +14,7 @@ from speculative.types import (
     BatchLoad,
     ScoreCall,
     StaleBase,
+    PositionLogprobs,
     TargetScores,
     check_call,
     check_prompt_len,
@@ -95,13 +96,39 @@ class ModelVerifier:
     def finish(self, call: ScoreCall, logits: torch.Tensor, extra) -> TargetScores:
         """logits: [K + 1, V] of the call's drafted positions and the one after them."""
         draft_probs, history = extra
-        drafted = list(call.draft_token_ids)
+        drafted, raw = list(call.draft_token_ids), logits
         if history is not None:  # row i counts the tokens drafted before it
             logits = penalize(logits, call.sampling, *history, drafted)
         if call.sampling.greedy:
-            return TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
-        return draw_recovered_and_bonus(logits_to_probs(logits, call.sampling), drafted,
-                                        draft_probs, call.seed)
+            scores = TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
+            chosen = scores.target_token_ids
+        else:
+            scores = draw_recovered_and_bonus(logits_to_probs(logits, call.sampling), drafted,
+                                              draft_probs, call.seed)
+            chosen = scores.recovered_token_ids + (scores.bonus_token_id,)
+        if call.sampling.logprobs is None:
+            return scores
+        return replace(scores, logprobs=position_logprobs(raw, drafted, list(chosen),
+                                                          call.sampling.logprobs))
+
+
+def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int],
+                      top_n: int) -> PositionLogprobs:
+    """The raw log-probabilities of [K + 1, V] logits at the drafted and the chosen tokens,
+    and each row's top n, with one transfer to the host (ids < 2**53 travel exactly as
+    float64)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    k, device = len(drafted), logprobs.device
+    rows = torch.arange(k + 1, device=device)
+    tokens = torch.tensor(drafted + chosen, dtype=torch.long, device=device)
+    values, ids = torch.topk(logprobs, top_n, dim=-1)  # [K + 1, n]
+    host = torch.cat([logprobs[torch.cat([rows[:k], rows]), tokens].double(),
+                      values.double().flatten(), ids.double().flatten()]).tolist()
+    picked, values, ids = host[:2 * k + 1], host[2 * k + 1:][:(k + 1) * top_n], \
+        host[2 * k + 1 + (k + 1) * top_n:]
+    top = tuple(tuple((int(ids[r * top_n + i]), values[r * top_n + i]) for i in range(top_n))
+                for r in range(k + 1))
+    return PositionLogprobs(drafted=tuple(picked[:k]), chosen=tuple(picked[k:]), top=top)
 
 
 def penalty_history(call, committed: list[int]) -> tuple[list[int], list[int]] | None:

@@ -1,5 +1,5 @@
 """What OpenAI clients send beyond a prompt, over HTTP through the official openai client,
-exact under speculation: penalties."""
+exact under speculation: penalties and logprobs."""
 
 import pytest
 
@@ -49,3 +49,40 @@ def test_out_of_range_penalties_get_400(cluster, field, value):
     response = cluster.post("/v1/completions", {"prompt": "x", field: value})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(field)
+
+
+def test_logprobs_under_speculation_equal_the_target_alones(client):
+    """Completions (logprobs: n) and chat (logprobs, top_logprobs), greedy: the same tokens,
+    and logprobs within 1e-3 of K = 0's, for a fixed K, auto K pipelined and the n-gram
+    drafter; each text is its tokens' concatenation."""
+    for name, speculation in {"alone": {"num_speculative_tokens": 0}, **SPECULATION}.items():
+        completion = client.completions.create(
+            model="specserve-demo", prompt="def main():\n", max_tokens=24, temperature=0,
+            logprobs=5, extra_body=speculation)
+        chat = client.chat.completions.create(
+            model="specserve-demo", messages=[{"role": "user", "content": "Write a loop."}],
+            max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, extra_body=speculation)
+        got = completion.choices[0].logprobs
+        assert "".join(got.tokens) == completion.choices[0].text
+        assert len(got.top_logprobs[0]) == 5 and got.text_offset[0] == 0
+        content = chat.choices[0].logprobs.content
+        assert all(len(entry.top_logprobs) == 2 for entry in content)
+        if name == "alone":
+            expected, expected_chat = got, content
+            continue
+        assert got.tokens == expected.tokens, name
+        assert max(abs(a - b) for a, b in zip(got.token_logprobs, expected.token_logprobs)) \
+            < 1e-3, name
+        assert [e.token for e in content] == [e.token for e in expected_chat], name
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(content, expected_chat)) \
+            < 1e-3, name
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x", "logprobs": 21},
+                                  {"messages": [{"role": "user", "content": "x"}],
+                                   "top_logprobs": 2}])
+def test_bad_logprobs_get_400(cluster, body):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = cluster.post(path, body)
+    assert response.status_code == 400, response.text
+    assert "logprobs" in response.json()["error"]["param"]

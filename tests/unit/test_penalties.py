@@ -53,8 +53,9 @@ def test_no_penalty_leaves_the_logits_alone():
     assert penalize(logits, SamplingParams(), [1], [2, 3], [4]) is logits
 
 
-@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3),
-                                          ("repetition_penalty", 0), ("repetition_penalty", 101)])
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("repetition_penalty", 1e-300), ("repetition_penalty", 101)])
 def test_out_of_range_penalties_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
