@@ -35,6 +35,13 @@ class PoolMetrics:
         self.occupancy.set(batch_size / max_batch_size, tags=self.tags)
 
 
+def features(sampling) -> list[str]:
+    """The features a choice's sampling uses, as the metrics tag them."""
+    used = {"structured_output": sampling.grammar is not None,
+            "logprobs": sampling.logprobs is not None, "penalties": sampling.penalized}
+    return [name for name, on in used.items() if on]
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.num_drafts = Counter("spec_decode_num_drafts",
@@ -59,9 +66,26 @@ class RouterMetrics:
             "spec_decode_round_seconds", description="Mean time per round of a request, by phase "
             "(draft and verify compute, transport, router).",
             boundaries=ROUND_BOUNDARIES_S, tag_keys=("phase",))
+        # what requests use beyond a prompt, and what it does to acceptance
+        self.feature_choices = Counter(
+            "specserve_feature_choices", description="Choices decoded with a feature "
+            "(structured_output, logprobs, penalties).", tag_keys=("feature",))
+        self.feature_draft_tokens = Counter(
+            "specserve_feature_draft_tokens", description="Tokens drafted for choices with a "
+            "feature.", tag_keys=("feature",))
+        self.feature_accepted_tokens = Counter(
+            "specserve_feature_accepted_tokens", description="Drafted tokens accepted for "
+            "choices with a feature.", tag_keys=("feature",))
 
     def record(self, state: RequestState) -> None:
         stats = state.stats
+        for feature in features(state.request.sampling):
+            tags = {"feature": feature}
+            self.feature_choices.inc(1, tags=tags)
+            if stats.num_draft_tokens:
+                self.feature_draft_tokens.inc(stats.num_draft_tokens, tags=tags)
+            if stats.num_accepted_tokens:
+                self.feature_accepted_tokens.inc(stats.num_accepted_tokens, tags=tags)
         for counter, value in ((self.num_drafts, stats.num_drafts),
                                (self.num_draft_tokens, stats.num_draft_tokens),
                                (self.num_accepted_tokens, stats.num_accepted_tokens),

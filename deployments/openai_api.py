@@ -32,6 +32,30 @@ def encodable(text: str, field: str) -> str:
     return text
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension: exactly one of a JSON schema, a regex, a list of choices or a Lark
+    grammar (llguidance's dialect)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(BaseModel):
     """The fields both endpoints share: sampling, n, streaming and the speculative extensions."""
 
@@ -60,6 +84,8 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
     ignore_eos: bool = False  # extension (as vLLM): do not stop at the model's end tokens
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension (as vLLM)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
 
     @field_validator("drafter")
     @classmethod
@@ -94,6 +120,27 @@ class SamplingFields(BaseModel):
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; n: each token's logprob and its position's top n."""
         return None
+
+    def constraint(self) -> tuple[str, str, object] | None:
+        """(the field, the kind, the spec) of the output's constraint, if any: one of
+        response_format and structured_outputs' fields; ValueError for more than one."""
+        found = []
+        form = self.response_format
+        if form is not None and form.type == "json_object":
+            found.append(("response_format", "json", {"type": "object"}))
+        elif form is not None and form.type == "json_schema":
+            if form.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema")
+            found.append(("response_format.json_schema", "json", form.json_schema.schema_))
+        given = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            spec = None if given is None else getattr(given, "json_" if kind == "json" else kind)
+            if spec is not None:
+                found.append((f"structured_outputs.{kind}", kind, spec))
+        if len(found) > 1:
+            raise ValueError("give one constraint: response_format or one field of "
+                             f"structured_outputs, not {[field for field, _, _ in found]}")
+        return found[0] if found else None
 
 
 class CompletionRequest(SamplingFields):

@@ -30,6 +30,7 @@ from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from engine.batch import UNFINISHED
 from engine.kv import KVCacheTooSmall
 from engine.paged import KVCacheFull
+from speculative.grammar import grammar_tokenizer_at
 from speculative.sampling import SamplingParams
 from speculative.types import (
     EMPTY_PREFIX_HASH,
@@ -341,6 +342,8 @@ class VerifierPool(PoolReplica):
                                     session_ttl_s=args.session_ttl_s, engine=args.engine,
                                     kv_cache_tokens=args.kv_cache_tokens,
                                     max_batch_tokens=args.max_batch_tokens)
+        self.engine.grammar_tokenizer = grammar_tokenizer_at(
+            args.model, self.engine.model.config.vocab_size)
         config = self.engine.model.config
         limits = wire.Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,

@@ -4,11 +4,12 @@ parameters with max_tokens settled, the stop token ids."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deployments.ingress import BadRequest
 from deployments.router_args import RouterArgs
 from engine.checkpoint import Checkpoint, context_limit, end_token_ids, stop_token_ids
+from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
 
 
@@ -29,6 +30,7 @@ class PromptReader:
         # tokenizing is CPU work: off the event loop, one at a time (a fast tokenizer is not
         # safe to share between threads)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.grammar_tokenizer = grammar_tokenizer_or_none(tokenizer, target.vocab_size)
 
     async def read(self, body, chat: bool) -> Prompt:
         self.check_sizes(body, chat)
@@ -42,7 +44,26 @@ class PromptReader:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
                              f"({sampling.max_tokens}) exceed the context limit of {limit}",
                              param="max_tokens")
-        return Prompt(prompt_ids, sampling, self.stop_ids(body))
+        constraint = self.constraint(body)
+        if constraint is not None:  # compiled off the event loop too
+            field, kind, spec = constraint
+            if self.grammar_tokenizer is None:
+                raise BadRequest("structured outputs need a tokenizer llguidance can read "
+                                 "(byte-level BPE or SentencePiece); this model's is not",
+                                 param=field)
+            try:
+                grammar = await asyncio.get_running_loop().run_in_executor(
+                    self.tokenizing, compile_spec, kind, spec, self.grammar_tokenizer)
+            except GrammarError as error:
+                raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
+            sampling = replace(sampling, grammar=grammar)
+        return Prompt(prompt_ids, sampling, self.stop_ids(body, constraint is not None))
+
+    def constraint(self, body):
+        try:
+            return body.constraint()
+        except ValueError as error:
+            raise BadRequest(str(error), param="structured_outputs") from None
 
     def check_sizes(self, body, chat: bool) -> None:
         """What must hold before tokenizing: the prompt's size in bytes, top_k."""
@@ -57,12 +78,14 @@ class PromptReader:
             raise BadRequest(f"top_k must be at most the vocabulary size "
                              f"({self.vocab_size}); 0 disables it", param="top_k")
 
-    def stop_ids(self, body) -> tuple[int, ...]:
+    def stop_ids(self, body, constrained: bool = False) -> tuple[int, ...]:
+        """The end tokens (unless ignore_eos: a constrained output always ends at them, when
+        its grammar is done) and the requested stop ids."""
         requested = tuple(body.stop_token_ids or ())
         if any(not 0 <= t < self.vocab_size for t in requested):
             raise BadRequest(f"stop_token_ids must be in [0, {self.vocab_size})",
                              param="stop_token_ids")
-        return stop_token_ids(self.end_ids, requested, body.ignore_eos)
+        return stop_token_ids(self.end_ids, requested, body.ignore_eos and not constrained)
 
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
         if chat:

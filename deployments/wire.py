@@ -160,6 +160,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0,
+        grammar=params.grammar or "",
     )
 
 
@@ -170,6 +171,7 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty or 1.0,
         logprobs=message.top_logprobs if message.logprobs else None,
+        grammar=message.grammar or None,
     )
 
 

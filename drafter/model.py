@@ -8,6 +8,7 @@ import torch
 from engine.batch import forward_packed
 from engine.kv import Sequence, SessionStore, admitted
 from engine.lean import serving_engine
+from speculative.grammar import TokenMasks, masked, request_matcher
 from speculative.sampling import (
     fit_vocab,
     kept_entries,
@@ -44,8 +45,11 @@ class ModelDrafter:
                  draft_top_k: int = 0, draft_q_mass: float = 1.0,
                  draft_q_dtype: str = "float32", max_cached_tokens: int | None = None,
                  session_ttl_s: float | None = None, engine: str = "auto",
-                 kv_cache_tokens: int | None = None) -> None:
+                 kv_cache_tokens: int | None = None, grammar_tokenizer=None) -> None:
+        """grammar_tokenizer: llguidance's tokenizer over `vocab_size` (the target's), for
+        structured outputs; without it a request with a grammar gets no draft."""
         self.model = serving_engine(model, engine, kv_cache_tokens, max_cached_requests)
+        self.grammar_tokenizer = grammar_tokenizer
         self.vocab_size = vocab_size or model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.draft_top_k, self.draft_q_mass = draft_top_k, draft_q_mass
@@ -141,7 +145,7 @@ class ModelDrafter:
             still = []
             for row, ((index, draft, _), rows) in enumerate(zip(active, logits)):
                 if row in picked:
-                    draft.token_ids.append(picked[row])
+                    draft.took(picked[row])
                 else:
                     self.draw(draft, rows[0])
                 if len(draft.token_ids) < draft.num_tokens:
@@ -160,8 +164,17 @@ class ModelDrafter:
         if self.max_positions is not None:  # the last drafted token is never fed
             room = self.max_positions + 1 - len(sequence.committed) - len(assumed)
             num_tokens = max(0, min(num_tokens, room))
+        matcher = None
+        if call.sampling.grammar is not None:
+            if self.grammar_tokenizer is None:
+                num_tokens = 0
+            else:  # follows the output and the tokens assumed after it
+                matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
+                output = sequence.committed[call.prompt_len:] + assumed
+                if matcher.follow(output) < len(output):
+                    num_tokens = 0  # an assumed token the grammar forbids: it will be rejected
         return Draft(call, sequence, assumed, num_tokens,
-                     seeded_generator(call.seed, self.model.device))
+                     seeded_generator(call.seed, self.model.device), matcher=matcher)
 
     def greedy_picks(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> dict[int, int]:
         """{row: argmax} of the greedy drafts of a step, with one host sync for all of them
@@ -170,16 +183,16 @@ class ModelDrafter:
         if not rows:
             return {}
         last = fit_vocab(torch.stack([logits[row][0] for row in rows]), self.vocab_size)
-        last = torch.stack([drafts[row].penalized(line) for row, line in zip(rows, last)])
+        last = torch.stack([drafts[row].processed(line) for row, line in zip(rows, last)])
         return dict(zip(rows, last.argmax(-1).tolist()))  # [greedy drafts, V] -> ids
 
     def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
         """A sampled draft's next token from its logits [V_draft] at the block's end (greedy
         drafts are picked together: greedy_picks)."""
-        logits = draft.penalized(fit_vocab(logits, self.vocab_size))  # [V]
+        logits = draft.processed(fit_vocab(logits, self.vocab_size))  # [V]
         weights, ids = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
         index = sample(weights.float(), draft.generator)  # drawn from the shipped weights
-        draft.token_ids.append(index if ids is None else int(ids[index]))
+        draft.took(index if ids is None else int(ids[index]))
         draft.q_rows.append((weights, ids))
 
     def shipped_q(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -202,10 +215,19 @@ class Draft:
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[tuple] = field(default_factory=list)  # shipped_q of each drafted token
+    matcher: TokenMasks | None = None  # the request's grammar, at the block's next position
 
-    def penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        """[V] logits of the block's next position under the request's penalties, which
-        count the output so far: committed, assumed and drafted (as the verifier will)."""
+    def took(self, token: int) -> None:
+        self.token_ids.append(token)
+        if self.matcher is not None:
+            self.matcher.advance([token])
+
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] logits of the block's next position under the request's grammar and
+        penalties, which count the output so far: committed, assumed and drafted (as the
+        verifier will)."""
+        if self.matcher is not None:
+            logits = masked(logits, self.matcher.next_mask(logits.shape[-1], logits.device))
         sampling = self.call.sampling
         if not sampling.penalized:
             return logits

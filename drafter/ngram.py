@@ -8,7 +8,16 @@ which keeps the output exactly the target's.
 import torch
 
 from engine.kv import SessionStore
-from speculative.types import DraftBlock, DraftDists, ProposeCall, StaleBase, check_call, timed
+from speculative.grammar import request_matcher
+from speculative.types import (
+    DraftBlock,
+    DraftDists,
+    ProposeCall,
+    StaleBase,
+    check_call,
+    check_prompt_len,
+    timed,
+)
 
 
 def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -32,12 +41,16 @@ class NgramDrafter:
         max_cached_requests: int = 1024,
         max_cached_tokens: int | None = None,
         session_ttl_s: float | None = None,
+        grammar_tokenizer=None,
     ) -> None:
+        """grammar_tokenizer: llguidance's tokenizer, to drop the proposals a request's
+        grammar forbids (without it, a request with a grammar gets no proposals)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size = vocab_size
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
+        self.grammar_tokenizer = grammar_tokenizer
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         return timed(self.propose_now, call)
@@ -58,11 +71,25 @@ class NgramDrafter:
     def propose_now(self, call: ProposeCall) -> DraftBlock:
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
                    call.num_speculative_tokens)
-        context = self.sessions.apply(call.request_id, call.sync).committed \
-            + list(call.assumed_token_ids)
+        check_prompt_len(call.prompt_len, call.sync.committed_len)
+        sequence = self.sessions.apply(call.request_id, call.sync)
+        context = sequence.committed + list(call.assumed_token_ids)
         token_ids = lookup(context, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
+        if call.sampling.grammar is not None and token_ids:
+            token_ids = self.allowed_prefix(call, sequence, context, token_ids)
         if call.sampling.greedy or not token_ids:
             return DraftBlock(tuple(token_ids), None)
         one_hot = DraftDists(torch.ones(len(token_ids), 1),  # [K, 1]: each q_i is x_i alone
                              torch.tensor(token_ids)[:, None], self.vocab_size)
         return DraftBlock(tuple(token_ids), one_hot)
+
+    def allowed_prefix(self, call: ProposeCall, sequence, context: list[int],
+                       token_ids: list[int]) -> list[int]:
+        """The proposal's longest prefix the request's grammar allows after the context."""
+        if self.grammar_tokenizer is None:
+            return []
+        matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
+        output = context[call.prompt_len:]
+        if matcher.follow(output) < len(output):
+            return []
+        return token_ids[:matcher.matcher.validate_tokens(token_ids)]

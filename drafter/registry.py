@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from engine.checkpoint import Checkpoint, check_same_tokenizer, check_vocabularies
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
+from speculative.grammar import grammar_tokenizer_at
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
                         max_cached_requests=spec.max_cached_requests,
                         max_cached_tokens=spec.max_cached_tokens,
                         session_ttl_s=spec.session_ttl_s, engine=spec.engine,
-                        kv_cache_tokens=spec.kv_cache_tokens)
+                        kv_cache_tokens=spec.kv_cache_tokens,
+                        grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
 
 
 def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):
@@ -70,7 +72,8 @@ def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):
     return NgramDrafter(target.vocab_size, min_ngram=spec.ngram_min, max_ngram=spec.ngram_max,
                         max_cached_requests=spec.max_cached_requests,
                         max_cached_tokens=spec.max_cached_tokens,
-                        session_ttl_s=spec.session_ttl_s)
+                        session_ttl_s=spec.session_ttl_s,
+                        grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
 
 
 DRAFTERS: dict[str, DrafterKind] = {

@@ -47,6 +47,7 @@ class Sequence:
         self.cache: DynamicCache | None = None
         self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
         self.unfinished = None  # the call whose feed was cut (chunked prefill), to resume
+        self.constraint = None  # a structured output's matcher (speculative.grammar)
 
     def apply(self, sync: PrefixSync) -> None:
         """Advance to the committed prefix the call names, or raise StaleBase."""

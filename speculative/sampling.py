@@ -28,6 +28,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs; n >= 0: each output token's logprob and its position's top n
     logprobs: int | None = None
+    # structured output: llguidance's grammar text the output follows (speculative.grammar)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         errors = []

@@ -112,6 +112,20 @@ def word_tokenizer(words: list[str], pre_tokenizer, decoder, cleanup: bool = Fal
                                    unk_token="<unk>", clean_up_tokenization_spaces=cleanup)
 
 
+def char_tokenizer(letters: str):
+    """One token per (ASCII) letter, ids 2.. after <eos> 0 and <unk> 1, byte-level as GPT-2's
+    (what llguidance reads), for grammars over a tiny vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<eos>", "<unk>", *letters])}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
 def rewriting_tokenizer():
     """Decoding a longer sequence rewrites earlier text: transformers' cleanup of the whole
     text turns "it '" into "it's" once an "s" follows (" ' " -> "'")."""

@@ -8,6 +8,7 @@ import torch
 from engine.batch import UNFINISHED, forward_packed
 from engine.kv import SessionStore, admitted
 from engine.lean import serving_engine
+from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import logits_to_probs, penalize, sample_rows, seeded_generator
 from speculative.types import (
@@ -35,8 +36,11 @@ class ModelVerifier:
     def __init__(self, model, *, max_cached_requests: int = 256,
                  max_cached_tokens: int | None = None, session_ttl_s: float | None = None,
                  engine: str = "auto", kv_cache_tokens: int | None = None,
-                 max_batch_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, grammar_tokenizer=None) -> None:
+        """grammar_tokenizer: llguidance's tokenizer (speculative.grammar.ll_tokenizer), for
+        structured outputs; without it a call with a grammar is refused."""
         self.model = serving_engine(model, engine, kv_cache_tokens, max_cached_requests)
+        self.grammar_tokenizer = grammar_tokenizer
         self.max_batch_tokens = max_batch_tokens  # per forward; None: no chunked prefill
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
@@ -89,14 +93,24 @@ class ModelVerifier:
                              f"{self.max_positions} (max_position_embeddings)")
         sequence = self.sessions.resume(call.request_id, call) or \
             self.sessions.apply(call.request_id, call.sync)
+        allowed = self.allowed(call, sequence, drafted)  # before the cache is touched
         segment = sequence.segment(self.model, drafted, len(drafted) + 1, limit)
         sequence.unfinished = call if segment.num_logits == 0 else None
-        return segment, (draft_probs, penalty_history(call, sequence.committed))
+        return segment, (draft_probs, penalty_history(call, sequence.committed), allowed)
+
+    def allowed(self, call: ScoreCall, sequence, drafted: list[int]) -> torch.Tensor | None:
+        """[K + 1, V] bool: what the request's grammar allows at each position, or None."""
+        if call.sampling.grammar is None:
+            return None
+        matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
+        return matcher.masks(sequence.committed[call.prompt_len:], drafted,
+                             self.model.config.vocab_size, self.model.device)
 
     def finish(self, call: ScoreCall, logits: torch.Tensor, extra) -> TargetScores:
         """logits: [K + 1, V] of the call's drafted positions and the one after them."""
-        draft_probs, history = extra
+        draft_probs, history, allowed = extra
         drafted, raw = list(call.draft_token_ids), logits
+        logits = masked(logits, allowed)
         if history is not None:  # row i counts the tokens drafted before it
             logits = penalize(logits, call.sampling, *history, drafted)
         if call.sampling.greedy:

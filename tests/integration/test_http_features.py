@@ -86,3 +86,89 @@ def test_bad_logprobs_get_400(cluster, body):
     response = cluster.post(path, body)
     assert response.status_code == 400, response.text
     assert "logprobs" in response.json()["error"]["param"]
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "size": {"type": "integer"}},
+          "required": ["name", "size"], "additionalProperties": False}
+REGEX = r"def [a-z_]{1,12}\(self\):"
+CHOICES = ["import os", "import sys", "from typing import List"]
+CONSTRAINED = {
+    "json_schema": {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "item", "schema": SCHEMA}}},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "regex": {"extra_body": {"structured_outputs": {"regex": REGEX}}},
+    "choice": {"extra_body": {"structured_outputs": {"choice": CHOICES}}},
+}
+
+
+def follows(name: str, text: str) -> bool:
+    import json
+    import re
+
+    import jsonschema
+
+    if name.startswith("json"):
+        value = json.loads(text)
+        jsonschema.validate(value, SCHEMA if name == "json_schema" else {"type": "object"})
+        return True
+    if name == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    return text in CHOICES
+
+
+def constrained_chat(client, name: str, speculation: dict, **fields):
+    request = dict(CONSTRAINED[name])
+    extra = {**request.pop("extra_body", {}), **speculation}
+    return client.chat.completions.create(
+        model="specserve-demo", messages=[{"role": "user", "content": "One item, please."}],
+        max_tokens=64, extra_body=extra, **request, **fields)
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINED))
+def test_constrained_greedy_follows_its_constraint_and_equals_the_target_alone(client, name):
+    """(Any JSON object may run past max_tokens: the demo target writes one long key, and
+    the output ends with finish_reason "length", as OpenAI's does.)"""
+    alone = constrained_chat(client, name, {"num_speculative_tokens": 0}, temperature=0)
+    text = alone.choices[0].message.content
+    if name != "json_object":
+        assert alone.choices[0].finish_reason == "stop" and follows(name, text), text
+    for label, speculation in SPECULATION.items():
+        spec = constrained_chat(client, name, speculation, temperature=0)
+        assert spec.choices[0].message.content == text, (name, label)
+
+
+@pytest.mark.slow
+def test_sampled_output_under_a_regex_matches_the_target_alones(cluster):
+    """Two samples at T = 1, speculative (K = 3) and the target alone, of the output under
+    a regex whose words span several tokens: one law (two-sample chi-square at a
+    false-failure rate of 1e-6, 20 seeded requests of n = 16 each)."""
+    from tests.stats.chisq import two_sample_chi_square
+
+    samples = []
+    for k, seed in ((0, 0), (3, 10_000)):
+        bodies = [{"prompt": "# pick one\n", "max_tokens": 16, "temperature": 1.0, "n": 16,
+                   "seed": seed + i, "num_speculative_tokens": k,
+                   "structured_outputs": {"regex": "(import|from) (os|sys|json|typing)"}}
+                  for i in range(20)]
+        counts: dict[str, int] = {}
+        for response in cluster.post_many("/v1/completions", bodies):
+            assert response.status_code == 200, response.text
+            for choice in response.json()["choices"]:
+                counts[choice["text"]] = counts.get(choice["text"], 0) + 1
+        samples.append(counts)
+    statistic, threshold, df = two_sample_chi_square(*samples, 1e-6)
+    assert len(samples[0]) > 1 and statistic < threshold, (samples, statistic, threshold, df)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format.json_schema"),
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+])
+def test_constraints_that_cannot_compile_get_400_naming_the_field(cluster, body, field):
+    response = cluster.post("/v1/completions", {"prompt": "x", **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field

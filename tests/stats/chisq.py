@@ -53,3 +53,21 @@ def conditional_chi_square(counts, conditional_probs, false_failure: float):
     statistic = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     df = max(1, int(keep.sum()) - observed_groups)
     return statistic, float(stats.chi2.isf(false_failure, df)), df
+
+
+def two_sample_chi_square(first: dict, second: dict, false_failure: float):
+    """(statistic, threshold, df) of two samples of outcomes ({outcome: count}) drawn from
+    one law: the 2 x C contingency test, outcomes with fewer than 5 expected in either
+    sample pooled into one."""
+    outcomes = sorted(set(first) | set(second), key=str)
+    table = np.array([[first.get(o, 0) for o in outcomes], [second.get(o, 0) for o in outcomes]],
+                     dtype=float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    small = (expected < 5).any(0)
+    if small.any():
+        table = np.column_stack([table[:, ~small], table[:, small].sum(1)])
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 0.0, float("inf"), 0
+    statistic, _, df, _ = stats.chi2_contingency(table, correction=False)
+    return float(statistic), float(stats.chi2.isf(false_failure, df)), int(df)

@@ -16,10 +16,17 @@ from speculative.sampling import SamplingParams, logits_to_probs, penalize
 @torch.no_grad()
 def next_probs(model, prefix: list[int], params: SamplingParams, prompt_len: int) -> np.ndarray:
     """The next token's law after prefix, whose first prompt_len tokens are the prompt (the
-    rest is output, which penalties count)."""
+    rest is output, which penalties count, and a grammar follows: ALLOWED)."""
     logits = model(input_ids=torch.tensor([prefix])).logits[0, -1]
+    if params.grammar is not None:
+        logits = logits.masked_fill(~ALLOWED[0](params.grammar, prefix[prompt_len:]),
+                                    float("-inf"))
     logits = penalize(logits[None], params, prefix[:prompt_len], prefix[prompt_len:])[0]
     return logits_to_probs(logits, params).numpy()
+
+
+# allowed(grammar, output) -> [V] bool, for laws under a grammar (set by the tests using them)
+ALLOWED: list = [None]
 
 
 def sequence_law(model, prompt: list[int], params: SamplingParams, length: int,

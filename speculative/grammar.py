@@ -1,0 +1,173 @@
+"""Structured outputs: a grammar the output must follow, through llguidance.
+
+The law of a constrained request is the target's distribution masked to the tokens the
+grammar allows after the output so far, renormalised (greedy: the argmax among them), as in
+vLLM. Under speculation every party masks by the same rule: the drafter masks q along its
+own draft, the verifier masks p at each drafted position given the tokens drafted before
+it, and a router-side drafter drops proposals the grammar forbids. Each keeps a matcher per
+request that follows the committed output and rolls back whatever a round did not commit,
+so a rebuild, a fallback or a pre-draft only moves it to another prefix.
+
+Grammars travel as llguidance's own grammar text (what `LLMatcher.grammar_from_*`
+returns); `compile_spec` builds it from the API's fields and says which field is wrong.
+"""
+
+import json
+import re
+
+import torch
+
+MAX_GRAMMAR_CHARS = 64 * 1024
+# JSON laid out on one line with single spaces: with whitespace left free (llguidance's
+# default), a small model spends its max_tokens on newlines inside the object; a schema's own
+# "x-guidance" options override this
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot compile; `field` names the request field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def llguidance():
+    import llguidance as module
+
+    return module
+
+
+def grammar_text(kind: str, spec) -> str:
+    """llguidance's grammar for a json schema (dict or text), a regex, a list of choices or a
+    Lark grammar; raises GrammarError(kind) for a spec of the wrong shape."""
+    matcher = llguidance().LLMatcher
+    if kind == "json":
+        try:
+            schema = json.loads(spec) if isinstance(spec, str) else spec
+            return matcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        except (ValueError, TypeError) as error:
+            raise GrammarError(kind, f"not a JSON schema: {error}") from None
+    if kind == "regex" and isinstance(spec, str):
+        return matcher.grammar_from_regex(spec)
+    if kind == "choice" and isinstance(spec, list) and spec and \
+            all(isinstance(c, str) and c for c in spec):
+        return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
+    if kind == "grammar" and isinstance(spec, str):
+        return matcher.grammar_from_lark(spec)
+    raise GrammarError(kind, "has the wrong type")
+
+
+def compile_spec(kind: str, spec, tokenizer) -> str:
+    """The checked grammar text; GrammarError(kind) when it cannot compile for `tokenizer`
+    (an llguidance LLTokenizer)."""
+    text = grammar_text(kind, spec)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(kind, f"compiles to more than {MAX_GRAMMAR_CHARS} characters")
+    problem = llguidance().LLMatcher.validate_grammar(text, tokenizer)
+    if problem:
+        raise GrammarError(kind, problem.strip().splitlines()[0])
+    return text
+
+
+def ll_tokenizer(hf_tokenizer, vocab_size: int):
+    """llguidance's view of a Hugging Face tokenizer, over the model's vocabulary (ids the
+    tokenizer lacks are never allowed)."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+
+def grammar_tokenizer_at(path: str, vocab_size: int):
+    """ll_tokenizer of the checkpoint at path, or None when it has none llguidance reads
+    (its pool then refuses grammars)."""
+    from engine.models import load_tokenizer
+
+    try:
+        return grammar_tokenizer_or_none(load_tokenizer(path), vocab_size)
+    except (OSError, ValueError):
+        return None
+
+
+def grammar_tokenizer_or_none(hf_tokenizer, vocab_size: int):
+    """ll_tokenizer, or None for a tokenizer llguidance cannot read (a slow one, or a decoder
+    it does not know, such as WordPiece's)."""
+    try:
+        return ll_tokenizer(hf_tokenizer, vocab_size)
+    except ValueError:
+        return None
+
+
+class TokenMasks:
+    """One request's matcher: follows its output (`follow`) and gives the allowed tokens of
+    the next positions of a block (`masks`), or of one position at a time (`next_mask`,
+    `advance`) for a drafter drawing token by token."""
+
+    def __init__(self, tokenizer, grammar: str) -> None:
+        self.grammar = grammar
+        self.matcher = llguidance().LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"grammar does not compile: {self.matcher.get_error()}")
+        self.consumed: list[int] = []
+
+    def follow(self, output: list[int]) -> int:
+        """Move to `output` (rolling back what it does not share); returns how many of its
+        tokens the grammar allows (len(output) when all)."""
+        shared = 0
+        for mine, theirs in zip(self.consumed, output):
+            if mine != theirs:
+                break
+            shared += 1
+        if shared < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - shared)
+            del self.consumed[shared:]
+        return shared + self.advance(output[shared:])
+
+    def advance(self, tokens: list[int]) -> int:
+        """Consume the allowed prefix of tokens; returns its length."""
+        taken = self.matcher.try_consume_tokens(list(tokens)) if tokens else 0
+        self.consumed.extend(tokens[:taken])
+        return taken
+
+    def next_mask(self, vocab_size: int, device=None) -> torch.Tensor:
+        """[vocab_size] bool: the tokens allowed at the next position."""
+        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()),
+                                   dtype=torch.uint8)[:vocab_size] > 0
+        if allowed.shape[0] < vocab_size:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[0]))
+        return allowed.to(device)
+
+    def masks(self, output: list[int], drafted: list[int], vocab_size: int,
+              device=None) -> torch.Tensor:
+        """[len(drafted) + 1, vocab_size] bool: row i allows what may follow output plus
+        drafted[:i]. Past a drafted token the grammar forbids, the rows repeat the last
+        reachable one (those positions are never committed: that token is rejected)."""
+        if self.follow(output) < len(output):
+            raise ValueError("the committed output breaks the request's grammar")
+        rows = [self.next_mask(vocab_size, device)]
+        for token in drafted:
+            if self.advance([token]) == 0:
+                rows += [rows[-1]] * (len(drafted) + 1 - len(rows))
+                break
+            rows.append(self.next_mask(vocab_size, device))
+        return torch.stack(rows)
+
+
+def request_matcher(holder, grammar: str, tokenizer) -> TokenMasks:
+    """The matcher a pool keeps on a request's sequence (`holder.constraint`): a new one
+    when the grammar is new to it."""
+    if tokenizer is None:
+        raise ValueError("this pool has no tokenizer for grammars (structured outputs)")
+    current = getattr(holder, "constraint", None)
+    if current is None or current.grammar != grammar:
+        current = holder.constraint = TokenMasks(tokenizer, grammar)
+    return current
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """logits with the disallowed tokens at -inf; a row allowing nothing (a grammar with no
+    way on, not even the end token) is left whole rather than turned into NaNs."""
+    if allowed is None:
+        return logits
+    allowed = allowed | ~allowed.any(-1, keepdim=True)
+    return logits.masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,109 @@
+"""Structured outputs exact under speculation, on the demo pair and its tokenizer.
+
+Greedy output under a JSON schema, a regex, a choice, a Lark grammar and any JSON object
+equals a reference written here (the target alone, the whole sequence forwarded each step,
+the argmax among the tokens a fresh llguidance matcher allows), for K = 0, fixed K, auto K,
+pipelined drafting and the n-gram drafter; and it follows its constraint.
+"""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from drafter.model import ModelDrafter
+from drafter.ngram import NgramDrafter
+from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
+from speculative.driver import text_decoder
+from speculative.grammar import GrammarError, TokenMasks, compile_spec, ll_tokenizer
+from speculative.sampling import SamplingParams
+from tests.tiny import run
+from verifier.engine import ModelVerifier
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "size": {"type": "integer"}},
+          "required": ["name", "size"], "additionalProperties": False}
+SPECS = {
+    "json": ("json", SCHEMA),
+    "json_object": ("json", {"type": "object"}),
+    "regex": ("regex", r"def [a-z_]{1,12}\(self(, [a-z]{1,8}){0,2}\):"),
+    "choice": ("choice", ["import os", "import sys", "from typing import List"]),
+    "grammar": ("grammar", 'start: "x = " SUM\nSUM: /[0-9]{1,3}( \\+ [0-9]{1,3}){0,3}/'),
+}
+PROMPT = "# settings\n"
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def demo():
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    target = load_causal_lm(DEMO_TARGET)
+    vocab = target.config.vocab_size
+    return tokenizer, target, load_causal_lm(DEMO_DRAFT), ll_tokenizer(tokenizer, vocab)
+
+
+def reference(target, ll, grammar: str, prompt: list[int], eos: int) -> list[int]:
+    """Masked greedy decoding written out: a fresh matcher, a full forward per token."""
+    matcher, output = TokenMasks(ll, grammar), []
+    with torch.no_grad():
+        while len(output) < MAX_TOKENS:
+            logits = target(input_ids=torch.tensor([prompt + output])).logits[0, -1]
+            allowed = matcher.next_mask(logits.shape[-1])
+            token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+            output.append(token)
+            if token == eos:
+                break
+            assert matcher.advance([token]) == 1
+    return output
+
+
+def follows(name: str, text: str) -> bool:
+    kind, spec = SPECS[name]
+    if kind == "json":
+        jsonschema.validate(json.loads(text), spec)
+        return True
+    if kind == "regex":
+        return re.fullmatch(spec, text) is not None
+    if kind == "choice":
+        return text in spec
+    return re.fullmatch(r"x = [0-9]{1,3}( \+ [0-9]{1,3}){0,3}", text) is not None
+
+
+CASES = [("model", 3, False), ("model", "auto", False), ("model", 2, True),
+         ("ngram", 3, False)]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_constrained_greedy_equals_the_masked_target_alone(demo, name):
+    tokenizer, target, draft, ll = demo
+    grammar = compile_spec(*SPECS[name], ll)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, grammar=grammar)
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    expected = reference(target, ll, grammar, prompt, eos)
+    if name != "json_object":  # any object may go on past MAX_TOKENS (this one does)
+        assert expected[-1] == eos, "the grammar did not finish within MAX_TOKENS"
+        assert follows(name, text_decoder(tokenizer)(expected[:-1]))
+    verifier = ModelVerifier(target, grammar_tokenizer=ll)
+    drafters = {"model": ModelDrafter(draft, vocab_size=target.config.vocab_size,
+                                      grammar_tokenizer=ll),
+                "ngram": NgramDrafter(target.config.vocab_size, grammar_tokenizer=ll)}
+    drafted = 0
+    for i, (kind, k, pipelined) in enumerate([("model", 0, False), *CASES]):
+        out, state = run(drafters[kind], verifier, prompt, params, k, request_id=f"r{i}",
+                         stop=(eos,), pipelined=pipelined)
+        assert out == expected, (name, kind, k, pipelined)
+        drafted += state.stats.num_draft_tokens
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("kind, spec, field", [
+    ("json", "{not json", "json"), ("json", {"type": "nonsense"}, "json"),
+    ("regex", "[0-9", "regex"), ("choice", [], "choice"), ("choice", "one", "choice"),
+    ("grammar", "start: undefined_rule", "grammar")])
+def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
+    with pytest.raises(GrammarError) as refused:
+        compile_spec(kind, spec, demo[3])
+    assert refused.value.field == field
