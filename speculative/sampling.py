@@ -224,8 +224,8 @@ def draft_law(weights: torch.Tensor) -> torch.Tensor:
     """
     weights = weights.float()
     totals = weights.sum(-1, keepdim=True)
-    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) \
-            or bool((totals <= 0).any()):
+    valid = torch.isfinite(weights).all() & (weights >= 0).all() & (totals > 0).all()
+    if not bool(valid):  # one host sync for the three checks
         raise ValueError("draft_probs must be finite, non-negative, with a positive sum per row")
     return weights / totals
 

@@ -38,9 +38,9 @@ class Cluster:
     def post(self, path: str, body: dict, timeout: float = 120) -> requests.Response:
         return requests.post(self.base_url + path, json=body, timeout=timeout)
 
-    def post_many(self, path: str, bodies: list[dict], at_once: int = 3) -> list:
+    def post_many(self, path: str, bodies: list[dict], at_once: int = 4) -> list:
         """Each body's response, `at_once` requests in flight (their choices share the
-        pools' batches; 3 x n 16 stays within a router's 64 running slots)."""
+        pools' batches; 4 x n 16 fills a router's 64 running slots)."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(at_once) as pool:

@@ -172,3 +172,14 @@ def test_constraints_that_cannot_compile_get_400_naming_the_field(cluster, body,
     response = cluster.post("/v1/completions", {"prompt": "x", **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
+
+
+def test_streamed_logprobs_arrive_on_the_final_chunk(client):
+    fields = dict(model="specserve-demo", prompt="import os\n", max_tokens=16, temperature=0,
+                  logprobs=2)
+    plain = client.completions.create(**fields).choices[0].logprobs
+    chunks = [chunk.choices[0] for chunk in client.completions.create(stream=True, **fields)
+              if chunk.choices and chunk.choices[0].logprobs is not None]
+    assert len(chunks) == 1 and chunks[0].finish_reason is not None
+    assert chunks[0].logprobs.tokens == plain.tokens
+    assert chunks[0].logprobs.token_logprobs == pytest.approx(plain.token_logprobs, abs=1e-3)

@@ -1,8 +1,9 @@
 """The target's law through the real engines in the configurations the other law tests do not
-reach: the seeded default K = 4, an adaptive K ("auto"), caches rebuilt mid-request, a
-pipelined drafter whose pre-drafts fail, a padded draft vocabulary at K = 3, and a draft equal to the
-target (every window ends in a bonus token). Same pair, window and
-exact law as tests/stats/test_pipelined_distribution.py (the three tokens after the first,
+reach: the seeded default K = 4 (in batches that requests join and leave), an adaptive K
+("auto"), caches rebuilt mid-request, a pipelined drafter whose pre-drafts fail, a padded
+draft vocabulary at K = 3, and a draft equal to the target (every window ends in a bonus
+token). Every case decodes its requests 100 at a time through batched pools. Same pair,
+window and exact law as tests/stats/test_pipelined_distribution.py (the three tokens after the first,
 whose law is computed from the target's forwards); chi-square at a false-failure rate of 1e-6
 per case, samples seeded.
 
@@ -136,12 +137,17 @@ def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray,
         if exact_law is not None and (i + 1) % CHUNK == 0 and not chi2_passes(counts,
                                                                                 exact_law)[0]:
             break
+    totals["batches"] = getattr(verifier, "batch_sizes", [])  # calls per verify forward
     return counts, totals
 
 
 def what_ran(case: str, totals: dict) -> bool:
     """Whether the case's own path really ran (else the law check proves nothing of it)."""
-    ran = {"K4": 4 in totals["ks"], "auto": len(totals["ks"] - {0}) > 1,
+    # K4 also shows requests joining and leaving the verifier's batches (they end at
+    # different rounds): the logits-of-a-batch-mate mutant is what that path can get wrong
+    batches = totals["batches"]
+    ran = {"K4": 4 in totals["ks"] and max(batches) >= 16 and min(batches) < max(batches),
+           "auto": len(totals["ks"] - {0}) > 1,
            "rebuilds": totals["misses"] > SAMPLES / 2,
            "pipelined-fallback": totals["fallbacks"] > SAMPLES / 20
            and totals["pipelined"] > SAMPLES / 20,
@@ -177,25 +183,43 @@ async def rebuild_from_a_shorter_prefix(self, view, call):
     return await real_call_pool(self, view, shortened)
 
 
-MUTANTS = {  # case: (mutant name, patch)
-    "K4": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch", q_shifted_by_one)),
-    "auto": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
+real_forward_packed = verifier_engine.forward_packed
+
+
+def logits_of_a_batch_mate(model, segments):
+    """Mutant of the verifier's batched forward: each call gets the logits of the next call
+    in its batch with as many positions."""
+    out = real_forward_packed(model, segments)
+    by_shape: dict[int, list[int]] = {}
+    for index, rows in enumerate(out):
+        by_shape.setdefault(rows.shape[0], []).append(index)
+    swapped = list(out)
+    for indices in by_shape.values():
+        for a, b in zip(indices, indices[1:] + indices[:1]):
+            swapped[a] = out[b]
+    return swapped
+
+
+MUTANTS = [  # (case, mutant name, patch)
+    ("K4", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch", q_shifted_by_one)),
+    ("K4", "logits-of-a-batch-mate", lambda mp: mp.setattr(
+        verifier_engine, "forward_packed", logits_of_a_batch_mate)),
+    ("auto", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
                                                 q_shifted_by_one)),
-    "rebuilds": ("rebuild-drops-a-token", lambda mp: mp.setattr(
+    ("rebuilds", "rebuild-drops-a-token", lambda mp: mp.setattr(
         loop.RequestState, "call_pool", rebuild_from_a_shorter_prefix)),
-    "pipelined-fallback": ("predraft-untested", lambda mp: mp.setattr(
+    ("pipelined-fallback", "predraft-untested", lambda mp: mp.setattr(
         loop, "continue_with_predraft", predraft_accepted_without_its_test)),
-    "padded-K3": ("q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
+    ("padded-K3", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
                                                      q_shifted_by_one)),
-    "bonus": ("bonus-from-p_K", lambda mp: mp.setattr(
+    ("bonus", "bonus-from-p_K", lambda mp: mp.setattr(
         verifier_engine, "draw_recovered_and_bonus", bonus_from_last_drafted_position)),
-}
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(MUTANTS))
-def test_each_case_catches_its_mutant(target, draft, exact_law, monkeypatch, case):
-    name, patch = MUTANTS[case]
+@pytest.mark.parametrize("case, name, patch", MUTANTS, ids=[f"{c}-{n}" for c, n, _ in MUTANTS])
+def test_each_case_catches_its_mutant(target, draft, exact_law, monkeypatch, case, name, patch):
     patch(monkeypatch)
     counts, _ = sample_counts(case, target, draft, exact_law)
     passes, message = chi2_passes(counts, exact_law)
