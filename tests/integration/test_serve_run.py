@@ -1,5 +1,6 @@
 """The main job: `serve run cluster/config.yaml` from the repository root, as a user runs it."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,25 @@ import requests
 import yaml
 
 from tests.integration.conftest import ROOT, load_config, on_free_ports
+
+
+def openai_features_work(base_url: str) -> None:
+    """Through the official client, what test_http_features checks at length: a choice
+    under a JSON schema with logprobs, greedy, equal with speculation on and off."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}
+    answers = [client.chat.completions.create(
+        model="specserve-demo", messages=[{"role": "user", "content": "A name."}],
+        max_tokens=32, temperature=0, logprobs=True, top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        extra_body={"num_speculative_tokens": k}).choices[0] for k in (0, 4)]
+    assert answers[0].message.content == answers[1].message.content
+    assert json.loads(answers[0].message.content).keys() == {"name"}
+    assert [e.token for e in answers[0].logprobs.content] == \
+        [e.token for e in answers[1].logprobs.content]
 
 
 @pytest.mark.slow
@@ -52,6 +72,7 @@ def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
             for prompt in NEWCOMER_PROMPTS]
         print(f"mean K of the first four requests: {mean_ks}")
         assert sum(mean_ks) / len(mean_ks) >= 1.5, mean_ks
+        openai_features_work(f"http://127.0.0.1:{http_port}/v1")
         process.send_signal(signal.SIGTERM)
         stopping = time.monotonic()
         returncode = process.wait(GRACEFUL_S)  # raises if it does not stop by itself
