@@ -107,3 +107,30 @@ def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
     with pytest.raises(GrammarError) as refused:
         compile_spec(kind, spec, demo[3])
     assert refused.value.field == field
+
+
+def test_grammars_survive_rebuilds_and_drafter_failures(demo):
+    """Both pools lose the request's cache (and its matcher) before half their calls, and
+    the drafter fails a third of its calls after advancing: the output still equals the
+    masked target alone's."""
+    import random
+
+    from tests.stats.test_engine_laws import Forgetful
+    from tests.unit.test_draft_fallback import Flaky
+
+    tokenizer, target, draft, ll = demo
+    grammar = compile_spec(*SPECS["json"], ll)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, grammar=grammar)
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    expected = reference(target, ll, grammar, prompt, eos)
+    rng = random.Random(4)
+    drafter = Flaky(Forgetful(ModelDrafter(draft, vocab_size=target.config.vocab_size,
+                                           grammar_tokenizer=ll), seed=1),
+                    lambda n: rng.random() < 0.3, after=True)
+    verifier = Forgetful(ModelVerifier(target, grammar_tokenizer=ll), seed=2)
+    for pipelined in (False, True):
+        out, state = run(drafter, verifier, prompt, params, 3, request_id=f"p{pipelined}",
+                         stop=(eos,), pipelined=pipelined)
+        assert out == expected, pipelined
+        assert state.stats.cache_misses > 0 and state.stats.draft_fallback_rounds > 0
