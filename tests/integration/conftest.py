@@ -38,9 +38,11 @@ class Cluster:
     def post(self, path: str, body: dict, timeout: float = 120) -> requests.Response:
         return requests.post(self.base_url + path, json=body, timeout=timeout)
 
-    def post_many(self, path: str, bodies: list[dict], at_once: int = 4) -> list:
+    def post_many(self, path: str, bodies: list[dict], at_once: int = 3) -> list:
         """Each body's response, `at_once` requests in flight (their choices share the
-        pools' batches; 4 x n 16 fills a router's 64 running slots)."""
+        pools' batches). 3 x n 16 stays below a pool replica's 64 direct calls in flight
+        (twice its max_batch_size 32): at 4 x 16, releases on top of 64 streams made the
+        verifier answer RESOURCE_EXHAUSTED, which the router turns into a 429."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(at_once) as pool:
