@@ -336,14 +336,15 @@ class DrafterPool(PoolReplica):
 class VerifierPool(PoolReplica):
     async def __init__(self, args: VerifierArgs) -> None:
         torch.set_num_threads(args.torch_threads)
-        self.engine = ModelVerifier(load_causal_lm(args.model, args.dtype, args.device),
+        model = load_causal_lm(args.model, args.dtype, args.device)
+        self.engine = ModelVerifier(model,
                                     max_cached_requests=args.max_cached_requests,
                                     max_cached_tokens=args.max_cached_tokens,
                                     session_ttl_s=args.session_ttl_s, engine=args.engine,
                                     kv_cache_tokens=args.kv_cache_tokens,
-                                    max_batch_tokens=args.max_batch_tokens)
-        self.engine.grammar_tokenizer = grammar_tokenizer_at(
-            args.model, self.engine.model.config.vocab_size)
+                                    max_batch_tokens=args.max_batch_tokens,
+                                    grammar_tokenizer=grammar_tokenizer_at(
+                                        args.model, model.config.vocab_size))
         config = self.engine.model.config
         limits = wire.Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,

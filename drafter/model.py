@@ -8,7 +8,7 @@ import torch
 from engine.batch import forward_packed
 from engine.kv import Sequence, SessionStore, admitted
 from engine.lean import serving_engine
-from speculative.grammar import TokenMasks, masked, request_matcher
+from speculative.grammar import TokenMasks, masked, matcher_after
 from speculative.sampling import (
     fit_vocab,
     kept_entries,
@@ -165,14 +165,12 @@ class ModelDrafter:
             room = self.max_positions + 1 - len(sequence.committed) - len(assumed)
             num_tokens = max(0, min(num_tokens, room))
         matcher = None
-        if call.sampling.grammar is not None:
-            if self.grammar_tokenizer is None:
+        if call.sampling.grammar is not None:  # follows the output and the assumed tokens
+            if self.grammar_tokenizer is not None:
+                matcher = matcher_after(sequence, call.sampling.grammar, self.grammar_tokenizer,
+                                        sequence.committed[call.prompt_len:] + assumed)
+            if matcher is None:
                 num_tokens = 0
-            else:  # follows the output and the tokens assumed after it
-                matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
-                output = sequence.committed[call.prompt_len:] + assumed
-                if matcher.follow(output) < len(output):
-                    num_tokens = 0  # an assumed token the grammar forbids: it will be rejected
         return Draft(call, sequence, assumed, num_tokens,
                      seeded_generator(call.seed, self.model.device), matcher=matcher)
 
@@ -183,7 +181,8 @@ class ModelDrafter:
         if not rows:
             return {}
         last = fit_vocab(torch.stack([logits[row][0] for row in rows]), self.vocab_size)
-        last = torch.stack([drafts[row].processed(line) for row, line in zip(rows, last)])
+        if any(drafts[row].shaped for row in rows):  # masks or penalties: row by row
+            last = torch.stack([drafts[row].processed(line) for row, line in zip(rows, last)])
         return dict(zip(rows, last.argmax(-1).tolist()))  # [greedy drafts, V] -> ids
 
     def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
@@ -221,6 +220,11 @@ class Draft:
         self.token_ids.append(token)
         if self.matcher is not None:
             self.matcher.advance([token])
+
+    @property
+    def shaped(self) -> bool:
+        """Whether a grammar or penalties change this draft's logits."""
+        return self.matcher is not None or self.call.sampling.penalized
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
         """[V] logits of the block's next position under the request's grammar and

@@ -8,7 +8,7 @@ which keeps the output exactly the target's.
 import torch
 
 from engine.kv import SessionStore
-from speculative.grammar import request_matcher
+from speculative.grammar import matcher_after
 from speculative.types import (
     DraftBlock,
     DraftDists,
@@ -86,10 +86,6 @@ class NgramDrafter:
     def allowed_prefix(self, call: ProposeCall, sequence, context: list[int],
                        token_ids: list[int]) -> list[int]:
         """The proposal's longest prefix the request's grammar allows after the context."""
-        if self.grammar_tokenizer is None:
-            return []
-        matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
-        output = context[call.prompt_len:]
-        if matcher.follow(output) < len(output):
-            return []
-        return token_ids[:matcher.matcher.validate_tokens(token_ids)]
+        matcher = None if self.grammar_tokenizer is None else matcher_after(
+            sequence, call.sampling.grammar, self.grammar_tokenizer, context[call.prompt_len:])
+        return [] if matcher is None else token_ids[:matcher.matcher.validate_tokens(token_ids)]

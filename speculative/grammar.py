@@ -164,6 +164,13 @@ def request_matcher(holder, grammar: str, tokenizer) -> TokenMasks:
     return current
 
 
+def matcher_after(holder, grammar: str, tokenizer, output: list[int]) -> TokenMasks | None:
+    """request_matcher moved to `output`, or None when the grammar forbids some of it (a
+    drafter then proposes nothing: a forbidden token it builds on will be rejected)."""
+    matcher = request_matcher(holder, grammar, tokenizer)
+    return matcher if matcher.follow(output) == len(output) else None
+
+
 def masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """logits with the disallowed tokens at -inf; a row allowing nothing (a grammar with no
     way on, not even the end token) is left whole rather than turned into NaNs."""

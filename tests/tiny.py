@@ -48,9 +48,16 @@ def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request
     k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies).
     """
     generation = Generation(Request(request_id, tuple(prompt), params, tuple(stop)), decode)
-    policy = k_policy(k, pipelined, params.greedy, KBounds(1, 8, initial=2))
-    asyncio.run(generation.run(drafter, verifier, policy, pipelined))
+    asyncio.run(decoded(drafter, verifier, generation, k, pipelined))
     return generation.token_ids, generation.state
+
+
+async def decoded(drafter, verifier, generation: Generation, k: int | str,
+                  pipelined: bool = False) -> Generation:
+    """The generation run to its end under a fixed K or "auto" (adaptive in 1..8)."""
+    greedy = generation.state.request.sampling.greedy
+    policy = k_policy(k, pipelined, greedy, KBounds(1, 8, initial=2))
+    return await generation.run(drafter, verifier, policy, pipelined)
 
 
 class Agreeing:
@@ -183,10 +190,8 @@ def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, 
     from dataclasses import replace
 
     async def one(i):
-        generation = Generation(Request(str(i), tuple(prompt), replace(params, seed=i), ()),
-                                None)
-        policy = k_policy(k, pipelined, params.greedy, KBounds(1, 8, initial=2))
-        await generation.run(drafter, verifier, policy, pipelined)
+        request = Request(str(i), tuple(prompt), replace(params, seed=i), ())
+        generation = await decoded(drafter, verifier, Generation(request), k, pipelined)
         return generation.token_ids, generation.state
 
     async def main(start):
@@ -205,10 +210,8 @@ def run_concurrently(drafter, verifier, prompts, params: SamplingParams, k: int 
     async def one(i, prompt):
         p = params if max_tokens is None else replace(params, max_tokens=max_tokens[i])
         p = replace(p, seed=(params.seed or 0) + i) if params.seed is not None else p
-        generation = Generation(Request(f"r{i}", tuple(prompt), p, ()), None)
-        policy = k_policy(k, pipelined, p.greedy, KBounds(1, 8, initial=2))
-        await generation.run(drafter, verifier, policy, pipelined)
-        return generation.token_ids
+        request = Request(f"r{i}", tuple(prompt), p, ())
+        return (await decoded(drafter, verifier, Generation(request), k, pipelined)).token_ids
 
     async def main():
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))

@@ -25,6 +25,7 @@ from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     VOCAB,
     chi2_passes,
     draft,
+    sample_counts,
     target,
 )
 from tests.tiny import Batched, char_tokenizer, run_seeded
@@ -33,7 +34,6 @@ from verifier.engine import ModelVerifier
 LETTERS = "abcdef"  # ids 2..7 (0 is the end token, 1 unknown)
 PROMPT = [2, 4, 3]  # "a c b"
 REGEX = "([ab][cd]){3,}"  # longer than max_tokens: the end token is never allowed
-CHUNK = 500
 
 
 @pytest.fixture(scope="module")
@@ -60,33 +60,21 @@ def masked_law(target, grammar) -> np.ndarray:
     return np.tensordot(first, law_after_first(target, PROMPT, params, 3), axes=1)
 
 
-def sample_counts(target, draft, grammar, pipelined: bool, stop_law=None):
-    ll, params = grammar
-    drafter = Batched(ModelDrafter(draft, draft_top_k=DRAFT_TOP_K, grammar_tokenizer=ll))
-    verifier = Batched(ModelVerifier(target, grammar_tokenizer=ll))
-    counts = np.zeros((VOCAB,) * 3)
-    totals = {"accepted": 0, "drafted": 0, "pipelined": 0}
-    for i, (out, state) in enumerate(run_seeded(drafter, verifier, PROMPT, params, K, SAMPLES,
-                                                pipelined)):
-        counts[tuple(out[1:4])] += 1
-        totals["accepted"] += state.stats.num_accepted_tokens
-        totals["drafted"] += state.stats.num_draft_tokens
-        totals["pipelined"] += state.stats.pipelined_rounds
-        if stop_law is not None and (i + 1) % CHUNK == 0 and not chi2_passes(counts,
-                                                                            stop_law)[0]:
-            break
-    return counts, totals
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
 def test_constrained_tokens_follow_the_masked_law(target, draft, grammar, masked_law,
                                                   pipelined):
-    counts, totals = sample_counts(target, draft, grammar, pipelined)
+    counts, totals = constrained_counts(target, draft, grammar, pipelined)
     passes, message = chi2_passes(counts, masked_law)
     assert passes, f"{message}: a correct implementation fails with probability 1e-6"
     assert 0 < totals["accepted"] < totals["drafted"]
-    assert (totals["pipelined"] > SAMPLES / 10) == pipelined
+    assert (totals["pipelined_rounds"] > SAMPLES / 10) == pipelined
+
+
+def constrained_counts(target, draft, grammar, pipelined: bool, stop_law=None):
+    ll, params = grammar
+    return sample_counts(target, draft, pipelined, stop_law=stop_law, params=params,
+                         prompt=PROMPT, grammar_tokenizer=ll)
 
 
 real_masks = TokenMasks.masks
@@ -105,7 +93,7 @@ def test_the_check_catches_masks_blind_to_drafted_tokens(target, draft, grammar,
     0), or the verifier's next call does (it refuses an output that breaks the grammar)."""
     monkeypatch.setattr(TokenMasks, "masks", masks_of_the_committed_output)
     try:
-        counts, _ = sample_counts(target, draft, grammar, pipelined=False, stop_law=masked_law)
+        counts, _ = constrained_counts(target, draft, grammar, False, stop_law=masked_law)
     except ValueError as error:
         assert "breaks the request's grammar" in str(error)
         return

@@ -13,26 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.model import ModelDrafter
 from speculative.sampling import SamplingParams, penalize
 from tests.stats.laws import law_after_first, sequence_law
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
-    DRAFT_TOP_K,
-    K,
     PROMPT,
     SAMPLES,
-    VOCAB,
     chi2_passes,
     draft,
+    sample_counts,
     target,
 )
-from tests.tiny import Batched, run_seeded
 from verifier import engine as verifier_engine
-from verifier.engine import ModelVerifier
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=5, presence_penalty=1.0,
                         frequency_penalty=0.5, repetition_penalty=1.3)
-CHUNK = 500  # a mutant's counts are checked after every CHUNK samples
 
 
 @pytest.fixture(scope="module")
@@ -41,31 +35,14 @@ def penalised_law(target) -> np.ndarray:
     return np.tensordot(first, law_after_first(target, PROMPT, PARAMS, 3), axes=1)
 
 
-def sample_counts(target, draft, pipelined: bool, stop_law=None) -> tuple[np.ndarray, dict]:
-    drafter = Batched(ModelDrafter(draft, draft_top_k=DRAFT_TOP_K))
-    verifier = Batched(ModelVerifier(target))
-    counts = np.zeros((VOCAB,) * 3)
-    totals = {"accepted": 0, "drafted": 0, "pipelined": 0}
-    for i, (out, state) in enumerate(run_seeded(drafter, verifier, PROMPT, PARAMS, K, SAMPLES,
-                                                pipelined)):
-        counts[tuple(out[1:4])] += 1
-        totals["accepted"] += state.stats.num_accepted_tokens
-        totals["drafted"] += state.stats.num_draft_tokens
-        totals["pipelined"] += state.stats.pipelined_rounds
-        if stop_law is not None and (i + 1) % CHUNK == 0 and not chi2_passes(counts,
-                                                                            stop_law)[0]:
-            break
-    return counts, totals
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
 def test_penalised_tokens_follow_the_penalised_law(target, draft, penalised_law, pipelined):
-    counts, totals = sample_counts(target, draft, pipelined)
+    counts, totals = sample_counts(target, draft, pipelined, params=PARAMS)
     passes, message = chi2_passes(counts, penalised_law)
     assert passes, f"{message}: a correct implementation fails with probability 1e-6"
     assert 0 < totals["accepted"] < totals["drafted"]
-    assert (totals["pipelined"] > SAMPLES / 10) == pipelined
+    assert (totals["pipelined_rounds"] > SAMPLES / 10) == pipelined
 
 
 def penalised_from_the_committed_only(logits, params, prompt, output, drafted=()):
@@ -78,6 +55,6 @@ def penalised_from_the_committed_only(logits, params, prompt, output, drafted=()
 def test_the_check_catches_penalties_blind_to_drafted_tokens(target, draft, penalised_law,
                                                              monkeypatch):
     monkeypatch.setattr(verifier_engine, "penalize", penalised_from_the_committed_only)
-    counts, _ = sample_counts(target, draft, pipelined=False, stop_law=penalised_law)
+    counts, _ = sample_counts(target, draft, False, stop_law=penalised_law, params=PARAMS)
     passes, message = chi2_passes(counts, penalised_law)
     assert not passes, f"the committed-only mutant passed: {message}"

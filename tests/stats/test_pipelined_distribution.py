@@ -53,15 +53,17 @@ def exact_law(target) -> np.ndarray:
 
 
 def sample_counts(target, draft, pipelined: bool, samples: int = SAMPLES,
-                  stop_law=None) -> tuple[np.ndarray, dict]:
-    """Counts of the window over `samples` seeded requests, decoded GROUP at a time through
+                  stop_law=None, params: SamplingParams = PARAMS, prompt: list[int] = PROMPT,
+                  grammar_tokenizer=None) -> tuple[np.ndarray, dict]:
+    """Counts of the window over `samples` seeded requests, decoded 100 at a time through
     batched pools; with stop_law, stops early once the counts fail the check against it (a
     mutant's run)."""
-    drafter = Batched(ModelDrafter(draft, draft_top_k=DRAFT_TOP_K))
-    verifier = Batched(ModelVerifier(target))
+    drafter = Batched(ModelDrafter(draft, draft_top_k=DRAFT_TOP_K,
+                                   grammar_tokenizer=grammar_tokenizer))
+    verifier = Batched(ModelVerifier(target, grammar_tokenizer=grammar_tokenizer))
     counts = np.zeros((VOCAB,) * 3)
     totals = {"accepted": 0, "drafted": 0, "pipelined_rounds": 0}
-    for i, (out, state) in enumerate(run_seeded(drafter, verifier, PROMPT, PARAMS, K, samples,
+    for i, (out, state) in enumerate(run_seeded(drafter, verifier, prompt, params, K, samples,
                                                 pipelined)):
         counts[tuple(out[1:4])] += 1
         totals["accepted"] += state.stats.num_accepted_tokens
