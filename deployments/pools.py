@@ -65,7 +65,8 @@ class PoolArgs(BaseModel):
     # request), "auto" (paged where the architecture allows)
     engine: Literal["auto", "paged", "transformers"] = "auto"
     # positions the paged KV pool holds (default: on a GPU its free memory less 10 %, on a
-    # CPU 262144, backed by memory only as blocks are used)
+    # CPU 30 % of the memory available at start, at most 262144 positions, backed by memory
+    # only as blocks are used; too little for one request at the model's context is an error)
     kv_cache_tokens: int | None = Field(default=None, ge=16)
     # calls that share one forward: those arriving while the model is busy join the next
     max_batch_size: int = Field(default=32, ge=1, le=1024)

@@ -17,7 +17,7 @@ transformers' own modeling through `engine.batch`.
 import torch
 import torch.nn.functional as F
 
-from engine.paged import BLOCK_SIZE, BlockPool, PagedCache, blocks_for, kv_budget_tokens
+from engine.paged import BLOCK_SIZE, BlockPool, PagedCache, kv_pool_blocks
 
 LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -335,7 +335,6 @@ def serving_engine(model, engine: str = "auto", kv_cache_tokens: int | None = No
             raise ValueError(f"engine paged: {reason}")
         return model
     if getattr(model, LEAN, None) is None:
-        tokens = kv_budget_tokens(model, kv_cache_tokens)
-        setattr(model, LEAN, LeanForward(
-            model, blocks_for(tokens, max_sequences, max_new_per_sequence)))
+        blocks = kv_pool_blocks(model, kv_cache_tokens, max_sequences, max_new_per_sequence)
+        setattr(model, LEAN, LeanForward(model, blocks))
     return model

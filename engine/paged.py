@@ -12,6 +12,7 @@ engine.lean's forward writes and reads these blocks.
 """
 
 import math
+import os
 
 import torch
 
@@ -103,8 +104,13 @@ def blocks_for(tokens: int, sequences: int, extra_per_sequence: int,
     return math.ceil(tokens / block_size) + sequences * per_sequence + 1
 
 
-CPU_KV_TOKENS = 262_144  # on a CPU, pages back only the blocks written (see BlockPool)
+CPU_KV_TOKENS = 262_144  # at most, on a CPU (pages back only the blocks written: BlockPool)
+CPU_MEMORY_FOR_KV = 0.3  # of the memory available when a CPU pool is built, at most
 GPU_MEMORY_LEFT = 0.1  # of the GPU's memory, left free for activations beside the pool
+
+
+class KVBudgetTooSmall(ValueError):
+    """The memory left for a KV pool cannot hold one request at the model's context."""
 
 
 def kv_bytes_per_token(model) -> int:
@@ -115,13 +121,48 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * weight.element_size()
 
 
-def kv_budget_tokens(model, configured: int | None) -> int:
-    """How many positions the pool holds: `configured`, else on a GPU what its free memory
-    holds less GPU_MEMORY_LEFT of the total, else CPU_KV_TOKENS."""
-    if configured is not None:
-        return configured
-    device = model.get_input_embeddings().weight.device
+def available_memory_bytes() -> int:
+    """The host memory a new allocation can take now: Linux's MemAvailable (free memory plus
+    what the page cache can give back), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget_bytes(device: torch.device) -> int:
+    """The bytes a new pool may take: on a GPU its free memory less GPU_MEMORY_LEFT of the
+    total; on a CPU CPU_MEMORY_FOR_KV of the memory available (Linux refuses one allocation
+    larger than memory, even if its pages would never be touched: measured)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return max(0, int(free - GPU_MEMORY_LEFT * total)) // kv_bytes_per_token(model)
-    return CPU_KV_TOKENS
+        return max(0, int(free - GPU_MEMORY_LEFT * total))
+    return int(CPU_MEMORY_FOR_KV * available_memory_bytes())
+
+
+def kv_pool_blocks(model, configured_tokens: int | None, max_sequences: int,
+                   max_new_per_sequence: int, block_size: int = BLOCK_SIZE) -> int:
+    """How many blocks the pool holds: enough for `configured_tokens` when set; else what
+    the device's memory budget holds (on a CPU at most CPU_KV_TOKENS' worth), never less than
+    one request at the model's full context (KVBudgetTooSmall, saying how much is missing)."""
+    if configured_tokens is not None:
+        return blocks_for(configured_tokens, max_sequences, max_new_per_sequence, block_size)
+    device = model.get_input_embeddings().weight.device
+    block_bytes = kv_bytes_per_token(model) * block_size
+    blocks = kv_budget_bytes(device) // block_bytes
+    if device.type != "cuda":
+        blocks = min(blocks, blocks_for(CPU_KV_TOKENS, max_sequences, max_new_per_sequence,
+                                        block_size))
+    context = getattr(model.config, "max_position_embeddings", None) or 2048
+    minimum = blocks_for(context, 1, max_new_per_sequence, block_size)
+    if blocks < minimum:
+        raise KVBudgetTooSmall(
+            f"the KV cache of one request at the model's {context}-token context takes "
+            f"{minimum * block_bytes / 2**20:.0f} MiB, but only {blocks * block_bytes / 2**20:.0f}"
+            f" MiB of {device.type} memory is left for it: free memory, use a smaller dtype, "
+            f"or set kv_cache_tokens")
+    return blocks
