@@ -49,6 +49,11 @@ class ContinuousBatcher:
         self._loop_task: asyncio.Task | None = None
 
     async def submit(self, call):
+        return await self.enqueue(call)
+
+    def enqueue(self, call) -> asyncio.Future:
+        """The future of `call`'s answer, queued for the next run (cancel it to withdraw the
+        call); calls enqueued in one go wait together and so share a run."""
         task = self._loop_task
         if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             # the serving task belongs to the event loop it runs on (a replica has one; a
@@ -58,7 +63,7 @@ class ContinuousBatcher:
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((call, future))
         self._wakeup.set()
-        return await future
+        return future
 
     async def _serve(self) -> None:
         while True:

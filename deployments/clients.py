@@ -14,6 +14,7 @@ long as for the verifier. Releases are sent in the background and never delay an
 """
 
 import asyncio
+import itertools
 import logging
 from dataclasses import replace
 
@@ -56,18 +57,114 @@ class PoolError(PoolUnavailable):
         return cls(pool, error.code(), error.details())
 
 
+class ReplicaStream:
+    """The direct data path to one pool replica: one long-lived stream (ProposeStream or
+    ScoreStream, see specserve.proto) that carries every call this router makes to it.
+
+    Calls made while a message is being written wait and go together in the next, so a
+    batch of requests answered together comes back as one message, not one call each.
+    Answers come back by tag. A broken stream fails every call waiting on it with
+    UNAVAILABLE (the caller falls back to Serve's routing); a caller that gives up (deadline,
+    cancellation) withdraws its call from the replica's queue.
+    """
+
+    def __init__(self, stub, method: str, batch_type, entry_type, application: str) -> None:
+        self.stream = getattr(stub, method)(metadata=auth.metadata())
+        self.batch_type, self.entry_type, self.application = batch_type, entry_type, application
+        self.tags = itertools.count(1)
+        self.pending: dict[int, asyncio.Future] = {}
+        self.outbox: list = []
+        self.cancelled: list[int] = []
+        self.broken: PoolError | None = None
+        self.wake = asyncio.Event()
+        self.tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
+
+    async def call(self, message, timeout_s: float):
+        """The replica's answer to one call; PoolError when it refuses the call, the stream
+        breaks or the deadline passes."""
+        if self.broken is not None:
+            raise self.broken
+        tag = next(self.tags)
+        future = asyncio.get_running_loop().create_future()
+        self.pending[tag] = future
+        self.outbox.append(self.entry_type(tag=tag, call=message))
+        self.wake.set()
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise PoolError(self.application, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer within {timeout_s:.1f} s") from None
+        finally:
+            if self.pending.pop(tag, None) is not None and self.broken is None:
+                self.cancelled.append(tag)  # withdrawn: the replica drops it from its queue
+                self.wake.set()
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if self.outbox or self.cancelled:
+                    batch = self.batch_type(entries=self.outbox, cancel=self.cancelled)
+                    self.outbox, self.cancelled = [], []
+                    await self.stream.write(batch)
+        except grpc.aio.AioRpcError as error:
+            self._break(PoolError.of(self.application, error))
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:  # closed under us
+            self._break(PoolError(self.application, grpc.StatusCode.UNAVAILABLE, repr(error)))
+
+    async def _read(self) -> None:
+        try:
+            async for answers in self.stream:
+                for answer in answers.answers:
+                    future = self.pending.pop(answer.tag, None)
+                    if future is None or future.done():
+                        continue  # its caller gave up
+                    if answer.WhichOneof("result") == "error":
+                        future.set_exception(PoolError(self.application,
+                                                       STATUS_CODES[answer.error.code],
+                                                       answer.error.details))
+                    else:
+                        future.set_result(answer.response)
+            error = PoolError(self.application, grpc.StatusCode.UNAVAILABLE, "stream ended")
+        except grpc.aio.AioRpcError as failure:
+            error = PoolError.of(self.application, failure)
+        self._break(error)
+
+    def _break(self, error: "PoolError") -> None:
+        self.broken = self.broken or error
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(self.broken)
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.stream.cancel()
+        for task in self.tasks:
+            task.cancel()
+
+
+# a CallError's code back to the grpc.StatusCode it carries
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# per rpc: the stream that carries it to a pinned replica, and that stream's message types
+STREAMS = {"Propose": ("ProposeStream", pb.ProposeBatch, pb.ProposeEntry),
+           "Score": ("ScoreStream", pb.ScoreBatch, pb.ScoreEntry)}
+
+
 class PoolClient:
-    """Calls one pool's rpcs: through the proxy to place a request, then directly."""
+    """Calls one pool's rpcs: through the proxy to place a request, then directly, over one
+    stream per replica (ReplicaStream)."""
 
     def __init__(self, proxy_channel: grpc.aio.Channel, stub_class, application: str,
                  timeout_s: float, direct: bool) -> None:
         self.stub_class, self.application = stub_class, application
         self.timeout_s, self.direct = timeout_s, direct
         self.proxy = stub_class(proxy_channel)
-        # request id -> (address, stub) of the replica holding its cache
-        self.pins: dict[str, tuple[str, object]] = {}
+        # request id -> address of the replica holding its cache
+        self.pins: dict[str, str] = {}
         self._releasing: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[tuple[str, str], ReplicaStream] = {}
 
     def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
         return (("application", self.application), ("session_id", request_id),
@@ -78,26 +175,21 @@ class PoolClient:
         proxy fallback included) passes."""
         timeout_s = timeout_s or self.timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
-        pin = self.pins.get(request_id)
-        if pin is not None:
-            address, stub = pin
+        address = self.pins.get(request_id)
+        if address is not None:
             try:
-                return await getattr(stub, method)(message, timeout=timeout_s,
-                                                   metadata=auth.metadata())
-            except grpc.aio.AioRpcError as error:
-                if error.code() not in GONE:
-                    raise PoolError.of(self.application, error) from error
+                return await self._stream(address, method).call(message, timeout_s)
+            except PoolError as error:
+                if error.code not in GONE:
+                    raise
                 del self.pins[request_id]
-                # a dead replica's channel: new pins get a new one, and this one closes when
-                # the last pin to it fails over (garbage collected)
-                self._channels.pop(address, None)
+                self._forget(address)  # a dead replica: new pins open a new channel
                 timeout_s = deadline - asyncio.get_running_loop().time()
                 if timeout_s <= 0:
-                    raise PoolError.of(self.application, error) from error
+                    raise
         response = await self._through_proxy(method, message, request_id, deadline)
         if self.direct and getattr(response, "direct_address", ""):
-            self.pins[request_id] = (response.direct_address,
-                                     self._stub(response.direct_address))
+            self.pins[request_id] = response.direct_address
         return response
 
     async def _through_proxy(self, method: str, message, request_id: str, deadline: float):
@@ -124,16 +216,17 @@ class PoolClient:
         """Send a Release in the background (bounded by RELEASE_TIMEOUT_S) and forget the
         pin at once; best effort: a lost release leaves a cache entry for the pool's LRU
         and TTL to evict."""
-        pin = self.pins.pop(request_id, None)
-        task = asyncio.create_task(self._release(request_id, pin and pin[1]))
+        address = self.pins.pop(request_id, None)
+        task = asyncio.create_task(self._release(request_id, address))
         self._releasing.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._releasing.discard)
 
-    async def _release(self, request_id: str, pin) -> None:
+    async def _release(self, request_id: str, address: str | None) -> None:
         message = pb.ReleaseRequest(request_id=request_id)
         try:
-            if pin is not None:
-                await pin.Release(message, timeout=RELEASE_TIMEOUT_S, metadata=auth.metadata())
+            if address is not None:
+                await self._stub(address).Release(message, timeout=RELEASE_TIMEOUT_S,
+                                                  metadata=auth.metadata())
             else:
                 await self.proxy.Release(message, metadata=self.metadata(request_id),
                                          timeout=RELEASE_TIMEOUT_S)
@@ -144,6 +237,26 @@ class PoolClient:
         if address not in self._channels:
             self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return self.stub_class(self._channels[address])
+
+    def _stream(self, address: str, method: str) -> ReplicaStream:
+        """The open stream to the replica at `address` for `method`'s calls (a broken one is
+        replaced: the replica may have only dropped that stream)."""
+        stream = self._streams.get((address, method))
+        if stream is None or stream.broken is not None:
+            if stream is not None:
+                stream.close()
+            rpc, batch_type, entry_type = STREAMS[method]
+            stream = ReplicaStream(self._stub(address), rpc, batch_type, entry_type,
+                                   self.application)
+            self._streams[address, method] = stream
+        return stream
+
+    def _forget(self, address: str) -> None:
+        """Drop a dead replica's streams and channel (the channel closes when the last
+        request pinned to it has failed over: garbage collected)."""
+        for key in [key for key in self._streams if key[0] == address]:
+            self._streams.pop(key).close()
+        self._channels.pop(address, None)
 
 
 class GrpcDrafter:

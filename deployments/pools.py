@@ -8,6 +8,7 @@ router resends the whole prefix).
 """
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -74,8 +75,8 @@ class PoolArgs(BaseModel):
     # to this fraction of the previous forward's time (at most 10 ms; 0: never waits), so
     # that the requests do not split into groups that take turns (deployments.batcher)
     batch_linger: float = Field(default=0.5, ge=0)
-    # calls in flight on the replica's own gRPC port; beyond it gRPC answers
-    # RESOURCE_EXHAUSTED at once (default: twice max_batch_size)
+    # calls in flight on the replica's own gRPC port (unary calls and stream entries alike);
+    # beyond it a call is answered RESOURCE_EXHAUSTED at once (default: twice max_batch_size)
     max_concurrent_rpcs: int | None = Field(default=None, ge=1)
     # where the replica's own gRPC port listens: "loopback" (127.0.0.1: one machine) or
     # "node" (the node's cluster-internal address: routers on other nodes); either way every
@@ -210,9 +211,10 @@ class PoolReplica:
                                          linger=args.batch_linger)
         # before the replica reports ready: no request pays the model's first forwards
         await self.on_worker(self.warm_up, run_batch, limits.vocab_size)
+        self.max_direct_calls = args.max_concurrent_rpcs or 2 * max_batch_size
         self.server, self.address = await serve_directly(
-            self, add_to_server, args.direct_host,
-            args.max_concurrent_rpcs or 2 * max_batch_size, limits.message_bytes())
+            self, add_to_server, args.direct_host, self.max_direct_calls,
+            limits.message_bytes())
 
     def warm_up(self, run_batch, vocab_size: int) -> None:
         """Run the engine on throwaway greedy and sampled calls (a prompt's prefill, then a
@@ -247,41 +249,124 @@ class PoolReplica:
 
     async def answer(self, check, call_from_proto, request, to_proto, response_type,
                      grpc_context):
-        """to_proto(the call's answer in a batch); no pool secret -> UNAUTHENTICATED;
-        check(request, limits) or decoding fails -> INVALID_ARGUMENT, before the call
-        queues; StaleBase -> REBUILD; KVCacheFull -> RESOURCE_EXHAUSTED; KVCacheTooSmall ->
-        OUT_OF_RANGE."""
+        """A unary call's answer (Serve's proxy): to_proto(the call's answer in a batch), or a
+        refusal as `respond` maps it; no pool secret -> UNAUTHENTICATED."""
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, response_type())
-        direct = is_direct(grpc_context)
+        future = self.submit(check, call_from_proto, request, is_direct(grpc_context))
+        try:
+            result = await future
+        except ValueError as error:  # the batch failed on bad input
+            result = error
+        response, code = self.respond(result, to_proto, response_type)
+        if code is not None:
+            return refuse(grpc_context, result, response, code)
+        return response
+
+    def submit(self, check, call_from_proto, request, direct: bool) -> asyncio.Future:
+        """The future of the call `request` decodes to, queued for the batcher: check(request,
+        limits) or decoding failing -> its ValueError as the result, before the call queues.
+        Counted as waiting (and in flight, when direct) until the future is done."""
         self.direct_calls += direct
         self.direct_in_flight += direct
         self.waiting += 1
         try:
             check(request, self.limits)
             call = call_from_proto(request)
+        except ValueError as error:  # refused before it reached the engine
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(error)
+        else:
             if self.waiting == 1:
                 self.last_progress = time.monotonic()  # an idle worker is not a stalled one
-            result = await self.batcher.submit(call)
-        except ValueError as error:  # refused before it reached the engine
-            result = error
-        finally:
+            future = self.batcher.enqueue(call)
+
+        def done(_) -> None:
             self.direct_in_flight -= direct
             self.waiting -= 1
+
+        future.add_done_callback(done)
+        return future
+
+    def respond(self, result, to_proto, response_type) -> tuple[object, grpc.StatusCode | None]:
+        """(the response, None) for an answer, or (a bare response, the status code) for a
+        refusal: StaleBase -> status REBUILD (an answer); KVCacheTooSmall -> OUT_OF_RANGE;
+        another ValueError -> INVALID_ARGUMENT; KVCacheFull -> RESOURCE_EXHAUSTED. Any other
+        exception is raised."""
         if isinstance(result, StaleBase):
             response = response_type(status=pb.REBUILD)
         elif isinstance(result, KVCacheTooSmall):  # the request never fits this replica
-            return refuse(grpc_context, result, response_type(replica_id=self.replica_id),
-                          grpc.StatusCode.OUT_OF_RANGE)
+            return response_type(replica_id=self.replica_id), grpc.StatusCode.OUT_OF_RANGE
         elif isinstance(result, ValueError):
-            return refuse(grpc_context, result, response_type(replica_id=self.replica_id))
+            return response_type(replica_id=self.replica_id), grpc.StatusCode.INVALID_ARGUMENT
         elif isinstance(result, KVCacheFull):  # the batch's other requests hold the blocks
-            return refuse(grpc_context, result, response_type(replica_id=self.replica_id),
-                          grpc.StatusCode.RESOURCE_EXHAUSTED)
+            return (response_type(replica_id=self.replica_id),
+                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+        elif isinstance(result, BaseException):
+            raise result
         else:
             response = to_proto(result)
         response.replica_id, response.direct_address = self.replica_id, self.address
-        return response
+        return response, None
+
+    async def stream(self, batches, grpc_context, check, call_from_proto, to_proto,
+                     response_type, answer_type, answers_type):
+        """The direct stream (ProposeStream, ScoreStream; see specserve.proto): each message's
+        calls are queued for the batcher together, and the answers finished meanwhile go back
+        in one message, each under its call's tag."""
+        if not auth.authorized(grpc_context):
+            await grpc_context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                     "this pool serves the router only")
+        running: dict[int, asyncio.Future] = {}
+        finished: list = []
+        wake = asyncio.Event()
+
+        def refused(tag: int, code: grpc.StatusCode, details: str):
+            return answer_type(tag=tag, error=pb.CallError(code=code.value[0], details=details))
+
+        def finish(tag: int, future: asyncio.Future) -> None:
+            if running.pop(tag, None) is None or future.cancelled():
+                return
+            result = future.exception() or future.result()
+            try:
+                response, code = self.respond(result, to_proto, response_type)
+                finished.append(answer_type(tag=tag, response=response) if code is None
+                                else refused(tag, code, str(result)))
+            except Exception as error:  # the engine failed: this call fails, the stream lives
+                finished.append(refused(tag, grpc.StatusCode.INTERNAL, repr(error)))
+            wake.set()
+
+        async def read() -> None:
+            async for batch in batches:
+                for tag in batch.cancel:
+                    future = running.pop(tag, None)
+                    if future is not None:
+                        future.cancel()
+                for entry in batch.entries:
+                    if self.direct_in_flight >= self.max_direct_calls:
+                        finished.append(refused(entry.tag, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                f"{self.direct_in_flight} calls in flight"))
+                        continue
+                    future = self.submit(check, call_from_proto, entry.call, direct=True)
+                    running[entry.tag] = future
+                    future.add_done_callback(functools.partial(finish, entry.tag))
+                wake.set()
+            wake.set()
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while not (reader.done() and not running and not finished):
+                await wake.wait()
+                wake.clear()
+                if finished:
+                    answers = answers_type(answers=finished)
+                    finished.clear()
+                    yield answers
+            reader.result()  # a broken stream ends with its error
+        finally:
+            reader.cancel()
+            for future in running.values():
+                future.cancel()
 
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         if not auth.authorized(grpc_context):
@@ -332,6 +417,13 @@ class DrafterPool(PoolReplica):
         return await self.answer(wire.check_propose, wire.propose_from_proto, request,
                                  wire.block_to_proto, pb.ProposeResponse, grpc_context)
 
+    async def ProposeStream(self, batches, grpc_context):
+        async for answers in self.stream(batches, grpc_context, wire.check_propose,
+                                         wire.propose_from_proto, wire.block_to_proto,
+                                         pb.ProposeResponse, pb.ProposeAnswer,
+                                         pb.ProposeAnswers):
+            yield answers
+
 
 @serve.deployment
 class VerifierPool(PoolReplica):
@@ -363,3 +455,9 @@ class VerifierPool(PoolReplica):
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
         return await self.answer(wire.check_score, wire.score_from_proto, request,
                                  wire.scores_to_proto, pb.ScoreResponse, grpc_context)
+
+    async def ScoreStream(self, batches, grpc_context):
+        async for answers in self.stream(batches, grpc_context, wire.check_score,
+                                         wire.score_from_proto, wire.scores_to_proto,
+                                         pb.ScoreResponse, pb.ScoreAnswer, pb.ScoreAnswers):
+            yield answers

@@ -103,7 +103,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed", "prompt_len")
+    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed", "prompt_len", "return_bonus_probs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class ScoreRequest(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_BONUS_PROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sync: PrefixSync
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -118,7 +119,8 @@ class ScoreRequest(_message.Message):
     draft_probs: Distributions
     seed: int
     prompt_len: int
-    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    return_bonus_probs: bool
+    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ..., return_bonus_probs: _Optional[bool] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs")
@@ -161,14 +163,16 @@ class GreedyScores(_message.Message):
     def __init__(self, target_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledScores(_message.Message):
-    __slots__ = ("draft_target_probs", "recovered_token_ids", "bonus_token_id")
+    __slots__ = ("draft_target_probs", "recovered_token_ids", "bonus_token_id", "bonus_probs")
     DRAFT_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BONUS_PROBS_FIELD_NUMBER: _ClassVar[int]
     draft_target_probs: _containers.RepeatedScalarFieldContainer[float]
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
-    def __init__(self, draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
+    bonus_probs: Distributions
+    def __init__(self, draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., bonus_probs: _Optional[_Union[Distributions, _Mapping]] = ...) -> None: ...
 
 class BatchLoad(_message.Message):
     __slots__ = ("batch_size", "batch_tokens")
@@ -189,3 +193,75 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class ProposeEntry(_message.Message):
+    __slots__ = ("tag", "call")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    call: ProposeRequest
+    def __init__(self, tag: _Optional[int] = ..., call: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
+
+class ProposeBatch(_message.Message):
+    __slots__ = ("entries", "cancel")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ProposeEntry]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposeAnswer(_message.Message):
+    __slots__ = ("tag", "response", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    response: ProposeResponse
+    error: CallError
+    def __init__(self, tag: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class ProposeAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[ProposeAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[ProposeAnswer, _Mapping]]] = ...) -> None: ...
+
+class ScoreEntry(_message.Message):
+    __slots__ = ("tag", "call")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    call: ScoreRequest
+    def __init__(self, tag: _Optional[int] = ..., call: _Optional[_Union[ScoreRequest, _Mapping]] = ...) -> None: ...
+
+class ScoreBatch(_message.Message):
+    __slots__ = ("entries", "cancel")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ScoreEntry]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ScoreEntry, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreAnswer(_message.Message):
+    __slots__ = ("tag", "response", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    response: ScoreResponse
+    error: CallError
+    def __init__(self, tag: _Optional[int] = ..., response: _Optional[_Union[ScoreResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class ScoreAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[ScoreAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[ScoreAnswer, _Mapping]]] = ...) -> None: ...

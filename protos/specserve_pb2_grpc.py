@@ -39,6 +39,11 @@ class DrafterStub:
                 request_serializer=protos_dot_specserve__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=protos_dot_specserve__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specserve.v1.Drafter/ProposeStream',
+                request_serializer=protos_dot_specserve__pb2.ProposeBatch.SerializeToString,
+                response_deserializer=protos_dot_specserve__pb2.ProposeAnswers.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.Drafter/Release',
                 request_serializer=protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
@@ -50,6 +55,12 @@ class DrafterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Propose(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +79,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=protos_dot_specserve__pb2.ProposeRequest.FromString,
                     response_serializer=protos_dot_specserve__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
+                    request_deserializer=protos_dot_specserve__pb2.ProposeBatch.FromString,
+                    response_serializer=protos_dot_specserve__pb2.ProposeAnswers.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -102,6 +118,33 @@ class Drafter:
             '/specserve.v1.Drafter/Propose',
             protos_dot_specserve__pb2.ProposeRequest.SerializeToString,
             protos_dot_specserve__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specserve.v1.Drafter/ProposeStream',
+            protos_dot_specserve__pb2.ProposeBatch.SerializeToString,
+            protos_dot_specserve__pb2.ProposeAnswers.FromString,
             options,
             channel_credentials,
             insecure,
@@ -154,6 +197,11 @@ class VerifierStub:
                 request_serializer=protos_dot_specserve__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=protos_dot_specserve__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreStream = channel.stream_stream(
+                '/specserve.v1.Verifier/ScoreStream',
+                request_serializer=protos_dot_specserve__pb2.ScoreBatch.SerializeToString,
+                response_deserializer=protos_dot_specserve__pb2.ScoreAnswers.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.Verifier/Release',
                 request_serializer=protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
@@ -165,6 +213,12 @@ class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Score(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScoreStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +237,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=protos_dot_specserve__pb2.ScoreRequest.FromString,
                     response_serializer=protos_dot_specserve__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ScoreStream,
+                    request_deserializer=protos_dot_specserve__pb2.ScoreBatch.FromString,
+                    response_serializer=protos_dot_specserve__pb2.ScoreAnswers.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -217,6 +276,33 @@ class Verifier:
             '/specserve.v1.Verifier/Score',
             protos_dot_specserve__pb2.ScoreRequest.SerializeToString,
             protos_dot_specserve__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specserve.v1.Verifier/ScoreStream',
+            protos_dot_specserve__pb2.ScoreBatch.SerializeToString,
+            protos_dot_specserve__pb2.ScoreAnswers.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,198 @@
+"""The direct data path's stream (ProposeStream, ScoreStream): every call a router has
+waiting for a replica goes in one message, the replica's batcher receives them together, and
+each call is answered (or refused) by its own tag."""
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from deployments import clients, pools
+from deployments.clients import PoolClient, PoolError, ReplicaStream
+from deployments.pools import DrafterArgs, DrafterPool, VerifierArgs, VerifierPool
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from tests.unit.test_pool_replica import KEY, direct, local_replica, pool_secret, until  # noqa: F401
+
+
+def propose(request_id: str, k: int, prompt: list[int]) -> pb.ProposeRequest:
+    return pb.ProposeRequest(request_id=request_id, num_speculative_tokens=k,
+                             sync=pb.PrefixSync(new_token_ids=prompt),
+                             sampling=pb.SamplingParams(temperature=0))
+
+
+# each call its own prompt and K: an answer given to another call's tag shows
+CALLS = [propose(f"r{k}", k, [5 + k, 6, 7 + 2 * k]) for k in (1, 2, 3, 4)]
+
+
+async def one_message(stub, entries, cancel=()):
+    """Write one ProposeBatch and read answers until every entry not cancelled has one."""
+    stream = stub.ProposeStream(metadata=KEY())
+    await stream.write(pb.ProposeBatch(entries=entries, cancel=cancel))
+    answers, messages = {}, 0
+    while len(answers) < len(entries) - len(cancel):
+        message = await stream.read()
+        messages += 1
+        answers.update({answer.tag: answer for answer in message.answers})
+    stream.cancel()
+    return answers, messages
+
+
+def answers_match(answers: dict, expected: dict) -> bool:
+    """Every tag's answer is its own call's: the unary answer of the same call."""
+    return all(answers[tag].response.token_ids == expected[tag].token_ids for tag in expected)
+
+
+async def unary_answers(replica, stub) -> dict:
+    expected = {}
+    for tag, call in enumerate(CALLS, 1):
+        expected[tag] = await stub.Propose(call, metadata=KEY())
+        await stub.Release(pb.ReleaseRequest(request_id=call.request_id), metadata=KEY())
+    return expected
+
+
+def run_stream_case(mutant=None):
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs())
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            expected = await unary_answers(replica, stub)
+            assert len({tuple(e.token_ids) for e in expected.values()}) == len(CALLS)
+            gate = threading.Event()
+            replica.worker.submit(gate.wait)  # busy: the message's calls wait together
+            entries = [pb.ProposeEntry(tag=tag, call=call) for tag, call in enumerate(CALLS, 1)]
+            reply = asyncio.ensure_future(one_message(stub, entries))
+            await until(lambda: replica.waiting == len(CALLS))
+            gate.set()
+            answers, messages = await reply
+            return answers, expected, messages, replica
+
+    return asyncio.run(main())
+
+
+def test_one_message_is_one_batch_answered_by_tag():
+    answers, expected, messages, replica = run_stream_case()
+    assert answers_match(answers, expected)
+    assert messages == 1  # one batch finished them all: one message back
+    assert {answer.response.load.batch_size for answer in answers.values()} == {len(CALLS)}
+    assert all(a.response.direct_address == replica.address for a in answers.values())
+    assert replica.direct_in_flight == 0 and replica.direct_calls_served() == len(CALLS) * 2
+
+
+def test_a_mutant_that_swaps_two_answers_fails(monkeypatch):
+    real = pb.ProposeAnswer
+
+    def swapped(tag, **fields):  # the answers of tags 1 and 2 under each other's tag
+        return real(tag={1: 2, 2: 1}.get(tag, tag), **fields)
+
+    monkeypatch.setattr(pools.pb, "ProposeAnswer", swapped)
+    answers, expected, _, _ = run_stream_case()
+    assert not answers_match(answers, expected)
+
+
+def test_a_bad_entry_is_refused_alone_and_a_cancelled_one_never_runs():
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs())
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            bad = propose("bad", 2, [10**6])  # outside the vocabulary
+            gate = threading.Event()
+            replica.worker.submit(gate.wait)
+            stream = stub.ProposeStream(metadata=KEY())
+            await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=1, call=CALLS[0])]))
+            await until(lambda: replica.waiting == 1)  # its batch waits for the worker
+            await stream.write(pb.ProposeBatch(entries=[  # these queue behind it
+                pb.ProposeEntry(tag=2, call=bad), pb.ProposeEntry(tag=3, call=CALLS[1])]))
+            await until(lambda: replica.waiting == 2)
+            await stream.write(pb.ProposeBatch(cancel=[3]))  # its caller gave up
+            await until(lambda: replica.waiting == 1)
+            gate.set()
+            answers = {}
+            while len(answers) < 2:
+                answers.update({a.tag: a for a in (await stream.read()).answers})
+            stream.cancel()
+            assert answers[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "out of range" in answers[2].error.details
+            assert len(answers[1].response.token_ids) == 1
+            assert replica.session_ids() == ["r1"]  # the cancelled call never ran
+            assert replica.direct_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_stream_without_the_secret_is_refused():
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs())
+        async with direct(replica, pb_grpc.VerifierStub) as stub:
+            stream = stub.ScoreStream()
+            await stream.write(pb.ScoreBatch(entries=[pb.ScoreEntry(
+                tag=1, call=pb.ScoreRequest(request_id="a",
+                                            sync=pb.PrefixSync(new_token_ids=[1, 2])))]))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stream.read()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert len(replica.engine.sessions) == 0
+
+    asyncio.run(main())
+
+
+def test_the_client_pins_then_streams_and_falls_back_when_the_replica_is_gone():
+    """PoolClient: the proxy places the request, later calls share the replica's stream
+    (concurrent ones in one message), and a stopped replica fails them over to the proxy."""
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs())
+
+        class Proxy:  # Serve's proxy, standing in: the replica itself, through a unary call
+            calls = 0
+
+            async def Propose(self, message, metadata, timeout):
+                Proxy.calls += 1
+                return await replica.Propose(message)
+
+        client = PoolClient(None, lambda channel: Proxy() if channel is None else
+                            pb_grpc.DrafterStub(channel), "drafter", 5.0, direct=True)
+        first = [await client.call("Propose", call, call.request_id) for call in CALLS]
+        assert Proxy.calls == len(CALLS) and set(client.pins.values()) == {replica.address}
+        gate = threading.Event()
+        replica.worker.submit(gate.wait)
+        again = [propose(c.request_id, c.num_speculative_tokens, []) for c in CALLS]
+        for message, call in zip(again, CALLS):  # builds on the prefix the first call sent
+            message.sync.known_len = len(call.sync.new_token_ids)
+            message.sync.known_hash = pools.prefix_hash(list(call.sync.new_token_ids))
+        calls = [asyncio.ensure_future(client.call("Propose", m, m.request_id)) for m in again]
+        await until(lambda: replica.waiting == len(CALLS))
+        gate.set()
+        answers = await asyncio.gather(*calls)
+        assert Proxy.calls == len(CALLS)  # all direct, over the stream
+        assert {a.load.batch_size for a in answers} == {len(CALLS)}
+        stream = client._streams[replica.address, "Propose"]
+        await replica.server.stop(None)
+        await until(lambda: stream.broken is not None)
+        assert stream.broken.code in clients.GONE
+        fallback = await client.call("Propose", CALLS[0], CALLS[0].request_id)
+        assert Proxy.calls == len(CALLS) + 1 and len(fallback.token_ids) == 1
+
+    asyncio.run(main())
+
+
+def test_a_deadline_withdraws_the_call():
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs())
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            stream = ReplicaStream(stub, "ProposeStream", pb.ProposeBatch, pb.ProposeEntry,
+                                   "drafter")
+            gate = threading.Event()
+            replica.worker.submit(gate.wait)
+            running = asyncio.ensure_future(stream.call(CALLS[2], 5.0))
+            await until(lambda: replica.waiting == 1)  # its batch waits for the worker
+            with pytest.raises(PoolError) as late:
+                await stream.call(CALLS[0], 0.2)  # queued behind it
+            assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: replica.waiting == 1)  # withdrawn from the replica's queue
+            gate.set()
+            assert len((await running).token_ids) == 3
+            answer = await stream.call(CALLS[1], 5.0)
+            assert len(answer.token_ids) == 2
+            assert sorted(replica.session_ids()) == ["r2", "r3"]  # r1 never ran
+            stream.close()
+
+    asyncio.run(main())
