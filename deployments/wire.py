@@ -243,6 +243,7 @@ def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
         sampling=sampling_to_proto(call.sampling),
         seed=call.seed,
         prompt_len=call.prompt_len,
+        return_bonus_probs=call.return_bonus_probs,
     )
     if call.draft_probs is not None:
         message.draft_probs.CopyFrom(dists_to_proto(call.draft_probs))
@@ -259,6 +260,7 @@ def score_from_proto(message: pb.ScoreRequest) -> ScoreCall:
         draft_probs=dists_from_proto(message.draft_probs) if has_probs else None,
         seed=message.seed,
         prompt_len=message.prompt_len,
+        return_bonus_probs=message.return_bonus_probs,
     )
 
 
@@ -270,6 +272,8 @@ def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
         response.sampled.draft_target_probs.extend(scores.draft_target_probs)
         response.sampled.recovered_token_ids.extend(scores.recovered_token_ids)
         response.sampled.bonus_token_id = scores.bonus_token_id
+        if scores.bonus_probs is not None:
+            response.sampled.bonus_probs.CopyFrom(dists_to_proto(scores.bonus_probs))
     if scores.load is not None:
         response.load.CopyFrom(load_to_proto(scores.load))
     if scores.logprobs is not None:
@@ -306,7 +310,13 @@ def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)
     if kind == "sampled":
         sampled = message.sampled
+        bonus_probs = None
+        if sampled.HasField("bonus_probs"):
+            bonus_probs = dists_from_proto(sampled.bonus_probs)
+            if len(bonus_probs) != 1:
+                raise ValueError("bonus_probs must be one row, p(K+1)")
         return TargetScores(draft_target_probs=tuple(sampled.draft_target_probs),
                             recovered_token_ids=tuple(sampled.recovered_token_ids),
-                            bonus_token_id=sampled.bonus_token_id, **timing)
+                            bonus_token_id=sampled.bonus_token_id, bonus_probs=bonus_probs,
+                            **timing)
     raise ValueError("a score response without scores")

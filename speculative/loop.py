@@ -13,7 +13,12 @@ import torch
 
 from speculative.meter import RoundMeter
 from speculative.policy import KPolicy
-from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
+from speculative.rejection import (
+    RoundOutcome,
+    accept_drawn,
+    accept_first_predrafted,
+    accept_greedy,
+)
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.types import (
@@ -187,27 +192,40 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
 
 
 def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock, predraft: DraftBlock,
-                           greedy: bool) -> tuple[RoundOutcome, DraftBlock | None]:
+                           scores: TargetScores, greedy: bool,
+                           generator) -> tuple[RoundOutcome, DraftBlock | None]:
     """(the round's outcome, the next round's candidates) once a pre-draft is in hand.
 
     The pre-draft y1.. was drawn from q given the committed prefix plus the whole block, so it
     continues only a round that accepted the whole block; otherwise it is dropped like any
-    rejected suffix. Then y1 stands at the bonus position:
+    rejected suffix. Then y1 stands at the bonus position and meets that position's test:
     - greedy: the ratio test of a one-hot p is y1 == argmax p(K+1), the bonus token the round
       already holds: the bonus is committed either way, and y2.. go on when y1 equals it;
-    - sampling: the verifier could not test y1 (it scored the block before y1 existed), so
-      the bonus token is not used and y1.. stand as the next candidates, y1 meeting the
-      ordinary ratio test at the bonus position in the next round (using the bonus as well
-      would put two tokens in one position).
+    - sampling: y1 against p(K+1), which the verifier returned (scores.bonus_probs), with the
+      rule of every drafted position (rejection.accept_first_predrafted): accepted, it
+      replaces the bonus draw and y2.. go on; rejected, a residual draw takes its place and
+      the rest is dropped. The bonus position holds one token of p(K+1)'s law either way
+      (speculative sampling over K + 1 drafted tokens), so the round stays exact.
     """
     if outcome.num_accepted < len(block.token_ids) or not predraft.token_ids:
         return outcome, None
+    y1, output = predraft.token_ids[0], outcome.output_token_ids
     if greedy:
-        if predraft.token_ids[0] != outcome.output_token_ids[-1]:
-            return outcome, None
-        rest = DraftBlock(predraft.token_ids[1:], None, predraft.compute_seconds)
-        return outcome, rest if rest.token_ids else None
-    return RoundOutcome(tuple(block.token_ids), outcome.num_accepted), predraft
+        taken = y1 == output[-1]
+    elif scores.bonus_probs is None:
+        # p(K+1) not returned (a request with logprobs: the verifier could not give y1's):
+        # y1 meets the ordinary test at the bonus position in the next round, and the bonus
+        # draw is not used (two tokens cannot hold one position)
+        return RoundOutcome(tuple(block.token_ids), outcome.num_accepted), predraft
+    else:
+        token, taken = accept_first_predrafted(y1, predraft.draft_probs.rows(0, 1),
+                                               scores.bonus_probs, generator)
+        output = output[:-1] + (token,)
+    outcome = RoundOutcome(output, outcome.num_accepted, 1, int(taken))
+    if not taken or len(predraft.token_ids) == 1:
+        return outcome, None
+    rest_probs = None if predraft.draft_probs is None else predraft.draft_probs.rows(1)
+    return outcome, DraftBlock(predraft.token_ids[1:], rest_probs, predraft.compute_seconds)
 
 
 async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int,
@@ -224,20 +242,29 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
     return block
 
 
-def first_round(state: RequestState, k: int, pipelined: bool) -> int | None:
-    """The length of the draft a request's first round asks for beside its verify, or None
-    when it drafts as any other round.
+def draft_beside(state: RequestState, k: int, pipelined: bool) -> int | None:
+    """The length of the draft a round without candidates asks for beside a verify of none
+    (K = 0), or None when it drafts first and then verifies, as a sequential round does.
 
-    The first round is the target's alone (K = 0) while the drafter prefills the prompt
-    beside it, so the two prefills overlap instead of adding up before the first token. A
-    greedy pipelined request also drafts K + 1 tokens there: y1 is settled against the
-    round's token, as a pre-draft is (continue_with_predraft), and y2.. are the next
-    candidates. Anyone else asks for 0 tokens: a prefill.
+    Pipelined, a round without pre-drafted candidates (the first, or one after a rejection)
+    is the target's alone while the drafter drafts K + 1 tokens from the committed prefix
+    beside it: y1 is settled at the round's own position, as a pre-draft is
+    (continue_with_predraft), and y2.. are the next candidates, so no round waits for a
+    draft. A first round that is not pipelined asks for 0 tokens beside its verify: the
+    drafter's prefill, overlapping the target's instead of adding to it.
     """
-    if state.drafter_called or k <= 0 or state.draft_backoff.skipping:
+    if k <= 0 or state.draft_backoff.skipping:
         return None
-    greedy = state.request.sampling.greedy
-    return min(k + 1, state.remaining - 1) if pipelined and greedy else 0
+    if pipelined and tests_predraft(state.request.sampling):
+        return min(k + 1, state.remaining - 1) or None
+    return None if state.drafter_called else 0
+
+
+def tests_predraft(sampling: SamplingParams) -> bool:
+    """Whether a pre-drafted y1 can be tested at a round's bonus position: greedy always,
+    sampling when the verifier may return p(K+1), that is without logprobs (y1's logprob
+    there is unknown to it)."""
+    return sampling.greedy or sampling.logprobs is None
 
 
 async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,
@@ -251,21 +278,23 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     """
     meter = RoundMeter(state, carried=block is not None)
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
-    warm_up = None if meter.carried else first_round(state, k, pipelined)
-    if block is None and warm_up is None:
+    beside = None if meter.carried else draft_beside(state, k, pipelined)
+    if block is None and beside is None:
         block = await draft(state, drafter, k)
         meter.fell_back = block is None
     block = meter.drafted(block or NO_DRAFT)
     verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
-    predraft = start_predraft(state, drafter, policy, block, warm_up, pipelined)
+    predraft = start_predraft(state, drafter, policy, block, beside, pipelined)
     scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft))
     greedy = state.request.sampling.greedy
     outcome = accept(block, scores, greedy, state.generator)
-    outcome, next_block = await settle_predraft(predraft, meter, outcome, block, greedy)
+    outcome, next_block = await settle_predraft(predraft, meter, outcome, block, scores, greedy,
+                                                state.generator)
     committed = state.commit(outcome.output_token_ids, round_logprobs(scores, outcome))
-    cost = meter.finish(block, scores, outcome, first_round=warm_up is not None)
+    cost = meter.finish(block, scores, outcome, beside=beside)
     if not meter.fell_back:  # a failed call's wait says nothing about what a K costs
-        policy.update(len(block.token_ids), outcome.num_accepted, cost)
+        policy.update(len(block.token_ids) + outcome.predraft_tested,
+                      outcome.num_accepted + outcome.predraft_accepted, cost)
     return committed, None if state.finish_reason is not None else next_block
 
 
@@ -287,14 +316,14 @@ async def draft(state: RequestState, drafter: Drafter, k: int) -> DraftBlock | N
 
 
 def start_predraft(state: RequestState, drafter: Drafter, policy: KPolicy, block: DraftBlock,
-                   warm_up: int | None, pipelined: bool) -> asyncio.Future | None:
-    """The draft that runs beside the verify, or None: a first round's (the drafter's
-    prefill, see first_round), or, pipelined, the next block after this one."""
-    if warm_up is not None:
-        return asyncio.ensure_future(draft_or_none(state, drafter, warm_up, draw_seed(state)))
-    # greedy pre-drafts one more: its first token is settled against this round's bonus
-    greedy = state.request.sampling.greedy
-    next_k = min(policy.num_speculative_tokens() + greedy,
+                   beside: int | None, pipelined: bool) -> asyncio.Future | None:
+    """The draft that runs beside the verify, or None: `beside` tokens from the committed
+    prefix (see draft_beside), or, pipelined, the next block after this one: K + 1 tokens,
+    whose first meets the test of this round's bonus position."""
+    if beside is not None:
+        return asyncio.ensure_future(draft_or_none(state, drafter, beside, draw_seed(state)))
+    tests_y1 = tests_predraft(state.request.sampling)  # then y1 is tested at the bonus
+    next_k = min(policy.num_speculative_tokens() + tests_y1,
                  state.remaining - len(block.token_ids) - 1)
     if not pipelined or not block.token_ids or next_k <= 0 or state.draft_backoff.skipping:
         return None
@@ -309,9 +338,11 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
     try:
         return await state.call_pool(
             state.verifier_view,
-            lambda sync: verifier.score(ScoreCall(request.request_id, sync, block.token_ids,
-                                                  request.sampling, block.draft_probs, seed,
-                                                  len(request.prompt_token_ids))))
+            lambda sync: verifier.score(ScoreCall(
+                request.request_id, sync, block.token_ids, request.sampling, block.draft_probs,
+                seed, len(request.prompt_token_ids),
+                return_bonus_probs=predraft is not None and not request.sampling.greedy
+                and tests_predraft(request.sampling))))
     except BaseException:
         if predraft is not None:
             predraft.cancel()
@@ -319,15 +350,15 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
 
 
 async def settle_predraft(predraft: asyncio.Future | None, meter: RoundMeter,
-                          outcome: RoundOutcome, block: DraftBlock,
-                          greedy: bool) -> tuple[RoundOutcome, DraftBlock | None]:
+                          outcome: RoundOutcome, block: DraftBlock, scores: TargetScores,
+                          greedy: bool, generator) -> tuple[RoundOutcome, DraftBlock | None]:
     """(the round's outcome, the next round's candidates) once the pre-draft is in hand:
     awaited even when unused, as the drafter finishes it anyway and the router's view of
     the drafter's prefix must stay exact."""
     if predraft is None:
         return outcome, None
     meter.predraft = await predraft or NO_DRAFT
-    return continue_with_predraft(outcome, block, meter.predraft, greedy)
+    return continue_with_predraft(outcome, block, meter.predraft, scores, greedy, generator)
 
 
 async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,

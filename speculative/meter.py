@@ -13,6 +13,7 @@ class RoundMeter:
     def __init__(self, state, carried: bool) -> None:
         self.stats = state.stats
         self.carried = carried  # the candidates were pre-drafted during the previous round
+        self.first = not state.drafter_called  # a request's first round: prefills
         self.fell_back = False  # the round asked for a draft and ran without one
         self.predraft: DraftBlock | None = None  # the draft that ran beside the verify
         self.misses = state.stats.cache_misses
@@ -30,7 +31,9 @@ class RoundMeter:
         return scores
 
     def finish(self, block: DraftBlock, scores: TargetScores, outcome: RoundOutcome,
-               first_round: bool) -> RoundCost:
+               beside: int | None) -> RoundCost:
+        """beside: the length of the draft that ran beside a verify of no candidates (None:
+        the round verified a drafted or pre-drafted block)."""
         """Record the round in the stats; its cost for a K policy."""
         ended, stats, predraft = time.perf_counter(), self.stats, self.predraft
         stats.record(len(block.token_ids), outcome)
@@ -50,20 +53,21 @@ class RoundMeter:
         stats.round_seconds += round_seconds
         stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
         stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
-        return self.cost(block, scores, round_seconds - waited_draft, first_round)
+        return self.cost(block, scores, round_seconds - waited_draft, beside is not None)
 
     def cost(self, block: DraftBlock, scores: TargetScores, unwaited_seconds: float,
-             first_round: bool) -> RoundCost:
+             drafted_beside: bool) -> RoundCost:
         """For a K policy: the draft cost of this round's own draft, else of its pre-draft,
         and the time beyond the compute on the critical path (a pre-draft runs beside the
         verify). A first round's prefills and a rebuilt cache say nothing about a K."""
         predraft = self.predraft
-        drafted_now = (predraft or NO_DRAFT) if self.carried else block
+        drafted_now = (predraft or NO_DRAFT) if self.carried or drafted_beside else block
         beside = predraft.compute_seconds if predraft else 0.0
         load = scores.load
         hop = 0.0 if self.carried or not block.token_ids \
             else self.drafted_at - self.started - block.compute_seconds
-        comparable = not first_round and self.stats.cache_misses == self.misses
+        comparable = not (self.first and drafted_beside) and \
+            self.stats.cache_misses == self.misses
         return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
                          len(drafted_now.token_ids), drafted_now.compute_seconds,
                          unwaited_seconds - max(scores.compute_seconds, beside),

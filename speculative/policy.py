@@ -5,15 +5,13 @@ request's acceptance so far and the measured costs say gives the most tokens per
 
     tokens(K) = (1 - α^(K+1)) / (1 - α)                  expected output of a round
     time(K)   = t(B (K+1)) + d(K) + h                      draft, then verify (sequential)
-    time(K)   = max(t(B (K+1)), d(K')) + (1 - P) d(K) + h  pipelined: the next block is
+    time(K)   = max(t(B (K+1)), d(K+1)) + h               pipelined: the next block is
                                                             drafted during this verify
 
 t(n) is the verifier's forward time when its batch feeds n tokens (B rounds of K + 1),
 d(n) = d0 + n d1 the drafter's time for an n-token call, h what a round spends beyond both
-(hops, the router's work), P = α^K the chance that the pre-drafted block is used (the whole
-block accepted) and K' the pre-draft's length. A sampled pipelined round loses its bonus
-token when the pre-draft is used (loop.continue_with_predraft), so its tokens(K) is α^K
-smaller.
+(hops, the router's work). A pipelined round after a rejection verifies no draft beside a
+fresh draft of K + 1 (AdaptiveK.pipelined_rate weighs the two kinds of round).
 
 What keeps the estimates honest (a policy that believes speculation is dear stops drafting,
 and a K it never runs is a K it never measures):
@@ -321,12 +319,23 @@ class AdaptiveK:
         elif not self.pipelined:
             seconds = verify + costs.draft_seconds(k)
         else:
-            used = alpha ** (k + self.greedy)  # the block accepted (greedy: and y1 == bonus)
-            predraft = costs.draft_seconds(k + self.greedy)
-            seconds = max(verify, predraft) + (1 - used) * costs.draft_seconds(k)
-            if not self.greedy:
-                tokens -= alpha ** k
+            return self.pipelined_rate(k, verify, tokens)
         return tokens / (seconds + costs.overhead_seconds(k))
+
+    def pipelined_rate(self, k: int, verify: float, tokens: float) -> float:
+        """Pipelined rounds come in two kinds: one with pre-drafted candidates verifies K
+        beside a pre-draft of K + 1, and is followed by another such round when its block
+        and y1 are accepted (a = α^(K+1)); one without (after a rejection) verifies no draft
+        beside a fresh draft of K + 1, makes one token, and is followed by a round with
+        candidates when y1 is accepted (α). Over many rounds the first kind is α / (1 - a)
+        times as frequent as the second."""
+        costs, alpha = self.costs, self.alpha
+        predraft = costs.draft_seconds(k + 1)
+        overhead = costs.overhead_seconds(k)
+        carried = max(verify, predraft) + overhead
+        fresh = max(costs.forward_seconds(self.load), predraft) + overhead
+        used = alpha ** (k + 1)
+        return (alpha * tokens + (1 - used)) / (alpha * carried + (1 - used) * fresh)
 
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,

@@ -20,6 +20,10 @@ from speculative.sampling import sample
 class RoundOutcome:
     output_token_ids: tuple[int, ...]  # accepted tokens, then the recovered or bonus token
     num_accepted: int  # excludes the recovered / bonus token
+    # a pre-drafted y1 tested at the bonus position (loop.continue_with_predraft): 1 if
+    # tested, and whether it was accepted (the output's last token is then y1)
+    predraft_tested: int = 0
+    predraft_accepted: int = 0
 
 
 def accept_greedy(draft_token_ids, target_token_ids) -> RoundOutcome:
@@ -108,3 +112,22 @@ def accept_drawn(
             continue
         return RoundOutcome(tuple(output) + (recovered_token_ids[i],), i)
     return RoundOutcome(tuple(output) + (bonus_token_id,), len(draft_token_ids))
+
+
+def accept_first_predrafted(token_id: int, draft_row, target_row, generator: torch.Generator
+                            ) -> tuple[int, bool]:
+    """The bonus position of a fully accepted round, settled with a pre-drafted token: the
+    same test as any drafted position (Algorithm 1 on one token). (the token, whether it is
+    the drafted one).
+
+    token_id: y1, drawn by the drafter from draft_row (q'_1, a one-row DraftDists) beside the
+    verify; target_row: p(K+1), the verifier's one-row DraftDists. y1 is accepted iff
+    u < min(1, p(y1) / q'(y1)); otherwise the output is drawn from norm(max(0, p - q')). Either
+    way the token has p(K+1)'s law, and when it is y1 the rest of the pre-draft continues it.
+    """
+    draft_p = draft_row.at([token_id])[0]
+    target_p = target_row.at([token_id])[0]
+    coin = float(torch.rand((), generator=generator))
+    if draft_p > 0 and coin * draft_p < target_p:
+        return token_id, True
+    return sample(residual(target_row.dense()[0], draft_row.dense()[0]), generator), False

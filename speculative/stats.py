@@ -13,9 +13,12 @@ class SpecStats:
     rounds: int = 0
     num_drafts: int = 0  # rounds that drafted at least one token
     num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0  # excludes recovered and bonus tokens
+    # excludes recovered and bonus tokens; includes a pre-drafted y1 accepted at the bonus
+    # position (loop.continue_with_predraft), which num_draft_tokens counts too
+    num_accepted_tokens: int = 0
     # tokens the rounds produced: accepted + recovered + bonus (a sampled round that hands
-    # its bonus position to a pre-drafted token produces its accepted tokens only)
+    # its bonus position to a pre-drafted token it cannot test there produces its accepted
+    # tokens only)
     num_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     cache_misses: int = 0
@@ -28,6 +31,9 @@ class SpecStats:
     # done so (the target alone commits one token: exact, slower)
     draft_fallback_rounds: int = 0
     pipelined_rounds: int = 0  # rounds whose candidates were drafted during the previous one
+    # pre-drafted tokens tested at a round's bonus position (counted in num_draft_tokens,
+    # not in rounds_by_k, which counts the blocks the rounds verified)
+    bonus_position_drafts: int = 0
     predraft_compute_seconds: float = 0.0  # the drafter's time on pre-drafts (hidden, mostly)
     # per round: the round's time less the pools' own (transport plus the router's work)
     overhead_seconds: list[float] = field(default_factory=list)
@@ -52,16 +58,22 @@ class SpecStats:
             self.drafter_batches += 1
 
     def record(self, num_drafted: int, outcome: RoundOutcome) -> None:
+        """A round that verified num_drafted tokens (rounds_by_k's key); a pre-drafted y1
+        tested at its bonus position counts as one more drafted token there."""
+        tested = num_drafted + outcome.predraft_tested
         self.rounds += 1
-        self.num_drafts += num_drafted > 0
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += outcome.num_accepted
+        self.num_drafts += tested > 0
+        self.num_draft_tokens += tested
+        self.num_accepted_tokens += outcome.num_accepted + outcome.predraft_accepted
         self.num_emitted_tokens += len(outcome.output_token_ids)
         self.rounds_by_k[num_drafted] = self.rounds_by_k.get(num_drafted, 0) + 1
-        missing = num_drafted - len(self.accepted_per_position)
+        self.bonus_position_drafts += outcome.predraft_tested
+        missing = tested - len(self.accepted_per_position)
         self.accepted_per_position.extend([0] * max(0, missing))
         for position in range(outcome.num_accepted):
             self.accepted_per_position[position] += 1
+        if outcome.predraft_accepted:
+            self.accepted_per_position[num_drafted] += 1
 
     def add(self, other: "SpecStats") -> None:
         """Accumulate another request's counters."""
@@ -74,7 +86,8 @@ class SpecStats:
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "num_emitted_tokens", "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
-                     "wire_bytes", "pipelined_rounds", "predraft_compute_seconds",
+                     "wire_bytes", "pipelined_rounds", "bonus_position_drafts",
+                     "predraft_compute_seconds",
                      "exposed_seconds", "verifier_batch_calls", "verifier_batches",
                      "drafter_batch_calls", "drafter_batches", "draft_fallback_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -115,6 +128,7 @@ class SpecStats:
             "overhead_ms_p50": self.overhead_ms_p50,
             "exposed_ms_p50": median_ms(self.exposed_seconds),
             "pipelined_rounds": self.pipelined_rounds,
+            "bonus_position_drafts": self.bonus_position_drafts,
             "draft_fallback_rounds": self.draft_fallback_rounds,
             "wire_bytes_per_round": self.wire_bytes / self.rounds if self.wire_bytes else None,
             # the mean number of calls in the pool batches that served this request's rounds

@@ -4,6 +4,7 @@ These mirror the messages of protos/specserve.proto one to one, so the in-proces
 the gRPC clients of the deployments are interchangeable behind the same loop.
 """
 
+import array
 import hashlib
 import time
 from dataclasses import dataclass, replace
@@ -16,7 +17,7 @@ from speculative.sampling import SamplingParams, draft_law
 
 def prefix_hash(token_ids) -> int:
     """64-bit fingerprint of a token id sequence (the version stamp's checksum)."""
-    data = torch.as_tensor(list(token_ids), dtype=torch.int32).numpy().tobytes()
+    data = array.array("i", token_ids).tobytes()  # int32, as 3x slower torch bytes were
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -126,6 +127,21 @@ class DraftDists:
         dense = torch.zeros(len(self), self.vocab_size, device=law.device)
         return dense.scatter_add_(1, self.ids.to(law.device, torch.long), law)
 
+    @classmethod
+    def of_row(cls, probs: torch.Tensor) -> "DraftDists":
+        """One [V] distribution as a one-row DraftDists, sparse (its nonzero entries) when
+        that takes fewer bytes than dense (a top-k or top-p law), bit for bit either way."""
+        probs = probs.float()
+        ids = probs.nonzero().squeeze(1)
+        if len(ids) * 8 < probs.numel() * 4:
+            return cls(probs[ids][None], ids.to(torch.int32)[None], probs.numel())
+        return cls.from_dense(probs[None])
+
+    def rows(self, start: int, stop: int | None = None) -> "DraftDists":
+        """Positions start..stop - 1 (a pre-draft's rest, once its first token is settled)."""
+        ids = None if self.ids is None else self.ids[start:stop]
+        return DraftDists(self.weights[start:stop], ids, self.vocab_size)
+
     def to(self, device) -> "DraftDists":
         ids = None if self.ids is None else self.ids.to(device)
         return DraftDists(self.weights.to(device), ids, self.vocab_size)
@@ -168,6 +184,9 @@ class ScoreCall:
     draft_probs: DraftDists | None = None  # sampling: q1..qK, for the residuals
     seed: int = 0  # seeds the residual and bonus draws, so a retried call draws the same
     prompt_len: int = 0  # the committed prefix's first tokens that are the prompt (penalties)
+    # sampling: return p(K+1) itself (TargetScores.bonus_probs), against which the router
+    # tests a token pre-drafted for that position beside this call
+    return_bonus_probs: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,6 +207,8 @@ class TargetScores:
     wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
     load: "BatchLoad | None" = None  # the batch the call was scored in
     logprobs: "PositionLogprobs | None" = None  # when the request asks for logprobs
+    # p(K+1) as one row in DraftDists' wire form, when the call asked for it (sampling)
+    bonus_probs: "DraftDists | None" = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from speculative.rejection import residual_rows
 from speculative.sampling import logits_to_probs, penalize, sample_rows, seeded_generator
 from speculative.types import (
     BatchLoad,
+    DraftDists,
     ScoreCall,
     StaleBase,
     PositionLogprobs,
@@ -117,8 +118,10 @@ class ModelVerifier:
             scores = TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
             chosen = scores.target_token_ids
         else:
-            scores = draw_recovered_and_bonus(logits_to_probs(logits, call.sampling), drafted,
-                                              draft_probs, call.seed)
+            target_probs = logits_to_probs(logits, call.sampling)  # [K + 1, V]
+            scores = draw_recovered_and_bonus(target_probs, drafted, draft_probs, call.seed)
+            if call.return_bonus_probs:  # the router tests a pre-drafted token against it
+                scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
             chosen = scores.recovered_token_ids + (scores.bonus_token_id,)
         if call.sampling.logprobs is None:
             return scores

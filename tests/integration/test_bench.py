@@ -66,10 +66,14 @@ def test_derived_figures_are_consistent(quick_run):
             assert r["speedup"] == 1.0
         if r["mode"] in ("serve_sync", "serve_pipelined", "serve_adaptive"):
             assert r["exposed_ms_p50"] > 0 and r["mean_k"] > 0
-        if r["mode"] in ("serve_sync", "serve_pipelined"):
+        if r["mode"] == "serve_sync":
             # a fixed K: every round after the first (the prefill beside it) drafts K, but
             # for the last rounds, which stop at max_tokens
             assert r["k"] / 2 < r["mean_k"] <= r["k"], r
+        if r["mode"] == "serve_pipelined":
+            # a round tests K + 1 pre-drafted tokens (its block and y1 at the bonus
+            # position), or 1 after a rejection (y1 beside a verify of none)
+            assert 1 < r["mean_k"] <= r["k"] + 1, r
         if r["mode"] in ("inprocess", "serve_sync"):
             assert 0 <= r["acceptance_rate"] <= 1
             assert 1 <= r["mean_acceptance_length"] <= r["k"] + 1

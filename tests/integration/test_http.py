@@ -61,9 +61,12 @@ def test_adaptive_k_is_exact_and_reports_the_k_it_chose(cluster, pipelined):
         assert spec["choices"][0]["text"] == alone["choices"][0]["text"], prompt
         stats = spec["speculative"]
         by_k = {int(k): n for k, n in stats["rounds_by_num_speculative_tokens"].items()}
-        # the report adds up: its rounds, and its drafted tokens, by K; and it drafted
+        # the report adds up: its rounds, and its drafted tokens, by K (and the pre-drafted
+        # tokens tested at bonus positions); and it drafted
         assert sum(by_k.values()) == stats["rounds"] and max(by_k) > 0
-        assert sum(k * n for k, n in by_k.items()) == stats["num_draft_tokens"]
+        assert sum(k * n for k, n in by_k.items()) + stats["bonus_position_drafts"] == \
+            stats["num_draft_tokens"]
+        assert (stats["bonus_position_drafts"] > 0) == pipelined
         assert stats["mean_num_speculative_tokens"] == pytest.approx(
             stats["num_draft_tokens"] / stats["rounds"])
     response = cluster.post("/v1/completions", {"prompt": "x", "num_speculative_tokens": "many"})

@@ -1,9 +1,11 @@
 """The three output tokens after the first, through the real engines (tiny models, KV caches,
 rollback), follow the target's exact law given the first, with K = 2 and q truncated to its
-top 3. The first token is the target's alone (the drafter prefills beside that round); the
-window covers the next round's two drafted positions and the position after them, which
-holds the bonus token (sequential) or the first pre-drafted token (pipelined). Each way of
-getting those positions wrong has a mutant here that must fail the same check.
+top 3. Sequential, the first token is the target's alone (the drafter prefills beside that
+round) and the window covers the next round's two drafted positions and the bonus position
+after them. Pipelined, every round's last position tests a pre-drafted token against
+p(K+1) (accepted, or replaced by a residual draw), and a round after a rejection verifies
+none while the next three are drafted beside it, so the window is mostly such positions.
+Each way of getting those positions wrong has a mutant here that must fail the same check.
 
 The law of those three tokens over a vocabulary of 8 (the first token summed out: each
 first token's law of the next three, weighted by its probability) is computed exactly from
@@ -132,7 +134,7 @@ def truncated(block, top_k: int):
     return DraftBlock(block.token_ids, DraftDists(values, ids, block.draft_probs.vocab_size))
 
 
-def predraft_accepted_without_its_test(outcome, block, predraft, greedy):
+def predraft_accepted_without_its_test(outcome, block, predraft, scores, greedy, generator):
     """Commits the first pre-drafted token untested whenever the block was accepted whole."""
     if outcome.num_accepted == len(block.token_ids) and predraft.token_ids:
         rest = DraftBlock(predraft.token_ids[1:], None if predraft.draft_probs is None
@@ -140,6 +142,18 @@ def predraft_accepted_without_its_test(outcome, block, predraft, greedy):
         committed = tuple(block.token_ids) + predraft.token_ids[:1]
         return RoundOutcome(committed, outcome.num_accepted), rest if rest.token_ids else None
     return outcome, None
+
+
+def rejected_predraft_replaced_from_p(token_id, draft_row, target_row, generator):
+    """Tests y1 at the bonus position as it should, but draws its replacement from p(K+1)
+    instead of the residual norm(max(0, p - q)) when it is rejected."""
+    token, taken = real_first_predrafted(token_id, draft_row, target_row, generator)
+    if taken:
+        return token, taken
+    return sample(target_row.dense()[0], generator), False
+
+
+real_first_predrafted = loop.accept_first_predrafted
 
 
 # (pipelined, samples, patch). With the window after the first token (the target's alone),
@@ -154,6 +168,8 @@ MUTANTS = {
         ModelDrafter, "propose_batch", sampled_from_the_full_q)),
     "predraft-untested": (True, SAMPLES, lambda mp: mp.setattr(
         loop, "continue_with_predraft", predraft_accepted_without_its_test)),
+    "predraft-replaced-from-p": (True, SAMPLES, lambda mp: mp.setattr(
+        loop, "accept_first_predrafted", rejected_predraft_replaced_from_p)),
 }
 
 

@@ -99,22 +99,28 @@ def test_the_choice_is_the_argmax_of_the_rate():
     assert policy.choose() == max(rates, key=rates.get)
 
 
-def test_tokens_per_round_counts_what_rounds_emit_when_a_sampled_bonus_is_given_up():
-    # a self-draft is always accepted; sampled and pipelined, each round hands its bonus
-    # position to the pre-draft, so a round emits K tokens, not K + 1
+@pytest.mark.parametrize("logprobs", [None, 2], ids=["plain", "logprobs"])
+def test_tokens_per_round_count_the_pre_drafted_token_at_the_bonus_position(logprobs):
+    # a self-draft is always accepted. Sampled and pipelined, a round tests the pre-draft's
+    # y1 at its bonus position against p(K+1) and keeps it: K + 1 tokens a round. With
+    # logprobs the verifier cannot return p(K+1) (y1's logprob is unknown to it), so a round
+    # hands its bonus position to the pre-draft: K tokens a round
     from drafter.model import ModelDrafter
     from speculative.sampling import SamplingParams
     from tests.tiny import run, tiny_llama
     from verifier.engine import ModelVerifier
 
     target = tiny_llama(3)
-    params = SamplingParams(temperature=1.0, seed=4, max_tokens=25)
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=25, logprobs=logprobs)
     out, state = run(ModelDrafter(target), ModelVerifier(target), [1, 2, 3], params, 2,
                      pipelined=True)
     stats = state.stats
     assert stats.num_emitted_tokens == len(out) == 25
     assert stats.pipelined_rounds > 5 and stats.num_accepted_tokens == stats.num_draft_tokens
-    assert stats.mean_acceptance_length < 2.5  # 2 a pipelined round, 3 only for the first
+    if logprobs is None:  # 3 a round; the first verifies none beside the first draft
+        assert stats.mean_acceptance_length > 2.5 and stats.rounds_by_k[0] == 1
+    else:
+        assert stats.mean_acceptance_length < 2.5  # 2 a pipelined round, 3 for the first
 
 
 def loaded(batch_size: int, per_token_ms: float = 2.0, fixed_ms: float = 20.0) -> CostModel:
