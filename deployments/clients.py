@@ -156,9 +156,11 @@ class PoolClient:
     stream per replica (ReplicaStream)."""
 
     def __init__(self, proxy_channel: grpc.aio.Channel, stub_class, application: str,
-                 timeout_s: float, direct: bool) -> None:
+                 timeout_s: float, direct: bool, streams: bool = True) -> None:
+        """streams: direct calls over one stream per replica (else one unary call each,
+        kept for comparison: bench.serve_overhead)."""
         self.stub_class, self.application = stub_class, application
-        self.timeout_s, self.direct = timeout_s, direct
+        self.timeout_s, self.direct, self.streams = timeout_s, direct, streams
         self.proxy = stub_class(proxy_channel)
         # request id -> address of the replica holding its cache
         self.pins: dict[str, str] = {}
@@ -178,7 +180,7 @@ class PoolClient:
         address = self.pins.get(request_id)
         if address is not None:
             try:
-                return await self._stream(address, method).call(message, timeout_s)
+                return await self._direct(address, method, message, timeout_s)
             except PoolError as error:
                 if error.code not in GONE:
                     raise
@@ -238,6 +240,15 @@ class PoolClient:
             self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return self.stub_class(self._channels[address])
 
+    async def _direct(self, address: str, method: str, message, timeout_s: float):
+        if self.streams:
+            return await self._stream(address, method).call(message, timeout_s)
+        try:
+            return await getattr(self._stub(address), method)(message, timeout=timeout_s,
+                                                              metadata=auth.metadata())
+        except grpc.aio.AioRpcError as error:
+            raise PoolError.of(self.application, error) from error
+
     def _stream(self, address: str, method: str) -> ReplicaStream:
         """The open stream to the replica at `address` for `method`'s calls (a broken one is
         replaced: the replica may have only dropped that stream)."""
@@ -263,8 +274,10 @@ class GrpcDrafter:
     """timeout_s: a seeded sampled request's deadline; draft_timeout_s: everyone else's."""
 
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
-                 direct: bool = True, draft_timeout_s: float | None = None) -> None:
-        self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct)
+                 direct: bool = True, draft_timeout_s: float | None = None,
+                 streams: bool = True) -> None:
+        self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct,
+                               streams)
         self.draft_timeout_s = draft_timeout_s or timeout_s
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
@@ -287,8 +300,9 @@ class GrpcDrafter:
 
 class GrpcVerifier:
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
-                 direct: bool = True) -> None:
-        self.pool = PoolClient(channel, pb_grpc.VerifierStub, application, timeout_s, direct)
+                 direct: bool = True, streams: bool = True) -> None:
+        self.pool = PoolClient(channel, pb_grpc.VerifierStub, application, timeout_s, direct,
+                               streams)
 
     async def score(self, call: ScoreCall) -> TargetScores:
         message = wire.score_to_proto(call)

@@ -68,10 +68,11 @@ class Router:
             self._channel = grpc.aio.insecure_channel(self.args.grpc_address,
                                                       options=CHANNEL_OPTIONS)
             timeout = self.args.call_timeout_s
-            direct = self.args.direct_data_path
+            direct, streams = self.args.direct_data_path, self.args.direct_streams
             self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct,
-                                        self.args.draft_timeout_s)
-            self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout, direct)
+                                        self.args.draft_timeout_s, streams)
+            self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout,
+                                          direct, streams)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 
     def memory(self) -> dict:

@@ -42,10 +42,10 @@ class RouterArgs(BaseModel):
     # fastest (a request may say either; a fixed K is kept whatever the load)
     num_speculative_tokens: NumSpeculativeTokens = "auto"
     adaptive_k: AdaptiveKArgs = AdaptiveKArgs()
-    # draft the next block while the verifier scores this one: "greedy" (greedy requests
-    # only: measured, it pays there and not yet for sampled ones), "on" or "off"; a request
-    # may say otherwise with "pipelined"
-    pipelined_drafting: PipelinedDrafting = "greedy"
+    # draft the next block while the verifier scores this one, and a fresh one beside the
+    # verify after a rejection: "on" (measured, it pays greedy and sampled), "greedy"
+    # (greedy requests only) or "off"; a request may say otherwise with "pipelined"
+    pipelined_drafting: PipelinedDrafting = "on"
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
     # without max_tokens may use the rest of the context, as vLLM's does
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
@@ -57,6 +57,9 @@ class RouterArgs(BaseModel):
     # while (speculative.loop.DraftBackoff)
     draft_timeout_s: float = Field(default=1.0, gt=0)
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
+    # ...over one stream per pool replica, each message carrying every call waiting for it
+    # (false: one unary call per call, as before the streams; for comparison)
+    direct_streams: bool = True
     # admission: choices (n counts) running at once in this replica; beyond it a request
     # gets 429 with Retry-After at once instead of queueing. Keep replicas x this within
     # the pools' session and token bounds (max_cached_requests, max_cached_tokens), so that

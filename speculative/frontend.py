@@ -37,7 +37,7 @@ class SpeculationDefaults:
     seeded_num_speculative_tokens: int = 4
     # draft the next block while the verifier scores this one: "greedy" for greedy requests
     # only, "on" or "off"
-    pipelined_drafting: PipelinedDrafting = "greedy"
+    pipelined_drafting: PipelinedDrafting = "on"
 
 
 @dataclass(frozen=True)
