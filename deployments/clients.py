@@ -109,7 +109,7 @@ class ReplicaStream:
                     self.outbox, self.cancelled = [], []
                     await self.stream.write(batch)
         except grpc.aio.AioRpcError as error:
-            self._break(PoolError.of(self.application, error))
+            self._break(self._broken_by(error))
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:  # closed under us
             self._break(PoolError(self.application, grpc.StatusCode.UNAVAILABLE, repr(error)))
 
@@ -128,8 +128,20 @@ class ReplicaStream:
                         future.set_result(answer.response)
             error = PoolError(self.application, grpc.StatusCode.UNAVAILABLE, "stream ended")
         except grpc.aio.AioRpcError as failure:
-            error = PoolError.of(self.application, failure)
+            error = self._broken_by(failure)
         self._break(error)
+
+    def _broken_by(self, failure: grpc.aio.AioRpcError) -> "PoolError":
+        """What a broken stream's calls fail with. A call's own refusal comes in its answer,
+        so a stream that ends in an error lost its transport, whatever the code says (a
+        killed replica's stream may end UNKNOWN "Stream removed" or INTERNAL, where a unary
+        call would end UNAVAILABLE): UNAVAILABLE, which sends the calls to Serve's routing;
+        but a refusal of the stream itself (no pool secret, too many streams) stands."""
+        code = failure.code()
+        if code not in STREAM_REFUSALS:
+            code = grpc.StatusCode.UNAVAILABLE
+        return PoolError(self.application, code, f"stream: {failure.code().name}: "
+                                                  f"{failure.details()}")
 
     def _break(self, error: "PoolError") -> None:
         self.broken = self.broken or error
@@ -139,11 +151,18 @@ class ReplicaStream:
         self.pending.clear()
 
     def close(self) -> None:
+        """Fail the calls still waiting (UNAVAILABLE: they go to Serve's routing), then
+        end the stream."""
+        self._break(PoolError(self.application, grpc.StatusCode.UNAVAILABLE, "stream closed"))
         self.stream.cancel()
         for task in self.tasks:
             task.cancel()
 
 
+# a stream's own refusal (kept): any other error that ends a stream means its replica is gone
+STREAM_REFUSALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
+                   grpc.StatusCode.INVALID_ARGUMENT}
 # a CallError's code back to the grpc.StatusCode it carries
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # per rpc: the stream that carries it to a pinned replica, and that stream's message types
@@ -184,7 +203,7 @@ class PoolClient:
             except PoolError as error:
                 if error.code not in GONE:
                     raise
-                del self.pins[request_id]
+                self.pins.pop(request_id, None)
                 self._forget(address)  # a dead replica: new pins open a new channel
                 timeout_s = deadline - asyncio.get_running_loop().time()
                 if timeout_s <= 0:

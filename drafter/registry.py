@@ -26,13 +26,15 @@ class DrafterSpec:
     engine: str = "auto"  # see deployments.pools.PoolArgs
     kv_cache_tokens: int | None = None
     # model: q as shipped: its top entries (0 = all), the fewest top entries holding this
-    # mass (1 = all), in this precision. Whole in float16 by default (the demo draft's rows
-    # are flat, so truncating saved no bytes and cost 0.3 ms a drafted token); a large
+    # mass (1 = all), in this precision. Whole in float32 by default (float16's steps move
+    # residual draws where q is close to p whenever the drafter's rounding changes, so a
+    # seeded request's tokens followed its batches; the demo draft's rows are flat, so
+    # truncating saved no bytes and cost 0.3 ms a drafted token); a large
     # vocabulary wants a mass of 0.99 (cluster/gpu.yaml: under 0.01 of acceptance lost per
     # position, measured at K = 1..8, about 6 KB a drafted position).
     draft_top_k: int = 0
     draft_q_mass: float = 1.0
-    draft_q_dtype: str = "float16"
+    draft_q_dtype: str = "float32"
     ngram_min: int = 1  # ngram: shortest suffix looked up
     ngram_max: int = 4  # ngram: longest suffix looked up
 

@@ -46,7 +46,10 @@ class RoundMeter:
         stats.draft_compute_seconds += waited_draft
         stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
         stats.verify_compute_seconds += scores.compute_seconds
-        stats.record_batches(scores.load, None if self.carried else block.load)
+        # the drafter's batch: of the draft the round waited for, else of its pre-draft
+        waited = not self.carried and block.token_ids
+        stats.record_batches(scores.load, block.load if waited else
+                             predraft.load if predraft else None)
         stats.wire_bytes += (0 if self.carried else block.wire_bytes) + scores.wire_bytes \
             + (predraft.wire_bytes if predraft else 0)
         round_seconds = ended - self.started
