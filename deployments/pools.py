@@ -165,6 +165,12 @@ def unauthenticated(grpc_context, response):
                   grpc.StatusCode.UNAUTHENTICATED)
 
 
+# a refused call's status, by its error (the first that matches)
+REFUSALS = ((KVCacheTooSmall, grpc.StatusCode.OUT_OF_RANGE),  # the request never fits here
+            (KVCacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),  # other requests hold the blocks
+            (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
+
+
 class PoolReplica:
     """What both pools share: the direct server, batching, answering a call, release,
     introspection.
@@ -293,15 +299,11 @@ class PoolReplica:
         refusal: StaleBase -> status REBUILD (an answer); KVCacheTooSmall -> OUT_OF_RANGE;
         another ValueError -> INVALID_ARGUMENT; KVCacheFull -> RESOURCE_EXHAUSTED. Any other
         exception is raised."""
+        for kind, code in REFUSALS:
+            if isinstance(result, kind):
+                return response_type(replica_id=self.replica_id), code
         if isinstance(result, StaleBase):
             response = response_type(status=pb.REBUILD)
-        elif isinstance(result, KVCacheTooSmall):  # the request never fits this replica
-            return response_type(replica_id=self.replica_id), grpc.StatusCode.OUT_OF_RANGE
-        elif isinstance(result, ValueError):
-            return response_type(replica_id=self.replica_id), grpc.StatusCode.INVALID_ARGUMENT
-        elif isinstance(result, KVCacheFull):  # the batch's other requests hold the blocks
-            return (response_type(replica_id=self.replica_id),
-                    grpc.StatusCode.RESOURCE_EXHAUSTED)
         elif isinstance(result, BaseException):
             raise result
         else:

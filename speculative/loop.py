@@ -341,8 +341,9 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
             lambda sync: verifier.score(ScoreCall(
                 request.request_id, sync, block.token_ids, request.sampling, block.draft_probs,
                 seed, len(request.prompt_token_ids),
+                # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
                 return_bonus_probs=predraft is not None and not request.sampling.greedy
-                and tests_predraft(request.sampling))))
+                and request.sampling.logprobs is None)))
     except BaseException:
         if predraft is not None:
             predraft.cancel()
