@@ -33,8 +33,8 @@ class RoundMeter:
     def finish(self, block: DraftBlock, scores: TargetScores, outcome: RoundOutcome,
                beside: int | None) -> RoundCost:
         """beside: the length of the draft that ran beside a verify of no candidates (None:
-        the round verified a drafted or pre-drafted block)."""
-        """Record the round in the stats; its cost for a K policy."""
+        the round verified a drafted or pre-drafted block). Records the round in the
+        stats; returns its cost for a K policy."""
         ended, stats, predraft = time.perf_counter(), self.stats, self.predraft
         stats.record(len(block.token_ids), outcome)
         stats.draft_fallback_rounds += self.fell_back
@@ -56,16 +56,26 @@ class RoundMeter:
         stats.round_seconds += round_seconds
         stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
         stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
-        return self.cost(block, scores, round_seconds - waited_draft, beside is not None)
+        return self.cost(block, scores, round_seconds, waited_draft, beside)
 
-    def cost(self, block: DraftBlock, scores: TargetScores, unwaited_seconds: float,
-             drafted_beside: bool) -> RoundCost:
+    def kind(self, block: DraftBlock, beside: int | None) -> str:
+        """How the round ran, as policy.ROUND_KINDS names it; "" for a round that is none
+        of them (a first round's prefill beside, a last one without a pre-draft)."""
+        if self.carried:
+            return "carried" if self.predraft else ""
+        if beside is not None:
+            return "fresh" if beside > 0 else ""
+        return "sequential" if block.token_ids else "plain"
+
+    def cost(self, block: DraftBlock, scores: TargetScores, round_seconds: float,
+             waited_draft: float, beside: int | None) -> RoundCost:
         """For a K policy: the draft cost of this round's own draft, else of its pre-draft,
         and the time beyond the compute on the critical path (a pre-draft runs beside the
         verify). A first round's prefills and a rebuilt cache say nothing about a K."""
-        predraft = self.predraft
+        predraft, drafted_beside = self.predraft, beside is not None
+        unwaited_seconds = round_seconds - waited_draft
         drafted_now = (predraft or NO_DRAFT) if self.carried or drafted_beside else block
-        beside = predraft.compute_seconds if predraft else 0.0
+        beside_seconds = predraft.compute_seconds if predraft else 0.0
         load = scores.load
         hop = 0.0 if self.carried or not block.token_ids \
             else self.drafted_at - self.started - block.compute_seconds
@@ -73,6 +83,7 @@ class RoundMeter:
             self.stats.cache_misses == self.misses
         return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
                          len(drafted_now.token_ids), drafted_now.compute_seconds,
-                         unwaited_seconds - max(scores.compute_seconds, beside),
+                         unwaited_seconds - max(scores.compute_seconds, beside_seconds),
                          load.batch_size if load else 1, load.batch_tokens if load else 0,
-                         max(0.0, hop), comparable, self.catch_up)
+                         max(0.0, hop), comparable, self.catch_up,
+                         self.kind(block, beside), round_seconds)

@@ -13,6 +13,18 @@ d(n) = d0 + n d1 the drafter's time for an n-token call, h what a round spends b
 (hops, the router's work). A pipelined round after a rejection verifies no draft beside a
 fresh draft of K + 1 (AdaptiveK.pipelined_rate weighs the two kinds of round).
 
+"Beside" is measured, not assumed: a pipelined round takes max(t, d) + λ min(t, d) + h0,
+where λ is the share of the shorter part that did not overlap, as the pipelined rounds at
+about this load measure it (CostModel.overlap), and h0 a round's time beyond compute
+without a draft. On separate machines λ is near 0 (measured at one stream here: 0.02);
+where the pools share cores they take turns and λ nears 1.
+Costs stay those of a batch in which every request runs the K being weighed (t at B (K + 1)
+tokens): under load a request's own round lasts as long as the batch cycle whatever its K,
+so its own round times would make every K look free to it while its drafts slow everyone.
+Under batch load every request runs the router's one K (AdaptiveK.batch_k): measured at 16
+streams, requests that each chose their own K (mostly 1 to 3) made 0.6x the tokens of all
+at K = 2, as a drafter batch lasts as long as its longest block.
+
 What keeps the estimates honest (a policy that believes speculation is dear stops drafting,
 and a K it never runs is a K it never measures):
 - costs come from warm, comparable rounds only: a request's first round (prefills) and rounds
@@ -28,6 +40,7 @@ and a K it never runs is a K it never measures):
   left as soon as the load falls.
 """
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median_low
@@ -54,6 +67,20 @@ class RoundCost:
     # committed tokens the drafter fed before drafting (catching up after rounds without a
     # draft): beyond a round's usual one or two, its draft time is not a draft cost
     draft_catch_up: int = 0
+    # how the round ran (ROUND_KINDS; "": none of them) and its wall time, start to commit
+    kind: str = ""
+    wall_seconds: float = 0.0
+
+
+# plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block
+# beside a pre-draft of K + 1; fresh: verify of no draft beside a fresh draft of K + 1
+ROUND_KINDS = ("plain", "sequential", "carried", "fresh")
+BESIDE = ("carried", "fresh")
+
+
+def load_bucket(batch_size: float) -> int:
+    """Verifier batches of about the same size (powers of two) share their overlap."""
+    return max(0, round(math.log2(max(1.0, batch_size))))
 
 
 class KPolicy(Protocol):
@@ -95,13 +122,17 @@ class Recent:
 
     def __init__(self, size: int = 31) -> None:
         self.values: deque[float] = deque(maxlen=size)
+        self.median: float | None = None  # of the values as they are (None: not yet taken)
 
     def add(self, value: float) -> None:
         self.values.append(value)
+        self.median = None
 
     @property
     def value(self) -> float | None:
-        return median_low(self.values) if self.values else None
+        if self.median is None and self.values:
+            self.median = median_low(self.values)
+        return self.median
 
 
 class Curve:
@@ -113,12 +144,14 @@ class Curve:
         self.points: dict[int, Recent] = {}
         self.seen: dict[int, float] = {}  # decayed counts: how common each size is now
         self.decay = decay
+        self.fitted: dict[float, tuple[float, float]] = {}  # by prior slope, until an add
 
     def add(self, size: int, seconds: float) -> None:
         for n in self.seen:
             self.seen[n] *= 1 - self.decay
         self.points.setdefault(size, Recent()).add(seconds)
         self.seen[size] = self.seen.get(size, 0.0) + 1.0
+        self.fitted.clear()
 
     def __bool__(self) -> bool:
         return bool(self.points)
@@ -164,8 +197,17 @@ class CostModel:
     def __init__(self, prior_slope: float = 0.1) -> None:
         self.prior_slope = prior_slope
         self.verify, self.draft = Curve(), Curve()
-        self.overhead, self.overhead_plain, self.draft_hop = Recent(), Recent(), Recent()
+        # a round's time beyond compute, with a draft call and without, by load bucket (under
+        # load it holds the waits of the batch cycle)
+        self.overhead: dict[int, Recent] = {}
+        self.overhead_plain: dict[int, Recent] = {}
+        self.draft_hop = Recent()
         self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
+        self.loaded_k: int | None = None  # the K of every request under batch load
+        self.loaded_rounds = 0  # rounds run under batch load
+        # λ: the share of a pipelined round's shorter part (verify or draft) that did not
+        # overlap the other, by load bucket
+        self.overlap: dict[int, Recent] = {}
 
     def observe(self, cost: RoundCost) -> None:
         if not cost.comparable:
@@ -175,10 +217,36 @@ class CostModel:
         if cost.draft_tokens > 0 and cost.draft_seconds > 0 \
                 and cost.draft_catch_up <= USUAL_CATCH_UP:
             self.draft.add(cost.draft_tokens, cost.draft_seconds)
-        (self.overhead_plain if cost.verify_tokens <= 1 else self.overhead).add(
-            max(0.0, cost.overhead_seconds))
+        bucket = load_bucket(cost.batch_size)
+        (self.overhead_plain if cost.verify_tokens <= 1 else self.overhead).setdefault(
+            bucket, Recent()).add(max(0.0, cost.overhead_seconds))
         if cost.draft_hop_seconds > 0:
             self.draft_hop.add(cost.draft_hop_seconds)
+        shorter = min(cost.verify_seconds, cost.draft_seconds)
+        if cost.kind in BESIDE and cost.wall_seconds > 0 and shorter > 0:
+            exposed = cost.wall_seconds - self.overhead_seconds(0, cost.batch_size) - \
+                max(cost.verify_seconds, cost.draft_seconds)
+            self.overlap.setdefault(bucket, Recent()).add(
+                min(1.0, max(0.0, exposed / shorter)))
+
+    def exposed_share(self, load: float) -> float | None:
+        """λ at this load (the nearest load measured; None before any pipelined round)."""
+        return nearest(self.overlap, load, least=2)
+
+    def round_seconds(self, kind: str, k: int, load: float) -> float:
+        """A round of this kind at K = k when the verifier's batches hold `load` calls, each
+        at this K (ROUND_KINDS; the module's formulas)."""
+        if kind == "plain":
+            return self.forward_seconds(load) + self.overhead_seconds(0, load)
+        if kind == "sequential":
+            return self.forward_seconds(load * (k + 1)) + self.draft_seconds(k) + \
+                self.overhead_seconds(k, load)
+        verify = self.forward_seconds(load * ((k if kind == "carried" else 0) + 1))
+        draft = self.draft_seconds(k + 1)
+        share = self.exposed_share(load)
+        if share is None:  # nothing measured yet: the overlap is assumed whole
+            return max(verify, draft) + self.overhead_seconds(k, load)
+        return max(verify, draft) + share * min(verify, draft) + self.overhead_seconds(0, load)
 
     def forward_seconds(self, batch_tokens: float) -> float:
         """The verifier's forward when its batch feeds batch_tokens tokens."""
@@ -201,14 +269,25 @@ class CostModel:
         # the fit's a is the time at n = 1: split into a call's part and a token's
         return max(1e-6, per_call - per_token + per_token * num_tokens)
 
-    def overhead_seconds(self, k: int = 1) -> float:
-        """A round's time beyond the pools' compute, with a draft call (k > 0) or without."""
-        drafting = self.overhead.value or 0.0
+    def overhead_seconds(self, k: int = 1, load: float = 1.0) -> float:
+        """A round's time beyond the pools' compute, with a draft call (k > 0) or without,
+        at the load measured nearest to `load`."""
+        drafting = nearest(self.overhead, load) or 0.0
         if k > 0:
             return drafting
-        if self.overhead_plain.value is not None:
-            return self.overhead_plain.value
+        plain = nearest(self.overhead_plain, load)
+        if plain is not None:
+            return plain
         return max(0.0, drafting - (self.draft_hop.value or 0.0))
+
+
+def nearest(by_bucket: dict[int, Recent], load: float, least: int = 1) -> float | None:
+    """The value kept for the load bucket nearest to `load`'s among those with at least
+    `least` values (the lower on a tie); None when there is none."""
+    bucket = load_bucket(load)
+    measured = [(abs(b - bucket), b) for b, recent in by_bucket.items()
+                if len(recent.values) >= least]
+    return by_bucket[min(measured)[1]].value if measured else None
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -244,6 +323,10 @@ class AdaptiveK:
     useless_alpha = 0.1  # ...or when this request's draft is accepted less than this...
     min_tested = 16  # ...over at least this many positions tested by this request
     margin = 0.1  # K = 0 is entered when it beats the best K by this much, left likewise
+    batch_rounds = 16  # under load: rounds of the router per exploring phase
+    # rounds between two choices (the costs and α move slowly; a choice weighs every K,
+    # which on a router serving 16 streams was a tenth of its time per round)
+    choose_every = 4
 
     def __init__(self, bounds: KBounds, costs: CostModel, pipelined: bool, greedy: bool,
                  prior_alpha: float = 0.6, prior_weight: float = 4.0,
@@ -255,6 +338,7 @@ class AdaptiveK:
         self.decay = decay
         self.positions_tested = 0  # by this request's own rounds, not the prior
         self.load = 1.0
+        self.loaded = False  # the last round chose the router's K under load
         self.rounds = 0
         self.explored_up = False
         self.chosen = self.choose(None) if bounds.initial is None else \
@@ -263,6 +347,11 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
+        """The request's own acceptance; under batch load the router's (the requests of a
+        batch then run one K: a batch is as long as its longest draft, and requests that
+        each pick their own split it into cohorts)."""
+        if self.load >= self.zero_load and self.costs.alpha.value is not None:
+            return self.costs.alpha.value
         return self.accepted / self.tested
 
     def num_speculative_tokens(self) -> int:
@@ -279,9 +368,32 @@ class AdaptiveK:
             self.load = 0.5 * self.load + 0.5 * max(1, cost.batch_size)
             self.costs.observe(cost)
         self.rounds += 1
-        self.chosen = self.choose(self.chosen)
+        if self.load >= self.zero_load:
+            self.k = self.chosen = self.batch_k()
+            self.loaded = True
+            return
+        if self.rounds % self.choose_every == 0 or self.loaded:  # or the load just fell
+            self.chosen = self.choose(self.chosen)
+            self.loaded = False
         self.k = self.explore(self.chosen) if self.rounds % self.explore_every == 0 \
             else self.chosen
+
+    def batch_k(self) -> int:
+        """Under batch load, the router's K, which every loaded request runs: chosen with
+        the router's acceptance, and explored for all of them at once (one round each, as
+        a batch of `batch_rounds` rounds goes), so the batch never mixes K (measured, 16
+        streams each choosing its own K ran at 0.55x of them all at the K most chose)."""
+        costs = self.costs
+        if costs.loaded_k is None or costs.loaded_rounds % self.choose_every == 0:
+            costs.loaded_k = self.choose(costs.loaded_k)
+        costs.loaded_rounds += 1
+        phase = costs.loaded_rounds // self.batch_rounds
+        if phase % self.explore_every:
+            return costs.loaded_k
+        self.explored_up = phase // self.explore_every % 2 == 0
+        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
+        step = 1 if self.explored_up or costs.loaded_k <= low else -1
+        return min(max(costs.loaded_k + step, low), self.bounds.max)
 
     def explore(self, k: int) -> int:
         """A neighbour of k: one up and one down in turn, within what may be chosen."""
@@ -312,28 +424,23 @@ class AdaptiveK:
     def rate(self, k: int) -> float:
         """Expected tokens per second at K = k."""
         costs, alpha = self.costs, self.alpha
-        verify = costs.forward_seconds(self.load * (k + 1))
-        tokens = expected_tokens(alpha, k)
         if k == 0:
-            seconds = verify
-        elif not self.pipelined:
-            seconds = verify + costs.draft_seconds(k)
-        else:
-            return self.pipelined_rate(k, verify, tokens)
-        return tokens / (seconds + costs.overhead_seconds(k))
+            return 1.0 / costs.round_seconds("plain", 0, self.load)
+        tokens = expected_tokens(alpha, k)
+        if not self.pipelined:
+            return tokens / costs.round_seconds("sequential", k, self.load)
+        return self.pipelined_rate(k, tokens)
 
-    def pipelined_rate(self, k: int, verify: float, tokens: float) -> float:
-        """Pipelined rounds come in two kinds: one with pre-drafted candidates verifies K
-        beside a pre-draft of K + 1, and is followed by another such round when its block
-        and y1 are accepted (a = α^(K+1)); one without (after a rejection) verifies no draft
-        beside a fresh draft of K + 1, makes one token, and is followed by a round with
-        candidates when y1 is accepted (α). Over many rounds the first kind is α / (1 - a)
-        times as frequent as the second."""
+    def pipelined_rate(self, k: int, tokens: float) -> float:
+        """Pipelined rounds come in two kinds: one with pre-drafted candidates (carried)
+        verifies K beside a pre-draft of K + 1, and is followed by another such round when
+        its block and y1 are accepted (a = α^(K+1)); one without (fresh, after a rejection)
+        verifies no draft beside a fresh draft of K + 1, makes one token, and is followed by
+        a round with candidates when y1 is accepted (α). Over many rounds the first kind is
+        α / (1 - a) times as frequent as the second."""
         costs, alpha = self.costs, self.alpha
-        predraft = costs.draft_seconds(k + 1)
-        overhead = costs.overhead_seconds(k)
-        carried = max(verify, predraft) + overhead
-        fresh = max(costs.forward_seconds(self.load), predraft) + overhead
+        carried = costs.round_seconds("carried", k, self.load)
+        fresh = costs.round_seconds("fresh", k, self.load)
         used = alpha ** (k + 1)
         return (alpha * tokens + (1 - used)) / (alpha * carried + (1 - used) * fresh)
 
