@@ -56,7 +56,8 @@ class RoundMeter:
         stats.round_seconds += round_seconds
         stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
         stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
-        return self.cost(block, scores, round_seconds, waited_draft, beside)
+        return self.cost(block, scores, round_seconds, waited_draft, beside,
+                         len(outcome.output_token_ids))
 
     def kind(self, block: DraftBlock, beside: int | None) -> str:
         """How the round ran, as policy.ROUND_KINDS names it; "" for a round that is none
@@ -68,7 +69,7 @@ class RoundMeter:
         return "sequential" if block.token_ids else "plain"
 
     def cost(self, block: DraftBlock, scores: TargetScores, round_seconds: float,
-             waited_draft: float, beside: int | None) -> RoundCost:
+             waited_draft: float, beside: int | None, tokens: int) -> RoundCost:
         """For a K policy: the draft cost of this round's own draft, else of its pre-draft,
         and the time beyond the compute on the critical path (a pre-draft runs beside the
         verify). A first round's prefills and a rebuilt cache say nothing about a K."""
@@ -86,4 +87,4 @@ class RoundMeter:
                          unwaited_seconds - max(scores.compute_seconds, beside_seconds),
                          load.batch_size if load else 1, load.batch_tokens if load else 0,
                          max(0.0, hop), comparable, self.catch_up,
-                         self.kind(block, beside), round_seconds)
+                         self.kind(block, beside), round_seconds, tokens)

@@ -70,6 +70,7 @@ class RoundCost:
     # how the round ran (ROUND_KINDS; "": none of them) and its wall time, start to commit
     kind: str = ""
     wall_seconds: float = 0.0
+    tokens: int = 0  # committed by the round
 
 
 # plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block
@@ -205,6 +206,9 @@ class CostModel:
         self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
         self.loaded_k: int | None = None  # the K of every request under batch load
         self.loaded_rounds = 0  # rounds run under batch load
+        # under batch load, at each (load bucket, K) every request ran: decayed sums of the
+        # tokens committed and of the rounds' wall seconds (the K's measured yield)
+        self.loaded_yield: dict[tuple[int, int], list[float]] = {}
         # λ: the share of a pipelined round's shorter part (verify or draft) that did not
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}
@@ -228,6 +232,23 @@ class CostModel:
                 max(cost.verify_seconds, cost.draft_seconds)
             self.overlap.setdefault(bucket, Recent()).add(
                 min(1.0, max(0.0, exposed / shorter)))
+
+    def observe_loaded(self, k: int, cost: RoundCost, decay: float = 1 / 64) -> None:
+        """A round run at the router's K under batch load (AdaptiveK.batch_k)."""
+        if not cost.comparable or cost.wall_seconds <= 0:
+            return
+        sums = self.loaded_yield.setdefault((load_bucket(cost.batch_size), k), [0.0, 0.0, 0])
+        sums[0] = (1 - decay) * sums[0] + cost.tokens
+        sums[1] = (1 - decay) * sums[1] + cost.wall_seconds
+        sums[2] += 1
+
+    def measured_yield(self, k: int, load: float, least: int = 32) -> float | None:
+        """Tokens per second of a request when every request ran K = k at about this load,
+        measured over at least `least` rounds; None before."""
+        sums = self.loaded_yield.get((load_bucket(load), k))
+        if sums is None or sums[2] < least:
+            return None
+        return sums[0] / sums[1]
 
     def exposed_share(self, load: float) -> float | None:
         """λ at this load (the nearest load measured; None before any pipelined round)."""
@@ -369,6 +390,8 @@ class AdaptiveK:
             self.costs.observe(cost)
         self.rounds += 1
         if self.load >= self.zero_load:
+            if self.loaded and cost is not None:
+                self.costs.observe_loaded(self.k, cost)
             self.k = self.chosen = self.batch_k()
             self.loaded = True
             return
@@ -385,7 +408,7 @@ class AdaptiveK:
         streams each choosing its own K ran at 0.55x of them all at the K most chose)."""
         costs = self.costs
         if costs.loaded_k is None or costs.loaded_rounds % self.choose_every == 0:
-            costs.loaded_k = self.choose(costs.loaded_k)
+            costs.loaded_k = self.measured_choice(costs.loaded_k, self.choose(costs.loaded_k))
         costs.loaded_rounds += 1
         phase = costs.loaded_rounds // self.batch_rounds
         if phase % self.explore_every:
@@ -394,6 +417,21 @@ class AdaptiveK:
         low = 0 if self.zero_allowed() else max(1, self.bounds.min)
         step = 1 if self.explored_up or costs.loaded_k <= low else -1
         return min(max(costs.loaded_k + step, low), self.bounds.max)
+
+    def measured_choice(self, current: int | None, modelled: int) -> int:
+        """Under load, the K whose rounds yielded the most where at least two K have been
+        measured at this load (the K of the batch switches for a better yield by `margin`),
+        else the model's choice."""
+        measured = {k: self.costs.measured_yield(k, self.load)
+                    for k in range(0 if self.zero_allowed() else max(1, self.bounds.min),
+                                   self.bounds.max + 1)}
+        measured = {k: rate for k, rate in measured.items() if rate is not None}
+        if len(measured) < 2:
+            return modelled
+        best = max(measured, key=measured.get)
+        if current in measured and measured[best] <= measured[current] * (1 + self.margin):
+            return current
+        return best
 
     def explore(self, k: int) -> int:
         """A neighbour of k: one up and one down in turn, within what may be chosen."""

@@ -433,3 +433,22 @@ def test_the_overlap_of_pipelined_rounds_is_measured_by_load():
                                 kind="fresh", wall_seconds=0.012))
     assert costs.exposed_share(1) == 0.0 and costs.exposed_share(4) == pytest.approx(0.75)
     assert CostModel().exposed_share(1) is None
+
+
+def test_under_load_the_yield_measured_at_each_k_overrules_the_model():
+    costs = CostModel()
+    policy = at_load(costs, 16)
+    modelled = policy.choose(None)
+    assert modelled >= 1
+    other = modelled + 1
+    for _ in range(40):  # rounds with every request at K: tokens committed, wall seconds
+        costs.observe_loaded(modelled, RoundCost(modelled + 1, 0.01, 0, 0.0, 0.0, 16,
+                                                 tokens=1, wall_seconds=0.02))
+        costs.observe_loaded(other, RoundCost(other + 1, 0.01, 0, 0.0, 0.0, 16,
+                                              tokens=3, wall_seconds=0.02))
+    assert costs.measured_yield(other, 16) == pytest.approx(150)
+    assert costs.measured_yield(other, 2) is None  # another load
+    assert policy.measured_choice(modelled, modelled) == other
+    # a K measured below the current one by less than the margin does not move it
+    assert policy.measured_choice(other, modelled) == other
+    assert costs.measured_yield(other, 16, least=41) is None
