@@ -95,7 +95,7 @@ def serialization_ms(k: int, vocab: int) -> dict[str, float]:
     for name, (call, scores) in cases.items():
         def once():
             request = pb.ScoreRequest.FromString(wire.score_to_proto(call).SerializeToString())
-            wire.score_from_proto(request)
+            wire.score_from_proto(request, call.sampling)  # the session's
             answer = pb.ScoreResponse.FromString(
                 wire.scores_to_proto(scores).SerializeToString())
             wire.scores_from_proto(answer)

@@ -192,6 +192,8 @@ class PoolReplica:
         self.limits, self.health_stall_s = limits, args.health_stall_s
         self.secret = auth.pool_secret()  # resolved now: a missing Ray KV fails the start
         self.replica_id = replica_id()
+        # each session's sampling parameters, sent once (wire.SessionSampling)
+        self.sampling = wire.SessionSampling(4 * args.max_cached_requests)
         self.direct_calls = 0  # served over the replica's own port, ever
         self.direct_in_flight = 0  # the same, now: Serve's autoscaler cannot see these
         self.occupancy = Occupancy(max_batch_size)
@@ -271,15 +273,16 @@ class PoolReplica:
 
     def submit(self, check, call_from_proto, request, direct: bool) -> asyncio.Future:
         """The future of the call `request` decodes to, queued for the batcher: check(request,
-        limits) or decoding failing -> its ValueError as the result, before the call queues.
+        limits) or decoding failing -> its ValueError as the result, before the call queues;
+        a call without sampling parameters whose session's are not held -> StaleBase.
         Counted as waiting (and in flight, when direct) until the future is done."""
         self.direct_calls += direct
         self.direct_in_flight += direct
         self.waiting += 1
         try:
             check(request, self.limits)
-            call = call_from_proto(request)
-        except ValueError as error:  # refused before it reached the engine
+            call = call_from_proto(request, self.sampling.of(request))
+        except (ValueError, StaleBase) as error:  # refused before it reached the engine
             future = asyncio.get_running_loop().create_future()
             future.set_result(error)
         else:
@@ -375,6 +378,7 @@ class PoolReplica:
             return unauthenticated(grpc_context, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
         self.batcher.forget(request.request_id)
+        self.sampling.forget(request.request_id)
         await self.on_worker(self.engine.sessions.release, request.request_id)
         return pb.ReleaseResponse(released=released)
 

@@ -5,6 +5,7 @@ decodes it: sizes, shapes, ids and lengths come from message fields a caller con
 few kilobytes must not be able to ask for gigabytes, or queue a call the engine will refuse.
 """
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from speculative.types import (
     PrefixSync,
     ProposeCall,
     ScoreCall,
+    StaleBase,
     TargetScores,
     check_call,
 )
@@ -175,6 +177,37 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
     )
 
 
+class SessionSampling:
+    """A pool replica's copy of each session's sampling parameters, validated once: a
+    message that carries them (a session's start, or a rebuild) sets them; one that leaves
+    them out gets its session's. Bounded, least recently used first out: a call whose
+    session's parameters are gone is answered REBUILD, and the router's resend of the whole
+    prefix brings them again (exact: a cache miss)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.params: OrderedDict[str, SamplingParams] = OrderedDict()
+
+    def of(self, message: pb.ProposeRequest | pb.ScoreRequest) -> SamplingParams:
+        """The call's parameters; ValueError when they are malformed, StaleBase when the
+        message leaves them out and the session's are not here."""
+        request_id = message.request_id
+        if message.HasField("sampling"):
+            self.params[request_id] = sampling_from_proto(message.sampling)
+            if len(self.params) > self.capacity:
+                self.params.popitem(last=False)
+        elif request_id not in self.params:
+            raise StaleBase(f"no sampling parameters held for {request_id!r}")
+        self.params.move_to_end(request_id)
+        return self.params[request_id]
+
+    def forget(self, request_id: str) -> None:
+        self.params.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
 def sync_to_proto(sync: PrefixSync) -> pb.PrefixSync:
     return pb.PrefixSync(
         known_len=sync.known_len, known_hash=sync.known_hash, new_token_ids=sync.new_token_ids
@@ -185,24 +218,33 @@ def sync_from_proto(message: pb.PrefixSync) -> PrefixSync:
     return PrefixSync(message.known_len, message.known_hash, tuple(message.new_token_ids))
 
 
+def session_sampling(call: ProposeCall | ScoreCall) -> pb.SamplingParams | None:
+    """The sampling parameters a call carries: those of a call that starts the pool's
+    session (its sync carries the whole prefix); the others leave them out (the pool keeps
+    them with the session, and a pool that lost them answers REBUILD)."""
+    return sampling_to_proto(call.sampling) if call.sync.known_len == 0 else None
+
+
 def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
     return pb.ProposeRequest(
         request_id=call.request_id,
         sync=sync_to_proto(call.sync),
         num_speculative_tokens=call.num_speculative_tokens,
-        sampling=sampling_to_proto(call.sampling),
+        sampling=session_sampling(call),
         seed=call.seed,
         assumed_token_ids=call.assumed_token_ids,
         prompt_len=call.prompt_len,
     )
 
 
-def propose_from_proto(message: pb.ProposeRequest) -> ProposeCall:
+def propose_from_proto(message: pb.ProposeRequest,
+                       sampling: SamplingParams | None = None) -> ProposeCall:
+    """sampling: the session's, when the message leaves them out (else the message's)."""
     return ProposeCall(
         request_id=message.request_id,
         sync=sync_from_proto(message.sync),
         num_speculative_tokens=message.num_speculative_tokens,
-        sampling=sampling_from_proto(message.sampling),
+        sampling=sampling or sampling_from_proto(message.sampling),
         seed=message.seed,
         assumed_token_ids=tuple(message.assumed_token_ids),
         prompt_len=message.prompt_len,
@@ -240,7 +282,7 @@ def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
         request_id=call.request_id,
         sync=sync_to_proto(call.sync),
         draft_token_ids=call.draft_token_ids,
-        sampling=sampling_to_proto(call.sampling),
+        sampling=session_sampling(call),
         seed=call.seed,
         prompt_len=call.prompt_len,
         return_bonus_probs=call.return_bonus_probs,
@@ -250,13 +292,15 @@ def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
     return message
 
 
-def score_from_proto(message: pb.ScoreRequest) -> ScoreCall:
+def score_from_proto(message: pb.ScoreRequest,
+                     sampling: SamplingParams | None = None) -> ScoreCall:
+    """sampling: the session's, when the message leaves them out (else the message's)."""
     has_probs = message.HasField("draft_probs")
     return ScoreCall(
         request_id=message.request_id,
         sync=sync_from_proto(message.sync),
         draft_token_ids=tuple(message.draft_token_ids),
-        sampling=sampling_from_proto(message.sampling),
+        sampling=sampling or sampling_from_proto(message.sampling),
         draft_probs=dists_from_proto(message.draft_probs) if has_probs else None,
         seed=message.seed,
         prompt_len=message.prompt_len,

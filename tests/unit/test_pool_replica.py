@@ -14,6 +14,7 @@ from deployments.autoscaling import DIRECT_IN_FLIGHT
 from deployments.pools import DrafterArgs, DrafterPool, VerifierArgs, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from speculative.types import prefix_hash
 
 KEY = auth.metadata  # called at each use: the secret the fixture set
 
@@ -249,5 +250,27 @@ def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
             await stub.Release(pb.ReleaseRequest(request_id="a"), metadata=KEY())
             again = await stub.Score(long_score("b"), metadata=KEY())
             assert again.greedy.target_token_ids == served.greedy.target_token_ids
+
+    asyncio.run(main())
+
+
+def test_a_session_says_its_sampling_once_and_a_replica_without_it_asks_for_a_rebuild():
+    async def main():
+        replica = await local_drafter()
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            sampled = propose("s")
+            sampled.sampling.temperature = 1.0
+            first = await stub.Propose(sampled, metadata=KEY())
+            assert first.status == pb.OK and first.HasField("draft_probs")
+            later = pb.ProposeRequest(request_id="s", num_speculative_tokens=3,
+                                      sync=pb.PrefixSync(known_len=3, known_hash=prefix_hash(
+                                          [5, 6, 7]), new_token_ids=[8]), seed=2)
+            again = await stub.Propose(later, metadata=KEY())
+            # the session's parameters (sampled: a q comes back), not the empty message's
+            assert again.status == pb.OK and again.HasField("draft_probs")
+            replica.sampling.forget("s")  # as if evicted: the cache is here, not the params
+            assert "s" in replica.engine.sessions
+            gone = await stub.Propose(later, metadata=KEY())
+            assert gone.status == pb.REBUILD and not gone.token_ids
 
     asyncio.run(main())

@@ -8,11 +8,13 @@ from protos import specserve_pb2 as pb
 from speculative import loop
 from speculative.sampling import SamplingParams, kept_entries
 from speculative.types import (
+    EMPTY_PREFIX_HASH,
     DraftBlock,
     DraftDists,
     PrefixSync,
     ProposeCall,
     ScoreCall,
+    StaleBase,
     TargetScores,
 )
 
@@ -114,11 +116,19 @@ def test_calls_and_results_round_trip():
     sync = PrefixSync(3, 12345678901234567890, (4, 5))
     propose = ProposeCall("r1", sync, 4, sampling, seed=2**62)
     message = pb.ProposeRequest.FromString(wire.propose_to_proto(propose).SerializeToString())
-    assert wire.propose_from_proto(message) == propose
+    # a call within a session leaves the sampling parameters to the session's
+    assert not message.HasField("sampling")
+    assert wire.propose_from_proto(message, sampling) == propose
+    start = ProposeCall("r1", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 4, sampling, seed=1)
+    message = pb.ProposeRequest.FromString(wire.propose_to_proto(start).SerializeToString())
+    assert message.HasField("sampling") and wire.propose_from_proto(message) == start
     score = ScoreCall("r1", sync, (1, 2, 3), sampling)
-    assert wire.score_from_proto(wire.score_to_proto(score)) == score
+    assert wire.score_from_proto(wire.score_to_proto(score), sampling) == score
+    start = ScoreCall("r1", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), (4,), sampling)
+    assert wire.score_from_proto(wire.score_to_proto(start)) == start
     q = truncated_q(3, 50, top_k=4)
-    back = wire.score_from_proto(wire.score_to_proto(ScoreCall("r", sync, (1, 2, 3), sampling, q, 9)))
+    back = wire.score_from_proto(
+        wire.score_to_proto(ScoreCall("r", sync, (1, 2, 3), sampling, q, 9)), sampling)
     assert back.seed == 9 and same_q(back.draft_probs, q)
 
     block = DraftBlock((1, 2), DraftDists.from_dense(torch.softmax(torch.randn(2, 10), -1)))
@@ -146,3 +156,24 @@ def test_half_precision_distributions_travel_bit_exactly_in_their_form():
     dense = DraftDists.from_dense(torch.softmax(torch.randn(3, 4096), -1).half())
     message = wire.dists_to_proto(dense)
     assert not message.HasField("ids") and same_q(wire.dists_from_proto(message), dense)
+
+
+def test_a_session_keeps_its_sampling_parameters_and_forgets_the_oldest():
+    held = wire.SessionSampling(capacity=2)
+    start = wire.score_to_proto(ScoreCall("a", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2)), (),
+                                          SamplingParams(temperature=0.5, top_k=3)))
+    later = wire.score_to_proto(ScoreCall("a", PrefixSync(2, 7, ()), (3,),
+                                          SamplingParams(temperature=0.5, top_k=3)))
+    assert not later.HasField("sampling")
+    with pytest.raises(StaleBase):  # never started here: the router resends the prefix
+        held.of(later)
+    assert held.of(start) == SamplingParams(temperature=0.5, top_k=3)
+    assert held.of(later) == SamplingParams(temperature=0.5, top_k=3)
+    for other in ("b", "c"):  # two newer sessions: "a" is the least recently used
+        held.of(pb.ScoreRequest(request_id=other, sampling=pb.SamplingParams()))
+    with pytest.raises(StaleBase):
+        held.of(later)
+    held.forget("c")
+    assert len(held) == 1
+    with pytest.raises(ValueError):  # validated when they arrive
+        held.of(pb.ScoreRequest(request_id="d", sampling=pb.SamplingParams(temperature=-1)))
