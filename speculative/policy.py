@@ -344,7 +344,10 @@ class AdaptiveK:
     useless_alpha = 0.1  # ...or when this request's draft is accepted less than this...
     min_tested = 16  # ...over at least this many positions tested by this request
     margin = 0.1  # K = 0 is entered when it beats the best K by this much, left likewise
-    batch_rounds = 16  # under load: rounds of the router per exploring phase
+    # under load: rounds of the router per phase (a request's first round in a phase runs
+    # the block drafted at the K before: at 16 streams a phase gives each three clean
+    # rounds), and phases between two that explore
+    batch_rounds, batch_explore_every = 48, 4
     # rounds between two choices (the costs and α move slowly; a choice weighs every K,
     # which on a router serving 16 streams was a tenth of its time per round)
     choose_every = 4
@@ -403,20 +406,24 @@ class AdaptiveK:
 
     def batch_k(self) -> int:
         """Under batch load, the router's K, which every loaded request runs: chosen with
-        the router's acceptance, and explored for all of them at once (one round each, as
-        a batch of `batch_rounds` rounds goes), so the batch never mixes K (measured, 16
-        streams each choosing its own K ran at 0.55x of them all at the K most chose)."""
+        the router's acceptance and the yields measured at each K, and explored for all of
+        them at once (a phase of `batch_rounds` rounds in every `batch_explore_every`), so
+        the batch never mixes K (measured, 16 streams each choosing its own K ran at 0.55x
+        of them all at the K most chose)."""
         costs = self.costs
         if costs.loaded_k is None or costs.loaded_rounds % self.choose_every == 0:
             costs.loaded_k = self.measured_choice(costs.loaded_k, self.choose(costs.loaded_k))
         costs.loaded_rounds += 1
         phase = costs.loaded_rounds // self.batch_rounds
-        if phase % self.explore_every:
+        if phase % self.batch_explore_every:
             return costs.loaded_k
-        self.explored_up = phase // self.explore_every % 2 == 0
+        # in turn: one up, one down, and K = 0 itself (the choice that load may call for,
+        # however far the K in force is from it)
         low = 0 if self.zero_allowed() else max(1, self.bounds.min)
-        step = 1 if self.explored_up or costs.loaded_k <= low else -1
-        return min(max(costs.loaded_k + step, low), self.bounds.max)
+        k = costs.loaded_k
+        turn = phase // self.batch_explore_every % 3
+        explored = k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low
+        return min(max(explored, low), self.bounds.max)
 
     def measured_choice(self, current: int | None, modelled: int) -> int:
         """Under load, the K whose rounds yielded the most where at least two K have been

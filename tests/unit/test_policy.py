@@ -452,3 +452,21 @@ def test_under_load_the_yield_measured_at_each_k_overrules_the_model():
     # a K measured below the current one by less than the margin does not move it
     assert policy.measured_choice(other, modelled) == other
     assert costs.measured_yield(other, 16, least=41) is None
+
+
+def test_under_load_every_request_runs_the_routers_k_and_explores_zero_and_its_neighbours():
+    costs = CostModel()
+    first, second = at_load(costs, 16), at_load(costs, 16)
+    seen, by_phase = [], {}
+    for _ in range(AdaptiveK.batch_rounds * AdaptiveK.batch_explore_every * 3 // 2):
+        for policy in (first, second):
+            phase = (costs.loaded_rounds + 1) // AdaptiveK.batch_rounds  # this round's
+            k = policy.batch_k()
+            assert by_phase.setdefault(phase, k) == k  # a phase never mixes K
+            seen.append(k)
+    chosen = costs.loaded_k
+    assert chosen >= 2
+    explored = set(seen) - {chosen}
+    assert explored == {chosen + 1, chosen - 1, 0} - {chosen}
+    # most rounds run the chosen K
+    assert seen.count(chosen) >= 0.7 * len(seen)
