@@ -186,6 +186,63 @@ class Curve:
 USUAL_CATCH_UP = 2
 
 
+class BatchTrials:
+    """Under batch load every request runs the router's one K (`k`), in phases of rounds;
+    some phases try another K for the whole batch. A tried K is judged by its phase's yield
+    (tokens committed over the rounds' wall seconds) against the phases just before and just
+    after it, at the K in force: the load drifts as requests start and end, and a phase's
+    yield moves with it (measured at 16 streams: 30 % within a run, more than the
+    differences between K = 0, 1 and 2), which an average over time would take for the K."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.k: int | None = None  # the K in force (None: not chosen yet)
+        self.judged = False  # whether a trial has been judged (then trials move K, not a model)
+        self.open: dict[int, list] = {}  # phase -> [K, tokens, seconds] while it runs
+        self.newest = -1
+        self.closed: deque[tuple[int, int, float]] = deque(maxlen=3)  # (phase, K, yield)
+        # per tried K, its phases' yields over their neighbours', since the K last changed
+        self.ratios: dict[int, deque[float]] = {}
+        self.keep = keep
+
+    def record(self, phase: int, k: int, tokens: int, seconds: float) -> None:
+        """A round run at K = k, assigned in `phase`. A phase closes once rounds of two
+        later phases come in (each request's round of it has ended by then)."""
+        if phase < self.newest - 1 or seconds <= 0:
+            return  # a straggler of a closed phase
+        entry = self.open.setdefault(phase, [k, 0, 0.0])
+        entry[1], entry[2] = entry[1] + tokens, entry[2] + seconds
+        self.newest = max(self.newest, phase)
+        for done in sorted(p for p in self.open if p <= self.newest - 2):
+            k_done, tokens_done, seconds_done = self.open.pop(done)
+            self.close(done, k_done, tokens_done / seconds_done)
+
+    def close(self, phase: int, k: int, rate: float) -> None:
+        self.closed.append((phase, k, rate))
+        if len(self.closed) < 3:
+            return
+        (p0, k0, y0), (p1, k1, y1), (p2, k2, y2) = self.closed
+        if p2 - p1 == p1 - p0 == 1 and k0 == k2 == self.k != k1 and y0 + y2 > 0:
+            self.ratios.setdefault(k1, deque(maxlen=self.keep)).append(2 * y1 / (y0 + y2))
+            self.judged = True
+
+    def better(self, margin: float, least: int = 2) -> int | None:
+        """The tried K whose phases beat their neighbours by more than `margin` (geometric
+        mean of its last trials, at least `least` of them), the best such; else None."""
+        best, best_gain = None, 1.0 + margin
+        for k, ratios in self.ratios.items():
+            if len(ratios) < least:
+                continue
+            gain = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def switch(self, k: int) -> None:
+        """Put K = k in force; what was tried was relative to the old K."""
+        self.k = k
+        self.ratios.clear()
+
+
 class CostModel:
     """The pools' costs as warm rounds measure them, shared by a router's requests.
 
@@ -204,11 +261,8 @@ class CostModel:
         self.overhead_plain: dict[int, Recent] = {}
         self.draft_hop = Recent()
         self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
-        self.loaded_k: int | None = None  # the K of every request under batch load
+        self.trials = BatchTrials()  # the K of every request under batch load, tried
         self.loaded_rounds = 0  # rounds run under batch load
-        # under batch load, at each (load bucket, K) every request ran: decayed sums of the
-        # tokens committed and of the rounds' wall seconds (the K's measured yield)
-        self.loaded_yield: dict[tuple[int, int], list[float]] = {}
         # λ: the share of a pipelined round's shorter part (verify or draft) that did not
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}
@@ -232,23 +286,6 @@ class CostModel:
                 max(cost.verify_seconds, cost.draft_seconds)
             self.overlap.setdefault(bucket, Recent()).add(
                 min(1.0, max(0.0, exposed / shorter)))
-
-    def observe_loaded(self, k: int, cost: RoundCost, decay: float = 1 / 64) -> None:
-        """A round run at the router's K under batch load (AdaptiveK.batch_k)."""
-        if not cost.comparable or cost.wall_seconds <= 0:
-            return
-        sums = self.loaded_yield.setdefault((load_bucket(cost.batch_size), k), [0.0, 0.0, 0])
-        sums[0] = (1 - decay) * sums[0] + cost.tokens
-        sums[1] = (1 - decay) * sums[1] + cost.wall_seconds
-        sums[2] += 1
-
-    def measured_yield(self, k: int, load: float, least: int = 32) -> float | None:
-        """Tokens per second of a request when every request ran K = k at about this load,
-        measured over at least `least` rounds; None before."""
-        sums = self.loaded_yield.get((load_bucket(load), k))
-        if sums is None or sums[2] < least:
-            return None
-        return sums[0] / sums[1]
 
     def exposed_share(self, load: float) -> float | None:
         """λ at this load (the nearest load measured; None before any pipelined round)."""
@@ -345,9 +382,9 @@ class AdaptiveK:
     min_tested = 16  # ...over at least this many positions tested by this request
     margin = 0.1  # K = 0 is entered when it beats the best K by this much, left likewise
     # under load: rounds of the router per phase (a request's first round in a phase runs
-    # the block drafted at the K before: at 16 streams a phase gives each three clean
+    # the block drafted at the K before: at 16 streams a phase gives each five clean
     # rounds), and phases between two that explore
-    batch_rounds, batch_explore_every = 48, 4
+    batch_rounds, batch_explore_every = 96, 4
     # rounds between two choices (the costs and α move slowly; a choice weighs every K,
     # which on a router serving 16 streams was a tenth of its time per round)
     choose_every = 4
@@ -363,6 +400,7 @@ class AdaptiveK:
         self.positions_tested = 0  # by this request's own rounds, not the prior
         self.load = 1.0
         self.loaded = False  # the last round chose the router's K under load
+        self.phase = 0  # ...in this phase of the router's (BatchTrials)
         self.rounds = 0
         self.explored_up = False
         self.chosen = self.choose(None) if bounds.initial is None else \
@@ -393,10 +431,10 @@ class AdaptiveK:
             self.costs.observe(cost)
         self.rounds += 1
         if self.load >= self.zero_load:
-            if self.loaded and cost is not None:
-                self.costs.observe_loaded(self.k, cost)
-            self.k = self.chosen = self.batch_k()
-            self.loaded = True
+            if self.loaded and cost is not None and cost.comparable:
+                self.costs.trials.record(self.phase, self.k, cost.tokens, cost.wall_seconds)
+            self.k, self.phase = self.batch_k()
+            self.chosen, self.loaded = self.k, True
             return
         if self.rounds % self.choose_every == 0 or self.loaded:  # or the load just fell
             self.chosen = self.choose(self.chosen)
@@ -404,41 +442,36 @@ class AdaptiveK:
         self.k = self.explore(self.chosen) if self.rounds % self.explore_every == 0 \
             else self.chosen
 
-    def batch_k(self) -> int:
-        """Under batch load, the router's K, which every loaded request runs: chosen with
-        the router's acceptance and the yields measured at each K, and explored for all of
-        them at once (a phase of `batch_rounds` rounds in every `batch_explore_every`), so
-        the batch never mixes K (measured, 16 streams each choosing its own K ran at 0.55x
-        of them all at the K most chose)."""
-        costs = self.costs
-        if costs.loaded_k is None or costs.loaded_rounds % self.choose_every == 0:
-            costs.loaded_k = self.measured_choice(costs.loaded_k, self.choose(costs.loaded_k))
+    def batch_k(self) -> tuple[int, int]:
+        """Under batch load: (the router's K, which every loaded request runs, the phase it
+        was given in). The model chooses it first; after that it moves to a K whose trials
+        (BatchTrials) beat it by `margin`. One phase of `batch_rounds` rounds in every
+        `batch_explore_every` tries, for the whole batch at once, K + 1, K - 1 and K = 0 in
+        turn, so the batch never mixes K (measured, 16 streams each choosing its own K ran
+        at 0.55x of them all at the K most chose)."""
+        costs, trials = self.costs, self.costs.trials
+        if trials.k is None:
+            trials.switch(self.choose(None))
+        elif costs.loaded_rounds % self.choose_every == 0:
+            # the trials decide once they have judged a K; till then the model, which must
+            # promise `margin` more to move the whole batch (a change costs every request a
+            # round of transition)
+            better = trials.better(self.margin) if trials.judged else self.choose(trials.k)
+            if better is not None and better != trials.k and (  # (choose's K = 0 has its own)
+                    trials.judged or 0 in (better, trials.k)
+                    or self.rate(better) > (1 + self.margin) * self.rate(trials.k)):
+                trials.switch(better)
         costs.loaded_rounds += 1
         phase = costs.loaded_rounds // self.batch_rounds
-        if phase % self.batch_explore_every:
-            return costs.loaded_k
+        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
+        k = min(max(trials.k, low), self.bounds.max)
+        if phase % self.batch_explore_every != self.batch_explore_every - 1:
+            return k, phase
         # in turn: one up, one down, and K = 0 itself (the choice that load may call for,
         # however far the K in force is from it)
-        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
-        k = costs.loaded_k
         turn = phase // self.batch_explore_every % 3
-        explored = k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low
-        return min(max(explored, low), self.bounds.max)
-
-    def measured_choice(self, current: int | None, modelled: int) -> int:
-        """Under load, the K whose rounds yielded the most where at least two K have been
-        measured at this load (the K of the batch switches for a better yield by `margin`),
-        else the model's choice."""
-        measured = {k: self.costs.measured_yield(k, self.load)
-                    for k in range(0 if self.zero_allowed() else max(1, self.bounds.min),
-                                   self.bounds.max + 1)}
-        measured = {k: rate for k, rate in measured.items() if rate is not None}
-        if len(measured) < 2:
-            return modelled
-        best = max(measured, key=measured.get)
-        if current in measured and measured[best] <= measured[current] * (1 + self.margin):
-            return current
-        return best
+        tried = k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low
+        return min(max(tried, low), self.bounds.max), phase
 
     def explore(self, k: int) -> int:
         """A neighbour of k: one up and one down in turn, within what may be chosen."""

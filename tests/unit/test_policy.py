@@ -2,7 +2,15 @@
 
 import pytest
 
-from speculative.policy import AdaptiveK, CostModel, FixedK, KBounds, RoundCost, expected_tokens
+from speculative.policy import (
+    AdaptiveK,
+    BatchTrials,
+    CostModel,
+    FixedK,
+    KBounds,
+    RoundCost,
+    expected_tokens,
+)
 
 
 def measured(verify_ms, draft_ms_per_token: float, overhead_ms: float = 0.0) -> CostModel:
@@ -391,7 +399,8 @@ class SharedCores:
         wall = verify + draft + overhead  # the shared cores: nothing overlaps
         policy.update(tested, accepted, RoundCost(
             block + 1, verify, k + 1 if k else 0, draft, overhead, self.batch,
-            self.batch * (block + 1), comparable=not first, kind=kind, wall_seconds=wall))
+            self.batch * (block + 1), comparable=not first, kind=kind, wall_seconds=wall,
+            tokens=tokens))
         return tokens, wall
 
 
@@ -435,23 +444,36 @@ def test_the_overlap_of_pipelined_rounds_is_measured_by_load():
     assert CostModel().exposed_share(1) is None
 
 
-def test_under_load_the_yield_measured_at_each_k_overrules_the_model():
-    costs = CostModel()
-    policy = at_load(costs, 16)
-    modelled = policy.choose(None)
-    assert modelled >= 1
-    other = modelled + 1
-    for _ in range(40):  # rounds with every request at K: tokens committed, wall seconds
-        costs.observe_loaded(modelled, RoundCost(modelled + 1, 0.01, 0, 0.0, 0.0, 16,
-                                                 tokens=1, wall_seconds=0.02))
-        costs.observe_loaded(other, RoundCost(other + 1, 0.01, 0, 0.0, 0.0, 16,
-                                              tokens=3, wall_seconds=0.02))
-    assert costs.measured_yield(other, 16) == pytest.approx(150)
-    assert costs.measured_yield(other, 2) is None  # another load
-    assert policy.measured_choice(modelled, modelled) == other
-    # a K measured below the current one by less than the margin does not move it
-    assert policy.measured_choice(other, modelled) == other
-    assert costs.measured_yield(other, 16, least=41) is None
+def test_a_tried_k_is_judged_against_the_phases_around_it():
+    trials = BatchTrials()
+    trials.switch(2)
+    yields = {2: 50.0, 0: 60.0}  # tokens per second of a request in a phase at this K
+    drift = 1.0
+    for phase in range(40):
+        k = 0 if phase % 4 == 0 else 2
+        drift *= 1.05  # the load falls: every K's yield rises, 5 % a phase
+        for _ in range(16):
+            trials.record(phase, k, 3, 3 / (yields[k] * drift))
+    # every trial of K = 0 beat the phases around it by 1.2 / the drift's 1.0006
+    assert len(trials.ratios[0]) == 4 and all(1.19 < r < 1.21 for r in trials.ratios[0])
+    assert trials.better(margin=0.1) == 0 and trials.better(margin=0.25) is None
+    trials.switch(0)
+    assert not trials.ratios and trials.k == 0
+
+
+def test_a_drift_does_not_pass_for_a_better_k():
+    """The load rises through a run (every K's yield falls 5 % a phase) while the K tried
+    is worse by 5 %: against its neighbours it loses, where an average of each K's phases
+    over time would credit it with the drift (its phases come first in every four)."""
+    trials = BatchTrials()
+    trials.switch(2)
+    drift = 1.0
+    for phase in range(40):
+        k = 3 if phase % 4 == 0 else 2
+        drift *= 0.95
+        for _ in range(16):
+            trials.record(phase, k, 3, 3 / ((47.5 if k == 3 else 50.0) * drift))
+    assert trials.better(margin=0.0) is None
 
 
 def test_under_load_every_request_runs_the_routers_k_and_explores_zero_and_its_neighbours():
@@ -460,11 +482,10 @@ def test_under_load_every_request_runs_the_routers_k_and_explores_zero_and_its_n
     seen, by_phase = [], {}
     for _ in range(AdaptiveK.batch_rounds * AdaptiveK.batch_explore_every * 3 // 2):
         for policy in (first, second):
-            phase = (costs.loaded_rounds + 1) // AdaptiveK.batch_rounds  # this round's
-            k = policy.batch_k()
+            k, phase = policy.batch_k()
             assert by_phase.setdefault(phase, k) == k  # a phase never mixes K
             seen.append(k)
-    chosen = costs.loaded_k
+    chosen = costs.trials.k
     assert chosen >= 2
     explored = set(seen) - {chosen}
     assert explored == {chosen + 1, chosen - 1, 0} - {chosen}
