@@ -10,7 +10,13 @@ from deployments.clients import PoolError
 from deployments.ingress import pool_failure
 from deployments.logprobs import chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
-from deployments.openai_api import chunk_body, choice_body, completion_body, error_body
+from deployments.openai_api import (
+    DeltaChunks,
+    choice_body,
+    chunk_body,
+    completion_body,
+    error_body,
+)
 from speculative.driver import Decode, Generation
 from speculative.frontend import RequestPlan
 from speculative.types import Drafter, Verifier
@@ -77,8 +83,8 @@ class Choices:
             self.all_choices(lambda index: self.stream_choice(index, queue)))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while (chunk := await queue.get()) is not None:
-                yield f"data: {json.dumps(chunk)}\n\n"
+            while (chunk := await queue.get()) is not None:  # serialised JSON
+                yield f"data: {chunk}\n\n"
             done = await task
             kind = "chat.completion.chunk" if self.chat else "text_completion"
             final = {"id": self.request_id, "object": kind, "model": self.model,
@@ -98,12 +104,14 @@ class Choices:
 
     async def stream_choice(self, index: int, queue: asyncio.Queue) -> Generation:
         """One choice's chunks into the queue: the role (chat), its text deltas, its end."""
-        def chunk(text, finish_reason=None, **fields):
-            return chunk_body(self.request_id, self.model, index, text, finish_reason,
-                              self.chat, **fields)
+        def chunk(text, finish_reason=None, **fields) -> str:
+            return json.dumps(chunk_body(self.request_id, self.model, index, text,
+                                         finish_reason, self.chat, **fields))
+
+        delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat)
 
         async def push(_, delta):
-            await queue.put(chunk(delta))
+            await queue.put(delta_chunk(delta))
 
         if self.chat:
             await queue.put(chunk("", role="assistant"))

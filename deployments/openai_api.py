@@ -1,5 +1,6 @@
 """OpenAI-compatible request and response shapes (completions, chat completions, errors)."""
 
+import json
 import time
 from typing import Annotated, Literal
 
@@ -223,6 +224,21 @@ def choice_body(index: int, text: str, finish_reason: str | None, stop_reason, c
     if token_ids is not None:
         body["token_ids"] = token_ids
     return body
+
+
+class DeltaChunks:
+    """One streamed choice's text-delta chunks, serialised: the JSON around the text is built
+    once per stream (every chunk of a stream has the same id, created and model, as
+    OpenAI's) and a delta costs one string's encoding."""
+
+    HOLE = "\x00delta\x00"
+
+    def __init__(self, request_id: str, model: str, index: int, chat: bool) -> None:
+        whole = json.dumps(chunk_body(request_id, model, index, self.HOLE, None, chat))
+        self.head, self.tail = whole.split(json.dumps(self.HOLE))
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text) + self.tail
 
 
 def chunk_body(request_id: str, model: str, index: int, text: str | None,

@@ -23,7 +23,9 @@ tokens): under load a request's own round lasts as long as the batch cycle whate
 so its own round times would make every K look free to it while its drafts slow everyone.
 Under batch load every request runs the router's one K (AdaptiveK.batch_k): measured at 16
 streams, requests that each chose their own K (mostly 1 to 3) made 0.6x the tokens of all
-at K = 2, as a drafter batch lasts as long as its longest block.
+at K = 2, as a drafter batch lasts as long as its longest block. That K is then tried, not
+modelled: phases of the whole batch at another K, each judged against the phases around it
+(BatchTrials), decide it once they have judged one.
 
 What keeps the estimates honest (a policy that believes speculation is dear stops drafting,
 and a K it never runs is a K it never measures):

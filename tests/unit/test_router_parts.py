@@ -9,7 +9,7 @@ import pytest
 from deployments.admission import Admission
 from deployments.choices import Choices, all_or_none
 from deployments.ingress import BadRequest
-from deployments.openai_api import error_body
+from deployments.openai_api import DeltaChunks, chunk_body, error_body
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
 from tests.tiny import Agreeing
@@ -97,3 +97,13 @@ def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_b
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["delta"].get("content", "") for c in mine) == "aaaa"
         assert mine[-1]["finish_reason"] == "length" and mine[-1]["token_ids"] == [1] * 4
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_delta_chunk_built_once_is_the_chunk_body_of_its_text(chat):
+    chunks = DeltaChunks("cmpl-7", "specserve-demo", 3, chat)
+    for text in ["plain", "", 'quotes " and \\ and\nlines', "é ✓ \x00"]:
+        built, body = json.loads(chunks(text)), chunk_body("cmpl-7", "specserve-demo", 3, text,
+                                                          None, chat)
+        assert built.pop("created") <= body.pop("created")
+        assert built == body
