@@ -198,6 +198,7 @@ class BatchTrials:
 
     def __init__(self, keep: int = 4) -> None:
         self.k: int | None = None  # the K in force (None: not chosen yet)
+        self.rounds = 0  # rounds run under batch load, which number the phases
         self.judged = False  # whether a trial has been judged (then trials move K, not a model)
         self.open: dict[int, list] = {}  # phase -> [K, tokens, seconds] while it runs
         self.newest = -1
@@ -264,7 +265,6 @@ class CostModel:
         self.draft_hop = Recent()
         self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
         self.trials = BatchTrials()  # the K of every request under batch load, tried
-        self.loaded_rounds = 0  # rounds run under batch load
         # λ: the share of a pipelined round's shorter part (verify or draft) that did not
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}
@@ -451,10 +451,10 @@ class AdaptiveK:
         `batch_explore_every` tries, for the whole batch at once, K + 1, K - 1 and K = 0 in
         turn, so the batch never mixes K (measured, 16 streams each choosing its own K ran
         at 0.55x of them all at the K most chose)."""
-        costs, trials = self.costs, self.costs.trials
+        trials = self.costs.trials
         if trials.k is None:
             trials.switch(self.choose(None))
-        elif costs.loaded_rounds % self.choose_every == 0:
+        elif trials.rounds % self.choose_every == 0:
             # the trials decide once they have judged a K; till then the model, which must
             # promise `margin` more to move the whole batch (a change costs every request a
             # round of transition)
@@ -463,8 +463,8 @@ class AdaptiveK:
                     trials.judged or 0 in (better, trials.k)
                     or self.rate(better) > (1 + self.margin) * self.rate(trials.k)):
                 trials.switch(better)
-        costs.loaded_rounds += 1
-        phase = costs.loaded_rounds // self.batch_rounds
+        trials.rounds += 1
+        phase = trials.rounds // self.batch_rounds
         low = 0 if self.zero_allowed() else max(1, self.bounds.min)
         k = min(max(trials.k, low), self.bounds.max)
         if phase % self.batch_explore_every != self.batch_explore_every - 1:
