@@ -15,14 +15,14 @@ import time
 
 import torch
 
-from engine.batch import forward_packed
 from engine.kv import SessionStore
+from engine.memory import kv_bytes_per_token
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
-from engine.lean import serving_engine
-from engine.paged import kv_bytes_per_token
+from engine.runner import serving_runner
 from specserve.check_gpu import prefill
 
-CASES = [(1, 1), (1, 5), (8, 1), (8, 5), (32, 1), (32, 5)]  # (requests, new tokens each)
+CASES = [(1, 1), (1, 5), (8, 1), (8, 5), (16, 1), (32, 1), (32, 5)]  # (requests, new each)
+BACKENDS = ("transformers", "paged", "regions")  # the default CPU backend last
 
 
 def median_s(work, repeats: int) -> float:
@@ -46,12 +46,23 @@ def peak_flops(dtype) -> float:
     return 2 * 1024**3 / median_s(lambda: a @ b, 5)
 
 
-def forward_ms(model, batch: int, new: int, context: int, repeats: int) -> float:
+def forward_ms(runner, batch: int, new: int, context: int, repeats: int) -> float:
+    """The median forward of `batch` requests x `new` tokens after `context` cached ones."""
     store = SessionStore(batch + 1)
-    sequences = [prefill(model, store, f"r{b}", [(7 * b + i) % 4000 + 1 for i in range(context)])
+    sequences = [prefill(runner, store, f"r{b}", [(7 * b + i) % 4000 + 1 for i in range(context)])
                  for b in range(batch)]
-    return 1e3 * median_s(lambda: forward_packed(
-        model, [s.segment(model, [5] * (new - 1), new) for s in sequences]), repeats)
+    took = 1e3 * median_s(lambda: runner.forward(
+        [s.segment(runner, [5] * (new - 1), new) for s in sequences]), repeats)
+    store.clear()
+    return took
+
+
+def runner_for(path: str, backend: str, dtype: str, tokens: int):
+    if backend == "transformers":
+        return serving_runner(load_causal_lm(path, dtype), "transformers")
+    # regions: as many as the memory budget holds (each a whole context, backed as written)
+    return serving_runner(load_causal_lm(path, dtype), "paged", backend, max_sequences=64,
+                          kv_cache_tokens=tokens if backend == "paged" else None)
 
 
 def floor_ms(model, batch: int, new: int, context: int, bandwidth: float, flops: float) -> float:
@@ -74,22 +85,24 @@ def main() -> None:
     bandwidth, flops = memory_bandwidth(), peak_flops(dtype)
     print(f"measured: {bandwidth / 1e9:.1f} GB/s read, {flops / 1e9:.1f} GFLOP/s "
           f"({args.dtype} matmul), {args.threads} thread(s); context {args.context}")
-    print("| model | requests x new | transformers ms | paged ms | paged speedup "
-          "| floor ms | paged / floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | requests x new | " + " | ".join(f"{b} ms" for b in BACKENDS)
+          + " | regions / paged | floor ms | regions / floor |")
+    print("|---" * (len(BACKENDS) + 5) + "|")
     rows = []
     for name, path in (("target", DEMO_TARGET), ("draft", DEMO_DRAFT)):
         for batch, new in CASES:
-            old = forward_ms(serving_engine(load_causal_lm(path, args.dtype), "transformers"),
-                             batch, new, args.context, args.repeats)
-            model = serving_engine(load_causal_lm(path, args.dtype), "paged",
-                                   kv_cache_tokens=(batch + 1) * (args.context + 16))
-            new_ms = forward_ms(model, batch, new, args.context, args.repeats)
-            floor = floor_ms(model, batch, new, args.context, bandwidth, flops)
-            rows.append({"model": name, "batch": batch, "new": new, "transformers_ms": old,
-                         "paged_ms": new_ms, "floor_ms": floor})
-            print(f"| {name} | {batch} x {new} | {old:.2f} | {new_ms:.2f} | {old / new_ms:.2f}x "
-                  f"| {floor:.2f} | {new_ms / floor:.1f}x |", flush=True)
+            tokens = (batch + 1) * (args.context + 16)
+            times = {}
+            for backend in BACKENDS:
+                runner = runner_for(path, backend, args.dtype, tokens)
+                times[backend] = forward_ms(runner, batch, new, args.context, args.repeats)
+            floor = floor_ms(runner.model, batch, new, args.context, bandwidth, flops)
+            rows.append({"model": name, "batch": batch, "new": new, "floor_ms": floor,
+                         **{f"{b}_ms": t for b, t in times.items()}})
+            print(f"| {name} | {batch} x {new} | "
+                  + " | ".join(f"{times[b]:.2f}" for b in BACKENDS)
+                  + f" | {times['regions'] / times['paged']:.2f}x | {floor:.2f} | "
+                  f"{times['regions'] / floor:.1f}x |", flush=True)
     print(json.dumps({"bandwidth_gb_s": bandwidth / 1e9, "gflops": flops / 1e9, "rows": rows}))
 
 

@@ -2,7 +2,8 @@
 
 from ray.serve import Application
 
-from deployments.pools import DrafterArgs, DrafterPool, VerifierArgs, VerifierPool
+from deployments.pool_args import DrafterArgs, VerifierArgs
+from deployments.pools import DrafterPool, VerifierPool
 from deployments.router import Router
 from deployments.router_args import RouterArgs
 

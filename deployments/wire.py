@@ -309,7 +309,8 @@ def score_from_proto(message: pb.ScoreRequest,
 
 
 def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
-    response = pb.ScoreResponse(compute_us=round(scores.compute_seconds * 1e6))
+    response = pb.ScoreResponse(compute_us=round(scores.compute_seconds * 1e6),
+                                cached_tokens=scores.cached_tokens)
     if scores.bonus_token_id is None:
         response.greedy.target_token_ids.extend(scores.target_token_ids)
     else:
@@ -348,7 +349,7 @@ def logprobs_from_proto(message: pb.ScoreResponse) -> PositionLogprobs | None:
 
 def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
     timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message),
-              "logprobs": logprobs_from_proto(message)}
+              "logprobs": logprobs_from_proto(message), "cached_tokens": message.cached_tokens}
     kind = message.WhichOneof("scores")
     if kind == "greedy":
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)

@@ -5,9 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.batch import forward_packed
 from engine.kv import Sequence, SessionStore, admitted
-from engine.lean import serving_engine
+from engine.runner import ModelRunner, serving_runner
 from speculative.grammar import TokenMasks, masked, matcher_after
 from speculative.sampling import (
     fit_vocab,
@@ -44,14 +43,17 @@ class ModelDrafter:
     def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
                  draft_top_k: int = 0, draft_q_mass: float = 1.0,
                  draft_q_dtype: str = "float32", max_cached_tokens: int | None = None,
-                 session_ttl_s: float | None = None, engine: str = "auto",
+                 session_ttl_s: float | None = None, engine: str = "auto", attention: str = "auto",
                  kv_cache_tokens: int | None = None, grammar_tokenizer=None) -> None:
         """grammar_tokenizer: llguidance's tokenizer over `vocab_size` (the target's), for
         structured outputs; without it a request with a grammar gets no draft."""
-        self.model = serving_engine(model, engine, kv_cache_tokens, max_cached_requests)
+        # a runner already built (a check sharing one model between engines) or a model
+        self.runner = model if isinstance(model, ModelRunner) else \
+            serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests)
+        self.model = self.runner.model
         self.grammar_tokenizer = grammar_tokenizer
-        self.vocab_size = vocab_size or model.config.vocab_size
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.vocab_size = vocab_size or self.model.config.vocab_size
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.draft_top_k, self.draft_q_mass = draft_top_k, draft_q_mass
         self.truncates = 0 < draft_top_k < self.vocab_size or draft_q_mass < 1
         self.draft_q_dtype = {"float32": torch.float32, "float16": torch.float16}[draft_q_dtype]
@@ -76,7 +78,7 @@ class ModelDrafter:
             return self.draft_together(calls)
         except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
             for call in calls:
-                self.sessions.release(call.request_id)
+                self.sessions.drop(call.request_id)
             raise
 
     def draft_together(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
@@ -126,7 +128,7 @@ class ModelDrafter:
         # Feeding the committed tail also covers the "all K accepted" case: the drafter never
         # fed its own last token x_K, so it is fed now together with the bonus token (or, for
         # a pre-draft, together with the assumed block under verification).
-        active = [(index, draft, draft.sequence.segment(self.model, draft.assumed, 1))
+        active = [(index, draft, draft.sequence.segment(self.runner, draft.assumed, 1))
                   for index, draft in drafts]
         # blocks for the whole block up front (its last token is never fed), or a refusal
         return admitted(active, [segment.cache for _, _, segment in active],
@@ -140,7 +142,7 @@ class ModelDrafter:
         while active:
             segments = [segment for _, _, segment in active]
             first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)
-            logits = forward_packed(self.model, segments)
+            logits = self.runner.forward(segments)
             picked = self.greedy_picks([draft for _, draft, _ in active], logits)
             still = []
             for row, ((index, draft, _), rows) in enumerate(zip(active, logits)):
@@ -150,7 +152,7 @@ class ModelDrafter:
                     self.draw(draft, rows[0])
                 if len(draft.token_ids) < draft.num_tokens:
                     still.append((index, draft, draft.sequence.segment(
-                        self.model, draft.assumed + draft.token_ids, 1)))
+                        self.runner, draft.assumed + draft.token_ids, 1)))
             active = still
         return first_tokens
 

@@ -21,9 +21,10 @@ class DrafterSpec:
     dtype: str = "float32"
     device: str = "cpu"
     max_cached_requests: int = 256
-    max_cached_tokens: int | None = None  # see deployments.pools.PoolArgs
+    max_cached_tokens: int | None = None  # see deployments.pool_args.PoolArgs
     session_ttl_s: float | None = None
-    engine: str = "auto"  # see deployments.pools.PoolArgs
+    engine: str = "auto"  # see deployments.pool_args.PoolArgs
+    attention: str = "auto"
     kv_cache_tokens: int | None = None
     # model: q as shipped: its top entries (0 = all), the fewest top entries holding this
     # mass (1 = all), in this precision. Whole in float32 by default (float16's steps move
@@ -64,6 +65,7 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
                         max_cached_requests=spec.max_cached_requests,
                         max_cached_tokens=spec.max_cached_tokens,
                         session_ttl_s=spec.session_ttl_s, engine=spec.engine,
+                        attention=spec.attention,
                         kv_cache_tokens=spec.kv_cache_tokens,
                         grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
 

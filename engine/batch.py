@@ -39,7 +39,7 @@ UNFINISHED = Unfinished()
 class Segment:
     """One request's part of a packed forward: token_ids fed at positions start.., on cache."""
 
-    cache: object  # transformers DynamicCache, or engine.paged.PagedCache
+    cache: object  # engine.runner.TransformersCache, or a pool's (engine.cache.PoolCache)
     token_ids: list[int]
     start: int
     num_logits: int  # logits wanted for the last num_logits of token_ids
@@ -106,17 +106,10 @@ def use_packed_attention(model):
     return model
 
 
-LEAN = "specserve_lean"  # the model's engine.lean.LeanForward, when it has one
-
-
 @torch.no_grad()
 def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
-    """One forward over all segments; returns each segment's logits [num_logits, V]: the
-    paged lean forward when the model has one (engine.lean), else transformers' modeling
-    with packed_attention."""
-    lean = getattr(model, LEAN, None)
-    if lean is not None:
-        return lean(segments)
+    """One forward of transformers' modeling over all segments (each on its own cache,
+    attention through packed_attention); returns each segment's logits [num_logits, V]."""
     if model.config._attn_implementation != ATTENTION:
         use_packed_attention(model)
     batch = PackedBatch(segments)

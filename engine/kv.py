@@ -1,8 +1,10 @@
 """Per-request token state and KV caches, kept in the replica that holds the model.
 
-A cache is a paged one (engine.paged: a block table in the replica's block pool, rolled back
-by a length reset) when the model runs the lean forward, else a transformers DynamicCache;
-what follows about sliding windows concerns the latter (a paged cache keeps every position).
+A cache is a pool's (engine.cache: positions in the replica's KV pool, rolled back by a length
+reset) when the model runs the lean forward, else a transformers DynamicCache
+(engine.runner.TransformersCache); what follows about sliding windows concerns the latter (a
+pool's cache keeps every position). A new request's cache starts from the longest prompt
+prefix the pool holds in full blocks (prefix caching, engine.cache); `cached_tokens` counts it.
 
 A pool keeps one `Sequence` per request in a bounded LRU (`SessionStore`). Each call names the
 committed prefix it builds on (`PrefixSync`); the sequence checks that base, appends the newly
@@ -22,10 +24,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from engine.batch import LEAN, Segment, forward_packed
-from engine.paged import KVCacheFull, PagedCache
+from engine.batch import Segment
+from engine.cache import KVCacheFull
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
 
 
@@ -44,7 +45,8 @@ class Sequence:
         self.committed: list[int] = []
         self.committed_hash = EMPTY_PREFIX_HASH
         self.cached_ids: list[int] = []
-        self.cache: DynamicCache | None = None
+        self.cache = None  # the runner's (engine.runner.ModelRunner.new_cache)
+        self.cached_tokens = 0  # prompt tokens its cache started with (a prefix hit)
         self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
         self.unfinished = None  # the call whose feed was cut (chunked prefill), to resume
         self.constraint = None  # a structured output's matcher (speculative.grammar)
@@ -62,13 +64,36 @@ class Sequence:
         self.committed_hash = prefix_hash(self.committed)
         if not self.committed:
             raise ValueError("the committed prefix is empty: a prompt needs at least one token")
+        self.publish()
 
-    def feed(self, model, extra: list[int], num_logits: int) -> torch.Tensor:
+    def publish(self) -> None:
+        """Offer the full blocks of the committed prefix its cache holds to later requests."""
+        cache = self.cache
+        if cache is None or cache.pool is None:
+            return
+        size = cache.pool.block_size
+        end = len(cache.names) * size
+        limit = min(len(self.committed), cache.length)
+        # only blocks whose positions hold the committed tokens (not drafts fed there)
+        while end + size <= limit and \
+                self.cached_ids[end:end + size] == self.committed[end:end + size]:
+            end += size
+        if end > len(cache.names) * size:
+            cache.publish(self.committed[:end])
+
+    def close(self) -> None:
+        """The request is gone: its cache is kept for its prefix while memory allows."""
+        if self.cache is not None:
+            self.publish()
+            self.cache.retire()
+            self.cache = None
+
+    def feed(self, runner, extra: list[int], num_logits: int) -> torch.Tensor:
         """Bring the cache to committed + extra; returns the logits of its last `num_logits`
         positions, [num_logits, V]."""
-        return forward_packed(model, [self.segment(model, extra, num_logits)])[0]
+        return runner.forward([self.segment(runner, extra, num_logits)])[0]
 
-    def segment(self, model, extra: list[int], num_logits: int,
+    def segment(self, runner, extra: list[int], num_logits: int,
                 limit: int | None = None) -> Segment:
         """What to feed to bring the cache to committed + extra, as one part of a batch.
 
@@ -80,51 +105,32 @@ class Sequence:
         from there.
         """
         ids = self.committed + extra
+        if self.cache is None:  # a new request: from the longest cached prefix
+            self.cache = runner.new_cache()
+            self.cached_tokens = self.cache.adopt_prefix(ids, len(ids) - max(num_logits, 1))
+            self.cached_ids = ids[:self.cached_tokens]
         start = min(common_prefix_len(self.cached_ids, ids), len(ids) - num_logits)
         if limit is not None and len(ids) - start > limit:
             end = min(start + limit, len(ids) - num_logits)
             if end > start:
-                return self.prepare(model, ids[start:end], start, 0)
-        return self.prepare(model, ids[start:], start, num_logits)
+                return self.prepare(runner, ids[start:end], start, 0)
+        return self.prepare(runner, ids[start:], start, num_logits)
 
-    def prepare(self, model, token_ids: list[int], start: int, num_logits: int) -> Segment:
+    def prepare(self, runner, token_ids: list[int], start: int, num_logits: int) -> Segment:
         """Crop the cache to `start` tokens; the segment feeds token_ids after it."""
-        if self.cache is not None:
+        if self.cache is not None and self.cache.get_seq_length() > 0:
             remove = max(0, self.cache.get_seq_length() - start)
-            if can_roll_back(self.cache, remove):
+            if self.cache.can_roll_back(remove):
                 self.cache.crop(-remove)  # 0 still trims sliding layers back to their window
             else:
+                self.cache.free()
                 self.cache = None
         if self.cache is None:
-            self.cache = new_cache(model)
+            self.cache = runner.new_cache()
             token_ids, start = self.cached_ids[:start] + token_ids, 0
         del self.cached_ids[start:]
         self.cached_ids.extend(token_ids)
         return Segment(self.cache, token_ids, start, num_logits)
-
-
-def new_cache(model):
-    """A paged cache in the model's block pool when it runs the lean forward, else a
-    DynamicCache."""
-    lean = getattr(model, LEAN, None)
-    if lean is not None:
-        return lean.new_cache()
-    cache = DynamicCache(config=model.config)
-    cache.activate_past_recording()  # sliding layers keep what a rollback needs (see above)
-    return cache
-
-
-def can_roll_back(cache, num_tokens: int) -> bool:
-    """Whether every layer still holds what it needs after removing num_tokens: a sliding
-    layer must keep min(window - 1, its new length) positions (a paged cache keeps all)."""
-    if isinstance(cache, PagedCache):
-        return True
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) and layer.is_initialized:
-            kept = layer.keys.shape[-2] - num_tokens
-            if kept < min(layer.sliding_window - 1, layer.cumulative_length - num_tokens):
-                return False
-    return True
 
 
 @dataclass
@@ -200,6 +206,7 @@ class SessionStore:
         while len(self._sequences) > 1 and (len(self._sequences) > self.capacity
                                             or limit is not None and tokens > limit):
             _, evicted = self._sequences.popitem(last=False)
+            evicted.close()
             tokens -= len(evicted.committed)
             self.stats.evictions += 1
 
@@ -210,20 +217,30 @@ class SessionStore:
         expired = time.monotonic() - self.ttl_s
         dropped = 0
         while self._sequences and next(iter(self._sequences.values())).last_used <= expired:
-            self._sequences.popitem(last=False)
+            self._sequences.popitem(last=False)[1].close()
             dropped += 1
         return dropped
 
     def release(self, request_id: str) -> None:
-        """Forget the request; a paged cache gives its blocks back at once."""
+        """Forget the request; its cache's units are kept for its prefix until needed."""
         sequence = self._sequences.pop(request_id, None)
-        if sequence is not None and isinstance(sequence.cache, PagedCache):
+        if sequence is not None:
+            sequence.close()
+
+    def drop(self, request_id: str) -> None:
+        """Forget the request and free its cache's units now (a refused or failed call)."""
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None and sequence.cache is not None:
             sequence.cache.free()
 
-    def evictable_blocks(self, keep: set[str]) -> int:
-        """Paged blocks held by sessions not in `keep` (what evict_idle could give back)."""
-        return sum(len(sequence.cache.blocks) for request_id, sequence in self._sequences.items()
-                   if request_id not in keep and isinstance(sequence.cache, PagedCache))
+    def clear(self) -> None:
+        for request_id in list(self._sequences):
+            self.drop(request_id)
+
+    def evictable_units(self, keep: set[str]) -> int:
+        """Pool units held by sessions not in `keep` (what evict_idle could give back)."""
+        return sum(len(sequence.cache.units) for request_id, sequence in self._sequences.items()
+                   if request_id not in keep and sequence.cache is not None)
 
     def evict_idle(self, keep: set[str]) -> bool:
         """Release the least recently used session not in `keep`; False when there is none."""
@@ -241,28 +258,28 @@ class KVCacheTooSmall(ValueError):
 
 
 def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -> None:
-    """Blocks in a request's paged cache for `length` positions, before a batch's forward:
-    while the pool is short, idle sessions give theirs back (least recently used first,
-    never one of the batch, `keep`: they rebuild later, exact).
+    """Units in a request's cache for `length` positions, before a batch's forward: while
+    the pool is short, retired prefixes and then idle sessions give theirs back (least
+    recently used first, never one of the batch, `keep`: they rebuild later, exact).
 
     Raises KVCacheTooSmall when the pool could never hold `length` positions, KVCacheFull
     when the batch's requests hold what it needs now (the pool answers RESOURCE_EXHAUSTED,
     the router 429), without evicting anyone when evicting every idle session would not be
     enough. A transformers cache needs nothing."""
-    if not isinstance(cache, PagedCache):
-        return
     pool = cache.pool
-    if length > (pool.num_blocks - 1) * pool.block_size:
+    if pool is None:
+        return
+    if length > pool.max_tokens:
         raise KVCacheTooSmall(f"{length} positions need more KV cache than this replica "
-                              f"holds ({(pool.num_blocks - 1) * pool.block_size} tokens)")
-    needed = cache.missing_blocks(length)
-    if needed > pool.free_blocks:  # only then are the idle sessions counted
-        if needed > pool.free_blocks + sessions.evictable_blocks(keep):
-            raise KVCacheFull(f"the KV cache needs {needed} more blocks of {pool.block_size} "
-                              f"tokens, {pool.free_blocks} are free and the batch holds the "
-                              f"rest")
-        while pool.free_blocks < needed:
-            sessions.evict_idle(keep)
+                              f"holds ({pool.max_tokens} tokens)")
+    needed = cache.missing(length)
+    if needed > pool.free_units:  # only then are retired prefixes and sessions counted
+        spare = pool.free_units + pool.evictable_units
+        if needed > spare + sessions.evictable_units(keep):
+            raise KVCacheFull(f"the KV cache needs {needed} more {pool.unit_name}, "
+                              f"{pool.free_units} are free and the batch holds the rest")
+        while needed > pool.free_units + pool.evictable_units and sessions.evict_idle(keep):
+            pass
     cache.reserve(length)
 
 
@@ -279,7 +296,7 @@ def admitted(entries: list, caches: list, lengths: list[int], calls: list, resul
         except (ValueError, KVCacheFull) as error:
             # an answer, not a raise: its traceback would keep the batch's caches alive
             results[entry[0]] = error.with_traceback(None)
-            sessions.release(calls[entry[0]].request_id)
+            sessions.drop(calls[entry[0]].request_id)
             continue
         kept.append(entry)
     return kept

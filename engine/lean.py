@@ -1,23 +1,20 @@
-"""A lean forward for the Llama family (Llama, Mistral, Qwen2) over engine.paged's blocks.
+"""A lean forward for the Llama family (Llama, Mistral, Qwen2) over an attention backend.
 
 Compute: `LeanForward` runs the checkpoint's own modules (embeddings, RMSNorms, rotary
 embedding, projections, LM head) with q/k/v and gate/up fused into one matmul each (the
 original weights become views of the fused ones: no second copy). All requests' new tokens
-are packed into one row, and each layer makes ONE attention call for the whole batch: the
-queries padded to [B, H, max_new, D], each request's keys gathered from its blocks into
-[B, H_kv, max_len, D], SDPA with GQA (no KV expansion) under one [B, 1, max_new, max_len]
-mask built once per forward (causal, the request's own length, the sliding window where a
-layer has one). The mask is per request, never N x N over the batch; a tree mask inside
-one request's new tokens would replace its causal block.
+are packed into one row [N, hidden]; only attention is per request, and each layer makes it
+one backend call for the whole batch (engine.attention: the backend writes the new keys and
+values into its pool and attends each request's queries over its own keys, under masks
+built once per forward).
 
 Architectures outside the family (or with features the lean path does not implement) keep
-transformers' own modeling through `engine.batch`.
+transformers' own modeling through `engine.batch`; engine.runner picks one at start-up.
 """
 
 import torch
 import torch.nn.functional as F
 
-from engine.paged import BLOCK_SIZE, BlockPool, PagedCache, kv_pool_blocks
 
 LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -154,88 +151,11 @@ class LeanLayer:
                       self.kv_heads * self.head_dim]
 
 
-class BatchPlan:
-    """The index tensors and masks of one packed forward, built once for all its layers."""
-
-    def __init__(self, segments, pool: BlockPool, windows: set, device) -> None:
-        lengths = [len(s.token_ids) for s in segments]
-        ends = [s.start + n for s, n in zip(segments, lengths)]
-        self.batch, self.max_new, self.max_len = len(segments), max(lengths), max(ends)
-        self.num_tokens = sum(lengths)
-        self.uniform = all(n == self.max_new for n in lengths)
-        self.write_slots = torch.cat([s.cache.slots(s.start, end, device)
-                                      for s, end in zip(segments, ends)])
-        size = pool.block_size
-        blocks = segments[0].cache.blocks
-        # one request whose blocks follow each other (a fresh pool hands them out in order):
-        # its keys are a slice of the pool, read in place
-        self.run = blocks[0] * size if self.batch == 1 and \
-            blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
-        self.gather = None if self.run is not None else self.gather_index(segments, ends, size,
-                                                                          device)
-        self.rows = None
-        if not self.uniform:  # packed token -> its (row, j) in the padded layout
-            flat = []
-            for row, (segment, n) in enumerate(zip(segments, lengths)):
-                flat.extend(row * self.max_new + j for j in range(n))
-            self.rows = torch.tensor(flat, device=device)
-        if self.batch == 1 and self.max_new == 1:  # one query, at the last position
-            last = self.max_len - 1  # sees every key, and a window unless it reaches past it
-            self.masks = {window: None for window in windows if window is None or last < window}
-            if len(self.masks) == len(windows):
-                return
-        self.masks = self.build_masks(segments, lengths, windows, device)
-
-    def gather_index(self, segments, ends, size: int, device) -> torch.Tensor:
-        """Pool slot of each (request, key position) of the padded [B, max_len] layout; the
-        padding reads slot 0 (zeros)."""
-        gather = torch.zeros(self.batch, self.max_len, dtype=torch.long)
-        for row, (segment, end) in enumerate(zip(segments, ends)):
-            table = torch.tensor(segment.cache.blocks, dtype=torch.long)
-            gather[row, :end] = (table[:, None] * size + torch.arange(size)).flatten()[:end]
-        return gather.flatten().to(device)
-
-    def build_masks(self, segments, lengths, windows: set, device) -> dict:
-        """{window: [B, 1, max_new, max_len] boolean mask, or None where none is needed}."""
-        # query j of row b sits at position start_b + j; a padding query sits at 0
-        query_pos = torch.zeros(self.batch, self.max_new, dtype=torch.long)
-        for row, (segment, n) in enumerate(zip(segments, lengths)):
-            query_pos[row, :n] = torch.arange(segment.start, segment.start + n)
-        key_pos = torch.arange(self.max_len)
-        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, max_new, max_len]
-        masks = {}
-        for window in windows:
-            mask = visible if window is None else \
-                visible & (query_pos[:, :, None] - key_pos[None, None, :] < window)
-            masks[window] = mask[:, None].to(device)
-        return masks
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, heads, D] packed -> [B, heads, max_new, D]."""
-        if self.uniform:
-            return x.view(self.batch, self.max_new, *x.shape[1:]).transpose(1, 2)
-        padded = x.new_zeros(self.batch * self.max_new, *x.shape[1:])
-        padded[self.rows] = x
-        return padded.view(self.batch, self.max_new, *x.shape[1:]).transpose(1, 2)
-
-    def keys(self, cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """[slots, H_kv, D] of one layer -> the batch's [B, H_kv, max_len, D], gathered into
-        `out` (a buffer of at least B x max_len slots, reused by every layer)."""
-        if self.run is not None:
-            return cache[self.run:self.run + self.max_len].unsqueeze(0).transpose(1, 2)
-        picked = torch.index_select(cache, 0, self.gather, out=out[:self.gather.numel()])
-        return picked.view(self.batch, self.max_len, *cache.shape[1:]).transpose(1, 2)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, heads, max_new, D] -> [N, heads * D] packed."""
-        x = x.transpose(1, 2).reshape(self.batch * self.max_new, -1)
-        return x if self.uniform else x[self.rows]
-
-
 class LeanForward:
-    """The packed forward of a Llama-family model over a BlockPool (see the module doc)."""
+    """The packed forward of a Llama-family model over an attention backend (see the module
+    doc and engine.attention): the backend owns the KV pool and each layer's attention."""
 
-    def __init__(self, model, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, model, attention) -> None:
         reason = lean_supported(model)
         if reason is not None:
             raise ValueError(f"no lean forward for this model: {reason}")
@@ -245,41 +165,19 @@ class LeanForward:
         tied = model.lm_head.weight is self.embed.weight
         self.lm_head = Projection([model.lm_head], copy=tied)
         self.layers = [LeanLayer(layer, config) for layer in model.model.layers]
-        first = self.layers[0]
-        self.pool = BlockPool(len(self.layers), num_blocks, first.kv_heads, first.head_dim,
-                              self.embed.weight.dtype, self.embed.weight.device, block_size)
-        self.windows = {layer.window for layer in self.layers}
-        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def gather_buffers(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers for a forward's gathered keys and values, kept from one forward to the
-        next and grown as needed: a fresh multi-MB tensor per layer is fresh pages from the
-        OS on a CPU, and their faults cost more than the gather itself (measured: a
-        24 x 1 forward 49 against 16 ms)."""
-        if self.gathered is None or self.gathered[0].shape[0] < slots:
-            shape = (max(slots, 1024), *self.pool.keys.shape[2:])
-            self.gathered = tuple(self.pool.keys.new_empty(shape) for _ in range(2))
-        return self.gathered
-
-    def new_cache(self) -> PagedCache:
-        return PagedCache(self.pool)
+        self.attention = attention
 
     @torch.no_grad()
     def __call__(self, segments) -> list[torch.Tensor]:
-        """Each segment's logits [num_logits, V]; segment caches are PagedCaches."""
+        """Each segment's logits [num_logits, V]; segment caches are the backend's."""
         device = self.embed.weight.device
-        for segment in segments:  # before any write: a full pool fails the batch untouched
-            segment.cache.reserve(segment.start + len(segment.token_ids))
-        plan = BatchPlan(segments, self.pool, self.windows, device)
+        plan = self.attention.plan(segments)  # reserves first: a full pool fails untouched
         ids = torch.tensor([t for s in segments for t in s.token_ids], device=device)
-        ids.clamp_(max=self.embed.num_embeddings - 1)  # as engine.batch: a padded draft
-        positions = torch.tensor([s.start + i for s in segments
-                                  for i in range(len(s.token_ids))], device=device)
+        ids.clamp_(max=self.embed.num_embeddings - 1)  # a padded draft: as engine.batch
         hidden = self.embed(ids)  # [N, hidden]
-        cos, sin = self.rotary(hidden[None], positions[None])
+        cos, sin = self.rotary(hidden[None], plan.queries.positions[None])
         cos, sin = cos[0], sin[0]  # [N, D]
-        n = plan.num_tokens
-        gathered = self.gather_buffers(0 if plan.gather is None else plan.gather.numel())
+        n = hidden.shape[0]
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
             qkv = layer.qkv(x).view(n, layer.heads + 2 * layer.kv_heads, layer.head_dim)
@@ -287,20 +185,13 @@ class LeanForward:
             qk = rotate(qkv[:, :layer.heads + layer.kv_heads], cos, sin)
             q, k = qk[:, :layer.heads], qk[:, layer.heads:]
             v = qkv[:, layer.heads + layer.kv_heads:]
-            keys, values = self.pool.keys[index], self.pool.values[index]
-            keys.index_copy_(0, plan.write_slots, k)
-            values.index_copy_(0, plan.write_slots, v)
-            attended = F.scaled_dot_product_attention(
-                plan.pad(q), plan.keys(keys, gathered[0]), plan.keys(values, gathered[1]),
-                attn_mask=plan.masks[layer.window],
-                scale=layer.scaling, enable_gqa=layer.kv_heads != layer.heads)
-            hidden = hidden + layer.o_proj(plan.unpad(attended))
+            attended = self.attention(index, plan, q, k, v, layer.window, layer.scaling)
+            hidden = hidden + layer.o_proj(attended)
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, -1)
             hidden = hidden + layer.down_proj(layer.act(gate) * up)
-        for segment in segments:
-            segment.cache.length = segment.start + len(segment.token_ids)
         keep, offset = [], 0
         for segment in segments:
+            segment.cache.length = segment.start + len(segment.token_ids)
             offset += len(segment.token_ids)
             keep.extend(range(offset - segment.num_logits, offset))
         logits = self.lm_head(self.norm(hidden[torch.tensor(keep, dtype=torch.long,
@@ -314,27 +205,3 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-
-ENGINES = ("auto", "paged", "transformers")
-
-
-def serving_engine(model, engine: str = "auto", kv_cache_tokens: int | None = None,
-                   max_sequences: int = 256, max_new_per_sequence: int = 64):
-    """The model, ready for engine.batch.forward_packed: with a paged lean forward attached
-    (`paged`; `auto` where the architecture allows), or transformers' modeling with packed
-    attention (`transformers`; `auto` otherwise)."""
-    from engine.batch import LEAN, use_packed_attention
-
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    model = use_packed_attention(model.eval())
-    reason = lean_supported(model) if engine != "transformers" else "transformers asked for"
-    if reason is not None:
-        if engine == "paged":
-            raise ValueError(f"engine paged: {reason}")
-        return model
-    if getattr(model, LEAN, None) is None:
-        blocks = kv_pool_blocks(model, kv_cache_tokens, max_sequences, max_new_per_sequence)
-        setattr(model, LEAN, LeanForward(model, blocks))
-    return model

@@ -1,98 +1,155 @@
-"""A paged KV cache: one pool of blocks per model replica, a block table per request.
+"""A paged KV cache and the reference attention backend: blocks gathered, then SDPA.
 
 Memory: one `BlockPool` per model replica holds every layer's keys and values in blocks of
 `block_size` positions, allocated once ([layers, blocks * block_size, kv_heads, head_dim]).
 A request's cache (`PagedCache`) is a block table and a length: feeding writes its new keys
 and values into its slots, a rollback is a length reset (the blocks stay, the next feed
-overwrites them), and freeing returns its blocks to the pool. Nothing is ever copied or
-concatenated per step. Sliding-window layers keep every position too, so a rollback never
-needs a re-prefill (memory is the full context's, as vLLM's non-sliding blocks).
+overwrites them). Sliding-window layers keep every position too, so a rollback never needs a
+re-prefill. A prefix hit shares the holder's full blocks (reference counts, engine.cache);
+a feed that would write into a block another cache also holds copies it first, so a
+rollback or rebuild never writes into a shared block.
 
-engine.lean's forward writes and reads these blocks.
+`PagedAttention` gathers each request's keys and values from its blocks into [B, H_kv,
+max_len, D] buffers kept from one forward to the next, and runs SDPA with the GQA group
+folded into the query axis (engine.attention). It serves any device and is the reference
+the other backends are tested against; on a CPU the gather reads a batch's KV bytes a
+second time and writes them once more (engine.regions reads them in place).
 """
-
-import math
-import os
 
 import torch
 
-BLOCK_SIZE = 16
+from engine import attention
+from engine.cache import BLOCK_SIZE, PoolCache, UnitPool
+from engine.memory import context_length, kv_budget_bytes, kv_bytes_per_token, too_small
 
 
-class KVCacheFull(RuntimeError):
-    """The block pool has no free block left for a feed."""
-
-
-class BlockPool:
+class BlockPool(UnitPool):
     """Every layer's keys and values, in blocks. Block 0 is zeros and never handed out:
     the padding of a gathered batch reads it."""
 
+    unit_name = "blocks"
+
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
                  dtype, device, block_size: int = BLOCK_SIZE) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"a block pool needs at least 2 blocks, got {num_blocks}")
+        super().__init__(num_blocks, block_size)
         shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
         # empty: a CPU allocation this large is backed by pages only as blocks are written
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.keys[:, :block_size].zero_()
         self.values[:, :block_size].zero_()
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self._free = list(range(num_blocks - 1, 0, -1))  # a stack: 1, 2, .. first
+        self.num_blocks = num_blocks
+        self.max_tokens = (num_blocks - 1) * block_size  # one cache, at most
 
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise KVCacheFull(f"the KV cache needs {count} more blocks of {self.block_size} "
-                              f"tokens, {len(self._free)} of {self.num_blocks - 1} are free")
-        return [self._free.pop() for _ in range(count)]
-
-    def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+    def copy_block(self, source: int, target: int) -> None:
+        size = self.block_size
+        for tensor in (self.keys, self.values):
+            tensor[:, target * size:(target + 1) * size] = tensor[:, source * size:
+                                                                   (source + 1) * size]
 
 
-class PagedCache:
+class PagedCache(PoolCache):
     """One request's keys and values in a BlockPool: a block table and a length."""
 
-    def __init__(self, pool: BlockPool) -> None:
-        self.pool, self.blocks, self.length = pool, [], 0
+    @property
+    def blocks(self) -> list[int]:
+        return self.units
 
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first max_length positions (negative: drop that many), as DynamicCache."""
-        self.length = max(0, self.length + max_length if max_length < 0 else
-                          min(max_length, self.length))
-
-    def missing_blocks(self, length: int) -> int:
+    def missing(self, length: int) -> int:
         """Blocks it lacks to hold `length` positions (0 when it has them)."""
-        return max(0, -(-length // self.pool.block_size) - len(self.blocks))
+        return max(0, -(-length // self.pool.block_size) - len(self.units))
 
     def reserve(self, length: int) -> None:
         """Blocks for `length` positions (raises KVCacheFull, holding what it had)."""
-        needed = self.missing_blocks(length)
+        needed = self.missing(length)
         if needed > 0:
-            self.blocks.extend(self.pool.allocate(needed))
+            self.units.extend(self.pool.allocate(needed))
 
-    def slots(self, start: int, end: int, device) -> torch.Tensor:
-        """Pool slot of each position in [start, end)."""
-        size = self.pool.block_size
-        positions = torch.arange(start, end)
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return (table[positions // size] * size + positions % size).to(device)
+    def adopt(self, holder: "PagedCache", tokens: int) -> None:
+        self.units = self.pool.share(holder.units[:tokens // self.pool.block_size])
 
-    def free(self) -> None:
-        self.pool.release(self.blocks)
-        self.blocks, self.length = [], 0
+    def writable_from(self, start: int) -> None:
+        """Copy each block from `start` on that another cache also holds (copy on write)."""
+        pool = self.pool
+        for number in range(start // pool.block_size, len(self.units)):
+            block = self.units[number]
+            if pool.refs[block] > 1:
+                fresh = pool.allocate(1)[0]
+                pool.copy_block(block, fresh)
+                pool.release([block])
+                self.units[number] = fresh
 
-    def __del__(self) -> None:  # a dropped sequence gives its blocks back
-        if self.blocks:
-            self.free()
 
+class PagedPlan:
+    """One forward's layout, write slots and gather index (host work done once)."""
+
+    def __init__(self, segments, pool: BlockPool, windows: set, group: int, device) -> None:
+        lengths = [len(s.token_ids) for s in segments]
+        starts = [s.start for s in segments]
+        count = len(segments)
+        queries = attention.lay_out(starts, lengths, list(range(count)), count)
+        size = pool.block_size
+        width = max(len(s.cache.units) for s in segments)
+        tables = torch.zeros(count, width, dtype=torch.long)
+        for row, segment in enumerate(segments):
+            tables[row, :len(segment.cache.units)] = torch.tensor(segment.cache.units)
+        positions = queries.positions
+        self.write_slots = (tables[queries.row_of_token, positions // size] * size
+                            + positions % size).to(device)
+        key_pos = torch.arange(queries.max_len)
+        ends = torch.tensor([s + n for s, n in zip(starts, lengths)])
+        gather = tables[:, key_pos // size] * size + key_pos % size
+        self.gather = gather.masked_fill_(key_pos[None, :] >= ends[:, None], 0).flatten() \
+            .to(device)
+        self.masks = attention.masks(queries, windows, group, device)
+        self.queries = attention.device_of(queries, device)
+
+
+class PagedAttention:
+    """The reference backend: gather each request's blocks, then one SDPA per layer."""
+
+    name = "paged"
+
+    def __init__(self, pool: BlockPool, windows: set, group: int) -> None:
+        self.pool, self.windows, self.group = pool, windows, group
+        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def new_cache(self) -> PagedCache:
+        return PagedCache(self.pool)
+
+    def plan(self, segments) -> PagedPlan:
+        for segment in segments:  # before any write: a full pool fails the batch untouched
+            segment.cache.reserve(segment.start + len(segment.token_ids))
+            segment.cache.writable_from(segment.start)
+        plan = PagedPlan(segments, self.pool, self.windows, self.group, self.pool.keys.device)
+        self.buffers(plan.gather.numel())
+        return plan
+
+    def buffers(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for a forward's gathered keys and values, kept from one forward to the
+        next and grown as needed: a fresh multi-MB tensor per layer is fresh pages from the
+        OS on a CPU, and their faults cost more than the gather itself (measured: a
+        24 x 1 forward 49 against 16 ms)."""
+        if self.gathered is None or self.gathered[0].shape[0] < slots:
+            shape = (max(slots, 1024), *self.pool.keys.shape[2:])
+            self.gathered = tuple(self.pool.keys.new_empty(shape) for _ in range(2))
+        return self.gathered
+
+    def __call__(self, layer: int, plan: PagedPlan, q, k, v, window, scale) -> torch.Tensor:
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        keys.index_copy_(0, plan.write_slots, k)
+        values.index_copy_(0, plan.write_slots, v)
+        queries = plan.queries
+        out = attention.attend(attention.pad(queries, q), self.gather(plan, keys, 0),
+                               self.gather(plan, values, 1), plan.masks[window], scale)
+        return attention.unpad(queries, out)
+
+    def gather(self, plan: PagedPlan, cache: torch.Tensor, which: int) -> torch.Tensor:
+        """[slots, H_kv, D] of one layer -> the batch's [B, H_kv, max_len, D]."""
+        buffer = self.gathered[which][:plan.gather.numel()]
+        picked = torch.index_select(cache, 0, plan.gather, out=buffer)
+        return picked.view(plan.queries.rows, plan.queries.max_len,
+                           *cache.shape[1:]).transpose(1, 2)
 
 
 def blocks_for(tokens: int, sequences: int, extra_per_sequence: int,
@@ -100,69 +157,21 @@ def blocks_for(tokens: int, sequences: int, extra_per_sequence: int,
     """Blocks that hold `tokens` committed tokens over `sequences` caches, each with up to
     `extra_per_sequence` uncommitted (drafted) positions and a partly filled last block,
     plus the zero block."""
-    per_sequence = math.ceil((extra_per_sequence + block_size - 1) / block_size) + 1
-    return math.ceil(tokens / block_size) + sequences * per_sequence + 1
-
-
-CPU_KV_TOKENS = 262_144  # at most, on a CPU (pages back only the blocks written: BlockPool)
-CPU_MEMORY_FOR_KV = 0.3  # of the memory available when a CPU pool is built, at most
-GPU_MEMORY_LEFT = 0.1  # of the GPU's memory, left free for activations beside the pool
-
-
-class KVBudgetTooSmall(ValueError):
-    """The memory left for a KV pool cannot hold one request at the model's context."""
-
-
-def kv_bytes_per_token(model) -> int:
-    config, weight = model.config, model.get_input_embeddings().weight
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * weight.element_size()
-
-
-def available_memory_bytes() -> int:
-    """The host memory a new allocation can take now: Linux's MemAvailable (free memory plus
-    what the page cache can give back), else the free pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def kv_budget_bytes(device: torch.device) -> int:
-    """The bytes a new pool may take: on a GPU its free memory less GPU_MEMORY_LEFT of the
-    total; on a CPU CPU_MEMORY_FOR_KV of the memory available (Linux refuses one allocation
-    larger than memory, even if its pages would never be touched: measured)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, int(free - GPU_MEMORY_LEFT * total))
-    return int(CPU_MEMORY_FOR_KV * available_memory_bytes())
+    per_sequence = -(-(extra_per_sequence + block_size - 1) // block_size) + 1
+    return -(-tokens // block_size) + sequences * per_sequence + 1
 
 
 def kv_pool_blocks(model, configured_tokens: int | None, max_sequences: int,
                    max_new_per_sequence: int, block_size: int = BLOCK_SIZE) -> int:
     """How many blocks the pool holds: enough for `configured_tokens` when set; else what
-    the device's memory budget holds (on a CPU at most CPU_KV_TOKENS' worth), never less than
-    one request at the model's full context (KVBudgetTooSmall, saying how much is missing)."""
+    the device's memory budget holds (engine.memory), never less than one request at the
+    model's full context (KVBudgetTooSmall, saying how much is missing)."""
     if configured_tokens is not None:
         return blocks_for(configured_tokens, max_sequences, max_new_per_sequence, block_size)
-    device = model.get_input_embeddings().weight.device
     block_bytes = kv_bytes_per_token(model) * block_size
-    blocks = kv_budget_bytes(device) // block_bytes
-    if device.type != "cuda":
-        blocks = min(blocks, blocks_for(CPU_KV_TOKENS, max_sequences, max_new_per_sequence,
-                                        block_size))
-    context = getattr(model.config, "max_position_embeddings", None) or 2048
-    minimum = blocks_for(context, 1, max_new_per_sequence, block_size)
+    budget = kv_budget_bytes(model)
+    blocks = budget // block_bytes
+    minimum = blocks_for(context_length(model), 1, max_new_per_sequence, block_size)
     if blocks < minimum:
-        raise KVBudgetTooSmall(
-            f"the KV cache of one request at the model's {context}-token context takes "
-            f"{minimum * block_bytes / 2**20:.0f} MiB, but only {blocks * block_bytes / 2**20:.0f}"
-            f" MiB of {device.type} memory is left for it: free memory, use a smaller dtype, "
-            f"or set kv_cache_tokens")
+        raise too_small(model, minimum * block_bytes, budget)
     return blocks

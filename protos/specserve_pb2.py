@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\x0cspecserve.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"k\n\rDistributions\x12!\n\x03ids\x18\x01 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12#\n\x05probs\x18\x02 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\"\xcd\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x04 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x0f\n\x07grammar\x18\t \x01(\t\"J\n\nPrefixSync\x12\x11\n\tknown_len\x18\x01 \x01(\r\x12\x12\n\nknown_hash\x18\x02 \x01(\x06\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"\xd9\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04sync\x18\x02 \x01(\x0b\x32\x18.specserve.v1.PrefixSync\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x19\n\x11\x61ssumed_token_ids\x18\x06 \x03(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\r\"\xe3\x01\n\x0fProposeResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.specserve.v1.Status\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x1b.specserve.v1.Distributions\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x16\n\x0e\x64irect_address\x18\x05 \x01(\t\x12\x12\n\ncompute_us\x18\x06 \x01(\r\x12%\n\x04load\x18\x07 \x01(\x0b\x32\x17.specserve.v1.BatchLoad\"\x83\x02\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04sync\x18\x02 \x01(\x0b\x32\x18.specserve.v1.PrefixSync\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x30\n\x0b\x64raft_probs\x18\x05 \x01(\x0b\x32\x1b.specserve.v1.Distributions\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x12\n\nprompt_len\x18\x07 \x01(\r\x12\x1a\n\x12return_bonus_probs\x18\x08 \x01(\x08\"\xd4\x02\n\rScoreResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.specserve.v1.Status\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x16\n\x0e\x64irect_address\x18\x05 \x01(\t\x12\x12\n\ncompute_us\x18\t \x01(\r\x12%\n\x04load\x18\n \x01(\x0b\x32\x17.specserve.v1.BatchLoad\x12,\n\x06greedy\x18\x0b \x01(\x0b\x32\x1a.specserve.v1.GreedyScoresH\x00\x12.\n\x07sampled\x18\x0c \x01(\x0b\x32\x1b.specserve.v1.SampledScoresH\x00\x12\x30\n\x08logprobs\x18\r \x01(\x0b\x32\x1e.specserve.v1.PositionLogprobsB\x08\n\x06scoresJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"i\n\x10PositionLogprobs\x12\x0f\n\x07\x64rafted\x18\x01 \x03(\x02\x12\x0e\n\x06\x63hosen\x18\x02 \x03(\x02\x12\r\n\x05top_n\x18\x03 \x01(\r\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"(\n\x0cGreedyScores\x12\x18\n\x10target_token_ids\x18\x01 \x03(\x05\"\x92\x01\n\rSampledScores\x12\x1a\n\x12\x64raft_target_probs\x18\x01 \x03(\x02\x12\x1b\n\x13recovered_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\x05\x12\x30\n\x0b\x62onus_probs\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.Distributions\"5\n\tBatchLoad\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"G\n\x0cProposeEntry\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12*\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1c.specserve.v1.ProposeRequest\"K\n\x0cProposeBatch\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.ProposeEntry\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\x83\x01\n\rProposeAnswer\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.ProposeResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specserve.v1.CallErrorH\x00\x42\x08\n\x06result\">\n\x0eProposeAnswers\x12,\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.ProposeAnswer\"C\n\nScoreEntry\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12(\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ScoreRequest\"G\n\nScoreBatch\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.specserve.v1.ScoreEntry\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\x7f\n\x0bScoreAnswer\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.specserve.v1.ScoreResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specserve.v1.CallErrorH\x00\x42\x08\n\x06result\":\n\x0cScoreAnswers\x12*\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ScoreAnswer*\x1d\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0b\n\x07REBUILD\x10\x01\x32\xe8\x01\n\x07\x44rafter\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12M\n\rProposeStream\x12\x1a.specserve.v1.ProposeBatch\x1a\x1c.specserve.v1.ProposeAnswers(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse2\xdd\x01\n\x08Verifier\x12@\n\x05Score\x12\x1a.specserve.v1.ScoreRequest\x1a\x1b.specserve.v1.ScoreResponse\x12G\n\x0bScoreStream\x12\x18.specserve.v1.ScoreBatch\x1a\x1a.specserve.v1.ScoreAnswers(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\x0cspecserve.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"k\n\rDistributions\x12!\n\x03ids\x18\x01 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12#\n\x05probs\x18\x02 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\"\xcd\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x04 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x0f\n\x07grammar\x18\t \x01(\t\"J\n\nPrefixSync\x12\x11\n\tknown_len\x18\x01 \x01(\r\x12\x12\n\nknown_hash\x18\x02 \x01(\x06\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\"\xd9\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04sync\x18\x02 \x01(\x0b\x32\x18.specserve.v1.PrefixSync\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x19\n\x11\x61ssumed_token_ids\x18\x06 \x03(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\r\"\xe3\x01\n\x0fProposeResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.specserve.v1.Status\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x1b.specserve.v1.Distributions\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x16\n\x0e\x64irect_address\x18\x05 \x01(\t\x12\x12\n\ncompute_us\x18\x06 \x01(\r\x12%\n\x04load\x18\x07 \x01(\x0b\x32\x17.specserve.v1.BatchLoad\"\x83\x02\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04sync\x18\x02 \x01(\x0b\x32\x18.specserve.v1.PrefixSync\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x30\n\x0b\x64raft_probs\x18\x05 \x01(\x0b\x32\x1b.specserve.v1.Distributions\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x12\n\nprompt_len\x18\x07 \x01(\r\x12\x1a\n\x12return_bonus_probs\x18\x08 \x01(\x08\"\xeb\x02\n\rScoreResponse\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.specserve.v1.Status\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x16\n\x0e\x64irect_address\x18\x05 \x01(\t\x12\x12\n\ncompute_us\x18\t \x01(\r\x12%\n\x04load\x18\n \x01(\x0b\x32\x17.specserve.v1.BatchLoad\x12,\n\x06greedy\x18\x0b \x01(\x0b\x32\x1a.specserve.v1.GreedyScoresH\x00\x12.\n\x07sampled\x18\x0c \x01(\x0b\x32\x1b.specserve.v1.SampledScoresH\x00\x12\x30\n\x08logprobs\x18\r \x01(\x0b\x32\x1e.specserve.v1.PositionLogprobs\x12\x15\n\rcached_tokens\x18\x0e \x01(\rB\x08\n\x06scoresJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"i\n\x10PositionLogprobs\x12\x0f\n\x07\x64rafted\x18\x01 \x03(\x02\x12\x0e\n\x06\x63hosen\x18\x02 \x03(\x02\x12\r\n\x05top_n\x18\x03 \x01(\r\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"(\n\x0cGreedyScores\x12\x18\n\x10target_token_ids\x18\x01 \x03(\x05\"\x92\x01\n\rSampledScores\x12\x1a\n\x12\x64raft_target_probs\x18\x01 \x03(\x02\x12\x1b\n\x13recovered_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\x05\x12\x30\n\x0b\x62onus_probs\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.Distributions\"5\n\tBatchLoad\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"G\n\x0cProposeEntry\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12*\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1c.specserve.v1.ProposeRequest\"K\n\x0cProposeBatch\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.ProposeEntry\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\x83\x01\n\rProposeAnswer\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.ProposeResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specserve.v1.CallErrorH\x00\x42\x08\n\x06result\">\n\x0eProposeAnswers\x12,\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.ProposeAnswer\"C\n\nScoreEntry\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12(\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ScoreRequest\"G\n\nScoreBatch\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.specserve.v1.ScoreEntry\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\x7f\n\x0bScoreAnswer\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.specserve.v1.ScoreResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specserve.v1.CallErrorH\x00\x42\x08\n\x06result\":\n\x0cScoreAnswers\x12*\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ScoreAnswer*\x1d\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0b\n\x07REBUILD\x10\x01\x32\xe8\x01\n\x07\x44rafter\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12M\n\rProposeStream\x12\x1a.specserve.v1.ProposeBatch\x1a\x1c.specserve.v1.ProposeAnswers(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse2\xdd\x01\n\x08Verifier\x12@\n\x05Score\x12\x1a.specserve.v1.ScoreRequest\x1a\x1b.specserve.v1.ScoreResponse\x12G\n\x0bScoreStream\x12\x18.specserve.v1.ScoreBatch\x1a\x1a.specserve.v1.ScoreAnswers(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.specserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUS']._serialized_start=2693
-  _globals['_STATUS']._serialized_end=2722
+  _globals['_STATUS']._serialized_start=2716
+  _globals['_STATUS']._serialized_end=2745
   _globals['_TENSOR']._serialized_start=40
   _globals['_TENSOR']._serialized_end=92
   _globals['_DISTRIBUTIONS']._serialized_start=94
@@ -48,39 +48,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST']._serialized_start=938
   _globals['_SCOREREQUEST']._serialized_end=1197
   _globals['_SCORERESPONSE']._serialized_start=1200
-  _globals['_SCORERESPONSE']._serialized_end=1540
-  _globals['_POSITIONLOGPROBS']._serialized_start=1542
-  _globals['_POSITIONLOGPROBS']._serialized_end=1647
-  _globals['_GREEDYSCORES']._serialized_start=1649
-  _globals['_GREEDYSCORES']._serialized_end=1689
-  _globals['_SAMPLEDSCORES']._serialized_start=1692
-  _globals['_SAMPLEDSCORES']._serialized_end=1838
-  _globals['_BATCHLOAD']._serialized_start=1840
-  _globals['_BATCHLOAD']._serialized_end=1893
-  _globals['_RELEASEREQUEST']._serialized_start=1895
-  _globals['_RELEASEREQUEST']._serialized_end=1931
-  _globals['_RELEASERESPONSE']._serialized_start=1933
-  _globals['_RELEASERESPONSE']._serialized_end=1968
-  _globals['_CALLERROR']._serialized_start=1970
-  _globals['_CALLERROR']._serialized_end=2012
-  _globals['_PROPOSEENTRY']._serialized_start=2014
-  _globals['_PROPOSEENTRY']._serialized_end=2085
-  _globals['_PROPOSEBATCH']._serialized_start=2087
-  _globals['_PROPOSEBATCH']._serialized_end=2162
-  _globals['_PROPOSEANSWER']._serialized_start=2165
-  _globals['_PROPOSEANSWER']._serialized_end=2296
-  _globals['_PROPOSEANSWERS']._serialized_start=2298
-  _globals['_PROPOSEANSWERS']._serialized_end=2360
-  _globals['_SCOREENTRY']._serialized_start=2362
-  _globals['_SCOREENTRY']._serialized_end=2429
-  _globals['_SCOREBATCH']._serialized_start=2431
-  _globals['_SCOREBATCH']._serialized_end=2502
-  _globals['_SCOREANSWER']._serialized_start=2504
-  _globals['_SCOREANSWER']._serialized_end=2631
-  _globals['_SCOREANSWERS']._serialized_start=2633
-  _globals['_SCOREANSWERS']._serialized_end=2691
-  _globals['_DRAFTER']._serialized_start=2725
-  _globals['_DRAFTER']._serialized_end=2957
-  _globals['_VERIFIER']._serialized_start=2960
-  _globals['_VERIFIER']._serialized_end=3181
+  _globals['_SCORERESPONSE']._serialized_end=1563
+  _globals['_POSITIONLOGPROBS']._serialized_start=1565
+  _globals['_POSITIONLOGPROBS']._serialized_end=1670
+  _globals['_GREEDYSCORES']._serialized_start=1672
+  _globals['_GREEDYSCORES']._serialized_end=1712
+  _globals['_SAMPLEDSCORES']._serialized_start=1715
+  _globals['_SAMPLEDSCORES']._serialized_end=1861
+  _globals['_BATCHLOAD']._serialized_start=1863
+  _globals['_BATCHLOAD']._serialized_end=1916
+  _globals['_RELEASEREQUEST']._serialized_start=1918
+  _globals['_RELEASEREQUEST']._serialized_end=1954
+  _globals['_RELEASERESPONSE']._serialized_start=1956
+  _globals['_RELEASERESPONSE']._serialized_end=1991
+  _globals['_CALLERROR']._serialized_start=1993
+  _globals['_CALLERROR']._serialized_end=2035
+  _globals['_PROPOSEENTRY']._serialized_start=2037
+  _globals['_PROPOSEENTRY']._serialized_end=2108
+  _globals['_PROPOSEBATCH']._serialized_start=2110
+  _globals['_PROPOSEBATCH']._serialized_end=2185
+  _globals['_PROPOSEANSWER']._serialized_start=2188
+  _globals['_PROPOSEANSWER']._serialized_end=2319
+  _globals['_PROPOSEANSWERS']._serialized_start=2321
+  _globals['_PROPOSEANSWERS']._serialized_end=2383
+  _globals['_SCOREENTRY']._serialized_start=2385
+  _globals['_SCOREENTRY']._serialized_end=2452
+  _globals['_SCOREBATCH']._serialized_start=2454
+  _globals['_SCOREBATCH']._serialized_end=2525
+  _globals['_SCOREANSWER']._serialized_start=2527
+  _globals['_SCOREANSWER']._serialized_end=2654
+  _globals['_SCOREANSWERS']._serialized_start=2656
+  _globals['_SCOREANSWERS']._serialized_end=2714
+  _globals['_DRAFTER']._serialized_start=2748
+  _globals['_DRAFTER']._serialized_end=2980
+  _globals['_VERIFIER']._serialized_start=2983
+  _globals['_VERIFIER']._serialized_end=3204
 # @@protoc_insertion_point(module_scope)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import forward_packed
+from engine.cache import KVCacheFull
 from engine.kv import SessionStore
-from engine.lean import serving_engine
-from engine.paged import KVCacheFull
+from engine.memory import kv_bytes_per_token
+from engine.runner import serving_runner
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
 
 
@@ -47,6 +47,7 @@ class Shape:
 
 FULL = [Shape("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128_256, tied=True),
         Shape("llama-3.1-8b", 4096, 14_336, 32, 32, 8, 128_256)]
+ENGINE_TOKENS = 4096  # KV positions of each engine a check builds beside the measured runner
 SMALL = [Shape("small-1b-like", 128, 512, 2, 8, 2, 1024, tied=True),
          Shape("small-8b-like", 256, 896, 4, 8, 2, 1024)]
 
@@ -91,13 +92,14 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(1, vocab, (count, length), generator=generator).tolist()
 
 
-def greedy_identity(model, prompt: list[int], max_tokens: int, k: int, draft=None) -> dict:
+def greedy_identity(runner, prompt: list[int], max_tokens: int, k: int, draft=None) -> dict:
     """The speculative loop (fixed K; `draft` drafting, else the model for itself) against
-    HF generate."""
+    HF generate; runners (engine.runner) or models."""
     from drafter.model import ModelDrafter
     from speculative.sampling import SamplingParams
     from verifier.engine import ModelVerifier
 
+    model = getattr(runner, "model", runner)
     ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -105,7 +107,8 @@ def greedy_identity(model, prompt: list[int], max_tokens: int, k: int, draft=Non
                                    pad_token_id=0, output_scores=True,
                                    return_dict_in_generate=True)
     expected = reference.sequences[0, len(prompt):].tolist()
-    drafter, verifier = ModelDrafter(draft or model), ModelVerifier(model)
+    drafter, verifier = (ModelDrafter(draft or runner, kv_cache_tokens=ENGINE_TOKENS),
+                         ModelVerifier(runner, kv_cache_tokens=ENGINE_TOKENS))
     output = run_request(drafter, verifier, prompt, SamplingParams(temperature=0.0,
                          max_tokens=max_tokens), k)
     report = {"tokens": max_tokens, "identical": output == expected}
@@ -116,88 +119,117 @@ def greedy_identity(model, prompt: list[int], max_tokens: int, k: int, draft=Non
     return report
 
 
-def sampled_run(model, prompt: list[int], max_tokens: int, k: int, draft=None) -> dict:
+def sampled_run(runner, prompt: list[int], max_tokens: int, k: int, draft=None) -> dict:
     from drafter.model import ModelDrafter
     from speculative.sampling import SamplingParams
     from verifier.engine import ModelVerifier
 
-    drafter = ModelDrafter(draft or model, draft_q_mass=0.99, draft_q_dtype="float16")
-    verifier = ModelVerifier(model)
+    drafter = ModelDrafter(draft or runner, draft_q_mass=0.99, draft_q_dtype="float16",
+                           kv_cache_tokens=ENGINE_TOKENS)
+    verifier = ModelVerifier(runner, kv_cache_tokens=ENGINE_TOKENS)
+    vocab_size = verifier.model.config.vocab_size
     started = time.perf_counter()
     output = run_request(drafter, verifier, prompt, SamplingParams(temperature=1.0, seed=7,
                          max_tokens=max_tokens), k)
-    return {"tokens": len(output), "in_vocabulary": all(0 <= t < model.config.vocab_size
-                                                        for t in output),
+    return {"tokens": len(output), "in_vocabulary": all(0 <= t < vocab_size for t in output),
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-def prefill(model, store: SessionStore, request_id: str, prompt: list[int]):
+def prefill(runner, store: SessionStore, request_id: str, prompt: list[int]):
     sequence = store.apply(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt)))
-    forward_packed(model, [sequence.segment(model, [], 1)])
+    runner.forward([sequence.segment(runner, [], 1)])
     return sequence
 
 
-def alone_vs_batch(model, batch: int, length: int) -> dict:
+def alone_vs_batch(runner, batch: int, length: int) -> dict:
     """Request 0's logits over K + 1 = 5 new tokens, alone and beside batch - 1 others,
     each longer than it by i tokens (its keys padded in the batch's layout)."""
     store = SessionStore(2 * batch + 2)
     texts = [text[:length - batch + 1 + i] for i, text in
-             enumerate(prompts(batch, length, model.config.vocab_size, seed=1))]
+             enumerate(prompts(batch, length, runner.model.config.vocab_size, seed=1))]
     draft = [3, 1, 4, 1]
-    alone = prefill(model, store, "alone", texts[0])
-    single = forward_packed(model, [alone.segment(model, draft, 5)])[0].float()
-    sequences = [prefill(model, store, f"b{i}", text) for i, text in enumerate(texts)]
-    together = forward_packed(model, [s.segment(model, draft, 5) for s in sequences])[0].float()
+    alone = prefill(runner, store, "alone", texts[0])
+    single = runner.forward([alone.segment(runner, draft, 5)])[0].float()
+    sequences = [prefill(runner, store, f"b{i}", text) for i, text in enumerate(texts)]
+    together = runner.forward([s.segment(runner, draft, 5) for s in sequences])[0].float()
+    store.clear()
     return {"batch": batch, "max_logit_difference": float((single - together).abs().max()),
             "argmax_flips": int((single.argmax(-1) != together.argmax(-1)).sum())}
 
 
-def forward_times(model, batches: list[int], length: int, ks: list[int], repeats: int) -> dict:
-    """Verify forward (K + 1 new tokens per request) and a 1-token step, per batch size."""
-    times = {}
+def forward_times(runner, batches: list[int], length: int, ks: list[int], repeats: int) -> dict:
+    """Verify forward (K + 1 new tokens per request) and a 1-token step, per batch size, and
+    each one's floor: the bytes it reads (weights, keys and values) over the device's
+    measured bandwidth."""
+    model, times = runner.model, {}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(model.device)
+    times["bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
     for batch in batches:
         store = SessionStore(batch + 1)
-        sequences = [prefill(model, store, f"t{i}", text) for i, text in
+        sequences = [prefill(runner, store, f"t{i}", text) for i, text in
                      enumerate(prompts(batch, length, model.config.vocab_size, seed=2))]
         for k in [0, *ks]:
-            work = lambda: forward_packed(model, [s.segment(model, [5] * k, k + 1)  # noqa: E731
-                                                  for s in sequences])
-            times[f"batch {batch} x K {k}"] = timed_ms(work, model.device, repeats)
-        del sequences, store
+            work = lambda: runner.forward([s.segment(runner, [5] * k, k + 1)  # noqa: E731
+                                           for s in sequences])
+            moved = weights + batch * (length + k + 1) * kv_bytes_per_token(model)
+            times[f"batch {batch} x K {k}"] = {
+                "ms": timed_ms(work, model.device, repeats), "gb_read": round(moved / 1e9, 3),
+                "floor_ms": round(1e3 * moved / bandwidth, 3)}
+        store.clear()
     return times
 
 
-def full_pool(model) -> dict:
-    """Feed one request until the KV pool refuses: the refusal must be a KVCacheFull."""
-    from engine.batch import LEAN
+def copy_bandwidth(device) -> float:
+    """Bytes per second a device-to-device copy of 512 MiB reads (it writes as many)."""
+    source = torch.empty(128 << 20, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    return source.numel() * 4 * 2 / (timed_ms(lambda: target.copy_(source), device, 5) / 1e3)
 
-    lean = getattr(model, LEAN)
-    capacity = (lean.pool.num_blocks - 1) * lean.pool.block_size
+
+def full_pool(runner) -> dict:
+    """Feed one request until the KV pool refuses: the refusal must be a KVCacheFull."""
+    capacity = runner.pool.max_tokens
     store = SessionStore(4)
     sequence = store.apply("full", PrefixSync(0, EMPTY_PREFIX_HASH, (1,)))
     try:
-        forward_packed(model, [sequence.segment(model, [2] * capacity, 1)])
+        runner.forward([sequence.segment(runner, [2] * capacity, 1)])
     except KVCacheFull as error:
         return {"capacity_tokens": capacity, "refused": True, "message": str(error)}
+    finally:
+        store.clear()
     return {"capacity_tokens": capacity, "refused": False}
 
 
+def no_math_attention(device: str):
+    """SDPA without its math kernel: a call that would fall back to it raises instead."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if torch.device(device).type == "cuda":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.CUDNN_ATTENTION])
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
 def check_shape(shape: Shape, device: str, small: bool, dtype) -> dict:
+    """One shape on the device, every attention call under no_math_attention."""
     length = 64 if small else 2048
     kv_tokens = 34 * (length + 16) + 64
-    model = serving_engine(build(shape, dtype, device), "paged", kv_cache_tokens=kv_tokens,
-                           max_sequences=64)
+    model = build(shape, dtype, device)
+    runner = serving_runner(model, "paged", "auto", kv_cache_tokens=kv_tokens, max_sequences=64)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     prompt = prompts(1, 16, shape.vocab, seed=3)[0]
-    report = {"dtype": str(dtype).removeprefix("torch."),
-              "greedy": greedy_identity(model, prompt, 16 if small else 64, 4),
-              "sampled": sampled_run(model, prompt, 16 if small else 64, 4),
-              "alone_vs_batch": alone_vs_batch(model, 32, length // 2)}
-    report["forward_ms"] = forward_times(model, [1, 8, 32], length, [4, 8], 3 if small else 5)
+    with no_math_attention(device):
+        report = {"dtype": str(dtype).removeprefix("torch."), "attention": runner.attention,
+                  "greedy": greedy_identity(runner, prompt, 16 if small else 64, 4),
+                  "sampled": sampled_run(runner, prompt, 16 if small else 64, 4),
+                  "alone_vs_batch": alone_vs_batch(runner, 32, length // 2)}
+        report["forward_ms"] = forward_times(runner, [1, 8, 32], length, [4, 8],
+                                             3 if small else 5)
     if device.startswith("cuda"):
         report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    report["when_full"] = full_pool(model)
+    report["when_full"] = full_pool(runner)
     return report
 
 
@@ -209,10 +241,10 @@ def check_demo_pair(device: str, small: bool) -> dict:
     from drafter.model import ModelDrafter
     from verifier.engine import ModelVerifier
 
-    target, draft = (serving_engine(load_causal_lm(path, "float32", device), "paged",
-                                    kv_cache_tokens=4096, max_sequences=8)
+    target, draft = (serving_runner(load_causal_lm(path, "float32", device), "paged",
+                                    kv_cache_tokens=ENGINE_TOKENS, max_sequences=8)
                      for path in (DEMO_TARGET, DEMO_DRAFT))
-    prompt = prompts(1, 16, target.config.vocab_size, seed=5)[0]
+    prompt = prompts(1, 16, target.model.config.vocab_size, seed=5)[0]
     tokens = 32 if small else 96
     report = {"dtype": "float32", "greedy": greedy_identity(target, prompt, tokens, 4, draft),
               "sampled": sampled_run(target, prompt, tokens, 4, draft), "tokens_per_s": {}}

@@ -15,7 +15,8 @@ from typing import Literal
 
 from speculative.driver import Generation
 from speculative.loop import Request
-from speculative.policy import CostModel, KBounds, KPolicy, k_policy
+from speculative.costs import CostModel
+from speculative.policy import KBounds, KPolicy, k_policy
 from speculative.sampling import SamplingParams, derive_seeds
 from speculative.stats import SpecStats
 
@@ -62,8 +63,10 @@ class RequestPlan:
         """OpenAI's usage: the prompt counted once, the completion tokens of every choice."""
         prompt_tokens = len(self.choices[0].request.prompt_token_ids)
         completion_tokens = sum(len(generation.token_ids) for generation in done)
+        cached = max((generation.stats.cached_tokens for generation in done), default=0)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def merged_stats(self, done: Sequence[Generation]) -> dict:
         """The choices' speculative statistics added up."""

@@ -4,7 +4,7 @@ reported; the algorithm itself never reads a clock."""
 
 import time
 
-from speculative.policy import RoundCost
+from speculative.costs import RoundCost
 from speculative.rejection import RoundOutcome
 from speculative.types import NO_DRAFT, DraftBlock, TargetScores
 
@@ -46,6 +46,7 @@ class RoundMeter:
         stats.draft_compute_seconds += waited_draft
         stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
         stats.verify_compute_seconds += scores.compute_seconds
+        stats.cached_tokens = max(stats.cached_tokens, scores.cached_tokens)
         # the drafter's batch: of the draft the round waited for, else of its pre-draft
         waited = not self.carried and block.token_ids
         stats.record_batches(scores.load, block.load if waited else

@@ -22,6 +22,7 @@ class SpecStats:
     num_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     cache_misses: int = 0
+    cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
     verify_seconds: float = 0.0  # waiting for the verifier
     round_seconds: float = 0.0  # whole rounds: the rest is the router's own time

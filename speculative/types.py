@@ -209,6 +209,7 @@ class TargetScores:
     logprobs: "PositionLogprobs | None" = None  # when the request asks for logprobs
     # p(K+1) as one row in DraftDists' wire form, when the call asked for it (sampling)
     bonus_probs: "DraftDists | None" = None
+    cached_tokens: int = 0  # prompt tokens the call's new cache took from the prefix cache
 
 
 @dataclass(frozen=True)

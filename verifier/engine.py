@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import torch
 
-from engine.batch import UNFINISHED, forward_packed
+from engine.batch import UNFINISHED
 from engine.kv import SessionStore, admitted
-from engine.lean import serving_engine
+from engine.runner import ModelRunner, serving_runner
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import logits_to_probs, penalize, sample_rows, seeded_generator
@@ -36,14 +36,18 @@ class ModelVerifier:
 
     def __init__(self, model, *, max_cached_requests: int = 256,
                  max_cached_tokens: int | None = None, session_ttl_s: float | None = None,
-                 engine: str = "auto", kv_cache_tokens: int | None = None,
-                 max_batch_tokens: int | None = None, grammar_tokenizer=None) -> None:
+                 engine: str = "auto", attention: str = "auto",
+                 kv_cache_tokens: int | None = None, max_batch_tokens: int | None = None,
+                 grammar_tokenizer=None) -> None:
         """grammar_tokenizer: llguidance's tokenizer (speculative.grammar.ll_tokenizer), for
         structured outputs; without it a call with a grammar is refused."""
-        self.model = serving_engine(model, engine, kv_cache_tokens, max_cached_requests)
+        # a runner already built (a check sharing one model between engines) or a model
+        self.runner = model if isinstance(model, ModelRunner) else \
+            serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests)
+        self.model = self.runner.model
         self.grammar_tokenizer = grammar_tokenizer
         self.max_batch_tokens = max_batch_tokens  # per forward; None: no chunked prefill
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
     async def score(self, call: ScoreCall) -> TargetScores:
@@ -63,11 +67,11 @@ class ModelVerifier:
     def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
         """Every call's TargetScores, or the ValueError / StaleBase that refused it."""
         try:
-            return run_batch(calls, self.prepare, self.model, self.finish, self.sessions,
+            return run_batch(calls, self.prepare, self.runner, self.finish, self.sessions,
                              self.max_batch_tokens)
         except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
             for call in calls:
-                self.sessions.release(call.request_id)
+                self.sessions.drop(call.request_id)
             raise
 
     def prepare(self, call: ScoreCall, limit: int | None = None):
@@ -95,9 +99,10 @@ class ModelVerifier:
         sequence = self.sessions.resume(call.request_id, call) or \
             self.sessions.apply(call.request_id, call.sync)
         allowed = self.allowed(call, sequence, drafted)  # before the cache is touched
-        segment = sequence.segment(self.model, drafted, len(drafted) + 1, limit)
+        segment = sequence.segment(self.runner, drafted, len(drafted) + 1, limit)
         sequence.unfinished = call if segment.num_logits == 0 else None
-        return segment, (draft_probs, penalty_history(call, sequence.committed), allowed)
+        return segment, (draft_probs, penalty_history(call, sequence.committed), allowed,
+                         sequence)
 
     def allowed(self, call: ScoreCall, sequence, drafted: list[int]) -> torch.Tensor | None:
         """[K + 1, V] bool: what the request's grammar allows at each position, or None."""
@@ -109,7 +114,7 @@ class ModelVerifier:
 
     def finish(self, call: ScoreCall, logits: torch.Tensor, extra) -> TargetScores:
         """logits: [K + 1, V] of the call's drafted positions and the one after them."""
-        draft_probs, history, allowed = extra
+        draft_probs, history, allowed, sequence = extra
         drafted, raw = list(call.draft_token_ids), logits
         logits = masked(logits, allowed)
         if history is not None:  # row i counts the tokens drafted before it
@@ -123,6 +128,9 @@ class ModelVerifier:
             if call.return_bonus_probs:  # the router tests a pre-drafted token against it
                 scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
             chosen = scores.recovered_token_ids + (scores.bonus_token_id,)
+        if sequence.cached_tokens:  # reported once, by the call whose cache took them
+            scores = replace(scores, cached_tokens=sequence.cached_tokens)
+            sequence.cached_tokens = 0
         if call.sampling.logprobs is None:
             return scores
         return replace(scores, logprobs=position_logprobs(raw, drafted, list(chosen),
@@ -158,7 +166,7 @@ def penalty_history(call, committed: list[int]) -> tuple[list[int], list[int]] |
 MIN_CHUNK = 16  # tokens a cut feed still gets when the budget is spent: it always advances
 
 
-def run_batch(calls, prepare, model, finish, sessions: SessionStore,
+def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
               max_tokens: int | None = None) -> list:
     """prepare each call (refusals are its answer), reserve its KV blocks (a call that cannot
     have them is refused with KVCacheFull and its session dropped), one packed forward over
@@ -193,14 +201,14 @@ def run_batch(calls, prepare, model, finish, sessions: SessionStore,
                      [segment.start + len(segment.token_ids) for _, segment, _ in ready],
                      calls, results, sessions)
     if ready:
-        logits = forward_packed(model, [segment for _, segment, _ in ready])
+        logits = runner.forward([segment for _, segment, _ in ready])
         load = BatchLoad(len(ready), sum(len(segment.token_ids) for _, segment, _ in ready))
         elapsed = time.perf_counter() - started
         for (index, segment, extra), rows in zip(ready, logits):
             results[index] = UNFINISHED if segment.num_logits == 0 else \
                 replace(finish(calls[index], rows, extra), compute_seconds=elapsed, load=load)
     if later:
-        for index, result in zip(later, run_batch([calls[i] for i in later], prepare, model,
+        for index, result in zip(later, run_batch([calls[i] for i in later], prepare, runner,
                                                   finish, sessions, max_tokens)):
             results[index] = result
     return results

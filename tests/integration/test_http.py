@@ -245,3 +245,22 @@ def test_ignore_eos_decodes_past_the_end_of_text(cluster):
     forced = complete(cluster, prompt, max_tokens=8, temperature=0, ignore_eos=True)
     assert forced["choices"][0]["finish_reason"] == "length"
     assert forced["usage"]["completion_tokens"] == 8
+
+
+def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(cluster):
+    """Two prompts sharing a 575-token prefix: the second takes its full blocks from the
+    verifier's prefix cache (reported as OpenAI's cached_tokens) and decodes exactly as
+    without a hit."""
+    prefix = "".join(f"    total += values[{i}] * weights[{i}]\n" for i in range(40))
+    first = complete(cluster, prefix + "    first", max_tokens=8, temperature=0,
+                     num_speculative_tokens=0)
+    assert first["usage"]["prompt_tokens"] >= 575
+    second = complete(cluster, prefix + "    second", max_tokens=8, temperature=0,
+                      num_speculative_tokens=3)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 560
+    uncached = complete(cluster, "#\n" + prefix + "    second", max_tokens=8, temperature=0,
+                        num_speculative_tokens=0)  # shifted: no full block in common
+    assert uncached["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    alone = complete(cluster, prefix + "    second", max_tokens=8, temperature=0,
+                     num_speculative_tokens=0)
+    assert second["choices"][0]["text"] == alone["choices"][0]["text"]

@@ -19,6 +19,7 @@ import pytest
 
 import speculative.loop as loop
 from drafter.model import ModelDrafter
+from engine.runner import ModelRunner, serving_runner
 from speculative.sampling import SamplingParams
 from speculative.types import PoolUnavailable
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
@@ -112,6 +113,10 @@ CASES = {
     # the draft is the target (q = p): every block is accepted whole, so the window's last
     # token is always a bonus token, drawn from p(K+1)
     "bonus": (2, 5, False, lambda t, d: (Batched(ModelDrafter(t)), verifying(t))),
+    # blocks of 2 positions: every request after the first takes the prompt's first block
+    # from the verifier's prefix cache (shared, reference-counted)
+    "prefix-hits": (3, 5, False, lambda t, d: (close(d), Batched(ModelVerifier(serving_runner(
+        t, "paged", "paged", kv_cache_tokens=4096, block_size=2))))),
 }
 
 
@@ -131,6 +136,7 @@ def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray,
         totals["accepted"] += stats.num_accepted_tokens
         totals["drafted"] += stats.num_draft_tokens
         totals["misses"] += stats.cache_misses
+        totals["cached"] = totals.get("cached", 0) + (stats.cached_tokens > 0)
         totals["fallbacks"] += stats.draft_fallback_rounds
         totals["pipelined"] += stats.pipelined_rounds
         totals["ks"] |= set(stats.rounds_by_k)
@@ -152,7 +158,8 @@ def what_ran(case: str, totals: dict) -> bool:
            "pipelined-fallback": totals["fallbacks"] > SAMPLES / 20
            and totals["pipelined"] > SAMPLES / 20,
            "padded-K3": 3 in totals["ks"],
-           "bonus": totals["accepted"] > 0.99 * totals["drafted"] > 0}
+           "bonus": totals["accepted"] > 0.99 * totals["drafted"] > 0,
+           "prefix-hits": totals["cached"] > SAMPLES / 2}
     return ran[case] and (case == "bonus" or 0 < totals["accepted"] < totals["drafted"])
 
 
@@ -183,13 +190,13 @@ async def rebuild_from_a_shorter_prefix(self, view, call):
     return await real_call_pool(self, view, shortened)
 
 
-real_forward_packed = verifier_engine.forward_packed
+real_forward = ModelRunner.forward
 
 
-def logits_of_a_batch_mate(model, segments):
-    """Mutant of the verifier's batched forward: each call gets the logits of the next call
-    in its batch with as many positions."""
-    out = real_forward_packed(model, segments)
+def logits_of_a_batch_mate(runner, segments):
+    """Mutant of the batched forward: each call gets the logits of the next call in its
+    batch with as many positions."""
+    out = real_forward(runner, segments)
     by_shape: dict[int, list[int]] = {}
     for index, rows in enumerate(out):
         by_shape.setdefault(rows.shape[0], []).append(index)
@@ -203,7 +210,7 @@ def logits_of_a_batch_mate(model, segments):
 MUTANTS = [  # (case, mutant name, patch)
     ("K4", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch", q_shifted_by_one)),
     ("K4", "logits-of-a-batch-mate", lambda mp: mp.setattr(
-        verifier_engine, "forward_packed", logits_of_a_batch_mate)),
+        ModelRunner, "forward", logits_of_a_batch_mate)),
     ("auto", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
                                                 q_shifted_by_one)),
     ("rebuilds", "rebuild-drops-a-token", lambda mp: mp.setattr(

@@ -17,7 +17,7 @@ from deployments.clients import PoolError
 from deployments.ingress import pool_failure
 from drafter.model import ModelDrafter
 from engine.kv import KVCacheTooSmall
-from engine.paged import KVCacheFull
+from engine.cache import KVCacheFull
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
 from tests.tiny import tiny_llama
@@ -41,7 +41,9 @@ def first_call(request_id: str, ids: tuple[int, ...], draft=(3, 4)) -> ScoreCall
 
 
 def free_blocks(engine) -> int:
-    return engine.model.specserve_lean.pool.free_blocks
+    """Blocks a new request can have: free, or held only by released requests' prefixes."""
+    pool = engine.runner.pool
+    return pool.free_units + pool.evictable_units
 
 
 def test_a_call_the_pool_could_never_hold_is_refused_as_bad_input():

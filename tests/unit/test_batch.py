@@ -10,10 +10,9 @@ import torch
 
 from drafter.model import ModelDrafter
 from engine import batch as packed
-from engine import lean, paged
-from engine.batch import forward_packed
+from engine import paged, regions
 from engine.kv import SessionStore
-from engine.lean import serving_engine
+from engine.runner import serving_runner
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
 from tests.tiny import Batched, hf_greedy, noisy_copy, run_concurrently, tiny_llama, tiny_sliding
@@ -24,12 +23,16 @@ GREEDY = SamplingParams(temperature=0.0)
 
 MODELS = {"llama": lambda: tiny_llama(1), "mistral-sliding": lambda: tiny_sliding(2),
           "qwen2-mixed": lambda: tiny_sliding(3, mixed=True)}
-ENGINES = ["transformers", "paged"]
+ENGINES = ["transformers", "paged", "regions"]  # transformers' modeling, or a lean backend
+PLANS = {"paged": paged.PagedPlan, "regions": regions.RegionPlan}
 
 
 def served(name: str, engine: str):
-    """The named tiny model as a pool serves it: paged (lean forward) or transformers'."""
-    return serving_engine(MODELS[name](), engine, kv_cache_tokens=4096)
+    """The named tiny model's runner as a pool serves it: transformers' modeling, or the lean
+    forward over an attention backend."""
+    if engine == "transformers":
+        return serving_runner(MODELS[name](), "transformers")
+    return serving_runner(MODELS[name](), "paged", engine, kv_cache_tokens=4096)
 
 
 def full_logits(model, ids):
@@ -41,7 +44,7 @@ def sync(known, new):
     return PrefixSync(len(known), prefix_hash(known), tuple(new))
 
 
-def batched_rounds_error(model) -> float:
+def batched_rounds_error(runner) -> float:
     """Four requests of different lengths (some past the sliding window), three rounds of
     verify-then-rollback, every round one packed forward; the largest gap to a fresh forward."""
     store = SessionStore(8)
@@ -55,10 +58,10 @@ def batched_rounds_error(model) -> float:
             sequence = store.apply(f"r{i}", sync(known[i], ids[len(known[i]):]))
             known[i] = list(ids)
             drafted = [(7 * i + round_ + j) % 60 for j in range(1 + (i + round_) % 4)]
-            segments.append(sequence.segment(model, drafted, num_logits=len(drafted) + 1))
+            segments.append(sequence.segment(runner, drafted, num_logits=len(drafted) + 1))
             wanted.append(ids + drafted)
-        for logits, ids, segment in zip(forward_packed(model, segments), wanted, segments):
-            reference = full_logits(model, ids)[-segment.num_logits:]
+        for logits, ids, segment in zip(runner.forward(segments), wanted, segments):
+            reference = full_logits(runner.model, ids)[-segment.num_logits:]
             gap = float((logits - reference).abs().max())
             worst = max(worst, gap if gap == gap else float("inf"))  # NaN: as far off as can be
         for i, ids in enumerate(committed):  # accept part of the block, reject the rest
@@ -80,27 +83,68 @@ def test_the_test_sees_a_query_that_attends_past_its_position(name, monkeypatch)
     assert batched_rounds_error(served(name, "transformers")) > 0.01
 
 
+@pytest.mark.parametrize("backend", PLANS)
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
-def test_the_test_sees_a_paged_batch_without_its_mask(name, monkeypatch):
-    """Mutant of the paged forward: every key of the padded batch visible (later drafted
-    tokens, another request's padding, positions past the window)."""
-    plan_init = lean.BatchPlan.__init__
+def test_the_test_sees_a_lean_batch_without_its_mask(name, backend, monkeypatch):
+    """Mutant of each attention backend: every key of the padded batch visible (later
+    drafted tokens, another request's padding, positions past the window)."""
+    plan_init = PLANS[backend].__init__
 
     def unmasked(self, *args):
         plan_init(self, *args)
         self.masks = dict.fromkeys(self.masks)
 
-    monkeypatch.setattr(lean.BatchPlan, "__init__", unmasked)
-    assert batched_rounds_error(served(name, "paged")) > 0.01
+    monkeypatch.setattr(PLANS[backend], "__init__", unmasked)
+    assert batched_rounds_error(served(name, backend)) > 0.01
 
 
+@pytest.mark.parametrize("backend", PLANS)
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
-def test_the_test_sees_a_paged_write_to_the_wrong_block(name, monkeypatch):
-    """Mutant: a cache's positions written one block off (into another request's keys)."""
-    slots = paged.PagedCache.slots
-    monkeypatch.setattr(paged.PagedCache, "slots", lambda self, start, end, device:
-                        slots(self, start, end, device) + self.pool.block_size)
-    assert batched_rounds_error(served(name, "paged")) > 0.01
+def test_the_test_sees_a_write_to_the_wrong_place(name, backend, monkeypatch):
+    """Mutant: a cache's positions written one block (paged) or one region off, into
+    another request's keys."""
+    plan_init = PLANS[backend].__init__
+
+    def shifted(self, segments, pool, *args):
+        plan_init(self, segments, pool, *args)
+        if backend == "paged":
+            self.write_slots = self.write_slots + pool.block_size
+        else:
+            self.write_rows = self.write_rows + pool.keys.shape[2] * pool.keys.shape[3]
+
+    monkeypatch.setattr(PLANS[backend], "__init__", shifted)
+    assert batched_rounds_error(served(name, backend)) > 0.01
+
+
+def test_no_attention_call_combines_a_mask_with_gqa(monkeypatch):
+    """On CUDA a mask with enable_gqa sends SDPA to its math kernel: every backend folds the
+    GQA group into the query axis instead (the tiny models have 4 heads over 2 KV heads)."""
+    calls, inside = [], []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def watched(q, k, v, attn_mask=None, **kwargs):
+        if inside:  # the runner's forward, not the reference's
+            calls.append((attn_mask is not None, kwargs.get("enable_gqa", False),
+                          q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
+    for backend in PLANS:
+        runner = served("llama", backend)
+        forward = runner.forward
+
+        def inside_forward(segments, forward=forward):
+            inside.append(1)
+            try:
+                return forward(segments)
+            finally:
+                inside.pop()
+
+        runner.forward = inside_forward
+        batched_rounds_error(runner)
+    assert calls and any(masked for masked, *_ in calls)
+    assert not any(masked and gqa for masked, gqa, *_ in calls)
+    assert all(heads == kv_heads for _, _, heads, kv_heads in calls)
 
 
 def test_refusals_stay_with_their_call_and_a_repeated_request_waits_for_the_next_forward():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import lean
+from engine import paged
 from specserve import check_gpu
 
 
@@ -18,9 +18,12 @@ def test_the_small_run_passes_and_reports_every_measure(report):
         assert entry["greedy"]["identical"] is True
         assert entry["sampled"]["tokens"] == 16
         assert entry["alone_vs_batch"]["argmax_flips"] == 0
-        assert set(entry["forward_ms"]) == {f"batch {b} x K {k}" for b in (1, 8, 32)
-                                            for k in (0, 4, 8)}
-        assert all(ms > 0 for ms in entry["forward_ms"].values())
+        times = dict(entry["forward_ms"])
+        assert times.pop("bandwidth_gb_s") > 0
+        assert set(times) == {f"batch {b} x K {k}" for b in (1, 8, 32) for k in (0, 4, 8)}
+        assert all(t["ms"] > 0 and 0 < t["floor_ms"] and t["gb_read"] > 0
+                   for t in times.values())
+        assert entry["attention"] == "paged"
         assert entry["when_full"]["refused"] is True
     demo = report["demo_pair"]
     assert demo["greedy"] == {"tokens": 32, "identical": True}
@@ -30,12 +33,12 @@ def test_the_small_run_passes_and_reports_every_measure(report):
 
 def test_the_run_fails_an_engine_whose_batch_leaks(monkeypatch):
     """Mutant: the paged forward without its masks (queries see later and foreign keys)."""
-    plan_init = lean.BatchPlan.__init__
+    plan_init = paged.PagedPlan.__init__
 
     def unmasked(self, *args):
         plan_init(self, *args)
         self.masks = dict.fromkeys(self.masks)
 
-    monkeypatch.setattr(lean.BatchPlan, "__init__", unmasked)
+    monkeypatch.setattr(paged.PagedPlan, "__init__", unmasked)
     monkeypatch.setattr(check_gpu, "SMALL", check_gpu.SMALL[:1])
     assert check_gpu.run("cpu", small=True)["ok"] is False

@@ -8,7 +8,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.pools import DrafterArgs, VerifierArgs
+from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.router_args import RouterArgs
 
 CLUSTER = Path(__file__).resolve().parents[2] / "cluster"

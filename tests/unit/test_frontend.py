@@ -95,7 +95,8 @@ def test_usage_and_stats_are_merged_across_choices():
     plan = RequestFrontEnd().plan("r", PROMPT, greedy, n=2, num_speculative_tokens=2)
     engine = Agreeing()
     done = [asyncio.run(Generation(c.request).run(engine, engine, c.policy)) for c in plan.choices]
-    assert plan.usage(done) == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    assert plan.usage(done) == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13,
+                                "prompt_tokens_details": {"cached_tokens": 0}}
     stats = plan.merged_stats(done)
     assert stats["rounds"] == sum(g.stats.rounds for g in done)
     assert stats["num_accepted_tokens"] == sum(g.stats.num_accepted_tokens for g in done) > 0

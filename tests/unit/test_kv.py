@@ -8,6 +8,7 @@ import torch
 
 from drafter.model import ModelDrafter
 from engine.kv import SessionStore
+from engine.runner import serving_runner
 from speculative.loop import Request, RequestState, run_rounds
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
@@ -26,6 +27,11 @@ def model():
     return tiny_llama(1)
 
 
+def served(model):
+    """transformers' modeling over the model, as a runner (a DynamicCache per request)."""
+    return serving_runner(model, "transformers")
+
+
 def full_logits(model, ids):
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids])).logits[0]
@@ -39,9 +45,9 @@ def test_logits_after_rollback_and_refeed_equal_a_fresh_forward(model):
     store = SessionStore(4)
     prompt = [3, 14, 15, 9, 26]
     seq = store.apply("r", sync([], prompt))
-    seq.feed(model, [7, 7, 7, 7], num_logits=5)  # a drafted block, later rejected
+    seq.feed(served(model), [7, 7, 7, 7], num_logits=5)  # a drafted block, later rejected
     seq = store.apply("r", sync(prompt, [7, 40]))  # committed: 1 accepted + 1 recovered
-    logits = seq.feed(model, [1, 2, 3], num_logits=4)
+    logits = seq.feed(served(model), [1, 2, 3], num_logits=4)
     expected = full_logits(model, prompt + [7, 40, 1, 2, 3])[-4:]
     assert seq.cache.get_seq_length() == len(prompt) + 5 == len(seq.cached_ids)
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
@@ -51,7 +57,7 @@ def test_a_k_token_verify_equals_one_token_decodes(model):
     store = SessionStore(4)
     prompt, drafted = [5, 6, 7], [8, 9, 10, 11]
     seq = store.apply("r", sync([], prompt))
-    block = seq.feed(model, drafted, num_logits=5)
+    block = seq.feed(served(model), drafted, num_logits=5)
     stepwise = [full_logits(model, prompt + drafted[:i])[-1] for i in range(5)]
     torch.testing.assert_close(block, torch.stack(stepwise), atol=ATOL, rtol=0)
 
@@ -170,14 +176,14 @@ def test_sliding_window_rollback_past_the_window_stays_exact(mixed):
     store = SessionStore(4)
     prompt = list(range(3, 15))  # already past the window
     seq = store.apply("r", sync([], prompt))
-    seq.feed(model, [7, 7, 7, 7], num_logits=5)  # rejected after one token
+    seq.feed(served(model), [7, 7, 7, 7], num_logits=5)  # rejected after one token
     seq = store.apply("r", sync(prompt, [7, 40]))
-    logits = seq.feed(model, [1, 2, 3], num_logits=4)
+    logits = seq.feed(served(model), [1, 2, 3], num_logits=4)
     torch.testing.assert_close(logits, full_logits(model, prompt + [7, 40, 1, 2, 3])[-4:],
                                atol=ATOL, rtol=0)
     # a rebuild that keeps only an early part of the cache re-prefills (deeper than a crop)
     seq = store.apply("r", sync([], prompt[:4] + [9, 9]))
-    logits = seq.feed(model, [5], num_logits=2)
+    logits = seq.feed(served(model), [5], num_logits=2)
     torch.testing.assert_close(logits, full_logits(model, prompt[:4] + [9, 9, 5])[-2:],
                                atol=ATOL, rtol=0)
 

@@ -1,41 +1,65 @@
-"""The KV pool's size on a CPU follows the memory available, and a budget that cannot hold one
-request at the model's context is a clear error, not an allocator crash (a fixed 262,144
-positions was 42 GB for the fp32 scaled target on a 24 GB machine)."""
+"""The KV pool's size on a CPU follows the memory available, less one forward's activations,
+for both pool kinds; a budget that cannot hold one request at the model's context is a
+clear error, not an allocator crash (a fixed 262,144 positions was 42 GB for the fp32
+scaled target on a 24 GB machine)."""
 
 import pytest
 
-from engine import paged
-from engine.lean import serving_engine
-from engine.paged import BLOCK_SIZE, KVBudgetTooSmall, blocks_for, kv_bytes_per_token, kv_pool_blocks
+from engine import memory
+from engine.cache import BLOCK_SIZE
+from engine.memory import KVBudgetTooSmall, activation_bytes, kv_bytes_per_token
+from engine.paged import blocks_for, kv_pool_blocks
+from engine.regions import region_count
+from engine.runner import serving_runner
 from tests.tiny import tiny_llama
 
 SEQUENCES, NEW = 4, 8
 
 
-def test_cpu_pool_is_a_share_of_available_memory(monkeypatch):
+def budget(model, available: int) -> int:
+    return int(memory.CPU_MEMORY_FOR_KV * available) - activation_bytes(model)
+
+
+def test_cpu_pool_is_a_share_of_available_memory_less_activations(monkeypatch):
     model = tiny_llama(0)
     block_bytes = kv_bytes_per_token(model) * BLOCK_SIZE
     minimum = blocks_for(model.config.max_position_embeddings, 1, NEW)
-    available = int(10 * minimum * block_bytes / paged.CPU_MEMORY_FOR_KV)
-    monkeypatch.setattr(paged, "available_memory_bytes", lambda: available)
+    available = int((10 * minimum * block_bytes + activation_bytes(model))
+                    / memory.CPU_MEMORY_FOR_KV)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: available)
     blocks = kv_pool_blocks(model, None, SEQUENCES, NEW)
-    assert blocks == int(paged.CPU_MEMORY_FOR_KV * available) // block_bytes
+    assert blocks == budget(model, available) // block_bytes
     assert 10 * minimum - 1 <= blocks <= 10 * minimum
+    assert blocks * block_bytes <= memory.CPU_MEMORY_FOR_KV * available
 
 
-def test_cpu_pool_is_capped_when_memory_is_plenty(monkeypatch):
-    monkeypatch.setattr(paged, "available_memory_bytes", lambda: 2**50)
-    blocks = kv_pool_blocks(tiny_llama(0), None, SEQUENCES, NEW)
-    assert blocks == blocks_for(paged.CPU_KV_TOKENS, SEQUENCES, NEW)
+def test_regions_fit_the_budget_in_full_and_at_most_two_per_session(monkeypatch):
+    model = tiny_llama(0)
+    region_bytes = model.config.max_position_embeddings * kv_bytes_per_token(model)
+    available = int((5.5 * region_bytes + activation_bytes(model)) / memory.CPU_MEMORY_FOR_KV)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: available)
+    assert region_count(model, None, SEQUENCES) == 5
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 2**50)
+    assert region_count(model, None, SEQUENCES) == 2 * SEQUENCES + 1
+
+
+def test_auto_takes_regions_on_a_cpu_only_when_a_full_batch_fits(monkeypatch):
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 2**40)
+    assert serving_runner(tiny_llama(0), max_sequences=64).attention == "regions"
+    model = tiny_llama(0)
+    region_bytes = model.config.max_position_embeddings * kv_bytes_per_token(model)
+    available = int((8 * region_bytes + activation_bytes(model)) / memory.CPU_MEMORY_FOR_KV)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: available)
+    assert serving_runner(model, max_sequences=64).attention == "paged"
 
 
 def test_configured_tokens_win(monkeypatch):
-    monkeypatch.setattr(paged, "available_memory_bytes", lambda: 0)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 0)
     assert kv_pool_blocks(tiny_llama(0), 64, SEQUENCES, NEW) == blocks_for(64, SEQUENCES, NEW)
 
 
-def test_too_little_memory_is_a_clear_error(monkeypatch):
-    model = tiny_llama(0)
-    monkeypatch.setattr(paged, "available_memory_bytes", lambda: 1000)
+@pytest.mark.parametrize("attention", ["paged", "regions"])
+def test_too_little_memory_is_a_clear_error(monkeypatch, attention):
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1000)
     with pytest.raises(KVBudgetTooSmall, match="context takes .* MiB.*set kv_cache_tokens"):
-        serving_engine(model, "paged")
+        serving_runner(tiny_llama(0), "paged", attention)

@@ -2,15 +2,8 @@
 
 import pytest
 
-from speculative.policy import (
-    AdaptiveK,
-    BatchTrials,
-    CostModel,
-    FixedK,
-    KBounds,
-    RoundCost,
-    expected_tokens,
-)
+from speculative.costs import BatchTrials, CostModel, RoundCost, expected_tokens
+from speculative.policy import AdaptiveK, FixedK, KBounds
 
 
 def measured(verify_ms, draft_ms_per_token: float, overhead_ms: float = 0.0) -> CostModel:
@@ -347,7 +340,7 @@ def test_a_mutant_that_cannot_turn_off_under_load_fails_the_load_check(monkeypat
 def test_a_mutant_that_keeps_cold_samples_traps_itself(monkeypatch):
     """The trap this controller avoids: a mean that keeps its first, cold value, and K = 0
     reachable alone. The same closed loop then stops speculating."""
-    from speculative import policy as module
+    from speculative import costs as module
 
     class FirstValue(module.Recent):
         def add(self, value):

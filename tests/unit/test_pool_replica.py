@@ -11,7 +11,8 @@ import torch
 
 from deployments import auth, wire
 from deployments.autoscaling import DIRECT_IN_FLIGHT
-from deployments.pools import DrafterArgs, DrafterPool, VerifierArgs, VerifierPool
+from deployments.pool_args import DrafterArgs, VerifierArgs
+from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import prefix_hash
@@ -197,18 +198,16 @@ def test_a_stuck_model_worker_fails_the_health_check():
 def test_a_replica_runs_its_model_before_it_is_ready_and_keeps_no_session(monkeypatch, pool):
     """No request pays the model's first forwards: the replica's start runs greedy and
     sampled calls through its engine (prefill and K-token steps) and drops their caches."""
-    import drafter.model
-    import verifier.engine
+    from engine.runner import ModelRunner
 
-    module = drafter.model if pool == "drafter" else verifier.engine
     shapes = []
-    forward = module.forward_packed
+    forward = ModelRunner.forward
 
-    def counting(model, segments):
+    def counting(runner, segments):
         shapes.append(sum(len(s.token_ids) for s in segments))
-        return forward(model, segments)
+        return forward(runner, segments)
 
-    monkeypatch.setattr(module, "forward_packed", counting)
+    monkeypatch.setattr(ModelRunner, "forward", counting)
 
     async def main():
         deployment, args = (DrafterPool, DrafterArgs()) if pool == "drafter" else \

@@ -10,7 +10,8 @@ import pytest
 
 from deployments import clients, pools
 from deployments.clients import PoolClient, PoolError, ReplicaStream
-from deployments.pools import DrafterArgs, DrafterPool, VerifierArgs, VerifierPool
+from deployments.pool_args import DrafterArgs, VerifierArgs
+from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from tests.unit.test_pool_replica import KEY, direct, local_replica, pool_secret, until  # noqa: F401

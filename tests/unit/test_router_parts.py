@@ -78,7 +78,8 @@ def test_a_completion_has_every_choice_and_the_merged_usage():
     body = asyncio.run(choices.complete())
     assert [c["text"] for c in body["choices"]] == ["aaaa", "aaaa"]
     assert [c["token_ids"] for c in body["choices"]] == [[1] * 4] * 2
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["id"] == "cmpl-x" and len(metrics.states) == 2
 
 

@@ -1,0 +1,84 @@
+"""`applications[].args` of the drafter and verifier pool apps (deployments.pools)."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from drafter.registry import DrafterSpec
+from engine.models import DEMO_DRAFT, DEMO_TARGET
+
+
+class PoolArgs(BaseModel):
+    """`applications[].args` of a pool app; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    torch_threads: int = 1  # match the replica's num_cpus
+    max_cached_requests: int = Field(default=256, ge=1)
+    # cached tokens over all sessions (prompt and output): least recently used sessions are
+    # evicted beyond it (they rebuild once, exact); size it for the router's admission
+    max_cached_tokens: int = Field(default=262_144, ge=1)
+    session_ttl_s: float = Field(default=600.0, gt=0)  # an idle session is dropped after it
+    # the forward: "paged" (engine.paged: a block-paged KV cache, one attention call per
+    # layer; Llama, Mistral, Qwen2), "transformers" (its modeling, a DynamicCache per
+    # request), "auto" (paged where the architecture allows)
+    engine: Literal["auto", "paged", "transformers"] = "auto"
+    # the lean forward's attention backend (engine.runner): "regions" (each request's keys
+    # read in place; the CPU default where memory holds enough whole-context regions),
+    # "paged" (blocks gathered: the reference, the GPU default), "auto"
+    attention: Literal["auto", "paged", "regions"] = "auto"
+    # positions the paged KV pool holds (default: on a GPU its free memory less 10 %, on a
+    # CPU 30 % of the memory available at start, at most 262144 positions, backed by memory
+    # only as blocks are used; too little for one request at the model's context is an error)
+    kv_cache_tokens: int | None = Field(default=None, ge=16)
+    # calls that share one forward: those arriving while the model is busy join the next
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
+    # under load, a batch may wait for the requests of the previous batch to come back, up
+    # to this fraction of the previous forward's time (at most 10 ms; 0: never waits), so
+    # that the requests do not split into groups that take turns (deployments.batcher)
+    batch_linger: float = Field(default=0.5, ge=0)
+    # calls in flight on the replica's own gRPC port (unary calls and stream entries alike);
+    # beyond it a call is answered RESOURCE_EXHAUSTED at once (default: twice max_batch_size)
+    max_concurrent_rpcs: int | None = Field(default=None, ge=1)
+    # where the replica's own gRPC port listens: "loopback" (127.0.0.1: one machine) or
+    # "node" (the node's cluster-internal address: routers on other nodes); either way every
+    # call must carry the pool secret (deployments.auth)
+    direct_host: Literal["loopback", "node"] = "loopback"
+    # a replica whose model worker has not finished a batch for this long while calls wait
+    # fails its health check, and Serve replaces it
+    health_stall_s: float = Field(default=60.0, gt=0)
+
+
+class DrafterArgs(PoolArgs):
+    model: str = DEMO_DRAFT
+    target: str = DEMO_TARGET  # the verifier's checkpoint: the vocabulary both pools agree on
+    drafter: str = "model"  # a kind of drafter.registry.DRAFTERS
+    # q as shipped (drafter.registry.DrafterSpec): top entries (0 = all), the fewest top
+    # entries holding this mass (1 = all), precision
+    draft_top_k: int = DrafterSpec.draft_top_k
+    draft_q_mass: float = DrafterSpec.draft_q_mass
+    draft_q_dtype: Literal["float32", "float16"] = DrafterSpec.draft_q_dtype
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def spec(self) -> DrafterSpec:
+        return DrafterSpec(kind=self.drafter, model=self.model, target=self.target,
+                           dtype=self.dtype, device=self.device,
+                           max_cached_requests=self.max_cached_requests,
+                           max_cached_tokens=self.max_cached_tokens,
+                           session_ttl_s=self.session_ttl_s, engine=self.engine,
+                           attention=self.attention,
+                           kv_cache_tokens=self.kv_cache_tokens,
+                           draft_top_k=self.draft_top_k, draft_q_mass=self.draft_q_mass,
+                           draft_q_dtype=self.draft_q_dtype, ngram_min=self.ngram_min,
+                           ngram_max=self.ngram_max)
+
+
+class VerifierArgs(PoolArgs):
+    model: str = DEMO_TARGET
+    # tokens per forward: a longer prefill is fed in chunks over several forwards, each
+    # shared with the decodes that arrive meanwhile (chunked prefill); none: no bound
+    max_batch_tokens: int | None = Field(default=512, ge=16)

@@ -1,0 +1,105 @@
+"""The attention seam of the lean forward: what every backend shares.
+
+A backend (engine.paged: the reference, a gather from blocks; engine.regions: the CPU
+default, reading each request's keys in place) owns the KV pool's layout and makes three
+things: a cache for a new request (`new_cache`), the plan of one packed forward, built once
+for all layers (`plan`), and each layer's attention over that plan (`__call__`: write the new
+keys and values, attend, return [N, heads * head_dim] in packed order).
+
+What they share lives here: the queries of a batch laid out in rows (`Queries`: each row a
+request, padded to the batch's longest feed), one boolean mask per window built once
+(causal, the request's own length, the sliding window), and `attend`, which folds the GQA
+group into the query axis: [R, H, m, D] queries become [R, H_kv, G * m, D] against
+[R, H_kv, L, D] keys, so no call ever combines a mask with `enable_gqa` (on CUDA that pair
+sends SDPA to its math kernel: fp32 upcast, keys repeated per head). A tree mask inside one
+request's new tokens would replace its causal block in `masks`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Queries:
+    """A batch's new tokens laid out as `rows` rows of `max_new` queries."""
+
+    rows: int
+    max_new: int
+    max_len: int  # keys every row reads: the longest request's end
+    index: torch.Tensor | None  # packed token -> row * max_new + j (None: already so)
+    query_pos: torch.Tensor  # [rows, max_new] position of each query (a padding one: 0 or last)
+    positions: torch.Tensor  # [N] position of each packed token
+    row_of_token: torch.Tensor  # [N] its row
+
+
+def lay_out(starts: list[int], lengths: list[int], row_of: list[int], rows: int) -> Queries:
+    """The layout of requests fed `lengths` tokens after `starts` positions, request b in row
+    row_of[b] (rows without a request read key 0 only). Host tensors."""
+    starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
+    rows_t = torch.tensor(row_of)
+    max_new = max(lengths)
+    offsets = torch.cumsum(lengths_t, 0) - lengths_t
+    within = torch.arange(int(lengths_t.sum())) - torch.repeat_interleave(offsets, lengths_t)
+    positions = torch.repeat_interleave(starts_t, lengths_t) + within
+    row_of_token = torch.repeat_interleave(rows_t, lengths_t)
+    plain = rows == len(starts) and row_of == list(range(rows)) and min(lengths) == max_new
+    index = None if plain else row_of_token * max_new + within
+    last = (starts_t + lengths_t - 1)[:, None]
+    query_pos = torch.zeros(rows, max_new, dtype=torch.long)
+    query_pos[rows_t] = torch.minimum(starts_t[:, None] + torch.arange(max_new), last)
+    return Queries(rows, max_new, int((starts_t + lengths_t).max()), index, query_pos,
+                   positions, row_of_token)
+
+
+def masks(queries: Queries, windows: set, group: int, device) -> dict:
+    """{window: [rows, 1, group * max_new, max_len] bool mask, or None where every query
+    sees every key}: query j of a row sees key positions <= its own, within the window."""
+    key_pos = torch.arange(queries.max_len)
+    query_pos = queries.query_pos
+    lone_last = queries.max_new == 1 and bool((query_pos == queries.max_len - 1).all())
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [rows, max_new, max_len]
+    out = {}
+    for window in windows:
+        if lone_last and (window is None or queries.max_len <= window):
+            out[window] = None
+            continue
+        mask = visible if window is None else \
+            visible & (query_pos[:, :, None] - key_pos[None, None, :] < window)
+        out[window] = mask.repeat(1, group, 1)[:, None].to(device)
+    return out
+
+
+def pad(queries: Queries, x: torch.Tensor) -> torch.Tensor:
+    """[N, heads, D] packed -> [rows, heads, max_new, D]."""
+    if queries.index is None:
+        return x.view(queries.rows, queries.max_new, *x.shape[1:]).transpose(1, 2)
+    padded = x.new_zeros(queries.rows * queries.max_new, *x.shape[1:])
+    padded[queries.index] = x
+    return padded.view(queries.rows, queries.max_new, *x.shape[1:]).transpose(1, 2)
+
+
+def unpad(queries: Queries, x: torch.Tensor) -> torch.Tensor:
+    """[rows, heads, max_new, D] -> [N, heads * D] packed."""
+    x = x.transpose(1, 2).reshape(queries.rows * queries.max_new, -1)
+    return x if queries.index is None else x[queries.index]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float
+           ) -> torch.Tensor:
+    """SDPA of q [R, H, m, D] over keys/values [R, H_kv, L, D], the GQA group folded into the
+    query axis (mask: [R, 1, G * m, L] from `masks`, or None)."""
+    rows, heads, m, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    folded = q.reshape(rows, kv_heads, group * m, dim)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return out.view(rows, heads, m, dim)
+
+
+def device_of(queries: Queries, device) -> Queries:
+    """The layout's tensors the forward uses, moved to the model's device."""
+    index = None if queries.index is None else queries.index.to(device)
+    return Queries(queries.rows, queries.max_new, queries.max_len, index, queries.query_pos,
+                   queries.positions.to(device), queries.row_of_token)

@@ -1,0 +1,184 @@
+"""The KV interface every pool shares: units handed out with reference counts, caches with a
+length that rolls back, released caches kept for their prefixes until the memory is needed.
+
+A pool (engine.paged's blocks, engine.regions' regions) hands out numbered units, lowest free
+first, each with a reference count: a cache holds its units; a unit shared by a prefix hit
+(engine.paged) is held by every cache that reads it, and returns to the free list when the
+last reference goes (`release`). A cache's life is explicit: `free()` gives its units back at
+once; `retire()` keeps them, and the full blocks of its committed prompt, for a later request
+that starts with the same prefix (prefix caching), until an allocation needs the memory
+(least recently retired first). Nothing is freed by the garbage collector.
+
+Prefix caching: the committed prompt of a request is cut into full blocks of block_size
+tokens; each block is named by the hash of every token up to its end (a chain), so a block
+name stands for the whole prefix before it, as in vLLM. `PrefixIndex` maps names to the cache
+that holds the block; a new request adopts the longest chain it finds (engine.paged shares the
+blocks, engine.regions copies them) and prefills only the rest.
+"""
+
+import heapq
+from collections import OrderedDict
+
+BLOCK_SIZE = 16
+
+
+class KVCacheFull(RuntimeError):
+    """The pool has no free unit left for a feed."""
+
+
+def block_names(tokens: list[int], block_size: int = BLOCK_SIZE) -> list[int]:
+    """The chain name of each full block of `tokens`: hash of the tokens up to its end."""
+    names, name = [], 0
+    for end in range(block_size, len(tokens) + 1, block_size):
+        name = hash((name, tuple(tokens[end - block_size:end])))
+        names.append(name)
+    return names
+
+
+class PrefixIndex:
+    """Block name -> (cache, block number) of the committed prompt blocks a pool holds."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, tuple[object, int]] = {}
+
+    def publish(self, cache, names: list[int], start: int) -> None:
+        for number in range(start, len(names)):
+            self.holders.setdefault(names[number], (cache, number))
+
+    def withdraw(self, cache, names: list[int], start: int) -> None:
+        for number in range(start, len(names)):
+            if self.holders.get(names[number], (None,))[0] is cache:
+                del self.holders[names[number]]
+
+    def longest(self, names: list[int]) -> tuple[object, int]:
+        """(a cache holding the first n blocks, n) for the longest n found, else (None, 0): a
+        cache publishes its blocks from the first on, so the holder of block n holds 0..n."""
+        for number in range(len(names) - 1, -1, -1):
+            entry = self.holders.get(names[number])
+            if entry is not None and entry[1] == number:
+                return entry[0], number + 1
+        return None, 0
+
+
+class UnitPool:
+    """Numbered units (1..count - 1; unit 0 is never handed out) with reference counts, the
+    prefix index, and the retired caches kept for their prefixes."""
+
+    unit_name = "units"
+
+    def __init__(self, count: int, block_size: int = BLOCK_SIZE) -> None:
+        if count < 2:
+            raise ValueError(f"a KV pool needs at least 2 {self.unit_name}, got {count}")
+        self.count, self.block_size = count, block_size
+        self.refs = [0] * count
+        self._free = list(range(1, count))  # a heap: the lowest unit first
+        self.prefixes = PrefixIndex()
+        self.retired: OrderedDict[int, object] = OrderedDict()  # id(cache) -> cache
+
+    @property
+    def free_units(self) -> int:
+        return len(self._free)
+
+    @property
+    def evictable_units(self) -> int:
+        """Units the retired caches alone hold (what evicting them all would free)."""
+        return sum(sum(1 for unit in cache.units if self.refs[unit] == 1)
+                   for cache in self.retired.values())
+
+    def allocate(self, count: int) -> list[int]:
+        while count > len(self._free) and self.retired:
+            _, cache = self.retired.popitem(last=False)
+            cache.free()
+        if count > len(self._free):
+            raise KVCacheFull(f"the KV cache needs {count} more {self.unit_name}, "
+                              f"{len(self._free)} of {self.count - 1} are free")
+        units = [heapq.heappop(self._free) for _ in range(count)]
+        for unit in units:
+            self.refs[unit] = 1
+        return units
+
+    def share(self, units: list[int]) -> list[int]:
+        for unit in units:
+            self.refs[unit] += 1
+        return list(units)
+
+    def release(self, units: list[int]) -> None:
+        for unit in units:
+            self.refs[unit] -= 1
+            if self.refs[unit] == 0:
+                heapq.heappush(self._free, unit)
+
+    def retire(self, cache) -> None:
+        self.retired[id(cache)] = cache
+
+    def reclaim(self, cache) -> bool:
+        """Take a retired cache back (it is being adopted or freed); whether it was one."""
+        return self.retired.pop(id(cache), None) is not None
+
+
+class PoolCache:
+    """One request's keys and values in a pool: its units, a length, and the names of its
+    published prompt blocks. Subclasses place positions in units (missing, reserve, adopt)."""
+
+    def __init__(self, pool: UnitPool) -> None:
+        self.pool, self.units, self.length = pool, [], 0
+        self.names: list[int] = []  # published block names, in order
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def can_roll_back(self, num_tokens: int) -> bool:
+        return True  # every position is kept: a rollback is a length reset
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first max_length positions (negative: drop that many), as DynamicCache;
+        a published block cut into is withdrawn from the prefix index."""
+        self.length = max(0, self.length + max_length if max_length < 0 else
+                          min(max_length, self.length))
+        kept = self.length // self.pool.block_size
+        if kept < len(self.names):
+            self.pool.prefixes.withdraw(self, self.names, kept)
+            del self.names[kept:]
+
+    def publish(self, tokens: list[int]) -> None:
+        """Name the full blocks of `tokens` (a committed prefix this cache holds) for prefix
+        hits, from the first block not yet named."""
+        size = self.pool.block_size
+        name = self.names[-1] if self.names else 0
+        start = len(self.names)
+        for end in range((start + 1) * size, len(tokens) + 1, size):
+            name = hash((name, tuple(tokens[end - size:end])))
+            self.names.append(name)
+        self.pool.prefixes.publish(self, self.names, start)
+
+    def adopt_prefix(self, tokens: list[int], limit: int) -> int:
+        """Start this (empty) cache from the longest published prefix of `tokens`, at most
+        `limit` tokens; returns the tokens adopted (a multiple of the block size)."""
+        size = self.pool.block_size
+        names = block_names(tokens[:limit - limit % size], size)
+        holder, blocks = self.pool.prefixes.longest(names)
+        if blocks == 0 or holder is self:
+            return 0
+        if id(holder) in self.pool.retired:  # a hit keeps its holder longest
+            self.pool.retired.move_to_end(id(holder))
+        self.adopt(holder, blocks * size)
+        self.length = blocks * size
+        return self.length
+
+    def adopt(self, holder: "PoolCache", tokens: int) -> None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Give every unit back now."""
+        self.pool.reclaim(self)
+        self.pool.prefixes.withdraw(self, self.names, 0)
+        self.pool.release(self.units)
+        self.units, self.length, self.names = [], 0, []
+
+    def retire(self) -> None:
+        """Keep the units while the prompt blocks may serve a later request; freed when an
+        allocation needs them. A cache with nothing published is freed at once."""
+        if self.names:
+            self.pool.retire(self)
+        else:
+            self.free()

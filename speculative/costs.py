@@ -1,0 +1,298 @@
+"""What a round costs, as the K policy measures it (speculative.policy).
+
+`RoundCost` is one round's measured parts, `CostModel` keeps them per load bucket: the
+verify and draft lines (`Curve`, each point the median of its recent values), the overhead
+beyond compute, the overlap λ of pipelined rounds, the acceptance prior, and the batch's
+K trials (`BatchTrials`). See speculative.policy for how they choose K.
+"""
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median_low
+
+@dataclass(frozen=True)
+class RoundCost:
+    """What one round cost: its verify and draft compute and the rest of its time."""
+
+    verify_tokens: int  # K + 1 positions scored
+    verify_seconds: float
+    draft_tokens: int  # tokens the drafter computed for this round (0 if pre-drafted)
+    draft_seconds: float
+    overhead_seconds: float  # the round's time beyond the pools' compute
+    # the verifier's batch that scored the round: calls in it and tokens it fed (0: unknown,
+    # e.g. a verifier that reports no load; the round's own verify_tokens stand for them)
+    batch_size: int = 1
+    batch_tokens: int = 0
+    draft_hop_seconds: float = 0.0  # waiting for this round's draft beyond its compute
+    # False for rounds whose costs say nothing about a K: a request's first round (prompt
+    # prefills), a round that rebuilt a pool's cache
+    comparable: bool = True
+    # committed tokens the drafter fed before drafting (catching up after rounds without a
+    # draft): beyond a round's usual one or two, its draft time is not a draft cost
+    draft_catch_up: int = 0
+    # how the round ran (ROUND_KINDS; "": none of them) and its wall time, start to commit
+    kind: str = ""
+    wall_seconds: float = 0.0
+    tokens: int = 0  # committed by the round
+
+
+# plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block
+# beside a pre-draft of K + 1; fresh: verify of no draft beside a fresh draft of K + 1
+ROUND_KINDS = ("plain", "sequential", "carried", "fresh")
+BESIDE = ("carried", "fresh")
+
+
+def load_bucket(batch_size: float) -> int:
+    """Verifier batches of about the same size (powers of two) share their overlap."""
+    return max(0, round(math.log2(max(1.0, batch_size))))
+
+
+class Ema:
+    """An exponential moving average that is None until its first value."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight, self.value = weight, None
+
+    def add(self, value: float) -> None:
+        self.value = value if self.value is None else \
+            (1 - self.weight) * self.value + self.weight * value
+
+
+class Recent:
+    """The lower median of the last `size` values (None before the first): robust to a cold
+    start or a stray value (of two values, the lower: slow is what cold and stray values
+    are), and it forgets old regimes after `size` new values."""
+
+    def __init__(self, size: int = 31) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.median: float | None = None  # of the values as they are (None: not yet taken)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+        self.median = None
+
+    @property
+    def value(self) -> float | None:
+        if self.median is None and self.values:
+            self.median = median_low(self.values)
+        return self.median
+
+
+class Curve:
+    """Times by size (tokens): a median per size and how often each size was seen lately,
+    fitted with a weighted line a + b (n - 1); b >= 0 (noise must not make more tokens look
+    cheaper)."""
+
+    def __init__(self, decay: float = 0.02) -> None:
+        self.points: dict[int, Recent] = {}
+        self.seen: dict[int, float] = {}  # decayed counts: how common each size is now
+        self.decay = decay
+        self.fitted: dict[float, tuple[float, float]] = {}  # by prior slope, until an add
+
+    def add(self, size: int, seconds: float) -> None:
+        for n in self.seen:
+            self.seen[n] *= 1 - self.decay
+        self.points.setdefault(size, Recent()).add(seconds)
+        self.seen[size] = self.seen.get(size, 0.0) + 1.0
+        self.fitted.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def confirmed(self) -> list[int]:
+        """The sizes seen at least twice (a size seen once may have been seen cold), or
+        every size while none has been."""
+        twice = [n for n, recent in self.points.items() if len(recent.values) > 1]
+        return twice or list(self.points)
+
+    def fit(self, prior_slope: float) -> tuple[float, float]:
+        """(a, b): the line through an anchor, the measured value at n = 1 when there is one,
+        else at the most common size, whose slope is the mean of the slopes from the anchor
+        to every other size, weighted by how often each is seen (a rare size, however far
+        out, weighs as rarely as it occurs); one size alone gets `prior_slope` of a."""
+        sizes = self.confirmed()
+        anchor = 1 if 1 in sizes else max(sizes, key=self.seen.get)
+        base = self.points[anchor].value
+        others = [(n, self.points[n].value, self.seen[n]) for n in sizes if n != anchor]
+        if others:
+            slope = sum(w * (t - base) / (n - anchor) for n, t, w in others) / \
+                sum(w for _, _, w in others)
+            slope = max(0.0, slope)
+        else:
+            slope = prior_slope * base / (1 + prior_slope * (anchor - 1))
+        return max(1e-6, base - slope * (anchor - 1)), slope
+
+
+# a drafter fed more committed tokens than a round's usual (its last draft token and the
+# bonus) was catching up after rounds without a draft
+USUAL_CATCH_UP = 2
+
+
+class BatchTrials:
+    """Under batch load every request runs the router's one K (`k`), in phases of rounds;
+    some phases try another K for the whole batch. A tried K is judged by its phase's yield
+    (tokens committed over the rounds' wall seconds) against the phases just before and just
+    after it, at the K in force: the load drifts as requests start and end, and a phase's
+    yield moves with it (measured at 16 streams: 30 % within a run, more than the
+    differences between K = 0, 1 and 2), which an average over time would take for the K."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.k: int | None = None  # the K in force (None: not chosen yet)
+        self.rounds = 0  # rounds run under batch load, which number the phases
+        self.judged = False  # whether a trial has been judged (then trials move K, not a model)
+        self.open: dict[int, list] = {}  # phase -> [K, tokens, seconds] while it runs
+        self.newest = -1
+        self.closed: deque[tuple[int, int, float]] = deque(maxlen=3)  # (phase, K, yield)
+        # per tried K, its phases' yields over their neighbours', since the K last changed
+        self.ratios: dict[int, deque[float]] = {}
+        self.keep = keep
+
+    def record(self, phase: int, k: int, tokens: int, seconds: float) -> None:
+        """A round run at K = k, assigned in `phase`. A phase closes once rounds of two
+        later phases come in (each request's round of it has ended by then)."""
+        if phase < self.newest - 1 or seconds <= 0:
+            return  # a straggler of a closed phase
+        entry = self.open.setdefault(phase, [k, 0, 0.0])
+        entry[1], entry[2] = entry[1] + tokens, entry[2] + seconds
+        self.newest = max(self.newest, phase)
+        for done in sorted(p for p in self.open if p <= self.newest - 2):
+            k_done, tokens_done, seconds_done = self.open.pop(done)
+            self.close(done, k_done, tokens_done / seconds_done)
+
+    def close(self, phase: int, k: int, rate: float) -> None:
+        self.closed.append((phase, k, rate))
+        if len(self.closed) < 3:
+            return
+        (p0, k0, y0), (p1, k1, y1), (p2, k2, y2) = self.closed
+        if p2 - p1 == p1 - p0 == 1 and k0 == k2 == self.k != k1 and y0 + y2 > 0:
+            self.ratios.setdefault(k1, deque(maxlen=self.keep)).append(2 * y1 / (y0 + y2))
+            self.judged = True
+
+    def better(self, margin: float, least: int = 2) -> int | None:
+        """The tried K whose phases beat their neighbours by more than `margin` (geometric
+        mean of its last trials, at least `least` of them), the best such; else None."""
+        best, best_gain = None, 1.0 + margin
+        for k, ratios in self.ratios.items():
+            if len(ratios) < least:
+                continue
+            gain = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def switch(self, k: int) -> None:
+        """Put K = k in force; what was tried was relative to the old K."""
+        self.k = k
+        self.ratios.clear()
+
+
+class CostModel:
+    """The pools' costs as warm rounds measure them, shared by a router's requests.
+
+    Verify: the forward's time as a line in the tokens its batch feeds (a new machine's curve
+    is learnt, not configured); until two sizes are seen the slope is `prior_slope` of t(1)
+    per extra token. Draft: a call's time as a per-call part plus a per-token part.
+    Overheads: a round's time beyond the pools' compute, with a draft call and without.
+    """
+
+    def __init__(self, prior_slope: float = 0.1) -> None:
+        self.prior_slope = prior_slope
+        self.verify, self.draft = Curve(), Curve()
+        # a round's time beyond compute, with a draft call and without, by load bucket (under
+        # load it holds the waits of the batch cycle)
+        self.overhead: dict[int, Recent] = {}
+        self.overhead_plain: dict[int, Recent] = {}
+        self.draft_hop = Recent()
+        self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
+        self.trials = BatchTrials()  # the K of every request under batch load, tried
+        # λ: the share of a pipelined round's shorter part (verify or draft) that did not
+        # overlap the other, by load bucket
+        self.overlap: dict[int, Recent] = {}
+
+    def observe(self, cost: RoundCost) -> None:
+        if not cost.comparable:
+            return
+        if cost.verify_tokens > 0 and cost.verify_seconds > 0:
+            self.verify.add(cost.batch_tokens or cost.verify_tokens, cost.verify_seconds)
+        if cost.draft_tokens > 0 and cost.draft_seconds > 0 \
+                and cost.draft_catch_up <= USUAL_CATCH_UP:
+            self.draft.add(cost.draft_tokens, cost.draft_seconds)
+        bucket = load_bucket(cost.batch_size)
+        (self.overhead_plain if cost.verify_tokens <= 1 else self.overhead).setdefault(
+            bucket, Recent()).add(max(0.0, cost.overhead_seconds))
+        if cost.draft_hop_seconds > 0:
+            self.draft_hop.add(cost.draft_hop_seconds)
+        shorter = min(cost.verify_seconds, cost.draft_seconds)
+        if cost.kind in BESIDE and cost.wall_seconds > 0 and shorter > 0:
+            exposed = cost.wall_seconds - self.overhead_seconds(0, cost.batch_size) - \
+                max(cost.verify_seconds, cost.draft_seconds)
+            self.overlap.setdefault(bucket, Recent()).add(
+                min(1.0, max(0.0, exposed / shorter)))
+
+    def exposed_share(self, load: float) -> float | None:
+        """λ at this load (the nearest load measured; None before any pipelined round)."""
+        return nearest(self.overlap, load, least=2)
+
+    def round_seconds(self, kind: str, k: int, load: float) -> float:
+        """A round of this kind at K = k when the verifier's batches hold `load` calls, each
+        at this K (ROUND_KINDS; the module's formulas)."""
+        if kind == "plain":
+            return self.forward_seconds(load) + self.overhead_seconds(0, load)
+        if kind == "sequential":
+            return self.forward_seconds(load * (k + 1)) + self.draft_seconds(k) + \
+                self.overhead_seconds(k, load)
+        verify = self.forward_seconds(load * ((k if kind == "carried" else 0) + 1))
+        draft = self.draft_seconds(k + 1)
+        share = self.exposed_share(load)
+        if share is None:  # nothing measured yet: the overlap is assumed whole
+            return max(verify, draft) + self.overhead_seconds(k, load)
+        return max(verify, draft) + share * min(verify, draft) + self.overhead_seconds(0, load)
+
+    def forward_seconds(self, batch_tokens: float) -> float:
+        """The verifier's forward when its batch feeds batch_tokens tokens."""
+        if not self.verify:
+            return 1.0  # nothing measured: only ratios to t(1) matter until then
+        base, slope = self.verify.fit(self.prior_slope)
+        return max(1e-6, base + slope * (batch_tokens - 1))
+
+    def draft_seconds(self, num_tokens: int) -> float:
+        """A draft call of num_tokens tokens (0: no call)."""
+        if num_tokens <= 0:
+            return 0.0
+        if not self.draft:
+            return 0.1 * num_tokens * self.forward_seconds(1)
+        sizes = self.draft.confirmed()
+        if len(sizes) == 1:  # one size: all of it per token (dear for long K)
+            n = sizes[0]
+            return self.draft.points[n].value * num_tokens / n
+        per_call, per_token = self.draft.fit(0.0)
+        # the fit's a is the time at n = 1: split into a call's part and a token's
+        return max(1e-6, per_call - per_token + per_token * num_tokens)
+
+    def overhead_seconds(self, k: int = 1, load: float = 1.0) -> float:
+        """A round's time beyond the pools' compute, with a draft call (k > 0) or without,
+        at the load measured nearest to `load`."""
+        drafting = nearest(self.overhead, load) or 0.0
+        if k > 0:
+            return drafting
+        plain = nearest(self.overhead_plain, load)
+        if plain is not None:
+            return plain
+        return max(0.0, drafting - (self.draft_hop.value or 0.0))
+
+
+def nearest(by_bucket: dict[int, Recent], load: float, least: int = 1) -> float | None:
+    """The value kept for the load bucket nearest to `load`'s among those with at least
+    `least` values (the lower on a tie); None when there is none."""
+    bucket = load_bucket(load)
+    measured = [(abs(b - bucket), b) for b, recent in by_bucket.items()
+                if len(recent.values) >= least]
+    return by_bucket[min(measured)[1]].value if measured else None
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[N] = (1 - α^(K+1)) / (1 - α): a round's output for i.i.d. acceptance α."""
+    if alpha >= 1:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)

@@ -1,0 +1,134 @@
+"""Prefix caching: a request that starts with a prompt prefix another request committed takes
+its full blocks from the pool (shared in engine.paged, copied in engine.regions) and prefills
+only the rest, with logits equal to a fresh forward; a hit never sees the other request's
+rejected drafts; shared blocks return to the free list when the last reference goes."""
+
+import pytest
+import torch
+
+from engine import cache as kv_cache
+from engine.kv import Sequence, SessionStore
+from engine.runner import serving_runner
+from speculative.sampling import SamplingParams
+from speculative.types import PrefixSync, ScoreCall, prefix_hash
+from tests.tiny import tiny_llama, tiny_sliding
+from verifier.engine import ModelVerifier
+
+ATOL = 1e-4  # float reassociation only (see test_kv)
+BACKENDS = ["paged", "regions"]
+PROMPT = [(5 * i) % 60 + 1 for i in range(40)]  # two full blocks of 16, and 8 more
+
+
+def served(backend: str, model=None):
+    return serving_runner(model or tiny_llama(1), "paged", backend, kv_cache_tokens=4096)
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def sync(known, new):
+    return PrefixSync(len(known), prefix_hash(known), tuple(new))
+
+
+def start(store, runner, request_id, prompt, extra=(), num_logits=1):
+    sequence = store.apply(request_id, sync([], prompt))
+    return sequence, runner.forward([sequence.segment(runner, list(extra), num_logits)])[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("released", [False, True], ids=["holder-live", "holder-released"])
+def test_a_hit_takes_the_full_blocks_and_equals_a_fresh_forward(backend, released):
+    runner = served(backend)
+    store = SessionStore(8)
+    start(store, runner, "a", PROMPT)
+    store.apply("a", sync(PROMPT, [7]))  # a's next call: its prompt blocks are published
+    if released:
+        store.release("a")
+    tail = [9, 8, 7, 6]
+    b, logits = start(store, runner, "b", PROMPT[:36] + tail, num_logits=3)
+    assert b.cached_tokens == 32 and len(b.cached_ids) == 40
+    torch.testing.assert_close(logits, full_logits(runner.model, PROMPT[:36] + tail)[-3:],
+                               atol=ATOL, rtol=0)
+
+
+def rejected_drafts_error(backend: str) -> tuple[int, float]:
+    """a feeds 20 drafts after its 32-token prompt, then commits 16 other tokens without
+    feeding them yet (its cache still holds the drafts there); b's prompt is a's committed
+    prefix and more. (b's cached tokens, b's largest gap to a fresh forward.)"""
+    runner = served(backend, tiny_sliding(2))  # past its window too
+    store = SessionStore(8)
+    start(store, runner, "a", PROMPT[:32], extra=[11] * 20, num_logits=21)
+    store.apply("a", sync(PROMPT[:32], [12] * 16))
+    ids = PROMPT[:32] + [12] * 16 + [5] * 4
+    b, logits = start(store, runner, "b", ids, num_logits=4)
+    return b.cached_tokens, float((logits - full_logits(runner.model, ids)[-4:]).abs().max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hit_never_sees_the_holders_rejected_drafts(backend):
+    cached, error = rejected_drafts_error(backend)
+    assert cached == 32 and error < ATOL  # the block holding drafts is not offered
+
+
+def test_the_test_sees_a_block_published_by_its_tokens_not_its_contents(monkeypatch):
+    """Mutant: a cache names the committed tokens' blocks whatever its positions hold."""
+    def careless(self):
+        if self.cache is not None and self.cache.pool is not None:
+            end = min(len(self.committed), self.cache.length)
+            self.cache.publish(self.committed[:end - end % self.cache.pool.block_size])
+
+    monkeypatch.setattr(Sequence, "publish", careless)
+    cached, error = rejected_drafts_error("paged")
+    assert cached == 48 and error > 0.01
+
+
+def test_shared_blocks_are_freed_when_their_last_reference_goes():
+    runner = served("paged")
+    pool = runner.pool
+    store = SessionStore(8)
+    free = pool.free_units
+    start(store, runner, "a", PROMPT)
+    store.apply("a", sync(PROMPT, [7]))
+    b, _ = start(store, runner, "b", PROMPT[:36])
+    shared = b.cache.units[:2]
+    assert shared == store_units(store, "a")[:2] and all(pool.refs[u] == 2 for u in shared)
+    store.drop("a")  # the holder goes: b still reads the shared blocks
+    assert all(pool.refs[u] == 1 for u in shared) and not set(shared) & set(pool._free)
+    c, logits = start(store, runner, "c", [50] * 60)  # allocates over what a gave back
+    assert not set(shared) & set(c.cache.units)
+    b = store.apply("b", sync(PROMPT[:36], [3]))
+    logits = runner.forward([b.segment(runner, [], 1)])[0]
+    torch.testing.assert_close(logits, full_logits(runner.model, PROMPT[:36] + [3])[-1:],
+                               atol=ATOL, rtol=0)
+    store.clear()
+    assert pool.free_units == free and not any(pool.refs)
+
+
+def test_the_test_sees_a_share_that_forgets_its_reference(monkeypatch):
+    """Mutant: adopting blocks without counting the reference; the holder's release frees
+    blocks the hit still reads, and a later request overwrites them."""
+    monkeypatch.setattr(kv_cache.UnitPool, "share", lambda self, units: list(units))
+    with pytest.raises(AssertionError):
+        test_shared_blocks_are_freed_when_their_last_reference_goes()
+
+
+def store_units(store, request_id):
+    return store._sequences[request_id].cache.units
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_verify_with_a_hit_equals_one_without(backend):
+    """Through the verifier: the second request reports its cached tokens and scores the
+    same as on a verifier that never saw the first."""
+    greedy = SamplingParams(temperature=0.0)
+    verifier = ModelVerifier(served(backend))
+    fresh = ModelVerifier(served(backend))
+    first = ScoreCall("a", sync([], PROMPT), (3, 4), greedy)
+    assert verifier.score_now(first).cached_tokens == 0
+    verifier.score_now(ScoreCall("a", sync(PROMPT, [3]), (5,), greedy))  # publishes
+    second = ScoreCall("b", sync([], PROMPT + [9]), (1, 2, 3), greedy)
+    hit, alone = verifier.score_now(second), fresh.score_now(second)
+    assert hit.cached_tokens == 32 and alone.cached_tokens == 0
+    assert hit.target_token_ids == alone.target_token_ids
