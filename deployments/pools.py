@@ -8,7 +8,6 @@ router resends the whole prefix).
 """
 
 import asyncio
-import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
+from deployments.streams import CallStream
 from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from deployments.pool_args import DrafterArgs, PoolArgs, VerifierArgs
@@ -28,7 +28,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from engine.checkpoint import Checkpoint
 from engine.models import load_causal_lm
 from engine.batch import UNFINISHED
-from engine.kv import KVCacheTooSmall
+from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
 from speculative.grammar import grammar_tokenizer_at
 from speculative.sampling import SamplingParams
@@ -246,60 +246,15 @@ class PoolReplica:
                      response_type, answer_type, answers_type):
         """The direct stream (ProposeStream, ScoreStream; see specserve.proto): each message's
         calls are queued for the batcher together, and the answers finished meanwhile go back
-        in one message, each under its call's tag."""
+        in one message, each under its call's tag (deployments.streams)."""
         if not auth.authorized(grpc_context):
             await grpc_context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                      "this pool serves the router only")
-        running: dict[int, asyncio.Future] = {}
-        finished: list = []
-        wake = asyncio.Event()
-
-        def refused(tag: int, code: grpc.StatusCode, details: str):
-            return answer_type(tag=tag, error=pb.CallError(code=code.value[0], details=details))
-
-        def finish(tag: int, future: asyncio.Future) -> None:
-            if running.pop(tag, None) is None or future.cancelled():
-                return
-            result = future.exception() or future.result()
-            try:
-                response, code = self.respond(result, to_proto, response_type)
-                finished.append(answer_type(tag=tag, response=response) if code is None
-                                else refused(tag, code, str(result)))
-            except Exception as error:  # the engine failed: this call fails, the stream lives
-                finished.append(refused(tag, grpc.StatusCode.INTERNAL, repr(error)))
-            wake.set()
-
-        async def read() -> None:
-            async for batch in batches:
-                for tag in batch.cancel:
-                    future = running.pop(tag, None)
-                    if future is not None:
-                        future.cancel()
-                for entry in batch.entries:
-                    if self.direct_in_flight >= self.max_direct_calls:
-                        finished.append(refused(entry.tag, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                f"{self.direct_in_flight} calls in flight"))
-                        continue
-                    future = self.submit(check, call_from_proto, entry.call, direct=True)
-                    running[entry.tag] = future
-                    future.add_done_callback(functools.partial(finish, entry.tag))
-                wake.set()
-            wake.set()
-
-        reader = asyncio.ensure_future(read())
-        try:
-            while not (reader.done() and not running and not finished):
-                await wake.wait()
-                wake.clear()
-                if finished:
-                    answers = answers_type(answers=finished)
-                    finished.clear()
-                    yield answers
-            reader.result()  # a broken stream ends with its error
-        finally:
-            reader.cancel()
-            for future in running.values():
-                future.cancel()
+        calls = CallStream(self, check, call_from_proto,
+                           lambda result: self.respond(result, to_proto, response_type),
+                           answer_type)
+        async for answers in calls.serve(batches):
+            yield answers_type(answers=answers)
 
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         if not auth.authorized(grpc_context):

@@ -5,8 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv import Sequence, SessionStore, admitted
+from engine.kv import Sequence, SessionStore
 from engine.runner import ModelRunner, serving_runner
+from engine.scheduler import admitted, in_turns
 from speculative.grammar import TokenMasks, masked, matcher_after
 from speculative.sampling import (
     fit_vocab,
@@ -82,9 +83,14 @@ class ModelDrafter:
             raise
 
     def draft_together(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
+        """The calls in turns of one per request (engine.scheduler), each turn's drafts
+        stepped together."""
+        return in_turns(calls, self.draft_turn)
+
+    def draft_turn(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
         started = time.perf_counter()
         results: list = [None] * len(calls)
-        drafts, later = self.start_drafts(calls, results)
+        drafts = self.start_drafts(calls, results)
         active = self.admit_first_feeds(drafts, calls, results)
         drafts = [(index, draft) for index, draft, _ in active]
         first_tokens = self.draft_steps(active)
@@ -95,36 +101,29 @@ class ModelDrafter:
             probs = DraftDists.stack(draft.q_rows, self.vocab_size).compact().to("cpu") \
                 if draft.q_rows else None
             results[index] = DraftBlock(tuple(draft.token_ids), probs, elapsed, load=load)
-        if later:
-            for index, result in zip(later, self.draft_together([calls[i] for i in later])):
-                results[index] = result
         return results
 
     def start_drafts(self, calls: list[ProposeCall], results: list
-                     ) -> tuple[list[tuple[int, "Draft"]], list[int]]:
-        """(call index, Draft) of each call that drafts in this forward, and the indices of
-        the calls left for the next one; a refusal or an empty block goes into `results`."""
-        drafts, later, seen = [], [], set()
+                     ) -> list[tuple[int, "Draft"]]:
+        """(call index, Draft) of each call that drafts; a refusal or an empty block goes
+        into `results`."""
+        drafts = []
         for index, call in enumerate(calls):
-            if call.request_id in seen:  # one cache cannot feed twice in a forward
-                later.append(index)
-                continue
             try:
                 draft = self.start_draft(call)
             except (ValueError, StaleBase) as error:
                 results[index] = error.with_traceback(None)  # keeps no frame alive
                 continue
-            seen.add(call.request_id)
             if draft.num_tokens == 0:
                 results[index] = DraftBlock((), None)
             else:
                 drafts.append((index, draft))
-        return drafts, later
+        return drafts
 
     def admit_first_feeds(self, drafts: list[tuple[int, "Draft"]], calls: list[ProposeCall],
                           results: list) -> list[tuple]:
         """(call index, Draft, its first Segment) of each draft whose cache could reserve
-        blocks for its whole block; a refusal goes into `results` (engine.kv.admitted)."""
+        blocks for its whole block; a refusal goes into `results` (engine.scheduler.admitted)."""
         # Feeding the committed tail also covers the "all K accepted" case: the drafter never
         # fed its own last token x_K, so it is fed now together with the bonus token (or, for
         # a pre-draft, together with the assumed block under verification).

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import Segment
-from engine.cache import KVCacheFull
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
 
 
@@ -250,53 +249,3 @@ class SessionStore:
                 self.stats.evictions += 1
                 return True
         return False
-
-
-class KVCacheTooSmall(ValueError):
-    """A request needs more KV positions than the replica's whole pool holds: it never
-    fits (the pool answers OUT_OF_RANGE, the router 400)."""
-
-
-def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -> None:
-    """Units in a request's cache for `length` positions, before a batch's forward: while
-    the pool is short, retired prefixes and then idle sessions give theirs back (least
-    recently used first, never one of the batch, `keep`: they rebuild later, exact).
-
-    Raises KVCacheTooSmall when the pool could never hold `length` positions, KVCacheFull
-    when the batch's requests hold what it needs now (the pool answers RESOURCE_EXHAUSTED,
-    the router 429), without evicting anyone when evicting every idle session would not be
-    enough. A transformers cache needs nothing."""
-    pool = cache.pool
-    if pool is None:
-        return
-    if length > pool.max_tokens:
-        raise KVCacheTooSmall(f"{length} positions need more KV cache than this replica "
-                              f"holds ({pool.max_tokens} tokens)")
-    needed = cache.missing(length)
-    if needed > pool.free_units:  # only then are retired prefixes and sessions counted
-        spare = pool.free_units + pool.evictable_units
-        if needed > spare + sessions.evictable_units(keep):
-            raise KVCacheFull(f"the KV cache needs {needed} more {pool.unit_name}, "
-                              f"{pool.free_units} are free and the batch holds the rest")
-        while needed > pool.free_units + pool.evictable_units and sessions.evict_idle(keep):
-            pass
-    cache.reserve(length)
-
-
-def admitted(entries: list, caches: list, lengths: list[int], calls: list, results: list,
-             sessions: SessionStore) -> list:
-    """The entries (each starts with its call's index) whose caches could reserve blocks for
-    their lengths (reserve_blocks); the others get their refusal in `results` and lose their
-    sessions (no blocks held for a request that cannot go on)."""
-    keep = {calls[entry[0]].request_id for entry in entries}
-    kept = []
-    for entry, cache, length in zip(entries, caches, lengths):
-        try:
-            reserve_blocks(sessions, cache, length, keep)
-        except (ValueError, KVCacheFull) as error:
-            # an answer, not a raise: its traceback would keep the batch's caches alive
-            results[entry[0]] = error.with_traceback(None)
-            sessions.drop(calls[entry[0]].request_id)
-            continue
-        kept.append(entry)
-    return kept

@@ -6,10 +6,13 @@ beyond compute, the overlap λ of pipelined rounds, the acceptance prior, and th
 K trials (`BatchTrials`). See speculative.policy for how they choose K.
 """
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median_low
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RoundCost:
@@ -209,6 +212,16 @@ class CostModel:
         # λ: the share of a pipelined round's shorter part (verify or draft) that did not
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}
+        self.warned = False
+
+    def no_room_for_speculation(self) -> float | None:
+        """c = a one-token draft over a one-token verify, once both are measured, when it
+        leaves no room for speculation (c >= 1: even a fully accepted K = 1 round makes two
+        tokens in at least two verifies' time); else None."""
+        if not self.verify or not self.draft.confirmed():
+            return None
+        ratio = self.draft_seconds(1) / self.forward_seconds(1)
+        return ratio if ratio >= 1.0 else None
 
     def observe(self, cost: RoundCost) -> None:
         if not cost.comparable:
@@ -218,6 +231,12 @@ class CostModel:
         if cost.draft_tokens > 0 and cost.draft_seconds > 0 \
                 and cost.draft_catch_up <= USUAL_CATCH_UP:
             self.draft.add(cost.draft_tokens, cost.draft_seconds)
+            ratio = None if self.warned else self.no_room_for_speculation()
+            if ratio is not None:
+                self.warned = True
+                log.warning("a draft step costs %.2fx a verify on these pools: speculation "
+                            "cannot pay (adaptive K will stay at 0); pair a cheaper drafter "
+                            "or a faster drafter class", ratio)
         bucket = load_bucket(cost.batch_size)
         (self.overhead_plain if cost.verify_tokens <= 1 else self.overhead).setdefault(
             bucket, Recent()).add(max(0.0, cost.overhead_seconds))

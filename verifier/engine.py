@@ -6,8 +6,9 @@ from dataclasses import replace
 import torch
 
 from engine.batch import UNFINISHED
-from engine.kv import SessionStore, admitted
+from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
+from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import logits_to_probs, penalize, sample_rows, seeded_generator
@@ -15,7 +16,6 @@ from speculative.types import (
     BatchLoad,
     DraftDists,
     ScoreCall,
-    StaleBase,
     PositionLogprobs,
     TargetScores,
     check_call,
@@ -163,55 +163,30 @@ def penalty_history(call, committed: list[int]) -> tuple[list[int], list[int]] |
     return committed[:call.prompt_len], committed[call.prompt_len:]
 
 
-MIN_CHUNK = 16  # tokens a cut feed still gets when the budget is spent: it always advances
-
-
 def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
               max_tokens: int | None = None) -> list:
-    """prepare each call (refusals are its answer), reserve its KV blocks (a call that cannot
-    have them is refused with KVCacheFull and its session dropped), one packed forward over
-    the rest, finish.
-
-    `max_tokens` bounds the forward's tokens: the calls are prepared shortest feed first,
-    and a feed longer than what is left (a long prompt's prefill) is cut to it, at least
-    MIN_CHUNK: that call's answer is UNFINISHED, and the same call goes on from its cache in
-    the next batch (chunked prefill), so a long prompt does not stall everyone's decode.
-    Calls of the same request in one batch cannot share a forward (each feeds its cache):
-    the later ones run in a batch of their own after it.
-    """
-    started = time.perf_counter()
-    results: list = [None] * len(calls)
-    first, later, seen = [], [], set()
-    for index, call in enumerate(calls):
-        (later if call.request_id in seen else first).append(index)
-        seen.add(call.request_id)
-    first.sort(key=lambda i: len(calls[i].sync.new_token_ids) + len(calls[i].draft_token_ids))
-    ready, budget = [], max_tokens
-    for index in first:
-        limit = None if budget is None else max(budget, MIN_CHUNK)
-        try:
-            segment, extra = prepare(calls[index], limit)
-        except (ValueError, StaleBase) as error:
-            results[index] = error.with_traceback(None)  # keeps no frame alive
-            continue
-        if budget is not None:
-            budget -= len(segment.token_ids)
-        ready.append((index, segment, extra))
-    ready = admitted(ready, [segment.cache for _, segment, _ in ready],
-                     [segment.start + len(segment.token_ids) for _, segment, _ in ready],
-                     calls, results, sessions)
-    if ready:
+    """Each call's answer (or refusal): the calls in turns of one per request
+    (engine.scheduler), each turn prepared within the token budget, admitted, one packed
+    forward, finished; a call whose feed was cut answers UNFINISHED."""
+    def one_turn(turn: list) -> list:
+        started = time.perf_counter()
+        results: list = [None] * len(turn)
+        ready = prepare_within_budget(turn, prepare, results, max_tokens, lambda call: len(
+            call.sync.new_token_ids) + len(call.draft_token_ids))
+        ready = admitted(ready, [segment.cache for _, segment, _ in ready],
+                         [segment.start + len(segment.token_ids) for _, segment, _ in ready],
+                         turn, results, sessions)
+        if not ready:
+            return results
         logits = runner.forward([segment for _, segment, _ in ready])
         load = BatchLoad(len(ready), sum(len(segment.token_ids) for _, segment, _ in ready))
         elapsed = time.perf_counter() - started
         for (index, segment, extra), rows in zip(ready, logits):
             results[index] = UNFINISHED if segment.num_logits == 0 else \
-                replace(finish(calls[index], rows, extra), compute_seconds=elapsed, load=load)
-    if later:
-        for index, result in zip(later, run_batch([calls[i] for i in later], prepare, runner,
-                                                  finish, sessions, max_tokens)):
-            results[index] = result
-    return results
+                replace(finish(turn[index], rows, extra), compute_seconds=elapsed, load=load)
+        return results
+
+    return in_turns(calls, one_turn)
 
 
 def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:

@@ -2,14 +2,14 @@
 on a local 3-node Ray whose nodes declare GPUs and accelerator types the way Ray itself does.
 
 - head: a little CPU, no GPU (the router goes anywhere; Serve's controller and proxies cost no CPU)
-- "L4" node: 2 GPUs and the resource `accelerator_type:L4`
+- "A100" node: 2 GPUs and the resource `accelerator_type:A100`
 - "H100" node: 2 GPUs and the resource `accelerator_type:H100`
 
 Ray's own detection gives a GPU node `accelerator_type:<name>` = 1 (one per node, whatever its
 GPU count), and `accelerator_type: <name>` in an actor's options asks for 0.001 of it
 (ray._common.utils.resources_from_ray_options), so the nodes here declare exactly that.
 
-The pools are placed by gpu.yaml's own ray_actor_options (num_gpus: 1, accelerator_type: L4 /
+The pools are placed by gpu.yaml's own ray_actor_options (num_gpus: 1, accelerator_type: A100 /
 H100) and autoscaling configs. What is overridden, and why, is in `overridden()` below. Each
 replica that asks for a GPU gets CUDA_VISIBLE_DEVICES set by Ray to a device that does not exist;
 the pools run on CPU because their args say `device: cpu`, which the torch probe below checks.
@@ -98,7 +98,7 @@ def main() -> None:
     try:
         nodes = {accelerator: cluster.add_node(num_cpus=1, num_gpus=2,
                                                resources={f"accelerator_type:{accelerator}": 1})
-                 for accelerator in ("L4", "H100")}
+                 for accelerator in ("A100", "H100")}
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="warning")
         config = overridden(load_config("gpu.yaml"))

@@ -1,5 +1,5 @@
 """cluster/gpu.yaml as operators deploy it, on a local multi-node Ray whose nodes declare GPUs
-and accelerator types (`accelerator_type:L4`, `accelerator_type:H100`): the pools land on their
+and accelerator types (`accelerator_type:A100`, `accelerator_type:H100`): the pools land on their
 class by the file's own ray_actor_options, and the whole deployed file serves a completion.
 Only the models (the demo pair), the device (CPU), CPU counts and the HTTP host are overridden
 (placement_check.overridden says which and why).
@@ -40,10 +40,10 @@ def test_gpu_yaml_places_pools_by_accelerator_type_and_serves():
     report = run_check()
     nodes = report["nodes"]
     assert report["replicas"] == {"drafter": 1, "verifier": 1}  # autoscaling's min_replicas
-    assert report["where"]["drafter"] == [nodes["L4"]]
+    assert report["where"]["drafter"] == [nodes["A100"]]
     assert report["where"]["verifier"] == [nodes["H100"]]
     # a process holding a (nonexistent) Ray GPU: CUDA_VISIBLE_DEVICES is set, torch stays on CPU
-    for pool, accelerator in (("drafter", "L4"), ("verifier", "H100")):
+    for pool, accelerator in (("drafter", "A100"), ("verifier", "H100")):
         probe = report["torch"][pool]
         assert probe["node"] == nodes[accelerator]
         assert probe["cuda_visible_devices"] == ",".join(probe["gpu_ids"]) != ""

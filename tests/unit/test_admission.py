@@ -16,7 +16,7 @@ import pytest
 from deployments.clients import PoolError
 from deployments.ingress import pool_failure
 from drafter.model import ModelDrafter
-from engine.kv import KVCacheTooSmall
+from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash

@@ -12,7 +12,8 @@ from engine.batch import UNFINISHED
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ScoreCall, prefix_hash
 from tests.tiny import hf_greedy, run, tiny_llama
-from verifier.engine import MIN_CHUNK, ModelVerifier
+from engine.scheduler import MIN_CHUNK
+from verifier.engine import ModelVerifier
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -484,3 +484,11 @@ def test_under_load_every_request_runs_the_routers_k_and_explores_zero_and_its_n
     assert explored == {chosen + 1, chosen - 1, 0} - {chosen}
     # most rounds run the chosen K
     assert seen.count(chosen) >= 0.7 * len(seen)
+
+
+def test_the_router_warns_once_when_a_draft_step_costs_as_much_as_a_verify(caplog):
+    costs = measured({1: 2.0, 5: 3.0}, draft_ms_per_token=1.0)
+    assert costs.no_room_for_speculation() is None and not caplog.records
+    dear = measured({1: 2.0, 5: 3.0}, draft_ms_per_token=2.5)
+    assert dear.no_room_for_speculation() >= 1.0
+    assert [r.levelname for r in caplog.records] == ["WARNING"]

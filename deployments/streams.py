@@ -1,0 +1,75 @@
+"""One direct stream of a pool replica (ProposeStream, ScoreStream; see specserve.proto):
+the calls of each incoming message are queued for the replica's batcher together, and the
+answers finished meanwhile go back in one message, each under its call's tag. A cancelled
+tag withdraws its call; a call beyond the replica's in-flight bound is refused at once
+(RESOURCE_EXHAUSTED); an engine failure fails its call, never the stream."""
+
+import asyncio
+import functools
+
+import grpc
+
+from protos import specserve_pb2 as pb
+
+
+class CallStream:
+    def __init__(self, replica, check, call_from_proto, respond, answer_type) -> None:
+        """respond(result) -> (response, None) or (bare response, status code): the
+        replica's PoolReplica.respond for this stream's message types."""
+        self.replica, self.check, self.call_from_proto = replica, check, call_from_proto
+        self.respond, self.answer_type = respond, answer_type
+        self.running: dict[int, asyncio.Future] = {}
+        self.finished: list = []
+        self.wake = asyncio.Event()
+
+    def refused(self, tag: int, code: grpc.StatusCode, details: str):
+        return self.answer_type(tag=tag, error=pb.CallError(code=code.value[0], details=details))
+
+    def finish(self, tag: int, future: asyncio.Future) -> None:
+        if self.running.pop(tag, None) is None or future.cancelled():
+            return
+        result = future.exception() or future.result()
+        try:
+            response, code = self.respond(result)
+            self.finished.append(self.answer_type(tag=tag, response=response) if code is None
+                                 else self.refused(tag, code, str(result)))
+        except Exception as error:  # the engine failed: this call fails, the stream lives
+            self.finished.append(self.refused(tag, grpc.StatusCode.INTERNAL, repr(error)))
+        self.wake.set()
+
+    async def read(self, batches) -> None:
+        replica = self.replica
+        async for batch in batches:
+            for tag in batch.cancel:
+                future = self.running.pop(tag, None)
+                if future is not None:
+                    future.cancel()
+            for entry in batch.entries:
+                if replica.direct_in_flight >= replica.max_direct_calls:
+                    self.finished.append(self.refused(
+                        entry.tag, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{replica.direct_in_flight} calls in flight"))
+                    continue
+                future = replica.submit(self.check, self.call_from_proto, entry.call,
+                                        direct=True)
+                self.running[entry.tag] = future
+                future.add_done_callback(functools.partial(self.finish, entry.tag))
+            self.wake.set()
+        self.wake.set()
+
+    async def serve(self, batches):
+        """Yields lists of answers until the stream ends and every call is answered."""
+        reader = asyncio.ensure_future(self.read(batches))
+        try:
+            while not (reader.done() and not self.running and not self.finished):
+                await self.wake.wait()
+                self.wake.clear()
+                if self.finished:
+                    answers = list(self.finished)
+                    self.finished.clear()
+                    yield answers
+            reader.result()  # a broken stream ends with its error
+        finally:
+            reader.cancel()
+            for future in self.running.values():
+                future.cancel()
