@@ -30,6 +30,7 @@ from speculative.types import (
     ScoreCall,
     StaleBase,
     TargetScores,
+    prefix_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -183,17 +184,21 @@ class PoolClient:
         self.proxy = stub_class(proxy_channel)
         # request id -> address of the replica holding its cache
         self.pins: dict[str, str] = {}
+        # request id -> the key its first call was placed by (prefix_route_key), while it lives
+        self.routes: dict[str, str] = {}
         self._releasing: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[tuple[str, str], ReplicaStream] = {}
 
-    def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
-        return (("application", self.application), ("session_id", request_id),
+    def metadata(self, route_key: str) -> tuple[tuple[str, str], ...]:
+        return (("application", self.application), ("session_id", route_key),
                 *auth.metadata())
 
-    async def call(self, method: str, message, request_id: str, timeout_s: float | None = None):
+    async def call(self, method: str, message, request_id: str, timeout_s: float | None = None,
+                   route_key: str | None = None):
         """The pool's answer; PoolError when it fails or the deadline (the whole call's,
-        proxy fallback included) passes."""
+        proxy fallback included) passes. route_key: what the proxy's consistent hash places
+        an unpinned call by (default: the request id; prefix_route_key: its prompt's)."""
         timeout_s = timeout_s or self.timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
         address = self.pins.get(request_id)
@@ -208,12 +213,13 @@ class PoolClient:
                 timeout_s = deadline - asyncio.get_running_loop().time()
                 if timeout_s <= 0:
                     raise
-        response = await self._through_proxy(method, message, request_id, deadline)
+        route_key = self.routes.setdefault(request_id, route_key or request_id)
+        response = await self._through_proxy(method, message, route_key, deadline)
         if self.direct and getattr(response, "direct_address", ""):
             self.pins[request_id] = response.direct_address
         return response
 
-    async def _through_proxy(self, method: str, message, request_id: str, deadline: float):
+    async def _through_proxy(self, method: str, message, route_key: str, deadline: float):
         """The proxy's answer. Until Serve notices a dead replica its routing may still pick
         it: a GONE answer is tried again (after 50 ms, doubling to 0.8 s) while the deadline
         allows, so a request whose tokens depend on its drafts (seeded sampling) or a verify
@@ -223,7 +229,7 @@ class PoolClient:
             timeout_s = deadline - asyncio.get_running_loop().time()
             try:
                 return await getattr(self.proxy, method)(
-                    message, metadata=self.metadata(request_id), timeout=max(timeout_s, 1e-3))
+                    message, metadata=self.metadata(route_key), timeout=max(timeout_s, 1e-3))
             except grpc.aio.AioRpcError as error:
                 if error.code() not in GONE or \
                         deadline - asyncio.get_running_loop().time() <= pause:
@@ -238,18 +244,19 @@ class PoolClient:
         pin at once; best effort: a lost release leaves a cache entry for the pool's LRU
         and TTL to evict."""
         address = self.pins.pop(request_id, None)
-        task = asyncio.create_task(self._release(request_id, address))
+        route_key = self.routes.pop(request_id, request_id)
+        task = asyncio.create_task(self._release(request_id, address, route_key))
         self._releasing.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._releasing.discard)
 
-    async def _release(self, request_id: str, address: str | None) -> None:
+    async def _release(self, request_id: str, address: str | None, route_key: str) -> None:
         message = pb.ReleaseRequest(request_id=request_id)
         try:
             if address is not None:
                 await self._stub(address).Release(message, timeout=RELEASE_TIMEOUT_S,
                                                   metadata=auth.metadata())
             else:
-                await self.proxy.Release(message, metadata=self.metadata(request_id),
+                await self.proxy.Release(message, metadata=self.metadata(route_key),
                                          timeout=RELEASE_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             log.debug("release of %s on %s: %s", request_id, self.application, error.code())
@@ -289,6 +296,19 @@ class PoolClient:
         self._channels.pop(address, None)
 
 
+ROUTE_PREFIX_TOKENS = 32  # two KV blocks: a shared prompt start worth placing together
+
+
+def prefix_route_key(request_id: str, sync) -> str:
+    """What a call that carries a whole prompt is placed by: the hash of its first
+    ROUTE_PREFIX_TOKENS tokens, so requests that start alike land on the replica that holds
+    that prefix in its cache (a hint: any replica answers exactly; the call's later calls
+    go to the replica it landed on, pinned). Other calls: the request id."""
+    if sync.known_len != 0 or len(sync.new_token_ids) < ROUTE_PREFIX_TOKENS:
+        return request_id
+    return f"prefix-{prefix_hash(list(sync.new_token_ids[:ROUTE_PREFIX_TOKENS])):x}"
+
+
 class GrpcDrafter:
     """timeout_s: a seeded sampled request's deadline; draft_timeout_s: everyone else's."""
 
@@ -304,7 +324,8 @@ class GrpcDrafter:
         sampling = call.sampling
         seeded = sampling.seed is not None and not sampling.greedy
         response = await self.pool.call("Propose", message, call.request_id,
-                                        None if seeded else self.draft_timeout_s)
+                                        None if seeded else self.draft_timeout_s,
+                                        prefix_route_key(call.request_id, call.sync))
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
         try:
@@ -325,7 +346,8 @@ class GrpcVerifier:
 
     async def score(self, call: ScoreCall) -> TargetScores:
         message = wire.score_to_proto(call)
-        response = await self.pool.call("Score", message, call.request_id)
+        response = await self.pool.call("Score", message, call.request_id,
+                                        route_key=prefix_route_key(call.request_id, call.sync))
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
         return replace(wire.scores_from_proto(response),

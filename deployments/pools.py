@@ -28,6 +28,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from engine.checkpoint import Checkpoint
 from engine.models import load_causal_lm
 from engine.batch import UNFINISHED
+from engine.kv import PoolEngine
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
 from speculative.grammar import grammar_tokenizer_at
@@ -110,7 +111,7 @@ class PoolReplica:
     calls waiting for the model are visible as in flight.
     """
 
-    engine = None  # set by the subclass before start()
+    engine: PoolEngine  # set by the subclass before start()
 
     async def start(self, add_to_server, run_batch, args: PoolArgs, pool: str,
                     limits: wire.Limits) -> None:

@@ -22,6 +22,7 @@ deeper one (a rebuild that keeps part of a cache) re-prefills instead. Exact eit
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -249,3 +250,13 @@ class SessionStore:
                 self.stats.evictions += 1
                 return True
         return False
+
+
+class PoolEngine(Protocol):
+    """What a pool replica asks of its engine (deployments.pools) beside its batch function
+    (`score_batch` or `propose_batch`): the requests it holds, as a SessionStore (release,
+    sweep, membership, ids). The verifier, the model drafter and the n-gram drafter are
+    PoolEngines."""
+
+    sessions: SessionStore
+

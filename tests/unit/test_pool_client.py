@@ -56,3 +56,18 @@ def test_retries_stop_at_the_deadline():
     with pytest.raises(PoolError) as error:
         asyncio.run(client(proxy, 0.05).call("Propose", None, "r1"))
     assert error.value.code == grpc.StatusCode.UNAVAILABLE and 1 < proxy.calls < 10**9
+
+
+def test_whole_prompts_that_start_alike_are_placed_alike():
+    """A call carrying a whole prompt is placed by its first 32 tokens (prefix caching's
+    replica); a call that builds on a held prefix, or a short prompt, by its request."""
+    from deployments.clients import ROUTE_PREFIX_TOKENS, prefix_route_key
+    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
+
+    shared = tuple(range(1, ROUTE_PREFIX_TOKENS + 1))
+    first = prefix_route_key("a", PrefixSync(0, EMPTY_PREFIX_HASH, shared + (7, 8)))
+    second = prefix_route_key("b", PrefixSync(0, EMPTY_PREFIX_HASH, shared + (9,)))
+    other = prefix_route_key("c", PrefixSync(0, EMPTY_PREFIX_HASH, (5,) + shared))
+    assert first == second != other and first.startswith("prefix-")
+    assert prefix_route_key("d", PrefixSync(0, EMPTY_PREFIX_HASH, shared[:-1])) == "d"
+    assert prefix_route_key("e", PrefixSync(40, 123, (1,))) == "e"
