@@ -299,14 +299,14 @@ class PoolClient:
 ROUTE_PREFIX_TOKENS = 32  # two KV blocks: a shared prompt start worth placing together
 
 
-def prefix_route_key(request_id: str, sync) -> str:
-    """What a call that carries a whole prompt is placed by: the hash of its first
-    ROUTE_PREFIX_TOKENS tokens, so requests that start alike land on the replica that holds
-    that prefix in its cache (a hint: any replica answers exactly; the call's later calls
-    go to the replica it landed on, pinned). Other calls: the request id."""
-    if sync.known_len != 0 or len(sync.new_token_ids) < ROUTE_PREFIX_TOKENS:
+def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS) -> str:
+    """What a call that carries a whole prompt is placed by: the hash of its first `tokens`
+    tokens, so requests that start alike land on the replica that holds that prefix in its
+    cache (a hint: any replica answers exactly; the call's later calls go to the replica it
+    landed on, pinned). Other calls, and every call when tokens is 0: the request id."""
+    if tokens <= 0 or sync.known_len != 0 or len(sync.new_token_ids) < tokens:
         return request_id
-    return f"prefix-{prefix_hash(list(sync.new_token_ids[:ROUTE_PREFIX_TOKENS])):x}"
+    return f"prefix-{prefix_hash(list(sync.new_token_ids[:tokens])):x}"
 
 
 class GrpcDrafter:
@@ -314,10 +314,11 @@ class GrpcDrafter:
 
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
                  direct: bool = True, draft_timeout_s: float | None = None,
-                 streams: bool = True) -> None:
+                 streams: bool = True, prefix_tokens: int = ROUTE_PREFIX_TOKENS) -> None:
         self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct,
                                streams)
         self.draft_timeout_s = draft_timeout_s or timeout_s
+        self.prefix_tokens = prefix_tokens
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         message = wire.propose_to_proto(call)
@@ -325,7 +326,8 @@ class GrpcDrafter:
         seeded = sampling.seed is not None and not sampling.greedy
         response = await self.pool.call("Propose", message, call.request_id,
                                         None if seeded else self.draft_timeout_s,
-                                        prefix_route_key(call.request_id, call.sync))
+                                        prefix_route_key(call.request_id, call.sync,
+                                                         self.prefix_tokens))
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
         try:
@@ -340,14 +342,17 @@ class GrpcDrafter:
 
 class GrpcVerifier:
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
-                 direct: bool = True, streams: bool = True) -> None:
+                 direct: bool = True, streams: bool = True,
+                 prefix_tokens: int = ROUTE_PREFIX_TOKENS) -> None:
         self.pool = PoolClient(channel, pb_grpc.VerifierStub, application, timeout_s, direct,
                                streams)
+        self.prefix_tokens = prefix_tokens
 
     async def score(self, call: ScoreCall) -> TargetScores:
         message = wire.score_to_proto(call)
         response = await self.pool.call("Score", message, call.request_id,
-                                        route_key=prefix_route_key(call.request_id, call.sync))
+                                        route_key=prefix_route_key(call.request_id, call.sync,
+                                                                   self.prefix_tokens))
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
         return replace(wire.scores_from_proto(response),

@@ -69,10 +69,11 @@ class Router:
                                                       options=CHANNEL_OPTIONS)
             timeout = self.args.call_timeout_s
             direct, streams = self.args.direct_data_path, self.args.direct_streams
+            placed_by = self.args.prefix_affinity_tokens
             self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct,
-                                        self.args.draft_timeout_s, streams)
+                                        self.args.draft_timeout_s, streams, placed_by)
             self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout,
-                                          direct, streams)
+                                          direct, streams, placed_by)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 
     def memory(self) -> dict:

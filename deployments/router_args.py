@@ -60,6 +60,10 @@ class RouterArgs(BaseModel):
     # ...over one stream per pool replica, each message carrying every call waiting for it
     # (false: one unary call per call, as before the streams; for comparison)
     direct_streams: bool = True
+    # a request's first call is placed by the hash of its prompt's first this many tokens,
+    # so requests that start alike share a replica's prefix cache (a hint; a prompt shared
+    # by most traffic then lands on one replica per pool); 0: placed by request id only
+    prefix_affinity_tokens: int = Field(default=32, ge=0)
     # admission: choices (n counts) running at once in this replica; beyond it a request
     # gets 429 with Retry-After at once instead of queueing. Keep replicas x this within
     # the pools' session and token bounds (max_cached_requests, max_cached_tokens), so that

@@ -14,7 +14,7 @@ from speculative.sampling import (
     kept_entries,
     logits_to_probs,
     penalize,
-    sample,
+    sample_rows,
     seeded_generator,
 )
 from speculative.types import (
@@ -88,6 +88,10 @@ class ModelDrafter:
         return in_turns(calls, self.draft_turn)
 
     def draft_turn(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
+        with self.sessions.batch(call.request_id for call in calls):
+            return self.draft_blocks(calls)
+
+    def draft_blocks(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
         started = time.perf_counter()
         results: list = [None] * len(calls)
         drafts = self.start_drafts(calls, results)
@@ -130,7 +134,7 @@ class ModelDrafter:
         active = [(index, draft, draft.sequence.segment(self.runner, draft.assumed, 1))
                   for index, draft in drafts]
         # blocks for the whole block up front (its last token is never fed), or a refusal
-        return admitted(active, [segment.cache for _, _, segment in active],
+        return admitted(active, [segment for _, _, segment in active],
                         [segment.start + len(segment.token_ids) + draft.num_tokens - 1
                          for _, draft, segment in active], calls, results, self.sessions)
 
@@ -142,13 +146,10 @@ class ModelDrafter:
             segments = [segment for _, _, segment in active]
             first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)
             logits = self.runner.forward(segments)
-            picked = self.greedy_picks([draft for _, draft, _ in active], logits)
+            tokens = self.next_tokens([draft for _, draft, _ in active], logits)
             still = []
-            for row, ((index, draft, _), rows) in enumerate(zip(active, logits)):
-                if row in picked:
-                    draft.took(picked[row])
-                else:
-                    self.draw(draft, rows[0])
+            for (index, draft, _), token in zip(active, tokens):
+                draft.took(token)
                 if len(draft.token_ids) < draft.num_tokens:
                     still.append((index, draft, draft.sequence.segment(
                         self.runner, draft.assumed + draft.token_ids, 1)))
@@ -175,25 +176,36 @@ class ModelDrafter:
         return Draft(call, sequence, assumed, num_tokens,
                      seeded_generator(call.seed, self.model.device), matcher=matcher)
 
-    def greedy_picks(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> dict[int, int]:
-        """{row: argmax} of the greedy drafts of a step, with one host sync for all of them
-        (a greedy draft ships no q)."""
-        rows = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
-        if not rows:
-            return {}
-        last = fit_vocab(torch.stack([logits[row][0] for row in rows]), self.vocab_size)
-        if any(drafts[row].shaped for row in rows):  # masks or penalties: row by row
-            last = torch.stack([drafts[row].processed(line) for row, line in zip(rows, last)])
-        return dict(zip(rows, last.argmax(-1).tolist()))  # [greedy drafts, V] -> ids
+    def next_tokens(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> list[int]:
+        """Each draft's next token from its logits [1, V_draft], with ONE host sync for the
+        step: greedy drafts pick their argmax together (a greedy draft ships no q); a sampled
+        draft draws on the device from the q it will ship (its own seeded generator)."""
+        greedy = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
+        parts = []
+        if greedy:
+            last = fit_vocab(torch.stack([logits[row][0] for row in greedy]), self.vocab_size)
+            if any(drafts[row].shaped for row in greedy):  # masks or penalties: row by row
+                last = torch.stack([drafts[row].processed(line)
+                                    for row, line in zip(greedy, last)])
+            parts.append(last.argmax(-1))  # [greedy drafts]
+        sampled = [row for row, draft in enumerate(drafts) if not draft.call.sampling.greedy]
+        parts.extend(self.draw(drafts[row], logits[row][0]) for row in sampled)
+        if not parts:
+            return []
+        host = torch.cat(parts).tolist()
+        tokens = [0] * len(drafts)
+        for row, token in zip(greedy + sampled, host):
+            tokens[row] = int(token)
+        return tokens
 
-    def draw(self, draft: "Draft", logits: torch.Tensor) -> None:
-        """A sampled draft's next token from its logits [V_draft] at the block's end (greedy
-        drafts are picked together: greedy_picks)."""
+    def draw(self, draft: "Draft", logits: torch.Tensor) -> torch.Tensor:
+        """A sampled draft's next token, [1] on the device, drawn from its logits [V_draft]
+        at the block's end through the q it ships (kept in draft.q_rows)."""
         logits = draft.processed(fit_vocab(logits, self.vocab_size))  # [V]
         weights, ids = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
-        index = sample(weights.float(), draft.generator)  # drawn from the shipped weights
-        draft.took(index if ids is None else int(ids[index]))
+        index = sample_rows(weights.float()[None], draft.generator)  # [1]
         draft.q_rows.append((weights, ids))
+        return index if ids is None else ids[index]
 
     def shipped_q(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[V] q as it will travel, rounded to the wire's precision: (weights [m], ids [m])

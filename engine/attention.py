@@ -95,7 +95,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scal
     group = heads // kv_heads
     folded = q.reshape(rows, kv_heads, group * m, dim)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-    return out.view(rows, heads, m, dim)
+    return out.reshape(rows, heads, m, dim)  # a GPU kernel's output may be strided
 
 
 def device_of(queries: Queries, device) -> Queries:

@@ -16,6 +16,8 @@ that holds the block; a new request adopts the longest chain it finds (engine.pa
 blocks, engine.regions copies them) and prefills only the rest.
 """
 
+import array
+import hashlib
 import heapq
 from collections import OrderedDict
 
@@ -26,11 +28,19 @@ class KVCacheFull(RuntimeError):
     """The pool has no free unit left for a feed."""
 
 
+def block_name(previous: int, tokens: list[int]) -> int:
+    """A block's chain name: a keyed-free 64-bit BLAKE2b of the previous block's name and
+    its tokens (not Python's hash, whose collisions can be built: a collision would share
+    one request's keys with another)."""
+    data = previous.to_bytes(8, "little") + array.array("i", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 def block_names(tokens: list[int], block_size: int = BLOCK_SIZE) -> list[int]:
-    """The chain name of each full block of `tokens`: hash of the tokens up to its end."""
+    """The chain name of each full block of `tokens`: it names every token up to its end."""
     names, name = [], 0
     for end in range(block_size, len(tokens) + 1, block_size):
-        name = hash((name, tuple(tokens[end - block_size:end])))
+        name = block_name(name, tokens[end - block_size:end])
         names.append(name)
     return names
 
@@ -131,9 +141,10 @@ class PoolCache:
         return True  # every position is kept: a rollback is a length reset
 
     def crop(self, max_length: int) -> None:
-        """Keep the first max_length positions (negative: drop that many), as DynamicCache;
-        a published block cut into is withdrawn from the prefix index."""
-        self.length = max(0, self.length + max_length if max_length < 0 else
+        """Keep the first max_length positions; zero or negative: drop that many from the end
+        (as engine.kv calls it, crop(-removed): crop(-0) keeps everything). A published
+        block cut into is withdrawn from the prefix index."""
+        self.length = max(0, self.length + max_length if max_length <= 0 else
                           min(max_length, self.length))
         kept = self.length // self.pool.block_size
         if kept < len(self.names):
@@ -147,7 +158,7 @@ class PoolCache:
         name = self.names[-1] if self.names else 0
         start = len(self.names)
         for end in range((start + 1) * size, len(tokens) + 1, size):
-            name = hash((name, tuple(tokens[end - size:end])))
+            name = block_name(name, tokens[end - size:end])
             self.names.append(name)
         self.pool.prefixes.publish(self, self.names, start)
 
@@ -161,7 +172,10 @@ class PoolCache:
             return 0
         if id(holder) in self.pool.retired:  # a hit keeps its holder longest
             self.pool.retired.move_to_end(id(holder))
-        self.adopt(holder, blocks * size)
+        try:
+            self.adopt(holder, blocks * size)
+        except KVCacheFull:  # no room to copy into now: a plain prefill, admitted as any
+            return 0
         self.length = blocks * size
         return self.length
 

@@ -21,6 +21,7 @@ deeper one (a rebuild that keeps part of a cache) re-prefills instead. Exact eit
 
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -152,6 +153,17 @@ class SessionStore:
         self.capacity, self.max_tokens, self.ttl_s = capacity, max_tokens, ttl_s
         self.stats = StoreStats()
         self._sequences: OrderedDict[str, Sequence] = OrderedDict()
+        self.serving: frozenset[str] = frozenset()  # the requests of the batch being run
+
+    @contextmanager
+    def batch(self, request_ids):
+        """While a batch of these requests is prepared and run, none of them is evicted (a
+        prepared segment writes into its cache)."""
+        self.serving = frozenset(request_ids)
+        try:
+            yield
+        finally:
+            self.serving = frozenset()
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -200,12 +212,16 @@ class SessionStore:
 
     def _make_room(self, incoming: int) -> None:
         """Evict from the least recently used end (never the session just synced, the
-        newest) until both bounds hold."""
+        newest, nor one of the batch being run) until both bounds hold, or none is left to
+        evict."""
         limit = self.max_tokens
         tokens = self.tokens + incoming if limit is not None else 0  # summed once
-        while len(self._sequences) > 1 and (len(self._sequences) > self.capacity
-                                            or limit is not None and tokens > limit):
-            _, evicted = self._sequences.popitem(last=False)
+        for request_id in list(self._sequences)[:-1]:
+            if not (len(self._sequences) > self.capacity or limit is not None and tokens > limit):
+                return
+            if request_id in self.serving:
+                continue
+            evicted = self._sequences.pop(request_id)
             evicted.close()
             tokens -= len(evicted.committed)
             self.stats.evictions += 1
@@ -238,14 +254,17 @@ class SessionStore:
             self.drop(request_id)
 
     def evictable_units(self, keep: set[str]) -> int:
-        """Pool units held by sessions not in `keep` (what evict_idle could give back)."""
-        return sum(len(sequence.cache.units) for request_id, sequence in self._sequences.items()
-                   if request_id not in keep and sequence.cache is not None)
+        """Pool units held by sessions not in `keep` and no other cache (what evict_idle
+        could give back)."""
+        return sum(sum(1 for unit in sequence.cache.units if sequence.cache.pool.refs[unit] == 1)
+                   for request_id, sequence in self._sequences.items()
+                   if request_id not in keep and sequence.cache is not None
+                   and sequence.cache.pool is not None)
 
     def evict_idle(self, keep: set[str]) -> bool:
         """Release the least recently used session not in `keep`; False when there is none."""
         for request_id in self._sequences:
-            if request_id not in keep:
+            if request_id not in keep and request_id not in self.serving:
                 self.release(request_id)
                 self.stats.evictions += 1
                 return True

@@ -55,23 +55,39 @@ class PagedCache(PoolCache):
     def blocks(self) -> list[int]:
         return self.units
 
-    def missing(self, length: int) -> int:
-        """Blocks it lacks to hold `length` positions (0 when it has them)."""
-        return max(0, -(-length // self.pool.block_size) - len(self.units))
+    def missing(self, length: int, start: int | None = None) -> int:
+        """Blocks it lacks to hold `length` positions and write from `start` on: new ones,
+        and a copy of each block it would write that another cache also holds."""
+        size = self.pool.block_size
+        shared = 0 if start is None else sum(
+            1 for unit in self.units[start // size:-(-length // size)] if self.pool.refs[unit] > 1)
+        return max(0, -(-length // size) - len(self.units)) + shared
 
-    def reserve(self, length: int) -> None:
-        """Blocks for `length` positions (raises KVCacheFull, holding what it had)."""
-        needed = self.missing(length)
+    def reserve(self, length: int, start: int | None = None) -> None:
+        """Blocks for `length` positions, the shared ones from `start` on copied (raises
+        KVCacheFull, holding what it had)."""
+        needed = max(0, -(-length // self.pool.block_size) - len(self.units))
         if needed > 0:
             self.units.extend(self.pool.allocate(needed))
+        if start is not None:
+            self.writable(start, length)
 
     def adopt(self, holder: "PagedCache", tokens: int) -> None:
         self.units = self.pool.share(holder.units[:tokens // self.pool.block_size])
 
-    def writable_from(self, start: int) -> None:
-        """Copy each block from `start` on that another cache also holds (copy on write)."""
+    def retire(self) -> None:
+        """As PoolCache.retire, less the blocks past the named prompt (output, drafts)."""
+        kept = len(self.names)
+        self.pool.release(self.units[kept:])
+        del self.units[kept:]
+        self.length = min(self.length, kept * self.pool.block_size)
+        super().retire()
+
+    def writable(self, start: int, end: int) -> None:
+        """Copy each block of positions [start, end) that another cache also holds (copy on
+        write)."""
         pool = self.pool
-        for number in range(start // pool.block_size, len(self.units)):
+        for number in range(start // pool.block_size, -(-end // pool.block_size)):
             block = self.units[number]
             if pool.refs[block] > 1:
                 fresh = pool.allocate(1)[0]
@@ -119,8 +135,7 @@ class PagedAttention:
 
     def plan(self, segments) -> PagedPlan:
         for segment in segments:  # before any write: a full pool fails the batch untouched
-            segment.cache.reserve(segment.start + len(segment.token_ids))
-            segment.cache.writable_from(segment.start)
+            segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)
         plan = PagedPlan(segments, self.pool, self.windows, self.group, self.pool.keys.device)
         self.buffers(plan.gather.numel())
         return plan

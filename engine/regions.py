@@ -52,16 +52,24 @@ class RegionCache(PoolCache):
     def region(self) -> int:
         return self.units[0]
 
-    def missing(self, length: int) -> int:
+    def missing(self, length: int, start: int | None = None) -> int:
         return 0 if self.units else 1
 
-    def reserve(self, length: int) -> None:
+    def reserve(self, length: int, start: int | None = None) -> None:
         if not self.units:
             self.units = self.pool.allocate(1)
 
     def adopt(self, holder: "RegionCache", tokens: int) -> None:
-        self.reserve(tokens)
-        pool, source, target = self.pool, holder.region, self.region
+        """Copy the holder's first `tokens` positions into a region of its own (the holder,
+        if retired, is not evictable meanwhile; KVCacheFull when no region is free)."""
+        pool = self.pool
+        retired = pool.reclaim(holder)
+        try:
+            self.reserve(tokens)
+        finally:
+            if retired:
+                pool.retire(holder)
+        source, target = holder.region, self.region
         pool.initialise([target], tokens)
         pool.keys[:, target, :, :tokens] = pool.keys[:, source, :, :tokens]
         pool.values[:, target, :, :tokens] = pool.values[:, source, :, :tokens]

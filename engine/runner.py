@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from engine.batch import forward_packed, use_packed_attention
 from engine.cache import BLOCK_SIZE
 from engine.lean import LeanForward, lean_supported
-from engine.memory import context_length, kv_shape
+from engine.memory import KVBudgetTooSmall, context_length, kv_shape
 from engine.paged import BlockPool, PagedAttention, kv_pool_blocks
 from engine.regions import RegionAttention, RegionPool, region_count
 
@@ -53,10 +53,10 @@ class TransformersCache(DynamicCache):
                     return False
         return True
 
-    def missing(self, length: int) -> int:
+    def missing(self, length: int, start: int | None = None) -> int:
         return 0
 
-    def reserve(self, length: int) -> None:
+    def reserve(self, length: int, start: int | None = None) -> None:
         pass
 
     def adopt_prefix(self, tokens: list[int], limit: int) -> int:
@@ -94,6 +94,14 @@ class ModelRunner:
         return forward_packed(self.model, segments)
 
 
+def regions_fit(model, max_sequences: int) -> bool:
+    """Whether the memory budget holds a batch's worth of whole-context regions."""
+    try:
+        return region_count(model, None, max_sequences) >= min(MIN_REGIONS, max_sequences + 1)
+    except KVBudgetTooSmall:
+        return False
+
+
 def backend(model, attention: str, kv_cache_tokens: int | None, max_sequences: int,
             max_new_per_sequence: int, block_size: int = BLOCK_SIZE):
     """The attention backend and its pool for this model (see the module doc)."""
@@ -106,7 +114,7 @@ def backend(model, attention: str, kv_cache_tokens: int | None, max_sequences: i
     if attention == "auto":
         attention = "paged"
         if weight.device.type == "cpu" and kv_cache_tokens is None and \
-                region_count(model, None, max_sequences) >= min(MIN_REGIONS, max_sequences + 1):
+                regions_fit(model, max_sequences):
             attention = "regions"
     if attention == "regions":
         regions = region_count(model, kv_cache_tokens, max_sequences)

@@ -62,7 +62,8 @@ def prepare_within_budget(calls: list, prepare, results: list, max_tokens: int |
     return ready
 
 
-def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -> None:
+def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str],
+                   start: int) -> None:
     """Units in a request's cache for `length` positions, before a batch's forward: while
     the pool is short, retired prefixes and then idle sessions give theirs back (least
     recently used first, never one of the batch, `keep`: they rebuild later, exact).
@@ -77,7 +78,7 @@ def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -
     if length > pool.max_tokens:
         raise KVCacheTooSmall(f"{length} positions need more KV cache than this replica "
                               f"holds ({pool.max_tokens} tokens)")
-    needed = cache.missing(length)
+    needed = cache.missing(length, start)
     if needed > pool.free_units:  # only then are retired prefixes and sessions counted
         spare = pool.free_units + pool.evictable_units
         if needed > spare + sessions.evictable_units(keep):
@@ -85,21 +86,21 @@ def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str]) -
                               f"{pool.free_units} are free and the batch holds the rest")
         while needed > pool.free_units + pool.evictable_units and sessions.evict_idle(keep):
             pass
-    cache.reserve(length)
+    cache.reserve(length, start)
 
 
-def admitted(entries: list, caches: list, lengths: list[int], calls: list, results: list,
+def admitted(entries: list, segments: list, lengths: list[int], calls: list, results: list,
              sessions: SessionStore) -> list:
-    """The entries (each starts with its call's index) whose caches could reserve blocks for
-    their lengths (reserve_blocks); the others get their refusal in `results` and lose their
-    sessions (no blocks held for a request that cannot go on)."""
+    """The entries (each starts with its call's index) whose segments' caches could reserve
+    units for their lengths from where they start writing (reserve_blocks); the others get
+    their refusal in `results` and lose their sessions (no units held for a request that
+    cannot go on)."""
     keep = {calls[entry[0]].request_id for entry in entries}
     kept = []
-    for entry, cache, length in zip(entries, caches, lengths):
+    for entry, segment, length in zip(entries, segments, lengths):
         try:
-            reserve_blocks(sessions, cache, length, keep)
+            reserve_blocks(sessions, segment.cache, length, keep, segment.start)
         except (ValueError, KVCacheFull) as error:
-            # an answer, not a raise: its traceback would keep the batch's caches alive
             results[entry[0]] = error.with_traceback(None)
             sessions.drop(calls[entry[0]].request_id)
             continue

@@ -173,7 +173,7 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
         results: list = [None] * len(turn)
         ready = prepare_within_budget(turn, prepare, results, max_tokens, lambda call: len(
             call.sync.new_token_ids) + len(call.draft_token_ids))
-        ready = admitted(ready, [segment.cache for _, segment, _ in ready],
+        ready = admitted(ready, [segment for _, segment, _ in ready],
                          [segment.start + len(segment.token_ids) for _, segment, _ in ready],
                          turn, results, sessions)
         if not ready:
@@ -186,7 +186,11 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
                 replace(finish(turn[index], rows, extra), compute_seconds=elapsed, load=load)
         return results
 
-    return in_turns(calls, one_turn)
+    def one_guarded_turn(turn: list) -> list:
+        with sessions.batch(call.request_id for call in turn):
+            return one_turn(turn)
+
+    return in_turns(calls, one_guarded_turn)
 
 
 def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:

@@ -10,6 +10,8 @@ The pool here: kv_cache_tokens 16 and two cached requests give 14 blocks of 16 p
 positions. A request of 100 positions takes 7 blocks: two do not fit together.
 """
 
+import contextlib
+
 import grpc
 import pytest
 
@@ -18,6 +20,7 @@ from deployments.ingress import pool_failure
 from drafter.model import ModelDrafter
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
+from engine.kv import SessionStore
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
 from tests.tiny import tiny_llama
@@ -111,3 +114,44 @@ def test_the_router_answers_a_pool_refusal_with_its_http_status(code, status):
     assert failure.status == status
     assert ("the reason" in str(failure)) == (status == 400)
     assert ("Retry-After" in (failure.headers or {})) == (status != 400)
+
+
+def batch_beyond_the_session_bound_matches_alone(attention: str) -> bool:
+    """A replica that keeps two sessions, with a pool of 13 blocks (paged) or 3 regions: a
+    and b hold theirs; then one batch runs a's and b's next calls beside two new requests.
+    Whether every answer the batch gives equals its request's on a roomy replica."""
+    tokens = 16 if attention == "paged" else 1536
+
+    def replica(cached: int, kv_tokens: int) -> ModelVerifier:
+        return ModelVerifier(tiny_llama(1), engine="paged", attention=attention,
+                             kv_cache_tokens=kv_tokens, max_cached_requests=cached)
+
+    tight, roomy = replica(2, tokens), replica(8, 4096)
+    prompts = {name: prompt(60, offset=i) for i, name in enumerate("abcd")}
+    for name in "ab":
+        for verifier in (tight, roomy):
+            verifier.score_now(first_call(name, prompts[name], draft=()))
+    calls = [ScoreCall(name, PrefixSync(60, prefix_hash(list(prompts[name])), (5,)), (6, 7),
+                       GREEDY) for name in "ab"]
+    calls += [first_call(name, prompts[name]) for name in "cd"]
+    try:
+        answers = tight.score_batch(calls)
+    except KVCacheFull:  # the batch's own units went to a batch-mate: the forward failed
+        return False
+    expected = [roomy.score_now(call) for call in calls]
+    answered = [(a, e) for a, e in zip(answers, expected) if not isinstance(a, KVCacheFull)]
+    return len(answered) >= 3 and all(a.target_token_ids == e.target_token_ids
+                                      for a, e in answered)
+
+
+@pytest.mark.parametrize("attention", ["paged", "regions"])
+def test_a_batch_larger_than_the_session_bound_keeps_every_cache_it_runs(attention):
+    """None of a batch is evicted while it runs: its units could go to a batch-mate, which
+    would write over the keys it reads (a request that does not fit is refused instead)."""
+    assert batch_beyond_the_session_bound_matches_alone(attention)
+
+
+def test_the_test_sees_a_batch_whose_requests_are_evicted_while_it_runs(monkeypatch):
+    """Mutant: the store forgets which requests the running batch holds."""
+    monkeypatch.setattr(SessionStore, "batch", lambda self, ids: contextlib.nullcontext())
+    assert not batch_beyond_the_session_bound_matches_alone("paged")

@@ -27,11 +27,12 @@ def shipped_rows(q: DraftDists) -> list[dict[int, float]]:
 def test_the_drafter_samples_from_the_q_it_ships(monkeypatch, options):
     sampled = []  # (the weights drawn from, the index drawn)
 
-    def recording_sample(probs, generator):
-        sampled.append((probs.clone(), int(torch.multinomial(probs, 1, generator=generator))))
-        return sampled[-1][1]
+    def recording_sample_rows(weights, generator):  # the drafter draws one row at a time
+        sampled.append((weights[0].clone(),
+                        int(torch.multinomial(weights[0], 1, generator=generator))))
+        return torch.tensor([sampled[-1][1]])
 
-    monkeypatch.setattr(drafter.model, "sample", recording_sample)
+    monkeypatch.setattr(drafter.model, "sample_rows", recording_sample_rows)
     engine = ModelDrafter(tiny_llama(2), **options)
     call = ProposeCall("r", PrefixSync(0, prefix_hash([]), (1, 2, 3)), 4,
                        SamplingParams(temperature=1.0), seed=5)

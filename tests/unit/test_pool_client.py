@@ -71,3 +71,5 @@ def test_whole_prompts_that_start_alike_are_placed_alike():
     assert first == second != other and first.startswith("prefix-")
     assert prefix_route_key("d", PrefixSync(0, EMPTY_PREFIX_HASH, shared[:-1])) == "d"
     assert prefix_route_key("e", PrefixSync(40, 123, (1,))) == "e"
+    whole = PrefixSync(0, EMPTY_PREFIX_HASH, shared + (7,))
+    assert prefix_route_key("f", whole, tokens=0) == "f"  # the router's knob: off
