@@ -6,6 +6,7 @@ from dataclasses import replace
 import torch
 
 from engine.batch import UNFINISHED
+from verifier import host
 from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
@@ -120,19 +121,22 @@ class ModelVerifier:
         if history is not None:  # row i counts the tokens drafted before it
             logits = penalize(logits, call.sampling, *history, drafted)
         if call.sampling.greedy:
-            scores = TargetScores(target_token_ids=tuple(logits.argmax(-1).tolist()))
-            chosen = scores.target_token_ids
+            ids = logits.argmax(-1)  # [K + 1], on the device until the batch's one transfer
+            scores = TargetScores(target_token_ids=ids if host.deferred() else
+                                  tuple(ids.tolist()))
         else:
             target_probs = logits_to_probs(logits, call.sampling)  # [K + 1, V]
             scores = draw_recovered_and_bonus(target_probs, drafted, draft_probs, call.seed)
             if call.return_bonus_probs:  # the router tests a pre-drafted token against it
                 scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
-            chosen = scores.recovered_token_ids + (scores.bonus_token_id,)
         if sequence.cached_tokens:  # reported once, by the call whose cache took them
             scores = replace(scores, cached_tokens=sequence.cached_tokens)
             sequence.cached_tokens = 0
         if call.sampling.logprobs is None:
             return scores
+        [scores] = host.to_host([scores])  # the logprobs need the chosen ids now
+        chosen = scores.target_token_ids if call.sampling.greedy else \
+            scores.recovered_token_ids + (scores.bonus_token_id,)
         return replace(scores, logprobs=position_logprobs(raw, drafted, list(chosen),
                                                           call.sampling.logprobs))
 
@@ -180,11 +184,14 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
             return results
         logits = runner.forward([segment for _, segment, _ in ready])
         load = BatchLoad(len(ready), sum(len(segment.token_ids) for _, segment, _ in ready))
+        with host.one_transfer():  # the draws and picks of every call stay on the device...
+            for (index, segment, extra), rows in zip(ready, logits):
+                results[index] = UNFINISHED if segment.num_logits == 0 else \
+                    replace(finish(turn[index], rows, extra), load=load)
+        results = host.to_host(results)  # ...and reach the host together: one sync
         elapsed = time.perf_counter() - started
-        for (index, segment, extra), rows in zip(ready, logits):
-            results[index] = UNFINISHED if segment.num_logits == 0 else \
-                replace(finish(turn[index], rows, extra), compute_seconds=elapsed, load=load)
-        return results
+        return [replace(result, compute_seconds=elapsed) if isinstance(result, TargetScores)
+                else result for result in results]
 
     def one_guarded_turn(turn: list) -> list:
         with sessions.batch(call.request_id for call in turn):
@@ -207,6 +214,9 @@ def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed
     draws = sample_rows(rows, generator)  # [K + 1]
     tokens = torch.tensor(drafted, dtype=torch.long, device=target_probs.device)
     at_draft = target_probs[torch.arange(k, device=target_probs.device), tokens]
+    if host.deferred():  # a batch's call: moved to the host with the batch's (verifier.host)
+        return TargetScores(draft_target_probs=at_draft, recovered_token_ids=draws[:k],
+                            bonus_token_id=draws[k])
     # one host sync: ids < 2**53 and probabilities travel exactly as float64
     values = torch.cat([draws.double(), at_draft.double()]).tolist()
     return TargetScores(draft_target_probs=tuple(values[k + 1:]),

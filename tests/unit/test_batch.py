@@ -14,7 +14,7 @@ from engine import paged, regions
 from engine.kv import SessionStore
 from engine.runner import serving_runner
 from speculative.sampling import SamplingParams
-from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
+from speculative.types import DraftDists, PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
 from tests.tiny import Batched, hf_greedy, noisy_copy, run_concurrently, tiny_llama, tiny_sliding
 from verifier.engine import ModelVerifier
 
@@ -214,3 +214,26 @@ def test_a_request_evicted_while_its_batch_mates_run_is_rebuilt_exactly():
     assert verifier.engine.sessions.stats.evictions > 0
     for prompt, output in zip(prompts, outputs):
         assert output == hf_greedy(target, prompt, 12)
+
+
+def test_a_verify_batch_moves_its_answers_to_the_host_once(monkeypatch):
+    """Greedy picks and sampled draws of every call of a batch stay on the device until one
+    transfer (on a GPU, one synchronisation per batch, not one per call); the answers equal
+    each call's alone."""
+    target = tiny_llama(1)
+    vocab = target.config.vocab_size
+    q = torch.full((2, vocab), 1.0 / vocab)
+    calls = [ScoreCall(f"g{i}", sync([], [1 + i, 2, 3]), (4, 5), GREEDY) for i in range(3)]
+    calls += [ScoreCall(f"s{i}", sync([], [2 + i, 3]), (6, 7), SamplingParams(temperature=1.0),
+                        seed=10 + i, draft_probs=DraftDists.from_dense(q)) for i in range(3)]
+    transfers = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: transfers.append(1) or tolist(self))
+    together = ModelVerifier(target).score_batch(calls)
+    assert len(transfers) == 1
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    for call, answer in zip(calls, together):
+        alone = ModelVerifier(target).score_now(call)
+        assert (answer.target_token_ids, answer.recovered_token_ids, answer.bonus_token_id) == \
+            (alone.target_token_ids, alone.recovered_token_ids, alone.bonus_token_id)
+        assert answer.draft_target_probs == pytest.approx(alone.draft_target_probs, abs=1e-6)
