@@ -1,3 +1,6 @@
-"""The engine side both pools share: loading a checkpoint (models), what a served pair must
-agree on (checkpoint) and per-request KV caches with rollback (kv). The drafter and verifier
-engines own a model and its caches through these; speculative/ stays the algorithm."""
+"""The engine side both pools share. Each replica owns one model runner (runner: the model,
+its attention backend and KV pool, the packed forward, lean or transformers'); the scheduler
+decides what a batch's forward runs (scheduler); kv keeps each request's committed tokens
+and cache; cache, paged and regions are the KV pools; attention is the backends' seam;
+memory sizes a pool; models and checkpoint load what a served pair must agree on.
+speculative/ stays the algorithm."""
