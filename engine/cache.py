@@ -36,10 +36,13 @@ def block_name(previous: int, tokens: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def block_names(tokens: list[int], block_size: int = BLOCK_SIZE) -> list[int]:
-    """The chain name of each full block of `tokens`: it names every token up to its end."""
-    names, name = [], 0
-    for end in range(block_size, len(tokens) + 1, block_size):
+def block_names(tokens: list[int], block_size: int = BLOCK_SIZE,
+                known: list[int] = ()) -> list[int]:
+    """The chain name of each full block of `tokens`: it names every token up to its end.
+    `known`: the names of its first blocks, already computed (only the rest are)."""
+    names = list(known)
+    name = names[-1] if names else 0
+    for end in range((len(names) + 1) * block_size, len(tokens) + 1, block_size):
         name = block_name(name, tokens[end - block_size:end])
         names.append(name)
     return names
@@ -154,12 +157,8 @@ class PoolCache:
     def publish(self, tokens: list[int]) -> None:
         """Name the full blocks of `tokens` (a committed prefix this cache holds) for prefix
         hits, from the first block not yet named."""
-        size = self.pool.block_size
-        name = self.names[-1] if self.names else 0
         start = len(self.names)
-        for end in range((start + 1) * size, len(tokens) + 1, size):
-            name = block_name(name, tokens[end - size:end])
-            self.names.append(name)
+        self.names = block_names(tokens, self.pool.block_size, self.names)
         self.pool.prefixes.publish(self, self.names, start)
 
     def adopt_prefix(self, tokens: list[int], limit: int) -> int:

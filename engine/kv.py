@@ -216,6 +216,8 @@ class SessionStore:
         evict."""
         limit = self.max_tokens
         tokens = self.tokens + incoming if limit is not None else 0  # summed once
+        if len(self._sequences) <= self.capacity and (limit is None or tokens <= limit):
+            return  # the usual call: nothing to evict, no walk over the sessions
         for request_id in list(self._sequences)[:-1]:
             if not (len(self._sequences) > self.capacity or limit is not None and tokens > limit):
                 return
@@ -253,18 +255,19 @@ class SessionStore:
         for request_id in list(self._sequences):
             self.drop(request_id)
 
-    def evictable_units(self, keep: set[str]) -> int:
-        """Pool units held by sessions not in `keep` and no other cache (what evict_idle
-        could give back)."""
+    def evictable_units(self) -> int:
+        """Pool units held by sessions outside the running batch and by no other cache
+        (what evict_idle could give back)."""
         return sum(sum(1 for unit in sequence.cache.units if sequence.cache.pool.refs[unit] == 1)
                    for request_id, sequence in self._sequences.items()
-                   if request_id not in keep and sequence.cache is not None
+                   if request_id not in self.serving and sequence.cache is not None
                    and sequence.cache.pool is not None)
 
-    def evict_idle(self, keep: set[str]) -> bool:
-        """Release the least recently used session not in `keep`; False when there is none."""
+    def evict_idle(self) -> bool:
+        """Release the least recently used session outside the running batch; False when
+        there is none."""
         for request_id in self._sequences:
-            if request_id not in keep and request_id not in self.serving:
+            if request_id not in self.serving:
                 self.release(request_id)
                 self.stats.evictions += 1
                 return True

@@ -38,7 +38,6 @@ class BlockPool(UnitPool):
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.keys[:, :block_size].zero_()
         self.values[:, :block_size].zero_()
-        self.num_blocks = num_blocks
         self.max_tokens = (num_blocks - 1) * block_size  # one cache, at most
 
     def copy_block(self, source: int, target: int) -> None:
@@ -50,10 +49,6 @@ class BlockPool(UnitPool):
 
 class PagedCache(PoolCache):
     """One request's keys and values in a BlockPool: a block table and a length."""
-
-    @property
-    def blocks(self) -> list[int]:
-        return self.units
 
     def missing(self, length: int, start: int | None = None) -> int:
         """Blocks it lacks to hold `length` positions and write from `start` on: new ones,

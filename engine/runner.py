@@ -36,8 +36,6 @@ class TransformersCache(DynamicCache):
     as far as the previous call fed (engine.kv)."""
 
     pool = None
-    units: list = []
-    names: list = []
 
     def __init__(self, config) -> None:
         super().__init__(config=config)

@@ -62,11 +62,11 @@ def prepare_within_budget(calls: list, prepare, results: list, max_tokens: int |
     return ready
 
 
-def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str],
-                   start: int) -> None:
+def reserve_blocks(sessions: SessionStore, cache, length: int, start: int) -> None:
     """Units in a request's cache for `length` positions, before a batch's forward: while
     the pool is short, retired prefixes and then idle sessions give theirs back (least
-    recently used first, never one of the batch, `keep`: they rebuild later, exact).
+    recently used first, never one of the running batch, SessionStore.batch: they rebuild
+    later, exact).
 
     Raises KVCacheTooSmall when the pool could never hold `length` positions, KVCacheFull
     when the batch's requests hold what it needs now (the pool answers RESOURCE_EXHAUSTED,
@@ -81,10 +81,10 @@ def reserve_blocks(sessions: SessionStore, cache, length: int, keep: set[str],
     needed = cache.missing(length, start)
     if needed > pool.free_units:  # only then are retired prefixes and sessions counted
         spare = pool.free_units + pool.evictable_units
-        if needed > spare + sessions.evictable_units(keep):
+        if needed > spare + sessions.evictable_units():
             raise KVCacheFull(f"the KV cache needs {needed} more {pool.unit_name}, "
                               f"{pool.free_units} are free and the batch holds the rest")
-        while needed > pool.free_units + pool.evictable_units and sessions.evict_idle(keep):
+        while needed > pool.free_units + pool.evictable_units and sessions.evict_idle():
             pass
     cache.reserve(length, start)
 
@@ -95,11 +95,10 @@ def admitted(entries: list, segments: list, lengths: list[int], calls: list, res
     units for their lengths from where they start writing (reserve_blocks); the others get
     their refusal in `results` and lose their sessions (no units held for a request that
     cannot go on)."""
-    keep = {calls[entry[0]].request_id for entry in entries}
     kept = []
     for entry, segment, length in zip(entries, segments, lengths):
         try:
-            reserve_blocks(sessions, segment.cache, length, keep, segment.start)
+            reserve_blocks(sessions, segment.cache, length, segment.start)
         except (ValueError, KVCacheFull) as error:
             results[entry[0]] = error.with_traceback(None)
             sessions.drop(calls[entry[0]].request_id)
