@@ -17,6 +17,7 @@ from deployments.openai_api import (
     completion_body,
     error_body,
 )
+from deployments.tools import HeldContent, ToolUse, call_deltas
 from speculative.driver import Decode, Generation
 from speculative.frontend import RequestPlan
 from speculative.types import Drafter, Verifier
@@ -42,10 +43,11 @@ class Choices:
 
     def __init__(self, plan: RequestPlan, pools: tuple[Drafter, Verifier], decode: Decode,
                  metrics: RouterMetrics, ticket: Ticket, *, model: str, chat: bool,
-                 return_token_ids: bool) -> None:
+                 return_token_ids: bool, tools: ToolUse | None = None) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
+        self.tools = tools  # the tools in effect: their calls are read out of each output
 
     @property
     def request_id(self) -> str:
@@ -68,12 +70,19 @@ class Choices:
             pass
 
         done = await self.all_choices(lambda index: self.run_choice(index, ignore))
-        choices = [choice_body(i, g.text, g.finish_reason, g.stop_reason, self.chat,
-                               g.token_ids if self.return_token_ids else None,
-                               self.logprobs(g))
-                   for i, g in enumerate(done)]
+        choices = [self.whole_choice(i, g) for i, g in enumerate(done)]
         return completion_body(self.request_id, self.model, choices, self.plan.usage(done),
                                self.plan.merged_stats(done), self.chat)
+
+    def whole_choice(self, index: int, generation: Generation) -> dict:
+        """A finished choice's body; with tools, its calls read out of its text."""
+        text = generation.text
+        content, calls = self.tools.read_calls(text) if self.tools else (text, [])
+        return choice_body(index, content,
+                           "tool_calls" if calls else generation.finish_reason,
+                           generation.stop_reason, self.chat,
+                           generation.token_ids if self.return_token_ids else None,
+                           self.logprobs(generation), calls)
 
     async def events(self):
         """Server-sent events: a first chunk per choice (chat: the role, as OpenAI sends it),
@@ -103,20 +112,32 @@ class Choices:
         yield "data: [DONE]\n\n"
 
     async def stream_choice(self, index: int, queue: asyncio.Queue) -> Generation:
-        """One choice's chunks into the queue: the role (chat), its text deltas, its end."""
+        """One choice's chunks into the queue: the role (chat), its text deltas, its end (with
+        tools: what may be a call is held to the end, then sent as content or as calls)."""
         def chunk(text, finish_reason=None, **fields) -> str:
             return json.dumps(chunk_body(self.request_id, self.model, index, text,
                                          finish_reason, self.chat, **fields))
 
         delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat)
+        held = HeldContent() if self.tools else None
 
         async def push(_, delta):
+            if held is not None and not (delta := held.feed(delta)):
+                return
             await queue.put(delta_chunk(delta))
 
         if self.chat:
             await queue.put(chunk("", role="assistant"))
         generation = await self.run_choice(index, push)
-        await queue.put(chunk(None, generation.finish_reason, stop_reason=generation.stop_reason,
+        finish_reason = generation.finish_reason
+        if held is not None:
+            content, calls = self.tools.read_calls(generation.text)
+            if rest := held.rest(content):
+                await queue.put(delta_chunk(rest))
+            if calls:
+                await queue.put(chunk(None, tool_calls=call_deltas(calls)))
+                finish_reason = "tool_calls"
+        await queue.put(chunk(None, finish_reason, stop_reason=generation.stop_reason,
                               token_ids=generation.token_ids if self.return_token_ids else None,
                               logprobs=self.logprobs(generation)))
         return generation

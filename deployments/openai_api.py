@@ -4,8 +4,17 @@ import json
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.tools import (
+    MAX_TOOLS,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolError,
+    ToolUse,
+    tool_use,
+)
 from drafter.registry import router_side_kinds
 from speculative.sampling import (
     MAX_LOGPROBS,
@@ -161,18 +170,46 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: str | None = None  # None only beside an assistant's tool_calls
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool result's call
 
     @field_validator("content")
     @classmethod
     def valid_text(cls, value):
-        return encodable(value, "content")
+        return None if value is None else encodable(value, "content")
+
+    @model_validator(mode="after")
+    def tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only beside tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        texts = [self.tool_call_id or ""]
+        for call in self.tool_calls or ():
+            texts += [call.function.name, call.function.arguments]
+        for text in texts:
+            encodable(text, "tool_calls and tool_call_id")
+        return self
+
+    def for_template(self) -> dict:
+        message = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -183,6 +220,19 @@ class ChatCompletionRequest(SamplingFields):
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools in effect (deployments.tools); ToolError for a bad tool_choice."""
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self) -> tuple[str, str, object] | None:
+        """SamplingFields', or the grammar of a forced tool call (not both)."""
+        found, use = super().constraint(), self.tool_use()
+        forced = use.constraint() if use is not None else None
+        if found is not None and forced is not None:
+            raise ToolError("tool_choice", f"give one constraint: {found[0]} or a forced "
+                                           "tool call, not both")
+        return found or forced
 
 
 ERROR_TYPES = {401: ("invalid_request_error", "invalid_api_key"),
@@ -211,12 +261,15 @@ def completion_body(request_id: str, model: str, choices: list[dict], usage: dic
     }
 
 
-def choice_body(index: int, text: str, finish_reason: str | None, stop_reason, chat: bool,
-                token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+def choice_body(index: int, text: str | None, finish_reason: str | None, stop_reason,
+                chat: bool, token_ids: list[int] | None = None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
     """One choice; stop_reason (as vLLM) is the stop token id or string, None at length."""
     if chat:
         body = {"index": index, "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason, "logprobs": logprobs}
+        if tool_calls:
+            body["message"]["tool_calls"] = tool_calls
     else:
         body = {"index": index, "text": text, "finish_reason": finish_reason,
                 "logprobs": logprobs}
@@ -244,11 +297,13 @@ class DeltaChunks:
 def chunk_body(request_id: str, model: str, index: int, text: str | None,
                finish_reason: str | None, chat: bool, *, role: str | None = None,
                stop_reason=None, token_ids: list[int] | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     if chat:
         delta = {"role": role} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:  # each whole, with its index (deployments.tools.call_deltas)
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": finish_reason}

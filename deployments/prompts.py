@@ -3,11 +3,13 @@
 parameters with max_tokens settled, the stop token ids."""
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from deployments.ingress import BadRequest
 from deployments.router_args import RouterArgs
+from deployments.tools import ToolError, check_tools
 from engine.checkpoint import Checkpoint, context_limit, end_token_ids, stop_token_ids
 from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
@@ -62,12 +64,13 @@ class PromptReader:
     def constraint(self, body):
         try:
             return body.constraint()
-        except ValueError as error:
-            raise BadRequest(str(error), param="structured_outputs") from None
+        except ValueError as error:  # a ToolError names its own field
+            raise BadRequest(str(error), param=getattr(error, "param", "structured_outputs")
+                             ) from None
 
     def check_sizes(self, body, chat: bool) -> None:
         """What must hold before tokenizing: the prompt's size in bytes, top_k."""
-        text = [m.content for m in body.messages] if chat else \
+        text = chat_texts(body) if chat else \
             [body.prompt] if isinstance(body.prompt, str) else []
         size = sum(len(t.encode()) for t in text)
         if size > self.max_prompt_bytes:
@@ -109,10 +112,25 @@ class PromptReader:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model has no chat template: use /v1/completions",
                              param="messages")
-        messages = [m.model_dump() for m in body.messages]
+        try:  # the tools in effect are listed in the prompt (none for tool_choice "none")
+            check_tools(body.tools)
+            use = body.tool_use()
+        except ToolError as error:
+            raise BadRequest(str(error), param=error.param) from None
+        messages = [m.for_template() for m in body.messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=use.template_tools() if use else None, tokenize=False,
+                add_generation_prompt=True)
         except Exception as error:  # a template may raise on roles or order it rejects
             raise BadRequest(f"the model's chat template rejected the messages: "
                              f"{str(error)[:200]}", param="messages") from None
+
+
+def chat_texts(body) -> list[str]:
+    """The texts a chat request brings into its prompt: contents, calls' arguments, tools."""
+    texts = [m.content or "" for m in body.messages]
+    texts += [call.function.arguments for m in body.messages for call in m.tool_calls or ()]
+    if body.tools:
+        texts.append(json.dumps([tool.model_dump() for tool in body.tools]))
+    return texts

@@ -106,6 +106,7 @@ class Router:
         try:
             body = await parse(request, schema, self.args.max_prompt_bytes)
             plan = await self.plan(body, chat)
+            tools = body.tool_use() if chat else None  # checked by the prompt's reading
             ticket = self.admission.admit(len(plan.choices))
         except BadRequest as error:
             return error_response(error)
@@ -113,7 +114,7 @@ class Router:
             return error_response(BadRequest(str(error)))
         choices = Choices(plan, self.pools(plan.drafter_kind), self.decode, self.metrics,
                           ticket, model=self.args.served_model_name, chat=chat,
-                          return_token_ids=body.return_token_ids)
+                          return_token_ids=body.return_token_ids, tools=tools)
         if body.stream:
             return StreamingResponse(choices.events(), media_type="text/event-stream",
                                      background=BackgroundTask(ticket.release))

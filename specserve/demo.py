@@ -28,9 +28,30 @@ SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "__p
 # The pair only knows Python source, so a chat is rendered as Python comments it can continue:
 # one "# <role>: <content>" line per message (any role; `~` also renders a missing content as
 # ""), then "# assistant:" and a newline as the generation prompt. No special tokens.
+# Tools (deployments.tools): a "# tools:" line saying how to call one, each function's JSON on
+# a line of its own, before the messages; an assistant's calls follow its content on its line,
+# each as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes' format); a tool
+# result is a "# tool: <content>" line like any message.
 DEMO_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '# tools: call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\\n' }}"
+    "{% for tool in tools %}"
+    "{{ '# ' ~ (tool.function if tool.function is defined else tool) | tojson ~ '\\n' }}"
+    "{% endfor %}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message.tool_calls %}"
+    "{{ '# ' ~ message['role'] ~ ': ' ~ (message['content'] or '') }}"
+    "{% for call in message.tool_calls %}"
+    "{% set call = call.function if call.function is defined else call %}"
+    "{{ '<tool_call>{\"name\": ' ~ call.name | tojson ~ ', \"arguments\": ' ~ "
+    "(call.arguments if call.arguments is string else call.arguments | tojson) ~ "
+    "'}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '\\n' }}"
+    "{% else %}"
     "{{ '# ' ~ message['role'] ~ ': ' ~ message['content'] ~ '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}"
 )

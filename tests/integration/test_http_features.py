@@ -1,5 +1,5 @@
 """What OpenAI clients send beyond a prompt, over HTTP through the official openai client,
-exact under speculation: penalties and logprobs."""
+exact under speculation: penalties, logprobs, structured outputs and tool calls."""
 
 import pytest
 
@@ -183,3 +183,92 @@ def test_streamed_logprobs_arrive_on_the_final_chunk(client):
     assert len(chunks) == 1 and chunks[0].finish_reason is not None
     assert chunks[0].logprobs.tokens == plain.tokens
     assert chunks[0].logprobs.token_logprobs == pytest.approx(plain.token_logprobs, abs=1e-3)
+
+
+FORECAST = {"type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "unit": {"enum": ["celsius", "fahrenheit"]},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "unit", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_forecast", "parameters": FORECAST}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def streamed_chat(client, **fields) -> tuple[str | None, list[dict], str]:
+    """(content, tool_calls, finish_reason) accumulated from a stream's deltas."""
+    content, calls, finish = None, {}, None
+    for chunk in client.chat.completions.create(stream=True, **fields):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        if choice.delta.content:
+            content = (content or "") + choice.delta.content
+        for call in choice.delta.tool_calls or ():
+            got = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            got["name"] += call.function.name or ""
+            got["arguments"] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_required_tool_call_follows_its_schema_exactly_under_speculation(client):
+    """tool_choice "required", greedy: one call whose arguments validate against the
+    function's schema; the same call at K = 0, 4 and auto, and streamed."""
+    import json
+
+    import jsonschema
+
+    fields = dict(model="specserve-demo", messages=ASK, tools=TOOLS, tool_choice="required",
+                  max_tokens=64, temperature=0)
+    calls = {}
+    for k in (0, 4, "auto"):
+        choice = client.chat.completions.create(
+            **fields, extra_body={"num_speculative_tokens": k}).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, k
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), FORECAST)
+        calls[k] = {"name": call.function.name, "arguments": call.function.arguments}
+    assert calls[4] == calls[0] and calls["auto"] == calls[0], calls
+    content, streamed, finish = streamed_chat(client, **fields,
+                                              extra_body={"num_speculative_tokens": 4})
+    assert (content, streamed, finish) == (None, [calls[0]], "tool_calls")
+
+
+def test_a_tool_result_round_trips(client):
+    """The call goes back as the assistant's tool_calls with a role "tool" result; the
+    model answers (tools offered: auto, streamed equal to whole), and tool_choice "none"
+    answers as if no tools were offered."""
+    call = {"id": "call_0", "type": "function", "function": {
+        "name": "get_forecast", "arguments": '{"city": "Paris", "unit": "celsius", "days": 1}'}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "12 C, light rain"}]
+    fields = dict(model="specserve-demo", messages=messages, max_tokens=16, temperature=0)
+    auto = client.chat.completions.create(tools=TOOLS, **fields).choices[0]
+    assert auto.finish_reason in ("stop", "length", "tool_calls")
+    assert auto.message.content or auto.message.tool_calls
+    calls = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in auto.message.tool_calls or ()]
+    assert streamed_chat(client, tools=TOOLS, **fields) == \
+        (auto.message.content or None, calls, auto.finish_reason)
+    none = client.chat.completions.create(tools=TOOLS, tool_choice="none", **fields)
+    plain = client.chat.completions.create(**fields)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "nonsense"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "absent"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tools_get_400_naming_the_field(client, fields, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="specserve-demo", messages=ASK, max_tokens=4,
+                                       **fields)
+    assert refused.value.param == param

@@ -1,0 +1,220 @@
+"""OpenAI function calling: the tools a chat request offers, the grammar that makes its output
+one call of them, and the calls read back out of the output.
+
+The output's format is the chat template's (the demo pair's, and Hermes' / Qwen's): a call is
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text before the first call is
+the message's content. tool_choice "required" or a named function constrains the output to
+one call whose arguments follow the function's JSON schema, through the structured-output
+machinery (so it is exact under speculation, like any grammar); "auto" generates freely and
+reads the calls out of the text; "none" offers no tools (the prompt does not list them).
+"""
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from speculative.grammar import JSON_LAYOUT, GrammarError, compile_spec
+
+MAX_TOOLS = 128  # as OpenAI
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALLS = re.compile(re.escape(CALL_OPEN) + "(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+# a function without parameters takes none (OpenAI): its arguments are {}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class ToolError(ValueError):
+    """A request's tools or tool_choice refused; `param` names the field (OpenAI's style)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class ToolFunction(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None  # the arguments always follow the schema when constrained
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message sent back with the conversation."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """The call as chat templates take it: arguments as a mapping when they are a JSON
+        object (transformers' convention, and vLLM's), else the text as sent."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
+def arguments_schema(function: ToolFunction) -> dict:
+    """The function's schema as the grammar uses it: an object, laid out as JSON_LAYOUT."""
+    schema = dict(function.parameters or NO_PARAMETERS)
+    schema.setdefault("type", "object")
+    schema.setdefault("x-guidance", JSON_LAYOUT)
+    return schema
+
+
+def check_tools(tools: list[Tool] | None) -> None:
+    """ToolError naming the field when a tool's name repeats, its parameters are not a JSON
+    schema of an object, or its text is not valid Unicode."""
+    seen = set()
+    for i, tool in enumerate(tools or ()):
+        function = tool.function
+        if function.name in seen:
+            raise ToolError(f"tools[{i}].function.name", f"{function.name!r} is offered twice")
+        seen.add(function.name)
+        try:
+            json.dumps(tool.model_dump(), ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ToolError(f"tools[{i}]", "contains text that is not valid Unicode (a lone "
+                                           "surrogate?)") from None
+        field = f"tools[{i}].function.parameters"
+        if (function.parameters or {}).get("type", "object") != "object":
+            raise ToolError(field, "must describe an object (the call's arguments)")
+        try:
+            compile_spec("json", arguments_schema(function), None)
+        except GrammarError as error:
+            raise ToolError(field, f"not a JSON schema llguidance can follow: "
+                                   f"{str(error).removeprefix('json: ')}") from None
+
+
+def tool_use(tools: list[Tool] | None, tool_choice: ToolChoice | None,
+             parallel_tool_calls: bool) -> "ToolUse | None":
+    """What the request asks of its tools; None when it offers none in effect (no tools, or
+    tool_choice "none"). ToolError when tool_choice asks for a tool that is not offered."""
+    choice = tool_choice or ("auto" if tools else "none")
+    if choice != "none" and choice != "auto" and not tools:
+        raise ToolError("tool_choice", "needs tools: none are offered")
+    if choice == "none" or not tools:
+        return None
+    functions = tuple(tool.function for tool in tools)
+    if isinstance(choice, NamedToolChoice):
+        forced = tuple(f for f in functions if f.name == choice.function.name)
+        if not forced:
+            raise ToolError("tool_choice", f"names {choice.function.name!r}, which tools "
+                                           "does not offer")
+    else:
+        forced = functions if choice == "required" else ()
+    return ToolUse(functions, forced, parallel_tool_calls)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    functions: tuple[ToolFunction, ...]  # offered: listed in the prompt, callable
+    forced: tuple[ToolFunction, ...]  # the output is one call of one of these; () for auto
+    parallel: bool  # an auto output may carry several calls
+
+    def template_tools(self) -> list[dict]:
+        """The tools as chat templates take them (transformers' `tools`: OpenAI's shape)."""
+        return [{"type": "function", "function": f.model_dump(exclude_none=True)}
+                for f in self.functions]
+
+    def constraint(self) -> tuple[str, str, str] | None:
+        """(field, kind, spec) of the grammar of one forced call, as SamplingFields'."""
+        return ("tool_choice", "grammar", call_grammar(self.forced)) if self.forced else None
+
+    def read_calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of an output: the calls when every `<tool_call>` in it holds
+        a call of an offered function with an object of arguments, and the text before them
+        as content (None when empty); else the whole text and no calls."""
+        start = text.find(CALL_OPEN)
+        if start < 0:
+            return text, []
+        names = {f.name for f in self.functions}
+        calls = []
+        for match in CALLS.finditer(text, start):
+            try:
+                call = json.loads(match.group(1))
+            except ValueError:
+                return text, []
+            if not (isinstance(call, dict) and call.get("name") in names
+                    and isinstance(call.get("arguments"), dict)):
+                return text, []
+            calls.append(call_body(call["name"], call["arguments"]))
+        if not calls:
+            return text, []
+        return text[:start] or None, calls if self.parallel else calls[:1]
+
+
+def call_grammar(functions: tuple[ToolFunction, ...]) -> str:
+    """A Lark grammar (llguidance's dialect) of one call of one of the functions, its
+    arguments following the function's schema (%json), laid out as the template writes it."""
+    lines = [f"start: {json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        head = json.dumps(f'{{"name": {json.dumps(function.name)}, "arguments": ')
+        lines.append(f'call_{i}: {head} arguments_{i} "}}"')
+        lines.append(f"arguments_{i}: %json {json.dumps(arguments_schema(function))}")
+    return "\n".join(lines) + "\n"
+
+
+def call_body(name: str, arguments: dict) -> dict:
+    """A call in a response message (OpenAI's shape: the arguments as JSON text)."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def call_deltas(calls: list[dict]) -> list[dict]:
+    """The calls as one stream delta carries them whole (each with its index)."""
+    return [{"index": i, **call} for i, call in enumerate(calls)]
+
+
+class HeldContent:
+    """A streamed choice's content when tools are in use: text goes out as it comes, except
+    from where a `<tool_call>` may begin, which waits for the end of the output (it is a
+    call, or content after all)."""
+
+    def __init__(self) -> None:
+        self.text, self.sent = "", 0
+
+    def feed(self, delta: str) -> str:
+        """The part of the output so far that can go out now."""
+        self.text += delta
+        start = self.text.find(CALL_OPEN)
+        if start < 0:  # hold a tail that may grow into CALL_OPEN
+            start = len(self.text) - max(n for n in range(len(CALL_OPEN))
+                                         if self.text.endswith(CALL_OPEN[:n]))
+        out = self.text[self.sent:start]
+        self.sent = max(self.sent, start)
+        return out
+
+    def rest(self, content: str | None) -> str:
+        """What remains to send of the final content (read_calls' content)."""
+        return (content or "")[self.sent:]

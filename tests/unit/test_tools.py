@@ -1,0 +1,212 @@
+"""Function calling without Ray: tools and tool_choice refused with the field named; the
+grammar of a forced call accepts what the chat template writes and what read_calls reads
+back; calls read out of a free output; a streamed choice sends its calls as a whole
+completion does; the demo template renders tools, calls and tool results."""
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from deployments.admission import Admission
+from deployments.choices import Choices
+from deployments.openai_api import ChatCompletionRequest, ChatMessage
+from deployments.tools import HeldContent, ToolError, call_grammar, check_tools
+from engine.models import DEMO_TARGET, load_tokenizer
+from speculative.frontend import RequestFrontEnd
+from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
+from speculative.sampling import SamplingParams
+from tests.tiny import Agreeing
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 16},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now"}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": ' \
+       '"celsius"}}</tool_call>'
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": ASK, **fields})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEMO_TARGET)
+
+
+@pytest.mark.parametrize("parameters, field", [
+    ({"type": "nonsense"}, "tools[0].function.parameters"),
+    ({"type": "object", "properties": {"a": {"type": "strin"}}}, "tools[0].function.parameters"),
+    ({"type": "string"}, "tools[0].function.parameters"),
+])
+def test_bad_parameter_schemas_name_their_field(parameters, field):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    with pytest.raises(ToolError) as refused:
+        check_tools(request(tools=tools).tools)
+    assert refused.value.param == field
+
+
+def test_a_repeated_name_and_a_bad_name_are_refused():
+    with pytest.raises(ToolError) as refused:
+        check_tools(request(tools=[TOOLS[0], TOOLS[0]]).tools)
+    assert refused.value.param == "tools[1].function.name"
+    with pytest.raises(ValidationError):
+        request(tools=[{"type": "function", "function": {"name": "has space"}}])
+    check_tools(request(tools=TOOLS).tools)
+
+
+@pytest.mark.parametrize("fields", [
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "absent"}}},
+])
+def test_a_tool_choice_that_asks_for_what_is_not_offered_is_refused(fields):
+    with pytest.raises(ToolError) as refused:
+        request(**fields).tool_use()
+    assert refused.value.param == "tool_choice"
+
+
+def test_tool_choice_decides_what_is_in_effect():
+    assert request().tool_use() is None
+    assert request(tools=TOOLS, tool_choice="none").tool_use() is None
+    assert request(tool_choice="auto").tool_use() is None
+    auto = request(tools=TOOLS).tool_use()
+    assert auto.forced == () and auto.constraint() is None
+    assert [f.name for f in request(tools=TOOLS, tool_choice="required").tool_use().forced] \
+        == ["get_weather", "now"]
+    named = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}})
+    assert [f.name for f in named.tool_use().forced] == ["now"]
+    assert named.constraint()[:2] == ("tool_choice", "grammar")
+    with pytest.raises(ToolError, match="not both") as refused:
+        request(tools=TOOLS, tool_choice="required",
+                response_format={"type": "json_object"}).constraint()
+    assert refused.value.param == "tool_choice"
+
+
+def follows(ll, grammar: str, tokenizer, text: str) -> bool:
+    """Whether the grammar takes all of text's tokens and is then done."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    masks = TokenMasks(ll, grammar)
+    return masks.advance(ids) == len(ids) and masks.matcher.is_accepting()
+
+
+def test_the_forced_grammar_takes_a_valid_call_and_read_calls_reads_it_back(tokenizer):
+    ll = ll_tokenizer(tokenizer, 4096)
+    use = request(tools=TOOLS, tool_choice="required").tool_use()
+    grammar = compile_spec("grammar", call_grammar(use.forced), ll)
+    assert follows(ll, grammar, tokenizer, CALL)
+    assert follows(ll, grammar, tokenizer, '<tool_call>{"name": "now", "arguments": {}}'
+                                           '</tool_call>')
+    for wrong in [CALL.replace("celsius", "kelvin"), CALL.replace('": "', '":"'),
+                  CALL.replace("get_weather", "get_wether"), "Sure. " + CALL]:
+        assert not follows(ll, grammar, tokenizer, wrong), wrong
+    content, calls = use.read_calls(CALL)
+    assert content is None and len(calls) == 1
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    assert calls[0]["function"]["name"] == "get_weather"
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    jsonschema.validate(arguments, WEATHER)
+    assert CALL == '<tool_call>{"name": "get_weather", "arguments": ' \
+        f'{calls[0]["function"]["arguments"]}}}</tool_call>'
+
+
+def test_calls_are_read_out_of_a_free_output_only_when_all_are_well_formed():
+    use = request(tools=TOOLS).tool_use()
+    now = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    content, calls = use.read_calls("Let me look.\n" + CALL + now)
+    assert content == "Let me look.\n" and [c["function"]["name"] for c in calls] == \
+        ["get_weather", "now"]
+    assert len({c["id"] for c in calls}) == 2
+    single = request(tools=TOOLS, parallel_tool_calls=False).tool_use()
+    assert len(single.read_calls(CALL + now)[1]) == 1
+    for text in ["def f():\n    pass\n", CALL.replace("}}<", "}<"),
+                 CALL.replace("get_weather", "unknown"), CALL + "<tool_call>{}</tool_call>",
+                 CALL.replace('{"city": "Paris", "unit": "celsius"}', '"Paris"'),
+                 "<tool_call>never closed"]:
+        assert use.read_calls(text) == (text, []), text
+
+
+@pytest.mark.parametrize("text", ["Let me look. " + CALL, "a < b <tool <tool_call> x",
+                                  "plain <to", CALL + " trailing"])
+def test_held_content_sends_what_the_whole_response_has_as_content(text):
+    use = request(tools=TOOLS).tool_use()
+    content, _ = use.read_calls(text)
+    for size in (1, 2, 3, 7, len(text)):
+        held, sent = HeldContent(), ""
+        for start in range(0, len(text), size):
+            sent += held.feed(text[start:start + size])
+            assert (content or "").startswith(sent) or not sent
+            assert "<tool_call>" not in sent
+        assert sent + held.rest(content) == (content or ""), (text, size)
+
+
+def fan_out(text: str, tools: dict):
+    """A request whose output is `text` (each token decodes to 5 more of its characters)."""
+    width = 5
+    plan = RequestFrontEnd().plan("chatcmpl-t", (2, 3), SamplingParams(
+        temperature=0.0, max_tokens=-(-len(text) // width)), n=1)
+    engine = Agreeing()
+    return Choices(plan, (engine, engine), lambda ids: text[:width * len(ids)],
+                   type("Metrics", (), {"record": lambda self, state: None})(),
+                   Admission(4).admit(1), model="m", chat=True, return_token_ids=False,
+                   tools=request(**tools).tool_use())
+
+
+@pytest.mark.parametrize("text", ["Checking. " + CALL, "no call <tool_call>{oops}"])
+def test_a_streamed_choice_carries_the_calls_and_content_of_the_whole_one(text):
+    whole = asyncio.run(fan_out(text, {"tools": TOOLS}).complete())["choices"][0]
+
+    async def collect():
+        return [e async for e in fan_out(text, {"tools": TOOLS}).events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"] for e in asyncio.run(collect())[:-1]]
+    deltas = [c[0] for c in chunks if c]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert content == (whole["message"]["content"] or "")
+    assert [c["function"] for c in calls] == \
+        [c["function"] for c in whole["message"].get("tool_calls", [])]
+    assert all(c["index"] == i and c["id"].startswith("call_") for i, c in enumerate(calls))
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"]
+    assert whole["finish_reason"] == ("tool_calls" if calls else "length")
+
+
+def test_messages_carry_calls_and_results():
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    message = ChatMessage.model_validate({"role": "assistant", "content": None,
+                                          "tool_calls": [call]})
+    assert message.for_template()["tool_calls"][0]["function"]["arguments"] == \
+        {"city": "Paris"}
+    for bad in [{"role": "assistant", "content": None}, {"role": "tool", "content": "12"},
+                {"role": "user", "content": "x", "tool_calls": [call]}]:
+        with pytest.raises(ValidationError):
+            ChatMessage.model_validate(bad)
+
+
+def test_the_demo_template_renders_tools_calls_and_results(tokenizer):
+    use = request(tools=TOOLS).tool_use()
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]
+    messages = [ChatMessage.model_validate(m).for_template() for m in messages]
+    text = tokenizer.apply_chat_template(messages, tools=use.template_tools(), tokenize=False,
+                                         add_generation_prompt=True)
+    functions = [json.dumps(tool["function"]) for tool in TOOLS]
+    assert text == (
+        '# tools: call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>\n'
+        f"# {functions[0]}\n# {functions[1]}\n"
+        "# user: Weather in Paris?\n"
+        f"# assistant: {CALL}\n"
+        "# tool: 12 C\n"
+        "# assistant:\n")
+    assert tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True) == \
+        "# user: Weather in Paris?\n# assistant:\n"
