@@ -1,7 +1,7 @@
 """Admission: choices (n counts) running at once in one router replica. Beyond the limit a
 request is refused at once with 429 and Retry-After instead of queueing."""
 
-from deployments.ingress import retry_later
+from deployments.ingress import BadRequest, retry_later
 
 
 class Admission:
@@ -10,6 +10,12 @@ class Admission:
         self.running = 0  # admitted choices not yet finished
 
     def admit(self, num_choices: int) -> "Ticket":
+        """A ticket for the request's choices; 429 while others hold the slots it needs,
+        400 when it asks for more than there are (it could never run)."""
+        if num_choices > self.max_running:
+            raise BadRequest(f"n = {num_choices} exceeds the {self.max_running} choices this "
+                             "server runs at once (the router's max_running_requests)",
+                             param="n")
         if self.running + num_choices > self.max_running:
             raise retry_later(f"the server is at capacity ({self.max_running} running "
                               "choices); retry later", 429)

@@ -96,9 +96,10 @@ class Choices:
                 yield f"data: {chunk}\n\n"
             done = await task
             kind = "chat.completion.chunk" if self.chat else "text_completion"
+            stats = self.plan.merged_stats(done)
             final = {"id": self.request_id, "object": kind, "model": self.model,
                      "choices": [], "usage": self.plan.usage(done),
-                     "speculative": self.plan.merged_stats(done)}
+                     "speculative": stats.as_dict(), "metrics": stats.vllm_metrics()}
             yield f"data: {json.dumps(final)}\n\n"
         except PoolError as error:  # the stream ends with an error event, then [DONE]
             failure = pool_failure(error)

@@ -25,6 +25,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import (
     DraftBlock,
+    PoolBusy,
     PoolUnavailable,
     ProposeCall,
     ScoreCall,
@@ -55,7 +56,16 @@ class PoolError(PoolUnavailable):
 
     @classmethod
     def of(cls, pool: str, error: grpc.aio.AioRpcError) -> "PoolError":
-        return cls(pool, error.code(), error.details())
+        return pool_error(pool, error.code(), error.details())
+
+
+class BusyPoolError(PoolError, PoolBusy):
+    """RESOURCE_EXHAUSTED: the pool had no room for the call now (the loop may retry)."""
+
+
+def pool_error(pool: str, code: grpc.StatusCode, details: str | None) -> PoolError:
+    kind = BusyPoolError if code == grpc.StatusCode.RESOURCE_EXHAUSTED else PoolError
+    return kind(pool, code, details)
 
 
 class ReplicaStream:
@@ -122,9 +132,9 @@ class ReplicaStream:
                     if future is None or future.done():
                         continue  # its caller gave up
                     if answer.WhichOneof("result") == "error":
-                        future.set_exception(PoolError(self.application,
-                                                       STATUS_CODES[answer.error.code],
-                                                       answer.error.details))
+                        future.set_exception(pool_error(self.application,
+                                                        STATUS_CODES[answer.error.code],
+                                                        answer.error.details))
                     else:
                         future.set_result(answer.response)
             error = PoolError(self.application, grpc.StatusCode.UNAVAILABLE, "stream ended")
@@ -141,8 +151,8 @@ class ReplicaStream:
         code = failure.code()
         if code not in STREAM_REFUSALS:
             code = grpc.StatusCode.UNAVAILABLE
-        return PoolError(self.application, code, f"stream: {failure.code().name}: "
-                                                  f"{failure.details()}")
+        return pool_error(self.application, code, f"stream: {failure.code().name}: "
+                                                   f"{failure.details()}")
 
     def _break(self, error: "PoolError") -> None:
         self.broken = self.broken or error

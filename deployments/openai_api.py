@@ -17,11 +17,13 @@ from deployments.tools import (
 )
 from drafter.registry import router_side_kinds
 from speculative.sampling import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
+from speculative.stats import SpecStats
 
 
 # bounds on what a request may ask, checked before any work (the prompt's own size is
@@ -30,6 +32,8 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MIN_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): logits / 1e-30 overflow
 MAX_MESSAGES = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 
 
 def encodable(text: str, field: str) -> str:
@@ -84,7 +88,7 @@ class SamplingFields(BaseModel):
                                       le=MAX_REPETITION_PENALTY)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     # extension: K, or "auto" for the router's adaptive K (default: the router's setting)
     num_speculative_tokens: Annotated[int, Field(ge=0, le=32)] | Literal["auto"] | None = None
@@ -94,6 +98,11 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
     ignore_eos: bool = False  # extension (as vLLM): do not stop at the model's end tokens
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension (as vLLM)
+    # OpenAI's: token id (a JSON key, so a string) -> a bias in [-100, 100] added to its logit
+    logit_bias: dict[str, float] | None = Field(default=None,
+                                                max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # extension (as vLLM): the end tokens and stop ids cannot end the output before this
+    min_tokens: int = Field(default=0, ge=0)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
 
@@ -104,6 +113,19 @@ class SamplingFields(BaseModel):
         if value is not None and value not in kinds:
             raise ValueError(f"drafter must be one of {kinds}")
         return None if value == "model" else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def bias_pairs(cls, value):
+        """{token id: bias} with integer ids (OpenAI sends them as JSON's string keys)."""
+        if value is None:
+            return None
+        if not all(key.strip().isdigit() for key in value):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers)")
+        if not all(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in value.values()):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, "
+                             f"{MAX_LOGIT_BIAS}]")
+        return {str(int(key)): bias for key, bias in value.items()}
 
     @field_validator("stop")
     @classmethod
@@ -119,13 +141,19 @@ class SamplingFields(BaseModel):
         """The request's sampling parameters, with its own seed (each choice's is derived
         from it: speculative.frontend)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        if self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({max_tokens})")
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
                               seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
-                              logprobs=self.top_logprobs_asked())
+                              logprobs=self.top_logprobs_asked(),
+                              logit_bias=tuple(sorted((int(token), float(bias)) for token, bias
+                                                      in (self.logit_bias or {}).items())),
+                              min_tokens=self.min_tokens)
 
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; n: each token's logprob and its position's top n."""
@@ -249,7 +277,9 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 
 def completion_body(request_id: str, model: str, choices: list[dict], usage: dict,
-                    speculative: dict, chat: bool) -> dict:
+                    stats: SpecStats, chat: bool) -> dict:
+    """The response: OpenAI's fields, specserve's `speculative` block and vLLM's per-request
+    speculative metrics (`metrics.speculative_decoding`)."""
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
@@ -257,7 +287,8 @@ def completion_body(request_id: str, model: str, choices: list[dict], usage: dic
         "model": model,
         "choices": choices,
         "usage": usage,
-        "speculative": speculative,
+        "speculative": stats.as_dict(),
+        "metrics": stats.vllm_metrics(),
     }
 
 

@@ -41,7 +41,10 @@ class PromptReader:
         limit = self.context_limit
         # completions default to OpenAI's 16 tokens; chat may use the rest of the context
         default = self.default_max_tokens if not chat else limit - len(prompt_ids)
-        sampling = body.sampling(min(default, limit - len(prompt_ids)))
+        try:
+            sampling = body.sampling(min(default, limit - len(prompt_ids)))
+        except ValueError as error:  # min_tokens beyond max_tokens
+            raise BadRequest(str(error), param="min_tokens") from None
         if len(prompt_ids) + sampling.max_tokens > limit:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
                              f"({sampling.max_tokens}) exceed the context limit of {limit}",
@@ -59,7 +62,10 @@ class PromptReader:
             except GrammarError as error:
                 raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
             sampling = replace(sampling, grammar=grammar)
-        return Prompt(prompt_ids, sampling, self.stop_ids(body, constraint is not None))
+        stop_ids = self.stop_ids(body, constraint is not None)
+        if sampling.min_tokens:  # what min_tokens holds back: whatever would end the output
+            sampling = replace(sampling, min_tokens_end_ids=stop_ids)
+        return Prompt(prompt_ids, sampling, stop_ids)
 
     def constraint(self, body):
         try:
@@ -69,7 +75,8 @@ class PromptReader:
                              ) from None
 
     def check_sizes(self, body, chat: bool) -> None:
-        """What must hold before tokenizing: the prompt's size in bytes, top_k."""
+        """What must hold before tokenizing: the prompt's size in bytes, top_k, the ids of
+        logit_bias."""
         text = chat_texts(body) if chat else \
             [body.prompt] if isinstance(body.prompt, str) else []
         size = sum(len(t.encode()) for t in text)
@@ -80,6 +87,9 @@ class PromptReader:
         if body.top_k > self.vocab_size:
             raise BadRequest(f"top_k must be at most the vocabulary size "
                              f"({self.vocab_size}); 0 disables it", param="top_k")
+        if any(int(token) >= self.vocab_size for token in body.logit_bias or {}):
+            raise BadRequest(f"logit_bias token ids must be in [0, {self.vocab_size})",
+                             param="logit_bias")
 
     def stop_ids(self, body, constrained: bool = False) -> tuple[int, ...]:
         """The end tokens (unless ignore_eos: a constrained output always ends at them, when

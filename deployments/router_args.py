@@ -56,6 +56,11 @@ class RouterArgs(BaseModel):
     # round runs without a draft, exact, and the request's next rounds skip the drafter a
     # while (speculative.loop.DraftBackoff)
     draft_timeout_s: float = Field(default=1.0, gt=0)
+    # a request whose output has begun (a stream may have sent text) and whose verifier has
+    # no room for it (its KV cache or its calls in flight full: RESOURCE_EXHAUSTED) retries
+    # the same round after doubling pauses for up to this long, then ends with an error; a
+    # request not yet begun gets 429 at once
+    busy_wait_s: float = Field(default=30.0, ge=0)
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
     # ...over one stream per pool replica, each message carrying every call waiting for it
     # (false: one unary call per call, as before the streams; for comparison)
@@ -68,7 +73,7 @@ class RouterArgs(BaseModel):
     # gets 429 with Retry-After at once instead of queueing. Keep replicas x this within
     # the pools' session and token bounds (max_cached_requests, max_cached_tokens), so that
     # running requests are never evicted from the caches
-    max_running_requests: int = Field(default=64, ge=1)
+    max_running_requests: int = Field(default=128, ge=1)
     max_prompt_bytes: int = Field(default=1 << 20, ge=1)  # checked before tokenizing
     # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
     # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)
@@ -77,4 +82,5 @@ class RouterArgs(BaseModel):
     def speculation_defaults(self) -> SpeculationDefaults:
         """What the request front end gives a request for the fields it leaves unset."""
         return SpeculationDefaults(self.num_speculative_tokens, self.adaptive_k.bounds(),
-                                   self.adaptive_k.seeded, self.pipelined_drafting)
+                                   self.adaptive_k.seeded, self.pipelined_drafting,
+                                   self.busy_wait_s)

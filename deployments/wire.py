@@ -162,7 +162,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0,
-        grammar=params.grammar or "",
+        grammar=params.grammar or "", logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens, min_tokens_end_ids=params.min_tokens_end_ids,
     )
 
 
@@ -174,6 +175,8 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=message.repetition_penalty or 1.0,
         logprobs=message.top_logprobs if message.logprobs else None,
         grammar=message.grammar or None,
+        logit_bias=tuple(sorted(message.logit_bias.items())), min_tokens=message.min_tokens,
+        min_tokens_end_ids=tuple(message.min_tokens_end_ids),
     )
 
 

@@ -13,9 +13,9 @@ from speculative.sampling import (
     fit_vocab,
     kept_entries,
     logits_to_probs,
-    penalize,
     sample_rows,
     seeded_generator,
+    shape_logits,
 )
 from speculative.types import (
     BatchLoad,
@@ -236,18 +236,18 @@ class Draft:
 
     @property
     def shaped(self) -> bool:
-        """Whether a grammar or penalties change this draft's logits."""
-        return self.matcher is not None or self.call.sampling.penalized
+        """Whether a grammar, logit_bias, min_tokens or penalties change this draft's logits."""
+        return self.matcher is not None or self.call.sampling.shapes_logits
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
-        """[V] logits of the block's next position under the request's grammar and
-        penalties, which count the output so far: committed, assumed and drafted (as the
-        verifier will)."""
+        """[V] logits of the block's next position under the request's grammar and shaping
+        (speculative.sampling.shape_logits), which counts the output so far: committed,
+        assumed and drafted (as the verifier will)."""
         if self.matcher is not None:
             logits = masked(logits, self.matcher.next_mask(logits.shape[-1], logits.device))
         sampling = self.call.sampling
-        if not sampling.penalized:
+        if not sampling.shapes_logits:
             return logits
         committed, start = self.sequence.committed, self.call.prompt_len
         output = committed[start:] + self.assumed + self.token_ids
-        return penalize(logits[None], sampling, committed[:start], output)[0]
+        return shape_logits(logits[None], sampling, committed[:start], output)[0]

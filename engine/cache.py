@@ -21,11 +21,13 @@ import hashlib
 import heapq
 from collections import OrderedDict
 
+from speculative.types import PoolBusy
+
 BLOCK_SIZE = 16
 
 
-class KVCacheFull(RuntimeError):
-    """The pool has no free unit left for a feed."""
+class KVCacheFull(PoolBusy):
+    """The pool has no free unit left for a feed (now: a pause may find one)."""
 
 
 def block_name(previous: int, tokens: list[int]) -> int:

@@ -128,7 +128,7 @@ def generate(args) -> dict:
                 "finish_reason": g.finish_reason, "stop_reason": g.stop_reason}
                for index, g in enumerate(done)]
     usage = plan.usage(done)
-    stats = plan.merged_stats(done) | {
+    stats = plan.merged_stats(done).as_dict() | {
         "seconds": seconds, "tokens_per_s": usage["completion_tokens"] / seconds}
     return {"choices": choices, "usage": usage, "stats": stats}
 

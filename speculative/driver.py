@@ -124,17 +124,20 @@ class Generation:
         return self
 
     def _take(self, added: list[int]) -> None:
-        """Detokenize a round's committed tokens one by one, stopping at a stop string."""
+        """Detokenize a round's committed tokens one by one, stopping at a stop string (once
+        the output holds min_tokens tokens)."""
         if self.finish_reason == "stop" and added and added[-1] in self.state.request.stop_token_ids:
             self.stop_reason = added[-1]
         if self.detokenizer is None:
             return
         first_output = len(self.token_ids) - len(added)
+        min_tokens = self.state.request.sampling.min_tokens  # no stop string before (as vLLM)
         for offset, token in enumerate(added):
             delta = self.detokenizer.add(token)
             start = max(0, len(self.text) - self.longest_stop + 1)
             self.text += delta
-            hit = find_stop(self.text, self.stop, start) if delta and self.stop else None
+            checked = delta and self.stop and first_output + offset + 1 >= min_tokens
+            hit = find_stop(self.text, self.stop, start) if checked else None
             if hit is not None:
                 self.text = self.text[: hit[0]]
                 self.state.stop_after(first_output + offset + 1)

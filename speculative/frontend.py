@@ -39,6 +39,7 @@ class SpeculationDefaults:
     # draft the next block while the verifier scores this one: "greedy" for greedy requests
     # only, "on" or "off"
     pipelined_drafting: PipelinedDrafting = "on"
+    busy_wait_s: float = 0.0  # a begun request's retries of a full verifier (loop.Request)
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,12 @@ class RequestPlan:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def merged_stats(self, done: Sequence[Generation]) -> dict:
+    def merged_stats(self, done: Sequence[Generation]) -> SpecStats:
         """The choices' speculative statistics added up."""
         total = SpecStats()
         for generation in done:
             total.add(generation.stats)
-        return total.as_dict()
+        return total
 
 
 class RequestFrontEnd:
@@ -94,7 +95,8 @@ class RequestFrontEnd:
         pipelined = self.pipelined(pipelined, sampling)
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
-                           dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids)),
+                           dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
+                           self.defaults.busy_wait_s),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)

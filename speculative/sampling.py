@@ -30,6 +30,12 @@ class SamplingParams:
     logprobs: int | None = None
     # structured output: llguidance's grammar text the output follows (speculative.grammar)
     grammar: str | None = None
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: min_tokens_end_ids (the end tokens and stop ids) are masked until
+    # the output holds min_tokens tokens
+    min_tokens: int = 0
+    min_tokens_end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         errors = []
@@ -57,8 +63,21 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             errors.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                           f"{self.logprobs!r}")
+        errors.extend(self.shaping_errors())
         if errors:
             raise ValueError("; ".join(errors))
+
+    def shaping_errors(self) -> list[str]:
+        errors = []
+        if not all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float))
+                   and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias):
+            errors.append(f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS}, "
+                          f"{MAX_LOGIT_BIAS}]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            errors.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.min_tokens_end_ids):
+            errors.append("min_tokens_end_ids must be token ids >= 0")
+        return errors
 
     @property
     def greedy(self) -> bool:
@@ -69,10 +88,48 @@ class SamplingParams:
         return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != \
             (0, 0, 1)
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether logit_bias, min_tokens or penalties change the logits (shape_logits)."""
+        return self.penalized or bool(self.logit_bias) or (
+            self.min_tokens > 0 and bool(self.min_tokens_end_ids))
+
 
 # a logit divided by the penalty stays finite (1e-300 made it inf, and q NaN: found by fuzzing)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
+MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
+
+
+def shape_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+                 output: list[int], drafted: list[int] = ()) -> torch.Tensor:
+    """[R, V] logits of R consecutive positions after `prompt + output`, shaped by the
+    request as vLLM does before temperature: logit_bias added, then the penalties (penalize:
+    row r counts drafted[:r] too), then min_tokens' end ids masked in every row whose output
+    so far (output + drafted[:r]) is shorter than min_tokens, unless the mask would leave
+    the row nothing (a grammar that allows only an end: the grammar wins). Drafter and
+    verifier both call it, so p and q are shaped alike: exact under speculation."""
+    if not params.shapes_logits:
+        return logits
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        if max(ids) >= vocab:
+            raise ValueError(f"logit_bias names token {max(ids)}; the vocabulary has {vocab}")
+        bias = torch.zeros(vocab, device=logits.device)
+        bias[torch.tensor(ids, device=logits.device)] = torch.tensor(
+            biases, dtype=bias.dtype, device=logits.device)
+        logits = logits + bias
+    logits = penalize(logits, params, prompt, output, drafted)
+    held = params.min_tokens - len(output)  # rows [0, held) are short of min_tokens
+    if held > 0 and params.min_tokens_end_ids:
+        ends = torch.tensor([t for t in params.min_tokens_end_ids if t < vocab],
+                            dtype=torch.long, device=logits.device)
+        masked_rows = logits[:held].index_fill(-1, ends, float("-inf"))
+        room = torch.isfinite(masked_rows).any(-1, keepdim=True)
+        logits = torch.cat([torch.where(room, masked_rows, logits[:held]), logits[held:]])
+    return logits
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],

@@ -21,7 +21,11 @@ class SpecStats:
     # tokens only)
     num_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # [j]: the rounds that tested drafted tokens and accepted exactly j (vLLM's per-request
+    # acceptance_histogram; the bonus token is not counted)
+    acceptance_histogram: list[int] = field(default_factory=list)
     cache_misses: int = 0
+    busy_retries: int = 0  # verifier calls retried after a pause: its pool had no room
     cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
     verify_seconds: float = 0.0  # waiting for the verifier
@@ -75,17 +79,18 @@ class SpecStats:
             self.accepted_per_position[position] += 1
         if outcome.predraft_accepted:
             self.accepted_per_position[num_drafted] += 1
+        if tested:
+            accepted = outcome.num_accepted + outcome.predraft_accepted
+            add_counts(self.acceptance_histogram, [0] * accepted + [1])
 
     def add(self, other: "SpecStats") -> None:
         """Accumulate another request's counters."""
-        missing = len(other.accepted_per_position) - len(self.accepted_per_position)
-        self.accepted_per_position.extend([0] * max(0, missing))
-        for position, count in enumerate(other.accepted_per_position):
-            self.accepted_per_position[position] += count
+        add_counts(self.accepted_per_position, other.accepted_per_position)
+        add_counts(self.acceptance_histogram, other.acceptance_histogram)
         for k, count in other.rounds_by_k.items():
             self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "cache_misses", "draft_seconds", "verify_seconds", "round_seconds",
+                     "num_emitted_tokens", "cache_misses", "busy_retries", "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "bonus_position_drafts",
                      "predraft_compute_seconds",
@@ -125,6 +130,7 @@ class SpecStats:
             "rounds_by_num_speculative_tokens": {str(k): n for k, n in
                                                  sorted(self.rounds_by_k.items())},
             "cache_misses": self.cache_misses,
+            "busy_retries": self.busy_retries,
             "ms_per_round": self.ms_per_round(),
             "overhead_ms_p50": self.overhead_ms_p50,
             "exposed_ms_p50": median_ms(self.exposed_seconds),
@@ -136,6 +142,21 @@ class SpecStats:
             "mean_batch_size_verifier": ratio(self.verifier_batch_calls, self.verifier_batches),
             "mean_batch_size_drafter": ratio(self.drafter_batch_calls, self.drafter_batches),
         }
+
+    def vllm_metrics(self) -> dict:
+        """vLLM's per-request speculative metrics (`metrics.speculative_decoding` of its
+        responses with --per-request-spec-decode-metrics): there mean_acceptance_length is
+        1 + accepted drafts per round that drafted, the histogram indexed by accepted drafts."""
+        steps = sum(self.acceptance_histogram)
+        return {"speculative_decoding": {
+            "mean_acceptance_length": 1 + self.num_accepted_tokens / steps if steps else 1.0,
+            "draft_acceptance_rate": self.acceptance_rate or 0.0,
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "num_spec_steps": steps,
+            "num_accepted_draft_tokens": self.num_accepted_tokens,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_spec_tokens": max(self.rounds_by_k, default=0),
+        }}
 
     def phase_seconds(self) -> dict[str, float]:
         """Total time by phase: the drafter's and the verifier's own compute, the transport
@@ -157,6 +178,13 @@ class SpecStats:
     def overhead_ms_p50(self) -> float | None:
         """Median over rounds of what a round costs beyond the pools' compute."""
         return median_ms(self.overhead_seconds)
+
+
+def add_counts(counts: list[int], more: list[int]) -> None:
+    """counts += more, element by element, counts extended with zeros to more's length."""
+    counts.extend([0] * max(0, len(more) - len(counts)))
+    for index, count in enumerate(more):
+        counts[index] += count
 
 
 def ratio(total: float, count: int) -> float | None:

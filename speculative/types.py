@@ -285,6 +285,11 @@ class PoolUnavailable(RuntimeError):
     """
 
 
+class PoolBusy(PoolUnavailable):
+    """A pool had no room for the call now (its KV cache, or its calls in flight, full):
+    the same call may succeed after a pause, once other requests' calls are done."""
+
+
 class StaleBase(Exception):
     """A pool cannot reach the base a call builds on (evicted, moved, or never seen).
 

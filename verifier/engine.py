@@ -12,7 +12,7 @@ from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
-from speculative.sampling import logits_to_probs, penalize, sample_rows, seeded_generator
+from speculative.sampling import logits_to_probs, sample_rows, seeded_generator, shape_logits
 from speculative.types import (
     BatchLoad,
     DraftDists,
@@ -102,7 +102,7 @@ class ModelVerifier:
         allowed = self.allowed(call, sequence, drafted)  # before the cache is touched
         segment = sequence.segment(self.runner, drafted, len(drafted) + 1, limit)
         sequence.unfinished = call if segment.num_logits == 0 else None
-        return segment, (draft_probs, penalty_history(call, sequence.committed), allowed,
+        return segment, (draft_probs, shaping_history(call, sequence.committed), allowed,
                          sequence)
 
     def allowed(self, call: ScoreCall, sequence, drafted: list[int]) -> torch.Tensor | None:
@@ -119,7 +119,7 @@ class ModelVerifier:
         drafted, raw = list(call.draft_token_ids), logits
         logits = masked(logits, allowed)
         if history is not None:  # row i counts the tokens drafted before it
-            logits = penalize(logits, call.sampling, *history, drafted)
+            logits = shape_logits(logits, call.sampling, *history, drafted)
         if call.sampling.greedy:
             ids = logits.argmax(-1)  # [K + 1], on the device until the batch's one transfer
             scores = TargetScores(target_token_ids=ids if host.deferred() else
@@ -160,9 +160,10 @@ def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int
     return PositionLogprobs(drafted=tuple(picked[:k]), chosen=tuple(picked[k:]), top=top)
 
 
-def penalty_history(call, committed: list[int]) -> tuple[list[int], list[int]] | None:
-    """(prompt, output) of the committed prefix when the call's sampling is penalised."""
-    if not call.sampling.penalized:
+def shaping_history(call, committed: list[int]) -> tuple[list[int], list[int]] | None:
+    """(prompt, output) of the committed prefix when the call's sampling shapes the logits
+    (penalties count them, min_tokens counts the output)."""
+    if not call.sampling.shapes_logits:
         return None
     return committed[:call.prompt_len], committed[call.prompt_len:]
 

@@ -1,5 +1,6 @@
 """What OpenAI clients send beyond a prompt, over HTTP through the official openai client,
-exact under speculation: penalties, logprobs, structured outputs and tool calls."""
+exact under speculation: penalties, logit_bias, min_tokens, n, logprobs, structured outputs
+and tool calls."""
 
 import pytest
 
@@ -49,6 +50,52 @@ def test_out_of_range_penalties_get_400(cluster, field, value):
     response = cluster.post("/v1/completions", {"prompt": "x", field: value})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(field)
+
+
+def test_logit_bias_and_min_tokens_hold_and_equal_the_target_alone(client):
+    """The plain greedy output's most common token banned (-100) and its first token a stop
+    id held back by min_tokens (ignore_eos off): neither shows where it may not, and the
+    output equals K = 0's with each speculation setting."""
+    plain = client.completions.create(model="specserve-demo", prompt=PROMPTS[0], max_tokens=24,
+                                      temperature=0, extra_body={"return_token_ids": True,
+                                                                 "num_speculative_tokens": 0})
+    ids = plain.choices[0].token_ids
+    banned = max(set(ids), key=ids.count)
+    held = next(t for t in ids if t != banned)
+    shaping = {"logit_bias": {str(banned): -100}, "extra_body": {
+        "min_tokens": 12, "stop_token_ids": [held], "return_token_ids": True}}
+    alone = complete(client, PROMPTS[0], shaping, {"num_speculative_tokens": 0}).choices[0]
+    assert banned not in alone.token_ids and held not in alone.token_ids[:12]
+    assert len(alone.token_ids) >= 12 and alone.token_ids != ids[:len(alone.token_ids)]
+    for name, speculation in SPECULATION.items():
+        spec = complete(client, PROMPTS[0], shaping, speculation).choices[0]
+        assert spec.token_ids == alone.token_ids, name
+
+
+def test_a_hundred_choices_and_vllms_speculative_metrics(client):
+    """n = 100 in one request (OpenAI's bound is 128), each choice sampled; the response
+    carries vLLM's per-request speculative metrics beside the speculative block."""
+    response = client.completions.create(model="specserve-demo", prompt=PROMPTS[1],
+                                         max_tokens=8, temperature=1.0, n=100, seed=3,
+                                         extra_body={"num_speculative_tokens": 3})
+    assert sorted(c.index for c in response.choices) == list(range(100))
+    assert len({c.text for c in response.choices}) > 10
+    metrics = response.model_extra["metrics"]["speculative_decoding"]
+    stats = response.model_extra["speculative"]
+    assert metrics["num_draft_tokens"] == stats["num_draft_tokens"] > 0
+    assert sum(metrics["acceptance_histogram"]) == metrics["num_spec_steps"] > 0
+    assert metrics["num_accepted_draft_tokens"] == stats["num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"3": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"min_tokens": 20, "max_tokens": 8},
+                                                      "min_tokens"),
+    ({"n": 129}, "n")])
+def test_bad_bias_min_tokens_and_n_get_400(cluster, body, param):
+    response = cluster.post("/v1/completions", {"prompt": "x", **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param), response.text
 
 
 def test_logprobs_under_speculation_equal_the_target_alones(client):

@@ -16,12 +16,17 @@ from speculative.sampling import SamplingParams, logits_to_probs, penalize
 @torch.no_grad()
 def next_probs(model, prefix: list[int], params: SamplingParams, prompt_len: int) -> np.ndarray:
     """The next token's law after prefix, whose first prompt_len tokens are the prompt (the
-    rest is output, which penalties count, and a grammar follows: ALLOWED)."""
+    rest is output, which penalties and min_tokens count, and a grammar follows: ALLOWED),
+    shaped as the request says, written out here apart from the product's shape_logits."""
     logits = model(input_ids=torch.tensor([prefix])).logits[0, -1]
     if params.grammar is not None:
         logits = logits.masked_fill(~ALLOWED[0](params.grammar, prefix[prompt_len:]),
                                     float("-inf"))
+    for token, bias in params.logit_bias:  # OpenAI's: added to the raw logits, first
+        logits[token] += bias
     logits = penalize(logits[None], params, prefix[:prompt_len], prefix[prompt_len:])[0]
+    if len(prefix) - prompt_len < params.min_tokens:  # an end may not come yet
+        logits[list(params.min_tokens_end_ids)] = float("-inf")
     return logits_to_probs(logits, params).numpy()
 
 

@@ -1,20 +1,26 @@
-"""Sampling under penalties keeps the penalised target's law through the real engines.
+"""Sampling under logit_bias, min_tokens and penalties keeps the shaped target's law through
+the real engines.
 
 Same pair, window and check as tests/stats/test_pipelined_distribution.py (the three tokens
-after the first: the next round's two drafted positions and the one after them), with
-presence, frequency and repetition penalties all on. The exact law penalises each position
-by the prompt and every output token before it (tests/stats/laws.py); the verifier must
-count the tokens drafted before a position, which are output by the time that position is
-committed. A mutant verifier that penalises from the committed tokens only must fail the
-same check at the same sample size. Chi-square at a false-failure rate of 1e-6 per case.
+after the first: the next round's two drafted positions and the one after them), with every
+shaping on at once: a bias that favours one token and one that bans another, min_tokens = 3
+holding back an end token (so the window's first two positions mask it and its third does
+not), and presence, frequency and repetition penalties. The exact law shapes each position
+by the prompt and every output token before it (tests/stats/laws.py, written apart from the
+product's shape_logits); the verifier must count the tokens drafted before a position, which
+are output by the time that position is committed. Each mutant must fail the same check at
+the same sample size. Chi-square at a false-failure rate of 1e-6 per case.
 """
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from speculative.sampling import SamplingParams, penalize
+from speculative.sampling import SamplingParams, shape_logits
 from tests.stats.laws import law_after_first, sequence_law
+from tests.tiny import tiny_llama
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     PROMPT,
     SAMPLES,
@@ -25,36 +31,56 @@ from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
 )
 from verifier import engine as verifier_engine
 
+BANNED, FAVOURED, END = 6, 3, 2
 PARAMS = SamplingParams(temperature=1.0, max_tokens=5, presence_penalty=1.0,
-                        frequency_penalty=0.5, repetition_penalty=1.3)
+                        frequency_penalty=0.5, repetition_penalty=1.3,
+                        logit_bias=((FAVOURED, 1.5), (BANNED, -100.0)), min_tokens=3,
+                        min_tokens_end_ids=(END,))
 
 
 @pytest.fixture(scope="module")
-def penalised_law(target) -> np.ndarray:
+def shaped_law(target) -> np.ndarray:
     first = sequence_law(target, PROMPT, PARAMS, 1)
     return np.tensordot(first, law_after_first(target, PROMPT, PARAMS, 3), axes=1)
 
 
+def test_the_shaped_law_bans_and_holds_back():
+    """The reference itself: the banned token has no mass to speak of anywhere (a bias of
+    -100 leaves e^-100 of its odds, as OpenAI's), the end token none in the window's first
+    two positions (output lengths 1 and 2) and some in its third."""
+    model = tiny_llama(31, vocab_size=8)
+    law = np.tensordot(sequence_law(model, PROMPT, PARAMS, 1),
+                       law_after_first(model, PROMPT, PARAMS, 3), axes=1)
+    assert max(law[BANNED].sum(), law[:, BANNED].sum(), law[:, :, BANNED].sum()) < 1e-40
+    assert law[END].sum() == law[:, END].sum() == 0 < law[:, :, END].sum()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
-def test_penalised_tokens_follow_the_penalised_law(target, draft, penalised_law, pipelined):
+def test_shaped_tokens_follow_the_shaped_law(target, draft, shaped_law, pipelined):
     counts, totals = sample_counts(target, draft, pipelined, params=PARAMS)
-    passes, message = chi2_passes(counts, penalised_law)
+    passes, message = chi2_passes(counts, shaped_law)
     assert passes, f"{message}: a correct implementation fails with probability 1e-6"
     assert 0 < totals["accepted"] < totals["drafted"]
     assert (totals["pipelined_rounds"] > SAMPLES / 10) == pipelined
 
 
-def penalised_from_the_committed_only(logits, params, prompt, output, drafted=()):
-    """Mutant of the verifier's penalties: every drafted position counts the committed
-    output only, not the tokens drafted before it."""
-    return torch.cat([penalize(row[None], params, prompt, output) for row in logits])
+def shaped_from_the_committed_only(logits, params, prompt, output, drafted=()):
+    """Mutant of the verifier's shaping: every drafted position counts the committed output
+    only, not the tokens drafted before it (penalties and min_tokens both go wrong)."""
+    return torch.cat([shape_logits(row[None], params, prompt, output) for row in logits])
+
+
+def shaped_without_the_bias(logits, params, prompt, output, drafted=()):
+    """Mutant: the verifier leaves logit_bias out (the drafter still applies it)."""
+    return shape_logits(logits, replace(params, logit_bias=()), prompt, output, drafted)
 
 
 @pytest.mark.slow
-def test_the_check_catches_penalties_blind_to_drafted_tokens(target, draft, penalised_law,
-                                                             monkeypatch):
-    monkeypatch.setattr(verifier_engine, "penalize", penalised_from_the_committed_only)
-    counts, _ = sample_counts(target, draft, False, stop_law=penalised_law, params=PARAMS)
-    passes, message = chi2_passes(counts, penalised_law)
-    assert not passes, f"the committed-only mutant passed: {message}"
+@pytest.mark.parametrize("mutant", [shaped_from_the_committed_only, shaped_without_the_bias],
+                         ids=["committed-only", "bias-left-out"])
+def test_the_check_catches_wrong_shaping(target, draft, shaped_law, monkeypatch, mutant):
+    monkeypatch.setattr(verifier_engine, "shape_logits", mutant)
+    counts, _ = sample_counts(target, draft, False, stop_law=shaped_law, params=PARAMS)
+    passes, message = chi2_passes(counts, shaped_law)
+    assert not passes, f"the {mutant.__name__} mutant passed: {message}"

@@ -10,7 +10,9 @@ from specserve.cli import build_parser, request_front_end
 from speculative.driver import Generation
 from speculative.frontend import RequestFrontEnd, SpeculationDefaults
 from speculative.policy import AdaptiveK, FixedK
+from speculative.rejection import RoundOutcome
 from speculative.sampling import SamplingParams, derive_seeds
+from speculative.stats import SpecStats
 from tests.tiny import Agreeing
 
 SAMPLED = SamplingParams(temperature=1.0, seed=5, max_tokens=32)
@@ -97,6 +99,25 @@ def test_usage_and_stats_are_merged_across_choices():
     done = [asyncio.run(Generation(c.request).run(engine, engine, c.policy)) for c in plan.choices]
     assert plan.usage(done) == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13,
                                 "prompt_tokens_details": {"cached_tokens": 0}}
-    stats = plan.merged_stats(done)
+    stats = plan.merged_stats(done).as_dict()
     assert stats["rounds"] == sum(g.stats.rounds for g in done)
     assert stats["num_accepted_tokens"] == sum(g.stats.num_accepted_tokens for g in done) > 0
+
+
+def test_vllms_per_request_metrics_count_the_rounds_that_drafted():
+    """vLLM's shape: histogram[j] = rounds that tested drafts and accepted j; the mean
+    acceptance length is 1 + accepted per such round; rounds without a draft stay out; two
+    choices' histograms add up."""
+    stats, other = SpecStats(), SpecStats()
+    stats.record(0, RoundOutcome((5,), 0))  # the target alone: not a speculation step
+    stats.record(4, RoundOutcome((1, 2, 3), 2))
+    stats.record(4, RoundOutcome((1, 2, 3, 4, 5), 4))
+    stats.record(2, RoundOutcome((1, 2, 3), 2, predraft_tested=1, predraft_accepted=1))
+    other.record(4, RoundOutcome((9,), 0))
+    stats.add(other)
+    metrics = stats.vllm_metrics()["speculative_decoding"]
+    assert metrics["acceptance_histogram"] == [1, 0, 1, 1, 1]
+    assert metrics["num_spec_steps"] == 4 and metrics["num_accepted_draft_tokens"] == 9
+    assert metrics["mean_acceptance_length"] == 1 + 9 / 4
+    assert metrics["num_draft_tokens"] == 15 and metrics["num_spec_tokens"] == 4
+    assert metrics["draft_acceptance_rate"] == 9 / 15

@@ -1,0 +1,105 @@
+"""A verifier with no room for a call (its KV cache full: PoolBusy) does not end a request
+whose output has begun: the round is tried again after a pause, exactly (the same block,
+the same seed; a cache the pool dropped meanwhile is rebuilt), until the request's
+busy_wait_s is spent. A request not yet begun fails at once, so its client hears 429."""
+
+import asyncio
+
+import pytest
+
+from drafter.model import ModelDrafter
+from speculative.driver import Generation
+from speculative.loop import Request
+from speculative.sampling import SamplingParams
+from speculative.types import PoolBusy
+from tests.tiny import decoded, noisy_copy, run, tiny_llama
+from verifier.engine import ModelVerifier
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+class Full:
+    """A verifier that refuses the calls busy(n) picks (n counts calls from 0) as a full
+    pool does; dropping: it also forgets the request's cache, as an eviction would."""
+
+    def __init__(self, verifier, busy, dropping: bool = False) -> None:
+        self.verifier, self.busy, self.dropping = verifier, busy, dropping
+        self.calls = 0
+
+    async def score(self, call):
+        n, self.calls = self.calls, self.calls + 1
+        if self.busy(n):
+            if self.dropping:
+                await self.verifier.release(call.request_id)
+            raise PoolBusy("verifier: RESOURCE_EXHAUSTED: injected")
+        return await self.verifier.score(call)
+
+    async def release(self, request_id):
+        await self.verifier.release(request_id)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(3)
+    return target, noisy_copy(target, 0.05, seed=4)
+
+
+def generate(pair, verifier_of, params: SamplingParams, busy_wait_s: float, request_id: str):
+    target, draft = pair
+    verifier = verifier_of(ModelVerifier(target))
+    generation = Generation(Request(request_id, tuple(PROMPT), params, (), busy_wait_s))
+    asyncio.run(decoded(ModelDrafter(draft), verifier, generation, 3))
+    return generation
+
+
+@pytest.mark.parametrize("dropping", [False, True], ids=["kept", "dropped"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24),
+                                    SamplingParams(temperature=1.0, seed=7, max_tokens=24)],
+                         ids=["greedy", "seeded"])
+def test_a_begun_request_retries_a_full_verifier_and_stays_exact(pair, params, dropping):
+    target, draft = pair
+    expected, _ = run(ModelDrafter(draft), ModelVerifier(target), PROMPT, params, 3,
+                      request_id="plain")
+    generation = generate(pair, lambda v: Full(v, lambda n: n in (2, 5, 9), dropping), params,
+                          busy_wait_s=30, request_id="plain")
+    assert generation.token_ids == expected
+    assert generation.stats.busy_retries == 3
+    assert generation.stats.cache_misses == (3 if dropping else 0)
+
+
+def test_a_request_not_yet_begun_fails_at_once_and_a_full_pool_past_the_wait_ends_it(pair):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    with pytest.raises(PoolBusy):  # the first call: nothing sent yet, the client gets 429
+        generate(pair, lambda v: Full(v, lambda n: True), params, busy_wait_s=30,
+                 request_id="a")
+    full = {}
+    with pytest.raises(PoolBusy):  # full from the third call on, past a wait of 0.3 s
+        generate(pair, lambda v: full.setdefault("v", Full(v, lambda n: n >= 2)), params,
+                 busy_wait_s=0.3, request_id="b")
+    assert full["v"].calls == 2 + 3  # the refused call, then two retries: pauses of 0.05 and
+    # 0.1 fit in 0.3 s, the next (0.2) would not
+
+
+def test_requests_beside_each_other_in_a_full_kv_pool_all_finish_exactly():
+    """A real full pool: three requests of 100 positions each need 7 of the verifier's 13
+    usable blocks (tests/unit/test_admission.py's pool), so they cannot all run at once;
+    the ones refused mid-output wait, retry and finish as each would alone."""
+    from tests.tiny import Batched
+    target = tiny_llama(1)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    prompts = [[(7 * i + j) % 60 + 1 for i in range(60)] for j in range(3)]
+    alone = [run(ModelDrafter(noisy_copy(target, 0.05, seed=2)), ModelVerifier(target), p,
+                 params, 3)[0] for p in prompts]
+
+    async def main():
+        verifier = Batched(ModelVerifier(target, engine="paged", kv_cache_tokens=16,
+                                         max_cached_requests=2))
+        drafter = Batched(ModelDrafter(noisy_copy(target, 0.05, seed=2)))
+        requests = [Request(f"r{i}", tuple(p), params, (), busy_wait_s=30)
+                    for i, p in enumerate(prompts)]
+        return await asyncio.gather(*(decoded(drafter, verifier, Generation(r), 3)
+                                      for r in requests))
+
+    done = asyncio.run(main())
+    assert [g.token_ids for g in done] == alone
+    assert sum(g.stats.busy_retries for g in done) > 0

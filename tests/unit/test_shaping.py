@@ -1,0 +1,125 @@
+"""logit_bias and min_tokens: the request's shaping of the logits, exact under speculation.
+
+`shape_logits` follows the definitions row by row (OpenAI's bias added to the raw logits;
+vLLM's min_tokens masking the end ids while the output, drafted tokens included, is short),
+greedy output under each equals a plain reference loop and the target alone, the request
+fields are read and refused as OpenAI's and vLLM's are, and the wire carries them.
+"""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from deployments import wire
+from deployments.admission import Admission
+from deployments.ingress import BadRequest
+from deployments.openai_api import CompletionRequest
+from drafter.model import ModelDrafter
+from drafter.ngram import NgramDrafter
+from speculative.sampling import SamplingParams, shape_logits
+from tests.tiny import noisy_copy, run, tiny_llama
+from verifier.engine import ModelVerifier
+
+BIAS = ((3, 4.0), (7, -100.0))
+
+
+def test_the_bias_is_added_and_min_tokens_masks_the_short_rows():
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(logit_bias=BIAS, min_tokens=3, min_tokens_end_ids=(2, 5))
+    rows = shape_logits(logits, params, [1, 1], [4], [9, 8, 6])  # output lengths 1, 2, 3, 4
+    expected = logits.clone()
+    expected[:, 3] += 4.0
+    expected[:, 7] -= 100.0
+    expected[:2, [2, 5]] = float("-inf")
+    torch.testing.assert_close(rows, expected)
+
+
+def test_min_tokens_yields_to_a_row_that_allows_only_an_end():
+    """A grammar that allows only an end (the rest -inf) keeps it: the row is not emptied."""
+    logits = torch.full((2, 8), float("-inf"))
+    logits[:, 2] = 0.0
+    logits[1, 4] = 1.0
+    params = SamplingParams(min_tokens=5, min_tokens_end_ids=(2,))
+    rows = shape_logits(logits, params, [1], [], [4])
+    assert rows[0, 2] == 0 and rows[1, 2] == float("-inf") and rows[1, 4] == 1
+
+
+def test_nothing_to_shape_leaves_the_logits_alone_and_a_foreign_id_is_refused():
+    logits = torch.randn(2, 8)
+    assert shape_logits(logits, SamplingParams(min_tokens=4), [1], [2], [3]) is logits
+    with pytest.raises(ValueError, match="logit_bias"):
+        shape_logits(logits, SamplingParams(logit_bias=((8, 1.0),)), [1], [], [3])
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The target alone, the whole sequence forwarded at every step, shaped by hand."""
+    output: list[int] = []
+    for _ in range(params.max_tokens):
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, -1]
+        for token, bias in params.logit_bias:
+            logits[token] += bias
+        if len(output) < params.min_tokens:
+            logits[list(params.min_tokens_end_ids)] = float("-inf")
+        output.append(int(logits.argmax()))
+    return output
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(7)
+
+
+@pytest.mark.parametrize("kind, k, pipelined", [("noisy", 3, False), ("noisy", "auto", True),
+                                                ("ngram", 3, True)])
+def test_shaped_greedy_equals_the_target_alone(target, kind, k, pipelined):
+    """Each prompt's plain greedy output supplies the tokens to shape: its two most common
+    tokens biased down and banned, its first token held back by min_tokens."""
+    drafter = ModelDrafter(noisy_copy(target, 0.01, seed=1)) if kind == "noisy" \
+        else NgramDrafter(64)
+    verifier = ModelVerifier(target)
+    accepted = drafted = 0
+    for i, prompt in enumerate([[5, 6, 7, 5, 6, 7, 5, 6], [3, 9, 3], [11]]):
+        plain = reference_greedy(target, prompt, SamplingParams(temperature=0, max_tokens=16))
+        common = sorted(set(plain), key=plain.count, reverse=True)
+        params = SamplingParams(temperature=0, max_tokens=16, min_tokens=6,
+                                min_tokens_end_ids=(plain[0],),
+                                logit_bias=tuple(sorted({(common[0], -100.0),
+                                                         (common[-1], -2.0)})))
+        expected = reference_greedy(target, prompt, params)
+        assert expected != plain and common[0] not in expected
+        assert plain[0] not in expected[:6]
+        alone, _ = run(drafter, verifier, prompt, params, 0, request_id=f"alone{i}")
+        out, state = run(drafter, verifier, prompt, params, k, request_id=f"r{i}",
+                         pipelined=pipelined)
+        assert alone == out == expected, f"prompt {i}, K={k}, {kind} drafter"
+        accepted += state.stats.num_accepted_tokens
+        drafted += state.stats.num_draft_tokens
+    assert drafted > 0 and (kind == "ngram" or 0 < accepted < drafted)
+
+
+def test_the_request_fields_read_as_openais_and_vllms():
+    body = CompletionRequest(prompt="x", logit_bias={"3": 4, " 7": -100}, min_tokens=2,
+                             max_tokens=8, n=128)
+    sampling = body.sampling(16)
+    assert sampling.logit_bias == ((3, 4.0), (7, -100.0)) and sampling.min_tokens == 2
+    for bad in ({"logit_bias": {"a": 1}}, {"logit_bias": {"3": 101}}, {"n": 129},
+                {"min_tokens": -1}):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt="x", **bad)
+    with pytest.raises(ValueError, match="min_tokens"):
+        CompletionRequest(prompt="x", min_tokens=9, max_tokens=8).sampling(16)
+
+
+def test_the_wire_carries_the_shaping():
+    params = SamplingParams(temperature=0.5, logit_bias=BIAS, min_tokens=4,
+                            min_tokens_end_ids=(0, 2))
+    assert wire.sampling_from_proto(wire.sampling_to_proto(params)) == \
+        SamplingParams(temperature=0.5, logit_bias=BIAS, min_tokens=4,
+                       min_tokens_end_ids=(0, 2), max_tokens=params.max_tokens)
+
+
+def test_more_choices_than_the_router_runs_is_a_400_not_a_429():
+    with pytest.raises(BadRequest) as refused:
+        Admission(8).admit(9)
+    assert refused.value.status == 400 and refused.value.param == "n"
