@@ -78,8 +78,9 @@ class Choices:
         """A finished choice's body; with tools, its calls read out of its text."""
         text = generation.text
         content, calls = self.tools.read_calls(text) if self.tools else (text, [])
-        return choice_body(index, content,
-                           "tool_calls" if calls else generation.finish_reason,
+        finish_reason = self.tools.finish_reason(calls, generation.finish_reason) \
+            if self.tools else generation.finish_reason
+        return choice_body(index, content, finish_reason,
                            generation.stop_reason, self.chat,
                            generation.token_ids if self.return_token_ids else None,
                            self.logprobs(generation), calls)
@@ -137,7 +138,7 @@ class Choices:
                 await queue.put(delta_chunk(rest))
             if calls:
                 await queue.put(chunk(None, tool_calls=call_deltas(calls)))
-                finish_reason = "tool_calls"
+            finish_reason = self.tools.finish_reason(calls, finish_reason)
         await queue.put(chunk(None, finish_reason, stop_reason=generation.stop_reason,
                               token_ids=generation.token_ids if self.return_token_ids else None,
                               logprobs=self.logprobs(generation)))

@@ -64,8 +64,11 @@ class BusyPoolError(PoolError, PoolBusy):
 
 
 def pool_error(pool: str, code: grpc.StatusCode, details: str | None) -> PoolError:
-    kind = BusyPoolError if code == grpc.StatusCode.RESOURCE_EXHAUSTED else PoolError
-    return kind(pool, code, details)
+    """A call's failure; a pool's refusal for want of room (RESOURCE_EXHAUSTED, but not
+    gRPC's own for a message over its size limit, which waiting does not mend) is busy."""
+    busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+        "message larger than max" not in (details or "")
+    return (BusyPoolError if busy else PoolError)(pool, code, details)
 
 
 class ReplicaStream:
@@ -151,8 +154,9 @@ class ReplicaStream:
         code = failure.code()
         if code not in STREAM_REFUSALS:
             code = grpc.StatusCode.UNAVAILABLE
-        return pool_error(self.application, code, f"stream: {failure.code().name}: "
-                                                   f"{failure.details()}")
+        # a refused stream is not busy: its calls go elsewhere, they do not wait for it
+        return PoolError(self.application, code, f"stream: {failure.code().name}: "
+                                                  f"{failure.details()}")
 
     def _break(self, error: "PoolError") -> None:
         self.broken = self.broken or error

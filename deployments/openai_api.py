@@ -140,10 +140,7 @@ class SamplingFields(BaseModel):
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The request's sampling parameters, with its own seed (each choice's is derived
         from it: speculative.frontend)."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        if self.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
-                             f"({max_tokens})")
+        max_tokens = self.max_tokens_or(default_max_tokens)
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
                               seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
@@ -154,6 +151,9 @@ class SamplingFields(BaseModel):
                               logit_bias=tuple(sorted((int(token), float(bias)) for token, bias
                                                       in (self.logit_bias or {}).items())),
                               min_tokens=self.min_tokens)
+
+    def max_tokens_or(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
 
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; n: each token's logprob and its position's top n."""

@@ -41,10 +41,11 @@ class PromptReader:
         limit = self.context_limit
         # completions default to OpenAI's 16 tokens; chat may use the rest of the context
         default = self.default_max_tokens if not chat else limit - len(prompt_ids)
-        try:
-            sampling = body.sampling(min(default, limit - len(prompt_ids)))
-        except ValueError as error:  # min_tokens beyond max_tokens
-            raise BadRequest(str(error), param="min_tokens") from None
+        default = min(default, limit - len(prompt_ids))
+        if body.min_tokens > body.max_tokens_or(default):
+            raise BadRequest(f"min_tokens ({body.min_tokens}) must be at most max_tokens "
+                             f"({body.max_tokens_or(default)})", param="min_tokens")
+        sampling = body.sampling(default)
         if len(prompt_ids) + sampling.max_tokens > limit:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
                              f"({sampling.max_tokens}) exceed the context limit of {limit}",

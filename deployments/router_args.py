@@ -56,10 +56,9 @@ class RouterArgs(BaseModel):
     # round runs without a draft, exact, and the request's next rounds skip the drafter a
     # while (speculative.loop.DraftBackoff)
     draft_timeout_s: float = Field(default=1.0, gt=0)
-    # a request whose output has begun (a stream may have sent text) and whose verifier has
-    # no room for it (its KV cache or its calls in flight full: RESOURCE_EXHAUSTED) retries
-    # the same round after doubling pauses for up to this long, then ends with an error; a
-    # request not yet begun gets 429 at once
+    # a request whose verifier has no room for it (its KV cache or its calls in flight full:
+    # RESOURCE_EXHAUSTED) retries the same round after doubling pauses for up to this long
+    # (speculative.busy), then gets 429 (streamed: an error event); 0: 429 at once
     busy_wait_s: float = Field(default=30.0, ge=0)
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
     # ...over one stream per pool replica, each message carrying every call waiting for it

@@ -132,7 +132,8 @@ def tool_use(tools: list[Tool] | None, tool_choice: ToolChoice | None,
                                            "does not offer")
     else:
         forced = functions if choice == "required" else ()
-    return ToolUse(functions, forced, parallel_tool_calls)
+    return ToolUse(functions, forced, parallel_tool_calls,
+                   named=isinstance(choice, NamedToolChoice))
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,12 @@ class ToolUse:
     functions: tuple[ToolFunction, ...]  # offered: listed in the prompt, callable
     forced: tuple[ToolFunction, ...]  # the output is one call of one of these; () for auto
     parallel: bool  # an auto output may carry several calls
+    named: bool = False  # tool_choice named the function
+
+    def finish_reason(self, calls: list[dict], otherwise: str | None) -> str | None:
+        """OpenAI's (and vLLM's): "tool_calls" when the output called tools, but "stop" for
+        a call tool_choice named (the model did not choose it)."""
+        return "tool_calls" if calls and not self.named else otherwise
 
     def template_tools(self) -> list[dict]:
         """The tools as chat templates take them (transformers' `tools`: OpenAI's shape)."""

@@ -157,8 +157,8 @@ class ModelDrafter:
         return first_tokens
 
     def start_draft(self, call: ProposeCall) -> "Draft":
-        check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
-                   call.num_speculative_tokens)
+        check_call(call.sync.new_token_ids + call.assumed_token_ids + call.sampling.shaping_ids,
+                   self.vocab_size, call.num_speculative_tokens)
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         sequence = self.sessions.apply(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)

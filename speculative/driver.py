@@ -126,7 +126,8 @@ class Generation:
     def _take(self, added: list[int]) -> None:
         """Detokenize a round's committed tokens one by one, stopping at a stop string (once
         the output holds min_tokens tokens)."""
-        if self.finish_reason == "stop" and added and added[-1] in self.state.request.stop_token_ids:
+        stop_ids = self.state.request.stop_token_ids
+        if self.finish_reason == "stop" and added and added[-1] in stop_ids:
             self.stop_reason = added[-1]
         if self.detokenizer is None:
             return

@@ -39,7 +39,7 @@ class SpeculationDefaults:
     # draft the next block while the verifier scores this one: "greedy" for greedy requests
     # only, "on" or "off"
     pipelined_drafting: PipelinedDrafting = "on"
-    busy_wait_s: float = 0.0  # a begun request's retries of a full verifier (loop.Request)
+    busy_wait_s: float = 0.0  # how long a request waits out a full verifier (loop.Request)
 
 
 @dataclass(frozen=True)

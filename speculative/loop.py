@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.busy import retried_while_busy
 from speculative.meter import RoundMeter
 from speculative.policy import KPolicy
 from speculative.rejection import (
@@ -26,7 +27,6 @@ from speculative.types import (
     NO_DRAFT,
     DraftBlock,
     Drafter,
-    PoolBusy,
     PoolUnavailable,
     PrefixSync,
     ProposeCall,
@@ -45,9 +45,8 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     stop_token_ids: tuple[int, ...] = ()  # e.g. EOS; the stop token is part of the output
-    # how long a request whose output has begun retries a verifier that has no room for it
-    # (PoolBusy) before it fails; 0: it fails at once (a request not yet begun always does:
-    # its client can be told to retry later)
+    # how long a request retries a verifier that has no room for it (PoolBusy) before it
+    # fails (speculative.busy); 0: it fails at once
     busy_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -340,39 +339,19 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
                  predraft: asyncio.Future | None) -> TargetScores:
     """The target's scores of the block; a failure cancels the pre-draft beside it."""
     request = state.request
+    score = lambda sync: verifier.score(ScoreCall(  # noqa: E731
+        request.request_id, sync, block.token_ids, request.sampling, block.draft_probs, seed,
+        len(request.prompt_token_ids),
+        # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
+        return_bonus_probs=predraft is not None and not request.sampling.greedy
+        and request.sampling.logprobs is None))
     try:
-        return await retried_while_busy(state, lambda: state.call_pool(
-            state.verifier_view,
-            lambda sync: verifier.score(ScoreCall(
-                request.request_id, sync, block.token_ids, request.sampling, block.draft_probs,
-                seed, len(request.prompt_token_ids),
-                # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
-                return_bonus_probs=predraft is not None and not request.sampling.greedy
-                and request.sampling.logprobs is None))))
+        return await retried_while_busy(request.busy_wait_s, state.stats,
+                                        lambda: state.call_pool(state.verifier_view, score))
     except BaseException:
         if predraft is not None:
             predraft.cancel()
         raise
-
-
-BUSY_PAUSE_S, MAX_BUSY_PAUSE_S = 0.05, 1.0
-
-
-async def retried_while_busy(state: RequestState, call):
-    """await call(), again after doubling pauses while the pool has no room for it (PoolBusy)
-    and the request's output has begun, until its busy_wait_s is spent. The round is the
-    same round again (same block, same seed), so the retry is exact; a pool that dropped
-    the request's cache meanwhile answers StaleBase and call_pool resends the prefix."""
-    waited, pause = 0.0, BUSY_PAUSE_S
-    while True:
-        try:
-            return await call()
-        except PoolBusy:
-            if not state.output_token_ids or waited + pause > state.request.busy_wait_s:
-                raise
-        state.stats.busy_retries += 1
-        await asyncio.sleep(pause)
-        waited, pause = waited + pause, min(2 * pause, MAX_BUSY_PAUSE_S)
 
 
 async def settle_predraft(predraft: asyncio.Future | None, meter: RoundMeter,

@@ -17,6 +17,7 @@ class RoundMeter:
         self.fell_back = False  # the round asked for a draft and ran without one
         self.predraft: DraftBlock | None = None  # the draft that ran beside the verify
         self.misses = state.stats.cache_misses
+        self.busy_seconds = state.stats.busy_seconds  # pauses for a full verifier: not costs
         # committed tokens the drafter had not seen when the round began
         self.catch_up = 0 if carried else len(state.committed) - state.drafter_view.known_len
         self.started = time.perf_counter()
@@ -41,7 +42,8 @@ class RoundMeter:
         stats.pipelined_rounds += self.carried
         # waiting for a draft: before the verify, and for the pre-draft after it
         stats.draft_seconds += self.drafted_at - self.started + ended - self.verified_at
-        stats.verify_seconds += self.verified_at - self.drafted_at
+        paused = stats.busy_seconds - self.busy_seconds
+        stats.verify_seconds += self.verified_at - self.drafted_at - paused
         waited_draft = 0.0 if self.carried else block.compute_seconds
         stats.draft_compute_seconds += waited_draft
         stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
@@ -53,7 +55,7 @@ class RoundMeter:
                              predraft.load if predraft else None)
         stats.wire_bytes += (0 if self.carried else block.wire_bytes) + scores.wire_bytes \
             + (predraft.wire_bytes if predraft else 0)
-        round_seconds = ended - self.started
+        round_seconds = ended - self.started - paused
         stats.round_seconds += round_seconds
         stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
         stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
@@ -82,7 +84,8 @@ class RoundMeter:
         hop = 0.0 if self.carried or not block.token_ids \
             else self.drafted_at - self.started - block.compute_seconds
         comparable = not (self.first and drafted_beside) and \
-            self.stats.cache_misses == self.misses
+            self.stats.cache_misses == self.misses and \
+            self.stats.busy_seconds == self.busy_seconds
         return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
                          len(drafted_now.token_ids), drafted_now.compute_seconds,
                          unwaited_seconds - max(scores.compute_seconds, beside_seconds),

@@ -89,6 +89,12 @@ class SamplingParams:
             (0, 0, 1)
 
     @property
+    def shaping_ids(self) -> tuple[int, ...]:
+        """The token ids logit_bias and min_tokens name (checked against the vocabulary with
+        a call's own ids, before a batch's forward: types.check_call)."""
+        return tuple(token for token, _ in self.logit_bias) + self.min_tokens_end_ids
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether logit_bias, min_tokens or penalties change the logits (shape_logits)."""
         return self.penalized or bool(self.logit_bias) or (

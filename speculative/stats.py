@@ -26,6 +26,7 @@ class SpecStats:
     acceptance_histogram: list[int] = field(default_factory=list)
     cache_misses: int = 0
     busy_retries: int = 0  # verifier calls retried after a pause: its pool had no room
+    busy_seconds: float = 0.0  # the pauses (speculative.busy), left out of the round timings
     cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
     verify_seconds: float = 0.0  # waiting for the verifier
@@ -90,7 +91,8 @@ class SpecStats:
         for k, count in other.rounds_by_k.items():
             self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "cache_misses", "busy_retries", "draft_seconds", "verify_seconds", "round_seconds",
+                     "num_emitted_tokens", "cache_misses", "busy_retries", "busy_seconds",
+                     "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "bonus_position_drafts",
                      "predraft_compute_seconds",
@@ -148,14 +150,19 @@ class SpecStats:
         responses with --per-request-spec-decode-metrics): there mean_acceptance_length is
         1 + accepted drafts per round that drafted, the histogram indexed by accepted drafts."""
         steps = sum(self.acceptance_histogram)
+        # the longest block tested (a pre-drafted y1 at the bonus position makes it K + 1)
+        num_spec_tokens = max(len(self.acceptance_histogram) - 1,
+                              max(self.rounds_by_k, default=0))
+        histogram = self.acceptance_histogram + [0] * (
+            num_spec_tokens + 1 - len(self.acceptance_histogram))
         return {"speculative_decoding": {
             "mean_acceptance_length": 1 + self.num_accepted_tokens / steps if steps else 1.0,
             "draft_acceptance_rate": self.acceptance_rate or 0.0,
-            "acceptance_histogram": list(self.acceptance_histogram),
+            "acceptance_histogram": histogram,
             "num_spec_steps": steps,
             "num_accepted_draft_tokens": self.num_accepted_tokens,
             "num_draft_tokens": self.num_draft_tokens,
-            "num_spec_tokens": max(self.rounds_by_k, default=0),
+            "num_spec_tokens": num_spec_tokens,
         }}
 
     def phase_seconds(self) -> dict[str, float]:

@@ -81,8 +81,8 @@ class ModelVerifier:
         longer than `limit` is cut (the segment asks no logits) and resumed by the same
         call."""
         vocab_size = self.model.config.vocab_size
-        check_call(call.sync.new_token_ids + call.draft_token_ids, vocab_size,
-                   len(call.draft_token_ids))
+        check_call(call.sync.new_token_ids + call.draft_token_ids + call.sampling.shaping_ids,
+                   vocab_size, len(call.draft_token_ids))
         drafted = list(call.draft_token_ids)
         draft_probs = None
         if not call.sampling.greedy and drafted:

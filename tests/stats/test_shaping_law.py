@@ -76,9 +76,15 @@ def shaped_without_the_bias(logits, params, prompt, output, drafted=()):
     return shape_logits(logits, replace(params, logit_bias=()), prompt, output, drafted)
 
 
+def shaped_without_min_tokens(logits, params, prompt, output, drafted=()):
+    """Mutant: the verifier leaves min_tokens out (the drafter still holds the end back)."""
+    return shape_logits(logits, replace(params, min_tokens=0), prompt, output, drafted)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mutant", [shaped_from_the_committed_only, shaped_without_the_bias],
-                         ids=["committed-only", "bias-left-out"])
+@pytest.mark.parametrize("mutant", [shaped_from_the_committed_only, shaped_without_the_bias,
+                                    shaped_without_min_tokens],
+                         ids=["committed-only", "bias-left-out", "min-tokens-left-out"])
 def test_the_check_catches_wrong_shaping(target, draft, shaped_law, monkeypatch, mutant):
     monkeypatch.setattr(verifier_engine, "shape_logits", mutant)
     counts, _ = sample_counts(target, draft, False, stop_law=shaped_law, params=PARAMS)

@@ -1,7 +1,7 @@
-"""A verifier with no room for a call (its KV cache full: PoolBusy) does not end a request
-whose output has begun: the round is tried again after a pause, exactly (the same block,
-the same seed; a cache the pool dropped meanwhile is rebuilt), until the request's
-busy_wait_s is spent. A request not yet begun fails at once, so its client hears 429."""
+"""A verifier with no room for a call (its KV cache full: PoolBusy) does not end a request:
+the round is tried again after a pause, exactly (the same block, the same seed; a cache the
+pool dropped meanwhile is rebuilt), until the request's busy_wait_s is spent; then the
+PoolBusy goes up (the router's 429, or a stream's error event)."""
 
 import asyncio
 
@@ -67,17 +67,28 @@ def test_a_begun_request_retries_a_full_verifier_and_stays_exact(pair, params, d
     assert generation.stats.cache_misses == (3 if dropping else 0)
 
 
-def test_a_request_not_yet_begun_fails_at_once_and_a_full_pool_past_the_wait_ends_it(pair):
+def test_a_full_pool_past_the_wait_ends_the_request_and_no_wait_fails_at_once(pair):
     params = SamplingParams(temperature=0, max_tokens=24)
-    with pytest.raises(PoolBusy):  # the first call: nothing sent yet, the client gets 429
-        generate(pair, lambda v: Full(v, lambda n: True), params, busy_wait_s=30,
-                 request_id="a")
     full = {}
     with pytest.raises(PoolBusy):  # full from the third call on, past a wait of 0.3 s
         generate(pair, lambda v: full.setdefault("v", Full(v, lambda n: n >= 2)), params,
                  busy_wait_s=0.3, request_id="b")
     assert full["v"].calls == 2 + 3  # the refused call, then two retries: pauses of 0.05 and
     # 0.1 fit in 0.3 s, the next (0.2) would not
+    with pytest.raises(PoolBusy):
+        generate(pair, lambda v: full.setdefault("none", Full(v, lambda n: n == 0)), params,
+                 busy_wait_s=0, request_id="c")
+    assert full["none"].calls == 1
+
+
+def test_a_first_call_refused_waits_too(pair):
+    """Not yet begun: a stream has already answered 200, so the request waits as well."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    target, draft = pair
+    expected, _ = run(ModelDrafter(draft), ModelVerifier(target), PROMPT, params, 3)
+    generation = generate(pair, lambda v: Full(v, lambda n: n < 3), params, busy_wait_s=30,
+                          request_id="d")
+    assert generation.token_ids == expected and generation.stats.busy_retries == 3
 
 
 def test_requests_beside_each_other_in_a_full_kv_pool_all_finish_exactly():

@@ -73,3 +73,19 @@ def test_whole_prompts_that_start_alike_are_placed_alike():
     assert prefix_route_key("e", PrefixSync(40, 123, (1,))) == "e"
     whole = PrefixSync(0, EMPTY_PREFIX_HASH, shared + (7,))
     assert prefix_route_key("f", whole, tokens=0) == "f"  # the router's knob: off
+
+
+def test_only_a_pools_refusal_for_want_of_room_is_busy():
+    """RESOURCE_EXHAUSTED from the pool (its KV cache or its calls in flight full) is
+    PoolBusy, which the round loop waits out; gRPC's own for an oversized message, and any
+    other code, is not."""
+    import grpc
+
+    from deployments.clients import pool_error
+    from speculative.types import PoolBusy
+
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert isinstance(pool_error("verifier", exhausted, "the KV cache needs 3 more"), PoolBusy)
+    assert not isinstance(pool_error("verifier", exhausted,
+                                     "Received message larger than max (9 vs. 4)"), PoolBusy)
+    assert not isinstance(pool_error("verifier", grpc.StatusCode.UNAVAILABLE, "gone"), PoolBusy)

@@ -107,8 +107,7 @@ def test_the_request_fields_read_as_openais_and_vllms():
                 {"min_tokens": -1}):
         with pytest.raises(ValidationError):
             CompletionRequest(prompt="x", **bad)
-    with pytest.raises(ValueError, match="min_tokens"):
-        CompletionRequest(prompt="x", min_tokens=9, max_tokens=8).sampling(16)
+    assert CompletionRequest(prompt="x", min_tokens=9).max_tokens_or(16) == 16
 
 
 def test_the_wire_carries_the_shaping():
@@ -123,3 +122,16 @@ def test_more_choices_than_the_router_runs_is_a_400_not_a_429():
     with pytest.raises(BadRequest) as refused:
         Admission(8).admit(9)
     assert refused.value.status == 400 and refused.value.param == "n"
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_alone_before_the_forward():
+    """At the pool boundary (a call straight from the wire): its batch-mate is answered."""
+    from speculative.types import PrefixSync, ScoreCall, prefix_hash
+    verifier = ModelVerifier(tiny_llama(2))
+    vocab = verifier.model.config.vocab_size
+    bad = SamplingParams(temperature=0, logit_bias=((vocab, 1.0),))
+    calls = [ScoreCall(name, PrefixSync(0, prefix_hash([]), (1, 2, 3)), (4,), sampling)
+             for name, sampling in (("bad", bad), ("good", SamplingParams(temperature=0)))]
+    refused, answered = verifier.score_batch(calls)
+    assert isinstance(refused, ValueError) and "out of range" in str(refused)
+    assert not isinstance(answered, Exception)

@@ -83,6 +83,12 @@ def test_tool_choice_decides_what_is_in_effect():
         == ["get_weather", "now"]
     named = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}})
     assert [f.name for f in named.tool_use().forced] == ["now"]
+    # OpenAI's finish_reason: "tool_calls" when the model called, "stop" for a named call
+    call = [{"id": "call_0", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
+    assert named.tool_use().finish_reason(call, "stop") == "stop"
+    assert request(tools=TOOLS, tool_choice="required").tool_use().finish_reason(
+        call, "stop") == auto.finish_reason(call, "stop") == "tool_calls"
+    assert auto.finish_reason([], "length") == "length"
     assert named.constraint()[:2] == ("tool_choice", "grammar")
     with pytest.raises(ToolError, match="not both") as refused:
         request(tools=TOOLS, tool_choice="required",

@@ -1,0 +1,37 @@
+"""A pool with no room for a call now (PoolBusy: its KV cache, or its calls in flight, full)
+is waited for, not failed: the same call again after doubling pauses, within a deadline.
+
+The round is the same round again (the same block, the same seed), so a retry is exact; a
+pool that dropped the request's cache meanwhile answers StaleBase and RequestState.call_pool
+resends the prefix. A request waits whether or not its output has begun: a stream has
+already answered 200, and one choice of n refused while its siblings stream would end them
+all. Past the deadline the PoolBusy goes up (the router's 429, or a stream's error event).
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from speculative.stats import SpecStats
+from speculative.types import PoolBusy
+
+BUSY_PAUSE_S, MAX_BUSY_PAUSE_S = 0.05, 1.0
+T = TypeVar("T")
+
+
+async def retried_while_busy(wait_s: float, stats: SpecStats,
+                             call: Callable[[], Awaitable[T]]) -> T:
+    """await call(), again after pauses of 0.05 s doubling to 1 s while it raises PoolBusy,
+    for as long as the pauses fit in wait_s; counted in stats (busy_retries, busy_seconds,
+    which the round's meter leaves out of its timings)."""
+    waited, pause = 0.0, BUSY_PAUSE_S
+    while True:
+        try:
+            return await call()
+        except PoolBusy:
+            if waited + pause > wait_s:
+                raise
+        stats.busy_retries += 1
+        stats.busy_seconds += pause
+        await asyncio.sleep(pause)
+        waited, pause = waited + pause, min(2 * pause, MAX_BUSY_PAUSE_S)
