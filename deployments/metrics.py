@@ -38,7 +38,8 @@ class PoolMetrics:
 def features(sampling) -> list[str]:
     """The features a choice's sampling uses, as the metrics tag them."""
     used = {"structured_output": sampling.grammar is not None,
-            "logprobs": sampling.logprobs is not None, "penalties": sampling.penalized}
+            "logprobs": sampling.logprobs is not None, "penalties": sampling.penalized,
+            "logit_bias": bool(sampling.logit_bias), "min_tokens": sampling.min_tokens > 0}
     return [name for name, on in used.items() if on]
 
 
@@ -58,6 +59,9 @@ class RouterMetrics:
         self.draft_fallback_rounds = Counter(
             "specserve_draft_fallback_rounds", description="Rounds run by the target alone "
             "because the drafter failed or missed its deadline (exact, slower).")
+        self.busy_retries = Counter(
+            "specserve_busy_retries", description="Verifier calls tried again after a pause "
+            "because the verifier had no room for them (its KV cache or calls in flight full).")
         self.rounds_by_k = Counter(
             "spec_decode_rounds_by_num_speculative_tokens",
             description="Rounds by the number of tokens drafted (K, as the K policy chose it).",
@@ -69,7 +73,8 @@ class RouterMetrics:
         # what requests use beyond a prompt, and what it does to acceptance
         self.feature_choices = Counter(
             "specserve_feature_choices", description="Choices decoded with a feature "
-            "(structured_output, logprobs, penalties).", tag_keys=("feature",))
+            "(structured_output, logprobs, penalties, logit_bias, min_tokens).",
+            tag_keys=("feature",))
         self.feature_draft_tokens = Counter(
             "specserve_feature_draft_tokens", description="Tokens drafted for choices with a "
             "feature.", tag_keys=("feature",))
@@ -90,7 +95,8 @@ class RouterMetrics:
                                (self.num_draft_tokens, stats.num_draft_tokens),
                                (self.num_accepted_tokens, stats.num_accepted_tokens),
                                (self.cache_misses, stats.cache_misses),
-                               (self.draft_fallback_rounds, stats.draft_fallback_rounds)):
+                               (self.draft_fallback_rounds, stats.draft_fallback_rounds),
+                               (self.busy_retries, stats.busy_retries)):
             if value:  # Ray counters refuse increments of 0
                 counter.inc(value)
         for position, count in enumerate(stats.accepted_per_position):

@@ -135,3 +135,10 @@ def test_a_bias_outside_the_vocabulary_is_refused_alone_before_the_forward():
     refused, answered = verifier.score_batch(calls)
     assert isinstance(refused, ValueError) and "out of range" in str(refused)
     assert not isinstance(answered, Exception)
+
+
+def test_the_metrics_tag_the_shaping_features():
+    from deployments.metrics import features
+    assert features(SamplingParams()) == []
+    assert features(SamplingParams(logit_bias=BIAS, min_tokens=2, presence_penalty=1.0)) == [
+        "penalties", "logit_bias", "min_tokens"]
