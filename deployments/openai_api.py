@@ -98,9 +98,11 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
     ignore_eos: bool = False  # extension (as vLLM): do not stop at the model's end tokens
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension (as vLLM)
-    # OpenAI's: token id (a JSON key, so a string) -> a bias in [-100, 100] added to its logit
-    logit_bias: dict[str, float] | None = Field(default=None,
-                                                max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # OpenAI's: token id (a JSON key, so a string, read as an integer) -> a bias in
+    # [-100, 100] added to its logit
+    logit_bias: dict[Annotated[int, Field(ge=0)],
+                     Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = \
+        Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # extension (as vLLM): the end tokens and stop ids cannot end the output before this
     min_tokens: int = Field(default=0, ge=0)
     response_format: ResponseFormat | None = None
@@ -113,19 +115,6 @@ class SamplingFields(BaseModel):
         if value is not None and value not in kinds:
             raise ValueError(f"drafter must be one of {kinds}")
         return None if value == "model" else value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def bias_pairs(cls, value):
-        """{token id: bias} with integer ids (OpenAI sends them as JSON's string keys)."""
-        if value is None:
-            return None
-        if not all(key.strip().isdigit() for key in value):
-            raise ValueError("logit_bias keys must be token ids (non-negative integers)")
-        if not all(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in value.values()):
-            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, "
-                             f"{MAX_LOGIT_BIAS}]")
-        return {str(int(key)): bias for key, bias in value.items()}
 
     @field_validator("stop")
     @classmethod
@@ -148,8 +137,7 @@ class SamplingFields(BaseModel):
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
                               logprobs=self.top_logprobs_asked(),
-                              logit_bias=tuple(sorted((int(token), float(bias)) for token, bias
-                                                      in (self.logit_bias or {}).items())),
+                              logit_bias=tuple(sorted((self.logit_bias or {}).items())),
                               min_tokens=self.min_tokens)
 
     def max_tokens_or(self, default: int) -> int:

@@ -42,10 +42,10 @@ class PromptReader:
         # completions default to OpenAI's 16 tokens; chat may use the rest of the context
         default = self.default_max_tokens if not chat else limit - len(prompt_ids)
         default = min(default, limit - len(prompt_ids))
-        if body.min_tokens > body.max_tokens_or(default):
-            raise BadRequest(f"min_tokens ({body.min_tokens}) must be at most max_tokens "
-                             f"({body.max_tokens_or(default)})", param="min_tokens")
         sampling = body.sampling(default)
+        if body.min_tokens > sampling.max_tokens:
+            raise BadRequest(f"min_tokens ({body.min_tokens}) must be at most max_tokens "
+                             f"({sampling.max_tokens})", param="min_tokens")
         if len(prompt_ids) + sampling.max_tokens > limit:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
                              f"({sampling.max_tokens}) exceed the context limit of {limit}",
@@ -88,7 +88,7 @@ class PromptReader:
         if body.top_k > self.vocab_size:
             raise BadRequest(f"top_k must be at most the vocabulary size "
                              f"({self.vocab_size}); 0 disables it", param="top_k")
-        if any(int(token) >= self.vocab_size for token in body.logit_bias or {}):
+        if any(token >= self.vocab_size for token in body.logit_bias or {}):
             raise BadRequest(f"logit_bias token ids must be in [0, {self.vocab_size})",
                              param="logit_bias")
 
