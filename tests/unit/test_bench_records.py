@@ -1,13 +1,15 @@
 """The suite's derived figures, on hand-made tallies, and the sweep's streaming client on a
 stand-in server (the end-to-end run is in integration)."""
 
+import itertools
 import json
 import threading
-import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from bench import sweep
 from bench.costs import expected_tokens_per_round
 from bench.records import FIELDS, Tally, add_speedups, record
 from bench.runners import stats_from_http
@@ -89,8 +91,8 @@ def test_a_sweep_cell_has_latencies_batch_sizes_and_the_ratio_to_speculation_off
 
 
 class SSE(BaseHTTPRequestHandler):
-    """Streams what the router streams, in chunked transfer encoding, 20 ms apart (usage says
-    the server's completion_tokens)."""
+    """Streams what the router streams, in chunked transfer encoding (usage says the server's
+    completion_tokens)."""
 
     protocol_version = "HTTP/1.1"
 
@@ -108,7 +110,6 @@ class SSE(BaseHTTPRequestHandler):
                       {"choices": [{"index": 0, "text": "", "finish_reason": "length",
                                     "token_ids": [5, 6, 7]}]},
                       final, "[DONE]"):
-            time.sleep(0.02)
             event = f"data: {chunk if chunk == '[DONE]' else json.dumps(chunk)}\n\n".encode()
             self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
             self.wfile.flush()
@@ -118,7 +119,11 @@ class SSE(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_streamed_request_is_timed_chunk_by_chunk():
+def test_a_streamed_request_is_timed_chunk_by_chunk(monkeypatch):
+    """A clock that ticks once a reading (no wall-clock threshold): read at the send, then at
+    each line received, an event's data line and its blank line."""
+    ticks = itertools.count()
+    monkeypatch.setattr(sweep, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     server = ThreadingHTTPServer(("127.0.0.1", 0), SSE)
     server.completion_tokens = 3
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -126,11 +131,8 @@ def test_a_streamed_request_is_timed_chunk_by_chunk():
         url = f"http://127.0.0.1:{server.server_address[1]}"
         streamed = stream_completion(url, [1, 2], 3, "auto", timeout_s=10)
         assert streamed.token_ids == [5, 6, 7] and streamed.speculative == {"rounds": 2}
-        # the first chunk after one gap, the final chunk three gaps later
-        assert 0.02 <= streamed.first_chunk_s < streamed.final_chunk_s
-        assert streamed.final_chunk_s - streamed.first_chunk_s >= 0.06
-        assert streamed.tpot_s == pytest.approx(
-            (streamed.final_chunk_s - streamed.first_chunk_s) / 2)
+        # the first chunk at the first line read, the final chunk (usage) at the seventh
+        assert (streamed.first_chunk_s, streamed.final_chunk_s, streamed.tpot_s) == (1, 7, 3)
         server.completion_tokens = 4
         with pytest.raises(RuntimeError, match="disagree with its usage"):
             stream_completion(url, [1, 2], 3, 0, timeout_s=10)
