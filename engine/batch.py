@@ -13,12 +13,10 @@ a rollback stays a crop of the request's own cache.
 A model forward without a batch (HF `generate`, tests) goes to SDPA unchanged.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION = "specserve_packed"
 BATCH_KWARG = "specserve_batch"
@@ -76,6 +74,7 @@ class PackedBatch:
 
 def packed_attention(module, query, key, value, attention_mask, **kwargs):
     """query [1, H, N, D], key/value [1, H_kv, N, D]: the batch's new tokens, packed."""
+    sdpa_attention_forward = transformers_attention()
     batch: PackedBatch | None = kwargs.pop(BATCH_KWARG, None)
     if batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -92,13 +91,24 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outputs, dim=1), None
 
 
-AttentionInterface.register(ATTENTION, packed_attention)
-# unbatched calls get SDPA's masks; a packed forward builds its own per request
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+@functools.cache
+def transformers_attention():
+    """transformers' SDPA attention, after registering packed_attention with its interfaces.
+    Imported at first use, not with this module: it loads transformers' modeling code (2 s of
+    CPU), which a process that runs no model (Serve's build of an app) need not pay."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    # unbatched calls get SDPA's masks; a packed forward builds its own per request
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return sdpa_attention_forward
 
 
 def use_packed_attention(model):
     """Route the model's attention through packed_attention (SDPA when called unbatched)."""
+    transformers_attention()
     model.config._attn_implementation = ATTENTION
     for config in (getattr(model.config, "text_config", None),):
         if config is not None:
