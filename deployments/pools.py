@@ -8,6 +8,7 @@ router resends the whole prefix).
 """
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,10 +55,15 @@ def replica_id() -> str:
         return "local"
 
 
-def node_id() -> str:
+def placement(model) -> dict:
+    """Where this process runs: its Ray node, the GPUs Ray assigned it (Ray sets
+    CUDA_VISIBLE_DEVICES to them) and the device of its model (None: a drafter without one)."""
     import ray
 
-    return ray.get_runtime_context().get_node_id()
+    return {"node": ray.get_runtime_context().get_node_id(),
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": None if model is None else str(model.device)}
 
 
 async def serve_directly(servicer, add_to_server, host: str = "loopback",
@@ -273,9 +279,9 @@ class PoolReplica:
         return {DIRECT_IN_FLIGHT: float(self.direct_in_flight),
                 BATCH_OCCUPANCY: self.occupancy.take()}
 
-    def where(self) -> str:
-        """The Ray node this replica runs on (for operators and placement tests)."""
-        return node_id()
+    def where(self) -> dict:
+        """Where this replica runs (`placement`), for operators and placement tests."""
+        return placement(getattr(self.engine, "model", None))
 
     def direct_calls_served(self) -> int:
         return self.direct_calls

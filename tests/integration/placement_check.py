@@ -1,8 +1,8 @@
 """Run by test_placement.py in its own process: cluster/gpu.yaml, deployed as operators deploy it,
-on a local 3-node Ray whose nodes declare GPUs and accelerator types the way Ray itself does.
+on a local 2-node Ray whose nodes declare GPUs and accelerator types the way Ray itself does.
 
-- head: a little CPU, no GPU (the router goes anywhere; Serve's controller and proxies cost no CPU)
-- "A100" node: 2 GPUs and the resource `accelerator_type:A100`
+- head, the "A100" node: 2 GPUs and the resource `accelerator_type:A100` (the router, which asks
+  for no GPU, may land on either node; Serve's controller and proxies cost no CPU)
 - "H100" node: 2 GPUs and the resource `accelerator_type:H100`
 
 Ray's own detection gives a GPU node `accelerator_type:<name>` = 1 (one per node, whatever its
@@ -12,7 +12,8 @@ GPU count), and `accelerator_type: <name>` in an actor's options asks for 0.001 
 The pools are placed by gpu.yaml's own ray_actor_options (num_gpus: 1, accelerator_type: A100 /
 H100) and autoscaling configs. What is overridden, and why, is in `overridden()` below. Each
 replica that asks for a GPU gets CUDA_VISIBLE_DEVICES set by Ray to a device that does not exist;
-the pools run on CPU because their args say `device: cpu`, which the torch probe below checks.
+the pools run on CPU because their args say `device: cpu`: each replica reports its node, its
+GPU ids, CUDA_VISIBLE_DEVICES and its model's device (`PoolReplica.where`).
 
 Prints one line `PLACEMENT {json}`; every Ray process started here is stopped before exit, and
 an alarm turns a hang into an exception so that the cleanup still runs.
@@ -62,23 +63,10 @@ def overridden(config: dict) -> dict:
     return config
 
 
-def torch_on_fake_gpu(args: dict) -> dict:
-    """What torch does in a process holding a Ray GPU that does not exist (run with a pool's
-    own ray_actor_options): load the pool's model with the pool's args and run one forward."""
-    import ray
-    import torch
-
-    from engine.models import load_causal_lm
-
-    torch.set_num_threads(1)
-    model = load_causal_lm(args["model"], args["dtype"], args["device"])
-    with torch.no_grad():
-        logits = model(torch.tensor([[1, 2, 3]], device=args["device"])).logits
-    return {"node": ray.get_runtime_context().get_node_id(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
-            "cuda_available": torch.cuda.is_available(),
-            "device": str(logits.device), "finite": bool(torch.isfinite(logits).all())}
+def gpu_node(accelerator: str) -> dict:
+    """A node's arguments: 2 GPUs and `accelerator_type:<accelerator>` as Ray's own detection
+    declares them."""
+    return {"num_gpus": 2, "resources": {f"accelerator_type:{accelerator}": 1}}
 
 
 def on_deadline(signum, frame):
@@ -93,29 +81,22 @@ def main() -> None:
     signal.signal(signal.SIGALRM, on_deadline)
     signal.alarm(DEADLINE_S)
     # no dashboard: its processes cost this 2-core machine CPU the check does not need
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0,
-                                                            "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, include_dashboard=False, **gpu_node("A100")))
     try:
-        nodes = {accelerator: cluster.add_node(num_cpus=1, num_gpus=2,
-                                               resources={f"accelerator_type:{accelerator}": 1})
-                 for accelerator in ("A100", "H100")}
+        nodes = {"A100": cluster.head_node,
+                 "H100": cluster.add_node(num_cpus=1, **gpu_node("H100"))}
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="warning")
         config = overridden(load_config("gpu.yaml"))
-
-        probe = ray.remote(torch_on_fake_gpu)
-        torch_probe = {}
-        for name in POOLS:
-            app = app_config(config, name)
-            options = app["deployments"][0]["ray_actor_options"]  # gpu.yaml's, num_cpus aside
-            torch_probe[name] = ray.get(probe.options(**options).remote(app["args"]))
-
         start_serve(config)
         deploy(config, timeout_s=240)
         where, replicas = {}, {}
         for name, (deployment, _) in POOLS.items():
             handle = serve.get_deployment_handle(deployment, name)
-            where[name] = sorted({handle.where.remote().result() for _ in range(20)})
+            # every replica's answer (20 calls reach them all): node, GPUs, model device
+            where[name] = list({json.dumps(handle.where.remote().result(), sort_keys=True)
+                                for _ in range(20)})
             status = serve.status().applications[name].deployments[deployment]
             replicas[name] = status.replica_states.get("RUNNING", 0)
 
@@ -126,7 +107,8 @@ def main() -> None:
         body = response.json() if response.ok else response.text
         print("PLACEMENT " + json.dumps({
             "nodes": {accelerator: node.node_id for accelerator, node in nodes.items()},
-            "where": where, "replicas": replicas, "torch": torch_probe,
+            "where": {name: [json.loads(w) for w in sorted(found)] for name, found in where.items()},
+            "replicas": replicas,
             "completion": {"status": response.status_code, "body": body}}), flush=True)
     finally:
         signal.alarm(0)
