@@ -61,7 +61,8 @@ def start_serve(config: dict) -> None:
     from ray import serve
 
     serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"],
-                proxy_location=config["proxy_location"])
+                proxy_location=config["proxy_location"],
+                logging_config=config.get("logging_config"))
 
 
 def deploy(config: dict, timeout_s: float = 600) -> None:

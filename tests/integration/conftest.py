@@ -76,6 +76,9 @@ def session_config(tiny8_dir, quirky_dir) -> dict:
         app["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.1}
         config["applications"].append(app)
     config = with_pair(config, "tiny8", tiny8_dir, {"draft_top_k": 3})
+    # the controller's and proxy's logs at WARNING: their INFO lines about every replica
+    # stopped would reach the test output when the cluster stops after its last test
+    config["logging_config"] = {"log_level": "WARNING"}
     return with_pair(config, "quirky", quirky_dir)
 
 
