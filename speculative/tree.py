@@ -1,0 +1,121 @@
+"""Draft trees: several candidate continuations, verified by one target forward, accepted exactly.
+
+A tree's nodes are drafted tokens. Node i follows parents[i] (ROOT: the request's last
+committed token), and parents come before their children. The children of a node were
+drawn one after another, without replacement, from the draft's law q at that node: the
+first from q, each next one from q with the siblings drawn before it removed (renormalised).
+A chain of K tokens is the tree whose nodes each have one child.
+
+Acceptance walks down from the root (multi-draft speculative sampling: SpecInfer's
+multi-step form, with the recursive rejection sampling of siblings drawn without
+replacement). At a node, with r = p there (the target's law after the node's path) and q
+its draft law, the children are tested in the order they were drawn: child x is accepted
+with probability min(1, r(x) / q(x)), and the walk moves to it; a rejected x updates
+r <- norm(max(0, r - q)) and q <- q without x, renormalised. When no child passes, the
+output ends with a draw from r: the recovered token, or the bonus token at a leaf (r = p).
+Each step is Algorithm 1 on one token with the law q the next child was really drawn from,
+and a rejection leaves r(x) = 0 at the rejected x, so the output has the target's law
+whatever the tree's shape.
+
+Rows of draft_probs and target_probs: row 0 is the root's, row 1 + i node i's.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from speculative.rejection import RoundOutcome, residual
+from speculative.sampling import sample
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    token_ids: tuple[int, ...]  # node i's token
+    parents: tuple[int, ...]  # node i's parent: ROOT or an earlier node
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.parents):
+            raise ValueError("a tree needs one parent per token")
+        if any(not ROOT <= parent < node for node, parent in enumerate(self.parents)):
+            raise ValueError("a node's parent must be ROOT or an earlier node")
+
+    def children(self, node: int) -> list[int]:
+        """The children of node (ROOT or a node index), in the order they were drawn."""
+        return [child for child, parent in enumerate(self.parents) if parent == node]
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root's first child down to node (ROOT: none)."""
+        tokens = []
+        while node != ROOT:
+            tokens.append(self.token_ids[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    round: RoundOutcome  # the accepted path's tokens, then the recovered or bonus token
+    accepted_nodes: tuple[int, ...]  # the nodes of the accepted path, root side first
+
+
+def without(draft_probs: torch.Tensor, token: int) -> torch.Tensor:
+    """q with a drawn sibling removed, renormalised: the law the next sibling was drawn from
+    (all zeros when nothing is left, and then no sibling follows)."""
+    rest = draft_probs.clone()
+    rest[token] = 0
+    total = rest.sum()
+    return rest / total if total > 0 else rest
+
+
+def accept_tree(tree: DraftTree, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                generator: torch.Generator) -> TreeOutcome:
+    """The accepted path of a sampled tree (module docstring). draft_probs, target_probs:
+    [1 + nodes, V], each row the law at the root or after a node (leaves' q rows unused)."""
+    node, output, path = ROOT, [], []
+    while True:
+        target, draft = target_probs[node + 1], draft_probs[node + 1]
+        chosen = None
+        for child in tree.children(node):
+            token = tree.token_ids[child]
+            draft_p, target_p = float(draft[token]), float(target[token])
+            coin = float(torch.rand((), generator=generator))
+            if draft_p > 0 and coin * draft_p < target_p:  # u < r/q without dividing
+                chosen = child
+                break
+            target, draft = residual(target, draft), without(draft, token)
+        if chosen is None:
+            output.append(sample(target, generator))
+            return TreeOutcome(RoundOutcome(tuple(output), len(path)), tuple(path))
+        output.append(tree.token_ids[chosen])
+        path.append(chosen)
+        node = chosen
+
+
+def accept_tree_greedy(tree: DraftTree, target_token_ids) -> TreeOutcome:
+    """Greedy: follow the child equal to the target's argmax at each node (target_token_ids:
+    [1 + nodes], the root's then each node's), then emit the argmax where none is."""
+    node, output, path = ROOT, [], []
+    while True:
+        wanted = int(target_token_ids[node + 1])
+        output.append(wanted)
+        chosen = next((child for child in tree.children(node)
+                       if tree.token_ids[child] == wanted), None)
+        if chosen is None:
+            return TreeOutcome(RoundOutcome(tuple(output), len(path)), tuple(path))
+        path.append(chosen)
+        node = chosen
+
+
+def draw_children(draft_probs: torch.Tensor, width: int, generator: torch.Generator
+                  ) -> list[int]:
+    """Up to width distinct tokens drawn one after another from [V] q without replacement
+    (each from q with the ones before removed), as accept_tree expects of siblings."""
+    tokens, rest = [], draft_probs
+    for _ in range(width):
+        if not rest.sum() > 0:
+            break
+        tokens.append(sample(rest, generator))
+        rest = without(rest, tokens[-1])
+    return tokens

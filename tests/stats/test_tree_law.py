@@ -1,0 +1,170 @@
+"""Draft trees accepted by speculative.tree.accept_tree keep the target's law, whatever the shape.
+
+A target law p and a draft law q over 6 tokens for every prefix (fixed random tables, some
+truncated as top-p would, with supports that differ between p and q). Each sample drafts a
+tree from q the way the module's docstring says (siblings drawn one after another without
+replacement, written here apart from the product's draw_children), verifies it, and extends
+the output to the tree's depth + 1 tokens with draws from p, as the next rounds would. Those
+tokens must follow p's exact law of a sequence of that length: chi-square at a false-failure
+rate of 1e-6 per case, samples seeded.
+
+Mutants that must fail at the same sample size: a sibling tested against the unreduced p
+after a rejection, a sibling tested against the q its earlier siblings were drawn from (the
+removal forgotten), and the children of a node tested against the q of the node's parent.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from speculative import tree as tree_module
+from speculative.tree import ROOT, DraftTree, accept_tree
+from tests.stats.chisq import chi_square
+
+VOCAB = 6
+SAMPLES = 8_000  # the mutants below fail by 1,000-3,000
+CHUNK = 1_000  # a mutant's counts are checked after every CHUNK samples
+FALSE_FAILURE = 1e-6
+
+
+class Laws:
+    """p and q after every prefix: fixed random tables (seeded by the prefix), q a noisy
+    copy of p; truncated: each keeps its smallest entries at zero (a top-p cut)."""
+
+    def __init__(self, truncated: bool) -> None:
+        self.truncated, self.cache = truncated, {}
+
+    def at(self, prefix: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        if prefix not in self.cache:
+            rng = np.random.default_rng([len(prefix), *prefix])
+            logits = rng.normal(0, 1.2, VOCAB)
+            laws = [self.normalised(logits), self.normalised(logits + rng.normal(0, 0.8, VOCAB))]
+            self.cache[prefix] = tuple(torch.tensor(law, dtype=torch.float32) for law in laws)
+        return self.cache[prefix]
+
+    def normalised(self, logits: np.ndarray) -> np.ndarray:
+        probs = np.exp(logits - logits.max())
+        if self.truncated:
+            probs[np.argsort(probs)[:2]] = 0  # the two least likely tokens cut
+        return probs / probs.sum()
+
+    def sequence_law(self, length: int) -> np.ndarray:
+        law = np.zeros((VOCAB,) * length)
+        for tokens in itertools.product(range(VOCAB), repeat=length):
+            law[tokens] = np.prod([float(self.at(tokens[:i])[0][t])
+                                   for i, t in enumerate(tokens)])
+        return law
+
+
+def draft_tree(laws: Laws, widths: tuple[int, ...], rng: np.random.Generator) -> DraftTree:
+    """A tree drafted from q: widths[d] children per node at depth d, each drawn from q
+    with its earlier siblings removed."""
+    tokens, parents, frontier = [], [], [ROOT]
+    for width in widths:
+        next_frontier = []
+        for node in frontier:
+            q = laws.at(tuple(path_of(tokens, parents, node)))[1].double().numpy()
+            for _ in range(width):
+                if q.sum() <= 0:
+                    break
+                token = int(rng.choice(VOCAB, p=q / q.sum()))
+                q = q.copy()
+                q[token] = 0
+                tokens.append(token)
+                parents.append(node)
+                next_frontier.append(len(tokens) - 1)
+        frontier = next_frontier
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def path_of(tokens, parents, node) -> list[int]:
+    return DraftTree(tuple(tokens), tuple(parents)).path(node)
+
+
+def rows(laws: Laws, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(draft_probs, target_probs): [1 + nodes, V], the root's row, then each node's."""
+    at = [laws.at(tuple(tree.path(node))) for node in [ROOT, *range(len(tree.token_ids))]]
+    return torch.stack([q for _, q in at]), torch.stack([p for p, _ in at])
+
+
+def parents_q(tree: DraftTree, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Mutant input: every node's children tested against the q of the node's parent."""
+    shifted = draft_probs.clone()
+    for node, parent in enumerate(tree.parents):
+        shifted[node + 1] = draft_probs[parent + 1]
+    return shifted
+
+
+CASES = {  # name: (widths per depth, truncated)
+    "width2-depth2": ((2, 2), False),
+    "width5-depth1": ((5,), False),
+    "uneven-3-1": ((3, 1), False),
+    "width2-depth2-truncated": ((2, 2), True),
+}
+
+
+def sample_counts(case: str, mutate_q=None, stop_law=None) -> tuple[np.ndarray, dict]:
+    widths, truncated = CASES[case]
+    laws, length = Laws(truncated), len(widths) + 1
+    rng, generator = np.random.default_rng(7), torch.Generator().manual_seed(11)
+    counts = np.zeros((VOCAB,) * length)
+    totals = {"accepted": 0, "after_a_rejected_sibling": 0}
+    for i in range(SAMPLES):
+        tree = draft_tree(laws, widths, rng)
+        draft_probs, target_probs = rows(laws, tree)
+        if mutate_q is not None:
+            draft_probs = mutate_q(tree, draft_probs)
+        outcome = accept_tree(tree, draft_probs, target_probs, generator)
+        output = list(outcome.round.output_token_ids)
+        totals["accepted"] += outcome.round.num_accepted
+        first = tree.children(ROOT)
+        totals["after_a_rejected_sibling"] += bool(outcome.accepted_nodes) and \
+            outcome.accepted_nodes[0] != first[0]
+        while len(output) < length:  # the next rounds: the target alone
+            output.append(int(torch.multinomial(laws.at(tuple(output))[0], 1,
+                                                generator=generator)))
+        counts[tuple(output[:length])] += 1
+        if stop_law is not None and (i + 1) % CHUNK == 0 and not passes(counts, stop_law)[0]:
+            break
+    return counts, totals
+
+
+def passes(counts, law) -> tuple[bool, str]:
+    statistic, threshold, df = chi_square(counts, law, FALSE_FAILURE)
+    return statistic < threshold, f"chi2 = {statistic:.1f}, threshold {threshold:.1f} (df {df})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_tree_output_follows_the_target_law(case):
+    counts, totals = sample_counts(case)
+    widths, truncated = CASES[case]
+    ok, message = passes(counts, Laws(truncated).sequence_law(len(widths) + 1))
+    assert ok, f"{message}: a correct implementation fails with probability {FALSE_FAILURE}"
+    # the paths the case is about ran: accepted nodes, and acceptances after a sibling failed
+    assert totals["accepted"] > SAMPLES / 4 and totals["after_a_rejected_sibling"] > SAMPLES / 20
+
+
+MUTANTS = {  # name: (case, patch of the module, mutation of q's rows)
+    "sibling-against-unreduced-p": ("width5-depth1",
+                                    lambda mp: mp.setattr(tree_module, "residual",
+                                                          lambda target, draft: target), None),
+    "sibling-against-q-with-the-rejected": ("width5-depth1",
+                                            lambda mp: mp.setattr(tree_module, "without",
+                                                                  lambda q, token: q), None),
+    "q-of-the-parent": ("width2-depth2", None, parents_q),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_the_check_catches_a_wrong_tree_acceptance(monkeypatch, name):
+    case, patch, mutate_q = MUTANTS[name]
+    if patch is not None:
+        patch(monkeypatch)
+    widths, truncated = CASES[case]
+    law = Laws(truncated).sequence_law(len(widths) + 1)
+    counts, _ = sample_counts(case, mutate_q, stop_law=law)
+    assert not passes(counts, law)[0], f"the {name} mutant passed"

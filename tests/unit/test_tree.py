@@ -1,0 +1,82 @@
+"""speculative.tree by hand-built cases: the tree's structure, greedy acceptance, a chain equal
+to Algorithm 1 draw for draw, one-hot targets equal to greedy, and siblings drawn distinct.
+The law of sampled trees is tests/stats/test_tree_law.py's."""
+
+import pytest
+import torch
+
+from speculative.rejection import rejection_sample
+from speculative.tree import (
+    ROOT,
+    DraftTree,
+    accept_tree,
+    accept_tree_greedy,
+    draw_children,
+)
+
+# root -> 3 (node 0) -> 1 (node 2)
+# root -> 5 (node 1) -> 2 (node 3), 4 (node 4)
+TREE = DraftTree(token_ids=(3, 5, 1, 2, 4), parents=(ROOT, ROOT, 0, 1, 1))
+
+
+def test_structure():
+    assert TREE.children(ROOT) == [0, 1] and TREE.children(1) == [3, 4]
+    assert TREE.children(2) == [] and TREE.path(4) == [5, 4] and TREE.path(ROOT) == []
+    with pytest.raises(ValueError, match="earlier node"):
+        DraftTree((1, 2), (1, ROOT))
+    with pytest.raises(ValueError, match="one parent per token"):
+        DraftTree((1, 2), (ROOT,))
+
+
+def test_greedy_follows_the_targets_argmax_down_the_tree():
+    # argmax at the root 5 (node 1), at node 1: 4 (node 4), at node 4 (a leaf): 0, the bonus
+    argmax = [5, 9, 4, 9, 9, 0]  # rows: root, then nodes 0..4 (9: never read)
+    outcome = accept_tree_greedy(TREE, argmax)
+    assert outcome.round.output_token_ids == (5, 4, 0) and outcome.round.num_accepted == 2
+    assert outcome.accepted_nodes == (1, 4)
+    # at node 1 the target wants 7, no child: 7 is the recovered token
+    missed = accept_tree_greedy(TREE, [5, 9, 7, 9, 9, 9])
+    assert missed.round.output_token_ids == (5, 7) and missed.accepted_nodes == (1,)
+    assert accept_tree_greedy(TREE, [6, 9, 9, 9, 9, 9]).round.output_token_ids == (6,)
+
+
+def random_rows(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.softmax(2 * torch.randn(rows, vocab, generator=generator), -1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_chain_is_algorithm_1_draw_for_draw(seed):
+    """A tree of one child per node takes the same coins and draws as rejection_sample."""
+    k, vocab = 3, 5
+    draft_probs, target_probs = random_rows(k + 1, vocab, seed), random_rows(k + 1, vocab,
+                                                                              seed + 100)
+    drafted = [int(torch.multinomial(draft_probs[i], 1, generator=torch.Generator()
+                                     .manual_seed(seed * 10 + i))) for i in range(k)]
+    chain = DraftTree(tuple(drafted), tuple(range(-1, k - 1)))
+    tree = accept_tree(chain, draft_probs, target_probs, torch.Generator().manual_seed(seed))
+    reference = rejection_sample(drafted, draft_probs[:k], target_probs,
+                                 torch.Generator().manual_seed(seed))
+    assert tree.round == reference
+    assert tree.accepted_nodes == tuple(range(reference.num_accepted))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_hot_targets_accept_as_greedy(seed):
+    """With p one-hot at every node, any q that drew the tree gives the greedy path."""
+    generator = torch.Generator().manual_seed(seed)
+    argmax = torch.randint(0, 6, (1 + len(TREE.token_ids),), generator=generator)
+    argmax[0] = TREE.token_ids[seed % 2]  # half the cases accept a first-level node
+    target = torch.nn.functional.one_hot(argmax, 6).float()
+    draft = random_rows(1 + len(TREE.token_ids), 6, seed)
+    assert accept_tree(TREE, draft, target, generator) == accept_tree_greedy(TREE, argmax)
+
+
+def test_siblings_are_distinct_and_end_with_the_support():
+    q = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        drawn = draw_children(q, 3, generator)
+        assert sorted(drawn) == [0, 2, 3]  # all three of the support, each once
+    assert len(draw_children(q, 5, generator)) == 3
+    assert draw_children(torch.tensor([0.0, 1.0]), 2, generator) == [1]
