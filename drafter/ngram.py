@@ -74,7 +74,7 @@ class NgramDrafter:
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         sequence = self.sessions.apply(call.request_id, call.sync)
         context = sequence.committed + list(call.assumed_token_ids)
-        token_ids = lookup(context, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
+        token_ids = self.lookup(call, sequence, context)
         if call.sampling.grammar is not None and token_ids:
             token_ids = self.allowed_prefix(call, sequence, context, token_ids)
         if call.sampling.greedy or not token_ids:
@@ -82,6 +82,10 @@ class NgramDrafter:
         one_hot = DraftDists(torch.ones(len(token_ids), 1),  # [K, 1]: each q_i is x_i alone
                              torch.tensor(token_ids)[:, None], self.vocab_size)
         return DraftBlock(tuple(token_ids), one_hot)
+
+    def lookup(self, call: ProposeCall, sequence, context: list[int]) -> list[int]:
+        """The proposal for the context (the committed tokens, then the call's assumed ones)."""
+        return lookup(context, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
 
     def allowed_prefix(self, call: ProposeCall, sequence, context: list[int],
                        token_ids: list[int]) -> list[int]:

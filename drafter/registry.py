@@ -80,11 +80,23 @@ def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):
                         grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
 
 
+def build_suffix_drafter(spec: DrafterSpec, target: Checkpoint):
+    from drafter.suffix import SuffixDrafter
+
+    return SuffixDrafter(target.vocab_size, max_cached_requests=spec.max_cached_requests,
+                         max_cached_tokens=spec.max_cached_tokens,
+                         session_ttl_s=spec.session_ttl_s,
+                         grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
+
+
 DRAFTERS: dict[str, DrafterKind] = {
     "model": DrafterKind(build_model_drafter, needs_model=True,
                          help="a small causal LM sharing the target's tokenizer"),
     "ngram": DrafterKind(build_ngram_drafter, needs_model=False,
                          help="prompt lookup: what followed the latest n-gram in the context"),
+    "suffix": DrafterKind(build_suffix_drafter, needs_model=False,
+                          help="suffix decoding: the most frequent continuation of the context's "
+                               "longest earlier suffix, in the request and in recent outputs"),
 }
 
 

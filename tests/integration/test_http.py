@@ -86,12 +86,14 @@ def test_the_default_request_drafts(cluster):
     assert min(mean_ks) >= 1, mean_ks
 
 
-def test_the_ngram_drafter_is_exact_too(cluster):
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_the_model_free_drafters_are_exact_too(cluster, drafter):
     prompt = "x = 1\nx = 1\nx = 1\n"
     alone = complete(cluster, prompt, max_tokens=24, temperature=0, num_speculative_tokens=0)
-    spec = complete(cluster, prompt, max_tokens=24, temperature=0, drafter="ngram",
+    spec = complete(cluster, prompt, max_tokens=24, temperature=0, drafter=drafter,
                     num_speculative_tokens=4)
     assert spec["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert spec["speculative"]["num_draft_tokens"] > 0  # the repeats gave it matches
 
 
 @pytest.mark.parametrize("pipelined", [False, None], ids=["sequential", "default"])

@@ -15,6 +15,7 @@ import torch
 
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
+from drafter.suffix import SuffixDrafter
 from speculative.sampling import SamplingParams
 from tests.stats.chisq import conditional_chi_square
 from tests.stats.laws import law_after_first
@@ -40,20 +41,23 @@ def make_drafter(target, kind: str):
     the target's (as Qwen2.5 sizes differ), its q fitted to the target's vocabulary."""
     if kind == "ngram":
         return NgramDrafter(VOCAB)
+    if kind == "suffix":  # one drafter for all samples: each draws on earlier outputs too
+        return SuffixDrafter(VOCAB)
     if kind.startswith("padded"):
         rows = VOCAB - 2 if kind == "padded-smaller" else VOCAB + 3
         return ModelDrafter(tiny_llama(9, vocab_size=rows), vocab_size=VOCAB)
     return ModelDrafter(noisy_copy(target, 0.3, seed=2))
 
 
+T1 = SamplingParams(temperature=1.0, max_tokens=3)
+NUCLEUS = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3)
+CASES = [(params, kind) for params in (T1, NUCLEUS)
+         for kind in ("model", "ngram", "padded-smaller", "padded-larger")] + [(T1, "suffix")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=1.0, max_tokens=3),
-     SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3)],
-    ids=["T1", "T0.7-k5-p0.9"],
-)
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "padded-smaller", "padded-larger"])
+@pytest.mark.parametrize("params, drafter_kind", CASES, ids=[
+    f"{kind}-{'T1' if params is T1 else 'T0.7-k5-p0.9'}" for params, kind in CASES])
 def test_two_token_sequences_match_target_only_sampling(target, params, drafter_kind):
     drafter = Batched(make_drafter(target, drafter_kind))
     verifier = Batched(ModelVerifier(target))

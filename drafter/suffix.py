@@ -1,0 +1,154 @@
+"""Suffix decoding (Oliaro et al., SuffixDecoding; vLLM's `suffix` method): propose what most
+often followed the context's longest matching suffix, from token tries of bounded depth.
+
+Two indexes: one over the request's own committed tokens (prompt and output), extended as
+tokens commit, and one global over the outputs of recent finished requests (bounded: the
+oldest output leaves when a new one would exceed `max_global_outputs`). Only committed
+tokens are indexed, never a drafted token the target rejected.
+
+A proposal finds, in each index, the longest suffix of the context (at most `max_depth`
+tokens) that occurred before, then follows the most frequent continuation one token at a
+time while the product of their frequencies (each child's count over its siblings') stays
+at or above `min_token_prob`, for at most `max_spec_factor` x the match length tokens. The
+index whose proposal has the larger expected length (the sum of those products) wins.
+
+No model: each proposed token's draft distribution is one-hot, as the n-gram drafter's,
+so the rejection sampler keeps the output exactly the target's.
+"""
+
+from collections import OrderedDict, deque
+
+from drafter.ngram import NgramDrafter
+
+
+class Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[int, Node] = {}
+        self.count = 0  # the occurrences of the path from the root to this node
+
+
+class SuffixIndex:
+    """Every substring of at most max_depth tokens of the indexed sequences, with counts."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth, self.root = max_depth, Node()
+
+    def add(self, token_ids: list[int], sign: int = 1) -> None:
+        """Count (sign 1) or uncount (-1) every substring of token_ids up to max_depth."""
+        for start in range(len(token_ids)):
+            self._walk(token_ids[start:start + self.max_depth], sign)
+
+    def _walk(self, path: list[int], sign: int) -> None:
+        node = self.root
+        for token in path:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = Node()
+            child.count += sign
+            if child.count == 0:
+                del node.children[token]  # nothing indexed passes here any more
+                return
+            node = child
+
+    def extend(self, token_ids: list[int], new: int) -> None:
+        """Count the substrings that end in the last `new` tokens of token_ids (which were
+        indexed up to its last `new` tokens before)."""
+        for end in range(len(token_ids) - new + 1, len(token_ids) + 1):
+            start = max(0, end - self.max_depth)
+            for first in range(start, end):  # each substring ending at end - 1, once
+                self._count_last(token_ids[first:end])
+
+    def _count_last(self, path: list[int]) -> None:
+        node = self.root
+        for token in path[:-1]:
+            node = node.children[token]  # every proper prefix was counted already
+        child = node.children.get(path[-1])
+        if child is None:
+            child = node.children[path[-1]] = Node()
+        child.count += 1
+
+    def match(self, context: list[int]) -> tuple[Node | None, int]:
+        """(the node of the longest suffix of context that occurs, its length): the longest
+        one with a continuation (a child), since only those can propose."""
+        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
+            node = self.root
+            for token in context[-length:]:
+                node = node.children.get(token)
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, length
+        return None, 0
+
+    def propose(self, context: list[int], num_tokens: int, min_token_prob: float,
+                max_spec_factor: float) -> tuple[list[int], float]:
+        """(the proposed tokens, their expected accepted length under the counts)."""
+        node, length = self.match(context)
+        tokens: list[int] = []
+        score, prob = 0.0, 1.0
+        limit = min(num_tokens, int(max_spec_factor * length))
+        while node is not None and node.children and len(tokens) < limit:
+            token, child = max(node.children.items(), key=lambda item: item[1].count)
+            prob *= child.count / sum(c.count for c in node.children.values())
+            if prob < min_token_prob:
+                break
+            tokens.append(token)
+            score += prob
+            node = child
+        return tokens, score
+
+
+class SuffixDrafter(NgramDrafter):
+    """The n-gram drafter's sessions, checks and grammar handling; suffix tries propose."""
+
+    def __init__(self, vocab_size: int, *, max_depth: int = 24, min_token_prob: float = 0.1,
+                 max_spec_factor: float = 1.0, max_global_outputs: int = 256,
+                 **session_options) -> None:
+        super().__init__(vocab_size, **session_options)
+        if max_depth < 2 or not 0 < min_token_prob <= 1 or max_spec_factor <= 0 \
+                or max_global_outputs < 0:
+            raise ValueError("suffix drafting needs max_depth >= 2, 0 < min_token_prob <= 1, "
+                             "max_spec_factor > 0 and max_global_outputs >= 0")
+        self.max_depth, self.min_token_prob = max_depth, min_token_prob
+        self.max_spec_factor = max_spec_factor
+        # request id -> (its index, tokens indexed, prompt length, its session's sequence)
+        self.requests: OrderedDict[str, tuple] = OrderedDict()
+        self.global_index = SuffixIndex(max_depth)
+        self.outputs: deque[list[int]] = deque()
+        self.max_global_outputs = max_global_outputs
+
+    def lookup(self, call, sequence, context: list[int]) -> list[int]:
+        index = self.request_index(call.request_id, sequence, call.prompt_len)
+        proposals = [found.propose(context, call.num_speculative_tokens, self.min_token_prob,
+                                   self.max_spec_factor)
+                     for found in (index, self.global_index)]
+        tokens, _ = max(proposals, key=lambda proposal: proposal[1])
+        return tokens
+
+    def request_index(self, request_id: str, sequence, prompt_len: int) -> SuffixIndex:
+        """The request's index, extended to its committed tokens (rebuilt if they shrank)."""
+        committed = sequence.committed
+        index, indexed, _, _ = self.requests.pop(request_id, (None, 0, 0, None))
+        if index is None or indexed > len(committed):
+            index, indexed = SuffixIndex(self.max_depth), 0
+        if len(committed) > indexed:
+            index.extend(committed, len(committed) - indexed)
+        self.requests[request_id] = (index, len(committed), prompt_len, sequence)
+        while len(self.requests) > self.sessions.capacity:
+            self.requests.popitem(last=False)
+        return index
+
+    async def release(self, request_id: str) -> None:
+        """The request's output, as far as this drafter saw it committed, joins the global
+        index; the request's own index is dropped."""
+        entry = self.requests.pop(request_id, None)
+        if entry is not None and self.max_global_outputs:
+            _, _, prompt_len, sequence = entry
+            output = sequence.committed[prompt_len:]
+            self.global_index.add(output)
+            self.outputs.append(output)
+            while len(self.outputs) > self.max_global_outputs:
+                self.global_index.add(self.outputs.popleft(), sign=-1)
+        await super().release(request_id)

@@ -1,0 +1,102 @@
+"""Suffix decoding's index and drafter by hand-built cases: counts, the longest match, the most
+frequent continuation and its stopping rule, the global index's bound, and greedy output
+equal to the target alone (also tests/unit/test_oracle.py)."""
+
+import asyncio
+import itertools
+
+import pytest
+
+from drafter.registry import DrafterSpec, build_drafter
+from drafter.suffix import SuffixDrafter, SuffixIndex
+from engine.models import DEMO_TARGET
+from speculative.sampling import SamplingParams
+from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall, prefix_hash
+
+
+def substrings(tokens, depth):
+    counts = {}
+    for start, end in itertools.combinations(range(len(tokens) + 1), 2):
+        if end - start <= depth:
+            key = tuple(tokens[start:end])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def indexed(index: SuffixIndex) -> dict:
+    """{path: count} of every node."""
+    found, stack = {}, [((), index.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node.children.items():
+            found[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return found
+
+
+SEQUENCE = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5]
+
+
+def test_every_substring_is_counted_once_added_or_extended():
+    whole = SuffixIndex(max_depth=4)
+    whole.add(SEQUENCE)
+    assert indexed(whole) == substrings(SEQUENCE, 4)
+    grown, previous = SuffixIndex(max_depth=4), 0
+    for end in (3, 4, 7, len(SEQUENCE)):  # committed in rounds of different sizes
+        grown.extend(SEQUENCE[:end], end - previous)
+        previous = end
+    assert indexed(grown) == indexed(whole)
+    whole.add(SEQUENCE, sign=-1)  # uncounted: nothing is left
+    assert indexed(whole) == {}
+
+
+def test_the_most_frequent_continuation_of_the_longest_match():
+    index = SuffixIndex(max_depth=8)
+    index.add(SEQUENCE)
+    # "1 2" was followed by 3 twice and by 4 once; "1 2 3" by 1 once (and 5, the end)
+    tokens, score = index.propose([9, 1, 2], 4, min_token_prob=0.1, max_spec_factor=4)
+    assert tokens[0] == 3 and score > 0
+    node, length = index.match([7, 2, 4, 1])  # "2 4 1" occurred, followed by 2
+    assert length == 3 and list(node.children) == [2]
+    assert index.match([9, 9]) == (None, 0)
+    # the continuation stops when its frequency falls below min_token_prob: after "1 2",
+    # 3 has 2/3; after "1 2 3", 1 and 5 have 1/2 each: 2/3 * 1/2 = 1/3 < 0.5
+    assert index.propose([1, 2], 4, min_token_prob=0.5, max_spec_factor=4)[0] == [3]
+    # and at most max_spec_factor x the match length tokens
+    assert len(index.propose([1, 2], 4, min_token_prob=0.01, max_spec_factor=0.5)[0]) == 1
+
+
+def call(request_id, known, new, k=4, prompt_len=0):
+    sync = PrefixSync(len(known), prefix_hash(known) if known else EMPTY_PREFIX_HASH,
+                      tuple(new))
+    return ProposeCall(request_id, sync, k, SamplingParams(temperature=0), seed=0,
+                       prompt_len=prompt_len)
+
+
+def test_outputs_of_finished_requests_propose_for_later_ones_within_a_bound():
+    drafter = SuffixDrafter(16, max_global_outputs=1, max_spec_factor=2)
+    prompt, output = [1, 2], [3, 4, 5, 6, 7]
+    asyncio.run(drafter.propose(call("a", [], prompt + output, prompt_len=2)))
+    asyncio.run(drafter.release("a"))
+    # a new request whose context ends like a's output began: a's continuation comes back
+    block = asyncio.run(drafter.propose(call("b", [], [9, 3, 4], prompt_len=1)))
+    assert block.token_ids == (5, 6, 7)
+    asyncio.run(drafter.release("b"))  # b's output [3, 4] replaces a's: the bound is 1
+    assert len(drafter.outputs) == 1 and drafter.outputs[0] == [3, 4]
+    block = asyncio.run(drafter.propose(call("c", [], [9, 3, 4], prompt_len=1)))
+    assert block.token_ids == ()  # "3 4" was never continued in what is left
+    assert len(drafter.sessions) == 1 and len(drafter.requests) == 1
+
+
+def test_a_rebuilt_request_reindexes_its_tokens():
+    drafter = SuffixDrafter(16)
+    asyncio.run(drafter.propose(call("a", [], [1, 2, 3, 1, 2])))
+    # "5" was followed by 6; one token, as the match is one token long (max_spec_factor 1)
+    assert asyncio.run(drafter.propose(call("a", [], [5, 6, 5]))).token_ids == (6,)
+
+
+def test_the_registry_builds_it_with_checked_options():
+    assert isinstance(build_drafter(DrafterSpec(kind="suffix", target=DEMO_TARGET)),
+                      SuffixDrafter)
+    with pytest.raises(ValueError, match="min_token_prob"):
+        SuffixDrafter(16, min_token_prob=0)
