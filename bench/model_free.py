@@ -1,0 +1,106 @@
+"""Model-free drafting on repetitive work: n-gram against suffix decoding, in process.
+
+    python -m bench.model_free [--max-tokens 64] [--k 4]
+
+The demo target in this process (one thread), greedy, on held-out prompts that repeat
+themselves the way edits, rewrites and chats do (a function and the start of its copy, a JSON
+record and the start of the next, a chat whose turns come back). Each workload runs twice
+through one drafter: the second pass is a later request that repeats an earlier one (an agent
+loop, a retried request), where suffix decoding's index of recent outputs can propose and
+prompt lookup cannot. Rows: the target alone, n-gram and suffix at K = --k, with tokens per
+round (mean acceptance length), acceptance rate, tokens/s and the speedup over the target
+alone in the same run; every speculative row's tokens are checked equal to the target alone.
+"""
+
+import argparse
+import asyncio
+import time
+import uuid
+
+import torch
+
+from drafter.ngram import NgramDrafter
+from drafter.suffix import SuffixDrafter
+from engine.models import DEMO_TARGET, load_causal_lm, load_tokenizer
+from speculative.driver import Generation
+from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+from speculative.sampling import SamplingParams
+from speculative.stats import SpecStats
+from verifier.engine import ModelVerifier
+
+FUNCTION = "def area(width, height):\n    return width * height\n\n\n"
+RECORD = '{"name": "alpha", "size": 3, "tags": ["a", "b"]}\n'
+WORKLOADS = {  # held-out prompts, not in the demo pair's training text
+    "code edit": FUNCTION + "# the same, renamed\n" + FUNCTION.replace("area", "surface")[:24],
+    "JSON rewrite": RECORD + RECORD.replace("alpha", "beta").replace("3", "4")[:30],
+    "chat repeat": "user: list the files\nassistant: import os\nprint(os.listdir())\n"
+                   "user: again\nassistant: import os\n",
+}
+
+
+def generate(drafter, verifier, prompt_ids: list[int], k: int, max_tokens: int):
+    """(token ids, seconds, SpecStats) of one greedy request through the loop."""
+    front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
+                                                    pipelined_drafting="off"))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # no end ids: all of them
+    plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params)
+    [choice] = plan.choices
+    generation = Generation(choice.request)
+    started = time.perf_counter()
+    asyncio.run(generation.run(drafter, verifier, choice.policy, plan.pipelined))
+    return generation.token_ids, time.perf_counter() - started, generation.stats
+
+
+def run(args) -> list[dict]:
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    verifier = ModelVerifier(load_causal_lm(DEMO_TARGET))
+    vocab = verifier.model.config.vocab_size
+    methods = {"target alone": (None, 0), "ngram": (NgramDrafter(vocab), args.k),
+               "suffix": (SuffixDrafter(vocab), args.k)}
+    rows, alone = [], {}
+    for attempt in ("first", "repeat"):
+        for workload, text in WORKLOADS.items():
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            for method, (drafter, k) in methods.items():
+                tokens, seconds, stats = generate(drafter, verifier, prompt, k, args.max_tokens)
+                alone.setdefault((attempt, workload), (tokens, seconds))
+                rows.append(row(attempt, workload, method, tokens, seconds, stats,
+                                alone[(attempt, workload)]))
+    return rows
+
+
+def row(attempt: str, workload: str, method: str, tokens, seconds: float, stats: SpecStats,
+        alone) -> dict:
+    return {"pass": attempt, "workload": workload, "method": method,
+            "tokens_per_round": stats.mean_acceptance_length,
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_s": len(tokens) / seconds, "speedup": alone[1] / seconds,
+            "same_tokens": tokens == alone[0]}
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"demo target, greedy, {args.max_tokens} tokens a request, K = {args.k}, "
+          f"one thread, torch {torch.__version__}")
+    print("| pass | workload | method | tokens/round | acceptance | tokens/s | speedup | "
+          "same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def show(value, fmt):
+            return "–" if value is None else format(value, fmt)
+        print(f"| {r['pass']} | {r['workload']} | {r['method']} | "
+              f"{show(r['tokens_per_round'], '.2f')} | {show(r['acceptance_rate'], '.2f')} | "
+              f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+              f"{'yes' if r['same_tokens'] else 'NO'} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print_table(run(args), args)
+
+
+if __name__ == "__main__":
+    main()
