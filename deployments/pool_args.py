@@ -61,6 +61,8 @@ class DrafterArgs(PoolArgs):
     draft_top_k: int = DrafterSpec.draft_top_k
     draft_q_mass: float = DrafterSpec.draft_q_mass
     draft_q_dtype: Literal["float32", "float16"] = DrafterSpec.draft_q_dtype
+    # end a block once its drafted tokens' probabilities multiplied fall below this (0: off)
+    draft_confidence: float = Field(default=DrafterSpec.draft_confidence, ge=0, lt=1)
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -73,7 +75,8 @@ class DrafterArgs(PoolArgs):
                            attention=self.attention,
                            kv_cache_tokens=self.kv_cache_tokens,
                            draft_top_k=self.draft_top_k, draft_q_mass=self.draft_q_mass,
-                           draft_q_dtype=self.draft_q_dtype, ngram_min=self.ngram_min,
+                           draft_q_dtype=self.draft_q_dtype,
+                           draft_confidence=self.draft_confidence, ngram_min=self.ngram_min,
                            ngram_max=self.ngram_max)
 
 

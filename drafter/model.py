@@ -39,13 +39,19 @@ class ModelDrafter:
     and a block travels in the smaller of its sparse and dense forms. The output stays exact
     because the token is drawn from the very q that is shipped. Past the draft's own context
     length it drafts nothing: those rounds are the target's alone.
+
+    `draft_confidence` > 0 ends a block early (EAGLE-2's dynamic draft length) once the
+    product of its drafted tokens' probabilities under the draft's own law (q as shipped;
+    greedy: the shaped softmax) falls below it; a block keeps at least one token. The rule
+    reads the draft's side only, so a shorter block is as exact as any K.
     """
 
     def __init__(self, model, *, vocab_size: int | None = None, max_cached_requests: int = 256,
                  draft_top_k: int = 0, draft_q_mass: float = 1.0,
                  draft_q_dtype: str = "float32", max_cached_tokens: int | None = None,
                  session_ttl_s: float | None = None, engine: str = "auto", attention: str = "auto",
-                 kv_cache_tokens: int | None = None, grammar_tokenizer=None) -> None:
+                 kv_cache_tokens: int | None = None, grammar_tokenizer=None,
+                 draft_confidence: float = 0.0) -> None:
         """grammar_tokenizer: llguidance's tokenizer over `vocab_size` (the target's), for
         structured outputs; without it a request with a grammar gets no draft."""
         # a runner already built (a check sharing one model between engines) or a model
@@ -59,6 +65,9 @@ class ModelDrafter:
         self.truncates = 0 < draft_top_k < self.vocab_size or draft_q_mass < 1
         self.draft_q_dtype = {"float32": torch.float32, "float16": torch.float16}[draft_q_dtype]
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
+        if not 0 <= draft_confidence < 1:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
+        self.draft_confidence = draft_confidence
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         return self.propose_now(call)
@@ -146,15 +155,37 @@ class ModelDrafter:
             segments = [segment for _, _, segment in active]
             first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)
             logits = self.runner.forward(segments)
-            tokens = self.next_tokens([draft for _, draft, _ in active], logits)
+            drafts = [draft for _, draft, _ in active]
+            tokens = self.next_tokens(drafts, logits)
+            if self.draft_confidence > 0:
+                for draft, prob in zip(drafts, self.drafted_probs(drafts, logits, tokens)):
+                    draft.confidence *= prob
             still = []
             for (index, draft, _), token in zip(active, tokens):
                 draft.took(token)
-                if len(draft.token_ids) < draft.num_tokens:
+                if len(draft.token_ids) < draft.num_tokens and \
+                        draft.confidence >= self.draft_confidence:
                     still.append((index, draft, draft.sequence.segment(
                         self.runner, draft.assumed + draft.token_ids, 1)))
             active = still
         return first_tokens
+
+    def drafted_probs(self, drafts: list["Draft"], logits: list[torch.Tensor],
+                      tokens: list[int]) -> list[float]:
+        """Each draft's probability of the token it has just drawn (before `took`), under
+        its own law: q as it will ship when sampled, the shaped softmax when greedy."""
+        probs = []
+        for draft, rows, token in zip(drafts, logits, tokens):
+            if draft.call.sampling.greedy:
+                line = fit_vocab(rows[0], self.vocab_size)
+                law = (draft.processed(line) if draft.shaped else line).float().softmax(-1)
+                probs.append(float(law[token]))
+                continue
+            weights, ids = draft.q_rows[-1]
+            weights = weights.float()
+            drawn = weights[token] if ids is None else weights[ids == token].sum()
+            probs.append(float(drawn / weights.sum()))
+        return probs
 
     def start_draft(self, call: ProposeCall) -> "Draft":
         check_call(call.sync.new_token_ids + call.assumed_token_ids + call.sampling.shaping_ids,
@@ -228,6 +259,7 @@ class Draft:
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[tuple] = field(default_factory=list)  # shipped_q of each drafted token
     matcher: TokenMasks | None = None  # the request's grammar, at the block's next position
+    confidence: float = 1.0  # the drafted tokens' probabilities multiplied (draft_confidence)
 
     def took(self, token: int) -> None:
         self.token_ids.append(token)

@@ -36,6 +36,9 @@ class DrafterSpec:
     draft_top_k: int = 0
     draft_q_mass: float = 1.0
     draft_q_dtype: str = "float32"
+    # model: end a block once its drafted tokens' probabilities multiplied fall below this
+    # (0: every block K tokens); drafter.model.ModelDrafter
+    draft_confidence: float = 0.0
     ngram_min: int = 1  # ngram: shortest suffix looked up
     ngram_max: int = 4  # ngram: longest suffix looked up
 
@@ -67,7 +70,8 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
                         session_ttl_s=spec.session_ttl_s, engine=spec.engine,
                         attention=spec.attention,
                         kv_cache_tokens=spec.kv_cache_tokens,
-                        grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
+                        grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size),
+                        draft_confidence=spec.draft_confidence)
 
 
 def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):

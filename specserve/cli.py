@@ -72,6 +72,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-q-dtype", choices=["float32", "float16"],
                         default=DrafterSpec.draft_q_dtype,
                         help="the precision of the draft distributions (as a drafter pool ships)")
+    parser.add_argument("--draft-confidence", type=float, default=DrafterSpec.draft_confidence,
+                        help="end a block once its drafted tokens' probabilities multiplied "
+                             "fall below this (0 = every block K tokens)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -95,7 +98,7 @@ def build_engines(args):
     target = Checkpoint.load(args.target)
     spec = DrafterSpec(kind=args.drafter, model=args.draft, target=args.target, dtype=args.dtype,
                        draft_top_k=args.draft_top_k, draft_q_mass=args.draft_q_mass,
-                       draft_q_dtype=args.draft_q_dtype)
+                       draft_q_dtype=args.draft_q_dtype, draft_confidence=args.draft_confidence)
     needed = args.num_speculative_tokens or not DRAFTERS[args.drafter].needs_model
     drafter = build_drafter(spec, target) if needed else None
     return drafter, ModelVerifier(load_causal_lm(args.target, args.dtype)), target

@@ -1,11 +1,12 @@
 """The target's law through the real engines in the configurations the other law tests do not
 reach: the seeded default K = 4 (in batches that requests join and leave), an adaptive K
-("auto"), caches rebuilt mid-request, a pipelined drafter whose pre-drafts fail, a padded
-draft vocabulary at K = 3, and a draft equal to the target (every window ends in a bonus
-token). Every case decodes its requests 100 at a time through batched pools. Same pair,
-window and exact law as tests/stats/test_pipelined_distribution.py (the three tokens after the first,
-whose law is computed from the target's forwards); chi-square at a false-failure rate of 1e-6
-per case, samples seeded.
+("auto"), blocks cut short by the draft's confidence, caches rebuilt mid-request, a
+pipelined drafter whose pre-drafts fail, a padded draft vocabulary at K = 3, and a draft
+equal to the target (every window ends in a bonus token). Every case decodes its requests
+100 at a time through batched pools. Same pair, window and exact law as
+tests/stats/test_pipelined_distribution.py (the three tokens after the first, whose law is
+computed from the target's forwards); chi-square at a false-failure rate of 1e-6 per case,
+samples seeded.
 
 Each case has a mutant that breaks what the case is about and must fail the same check at
 the same sample size (it stops as soon as the statistic passes the threshold).
@@ -113,6 +114,9 @@ CASES = {
     # the draft is the target (q = p): every block is accepted whole, so the window's last
     # token is always a bonus token, drawn from p(K+1)
     "bonus": (2, 5, False, lambda t, d: (Batched(ModelDrafter(t)), verifying(t))),
+    # blocks that end once the draft's confidence falls below 0.3 (1 to 4 tokens)
+    "confident": (4, 6, False, lambda t, d: (Batched(ModelDrafter(
+        d, draft_top_k=DRAFT_TOP_K, draft_confidence=0.3)), verifying(t))),
     # blocks of 2 positions: every request after the first takes the prompt's first block
     # from the verifier's prefix cache (shared, reference-counted)
     "prefix-hits": (3, 5, False, lambda t, d: (close(d), Batched(ModelVerifier(serving_runner(
@@ -154,6 +158,7 @@ def what_ran(case: str, totals: dict) -> bool:
     batches = totals["batches"]
     ran = {"K4": 4 in totals["ks"] and max(batches) >= 16 and min(batches) < max(batches),
            "auto": len(totals["ks"] - {0}) > 1,
+           "confident": {1, 4} <= totals["ks"],
            "rebuilds": totals["misses"] > SAMPLES / 2,
            "pipelined-fallback": totals["fallbacks"] > SAMPLES / 20
            and totals["pipelined"] > SAMPLES / 20,
@@ -213,6 +218,8 @@ MUTANTS = [  # (case, mutant name, patch)
         ModelRunner, "forward", logits_of_a_batch_mate)),
     ("auto", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
                                                 q_shifted_by_one)),
+    ("confident", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
+                                                     q_shifted_by_one)),
     ("rebuilds", "rebuild-drops-a-token", lambda mp: mp.setattr(
         loop.RequestState, "call_pool", rebuild_from_a_shorter_prefix)),
     ("pipelined-fallback", "predraft-untested", lambda mp: mp.setattr(

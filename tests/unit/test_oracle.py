@@ -39,13 +39,16 @@ def drafters(target):
         "ngram": lambda: NgramDrafter(64),
         # one drafter for every prompt: later prompts also draw on earlier outputs
         "suffix": lambda: SuffixDrafter(64),
+        # blocks end early once the draft's confidence falls below 0.5
+        "confident": lambda: ModelDrafter(noisy_copy(target, 0.01, seed=1), draft_confidence=0.5),
     }
 
 
 CASES = [("self", 0)] + [
     (kind, k) for kind in ("self", "noisy", "ngram") for k in range(1, 9)
-] + [("random", k) for k in (1, 4, 8)] + [("suffix", k) for k in (1, 3, 8)] + [
-    (kind, "auto") for kind in ("self", "noisy", "random", "ngram", "suffix")]  # K by round
+] + [("random", k) for k in (1, 4, 8)] + [(kind, k) for kind in ("suffix", "confident")
+                                           for k in (1, 3, 8)] + [
+    (kind, "auto") for kind in ("self", "noisy", "random", "ngram", "suffix", "confident")]
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
