@@ -21,12 +21,11 @@ import torch
 
 from speculative import tree as tree_module
 from speculative.tree import ROOT, DraftTree, accept_tree
-from tests.stats.chisq import chi_square
+from tests.stats.test_pipelined_distribution import FALSE_FAILURE, chi2_passes as passes
 
 VOCAB = 6
 SAMPLES = 8_000  # the mutants below fail by 1,000-3,000
 CHUNK = 1_000  # a mutant's counts are checked after every CHUNK samples
-FALSE_FAILURE = 1e-6
 
 
 class Laws:
@@ -129,11 +128,6 @@ def sample_counts(case: str, mutate_q=None, stop_law=None) -> tuple[np.ndarray, 
         if stop_law is not None and (i + 1) % CHUNK == 0 and not passes(counts, stop_law)[0]:
             break
     return counts, totals
-
-
-def passes(counts, law) -> tuple[bool, str]:
-    statistic, threshold, df = chi_square(counts, law, FALSE_FAILURE)
-    return statistic < threshold, f"chi2 = {statistic:.1f}, threshold {threshold:.1f} (df {df})"
 
 
 @pytest.mark.slow
