@@ -16,7 +16,7 @@ No model: each proposed token's draft distribution is one-hot, as the n-gram dra
 so the rejection sampler keeps the output exactly the target's.
 """
 
-from collections import OrderedDict, deque
+from collections import deque
 
 from drafter.ngram import NgramDrafter
 
@@ -100,6 +100,24 @@ class SuffixIndex:
         return tokens, score
 
 
+class RequestIndex:
+    """A request's own index (its session's `drafter_state`): extended as its tokens commit;
+    when the session closes (released, evicted or swept), its output goes to `on_close`."""
+
+    def __init__(self, max_depth: int, prompt_len: int, on_close) -> None:
+        self.index, self.indexed = SuffixIndex(max_depth), 0
+        self.prompt_len, self.on_close = prompt_len, on_close
+
+    def extended(self, committed: list[int]) -> SuffixIndex:
+        if len(committed) > self.indexed:
+            self.index.extend(committed, len(committed) - self.indexed)
+            self.indexed = len(committed)
+        return self.index
+
+    def close(self, committed: list[int]) -> None:
+        self.on_close(committed[self.prompt_len:])
+
+
 class SuffixDrafter(NgramDrafter):
     """The n-gram drafter's sessions, checks and grammar handling; suffix tries propose."""
 
@@ -113,42 +131,27 @@ class SuffixDrafter(NgramDrafter):
                              "max_spec_factor > 0 and max_global_outputs >= 0")
         self.max_depth, self.min_token_prob = max_depth, min_token_prob
         self.max_spec_factor = max_spec_factor
-        # request id -> (its index, tokens indexed, prompt length, its session's sequence)
-        self.requests: OrderedDict[str, tuple] = OrderedDict()
         self.global_index = SuffixIndex(max_depth)
         self.outputs: deque[list[int]] = deque()
         self.max_global_outputs = max_global_outputs
 
     def lookup(self, call, sequence, context: list[int]) -> list[int]:
-        index = self.request_index(call.request_id, sequence, call.prompt_len)
+        if sequence.drafter_state is None:  # a new session, or one rebuilt from its prompt
+            sequence.drafter_state = RequestIndex(self.max_depth, call.prompt_len,
+                                                  self.remember)
+        index = sequence.drafter_state.extended(sequence.committed)
         proposals = [found.propose(context, call.num_speculative_tokens, self.min_token_prob,
                                    self.max_spec_factor)
                      for found in (index, self.global_index)]
         tokens, _ = max(proposals, key=lambda proposal: proposal[1])
         return tokens
 
-    def request_index(self, request_id: str, sequence, prompt_len: int) -> SuffixIndex:
-        """The request's index, extended to its committed tokens (rebuilt if they shrank)."""
-        committed = sequence.committed
-        index, indexed, _, _ = self.requests.pop(request_id, (None, 0, 0, None))
-        if index is None or indexed > len(committed):
-            index, indexed = SuffixIndex(self.max_depth), 0
-        if len(committed) > indexed:
-            index.extend(committed, len(committed) - indexed)
-        self.requests[request_id] = (index, len(committed), prompt_len, sequence)
-        while len(self.requests) > self.sessions.capacity:
-            self.requests.popitem(last=False)
-        return index
-
-    async def release(self, request_id: str) -> None:
-        """The request's output, as far as this drafter saw it committed, joins the global
-        index; the request's own index is dropped."""
-        entry = self.requests.pop(request_id, None)
-        if entry is not None and self.max_global_outputs:
-            _, _, prompt_len, sequence = entry
-            output = sequence.committed[prompt_len:]
-            self.global_index.add(output)
-            self.outputs.append(output)
-            while len(self.outputs) > self.max_global_outputs:
-                self.global_index.add(self.outputs.popleft(), sign=-1)
-        await super().release(request_id)
+    def remember(self, output: list[int]) -> None:
+        """A finished request's output (as far as this drafter saw it committed) joins the
+        global index; the oldest leaves past max_global_outputs."""
+        if not self.max_global_outputs:
+            return
+        self.global_index.add(output)
+        self.outputs.append(output)
+        while len(self.outputs) > self.max_global_outputs:
+            self.global_index.add(self.outputs.popleft(), sign=-1)

@@ -51,12 +51,16 @@ class Sequence:
         self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
         self.unfinished = None  # the call whose feed was cut (chunked prefill), to resume
         self.constraint = None  # a structured output's matcher (speculative.grammar)
+        # what a drafter without a model keeps per request (drafter.suffix.RequestIndex):
+        # dropped on a full-prefix rebuild, closed with the session
+        self.drafter_state = None
 
     def apply(self, sync: PrefixSync) -> None:
         """Advance to the committed prefix the call names, or raise StaleBase."""
         if sync.known_len == 0:
             self.committed = []  # a full prefix: rebuild; the cache keeps what still matches
             self.committed_hash = EMPTY_PREFIX_HASH
+            self.drafter_state = None
         elif sync.known_len != len(self.committed) or sync.known_hash != self.committed_hash:
             raise StaleBase(
                 f"holds {len(self.committed)} committed tokens, call builds on {sync.known_len}"
@@ -84,6 +88,9 @@ class Sequence:
 
     def close(self) -> None:
         """The request is gone: its cache is kept for its prefix while memory allows."""
+        if self.drafter_state is not None:
+            self.drafter_state.close(self.committed)
+            self.drafter_state = None
         if self.cache is not None:
             self.publish()
             self.cache.retire()

@@ -85,7 +85,19 @@ def test_outputs_of_finished_requests_propose_for_later_ones_within_a_bound():
     assert len(drafter.outputs) == 1 and drafter.outputs[0] == [3, 4]
     block = asyncio.run(drafter.propose(call("c", [], [9, 3, 4], prompt_len=1)))
     assert block.token_ids == ()  # "3 4" was never continued in what is left
-    assert len(drafter.sessions) == 1 and len(drafter.requests) == 1
+    assert len(drafter.sessions) == 1
+
+
+def test_the_pools_release_feeds_the_global_index_and_a_reused_id_starts_over():
+    """A drafter pool releases through its session store (deployments.pools: Release), not
+    the engine's release: the output still joins the global index. A later request under
+    the same id, with another prompt, gets a fresh index (no stale counts)."""
+    drafter = SuffixDrafter(16, max_spec_factor=2)
+    drafter.propose_now(call("r", [], [1, 2, 3, 1, 2]))
+    drafter.sessions.release("r")
+    assert list(drafter.outputs) == [[1, 2, 3, 1, 2]]  # prompt_len 0: all of it
+    block = drafter.propose_now(call("r", [], [7, 8, 9, 7, 8, 9]))
+    assert block.token_ids == (7, 8, 9)  # from its own index: "7 8 9" was followed by "7 8 9"
 
 
 def test_a_rebuilt_request_reindexes_its_tokens():
