@@ -13,18 +13,13 @@ alone in the same run; every speculative row's tokens are checked equal to the t
 """
 
 import argparse
-import asyncio
-import time
-import uuid
 
 import torch
 
+from bench.runners import run_loop
 from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
 from engine.models import DEMO_TARGET, load_causal_lm, load_tokenizer
-from speculative.driver import Generation
-from speculative.frontend import RequestFrontEnd, SpeculationDefaults
-from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from verifier.engine import ModelVerifier
 
@@ -38,19 +33,6 @@ WORKLOADS = {  # held-out prompts, not in the demo pair's training text
 }
 
 
-def generate(drafter, verifier, prompt_ids: list[int], k: int, max_tokens: int):
-    """(token ids, seconds, SpecStats) of one greedy request through the loop."""
-    front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
-                                                    pipelined_drafting="off"))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # no end ids: all of them
-    plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params)
-    [choice] = plan.choices
-    generation = Generation(choice.request)
-    started = time.perf_counter()
-    asyncio.run(generation.run(drafter, verifier, choice.policy, plan.pipelined))
-    return generation.token_ids, time.perf_counter() - started, generation.stats
-
-
 def run(args) -> list[dict]:
     tokenizer = load_tokenizer(DEMO_TARGET)
     verifier = ModelVerifier(load_causal_lm(DEMO_TARGET))
@@ -62,7 +44,8 @@ def run(args) -> list[dict]:
         for workload, text in WORKLOADS.items():
             prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
             for method, (drafter, k) in methods.items():
-                tokens, seconds, stats = generate(drafter, verifier, prompt, k, args.max_tokens)
+                tokens, seconds, stats = run_loop(drafter, verifier, prompt, args.max_tokens,
+                                                  0.0, 0, k)  # greedy, all max_tokens
                 alone.setdefault((attempt, workload), (tokens, seconds))
                 rows.append(row(attempt, workload, method, tokens, seconds, stats,
                                 alone[(attempt, workload)]))
@@ -78,6 +61,10 @@ def row(attempt: str, workload: str, method: str, tokens, seconds: float, stats:
             "same_tokens": tokens == alone[0]}
 
 
+def shown(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
 def print_table(rows: list[dict], args) -> None:
     print(f"demo target, greedy, {args.max_tokens} tokens a request, K = {args.k}, "
           f"one thread, torch {torch.__version__}")
@@ -85,10 +72,8 @@ def print_table(rows: list[dict], args) -> None:
           "same tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        def show(value, fmt):
-            return "–" if value is None else format(value, fmt)
         print(f"| {r['pass']} | {r['workload']} | {r['method']} | "
-              f"{show(r['tokens_per_round'], '.2f')} | {show(r['acceptance_rate'], '.2f')} | "
+              f"{shown(r['tokens_per_round'], '.2f')} | {shown(r['acceptance_rate'], '.2f')} | "
               f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
               f"{'yes' if r['same_tokens'] else 'NO'} |")
 

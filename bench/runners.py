@@ -52,22 +52,28 @@ class InProcess:
 
     def loop(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int,
              dense_q: bool = False):
-        from speculative.driver import Generation
-        from speculative.frontend import RequestFrontEnd, SpeculationDefaults
-        from speculative.sampling import SamplingParams
-
-        # planned as the router plans an HTTP request with this seed (choice 0's derived
-        # seed: the same draws), at a fixed K, drafting then verifying
-        front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
-                                                        pipelined_drafting="off"))
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
-        plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params)
-        [choice] = plan.choices
-        generation = Generation(choice.request)
-        started = time.perf_counter()
         drafter = self.dense_drafter if dense_q else self.drafter
-        asyncio.run(generation.run(drafter, self.verifier, choice.policy, plan.pipelined))
-        return generation.token_ids, time.perf_counter() - started, generation.stats
+        return run_loop(drafter, self.verifier, prompt_ids, max_tokens, temperature, seed, k)
+
+
+def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float, seed: int,
+             k: int):
+    """(token ids, seconds, SpecStats) of one request through the round loop in this
+    process, planned as the router plans an HTTP request with this seed (choice 0's derived
+    seed: the same draws), at a fixed K, drafting then verifying."""
+    from speculative.driver import Generation
+    from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+    from speculative.sampling import SamplingParams
+
+    front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
+                                                    pipelined_drafting="off"))
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+    plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params)
+    [choice] = plan.choices
+    generation = Generation(choice.request)
+    started = time.perf_counter()
+    asyncio.run(generation.run(drafter, verifier, choice.policy, plan.pipelined))
+    return generation.token_ids, time.perf_counter() - started, generation.stats
 
 
 class Served:
