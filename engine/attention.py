@@ -11,8 +11,12 @@ request, padded to the batch's longest feed), one boolean mask per window built 
 (causal, the request's own length, the sliding window), and `attend`, which folds the GQA
 group into the query axis: [R, H, m, D] queries become [R, H_kv, G * m, D] against
 [R, H_kv, L, D] keys, so no call ever combines a mask with `enable_gqa` (on CUDA that pair
-sends SDPA to its math kernel: fp32 upcast, keys repeated per head). A tree mask inside one
-request's new tokens would replace its causal block in `masks`.
+sends SDPA to its math kernel: fp32 upcast, keys repeated per head).
+
+A segment may end with a draft tree (`Segment.parents`): its nodes sit in the slots after the
+token before them, in node order, each at the position of its depth (its rotary position),
+and each sees the keys before the tree and its own ancestors in it, no other node (the
+ancestor mask of article 002). `tree_layout` gives both; `masks` applies them per row.
 """
 
 from dataclasses import dataclass
@@ -29,14 +33,38 @@ class Queries:
     max_new: int
     max_len: int  # keys every row reads: the longest request's end
     index: torch.Tensor | None  # packed token -> row * max_new + j (None: already so)
-    query_pos: torch.Tensor  # [rows, max_new] position of each query (a padding one: 0 or last)
-    positions: torch.Tensor  # [N] position of each packed token
+    query_pos: torch.Tensor  # [rows, max_new] slot of each query (a padding one: 0 or last)
+    positions: torch.Tensor  # [N] position of each packed token (rotary)
     row_of_token: torch.Tensor  # [N] its row
+    slots: torch.Tensor | None = None  # [N] where each writes its key (None: its position)
+    # the rows that end with a draft tree: (row, first query of the tree, its slots' first,
+    # ancestry [m, m] (node i sees node j), the nodes' positions [m])
+    trees: tuple = ()
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        return self.positions if self.slots is None else self.slots
 
 
-def lay_out(starts: list[int], lengths: list[int], row_of: list[int], rows: int) -> Queries:
+def tree_layout(parents) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth [m] from 1, ancestry [m, m] bool: node i sees node j, itself included) of a
+    draft tree whose node i follows parents[i] (-1: the token before the tree)."""
+    m = len(parents)
+    depth = torch.zeros(m, dtype=torch.long)
+    ancestry = torch.eye(m, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            depth[node] = depth[parent]
+            ancestry[node] |= ancestry[parent]
+        depth[node] += 1
+    return depth, ancestry
+
+
+def lay_out(starts: list[int], lengths: list[int], row_of: list[int], rows: int,
+            trees: list | None = None) -> Queries:
     """The layout of requests fed `lengths` tokens after `starts` positions, request b in row
-    row_of[b] (rows without a request read key 0 only). Host tensors."""
+    row_of[b] (rows without a request read key 0 only), request b's last len(trees[b])
+    tokens a draft tree of those parents (None: no tree). Host tensors."""
     starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
     rows_t = torch.tensor(row_of)
     max_new = max(lengths)
@@ -49,8 +77,27 @@ def lay_out(starts: list[int], lengths: list[int], row_of: list[int], rows: int)
     last = (starts_t + lengths_t - 1)[:, None]
     query_pos = torch.zeros(rows, max_new, dtype=torch.long)
     query_pos[rows_t] = torch.minimum(starts_t[:, None] + torch.arange(max_new), last)
-    return Queries(rows, max_new, int((starts_t + lengths_t).max()), index, query_pos,
-                   positions, row_of_token)
+    queries = Queries(rows, max_new, int((starts_t + lengths_t).max()), index, query_pos,
+                      positions, row_of_token)
+    if trees and any(tree for tree in trees):
+        place_trees(queries, starts, lengths, row_of, trees, offsets.tolist())
+    return queries
+
+
+def place_trees(queries: Queries, starts, lengths, row_of, trees, offsets) -> None:
+    """Give the tree nodes of a layout their depths' positions and their rows' ancestry."""
+    slots, placed = queries.positions, []
+    positions = slots.clone()
+    for start, length, row, parents, offset in zip(starts, lengths, row_of, trees, offsets):
+        if not parents:
+            continue
+        m = len(parents)
+        depth, ancestry = tree_layout(parents)
+        first = length - m  # the tree's first query; the token before it is its root
+        node_pos = start + first - 1 + depth
+        positions[offset + first:offset + length] = node_pos
+        placed.append((row, first, start + first, ancestry, node_pos))
+    queries.positions, queries.slots, queries.trees = positions, slots, tuple(placed)
 
 
 def masks(queries: Queries, windows: set, group: int, device) -> dict:
@@ -60,13 +107,22 @@ def masks(queries: Queries, windows: set, group: int, device) -> dict:
     query_pos = queries.query_pos
     lone_last = queries.max_new == 1 and bool((query_pos == queries.max_len - 1).all())
     visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [rows, max_new, max_len]
+    key_at, query_at = key_pos[None, None, :], query_pos[:, :, None]  # positions (rotary)
+    if queries.trees:
+        key_at = key_pos.repeat(queries.rows, 1)
+        query_at = query_pos.clone()
+        for row, first, slot, ancestry, node_pos in queries.trees:
+            m = len(node_pos)
+            visible[row, first:first + m, slot:slot + m] = ancestry
+            key_at[row, slot:slot + m] = node_pos
+            query_at[row, first:first + m] = node_pos
+        key_at, query_at = key_at[:, None, :], query_at[:, :, None]
     out = {}
     for window in windows:
         if lone_last and (window is None or queries.max_len <= window):
             out[window] = None
             continue
-        mask = visible if window is None else \
-            visible & (query_pos[:, :, None] - key_pos[None, None, :] < window)
+        mask = visible if window is None else visible & (query_at - key_at < window)
         out[window] = mask.repeat(1, group, 1)[:, None].to(device)
     return out
 
@@ -102,4 +158,4 @@ def device_of(queries: Queries, device) -> Queries:
     """The layout's tensors the forward uses, moved to the model's device."""
     index = None if queries.index is None else queries.index.to(device)
     return Queries(queries.rows, queries.max_new, queries.max_len, index, queries.query_pos,
-                   queries.positions.to(device), queries.row_of_token)
+                   queries.positions.to(device), queries.row_of_token)  # slots: host only

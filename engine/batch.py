@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import tree_layout
+
 ATTENTION = "specserve_packed"
 BATCH_KWARG = "specserve_batch"
 
@@ -41,6 +43,9 @@ class Segment:
     token_ids: list[int]
     start: int
     num_logits: int  # logits wanted for the last num_logits of token_ids
+    # the last len(parents) of token_ids are a draft tree: node i follows node parents[i]
+    # (-1: the token before the tree); None: a chain (engine.attention)
+    parents: tuple[int, ...] | None = None
 
 
 class PackedBatch:
@@ -67,7 +72,13 @@ class PackedBatch:
             k_pos = torch.arange(end - kv_len, end, device=device)[None, :]
             visible = k_pos <= q_pos
             if window is not None:
+                if segment.parents:
+                    raise ValueError("draft trees need a model without sliding windows or "
+                                     "one the lean forward runs")
                 visible &= q_pos - k_pos < window
+            if segment.parents:  # the tree's nodes see their ancestors only
+                m = len(segment.parents)
+                visible[n - m:, kv_len - m:] = tree_layout(segment.parents)[1].to(device)
             self._masks[key] = visible[None, None]
         return self._masks[key]
 
@@ -116,6 +127,16 @@ def use_packed_attention(model):
     return model
 
 
+def positions_of(segment: Segment) -> list[int]:
+    """The positions of a segment's tokens: consecutive, a tree's nodes at their depths."""
+    positions = list(range(segment.start, segment.start + len(segment.token_ids)))
+    if segment.parents:
+        m = len(segment.parents)
+        base = positions[-m] - 1
+        positions[-m:] = (base + tree_layout(segment.parents)[0]).tolist()
+    return positions
+
+
 @torch.no_grad()
 def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
     """One forward of transformers' modeling over all segments (each on its own cache,
@@ -124,8 +145,7 @@ def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
         use_packed_attention(model)
     batch = PackedBatch(segments)
     ids = [t for segment in segments for t in segment.token_ids]
-    positions = [segment.start + i for segment in segments
-                 for i in range(len(segment.token_ids))]
+    positions = [position for segment in segments for position in positions_of(segment)]
     keep = [hi - segment.num_logits + i for segment, (_, hi) in zip(segments, batch.bounds)
             for i in range(segment.num_logits)]
     device = model.device

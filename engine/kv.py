@@ -31,6 +31,9 @@ from engine.batch import Segment
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
 
 
+NO_TOKEN = -1  # a cached slot whose keys stand for no token at that position (a tree node)
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -102,7 +105,7 @@ class Sequence:
         return runner.forward([self.segment(runner, extra, num_logits)])[0]
 
     def segment(self, runner, extra: list[int], num_logits: int,
-                limit: int | None = None) -> Segment:
+                limit: int | None = None, parents: tuple[int, ...] | None = None) -> Segment:
         """What to feed to bring the cache to committed + extra, as one part of a batch.
 
         The cache is cropped to the longest prefix it shares with committed + extra, but never
@@ -110,7 +113,9 @@ class Sequence:
         A feed longer than `limit` (a long prompt's prefill) gives at most its first `limit`
         tokens and no logits: a chunk, cut before the positions whose logits are asked for
         (those are always fed together), so every chunk advances; the next segment goes on
-        from there.
+        from there. `parents`: extra's last tokens are a draft tree (engine.attention);
+        its nodes' slots are marked as holding no token of the sequence, all but a first run
+        that is a chain from the root, whose keys stand where the tokens will if accepted.
         """
         ids = self.committed + extra
         if self.cache is None:  # a new request: from the longest cached prefix
@@ -122,7 +127,14 @@ class Sequence:
             end = min(start + limit, len(ids) - num_logits)
             if end > start:
                 return self.prepare(runner, ids[start:end], start, 0)
-        return self.prepare(runner, ids[start:], start, num_logits)
+        segment = self.prepare(runner, ids[start:], start, num_logits)
+        if parents:
+            segment.parents = tuple(parents)
+            in_place = next((i for i, parent in enumerate(parents) if parent != i - 1),
+                            len(parents))
+            self.cached_ids[len(ids) - len(parents) + in_place:] = \
+                [NO_TOKEN] * (len(parents) - in_place)
+        return segment
 
     def prepare(self, runner, token_ids: list[int], start: int, num_logits: int) -> Segment:
         """Crop the cache to `start` tokens; the segment feeds token_ids after it."""

@@ -98,13 +98,14 @@ class PagedPlan:
         lengths = [len(s.token_ids) for s in segments]
         starts = [s.start for s in segments]
         count = len(segments)
-        queries = attention.lay_out(starts, lengths, list(range(count)), count)
+        queries = attention.lay_out(starts, lengths, list(range(count)), count,
+                                    [s.parents for s in segments])
         size = pool.block_size
         width = max(len(s.cache.units) for s in segments)
         tables = torch.zeros(count, width, dtype=torch.long)
         for row, segment in enumerate(segments):
             tables[row, :len(segment.cache.units)] = torch.tensor(segment.cache.units)
-        positions = queries.positions
+        positions = queries.write_slots
         self.write_slots = (tables[queries.row_of_token, positions // size] * size
                             + positions % size).to(device)
         key_pos = torch.arange(queries.max_len)

@@ -97,12 +97,13 @@ class RegionPlan:
         row_of = [next(first_row[lo] + r - lo for lo, hi in self.runs if lo <= r < hi)
                   for r in regions]
         lengths = [len(s.token_ids) for s in segments]
-        queries = attention.lay_out([s.start for s in segments], lengths, row_of, rows)
+        queries = attention.lay_out([s.start for s in segments], lengths, row_of, rows,
+                                    [s.parents for s in segments])
         pool.initialise([r for lo, hi in self.runs for r in range(lo, hi)], queries.max_len)
         kv_heads, span = pool.keys.shape[2], pool.keys.shape[3]
         region_of_token = torch.repeat_interleave(torch.tensor(regions), torch.tensor(lengths))
         slot = (region_of_token[:, None] * kv_heads + torch.arange(kv_heads)) * span \
-            + queries.positions[:, None]
+            + queries.write_slots[:, None]
         self.write_rows = slot.flatten().to(device)  # [N * H_kv] rows of [.., D]
         self.masks = attention.masks(queries, windows, group, device)
         self.row_ranges = [(first_row[lo], first_row[lo] + hi - lo) for lo, hi in self.runs]

@@ -1,0 +1,96 @@
+"""A draft tree scored in one forward: each node's logits are those of its own path fed alone.
+
+The bugs to catch: a node seeing a sibling or a cousin (the ancestor mask), a node at its slot's
+position instead of its depth's (rotary), a batch-mate's tree leaking into a chain, and a
+later call reusing the keys of a node that was not accepted (the sequence's cached ids).
+Reference: a fresh full forward of the prompt plus the node's path.
+"""
+
+import pytest
+import torch
+
+from engine.attention import tree_layout
+from engine.batch import Segment
+from engine.kv import SessionStore
+from speculative.tree import DraftTree
+from tests.unit.test_batch import ATOL, ENGINES, full_logits, served, sync
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2]
+# node: 0 1 2 3 4 5 6; a main chain 0-1-2, siblings of each of its nodes, a grandchild (6)
+TREE = DraftTree(token_ids=(10, 11, 12, 20, 21, 22, 30), parents=(-1, 0, 1, -1, 0, 1, 3))
+
+
+def test_tree_layout_gives_depths_and_ancestors():
+    depth, ancestry = tree_layout(TREE.parents)
+    assert depth.tolist() == [1, 2, 3, 1, 2, 3, 2]
+    assert ancestry[6].nonzero().flatten().tolist() == [3, 6]
+    assert ancestry[2].nonzero().flatten().tolist() == [0, 1, 2]
+    assert ancestry[5].nonzero().flatten().tolist() == [0, 1, 5]
+
+
+def node_references(model, tree: DraftTree, prompt: list[int]) -> torch.Tensor:
+    """[1 + nodes, V]: the logits after the prompt, then after each node's path."""
+    rows = [full_logits(model, prompt)[-1]]
+    rows += [full_logits(model, prompt + tree.path(node))[-1]
+             for node in range(len(tree.token_ids))]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-mixed"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_node_sees_only_its_path(name, engine):
+    if engine == "transformers" and name == "qwen2-mixed":
+        pytest.skip("transformers' modeling refuses trees on sliding-window layers")
+    runner = served(name, engine)
+    store = SessionStore(4)
+    tree_seq = store.apply("tree", sync([], PROMPT))
+    chain_seq = store.apply("chain", sync([], PROMPT[:5]))
+    # a chain batch-mate beside the tree, then the tree alone: the same logits
+    segments = [tree_seq.segment(runner, list(TREE.token_ids), len(TREE.token_ids) + 1,
+                                 parents=TREE.parents),
+                chain_seq.segment(runner, [7, 7], 3)]
+    tree_logits, chain_logits = runner.forward(segments)
+    expected = node_references(runner.model, TREE, PROMPT)
+    assert (tree_logits - expected).abs().max() < ATOL
+    assert (chain_logits - full_logits(runner.model, PROMPT[:5] + [7, 7])[-3:]).abs().max() \
+        < ATOL
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("accepted", [[0, 1], [3, 6], [0, 4]])
+def test_after_a_tree_the_next_call_sees_the_accepted_path_only(engine, accepted):
+    """The main chain's keys stand where its tokens will (reused); any other node's are
+    dropped and its token fed again."""
+    runner = served("llama", engine)
+    store = SessionStore(4)
+    sequence = store.apply("r", sync([], PROMPT))
+    runner.forward([sequence.segment(runner, list(TREE.token_ids), len(TREE.token_ids) + 1,
+                                     parents=TREE.parents)])
+    path = TREE.path(accepted[-1])
+    assert [TREE.token_ids[n] for n in accepted] == path
+    committed = PROMPT + path + [40]
+    sequence = store.apply("r", sync(PROMPT, path + [40]))
+    segment = sequence.segment(runner, [41, 42], 3)
+    reused = next(i for i, node in enumerate(accepted + [None]) if node != i)  # main chain's
+    assert segment.start == len(PROMPT) + reused
+    [logits] = runner.forward([segment])
+    assert (logits - full_logits(runner.model, committed + [41, 42])[-3:]).abs().max() < ATOL
+
+
+def test_a_node_beside_its_slot_is_never_taken_for_a_committed_token():
+    """A sibling whose token equals the next committed one sits at another position: its
+    keys must not be reused for it."""
+    runner = served("llama", "regions")
+    store = SessionStore(4)
+    tree = DraftTree(token_ids=(10, 11), parents=(-1, -1))  # node 1 at slot 2, depth 1
+    sequence = store.apply("r", sync([], PROMPT))
+    runner.forward([sequence.segment(runner, [10, 11], 3, parents=tree.parents)])
+    sequence = store.apply("r", sync(PROMPT, [10, 11]))  # 11 committed at depth 2
+    segment = sequence.segment(runner, [], 1)
+    assert segment.start == len(PROMPT) + 1 and segment.token_ids == [11]
+    [logits] = runner.forward([segment])
+    assert (logits - full_logits(runner.model, PROMPT + [10, 11])[-1:]).abs().max() < ATOL
+
+
+def test_a_segment_without_parents_is_a_chain():
+    assert Segment(None, [1, 2], 0, 1).parents is None
