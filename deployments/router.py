@@ -138,4 +138,5 @@ class Router:
         return self.front_end.plan(request_id, prompt.token_ids, prompt.sampling, body.n,
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,
-                                   pipelined=body.pipelined, drafter_kind=body.drafter)
+                                   pipelined=body.pipelined, drafter_kind=body.drafter,
+                                   tree=body.speculative_tree and body.speculative_tree.shape())

@@ -3,8 +3,36 @@
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.models import DEMO_TARGET
-from speculative.frontend import NumSpeculativeTokens, PipelinedDrafting, SpeculationDefaults
+from speculative.frontend import (
+    NumSpeculativeTokens,
+    PipelinedDrafting,
+    SpeculationDefaults,
+    TreeShape,
+)
 from speculative.policy import KBounds
+from speculative.types import MAX_SPECULATIVE_TOKENS, MAX_TREE_WIDTH
+
+
+class SpeculativeTree(BaseModel):
+    """A draft tree per round: `width` children at each node of the main chain (the drafter's
+    next most likely tokens, or its draws without replacement), `depth` deep (default: the
+    request's K). Width 1 is a chain. A request with a grammar or logit shaping drafts a
+    chain, as does a pipelined round's pre-draft: a tree's rounds are sequential."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    width: int = Field(default=2, ge=1, le=MAX_TREE_WIDTH)
+    depth: int | None = Field(default=None, ge=1, le=32)
+
+    def shape(self) -> TreeShape:
+        return TreeShape(self.width, self.depth)
+
+    @model_validator(mode="after")
+    def bounded(self):
+        if self.depth is not None and self.width * self.depth > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"a tree of width x depth = {self.width * self.depth} nodes; at "
+                             f"most {MAX_SPECULATIVE_TOKENS}")
+        return self
 
 
 class AdaptiveKArgs(BaseModel):
@@ -46,6 +74,9 @@ class RouterArgs(BaseModel):
     # verify after a rejection: "on" (measured, it pays greedy and sampled), "greedy"
     # (greedy requests only) or "off"; a request may say otherwise with "pipelined"
     pipelined_drafting: PipelinedDrafting = "on"
+    # a draft tree per round for requests that name none ({"width": b, "depth": d}; a
+    # request may say otherwise with "speculative_tree"); None: chains
+    speculative_tree: SpeculativeTree | None = None
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
     # without max_tokens may use the rest of the context, as vLLM's does
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
@@ -82,4 +113,6 @@ class RouterArgs(BaseModel):
         """What the request front end gives a request for the fields it leaves unset."""
         return SpeculationDefaults(self.num_speculative_tokens, self.adaptive_k.bounds(),
                                    self.adaptive_k.seeded, self.pipelined_drafting,
-                                   self.busy_wait_s)
+                                   self.busy_wait_s,
+                                   self.speculative_tree.shape() if self.speculative_tree
+                                   else TreeShape())

@@ -24,6 +24,7 @@ from speculative.types import (
     StaleBase,
     TargetScores,
     check_call,
+    check_tree,
 )
 
 DTYPES = {
@@ -237,6 +238,7 @@ def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
         seed=call.seed,
         assumed_token_ids=call.assumed_token_ids,
         prompt_len=call.prompt_len,
+        tree_width=call.tree_width,
     )
 
 
@@ -251,11 +253,12 @@ def propose_from_proto(message: pb.ProposeRequest,
         seed=message.seed,
         assumed_token_ids=tuple(message.assumed_token_ids),
         prompt_len=message.prompt_len,
+        tree_width=max(1, message.tree_width),
     )
 
 
 def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
-    response = pb.ProposeResponse(token_ids=block.token_ids,
+    response = pb.ProposeResponse(token_ids=block.token_ids, parents=block.parents or (),
                                   compute_us=round(block.compute_seconds * 1e6))
     if block.draft_probs is not None:
         response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs))
@@ -266,8 +269,11 @@ def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
 
 def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
     probs = dists_from_proto(message.draft_probs) if message.HasField("draft_probs") else None
+    parents = tuple(message.parents) or None
+    if parents is not None:
+        check_tree(parents, len(message.token_ids))
     return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6,
-                      load=load_from_proto(message))
+                      load=load_from_proto(message), parents=parents)
 
 
 def load_to_proto(load: BatchLoad) -> pb.BatchLoad:
@@ -289,6 +295,7 @@ def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
         seed=call.seed,
         prompt_len=call.prompt_len,
         return_bonus_probs=call.return_bonus_probs,
+        draft_parents=call.draft_parents or (),
     )
     if call.draft_probs is not None:
         message.draft_probs.CopyFrom(dists_to_proto(call.draft_probs))
@@ -308,13 +315,17 @@ def score_from_proto(message: pb.ScoreRequest,
         seed=message.seed,
         prompt_len=message.prompt_len,
         return_bonus_probs=message.return_bonus_probs,
+        draft_parents=tuple(message.draft_parents) or None,
     )
 
 
 def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
     response = pb.ScoreResponse(compute_us=round(scores.compute_seconds * 1e6),
                                 cached_tokens=scores.cached_tokens)
-    if scores.bonus_token_id is None:
+    if scores.accept_probs:  # a sampled tree
+        response.sampled.accept_probs.extend(scores.accept_probs)
+        response.sampled.recovered_token_ids.extend(scores.recovered_token_ids)
+    elif scores.bonus_token_id is None:
         response.greedy.target_token_ids.extend(scores.target_token_ids)
     else:
         response.sampled.draft_target_probs.extend(scores.draft_target_probs)
@@ -358,6 +369,12 @@ def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)
     if kind == "sampled":
         sampled = message.sampled
+        if sampled.accept_probs:  # a tree: one draw per row
+            if len(sampled.recovered_token_ids) != len(sampled.accept_probs) + 1:
+                raise ValueError("a tree's scores need one draw per row")
+            return TargetScores(accept_probs=tuple(sampled.accept_probs),
+                                recovered_token_ids=tuple(sampled.recovered_token_ids),
+                                **timing)
         bonus_probs = None
         if sampled.HasField("bonus_probs"):
             bonus_probs = dists_from_proto(sampled.bonus_probs)

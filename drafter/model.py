@@ -18,6 +18,7 @@ from speculative.sampling import (
     shape_logits,
 )
 from speculative.types import (
+    MAX_TREE_WIDTH,
     BatchLoad,
     DraftBlock,
     DraftDists,
@@ -110,10 +111,11 @@ class ModelDrafter:
         load = BatchLoad(len(drafts), first_tokens)
         elapsed = time.perf_counter() - started
         for index, draft in drafts:
+            tokens, parents, q_rows = draft.tree()
             # q leaves the device here, on the worker thread, not on the event loop
-            probs = DraftDists.stack(draft.q_rows, self.vocab_size).compact().to("cpu") \
-                if draft.q_rows else None
-            results[index] = DraftBlock(tuple(draft.token_ids), probs, elapsed, load=load)
+            probs = DraftDists.stack(q_rows, self.vocab_size).compact().to("cpu") \
+                if q_rows else None
+            results[index] = DraftBlock(tokens, probs, elapsed, load=load, parents=parents)
         return results
 
     def start_drafts(self, calls: list[ProposeCall], results: list
@@ -157,6 +159,9 @@ class ModelDrafter:
             logits = self.runner.forward(segments)
             drafts = [draft for _, draft, _ in active]
             tokens = self.next_tokens(drafts, logits)
+            for draft, rows, token in zip(drafts, logits, tokens):
+                if draft.width > 1:
+                    draft.siblings.append(self.siblings(draft, rows[0], token))
             if self.draft_confidence > 0:
                 for draft, prob in zip(drafts, self.drafted_probs(drafts, logits, tokens)):
                     draft.confidence *= prob
@@ -187,6 +192,27 @@ class ModelDrafter:
             probs.append(float(drawn / weights.sum()))
         return probs
 
+    def siblings(self, draft: "Draft", logits: torch.Tensor, token: int) -> list[int]:
+        """The other width - 1 children of the main chain's node whose next token is `token`
+        (a tree, speculative.tree): greedy, the next most likely tokens; sampled, drawn one
+        after another from the same q with the ones before removed, `token` the first."""
+        others = draft.width - 1
+        if draft.call.sampling.greedy:
+            line = fit_vocab(logits, self.vocab_size)
+            top = line.topk(min(draft.width, line.shape[-1])).indices.tolist()
+            return [t for t in top if t != token][:others]
+        weights, ids = draft.q_rows[-1]
+        rest = weights.float().clone()
+        drawn = []
+        for _ in range(others):
+            rest[(ids == token) if ids is not None else token] = 0
+            if not rest.sum() > 0:
+                break
+            index = sample_rows(rest[None], draft.generator)
+            token = int(index if ids is None else ids[index])
+            drawn.append(token)
+        return drawn
+
     def start_draft(self, call: ProposeCall) -> "Draft":
         check_call(call.sync.new_token_ids + call.assumed_token_ids + call.sampling.shaping_ids,
                    self.vocab_size, call.num_speculative_tokens)
@@ -204,8 +230,15 @@ class ModelDrafter:
                                         sequence.committed[call.prompt_len:] + assumed)
             if matcher is None:
                 num_tokens = 0
+        width = call.tree_width
+        if width > 1:
+            check_tree_width(call)
+            if self.max_positions is not None and \
+                    len(sequence.committed) + width * num_tokens > self.max_positions:
+                width = 1  # the nodes would pass the context's end: a chain fits
         return Draft(call, sequence, assumed, num_tokens,
-                     seeded_generator(call.seed, self.model.device), matcher=matcher)
+                     seeded_generator(call.seed, self.model.device), matcher=matcher,
+                     width=width)
 
     def next_tokens(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> list[int]:
         """Each draft's next token from its logits [1, V_draft], with ONE host sync for the
@@ -247,6 +280,17 @@ class ModelDrafter:
         return (values / values.sum()).to(self.draft_q_dtype), ids
 
 
+def check_tree_width(call: ProposeCall) -> None:
+    """Refuse a tree the drafter cannot draft: too wide, or where its laws follow one chain
+    (a pre-draft's assumed tokens, a grammar, logit shaping)."""
+    if call.tree_width > MAX_TREE_WIDTH:
+        raise ValueError(f"tree_width must be at most {MAX_TREE_WIDTH}, got {call.tree_width}")
+    if call.assumed_token_ids or call.sampling.grammar is not None or \
+            call.sampling.shapes_logits:
+        raise ValueError("a draft tree does not combine with pre-drafting, structured "
+                         "outputs, penalties, logit_bias or min_tokens: draft a chain")
+
+
 @dataclass
 class Draft:
     """One call's block while it is being drafted."""
@@ -260,6 +304,23 @@ class Draft:
     q_rows: list[tuple] = field(default_factory=list)  # shipped_q of each drafted token
     matcher: TokenMasks | None = None  # the request's grammar, at the block's next position
     confidence: float = 1.0  # the drafted tokens' probabilities multiplied (draft_confidence)
+    width: int = 1  # > 1: a tree, that many children at each node of the main chain
+    siblings: list[list[int]] = field(default_factory=list)  # the others, per depth
+
+    def tree(self) -> tuple[tuple[int, ...], tuple[int, ...] | None, list[tuple]]:
+        """(tokens, parents, q rows) of the block: the main chain (as a chain's), then each
+        depth's other children in the order drawn, each with its parent's law; a block
+        without siblings is a chain (parents None)."""
+        chain = len(self.token_ids)
+        if not any(self.siblings[:chain]):
+            return tuple(self.token_ids), None, self.q_rows
+        tokens, parents = list(self.token_ids), list(range(-1, chain - 1))
+        q_rows = list(self.q_rows)
+        for depth, others in enumerate(self.siblings[:chain]):
+            tokens += others
+            parents += [depth - 1] * len(others)
+            q_rows += [self.q_rows[depth]] * len(others) if self.q_rows else []
+        return tuple(tokens), tuple(parents), q_rows
 
     def took(self, token: int) -> None:
         self.token_ids.append(token)

@@ -80,7 +80,7 @@ class PrefixSync(_message.Message):
     def __init__(self, known_len: _Optional[int] = ..., known_hash: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "sync", "num_speculative_tokens", "sampling", "seed", "assumed_token_ids", "prompt_len")
+    __slots__ = ("request_id", "sync", "num_speculative_tokens", "sampling", "seed", "assumed_token_ids", "prompt_len", "tree_width")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class ProposeRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sync: PrefixSync
     num_speculative_tokens: int
@@ -95,10 +96,11 @@ class ProposeRequest(_message.Message):
     seed: int
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_len: int
-    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    tree_width: int
+    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., tree_width: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address", "compute_us", "load")
+    __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address", "compute_us", "load", "parents")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class ProposeResponse(_message.Message):
     DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: Distributions
@@ -113,10 +116,11 @@ class ProposeResponse(_message.Message):
     direct_address: str
     compute_us: int
     load: BatchLoad
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed", "prompt_len", "return_bonus_probs")
+    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed", "prompt_len", "return_bonus_probs", "draft_parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +129,7 @@ class ScoreRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     RETURN_BONUS_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sync: PrefixSync
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,7 +138,8 @@ class ScoreRequest(_message.Message):
     seed: int
     prompt_len: int
     return_bonus_probs: bool
-    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ..., return_bonus_probs: _Optional[bool] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ..., return_bonus_probs: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs", "cached_tokens")
@@ -178,16 +184,18 @@ class GreedyScores(_message.Message):
     def __init__(self, target_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledScores(_message.Message):
-    __slots__ = ("draft_target_probs", "recovered_token_ids", "bonus_token_id", "bonus_probs")
+    __slots__ = ("draft_target_probs", "recovered_token_ids", "bonus_token_id", "bonus_probs", "accept_probs")
     DRAFT_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BONUS_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_PROBS_FIELD_NUMBER: _ClassVar[int]
     draft_target_probs: _containers.RepeatedScalarFieldContainer[float]
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
     bonus_probs: Distributions
-    def __init__(self, draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., bonus_probs: _Optional[_Union[Distributions, _Mapping]] = ...) -> None: ...
+    accept_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, draft_target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., bonus_probs: _Optional[_Union[Distributions, _Mapping]] = ..., accept_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BatchLoad(_message.Message):
     __slots__ = ("batch_size", "batch_tokens")

@@ -59,6 +59,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", "-k", type=k_value, default=4,
                         help="K, tokens drafted per round; 0 = target alone, no drafter call; "
                              "auto = chosen per round from the acceptance so far, in 1..8")
+    parser.add_argument("--tree-width", type=int, default=1,
+                        help="> 1: each round drafts a tree, that many children at each node "
+                             "of a main chain K deep (sequential rounds); 1 = a chain")
     parser.add_argument("--n", type=int, default=1, help="independent samples")
     parser.add_argument("--pipelined", action="store_true",
                         help="draft the next block while the target verifies this one (the "
@@ -150,11 +153,12 @@ def sampling(args):
 def request_front_end(args):
     """The request front end the router uses, under the CLI's defaults: its K (4, or auto in
     1..8; a seeded sampled request pins auto to 4, as the router does) and --pipelined."""
-    from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+    from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
 
     return RequestFrontEnd(SpeculationDefaults(
         num_speculative_tokens=args.num_speculative_tokens,
-        pipelined_drafting="on" if args.pipelined else "off"))
+        pipelined_drafting="on" if args.pipelined else "off",
+        tree=TreeShape(args.tree_width)))
 
 
 def k_value(text: str) -> int | str:
@@ -167,10 +171,14 @@ def k_value(text: str) -> int | str:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
+    from speculative.types import MAX_TREE_WIDTH
+
     if args.num_speculative_tokens != "auto" and args.num_speculative_tokens < 0:
         parser.error("--num-speculative-tokens must be >= 0")
     if args.n < 1:
         parser.error("--n must be >= 1")
+    if not 1 <= args.tree_width <= MAX_TREE_WIDTH:
+        parser.error(f"--tree-width must be in [1, {MAX_TREE_WIDTH}]")
     if args.draft_top_k < 0:
         parser.error("--draft-top-k must be >= 0")
     if not 0 < args.draft_q_mass <= 1:

@@ -19,9 +19,20 @@ from speculative.costs import CostModel
 from speculative.policy import KBounds, KPolicy, k_policy
 from speculative.sampling import SamplingParams, derive_seeds
 from speculative.stats import SpecStats
+from speculative.types import MAX_SPECULATIVE_TOKENS
 
 NumSpeculativeTokens = int | Literal["auto"]
 PipelinedDrafting = Literal["off", "greedy", "on"]
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A draft tree per round (speculative.tree): `width` children at each node of the main
+    chain, `depth` nodes deep (None: the request's K; at most MAX_SPECULATIVE_TOKENS nodes
+    in all). Width 1 is a chain."""
+
+    width: int = 1
+    depth: int | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class SpeculationDefaults:
     # only, "on" or "off"
     pipelined_drafting: PipelinedDrafting = "on"
     busy_wait_s: float = 0.0  # how long a request waits out a full verifier (loop.Request)
+    tree: TreeShape = TreeShape()  # a draft tree per round (width 1: chains)
 
 
 @dataclass(frozen=True)
@@ -88,15 +100,18 @@ class RequestFrontEnd:
     def plan(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
              n: int = 1, stop_token_ids: Sequence[int] = (), *,
              num_speculative_tokens: NumSpeculativeTokens | None = None,
-             pipelined: bool | None = None, drafter_kind: str | None = None) -> RequestPlan:
+             pipelined: bool | None = None, drafter_kind: str | None = None,
+             tree: TreeShape | None = None) -> RequestPlan:
         """n choices of the request; sampling carries the request's seed, from which each
-        choice's is derived. None for K or pipelined: the defaults."""
+        choice's is derived. None for K, pipelined or tree: the defaults."""
         k = self.num_speculative_tokens(num_speculative_tokens, sampling)
         pipelined = self.pipelined(pipelined, sampling)
+        width, k = self.tree(tree, sampling, k)
+        pipelined = pipelined and width == 1  # a pre-draft continues one chain
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
-                           self.defaults.busy_wait_s),
+                           self.defaults.busy_wait_s, width),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
@@ -107,6 +122,17 @@ class RequestFrontEnd:
         if k == "auto" and not sampling.greedy and sampling.seed is not None:
             return self.defaults.seeded_num_speculative_tokens  # reproducible: not from timings
         return k
+
+    def tree(self, requested: TreeShape | None, sampling: SamplingParams,
+             k: NumSpeculativeTokens) -> tuple[int, NumSpeculativeTokens]:
+        """(tree width, K): the requested shape or the default; a tree's depth is its K (an
+        adaptive K is a chain's: a tree of the request's K, else of the seeded default). A
+        grammar or logit shaping follows one chain of drafted tokens: width 1."""
+        shape = requested or self.defaults.tree
+        if shape.width <= 1 or sampling.grammar is not None or sampling.shapes_logits:
+            return 1, k
+        depth = shape.depth or (k if k != "auto" else self.defaults.seeded_num_speculative_tokens)
+        return shape.width, min(depth, MAX_SPECULATIVE_TOKENS // shape.width)  # nodes bounded
 
     def pipelined(self, requested: bool | None, sampling: SamplingParams) -> bool:
         if requested is not None:

@@ -14,12 +14,8 @@ import torch
 from speculative.busy import retried_while_busy
 from speculative.meter import RoundMeter
 from speculative.policy import KPolicy
-from speculative.rejection import (
-    RoundOutcome,
-    accept_drawn,
-    accept_first_predrafted,
-    accept_greedy,
-)
+from speculative.accept import accept, depth
+from speculative.rejection import RoundOutcome, accept_first_predrafted
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.types import (
@@ -48,6 +44,7 @@ class Request:
     # how long a request retries a verifier that has no room for it (PoolBusy) before it
     # fails (speculative.busy); 0: it fails at once
     busy_wait_s: float = 0.0
+    tree_width: int = 1  # > 1: each round drafts a tree of that width (speculative.tree)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -169,15 +166,6 @@ class RequestState:
         return self._hash
 
 
-def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator) -> RoundOutcome:
-    if greedy:
-        return accept_greedy(block.token_ids, scores.target_token_ids)
-    drafted = block.token_ids
-    draft_at_draft = block.draft_probs.at(drafted) if drafted else ()  # q_i(x_i), gathered
-    return accept_drawn(drafted, draft_at_draft, scores.draft_target_probs,
-                        scores.recovered_token_ids, scores.bonus_token_id, generator)
-
-
 def draw_seed(state: RequestState) -> int:
     return int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
 
@@ -191,7 +179,8 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
         state.drafter_view,
         lambda sync: drafter.propose(
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
-                        len(request.prompt_token_ids))),
+                        len(request.prompt_token_ids),
+                        1 if assumed or not k else request.tree_width)),
     )
 
 
@@ -291,13 +280,13 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     predraft = start_predraft(state, drafter, policy, block, beside, pipelined)
     scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft))
     greedy = state.request.sampling.greedy
-    outcome = accept(block, scores, greedy, state.generator)
+    outcome, scores = accept(block, scores, greedy, state.generator)
     outcome, next_block = await settle_predraft(predraft, meter, outcome, block, scores, greedy,
                                                 state.generator)
     committed = state.commit(outcome.output_token_ids, round_logprobs(scores, outcome))
     cost = meter.finish(block, scores, outcome, beside=beside)
     if not meter.fell_back:  # a failed call's wait says nothing about what a K costs
-        policy.update(len(block.token_ids) + outcome.predraft_tested,
+        policy.update(depth(block) + outcome.predraft_tested,
                       outcome.num_accepted + outcome.predraft_accepted, cost)
     return committed, None if state.finish_reason is not None else next_block
 
@@ -344,7 +333,7 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         len(request.prompt_token_ids),
         # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
         return_bonus_probs=predraft is not None and not request.sampling.greedy
-        and request.sampling.logprobs is None))
+        and request.sampling.logprobs is None, draft_parents=block.parents))
     try:
         return await retried_while_busy(request.busy_wait_s, state.stats,
                                         lambda: state.call_pool(state.verifier_view, score))

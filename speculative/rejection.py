@@ -9,7 +9,7 @@ is p. Both are the distributions AFTER temperature / top-k / top-p, i.e. exactly
 tokens were (or would be) drawn from; that is what makes the output distribution equal p's.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class RoundOutcome:
     # tested, and whether it was accepted (the output's last token is then y1)
     predraft_tested: int = 0
     predraft_accepted: int = 0
+    # bookkeeping, not the outcome (a chain accepted as a tree equals Algorithm 1's):
+    tree: int = field(default=0, compare=False)  # 1 for a draft tree's round
+    off_main_chain: int = field(default=0, compare=False)  # its path left the main chain
 
 
 def accept_greedy(draft_token_ids, target_token_ids) -> RoundOutcome:

@@ -40,6 +40,8 @@ class SpecStats:
     # pre-drafted tokens tested at a round's bonus position (counted in num_draft_tokens,
     # not in rounds_by_k, which counts the blocks the rounds verified)
     bonus_position_drafts: int = 0
+    tree_rounds: int = 0  # rounds that verified a draft tree (speculative.tree)
+    sibling_rounds: int = 0  # tree rounds whose accepted path took a node off the main chain
     predraft_compute_seconds: float = 0.0  # the drafter's time on pre-drafts (hidden, mostly)
     # per round: the round's time less the pools' own (transport plus the router's work)
     overhead_seconds: list[float] = field(default_factory=list)
@@ -74,6 +76,8 @@ class SpecStats:
         self.num_emitted_tokens += len(outcome.output_token_ids)
         self.rounds_by_k[num_drafted] = self.rounds_by_k.get(num_drafted, 0) + 1
         self.bonus_position_drafts += outcome.predraft_tested
+        self.tree_rounds += outcome.tree
+        self.sibling_rounds += outcome.off_main_chain
         missing = tested - len(self.accepted_per_position)
         self.accepted_per_position.extend([0] * max(0, missing))
         for position in range(outcome.num_accepted):
@@ -95,6 +99,7 @@ class SpecStats:
                      "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "bonus_position_drafts",
+                     "tree_rounds", "sibling_rounds",
                      "predraft_compute_seconds",
                      "exposed_seconds", "verifier_batch_calls", "verifier_batches",
                      "drafter_batch_calls", "drafter_batches", "draft_fallback_rounds"):
@@ -138,6 +143,8 @@ class SpecStats:
             "exposed_ms_p50": median_ms(self.exposed_seconds),
             "pipelined_rounds": self.pipelined_rounds,
             "bonus_position_drafts": self.bonus_position_drafts,
+            "tree_rounds": self.tree_rounds,
+            "sibling_rounds": self.sibling_rounds,
             "draft_fallback_rounds": self.draft_fallback_rounds,
             "wire_bytes_per_round": self.wire_bytes / self.rounds if self.wire_bytes else None,
             # the mean number of calls in the pool batches that served this request's rounds

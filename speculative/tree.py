@@ -17,15 +17,25 @@ Each step is Algorithm 1 on one token with the law q the next child was really d
 and a rejection leaves r(x) = 0 at the rejected x, so the output has the target's law
 whatever the tree's shape.
 
-Rows of draft_probs and target_probs: row 0 is the root's, row 1 + i node i's.
+Rows of target_probs: row 0 is the root's, row 1 + i node i's. Draft laws travel one row per
+node: the law its parent's children were drawn from (before any of them was removed), so a
+chain's rows are q1..qK as for Algorithm 1.
+
+Served, the work splits as a chain's does (speculative.rejection.accept_drawn): the verifier,
+which holds p, computes what the walk needs without the router's coins (`tree_scores`: each
+child's acceptance probability given that its earlier siblings were rejected, and one draw
+per row from what is left when all its children are rejected: the residual, or p at a
+leaf); the router walks the tree with its coins (`accept_tree_drawn`). Whether a child is
+tested depends on earlier coins only, and each draw is made independently of the coins, so
+the walk has accept_tree's law.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from speculative.rejection import RoundOutcome, residual
-from speculative.sampling import sample
+from speculative.rejection import RoundOutcome, residual, residual_rows
+from speculative.sampling import sample, sample_rows
 
 ROOT = -1
 
@@ -41,6 +51,10 @@ class DraftTree:
         if any(not ROOT <= parent < node for node, parent in enumerate(self.parents)):
             raise ValueError("a node's parent must be ROOT or an earlier node")
 
+    @classmethod
+    def chain(cls, token_ids) -> "DraftTree":
+        return cls(tuple(token_ids), tuple(range(-1, len(token_ids) - 1)))
+
     def children(self, node: int) -> list[int]:
         """The children of node (ROOT or a node index), in the order they were drawn."""
         return [child for child, parent in enumerate(self.parents) if parent == node]
@@ -54,10 +68,26 @@ class DraftTree:
         return tokens[::-1]
 
 
+def tree_depths(parents) -> list[int]:
+    """Each node's depth (a child of the root: 1)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent == ROOT else depths[parent] + 1)
+    return depths
+
+
 @dataclass(frozen=True)
 class TreeOutcome:
     round: RoundOutcome  # the accepted path's tokens, then the recovered or bonus token
     accepted_nodes: tuple[int, ...]  # the nodes of the accepted path, root side first
+
+
+def outcome_of(output: list[int], path: list[int]) -> TreeOutcome:
+    """The walk's result; the main chain is nodes 0, 1, .. (each the first child of the one
+    before: the drafter's layout)."""
+    off = any(node != depth for depth, node in enumerate(path))
+    return TreeOutcome(RoundOutcome(tuple(output), len(path), tree=1, off_main_chain=int(off)),
+                       tuple(path))
 
 
 def without(draft_probs: torch.Tensor, token: int) -> torch.Tensor:
@@ -67,6 +97,12 @@ def without(draft_probs: torch.Tensor, token: int) -> torch.Tensor:
     rest[token] = 0
     total = rest.sum()
     return rest / total if total > 0 else rest
+
+
+def without_rows(draft_probs: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """`without` of a [1, V] row and a token on the device, with no host sync."""
+    rest = draft_probs.index_fill(1, token[None], 0)
+    return rest / rest.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
 def accept_tree(tree: DraftTree, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -87,7 +123,7 @@ def accept_tree(tree: DraftTree, draft_probs: torch.Tensor, target_probs: torch.
             target, draft = residual(target, draft), without(draft, token)
         if chosen is None:
             output.append(sample(target, generator))
-            return TreeOutcome(RoundOutcome(tuple(output), len(path)), tuple(path))
+            return outcome_of(output, path)
         output.append(tree.token_ids[chosen])
         path.append(chosen)
         node = chosen
@@ -103,7 +139,7 @@ def accept_tree_greedy(tree: DraftTree, target_token_ids) -> TreeOutcome:
         chosen = next((child for child in tree.children(node)
                        if tree.token_ids[child] == wanted), None)
         if chosen is None:
-            return TreeOutcome(RoundOutcome(tuple(output), len(path)), tuple(path))
+            return outcome_of(output, path)
         path.append(chosen)
         node = chosen
 
@@ -119,3 +155,48 @@ def draw_children(draft_probs: torch.Tensor, width: int, generator: torch.Genera
         tokens.append(sample(rest, generator))
         rest = without(rest, tokens[-1])
     return tokens
+
+
+def tree_scores(tree: DraftTree, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accept [nodes]: min(1, r(x) / q(x)) of each node as accept_tree tests it, draws
+    [1 + nodes]: a token from each row's law once all its children are rejected). draft_probs:
+    [nodes, V], node i's row the law its parent's children were drawn from; target_probs:
+    [1 + nodes, V]. On their device, with no host sync; the draws are one sample_rows."""
+    device = target_probs.device
+    accept = torch.zeros(len(tree.token_ids), device=device)
+    rows = target_probs.clone()
+    tokens = torch.tensor(tree.token_ids, dtype=torch.long, device=device)
+    for parent in [ROOT, *range(len(tree.token_ids))]:
+        children = tree.children(parent)
+        if not children:
+            continue
+        target, draft = target_probs[parent + 1][None], draft_probs[children[0]][None]
+        for child in children:
+            token = tokens[child]
+            drafted, held = draft[0, token], target[0, token]
+            accept[child] = torch.where(drafted > 0, (held / drafted.clamp_min(1e-30))
+                                        .clamp_max(1), 0.0)
+            target, draft = residual_rows(target, draft), without_rows(draft, token)
+        rows[parent + 1] = target[0]
+    return accept, sample_rows(rows, generator)
+
+
+def accept_tree_drawn(tree: DraftTree, accept_probs, draws, generator: torch.Generator
+                      ) -> TreeOutcome:
+    """The router's walk over tree_scores' answer: at each node its children in drawn order,
+    each taken iff its coin u < its acceptance probability; none taken, the row's draw."""
+    node, output, path = ROOT, [], []
+    while True:
+        chosen = None
+        for child in tree.children(node):
+            coin = float(torch.rand((), generator=generator))
+            if coin < accept_probs[child]:
+                chosen = child
+                break
+        if chosen is None:
+            output.append(int(draws[node + 1]))
+            return outcome_of(output, path)
+        output.append(tree.token_ids[chosen])
+        path.append(chosen)
+        node = chosen

@@ -52,6 +52,8 @@ class ProposeCall:
     # a pre-draft: tokens after the committed prefix, still being verified, to draft after
     assumed_token_ids: tuple[int, ...] = ()
     prompt_len: int = 0  # the committed prefix's first tokens that are the prompt (penalties)
+    # > 1: a draft tree, that many children at each node of the main chain (DraftBlock)
+    tree_width: int = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,6 +172,9 @@ class DraftBlock:
     compute_seconds: float = 0.0  # the drafter's own time on the call, transport excluded
     wire_bytes: int = 0  # the call's request and response as serialised (0 in-process)
     load: "BatchLoad | None" = None  # the batch the call was drafted in
+    # a draft tree (speculative.tree): node i follows parents[i] (-1: the committed prefix),
+    # and draft_probs' row i is the law its parent's children were drawn from; None: a chain
+    parents: tuple[int, ...] | None = None
 
 
 NO_DRAFT = DraftBlock((), None)  # a round without candidates
@@ -187,6 +192,7 @@ class ScoreCall:
     # sampling: return p(K+1) itself (TargetScores.bonus_probs), against which the router
     # tests a token pre-drafted for that position beside this call
     return_bonus_probs: bool = False
+    draft_parents: tuple[int, ...] | None = None  # a draft tree's (DraftBlock.parents)
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,9 @@ class TargetScores:
     # p(K+1) as one row in DraftDists' wire form, when the call asked for it (sampling)
     bonus_probs: "DraftDists | None" = None
     cached_tokens: int = 0  # prompt tokens the call's new cache took from the prefix cache
+    # a sampled tree (speculative.tree.tree_scores): each node's acceptance probability;
+    # recovered_token_ids then holds one draw per row (the root's, then each node's)
+    accept_probs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -232,6 +241,14 @@ class PositionLogprobs:
     drafted: tuple[float, ...]  # K
     chosen: tuple[float, ...]  # K + 1
     top: tuple[tuple[tuple[int, float], ...], ...]  # K + 1 rows of n (id, logprob)
+
+    def along(self, path) -> "PositionLogprobs":
+        """A tree's entries (drafted: one per node; chosen and top: the root's row, then each
+        node's) along an accepted path of nodes, as a chain's."""
+        rows = [0] + [node + 1 for node in path]
+        return PositionLogprobs(tuple(self.drafted[node] for node in path),
+                                tuple(self.chosen[row] for row in rows),
+                                tuple(self.top[row] for row in rows))
 
     def committed(self, output_token_ids, num_accepted: int) -> list[TokenLogprob]:
         """The entries of a round's output: its first num_accepted tokens are drafted ones,
@@ -264,6 +281,19 @@ def check_prompt_len(prompt_len: int, committed_len: int) -> None:
     if not 0 <= prompt_len <= committed_len:
         raise ValueError(f"prompt_len {prompt_len} is beyond the committed prefix "
                          f"({committed_len} tokens)")
+
+
+MAX_TREE_WIDTH = 8
+
+
+def check_tree(parents, nodes: int) -> None:
+    """Raise ValueError unless parents make a tree of `nodes` nodes, parents first."""
+    if len(parents) != nodes:
+        raise ValueError(f"a draft tree needs one parent per drafted token: {len(parents)} "
+                         f"for {nodes}")
+    if any(not -1 <= parent < node for node, parent in enumerate(parents)):
+        raise ValueError("a draft tree's parent must be -1 (the committed prefix) or an "
+                         "earlier node")
 
 
 def check_call(token_ids, vocab_size: int, num_speculative_tokens: int = 0) -> None:

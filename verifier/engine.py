@@ -13,6 +13,7 @@ from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import logits_to_probs, sample_rows, seeded_generator, shape_logits
+from speculative.tree import DraftTree, tree_scores
 from speculative.types import (
     BatchLoad,
     DraftDists,
@@ -21,6 +22,7 @@ from speculative.types import (
     TargetScores,
     check_call,
     check_prompt_len,
+    check_tree,
 )
 
 
@@ -84,6 +86,8 @@ class ModelVerifier:
         check_call(call.sync.new_token_ids + call.draft_token_ids + call.sampling.shaping_ids,
                    vocab_size, len(call.draft_token_ids))
         drafted = list(call.draft_token_ids)
+        if call.draft_parents is not None:
+            check_tree_call(call)
         draft_probs = None
         if not call.sampling.greedy and drafted:
             shape = None if call.draft_probs is None else call.draft_probs.shape
@@ -100,7 +104,8 @@ class ModelVerifier:
         sequence = self.sessions.resume(call.request_id, call) or \
             self.sessions.apply(call.request_id, call.sync)
         allowed = self.allowed(call, sequence, drafted)  # before the cache is touched
-        segment = sequence.segment(self.runner, drafted, len(drafted) + 1, limit)
+        segment = sequence.segment(self.runner, drafted, len(drafted) + 1, limit,
+                                   call.draft_parents)
         sequence.unfinished = call if segment.num_logits == 0 else None
         return segment, (draft_probs, shaping_history(call, sequence.committed), allowed,
                          sequence)
@@ -126,7 +131,9 @@ class ModelVerifier:
                                   tuple(ids.tolist()))
         else:
             target_probs = logits_to_probs(logits, call.sampling)  # [K + 1, V]
-            scores = draw_recovered_and_bonus(target_probs, drafted, draft_probs, call.seed)
+            scores = draw_recovered_and_bonus(target_probs, drafted, draft_probs, call.seed) \
+                if call.draft_parents is None else \
+                draw_tree(target_probs, drafted, call.draft_parents, draft_probs, call.seed)
             if call.return_bonus_probs:  # the router tests a pre-drafted token against it
                 scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
         if sequence.cached_tokens:  # reported once, by the call whose cache took them
@@ -135,23 +142,48 @@ class ModelVerifier:
         if call.sampling.logprobs is None:
             return scores
         [scores] = host.to_host([scores])  # the logprobs need the chosen ids now
+        tree = call.draft_parents is not None
         chosen = scores.target_token_ids if call.sampling.greedy else \
-            scores.recovered_token_ids + (scores.bonus_token_id,)
+            scores.recovered_token_ids if tree else \
+            scores.recovered_token_ids + (scores.bonus_token_id,)  # one per row either way
+        drafted_rows = [parent + 1 for parent in call.draft_parents] if tree else None
         return replace(scores, logprobs=position_logprobs(raw, drafted, list(chosen),
-                                                          call.sampling.logprobs))
+                                                          call.sampling.logprobs, drafted_rows))
+
+
+def check_tree_call(call: ScoreCall) -> None:
+    """Refuse a draft tree the verifier cannot score: parents that are no tree, or with a
+    grammar or logit shaping (their masks and counts follow one chain of drafted tokens)."""
+    check_tree(call.draft_parents, len(call.draft_token_ids))
+    if call.sampling.grammar is not None or call.sampling.shapes_logits:
+        raise ValueError("a draft tree does not combine with structured outputs, penalties, "
+                         "logit_bias or min_tokens: draft a chain")
+
+
+def draw_tree(target_probs, drafted: list[int], parents, draft_probs, seed: int
+              ) -> TargetScores:
+    """A sampled tree's scores (speculative.tree.tree_scores): each node's acceptance
+    probability and one draw per row, on the device until the batch's transfer."""
+    generator = seeded_generator(seed, target_probs.device)
+    tree = DraftTree(tuple(drafted), tuple(parents))
+    accept, draws = tree_scores(tree, draft_probs, target_probs, generator)
+    scores = TargetScores(accept_probs=accept, recovered_token_ids=draws)
+    return scores if host.deferred() else host.to_host([scores])[0]
 
 
 def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int],
-                      top_n: int) -> PositionLogprobs:
+                      top_n: int, drafted_rows: list[int] | None = None) -> PositionLogprobs:
     """The raw log-probabilities of [K + 1, V] logits at the drafted and the chosen tokens,
     and each row's top n, with one transfer to the host (ids < 2**53 travel exactly as
-    float64)."""
+    float64). drafted_rows: the row each drafted token is read at (a tree's: its parent's;
+    None: a chain's, row i for token i)."""
     logprobs = torch.log_softmax(logits.float(), -1)
     k, device = len(drafted), logprobs.device
-    rows = torch.arange(k + 1, device=device)
+    rows = torch.arange(len(chosen), device=device)
+    at = rows[:k] if drafted_rows is None else torch.tensor(drafted_rows, device=device)
     tokens = torch.tensor(drafted + chosen, dtype=torch.long, device=device)
     values, ids = torch.topk(logprobs, top_n, dim=-1)  # [K + 1, n]
-    host = torch.cat([logprobs[torch.cat([rows[:k], rows]), tokens].double(),
+    host = torch.cat([logprobs[torch.cat([at, rows]), tokens].double(),
                       values.double().flatten(), ids.double().flatten()]).tolist()
     picked, values, ids = host[:2 * k + 1], host[2 * k + 1:][:(k + 1) * top_n], \
         host[2 * k + 1 + (k + 1) * top_n:]

@@ -18,7 +18,7 @@ import torch
 from speculative.types import TargetScores
 
 IDS = ("target_token_ids", "recovered_token_ids", "bonus_token_id")
-FIELDS = (*IDS, "draft_target_probs")
+FIELDS = (*IDS, "draft_target_probs", "accept_probs")
 
 _state = threading.local()  # the engine's worker thread runs one batch at a time
 

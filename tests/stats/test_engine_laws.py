@@ -1,8 +1,9 @@
 """The target's law through the real engines in the configurations the other law tests do not
 reach: the seeded default K = 4 (in batches that requests join and leave), an adaptive K
 ("auto"), blocks cut short by the draft's confidence, caches rebuilt mid-request, a
-pipelined drafter whose pre-drafts fail, a padded draft vocabulary at K = 3, and a draft
-equal to the target (every window ends in a bonus token). Every case decodes its requests
+pipelined drafter whose pre-drafts fail, a padded draft vocabulary at K = 3, a draft equal
+to the target (every window ends in a bonus token), and draft trees (siblings drawn without
+replacement from a sparse q, accepted by recursive rejection). Every case decodes its requests
 100 at a time through batched pools. Same pair, window and exact law as
 tests/stats/test_pipelined_distribution.py (the three tokens after the first, whose law is
 computed from the target's forwards); chi-square at a false-failure rate of 1e-6 per case,
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import speculative.loop as loop
+import speculative.tree as tree_module
 from drafter.model import ModelDrafter
 from engine.runner import ModelRunner, serving_runner
 from speculative.sampling import SamplingParams
@@ -121,7 +123,12 @@ CASES = {
     # from the verifier's prefix cache (shared, reference-counted)
     "prefix-hits": (3, 5, False, lambda t, d: (close(d), Batched(ModelVerifier(serving_runner(
         t, "paged", "paged", kv_cache_tokens=4096, block_size=2))))),
+    # trees of 3 children at each node of a main chain 2 deep (6 nodes): siblings drawn
+    # without replacement from q (dense: a truncated q rarely holds what the residual
+    # wants), tested by recursive rejection over them
+    "tree": (2, 5, False, lambda t, d: (Batched(ModelDrafter(d)), verifying(t))),
 }
+TREE_WIDTHS = {"tree": 3}
 
 
 def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray, dict]:
@@ -134,7 +141,7 @@ def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray,
     totals = {"accepted": 0, "drafted": 0, "misses": 0, "fallbacks": 0, "pipelined": 0,
               "ks": set()}
     for i, (out, state) in enumerate(run_seeded(drafter, verifier, PROMPT, params, k, SAMPLES,
-                                                pipelined)):
+                                                pipelined, tree_width=TREE_WIDTHS.get(case, 1))):
         counts[tuple(out[1:4])] += 1
         stats = state.stats
         totals["accepted"] += stats.num_accepted_tokens
@@ -143,6 +150,7 @@ def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray,
         totals["cached"] = totals.get("cached", 0) + (stats.cached_tokens > 0)
         totals["fallbacks"] += stats.draft_fallback_rounds
         totals["pipelined"] += stats.pipelined_rounds
+        totals["siblings"] = totals.get("siblings", 0) + stats.sibling_rounds
         totals["ks"] |= set(stats.rounds_by_k)
         if exact_law is not None and (i + 1) % CHUNK == 0 and not chi2_passes(counts,
                                                                                 exact_law)[0]:
@@ -164,7 +172,8 @@ def what_ran(case: str, totals: dict) -> bool:
            and totals["pipelined"] > SAMPLES / 20,
            "padded-K3": 3 in totals["ks"],
            "bonus": totals["accepted"] > 0.99 * totals["drafted"] > 0,
-           "prefix-hits": totals["cached"] > SAMPLES / 2}
+           "prefix-hits": totals["cached"] > SAMPLES / 2,
+           "tree": totals["siblings"] > SAMPLES / 20}
     return ran[case] and (case == "bonus" or 0 < totals["accepted"] < totals["drafted"])
 
 
@@ -226,6 +235,8 @@ MUTANTS = [  # (case, mutant name, patch)
         loop, "continue_with_predraft", predraft_accepted_without_its_test)),
     ("padded-K3", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch",
                                                      q_shifted_by_one)),
+    ("tree", "sibling-against-unreduced-p", lambda mp: mp.setattr(
+        tree_module, "residual_rows", lambda target, draft: target)),
     ("bonus", "bonus-from-p_K", lambda mp: mp.setattr(
         verifier_engine, "draw_recovered_and_bonus", bonus_from_last_drafted_position)),
 ]

@@ -8,9 +8,11 @@ the output to the tree's depth + 1 tokens with draws from p, as the next rounds 
 tokens must follow p's exact law of a sequence of that length: chi-square at a false-failure
 rate of 1e-6 per case, samples seeded.
 
-Mutants that must fail at the same sample size: a sibling tested against the unreduced p
-after a rejection, a sibling tested against the q its earlier siblings were drawn from (the
-removal forgotten), and the children of a node tested against the q of the node's parent.
+Each case runs the reference walk (accept_tree, p in hand) and the served split (the
+verifier's tree_scores, the router's accept_tree_drawn). Mutants that must fail at the same
+sample size, in both forms: a sibling tested against the unreduced p after a rejection, a
+sibling tested against the q its earlier siblings were drawn from (the removal forgotten),
+and the children of a node tested against the q of the node's parent.
 """
 
 import itertools
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from speculative import tree as tree_module
-from speculative.tree import ROOT, DraftTree, accept_tree
+from speculative.tree import ROOT, DraftTree, accept_tree, accept_tree_drawn, tree_scores
 from tests.stats.test_pipelined_distribution import FALSE_FAILURE, chi2_passes as passes
 
 VOCAB = 6
@@ -104,7 +106,16 @@ CASES = {  # name: (widths per depth, truncated)
 }
 
 
-def sample_counts(case: str, mutate_q=None, stop_law=None) -> tuple[np.ndarray, dict]:
+def accept_split(tree: DraftTree, draft_probs, target_probs, generator):
+    """accept_tree as served: the verifier's tree_scores (one q row per node: its parent's),
+    then the router's walk."""
+    node_rows = draft_probs[[parent + 1 for parent in tree.parents]]
+    accept, draws = tree_scores(tree, node_rows, target_probs, generator)
+    return accept_tree_drawn(tree, accept.tolist(), draws.tolist(), generator)
+
+
+def sample_counts(case: str, mutate_q=None, stop_law=None, accept=accept_tree
+                  ) -> tuple[np.ndarray, dict]:
     widths, truncated = CASES[case]
     laws, length = Laws(truncated), len(widths) + 1
     rng, generator = np.random.default_rng(7), torch.Generator().manual_seed(11)
@@ -115,7 +126,7 @@ def sample_counts(case: str, mutate_q=None, stop_law=None) -> tuple[np.ndarray, 
         draft_probs, target_probs = rows(laws, tree)
         if mutate_q is not None:
             draft_probs = mutate_q(tree, draft_probs)
-        outcome = accept_tree(tree, draft_probs, target_probs, generator)
+        outcome = accept(tree, draft_probs, target_probs, generator)
         output = list(outcome.round.output_token_ids)
         totals["accepted"] += outcome.round.num_accepted
         first = tree.children(ROOT)
@@ -130,10 +141,14 @@ def sample_counts(case: str, mutate_q=None, stop_law=None) -> tuple[np.ndarray, 
     return counts, totals
 
 
+ACCEPTS = {"reference": accept_tree, "served": accept_split}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("accept", list(ACCEPTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_tree_output_follows_the_target_law(case):
-    counts, totals = sample_counts(case)
+def test_tree_output_follows_the_target_law(case, accept):
+    counts, totals = sample_counts(case, accept=ACCEPTS[accept])
     widths, truncated = CASES[case]
     ok, message = passes(counts, Laws(truncated).sequence_law(len(widths) + 1))
     assert ok, f"{message}: a correct implementation fails with probability {FALSE_FAILURE}"
@@ -149,6 +164,14 @@ MUTANTS = {  # name: (case, patch of the module, mutation of q's rows)
                                             lambda mp: mp.setattr(tree_module, "without",
                                                                   lambda q, token: q), None),
     "q-of-the-parent": ("width2-depth2", None, parents_q),
+    # the verifier's half (tree_scores), walked by the router
+    "served-sibling-against-unreduced-p": (
+        "width5-depth1", lambda mp: mp.setattr(tree_module, "residual_rows",
+                                               lambda target, draft: target), None),
+    "served-sibling-against-q-with-the-rejected": (
+        "width5-depth1", lambda mp: mp.setattr(tree_module, "without_rows",
+                                               lambda q, token: q), None),
+    "served-q-of-the-parent": ("width2-depth2", None, parents_q),
 }
 
 
@@ -160,5 +183,6 @@ def test_the_check_catches_a_wrong_tree_acceptance(monkeypatch, name):
         patch(monkeypatch)
     widths, truncated = CASES[case]
     law = Laws(truncated).sequence_law(len(widths) + 1)
-    counts, _ = sample_counts(case, mutate_q, stop_law=law)
+    accept = accept_split if name.startswith("served") else accept_tree
+    counts, _ = sample_counts(case, mutate_q, stop_law=law, accept=accept)
     assert not passes(counts, law)[0], f"the {name} mutant passed"

@@ -83,3 +83,42 @@ def test_stop_tokens_end_the_output_and_are_included(target, references):
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     out, state = run(ModelDrafter(target), ModelVerifier(target), prompt, greedy, 4, stop=(stop,))
     assert out == expected[: expected.index(stop) + 1] and state.finish_reason == "stop"
+
+
+class OffMainChain:
+    """A verifier that counts the rounds whose greedy path leaves a tree's main chain (an
+    accepted sibling): the tree case must exercise them."""
+
+    def __init__(self, verifier) -> None:
+        self.verifier, self.sibling_paths, self.trees = verifier, 0, 0
+        self.sessions = verifier.sessions
+
+    async def score(self, call):
+        from speculative.tree import DraftTree, accept_tree_greedy
+
+        scores = await self.verifier.score(call)
+        if call.draft_parents is not None:
+            self.trees += 1
+            tree = DraftTree(call.draft_token_ids, call.draft_parents)
+            path = accept_tree_greedy(tree, scores.target_token_ids).accepted_nodes
+            self.sibling_paths += any(node != depth for depth, node in enumerate(path))
+        return scores
+
+    async def release(self, request_id):
+        await self.verifier.release(request_id)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("kind, k", [("self", 3), ("noisy", 1), ("noisy", 4), ("noisy", 8),
+                                     ("random", 4)])
+def test_greedy_trees_equal_target_greedy(target, references, drafters, kind, k, width):
+    """Each round a tree: `width` children of every node of the main chain, K deep; the
+    verifier scores every node in one forward, the router keeps the path that matches."""
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    drafter, verifier = drafters[kind](), OffMainChain(ModelVerifier(target))
+    for i, (prompt, expected) in enumerate(zip(prompts(), references)):
+        out, _ = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}", tree_width=width)
+        assert out == expected, f"prompt {i}, K={k}, width {width}, {kind} drafter"
+    assert verifier.trees > 0 and len(verifier.sessions) == 0
+    if kind in ("noisy", "random"):
+        assert verifier.sibling_paths > 0  # a sibling was accepted: its keys were re-fed

@@ -5,7 +5,7 @@ import torch
 
 from deployments import wire
 from protos import specserve_pb2 as pb
-from speculative import loop
+from speculative.accept import accept
 from speculative.sampling import SamplingParams, kept_entries
 from speculative.types import (
     EMPTY_PREFIX_HASH,
@@ -103,7 +103,7 @@ def test_the_router_forwards_q_without_building_a_dense_one(monkeypatch):
                                           block.draft_probs, seed=1))
     scores = TargetScores(draft_target_probs=(1.0,) * 4, recovered_token_ids=(0,) * 4,
                           bonus_token_id=5)
-    outcome = loop.accept(block, scores, False, torch.Generator().manual_seed(0))
+    outcome, _ = accept(block, scores, False, torch.Generator().manual_seed(0))
     assert outcome.num_accepted == 4  # p = 1 >= q everywhere
     assert block.draft_probs.weights.shape == q.weights.shape
     assert score.draft_probs.ids.data == proposed.draft_probs.ids.data
@@ -177,3 +177,30 @@ def test_a_session_keeps_its_sampling_parameters_and_forgets_the_oldest():
     assert len(held) == 1
     with pytest.raises(ValueError):  # validated when they arrive
         held.of(pb.ScoreRequest(request_id="d", sampling=pb.SamplingParams(temperature=-1)))
+
+
+def test_draft_trees_round_trip():
+    """A tree's width, parents, per-node q rows and sampled scores cross the wire; a chain
+    stays a chain (no parents), and parents that make no tree are refused."""
+    sampling = SamplingParams(temperature=1.0)
+    sync = PrefixSync(0, 0, (4, 5))
+    propose = ProposeCall("r1", sync, 2, sampling, seed=3, tree_width=3)
+    assert wire.propose_from_proto(pb.ProposeRequest.FromString(
+        wire.propose_to_proto(propose).SerializeToString())) == propose
+    chain = ProposeCall("r1", sync, 2, sampling, seed=3)
+    assert wire.propose_from_proto(wire.propose_to_proto(chain)).tree_width == 1
+    q = DraftDists.from_dense(torch.full((4, 8), 0.125))
+    block = DraftBlock((1, 2, 3, 4), q, parents=(-1, 0, -1, -1))
+    back = wire.block_from_proto(pb.ProposeResponse.FromString(
+        wire.block_to_proto(block).SerializeToString()))
+    assert (back.token_ids, back.parents) == (block.token_ids, block.parents)
+    assert wire.block_from_proto(wire.block_to_proto(DraftBlock((1, 2), None))).parents is None
+    score = ScoreCall("r1", sync, block.token_ids, sampling, q, seed=5,
+                      draft_parents=block.parents)
+    assert wire.score_from_proto(wire.score_to_proto(score)).draft_parents == block.parents
+    scores = TargetScores(accept_probs=(0.5, 1.0, 0.25, 0.0), recovered_token_ids=(7,) * 5)
+    got = wire.scores_from_proto(wire.scores_to_proto(scores))
+    assert (got.accept_probs, got.recovered_token_ids, got.bonus_token_id) == \
+        (scores.accept_probs, scores.recovered_token_ids, None)
+    with pytest.raises(ValueError, match="parent"):
+        wire.block_from_proto(wire.block_to_proto(DraftBlock((1, 2), None, parents=(-1, 1))))

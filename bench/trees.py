@@ -1,0 +1,86 @@
+"""Draft trees against chains at equal verify budget, in process.
+
+    python -m bench.trees [--pair scaled] [--max-tokens 48] [--temperature 0]
+
+One pair in this process (one thread), the bench prompts, drafting then verifying (no
+pre-drafts: a tree's rounds are sequential). Rows: the target alone, chains of K = 1..8 and
+trees of width 2-3 (each node of the main chain has `width` children), each with the nodes the
+verifier scores per round (its verify budget), tokens per round (mean acceptance length),
+tokens/s and the speedup over the target alone in the same run. A tree of width w and depth d
+scores w * d nodes, as a chain of K = w * d does, but drafts only d steps: it pays where the
+draft's second choice often holds the target's token and a verify of w * d tokens costs little
+more than one of d. Greedy rows are checked token-identical to the target alone.
+"""
+
+import argparse
+
+import torch
+
+from bench.pairs import PAIRS, PROMPTS
+from bench.runners import run_loop
+from drafter.model import ModelDrafter
+from engine.models import load_causal_lm, load_tokenizer
+from verifier.engine import ModelVerifier
+
+CHAINS = (1, 2, 3, 4, 6, 8)
+TREES = ((2, 2), (2, 3), (2, 4), (3, 2), (3, 3))  # (width, depth)
+
+
+def methods() -> list[tuple[str, int, int]]:
+    """(name, K, width): the target alone, the chains, the trees."""
+    return [("target alone", 0, 1)] + [(f"chain K={k}", k, 1) for k in CHAINS] + \
+        [(f"tree {w}x{d}", d, w) for w, d in TREES]
+
+
+def run(args) -> list[dict]:
+    pair = PAIRS[args.pair]
+    tokenizer = load_tokenizer(pair.target)
+    verifier = ModelVerifier(load_causal_lm(pair.target, dtype=pair.target_dtype))
+    drafter = ModelDrafter(load_causal_lm(pair.draft, dtype=pair.draft_dtype),
+                           vocab_size=verifier.model.config.vocab_size)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    run_loop(drafter, verifier, prompts[0], 8, 0.0, 0, 4)  # warm-up
+    rows, alone = [], None
+    for name, k, width in methods():
+        tokens, seconds, rounds, accepted, nodes = [], 0.0, 0, 0, 0
+        for i, prompt in enumerate(prompts):
+            out, took, stats = run_loop(drafter if k else None, verifier, prompt,
+                                        args.max_tokens, args.temperature, i, k, width)
+            tokens.append(out)
+            seconds += took
+            rounds += stats.rounds
+            accepted += stats.num_emitted_tokens
+            nodes += stats.num_draft_tokens
+        count = sum(len(t) for t in tokens)
+        alone = alone or (tokens, count / seconds)
+        rows.append({"method": name, "nodes_per_round": nodes / rounds,
+                     "tokens_per_round": accepted / rounds, "tokens_per_s": count / seconds,
+                     "speedup": count / seconds / alone[1],
+                     "same_tokens": tokens == alone[0] if args.temperature == 0 else None})
+    return rows
+
+
+def print_table(rows: list[dict], args) -> None:
+    pair = PAIRS[args.pair]
+    print(f"{pair.name} pair ({pair.note}), T = {args.temperature}, {args.max_tokens} tokens "
+          f"x {len(PROMPTS)} prompts, one thread, torch {torch.__version__}")
+    print("| method | nodes verified/round | tokens/round | tokens/s | speedup | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        same = "–" if r["same_tokens"] is None else "yes" if r["same_tokens"] else "NO"
+        print(f"| {r['method']} | {r['nodes_per_round']:.2f} | {r['tokens_per_round']:.2f} | "
+              f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {same} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="scaled")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print_table(run(args), args)
+
+
+if __name__ == "__main__":
+    main()
