@@ -57,11 +57,11 @@ class InProcess:
 
 
 def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float, seed: int,
-             k: int, tree_width: int = 1):
+             k: int, tree_width: int = 1, tree_nodes: int | None = None):
     """(token ids, seconds, SpecStats) of one request through the round loop in this
     process, planned as the router plans an HTTP request with this seed (choice 0's derived
     seed: the same draws), at a fixed K, drafting then verifying (tree_width > 1: a tree of
-    that width, K deep)."""
+    that width, K deep, of tree_nodes nodes)."""
     from speculative.driver import Generation
     from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
     from speculative.sampling import SamplingParams
@@ -70,7 +70,7 @@ def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float,
                                                     pipelined_drafting="off"))
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
     plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params,
-                          tree=TreeShape(tree_width))
+                          tree=TreeShape(tree_width, nodes=tree_nodes))
     [choice] = plan.choices
     generation = Generation(choice.request)
     started = time.perf_counter()

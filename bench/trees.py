@@ -4,36 +4,52 @@
 
 One pair in this process (one thread), the bench prompts, drafting then verifying (no
 pre-drafts: a tree's rounds are sequential). Rows: the target alone, chains of K = 1..8 and
-trees of width 2-3 (each node of the main chain has `width` children), each with the nodes the
-verifier scores per round (its verify budget), tokens per round (mean acceptance length),
-tokens/s and the speedup over the target alone in the same run. A tree of width w and depth d
-scores w * d nodes, as a chain of K = w * d does, but drafts only d steps: it pays where the
-draft's second choice often holds the target's token and a verify of w * d tokens costs little
-more than one of d. Greedy rows are checked token-identical to the target alone.
+trees "w W d D n N" (a main chain D deep, up to W children at its nodes, N nodes in all, the
+siblings where the draft is least sure), each with the nodes the verifier scores per round
+(its verify budget), tokens per round (mean acceptance length), tokens/s and the speedup over
+the target alone in the same run. A tree of N nodes costs a verify of a chain of K = N but
+drafts only D steps; it accepts more than that chain where the draft's second choice holds
+the target's token more often than the chain's last positions are reached. Greedy rows are
+checked token-identical to the target alone.
 """
 
 import argparse
+from dataclasses import replace
 
 import torch
 
-from bench.pairs import PAIRS, PROMPTS
+from bench.costs import flattest_dtype
+from bench.pairs import PAIRS, PROMPTS, Pair
 from bench.runners import run_loop
 from drafter.model import ModelDrafter
 from engine.models import load_causal_lm, load_tokenizer
 from verifier.engine import ModelVerifier
 
 CHAINS = (1, 2, 3, 4, 6, 8)
-TREES = ((2, 2), (2, 3), (2, 4), (3, 2), (3, 3))  # (width, depth)
+# (width, depth, nodes): siblings at every node, then a budget of a chain's nodes with the
+# siblings where the draft is least sure
+TREES = ((2, 2, 4), (2, 4, 8), (3, 3, 9), (2, 3, 4), (2, 6, 8), (3, 6, 8), (2, 7, 8),
+         (3, 5, 8))
 
 
-def methods() -> list[tuple[str, int, int]]:
-    """(name, K, width): the target alone, the chains, the trees."""
-    return [("target alone", 0, 1)] + [(f"chain K={k}", k, 1) for k in CHAINS] + \
-        [(f"tree {w}x{d}", d, w) for w, d in TREES]
+def methods() -> list[tuple[str, int, int, int | None]]:
+    """(name, K, width, nodes): the target alone, the chains, the trees."""
+    return [("target alone", 0, 1, None)] + [(f"chain K={k}", k, 1, None) for k in CHAINS] + \
+        [(f"tree w{w} d{d} n{n}", d, w, n) for w, d, n in TREES]
+
+
+def resolved(pair: Pair) -> Pair:
+    """The pair with an "auto" dtype chosen as the bench suite chooses it (the target's
+    flattest cost curve up to 9 tokens on this machine; the draft follows)."""
+    if pair.target_dtype != "auto":
+        return pair
+    dtype, _ = flattest_dtype(pair.target, 9, repeats=3)
+    return replace(pair, target_dtype=dtype,
+                   draft_dtype=dtype if pair.draft_dtype == "auto" else pair.draft_dtype)
 
 
 def run(args) -> list[dict]:
-    pair = PAIRS[args.pair]
+    pair = args.resolved = resolved(PAIRS[args.pair])
     tokenizer = load_tokenizer(pair.target)
     verifier = ModelVerifier(load_causal_lm(pair.target, dtype=pair.target_dtype))
     drafter = ModelDrafter(load_causal_lm(pair.draft, dtype=pair.draft_dtype),
@@ -41,19 +57,20 @@ def run(args) -> list[dict]:
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     run_loop(drafter, verifier, prompts[0], 8, 0.0, 0, 4)  # warm-up
     rows, alone = [], None
-    for name, k, width in methods():
-        tokens, seconds, rounds, accepted, nodes = [], 0.0, 0, 0, 0
+    for name, k, width, nodes in methods():
+        tokens, seconds, rounds, accepted, verified = [], 0.0, 0, 0, 0
         for i, prompt in enumerate(prompts):
             out, took, stats = run_loop(drafter if k else None, verifier, prompt,
-                                        args.max_tokens, args.temperature, i, k, width)
+                                        args.max_tokens, args.temperature, i, k, width,
+                                        nodes)
             tokens.append(out)
             seconds += took
             rounds += stats.rounds
             accepted += stats.num_emitted_tokens
-            nodes += stats.num_draft_tokens
+            verified += stats.num_draft_tokens
         count = sum(len(t) for t in tokens)
         alone = alone or (tokens, count / seconds)
-        rows.append({"method": name, "nodes_per_round": nodes / rounds,
+        rows.append({"method": name, "nodes_per_round": verified / rounds,
                      "tokens_per_round": accepted / rounds, "tokens_per_s": count / seconds,
                      "speedup": count / seconds / alone[1],
                      "same_tokens": tokens == alone[0] if args.temperature == 0 else None})
@@ -61,8 +78,9 @@ def run(args) -> list[dict]:
 
 
 def print_table(rows: list[dict], args) -> None:
-    pair = PAIRS[args.pair]
-    print(f"{pair.name} pair ({pair.note}), T = {args.temperature}, {args.max_tokens} tokens "
+    pair = args.resolved
+    print(f"{pair.name} pair ({pair.note}; target {pair.target_dtype}), T = {args.temperature}, "
+          f"{args.max_tokens} tokens "
           f"x {len(PROMPTS)} prompts, one thread, torch {torch.__version__}")
     print("| method | nodes verified/round | tokens/round | tokens/s | speedup | same tokens |")
     print("|---|---|---|---|---|---|")

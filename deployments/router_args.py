@@ -14,25 +14,21 @@ from speculative.types import MAX_SPECULATIVE_TOKENS, MAX_TREE_WIDTH
 
 
 class SpeculativeTree(BaseModel):
-    """A draft tree per round: `width` children at each node of the main chain (the drafter's
-    next most likely tokens, or its draws without replacement), `depth` deep (default: the
-    request's K). Width 1 is a chain. A request with a grammar or logit shaping drafts a
+    """A draft tree per round: a main chain `depth` deep (default: the request's K) and up to
+    `width` children at its nodes (the drafter's next most likely tokens, or its draws
+    without replacement), `nodes` in all. Width 1 is a chain. A request with a grammar or logit shaping drafts a
     chain, as does a pipelined round's pre-draft: a tree's rounds are sequential."""
 
     model_config = ConfigDict(extra="forbid")
 
     width: int = Field(default=2, ge=1, le=MAX_TREE_WIDTH)
     depth: int | None = Field(default=None, ge=1, le=32)
+    # the nodes in all, the main chain's included (default: width x depth, at most 64): the
+    # other children go to the levels the draft expects them to pay at
+    nodes: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
 
     def shape(self) -> TreeShape:
-        return TreeShape(self.width, self.depth)
-
-    @model_validator(mode="after")
-    def bounded(self):
-        if self.depth is not None and self.width * self.depth > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"a tree of width x depth = {self.width * self.depth} nodes; at "
-                             f"most {MAX_SPECULATIVE_TOKENS}")
-        return self
+        return TreeShape(self.width, self.depth, self.nodes)
 
 
 class AdaptiveKArgs(BaseModel):

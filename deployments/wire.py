@@ -239,6 +239,7 @@ def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
         assumed_token_ids=call.assumed_token_ids,
         prompt_len=call.prompt_len,
         tree_width=call.tree_width,
+        tree_nodes=call.tree_nodes,
     )
 
 
@@ -254,6 +255,7 @@ def propose_from_proto(message: pb.ProposeRequest,
         assumed_token_ids=tuple(message.assumed_token_ids),
         prompt_len=message.prompt_len,
         tree_width=max(1, message.tree_width),
+        tree_nodes=message.tree_nodes,
     )
 
 

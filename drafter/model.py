@@ -17,7 +17,9 @@ from speculative.sampling import (
     seeded_generator,
     shape_logits,
 )
+from speculative.tree import allocate_siblings
 from speculative.types import (
+    MAX_SPECULATIVE_TOKENS,
     MAX_TREE_WIDTH,
     BatchLoad,
     DraftBlock,
@@ -111,6 +113,8 @@ class ModelDrafter:
         load = BatchLoad(len(drafts), first_tokens)
         elapsed = time.perf_counter() - started
         for index, draft in drafts:
+            if draft.width > 1:
+                self.add_siblings(draft)
             tokens, parents, q_rows = draft.tree()
             # q leaves the device here, on the worker thread, not on the event loop
             probs = DraftDists.stack(q_rows, self.vocab_size).compact().to("cpu") \
@@ -159,12 +163,13 @@ class ModelDrafter:
             logits = self.runner.forward(segments)
             drafts = [draft for _, draft, _ in active]
             tokens = self.next_tokens(drafts, logits)
-            for draft, rows, token in zip(drafts, logits, tokens):
-                if draft.width > 1:
-                    draft.siblings.append(self.siblings(draft, rows[0], token))
-            if self.draft_confidence > 0:
-                for draft, prob in zip(drafts, self.drafted_probs(drafts, logits, tokens)):
+            if self.draft_confidence > 0 or any(draft.width > 1 for draft in drafts):
+                for draft, rows, prob in zip(drafts, logits,
+                                             self.drafted_probs(drafts, logits, tokens)):
                     draft.confidence *= prob
+                    if draft.width > 1:  # a tree's siblings are drawn once the chain is
+                        draft.levels.append((prob, rows[0] if draft.call.sampling.greedy
+                                             else None))
             still = []
             for (index, draft, _), token in zip(active, tokens):
                 draft.took(token)
@@ -192,16 +197,29 @@ class ModelDrafter:
             probs.append(float(drawn / weights.sum()))
         return probs
 
-    def siblings(self, draft: "Draft", logits: torch.Tensor, token: int) -> list[int]:
-        """The other width - 1 children of the main chain's node whose next token is `token`
-        (a tree, speculative.tree): greedy, the next most likely tokens; sampled, drawn one
-        after another from the same q with the ones before removed, `token` the first."""
-        others = draft.width - 1
+    def add_siblings(self, draft: "Draft") -> None:
+        """A tree's other children at the main chain's nodes (speculative.tree), as many as
+        its node budget allows, placed where the draft itself expects them to pay
+        (allocate_siblings: reached and unsure), then drawn. Each count depends on the main
+        chain's tokens, never on the siblings it places, so they keep the law they are
+        tested under."""
+        probs = [prob for prob, _ in draft.levels][:len(draft.token_ids)]
+        budget = draft.nodes - len(draft.token_ids) if draft.nodes else \
+            (draft.width - 1) * len(draft.token_ids)
+        counts = allocate_siblings(probs, draft.width - 1, budget)
+        draft.siblings = [self.siblings(draft, level, count) if count else []
+                          for level, count in enumerate(counts)]
+
+    def siblings(self, draft: "Draft", level: int, others: int) -> list[int]:
+        """`others` children besides the main chain's token at `level`: greedy, the next
+        most likely tokens; sampled, drawn one after another from the same q with the ones
+        before removed, the main token the first."""
+        token = draft.token_ids[level]
         if draft.call.sampling.greedy:
-            line = fit_vocab(logits, self.vocab_size)
-            top = line.topk(min(draft.width, line.shape[-1])).indices.tolist()
+            line = fit_vocab(draft.levels[level][1], self.vocab_size)
+            top = line.topk(min(others + 1, line.shape[-1])).indices.tolist()
             return [t for t in top if t != token][:others]
-        weights, ids = draft.q_rows[-1]
+        weights, ids = draft.q_rows[level]
         rest = weights.float().clone()
         drawn = []
         for _ in range(others):
@@ -233,12 +251,12 @@ class ModelDrafter:
         width = call.tree_width
         if width > 1:
             check_tree_width(call)
-            if self.max_positions is not None and \
-                    len(sequence.committed) + width * num_tokens > self.max_positions:
+            if self.max_positions is not None and len(sequence.committed) + \
+                    (call.tree_nodes or width * num_tokens) > self.max_positions:
                 width = 1  # the nodes would pass the context's end: a chain fits
         return Draft(call, sequence, assumed, num_tokens,
                      seeded_generator(call.seed, self.model.device), matcher=matcher,
-                     width=width)
+                     width=width, nodes=call.tree_nodes)
 
     def next_tokens(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> list[int]:
         """Each draft's next token from its logits [1, V_draft], with ONE host sync for the
@@ -285,6 +303,9 @@ def check_tree_width(call: ProposeCall) -> None:
     (a pre-draft's assumed tokens, a grammar, logit shaping)."""
     if call.tree_width > MAX_TREE_WIDTH:
         raise ValueError(f"tree_width must be at most {MAX_TREE_WIDTH}, got {call.tree_width}")
+    if call.tree_nodes > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"tree_nodes must be at most {MAX_SPECULATIVE_TOKENS}, got "
+                         f"{call.tree_nodes}")
     if call.assumed_token_ids or call.sampling.grammar is not None or \
             call.sampling.shapes_logits:
         raise ValueError("a draft tree does not combine with pre-drafting, structured "
@@ -304,7 +325,11 @@ class Draft:
     q_rows: list[tuple] = field(default_factory=list)  # shipped_q of each drafted token
     matcher: TokenMasks | None = None  # the request's grammar, at the block's next position
     confidence: float = 1.0  # the drafted tokens' probabilities multiplied (draft_confidence)
-    width: int = 1  # > 1: a tree, that many children at each node of the main chain
+    width: int = 1  # > 1: a tree, up to that many children at each node of the main chain
+    nodes: int = 0  # the tree's node budget (0: width at every node)
+    # per level of the main chain: its token's probability under the draft's law, and the
+    # logits a greedy draft takes its siblings from
+    levels: list[tuple] = field(default_factory=list)
     siblings: list[list[int]] = field(default_factory=list)  # the others, per depth
 
     def tree(self) -> tuple[tuple[int, ...], tuple[int, ...] | None, list[tuple]]:

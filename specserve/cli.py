@@ -60,8 +60,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="K, tokens drafted per round; 0 = target alone, no drafter call; "
                              "auto = chosen per round from the acceptance so far, in 1..8")
     parser.add_argument("--tree-width", type=int, default=1,
-                        help="> 1: each round drafts a tree, that many children at each node "
-                             "of a main chain K deep (sequential rounds); 1 = a chain")
+                        help="> 1: each round drafts a tree, up to that many children at each "
+                             "node of a main chain K deep (sequential rounds); 1 = a chain")
+    parser.add_argument("--tree-nodes", type=int, default=None,
+                        help="a tree's nodes in all, placed where the draft is least sure "
+                             "(default: the width at every node)")
     parser.add_argument("--n", type=int, default=1, help="independent samples")
     parser.add_argument("--pipelined", action="store_true",
                         help="draft the next block while the target verifies this one (the "
@@ -158,7 +161,7 @@ def request_front_end(args):
     return RequestFrontEnd(SpeculationDefaults(
         num_speculative_tokens=args.num_speculative_tokens,
         pipelined_drafting="on" if args.pipelined else "off",
-        tree=TreeShape(args.tree_width)))
+        tree=TreeShape(args.tree_width, nodes=args.tree_nodes)))
 
 
 def k_value(text: str) -> int | str:
@@ -179,6 +182,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--n must be >= 1")
     if not 1 <= args.tree_width <= MAX_TREE_WIDTH:
         parser.error(f"--tree-width must be in [1, {MAX_TREE_WIDTH}]")
+    if args.tree_nodes is not None and not 1 <= args.tree_nodes <= 64:
+        parser.error("--tree-nodes must be in [1, 64]")
     if args.draft_top_k < 0:
         parser.error("--draft-top-k must be >= 0")
     if not 0 < args.draft_q_mass <= 1:

@@ -33,6 +33,7 @@ class TreeShape:
 
     width: int = 1
     depth: int | None = None
+    nodes: int | None = None  # in all (the main chain's included); None: width x depth
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,12 @@ class RequestFrontEnd:
         choice's is derived. None for K, pipelined or tree: the defaults."""
         k = self.num_speculative_tokens(num_speculative_tokens, sampling)
         pipelined = self.pipelined(pipelined, sampling)
-        width, k = self.tree(tree, sampling, k)
+        width, k, nodes = self.tree(tree, sampling, k)
         pipelined = pipelined and width == 1  # a pre-draft continues one chain
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
-                           self.defaults.busy_wait_s, width),
+                           self.defaults.busy_wait_s, width, nodes),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
@@ -124,15 +125,16 @@ class RequestFrontEnd:
         return k
 
     def tree(self, requested: TreeShape | None, sampling: SamplingParams,
-             k: NumSpeculativeTokens) -> tuple[int, NumSpeculativeTokens]:
-        """(tree width, K): the requested shape or the default; a tree's depth is its K (an
-        adaptive K is a chain's: a tree of the request's K, else of the seeded default). A
-        grammar or logit shaping follows one chain of drafted tokens: width 1."""
+             k: NumSpeculativeTokens) -> tuple[int, NumSpeculativeTokens, int]:
+        """(tree width, K, tree nodes): the requested shape or the default; a tree's depth is
+        its K (an adaptive K is a chain's: a tree of the request's K, else of the seeded
+        default). A grammar or logit shaping follows one chain of drafted tokens: width 1."""
         shape = requested or self.defaults.tree
         if shape.width <= 1 or sampling.grammar is not None or sampling.shapes_logits:
-            return 1, k
+            return 1, k, 0
         depth = shape.depth or (k if k != "auto" else self.defaults.seeded_num_speculative_tokens)
-        return shape.width, min(depth, MAX_SPECULATIVE_TOKENS // shape.width)  # nodes bounded
+        nodes = min(shape.nodes or shape.width * depth, MAX_SPECULATIVE_TOKENS)
+        return shape.width, min(depth, nodes), nodes
 
     def pipelined(self, requested: bool | None, sampling: SamplingParams) -> bool:
         if requested is not None:

@@ -45,6 +45,7 @@ class Request:
     # fails (speculative.busy); 0: it fails at once
     busy_wait_s: float = 0.0
     tree_width: int = 1  # > 1: each round drafts a tree of that width (speculative.tree)
+    tree_nodes: int = 0  # ...of that many nodes (0: the width at every node)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -180,7 +181,8 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
         lambda sync: drafter.propose(
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
                         len(request.prompt_token_ids),
-                        1 if assumed or not k else request.tree_width)),
+                        *((1, 0) if assumed or not k else
+                          (request.tree_width, request.tree_nodes)))),
     )
 
 

@@ -200,3 +200,20 @@ def accept_tree_drawn(tree: DraftTree, accept_probs, draws, generator: torch.Gen
         output.append(tree.token_ids[chosen])
         path.append(chosen)
         node = chosen
+
+
+def allocate_siblings(main_probs: list[float], per_level: int, budget: int) -> list[int]:
+    """How many siblings each level of a main chain gets: up to `per_level` each, `budget`
+    in all, to the levels with the most to gain by the draft's own estimate: the chance the
+    walk reaches the level (the main tokens before it all accepted) times the chance its
+    main token is not (main_probs[l]: its probability under q). Ties: the shallower."""
+    counts, reach, values = [0] * len(main_probs), 1.0, []
+    for level, prob in enumerate(main_probs):
+        values.append((-reach * (1 - prob), level))
+        reach *= prob
+    for _, level in sorted(values):
+        if budget <= 0:
+            break
+        counts[level] = min(per_level, budget)
+        budget -= counts[level]
+    return counts

@@ -52,8 +52,10 @@ class ProposeCall:
     # a pre-draft: tokens after the committed prefix, still being verified, to draft after
     assumed_token_ids: tuple[int, ...] = ()
     prompt_len: int = 0  # the committed prefix's first tokens that are the prompt (penalties)
-    # > 1: a draft tree, that many children at each node of the main chain (DraftBlock)
+    # > 1: a draft tree, up to that many children at each node of the main chain
+    # (DraftBlock), tree_nodes nodes in all (0: tree_width at every node)
     tree_width: int = 1
+    tree_nodes: int = 0
 
 
 @dataclass(frozen=True, eq=False)

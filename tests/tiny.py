@@ -42,13 +42,14 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request_id="r", stop=(),
-        decode=None, pipelined: bool = False, tree_width: int = 1):
+        decode=None, pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0):
     """Decode one request in-process through the request driver; returns (output ids, state).
 
     k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies);
-    tree_width > 1: each round drafts a tree of that width, K deep.
+    tree_width > 1: each round drafts a tree of that width, K deep, of tree_nodes nodes.
     """
-    request = Request(request_id, tuple(prompt), params, tuple(stop), tree_width=tree_width)
+    request = Request(request_id, tuple(prompt), params, tuple(stop), tree_width=tree_width,
+                      tree_nodes=tree_nodes)
     generation = Generation(request, decode)
     asyncio.run(decoded(drafter, verifier, generation, k, pipelined))
     return generation.token_ids, generation.state
@@ -185,7 +186,8 @@ class Batched:
 
 
 def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, samples: int,
-               pipelined: bool = False, group: int = 100, tree_width: int = 1):
+               pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
+               group: int = 100):
     """Request i (its seed i, its id str(i)) for i in 0..samples-1, `group` of them decoding
     at once (the pools wrapped in `Batched` serve each group's rounds in shared forwards);
     yields each one's (output ids, state) in order. A caller may stop early between groups."""
@@ -193,7 +195,7 @@ def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, 
 
     async def one(i):
         request = Request(str(i), tuple(prompt), replace(params, seed=i), (),
-                          tree_width=tree_width)
+                          tree_width=tree_width, tree_nodes=tree_nodes)
         generation = await decoded(drafter, verifier, Generation(request), k, pipelined)
         return generation.token_ids, generation.state
 

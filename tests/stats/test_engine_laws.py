@@ -123,12 +123,13 @@ CASES = {
     # from the verifier's prefix cache (shared, reference-counted)
     "prefix-hits": (3, 5, False, lambda t, d: (close(d), Batched(ModelVerifier(serving_runner(
         t, "paged", "paged", kv_cache_tokens=4096, block_size=2))))),
-    # trees of 3 children at each node of a main chain 2 deep (6 nodes): siblings drawn
+    # trees of 5 nodes: a main chain 2 deep and 3 siblings, up to 2 at a node, placed where
+    # the main token is least sure (so the shape follows the main chain's draws), drawn
     # without replacement from q (dense: a truncated q rarely holds what the residual
     # wants), tested by recursive rejection over them
     "tree": (2, 5, False, lambda t, d: (Batched(ModelDrafter(d)), verifying(t))),
 }
-TREE_WIDTHS = {"tree": 3}
+TREE_SHAPES = {"tree": (3, 5)}  # (width, nodes)
 
 
 def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray, dict]:
@@ -141,7 +142,7 @@ def sample_counts(case: str, target, draft, exact_law=None) -> tuple[np.ndarray,
     totals = {"accepted": 0, "drafted": 0, "misses": 0, "fallbacks": 0, "pipelined": 0,
               "ks": set()}
     for i, (out, state) in enumerate(run_seeded(drafter, verifier, PROMPT, params, k, SAMPLES,
-                                                pipelined, tree_width=TREE_WIDTHS.get(case, 1))):
+                                                pipelined, *TREE_SHAPES.get(case, (1, 0)))):
         counts[tuple(out[1:4])] += 1
         stats = state.stats
         totals["accepted"] += stats.num_accepted_tokens

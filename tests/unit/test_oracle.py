@@ -108,16 +108,18 @@ class OffMainChain:
         await self.verifier.release(request_id)
 
 
-@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("width, nodes", [(2, 0), (4, 0), (3, 10)])
 @pytest.mark.parametrize("kind, k", [("self", 3), ("noisy", 1), ("noisy", 4), ("noisy", 8),
                                      ("random", 4)])
-def test_greedy_trees_equal_target_greedy(target, references, drafters, kind, k, width):
-    """Each round a tree: `width` children of every node of the main chain, K deep; the
-    verifier scores every node in one forward, the router keeps the path that matches."""
+def test_greedy_trees_equal_target_greedy(target, references, drafters, kind, k, width, nodes):
+    """Each round a tree: up to `width` children at each node of the main chain, K deep,
+    `nodes` in all (0: width everywhere); the verifier scores every node in one forward, the
+    router keeps the path that matches."""
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     drafter, verifier = drafters[kind](), OffMainChain(ModelVerifier(target))
     for i, (prompt, expected) in enumerate(zip(prompts(), references)):
-        out, _ = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}", tree_width=width)
+        out, _ = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}", tree_width=width,
+                     tree_nodes=nodes)
         assert out == expected, f"prompt {i}, K={k}, width {width}, {kind} drafter"
     assert verifier.trees > 0 and len(verifier.sessions) == 0
     if kind in ("noisy", "random"):

@@ -7,6 +7,7 @@ import torch
 
 from speculative.rejection import rejection_sample
 from speculative.tree import (
+    allocate_siblings,
     ROOT,
     DraftTree,
     accept_tree,
@@ -80,3 +81,40 @@ def test_siblings_are_distinct_and_end_with_the_support():
         assert sorted(drawn) == [0, 2, 3]  # all three of the support, each once
     assert len(draw_children(q, 5, generator)) == 3
     assert draw_children(torch.tensor([0.0, 1.0]), 2, generator) == [1]
+
+
+def test_siblings_go_where_the_walk_arrives_unsure():
+    # reach: 1, 0.9, 0.45; unsure: 0.1, 0.5, 0.8 -> values 0.1, 0.45, 0.36
+    assert allocate_siblings([0.9, 0.5, 0.2], 2, 3) == [0, 2, 1]
+    assert allocate_siblings([0.9, 0.5, 0.2], 1, 2) == [0, 1, 1]
+    assert allocate_siblings([0.9, 0.5, 0.2], 2, 0) == [0, 0, 0]
+    assert allocate_siblings([0.5, 0.5], 3, 99) == [3, 3]  # width everywhere
+    assert allocate_siblings([1.0, 1.0], 1, 1) == [1, 0]  # a tie: the shallower
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_drafted_tree_keeps_its_budget_and_its_main_chain(greedy):
+    """The main chain is the chain the same seed drafts; the siblings are distinct from the
+    main token and each other, within the node budget, one q row per node (its parent's)."""
+    from drafter.model import ModelDrafter
+    from speculative.sampling import SamplingParams
+    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from tests.tiny import tiny_llama
+
+    drafter = ModelDrafter(tiny_llama(8, layers=1))
+    sampling = SamplingParams(temperature=0.0 if greedy else 1.0)
+    sync = PrefixSync(0, EMPTY_PREFIX_HASH, (3, 1, 4))
+    chain = drafter.propose_now(ProposeCall("c", sync, 4, sampling, 5))
+    tree = drafter.propose_now(ProposeCall("t", sync, 4, sampling, 5, tree_width=3,
+                                           tree_nodes=7))
+    assert tree.token_ids[:4] == chain.token_ids and tree.parents[:4] == (-1, 0, 1, 2)
+    assert len(tree.token_ids) == 7
+    for node in range(4, 7):
+        parent = tree.parents[node]
+        siblings = [tree.token_ids[n] for n, p in enumerate(tree.parents) if p == parent]
+        assert len(siblings) == len(set(siblings)) <= 3
+    if not greedy:
+        assert len(tree.draft_probs) == 7
+        for node, parent in enumerate(tree.parents):
+            main = parent + 1  # the main chain's node at that depth drew from the same row
+            assert torch.equal(tree.draft_probs.weights[node], tree.draft_probs.weights[main])
