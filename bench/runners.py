@@ -70,7 +70,8 @@ def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float,
                                                     pipelined_drafting="off"))
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
     plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params,
-                          tree=TreeShape(tree_width, nodes=tree_nodes))
+                          tree=TreeShape(tree_width, nodes=tree_nodes),
+                          context_limit=verifier.max_positions)
     [choice] = plan.choices
     generation = Generation(choice.request)
     started = time.perf_counter()

@@ -139,4 +139,5 @@ class Router:
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,
                                    pipelined=body.pipelined, drafter_kind=body.drafter,
-                                   tree=body.speculative_tree and body.speculative_tree.shape())
+                                   tree=body.speculative_tree and body.speculative_tree.shape(),
+                                   context_limit=self.prompts.context_limit)

@@ -323,7 +323,8 @@ def score_from_proto(message: pb.ScoreRequest,
 
 def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
     response = pb.ScoreResponse(compute_us=round(scores.compute_seconds * 1e6),
-                                cached_tokens=scores.cached_tokens)
+                                cached_tokens=scores.cached_tokens,
+                                tree_nodes=scores.tree_nodes)
     if scores.accept_probs:  # a sampled tree
         response.sampled.accept_probs.extend(scores.accept_probs)
         response.sampled.recovered_token_ids.extend(scores.recovered_token_ids)
@@ -365,7 +366,8 @@ def logprobs_from_proto(message: pb.ScoreResponse) -> PositionLogprobs | None:
 
 def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
     timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message),
-              "logprobs": logprobs_from_proto(message), "cached_tokens": message.cached_tokens}
+              "logprobs": logprobs_from_proto(message), "cached_tokens": message.cached_tokens,
+              "tree_nodes": message.tree_nodes}
     kind = message.WhichOneof("scores")
     if kind == "greedy":
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)

@@ -74,6 +74,10 @@ class NgramDrafter:
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         sequence = self.sessions.apply(call.request_id, call.sync)
         context = sequence.committed + list(call.assumed_token_ids)
+        if call.tree_width > 1 and not call.assumed_token_ids and call.sampling.grammar is None:
+            tree = self.lookup_tree(call, sequence, context)
+            if tree is not None:  # deterministic: verified by matching the target's draws
+                return DraftBlock(tree[0], None, parents=tree[1])
         token_ids = self.lookup(call, sequence, context)
         if call.sampling.grammar is not None and token_ids:
             token_ids = self.allowed_prefix(call, sequence, context, token_ids)
@@ -86,6 +90,12 @@ class NgramDrafter:
     def lookup(self, call: ProposeCall, sequence, context: list[int]) -> list[int]:
         """The proposal for the context (the committed tokens, then the call's assumed ones)."""
         return lookup(context, call.num_speculative_tokens, self.min_ngram, self.max_ngram)
+
+    def lookup_tree(self, call: ProposeCall, sequence, context: list[int]
+                    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """A tree of proposals (tokens, parents) when the drafter has more than one
+        continuation worth verifying, else None (a chain: `lookup`). Prompt lookup has one."""
+        return None
 
     def allowed_prefix(self, call: ProposeCall, sequence, context: list[int],
                        token_ids: list[int]) -> list[int]:

@@ -100,6 +100,42 @@ class SuffixIndex:
         return tokens, score
 
 
+    def propose_tree(self, context: list[int], num_tokens: int, width: int, nodes: int,
+                     min_token_prob: float, max_spec_factor: float
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+        """(tokens, parents, expected accepted length): `propose`'s chain as the main chain,
+        then at its nodes up to width - 1 other continuations each (the next most frequent),
+        the likeliest first while `nodes` (0: width per node) allows and their probability
+        under the counts stays at or above min_token_prob."""
+        node, length = self.match(context)
+        tokens: list[int] = []
+        parents: list[int] = []
+        others: list[tuple[float, int, int]] = []  # (probability, parent, token)
+        score, prob = 0.0, 1.0
+        limit = min(num_tokens, int(max_spec_factor * length))
+        while node is not None and node.children and len(tokens) < limit:
+            total = sum(c.count for c in node.children.values())
+            ranked = sorted(node.children.items(), key=lambda item: -item[1].count)
+            here = len(tokens) - 1  # the parent of this level: ROOT or the last main node
+            others += [(prob * c.count / total, here, t) for t, c in ranked[1:width]]
+            token, child = ranked[0]
+            prob *= child.count / total
+            if prob < min_token_prob:
+                break
+            tokens.append(token)
+            parents.append(here)
+            score += prob
+            node = child
+        budget = (nodes or width * len(tokens)) - len(tokens)
+        kept = [o for o in sorted(others, reverse=True)[:max(0, budget)]
+                if o[0] >= min_token_prob and o[1] < len(tokens)]
+        for other_prob, parent, token in sorted(kept, key=lambda o: o[1]):
+            tokens.append(token)
+            parents.append(parent)
+            score += other_prob
+        return tuple(tokens), tuple(parents), score
+
+
 class RequestIndex:
     """A request's own index (its session's `drafter_state`): extended as its tokens commit;
     when the session closes (released, evicted or swept), its output goes to `on_close`."""
@@ -135,16 +171,39 @@ class SuffixDrafter(NgramDrafter):
         self.outputs: deque[list[int]] = deque()
         self.max_global_outputs = max_global_outputs
 
-    def lookup(self, call, sequence, context: list[int]) -> list[int]:
-        if sequence.drafter_state is None:  # a new session, or one rebuilt from its prompt
+    def indexes(self, call, sequence) -> tuple["SuffixIndex", "SuffixIndex"]:
+        """The request's own index (made on its session's first call or after a rebuild,
+        extended to its committed tokens) and the global one."""
+        if sequence.drafter_state is None:
             sequence.drafter_state = RequestIndex(self.max_depth, call.prompt_len,
                                                   self.remember)
-        index = sequence.drafter_state.extended(sequence.committed)
+        return sequence.drafter_state.extended(sequence.committed), self.global_index
+
+    def lookup(self, call, sequence, context: list[int]) -> list[int]:
         proposals = [found.propose(context, call.num_speculative_tokens, self.min_token_prob,
                                    self.max_spec_factor)
-                     for found in (index, self.global_index)]
+                     for found in self.indexes(call, sequence)]
         tokens, _ = max(proposals, key=lambda proposal: proposal[1])
         return tokens
+
+    def lookup_tree(self, call, sequence, context: list[int]):
+        """The more promising index's tree: its most frequent continuation as the main chain,
+        and the other frequent continuations at its nodes (SuffixIndex.propose_tree)."""
+        proposals = [found.propose_tree(context, call.num_speculative_tokens, call.tree_width,
+                                        call.tree_nodes, self.min_token_prob,
+                                        self.max_spec_factor)
+                     for found in self.indexes(call, sequence)]
+        tokens, parents, _ = max(proposals, key=lambda proposal: proposal[2])
+        is_tree = any(parent != node - 1 for node, parent in enumerate(parents))
+        return (tokens, parents) if is_tree else None
+
+    def observe(self, request_id: str, token_ids: list[int]) -> None:
+        """The request's committed tokens at its end (types.Drafter): its session takes the
+        last rounds' tokens, which no later call brings, so its release indexes the whole
+        output. Ignored unless they extend what the session holds."""
+        sequence = self.sessions.get(request_id)
+        if sequence is not None and token_ids[:len(sequence.committed)] == sequence.committed:
+            sequence.committed = list(token_ids)
 
     def remember(self, output: list[int]) -> None:
         """A finished request's output (as far as this drafter saw it committed) joins the

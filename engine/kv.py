@@ -219,6 +219,10 @@ class SessionStore:
             raise
         return sequence
 
+    def get(self, request_id: str) -> "Sequence | None":
+        """The request's sequence, if held (no use recorded: not a call)."""
+        return self._sequences.get(request_id)
+
     def resume(self, request_id: str, call) -> "Sequence | None":
         """The request's sequence when `call` is the one whose feed was cut (it is already
         synced: chunked prefill goes on), else None."""

@@ -80,6 +80,15 @@ class ModelRunner:
     def pool(self):
         return None if self.lean is None else self.lean.attention.pool
 
+    @property
+    def scores_trees(self) -> bool:
+        """Whether a forward can score a draft tree: the lean forward always; transformers'
+        modeling without sliding windows (its caches keep a window of slots, not of a
+        tree's positions)."""
+        config = self.model.config
+        return self.lean is not None or getattr(config, "sliding_window", None) is None or \
+            getattr(config, "use_sliding_window", True) is False
+
     def new_cache(self):
         if self.lean is None:
             return TransformersCache(self.model.config)

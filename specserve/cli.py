@@ -125,7 +125,8 @@ def generate(args) -> dict:
     stop_ids = stop_token_ids(end_token_ids(args.target, tokenizer), args.stop_token_id,
                               args.ignore_eos)
     plan = request_front_end(args).plan(uuid.uuid4().hex, prompt_ids, sampling(args), args.n,
-                                        stop_ids, drafter_kind=args.drafter)
+                                        stop_ids, drafter_kind=args.drafter,
+                                        context_limit=verifier.max_positions)
     decode, done = text_decoder(tokenizer), []
     started = time.perf_counter()
     for choice in plan.choices:

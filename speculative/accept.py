@@ -1,11 +1,17 @@
 """A round's acceptance from the pools' answers: a chain's (Algorithm 1, speculative.rejection)
-or a draft tree's (speculative.tree), one entry point for the round loop."""
+or a draft tree's (speculative.tree), one entry point for the round loop.
+
+A tree without q (a model-free drafter's candidates, not drawn from any law) is verified by
+matching: the verifier draws the target's own token at every row, and the walk follows the
+child equal to it, ending with the first draw no child matches. Each emitted token is then
+the target's own draw after the path so far, so the output has the target's law (greedy:
+the argmax, as for any tree)."""
 
 from dataclasses import replace
 
 from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
 from speculative.tree import DraftTree, accept_tree_drawn, accept_tree_greedy, tree_depths
-from speculative.types import DraftBlock, TargetScores
+from speculative.types import DraftBlock, PoolUnavailable, TargetScores
 
 
 def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator
@@ -14,9 +20,15 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator
     the accepted path)."""
     if block.parents is None:
         return accept_chain(block, scores, greedy, generator), scores
+    if scores.tree_nodes != len(block.token_ids):
+        raise PoolUnavailable("verifier: scored a draft tree as a chain (a version without "
+                              "draft trees?): serve both pools from one version")
     tree = DraftTree(block.token_ids, block.parents)
-    outcome = accept_tree_greedy(tree, scores.target_token_ids) if greedy else \
-        accept_tree_drawn(tree, scores.accept_probs, scores.recovered_token_ids, generator)
+    if greedy or block.draft_probs is None:  # the argmax, or a target's draw, at each row
+        outcome = accept_tree_greedy(tree, scores.target_token_ids)
+    else:
+        outcome = accept_tree_drawn(tree, scores.accept_probs, scores.recovered_token_ids,
+                                    generator)
     if scores.logprobs is not None:
         scores = replace(scores, logprobs=scores.logprobs.along(outcome.accepted_nodes))
     return outcome.round, scores

@@ -102,17 +102,17 @@ class RequestFrontEnd:
              n: int = 1, stop_token_ids: Sequence[int] = (), *,
              num_speculative_tokens: NumSpeculativeTokens | None = None,
              pipelined: bool | None = None, drafter_kind: str | None = None,
-             tree: TreeShape | None = None) -> RequestPlan:
+             tree: TreeShape | None = None, context_limit: int | None = None) -> RequestPlan:
         """n choices of the request; sampling carries the request's seed, from which each
         choice's is derived. None for K, pipelined or tree: the defaults."""
         k = self.num_speculative_tokens(num_speculative_tokens, sampling)
         pipelined = self.pipelined(pipelined, sampling)
-        width, k, nodes = self.tree(tree, sampling, k)
+        width, k, nodes = self.tree(tree, sampling, k, num_speculative_tokens)
         pipelined = pipelined and width == 1  # a pre-draft continues one chain
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
-                           self.defaults.busy_wait_s, width, nodes),
+                           self.defaults.busy_wait_s, width, nodes, context_limit),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
@@ -125,14 +125,19 @@ class RequestFrontEnd:
         return k
 
     def tree(self, requested: TreeShape | None, sampling: SamplingParams,
-             k: NumSpeculativeTokens) -> tuple[int, NumSpeculativeTokens, int]:
-        """(tree width, K, tree nodes): the requested shape or the default; a tree's depth is
-        its K (an adaptive K is a chain's: a tree of the request's K, else of the seeded
-        default). A grammar or logit shaping follows one chain of drafted tokens: width 1."""
+             k: NumSpeculativeTokens, requested_k: NumSpeculativeTokens | None
+             ) -> tuple[int, NumSpeculativeTokens, int]:
+        """(tree width, K, tree nodes): the requested shape or the default. A tree's depth is
+        its K: the requested shape's, else the request's own K, else the default shape's,
+        else the router's K (an adaptive K is a chain's: then the seeded default). K = 0, a
+        grammar or logit shaping (which follow one chain of drafted tokens): width 1."""
         shape = requested or self.defaults.tree
-        if shape.width <= 1 or sampling.grammar is not None or sampling.shapes_logits:
+        if shape.width <= 1 or k == 0 or sampling.grammar is not None or \
+                sampling.shapes_logits:
             return 1, k, 0
-        depth = shape.depth or (k if k != "auto" else self.defaults.seeded_num_speculative_tokens)
+        own_k = requested_k if isinstance(requested_k, int) else None
+        depth = (requested.depth if requested else None) or own_k or shape.depth or \
+            (k if k != "auto" else self.defaults.seeded_num_speculative_tokens)
         nodes = min(shape.nodes or shape.width * depth, MAX_SPECULATIVE_TOKENS)
         return shape.width, min(depth, nodes), nodes
 

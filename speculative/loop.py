@@ -46,6 +46,7 @@ class Request:
     busy_wait_s: float = 0.0
     tree_width: int = 1  # > 1: each round drafts a tree of that width (speculative.tree)
     tree_nodes: int = 0  # ...of that many nodes (0: the width at every node)
+    context_limit: int | None = None  # the target's context: a tree's nodes stay within it
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -180,10 +181,21 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
         state.drafter_view,
         lambda sync: drafter.propose(
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
-                        len(request.prompt_token_ids),
-                        *((1, 0) if assumed or not k else
-                          (request.tree_width, request.tree_nodes)))),
+                        len(request.prompt_token_ids), *tree_shape(state, k, assumed))),
     )
+
+
+def tree_shape(state: RequestState, k: int, assumed) -> tuple[int, int]:
+    """(tree width, nodes) of this call: a chain (1, 0) for a pre-draft, or where the tree
+    would not add a node; the verifier's slots (committed + nodes) kept within the context
+    (without a known one, within the output's room, which the context holds)."""
+    request = state.request
+    if assumed or not k or request.tree_width <= 1:
+        return 1, 0
+    room = state.remaining if request.context_limit is None else \
+        request.context_limit - len(state.committed)
+    nodes = min(request.tree_nodes or request.tree_width * k, room - 1)
+    return (request.tree_width, nodes) if nodes > k else (1, 0)
 
 
 def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock, predraft: DraftBlock,
@@ -373,5 +385,8 @@ async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, 
             yield committed
     finally:
         if state.drafter_called:
+            observe = getattr(drafter, "observe", None)  # optional (types.Drafter)
+            if observe is not None:
+                observe(state.request.request_id, list(state.committed))
             await drafter.release(state.request.request_id)
         await verifier.release(state.request.request_id)

@@ -221,6 +221,7 @@ class TargetScores:
     # a sampled tree (speculative.tree.tree_scores): each node's acceptance probability;
     # recovered_token_ids then holds one draw per row (the root's, then each node's)
     accept_probs: tuple[float, ...] = ()
+    tree_nodes: int = 0  # the nodes of a draft tree the verifier scored as a tree
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,10 @@ class StaleBase(Exception):
 # The interfaces are async so that the same loop drives in-process engines (whose methods
 # compute and return) and gRPC clients (whose methods await the network).
 class Drafter(Protocol):
+    """A drafter may also offer `observe(request_id, token_ids)`, called with a request's
+    committed tokens when it ends, before `release`: what its last rounds committed, which
+    no later call would bring (suffix decoding indexes a finished request's output)."""
+
     async def propose(self, call: ProposeCall) -> DraftBlock: ...
 
     async def release(self, request_id: str) -> None: ...

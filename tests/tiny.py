@@ -184,10 +184,13 @@ class Batched:
     async def release(self, request_id: str) -> None:
         await self.engine.release(request_id)
 
+    def __getattr__(self, name: str):  # the engine's optional methods (types.Drafter)
+        return getattr(self.engine, name)
+
 
 def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, samples: int,
                pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
-               group: int = 100):
+               group: int = 100, context_limit: int | None = None):
     """Request i (its seed i, its id str(i)) for i in 0..samples-1, `group` of them decoding
     at once (the pools wrapped in `Batched` serve each group's rounds in shared forwards);
     yields each one's (output ids, state) in order. A caller may stop early between groups."""
@@ -195,7 +198,8 @@ def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, 
 
     async def one(i):
         request = Request(str(i), tuple(prompt), replace(params, seed=i), (),
-                          tree_width=tree_width, tree_nodes=tree_nodes)
+                          tree_width=tree_width, tree_nodes=tree_nodes,
+                          context_limit=context_limit)
         generation = await decoded(drafter, verifier, Generation(request), k, pipelined)
         return generation.token_ids, generation.state
 

@@ -88,8 +88,11 @@ class ModelVerifier:
         drafted = list(call.draft_token_ids)
         if call.draft_parents is not None:
             check_tree_call(call)
+            if not self.runner.scores_trees:
+                raise ValueError("this verifier's engine (transformers' modeling with sliding "
+                                 "windows) cannot score a draft tree: draft a chain")
         draft_probs = None
-        if not call.sampling.greedy and drafted:
+        if not call.sampling.greedy and drafted and not matched(call):
             shape = None if call.draft_probs is None else call.draft_probs.shape
             if shape != (len(drafted), vocab_size):
                 raise ValueError(f"sampling needs draft_probs of shape {(len(drafted), vocab_size)}"
@@ -131,11 +134,11 @@ class ModelVerifier:
                                   tuple(ids.tolist()))
         else:
             target_probs = logits_to_probs(logits, call.sampling)  # [K + 1, V]
-            scores = draw_recovered_and_bonus(target_probs, drafted, draft_probs, call.seed) \
-                if call.draft_parents is None else \
-                draw_tree(target_probs, drafted, call.draft_parents, draft_probs, call.seed)
+            scores = sampled_scores(call, target_probs, drafted, draft_probs)
             if call.return_bonus_probs:  # the router tests a pre-drafted token against it
                 scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
+        if call.draft_parents is not None:
+            scores = replace(scores, tree_nodes=len(drafted))
         if sequence.cached_tokens:  # reported once, by the call whose cache took them
             scores = replace(scores, cached_tokens=sequence.cached_tokens)
             sequence.cached_tokens = 0
@@ -143,12 +146,19 @@ class ModelVerifier:
             return scores
         [scores] = host.to_host([scores])  # the logprobs need the chosen ids now
         tree = call.draft_parents is not None
-        chosen = scores.target_token_ids if call.sampling.greedy else \
+        chosen = scores.target_token_ids if call.sampling.greedy or matched(call) else \
             scores.recovered_token_ids if tree else \
             scores.recovered_token_ids + (scores.bonus_token_id,)  # one per row either way
         drafted_rows = [parent + 1 for parent in call.draft_parents] if tree else None
         return replace(scores, logprobs=position_logprobs(raw, drafted, list(chosen),
                                                           call.sampling.logprobs, drafted_rows))
+
+
+def matched(call: ScoreCall) -> bool:
+    """A sampled tree without q (a model-free drafter's): no rejection test, the walk
+    follows the target's own draw at each row (speculative.accept)."""
+    return call.draft_parents is not None and call.draft_probs is None and \
+        not call.sampling.greedy
 
 
 def check_tree_call(call: ScoreCall) -> None:
@@ -158,6 +168,18 @@ def check_tree_call(call: ScoreCall) -> None:
     if call.sampling.grammar is not None or call.sampling.shapes_logits:
         raise ValueError("a draft tree does not combine with structured outputs, penalties, "
                          "logit_bias or min_tokens: draft a chain")
+
+
+def sampled_scores(call: ScoreCall, target_probs, drafted: list[int], draft_probs
+                   ) -> TargetScores:
+    """A chain's residual and bonus draws, a tree's acceptance probabilities and row draws,
+    or, for a tree without q, the target's own draw at every row (the walk follows it)."""
+    if call.draft_parents is None:
+        return draw_recovered_and_bonus(target_probs, drafted, draft_probs, call.seed)
+    if not matched(call):
+        return draw_tree(target_probs, drafted, call.draft_parents, draft_probs, call.seed)
+    ids = sample_rows(target_probs, seeded_generator(call.seed, target_probs.device))
+    return TargetScores(target_token_ids=ids if host.deferred() else tuple(ids.tolist()))
 
 
 def draw_tree(target_probs, drafted: list[int], parents, draft_probs, seed: int

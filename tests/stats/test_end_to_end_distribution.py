@@ -16,6 +16,7 @@ import torch
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
+from speculative import accept as accept_module
 from speculative.sampling import SamplingParams
 from tests.stats.chisq import conditional_chi_square
 from tests.stats.laws import law_after_first
@@ -41,7 +42,9 @@ def make_drafter(target, kind: str):
     the target's (as Qwen2.5 sizes differ), its q fitted to the target's vocabulary."""
     if kind == "ngram":
         return NgramDrafter(VOCAB)
-    if kind == "suffix":  # one drafter for all samples: each draws on earlier outputs too
+    if kind == "suffix-tree":  # continuations down to 2% of their node's count proposed
+        return SuffixDrafter(VOCAB, min_token_prob=0.02)
+    if kind == "suffix":  # one drafter for all samples: earlier outputs count too
         return SuffixDrafter(VOCAB)
     if kind.startswith("padded"):
         rows = VOCAB - 2 if kind == "padded-smaller" else VOCAB + 3
@@ -52,20 +55,19 @@ def make_drafter(target, kind: str):
 T1 = SamplingParams(temperature=1.0, max_tokens=3)
 NUCLEUS = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3)
 CASES = [(params, kind) for params in (T1, NUCLEUS)
-         for kind in ("model", "ngram", "padded-smaller", "padded-larger")] + [(T1, "suffix")]
+         for kind in ("model", "ngram", "padded-smaller", "padded-larger")] + [
+    (T1, "suffix"), (T1, "suffix-tree")]
+# "suffix-tree": width 3, so the suffix drafter proposes a root and the other frequent
+# continuations beside it, no q: verified by matching the target's own draw at each row
+TREE_WIDTHS = {"suffix-tree": 3}
+CONTEXT = 512  # the tiny target's context, which a tree's nodes must stay within
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("params, drafter_kind", CASES, ids=[
     f"{kind}-{'T1' if params is T1 else 'T0.7-k5-p0.9'}" for params, kind in CASES])
 def test_two_token_sequences_match_target_only_sampling(target, params, drafter_kind):
-    drafter = Batched(make_drafter(target, drafter_kind))
-    verifier = Batched(ModelVerifier(target))
-    counts = np.zeros((VOCAB,) * 3)
-    accepted = 0
-    for out, state in run_seeded(drafter, verifier, PROMPT, params, 1, SAMPLES):
-        counts[tuple(out)] += 1
-        accepted += state.stats.num_accepted_tokens
+    counts, accepted, siblings = sample_counts(target, params, drafter_kind)
     law = law_after_first(target, PROMPT, params, 2)
     statistic, threshold, df = conditional_chi_square(counts, law, FALSE_FAILURE)
     assert statistic < threshold, (
@@ -73,3 +75,37 @@ def test_two_token_sequences_match_target_only_sampling(target, params, drafter_
         f"fails this with probability {FALSE_FAILURE}"
     )
     assert 0 < accepted < SAMPLES  # both the accepted and the recovered paths ran
+    if drafter_kind in TREE_WIDTHS:
+        assert siblings > SAMPLES / 20  # paths that took a continuation beside the main one
+
+
+def sample_counts(target, params, drafter_kind):
+    drafter = Batched(make_drafter(target, drafter_kind))
+    verifier = Batched(ModelVerifier(target))
+    counts = np.zeros((VOCAB,) * 3)
+    accepted = siblings = 0
+    for out, state in run_seeded(drafter, verifier, PROMPT, params, 1, SAMPLES,
+                                 tree_width=TREE_WIDTHS.get(drafter_kind, 1),
+                                 context_limit=CONTEXT):
+        counts[tuple(out)] += 1
+        accepted += state.stats.num_accepted_tokens
+        siblings += state.stats.sibling_rounds
+    return counts, accepted, siblings
+
+
+def main_child_taken_untested(tree, target_token_ids):
+    """Mutant of the router's walk over a matched tree: the root's main child is taken as if
+    the target's draw had matched it."""
+    return real_walk(tree, (tree.token_ids[0], *target_token_ids[1:]))
+
+
+real_walk = accept_module.accept_tree_greedy
+
+
+@pytest.mark.slow
+def test_a_matched_tree_taken_untested_fails(target, monkeypatch):
+    monkeypatch.setattr(accept_module, "accept_tree_greedy", main_child_taken_untested)
+    counts, _, _ = sample_counts(target, T1, "suffix-tree")
+    statistic, threshold, _ = conditional_chi_square(
+        counts, law_after_first(target, PROMPT, T1, 2), FALSE_FAILURE)
+    assert statistic > threshold, "the untested-main-child mutant passed"

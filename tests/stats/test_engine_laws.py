@@ -3,7 +3,7 @@ reach: the seeded default K = 4 (in batches that requests join and leave), an ad
 ("auto"), blocks cut short by the draft's confidence, caches rebuilt mid-request, a
 pipelined drafter whose pre-drafts fail, a padded draft vocabulary at K = 3, a draft equal
 to the target (every window ends in a bonus token), and draft trees (siblings drawn without
-replacement from a sparse q, accepted by recursive rejection). Every case decodes its requests
+replacement from q where the draft is least sure, accepted by recursive rejection). Every case decodes its requests
 100 at a time through batched pools. Same pair, window and exact law as
 tests/stats/test_pipelined_distribution.py (the three tokens after the first, whose law is
 computed from the target's forwards); chi-square at a false-failure rate of 1e-6 per case,

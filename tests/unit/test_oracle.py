@@ -110,7 +110,7 @@ class OffMainChain:
 
 @pytest.mark.parametrize("width, nodes", [(2, 0), (4, 0), (3, 10)])
 @pytest.mark.parametrize("kind, k", [("self", 3), ("noisy", 1), ("noisy", 4), ("noisy", 8),
-                                     ("random", 4)])
+                                     ("random", 4), ("suffix", 4)])
 def test_greedy_trees_equal_target_greedy(target, references, drafters, kind, k, width, nodes):
     """Each round a tree: up to `width` children at each node of the main chain, K deep,
     `nodes` in all (0: width everywhere); the verifier scores every node in one forward, the

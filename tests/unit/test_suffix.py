@@ -112,3 +112,38 @@ def test_the_registry_builds_it_with_checked_options():
                       SuffixDrafter)
     with pytest.raises(ValueError, match="min_token_prob"):
         SuffixDrafter(16, min_token_prob=0)
+
+
+def test_a_tree_holds_the_other_frequent_continuations():
+    """propose_tree: the chain's tokens first, then the next most frequent continuations
+    at its nodes, the likeliest first within the node budget and above min_token_prob."""
+    index = SuffixIndex(8)
+    for output in ([7, 1, 2], [7, 1, 2], [7, 1, 3], [7, 4, 5], [7, 6, 5]):
+        index.add(output)
+    # after 7: 1 (3 of 5), 4, 6 (1 each); after 7 1: 2 (2 of 3), 3 (1)
+    tokens, parents, score = index.propose_tree([9, 7], 2, 3, 0, 0.1, 2.0)
+    assert tokens[:2] == (1, 2) and parents[:2] == (-1, 0)
+    assert sorted(zip(tokens[2:], parents[2:])) == [(3, 0), (4, -1), (6, -1)]
+    assert score == pytest.approx(0.6 + 0.4 + 0.2 + 0.2 + 0.2)
+    tokens, parents, _ = index.propose_tree([9, 7], 2, 3, 3, 0.1, 2.0)  # 3 nodes in all
+    assert len(tokens) == 3 and tokens[2] in (4, 6, 3)
+    assert index.propose_tree([9, 7], 2, 3, 0, 0.3, 2.0)[0] == (1, 2)  # rarer ones cut
+
+
+def test_a_tree_request_gets_a_tree_and_its_whole_output_is_indexed():
+    """Through the drafter: width 3 asks for a tree (no q: verified by matching the
+    target's draws); observe() hands the session the last rounds' tokens, so release indexes
+    the whole output."""
+    drafter = SuffixDrafter(16, max_spec_factor=2)
+    for name, output in (("a", [7, 1, 2]), ("b", [7, 4, 5])):
+        drafter.propose_now(call(name, [], [9, 7]))
+        drafter.observe(name, [9, 7] + output[1:])  # what the router committed after
+        drafter.sessions.release(name)
+    assert list(drafter.outputs) == [[9, 7, 1, 2], [9, 7, 4, 5]]
+    sampled = SamplingParams(temperature=1.0)
+    block = drafter.propose_now(ProposeCall("c", PrefixSync(0, EMPTY_PREFIX_HASH, (8, 9, 7)),
+                                            2, sampled, 0, tree_width=3))
+    assert block.draft_probs is None and block.parents is not None
+    assert set(block.token_ids) == {1, 2, 4} and block.parents[0] == -1
+    drafter.observe("c", [3, 3])  # not an extension of its tokens: ignored
+    assert drafter.sessions.get("c").committed == [8, 9, 7]

@@ -118,3 +118,24 @@ def test_a_drafted_tree_keeps_its_budget_and_its_main_chain(greedy):
         for node, parent in enumerate(tree.parents):
             main = parent + 1  # the main chain's node at that depth drew from the same row
             assert torch.equal(tree.draft_probs.weights[node], tree.draft_probs.weights[main])
+
+
+def test_a_tree_never_outgrows_the_outputs_room():
+    """The verifier's slots hold committed + nodes: a tree keeps to the output's room less
+    one (within the context whenever the output is), and becomes a chain at the end."""
+    from speculative.loop import Request, RequestState, tree_shape
+    from speculative.sampling import SamplingParams
+
+    def shape(max_tokens, k, width=3, nodes=0, assumed=(), context=None):
+        request = Request("r", (1, 2), SamplingParams(max_tokens=max_tokens),
+                          tree_width=width, tree_nodes=nodes, context_limit=context)
+        return tree_shape(RequestState(request), k, assumed)
+
+    assert shape(100, 4) == (3, 12)
+    assert shape(100, 4, nodes=6) == (3, 6)
+    assert shape(8, 4) == (3, 7)  # 7 slots left after the committed tokens
+    assert shape(5, 4) == (1, 0)  # no room beside the main chain: a chain
+    assert shape(5, 4, context=100) == (3, 12)  # a known context: its room counts
+    assert shape(100, 4, context=10) == (3, 7)
+    assert shape(100, 4, assumed=(5,)) == (1, 0) and shape(100, 0) == (1, 0)
+    assert shape(100, 4, width=1) == (1, 0)

@@ -36,20 +36,24 @@ def node_references(model, tree: DraftTree, prompt: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("tree_first", [True, False], ids=["tree-first", "chain-first"])
 @pytest.mark.parametrize("name", ["llama", "qwen2-mixed"])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_every_node_sees_only_its_path(name, engine):
+def test_every_node_sees_only_its_path(name, engine, tree_first):
     if engine == "transformers" and name == "qwen2-mixed":
-        pytest.skip("transformers' modeling refuses trees on sliding-window layers")
+        pytest.skip("transformers' modeling with windows scores no tree (a refusal below)")
     runner = served(name, engine)
     store = SessionStore(4)
     tree_seq = store.apply("tree", sync([], PROMPT))
     chain_seq = store.apply("chain", sync([], PROMPT[:5]))
-    # a chain batch-mate beside the tree, then the tree alone: the same logits
+    # a chain batch-mate beside the tree, either side of it (the tree's rows at an offset)
     segments = [tree_seq.segment(runner, list(TREE.token_ids), len(TREE.token_ids) + 1,
                                  parents=TREE.parents),
                 chain_seq.segment(runner, [7, 7], 3)]
-    tree_logits, chain_logits = runner.forward(segments)
+    if tree_first:
+        tree_logits, chain_logits = runner.forward(segments)
+    else:
+        chain_logits, tree_logits = runner.forward(segments[::-1])
     expected = node_references(runner.model, TREE, PROMPT)
     assert (tree_logits - expected).abs().max() < ATOL
     assert (chain_logits - full_logits(runner.model, PROMPT[:5] + [7, 7])[-3:]).abs().max() \
@@ -94,3 +98,20 @@ def test_a_node_beside_its_slot_is_never_taken_for_a_committed_token():
 
 def test_a_segment_without_parents_is_a_chain():
     assert Segment(None, [1, 2], 0, 1).parents is None
+
+
+def test_a_tree_the_engine_cannot_score_is_refused_alone():
+    """Transformers' modeling with sliding windows keeps a window of slots: a tree call is
+    refused before it touches a cache, and its chain batch-mate is served."""
+    from speculative.sampling import SamplingParams
+    from speculative.types import ScoreCall
+    from verifier.engine import ModelVerifier
+
+    verifier = ModelVerifier(served("qwen2-mixed", "transformers"))
+    greedy = SamplingParams(temperature=0.0)
+    chain = ScoreCall("chain", sync([], PROMPT), (7, 7), greedy)
+    tree = ScoreCall("tree", sync([], PROMPT), TREE.token_ids, greedy,
+                     draft_parents=TREE.parents)
+    chain_scores, refused = verifier.score_batch([chain, tree])
+    assert isinstance(refused, ValueError) and "draft tree" in str(refused)
+    assert len(chain_scores.target_token_ids) == 3 and "tree" not in verifier.sessions

@@ -184,7 +184,7 @@ def test_draft_trees_round_trip():
     stays a chain (no parents), and parents that make no tree are refused."""
     sampling = SamplingParams(temperature=1.0)
     sync = PrefixSync(0, 0, (4, 5))
-    propose = ProposeCall("r1", sync, 2, sampling, seed=3, tree_width=3)
+    propose = ProposeCall("r1", sync, 2, sampling, seed=3, tree_width=3, tree_nodes=5)
     assert wire.propose_from_proto(pb.ProposeRequest.FromString(
         wire.propose_to_proto(propose).SerializeToString())) == propose
     chain = ProposeCall("r1", sync, 2, sampling, seed=3)
