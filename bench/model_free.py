@@ -7,9 +7,10 @@ themselves the way edits, rewrites and chats do (a function and the start of its
 record and the start of the next, a chat whose turns come back). Each workload runs twice
 through one drafter: the second pass is a later request that repeats an earlier one (an agent
 loop, a retried request), where suffix decoding's index of recent outputs can propose and
-prompt lookup cannot. Rows: the target alone, n-gram and suffix at K = --k, with tokens per
-round (mean acceptance length), acceptance rate, tokens/s and the speedup over the target
-alone in the same run; every speculative row's tokens are checked equal to the target alone.
+prompt lookup cannot. Rows: the target alone, n-gram, suffix and suffix trees (width 3: the
+other frequent continuations beside the main one) at K = --k, with tokens per round (mean
+acceptance length), acceptance rate, tokens/s and the speedup over the target alone in the
+same run; every speculative row's tokens are checked equal to the target alone.
 """
 
 import argparse
@@ -37,15 +38,16 @@ def run(args) -> list[dict]:
     tokenizer = load_tokenizer(DEMO_TARGET)
     verifier = ModelVerifier(load_causal_lm(DEMO_TARGET))
     vocab = verifier.model.config.vocab_size
-    methods = {"target alone": (None, 0), "ngram": (NgramDrafter(vocab), args.k),
-               "suffix": (SuffixDrafter(vocab), args.k)}
+    methods = {"target alone": (None, 0, 1), "ngram": (NgramDrafter(vocab), args.k, 1),
+               "suffix": (SuffixDrafter(vocab), args.k, 1),
+               "suffix tree": (SuffixDrafter(vocab), args.k, 3)}
     rows, alone = [], {}
     for attempt in ("first", "repeat"):
         for workload, text in WORKLOADS.items():
             prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-            for method, (drafter, k) in methods.items():
+            for method, (drafter, k, width) in methods.items():
                 tokens, seconds, stats = run_loop(drafter, verifier, prompt, args.max_tokens,
-                                                  0.0, 0, k)  # greedy, all max_tokens
+                                                  0.0, 0, k, width)  # greedy, all max_tokens
                 alone.setdefault((attempt, workload), (tokens, seconds))
                 rows.append(row(attempt, workload, method, tokens, seconds, stats,
                                 alone[(attempt, workload)]))

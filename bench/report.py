@@ -66,6 +66,10 @@ def markdown(results: dict) -> str:
               "serialised gRPC messages of the round's two calls. same tokens: greedy, every "
               "request's tokens equal `target_only`'s; sampled serve_sync, equal to `inprocess`'s "
               "with the same seed (the same draws end to end).", ""]
+    if "methods" in results:
+        from bench.methods import markdown_lines
+
+        lines += markdown_lines(results["methods"])
     lines += checks.section(results.get("checks", []))
     streamed = [r for r in results["results"] if r["stream"]]
     if streamed:

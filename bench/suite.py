@@ -291,6 +291,11 @@ def run(plan: Plan, out: Path, threads: int, argv: list[str]) -> dict:
         serve.shutdown()
         ray.shutdown()
     add_speedups(results["results"])
+    if "demo" in plan.pairs:  # the methods beside the default chain, in process
+        from bench import methods
+
+        results["methods"] = methods.run(plan.num_prompts, plan.max_tokens,
+                                         quick=plan.max_tokens < 48)
     results["checks"] = checks.adaptive_checks(results["results"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -50,30 +50,36 @@ def resolved(pair: Pair) -> Pair:
 
 def run(args) -> list[dict]:
     pair = args.resolved = resolved(PAIRS[args.pair])
+    shapes = [m for m in methods() if not args.only or m[0] in args.only or not m[1]]
+    return rows_of(pair, shapes, PROMPTS, args.max_tokens, args.temperature)
+
+
+def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens: int,
+            temperature: float) -> list[dict]:
+    """One row per (name, K, width, nodes) of `shapes`, the target alone first."""
     tokenizer = load_tokenizer(pair.target)
     verifier = ModelVerifier(load_causal_lm(pair.target, dtype=pair.target_dtype))
     drafter = ModelDrafter(load_causal_lm(pair.draft, dtype=pair.draft_dtype),
                            vocab_size=verifier.model.config.vocab_size)
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompt_texts]
     run_loop(drafter, verifier, prompts[0], 8, 0.0, 0, 4)  # warm-up
     rows, alone = [], None
-    for name, k, width, nodes in methods():
-        tokens, seconds, rounds, accepted, verified = [], 0.0, 0, 0, 0
+    for name, k, width, nodes in shapes:
+        tokens, seconds, rounds, emitted, verified = [], 0.0, 0, 0, 0
         for i, prompt in enumerate(prompts):
             out, took, stats = run_loop(drafter if k else None, verifier, prompt,
-                                        args.max_tokens, args.temperature, i, k, width,
-                                        nodes)
+                                        max_tokens, temperature, i, k, width, nodes)
             tokens.append(out)
             seconds += took
             rounds += stats.rounds
-            accepted += stats.num_emitted_tokens
+            emitted += stats.num_emitted_tokens
             verified += stats.num_draft_tokens
         count = sum(len(t) for t in tokens)
         alone = alone or (tokens, count / seconds)
         rows.append({"method": name, "nodes_per_round": verified / rounds,
-                     "tokens_per_round": accepted / rounds, "tokens_per_s": count / seconds,
+                     "tokens_per_round": emitted / rounds, "tokens_per_s": count / seconds,
                      "speedup": count / seconds / alone[1],
-                     "same_tokens": tokens == alone[0] if args.temperature == 0 else None})
+                     "same_tokens": tokens == alone[0] if temperature == 0 else None})
     return rows
 
 
@@ -95,6 +101,9 @@ def main() -> None:
     parser.add_argument("--pair", choices=sorted(PAIRS), default="scaled")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None,
+                        help="comma-separated rows to run (the target alone always runs), "
+                             'e.g. "chain K=8,tree w3 d6 n8"')
     args = parser.parse_args()
     torch.set_num_threads(1)
     print_table(run(args), args)

@@ -159,3 +159,18 @@ def test_the_default_k_controller_is_checked_against_fixed_k_and_off(quick_run):
     # could fail a correct controller
     assert checks[("demo", 0.0)]["meets_goals"] in (True, False)
     assert "## The default K controller" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_speculation_methods_are_rows_too(quick_run):
+    """Draft trees beside chains and the model-free drafters, each greedy row token-identical
+    to the target alone (results.json's "methods", results.md's Methods section)."""
+    out, results = quick_run
+    methods = results["methods"]
+    greedy_trees = methods["trees"]["0"]
+    assert {"chain K=8", "tree w2 d6 n8"} <= {r["method"] for r in greedy_trees}
+    assert all(r["same_tokens"] for r in greedy_trees)
+    assert {r["method"] for r in methods["model_free"]} == \
+        {"target alone", "ngram", "suffix", "suffix tree"}
+    assert all(r["same_tokens"] for r in methods["model_free"])
+    assert "## Methods" in (out / "results.md").read_text()
