@@ -204,8 +204,8 @@ class ModelDrafter:
         chain's tokens, never on the siblings it places, so they keep the law they are
         tested under."""
         probs = [prob for prob, _ in draft.levels][:len(draft.token_ids)]
-        budget = draft.nodes - len(draft.token_ids) if draft.nodes else \
-            (draft.width - 1) * len(draft.token_ids)
+        nodes = min(draft.nodes or draft.width * len(draft.token_ids), MAX_SPECULATIVE_TOKENS)
+        budget = nodes - len(draft.token_ids)  # a verifier scores at most that many
         counts = allocate_siblings(probs, draft.width - 1, budget)
         draft.siblings = [self.siblings(draft, level, count) if count else []
                           for level, count in enumerate(counts)]
