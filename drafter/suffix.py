@@ -69,10 +69,12 @@ class SuffixIndex:
             child = node.children[path[-1]] = Node()
         child.count += 1
 
-    def match(self, context: list[int]) -> tuple[Node | None, int]:
+    def match(self, context: list[int], room: int = 1) -> tuple[Node | None, int]:
         """(the node of the longest suffix of context that occurs, its length): the longest
-        one with a continuation (a child), since only those can propose."""
-        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
+        one with a continuation (a child), since only those can propose, and short enough
+        that `room` tokens of continuation fit within max_depth (a match at the tries' depth
+        would propose one token however long the repeat)."""
+        for length in range(min(self.max_depth - room, len(context)), 0, -1):
             node = self.root
             for token in context[-length:]:
                 node = node.children.get(token)
@@ -85,7 +87,7 @@ class SuffixIndex:
     def propose(self, context: list[int], num_tokens: int, min_token_prob: float,
                 max_spec_factor: float) -> tuple[list[int], float]:
         """(the proposed tokens, their expected accepted length under the counts)."""
-        node, length = self.match(context)
+        node, length = self.match(context, max(1, min(num_tokens, self.max_depth - 1)))
         tokens: list[int] = []
         score, prob = 0.0, 1.0
         limit = min(num_tokens, int(max_spec_factor * length))
@@ -107,7 +109,7 @@ class SuffixIndex:
         then at its nodes up to width - 1 other continuations each (the next most frequent),
         the likeliest first while `nodes` (0: width per node) allows and their probability
         under the counts stays at or above min_token_prob."""
-        node, length = self.match(context)
+        node, length = self.match(context, max(1, min(num_tokens, self.max_depth - 1)))
         tokens: list[int] = []
         parents: list[int] = []
         others: list[tuple[float, int, int]] = []  # (probability, parent, token)

@@ -147,3 +147,14 @@ def test_a_tree_request_gets_a_tree_and_its_whole_output_is_indexed():
     assert set(block.token_ids) == {1, 2, 4} and block.parents[0] == -1
     drafter.observe("c", [3, 3])  # not an extension of its tokens: ignored
     assert drafter.sessions.get("c").committed == [8, 9, 7]
+
+
+def test_a_long_repeat_still_proposes_a_whole_block():
+    """The match leaves room in the tries for the continuation: a repeat longer than the
+    tries' depth proposes K tokens, not the one its deepest node holds."""
+    index = SuffixIndex(6)
+    tokens = [1, 2, 3] * 6
+    index.add(tokens)
+    proposed, _ = index.propose(tokens, 3, 0.1, 1.0)
+    assert proposed == [1, 2, 3]
+    assert index.match(tokens, 3)[1] == 3 and index.match(tokens)[1] == 5
