@@ -9,8 +9,10 @@ tokens are indexed, never a drafted token the target rejected.
 A proposal finds, in each index, the longest suffix of the context (at most `max_depth`
 tokens) that occurred before, then follows the most frequent continuation one token at a
 time while the product of their frequencies (each child's count over its siblings') stays
-at or above `min_token_prob`, for at most `max_spec_factor` x the match length tokens. The
-index whose proposal has the larger expected length (the sum of those products) wins.
+at or above `min_token_prob`, for at most `max_spec_factor` x the match length tokens (2,
+where vLLM's default is 1: measured in docs/benchmarks.md, 2 keeps up with prompt lookup on
+a first pass and wins repeats). The index whose proposal has the larger expected length
+(the sum of those products) wins.
 
 No model: each proposed token's draft distribution is one-hot, as the n-gram drafter's,
 so the rejection sampler keeps the output exactly the target's.
@@ -160,7 +162,7 @@ class SuffixDrafter(NgramDrafter):
     """The n-gram drafter's sessions, checks and grammar handling; suffix tries propose."""
 
     def __init__(self, vocab_size: int, *, max_depth: int = 24, min_token_prob: float = 0.1,
-                 max_spec_factor: float = 1.0, max_global_outputs: int = 256,
+                 max_spec_factor: float = 2.0, max_global_outputs: int = 256,
                  **session_options) -> None:
         super().__init__(vocab_size, **session_options)
         if max_depth < 2 or not 0 < min_token_prob <= 1 or max_spec_factor <= 0 \
