@@ -1,7 +1,7 @@
 """The speculation methods beside the default chain, as rows of `specserve bench`: draft trees
 against chains at equal node budgets (bench.trees) and the model-free drafters on repetitive
 work (bench.model_free), in this process on the demo pair, after the served modes (the same
-prompts and token counts as the run; --quick keeps a few shapes)."""
+prompts and token counts as the run; --quick keeps a few shapes, greedy only)."""
 
 from argparse import Namespace
 
@@ -14,8 +14,9 @@ QUICK_SHAPES = ("target alone", "chain K=4", "chain K=8", "tree w2 d4 n8", "tree
 def run(num_prompts: int, max_tokens: int, quick: bool) -> dict:
     shapes = [m for m in trees.methods() if not quick or m[0] in QUICK_SHAPES]
     prompts = PROMPTS[:num_prompts]
+    temperatures = (0.0,) if quick else (0.0, 1.0)
     return {"trees": {f"{t:g}": trees.rows_of(PAIRS["demo"], shapes, prompts, max_tokens, t)
-                      for t in (0.0, 1.0)},
+                      for t in temperatures},
             "model_free": model_free.run(Namespace(max_tokens=max_tokens, k=4))}
 
 
