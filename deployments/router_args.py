@@ -30,6 +30,13 @@ class SpeculativeTree(BaseModel):
     def shape(self) -> TreeShape:
         return TreeShape(self.width, self.depth, self.nodes)
 
+    @model_validator(mode="after")
+    def room_beside_the_chain(self):
+        if self.depth is not None and self.nodes is not None and self.nodes <= self.depth:
+            raise ValueError(f"nodes ({self.nodes}) must exceed depth ({self.depth}): the "
+                             "main chain alone is a chain (num_speculative_tokens)")
+        return self
+
 
 class AdaptiveKArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -20,7 +20,6 @@ from speculative.sampling import (
 from speculative.tree import allocate_siblings
 from speculative.types import (
     MAX_SPECULATIVE_TOKENS,
-    MAX_TREE_WIDTH,
     BatchLoad,
     DraftBlock,
     DraftDists,
@@ -28,6 +27,7 @@ from speculative.types import (
     StaleBase,
     check_call,
     check_prompt_len,
+    check_tree_width,
 )
 
 
@@ -163,13 +163,7 @@ class ModelDrafter:
             logits = self.runner.forward(segments)
             drafts = [draft for _, draft, _ in active]
             tokens = self.next_tokens(drafts, logits)
-            if self.draft_confidence > 0 or any(draft.width > 1 for draft in drafts):
-                for draft, rows, prob in zip(drafts, logits,
-                                             self.drafted_probs(drafts, logits, tokens)):
-                    draft.confidence *= prob
-                    if draft.width > 1:  # a tree's siblings are drawn once the chain is
-                        draft.levels.append((prob, rows[0] if draft.call.sampling.greedy
-                                             else None))
+            self.note_probs(drafts, logits, tokens)
             still = []
             for (index, draft, _), token in zip(active, tokens):
                 draft.took(token)
@@ -179,6 +173,24 @@ class ModelDrafter:
                         self.runner, draft.assumed + draft.token_ids, 1)))
             active = still
         return first_tokens
+
+    def note_probs(self, drafts: list["Draft"], logits: list[torch.Tensor],
+                   tokens: list[int]) -> None:
+        """What a step's drafts whose block length follows their confidence, or that are
+        trees, keep of it: the drawn token's probability (and a greedy tree the ids its
+        siblings will come from, not the logits); the others pay nothing."""
+        rows = [i for i, draft in enumerate(drafts)
+                if draft.width > 1 or self.draft_confidence > 0]
+        if not rows:
+            return
+        picked = [drafts[i] for i in rows]
+        probs = self.drafted_probs(picked, [logits[i] for i in rows], [tokens[i] for i in rows])
+        for draft, i, prob in zip(picked, rows, probs):
+            draft.confidence *= prob
+            if draft.width > 1:  # a tree's siblings are drawn once the chain is
+                top = fit_vocab(logits[i][0], self.vocab_size).topk(draft.width).indices \
+                    if draft.call.sampling.greedy else None
+                draft.levels.append((prob, top))
 
     def drafted_probs(self, drafts: list["Draft"], logits: list[torch.Tensor],
                       tokens: list[int]) -> list[float]:
@@ -215,10 +227,8 @@ class ModelDrafter:
         most likely tokens; sampled, drawn one after another from the same q with the ones
         before removed, the main token the first."""
         token = draft.token_ids[level]
-        if draft.call.sampling.greedy:
-            line = fit_vocab(draft.levels[level][1], self.vocab_size)
-            top = line.topk(min(others + 1, line.shape[-1])).indices.tolist()
-            return [t for t in top if t != token][:others]
+        if draft.call.sampling.greedy:  # the level's top `width` ids, kept as it was drafted
+            return [t for t in draft.levels[level][1].tolist() if t != token][:others]
         weights, ids = draft.q_rows[level]
         rest = weights.float().clone()
         drawn = []
@@ -298,20 +308,6 @@ class ModelDrafter:
         return (values / values.sum()).to(self.draft_q_dtype), ids
 
 
-def check_tree_width(call: ProposeCall) -> None:
-    """Refuse a tree the drafter cannot draft: too wide, or where its laws follow one chain
-    (a pre-draft's assumed tokens, a grammar, logit shaping)."""
-    if call.tree_width > MAX_TREE_WIDTH:
-        raise ValueError(f"tree_width must be at most {MAX_TREE_WIDTH}, got {call.tree_width}")
-    if call.tree_nodes > MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"tree_nodes must be at most {MAX_SPECULATIVE_TOKENS}, got "
-                         f"{call.tree_nodes}")
-    if call.assumed_token_ids or call.sampling.grammar is not None or \
-            call.sampling.shapes_logits:
-        raise ValueError("a draft tree does not combine with pre-drafting, structured "
-                         "outputs, penalties, logit_bias or min_tokens: draft a chain")
-
-
 @dataclass
 class Draft:
     """One call's block while it is being drafted."""
@@ -328,7 +324,7 @@ class Draft:
     width: int = 1  # > 1: a tree, up to that many children at each node of the main chain
     nodes: int = 0  # the tree's node budget (0: width at every node)
     # per level of the main chain: its token's probability under the draft's law, and the
-    # logits a greedy draft takes its siblings from
+    # top `width` ids a greedy draft takes its siblings from
     levels: list[tuple] = field(default_factory=list)
     siblings: list[list[int]] = field(default_factory=list)  # the others, per depth
 

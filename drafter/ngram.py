@@ -16,6 +16,7 @@ from speculative.types import (
     StaleBase,
     check_call,
     check_prompt_len,
+    check_tree_width,
     timed,
 )
 
@@ -75,6 +76,7 @@ class NgramDrafter:
         sequence = self.sessions.apply(call.request_id, call.sync)
         context = sequence.committed + list(call.assumed_token_ids)
         if call.tree_width > 1 and not call.assumed_token_ids and call.sampling.grammar is None:
+            check_tree_width(call)
             tree = self.lookup_tree(call, sequence, context)
             if tree is not None:  # deterministic: verified by matching the target's draws
                 return DraftBlock(tree[0], None, parents=tree[1])

@@ -21,6 +21,7 @@ so the rejection sampler keeps the output exactly the target's.
 from collections import deque
 
 from drafter.ngram import NgramDrafter
+from speculative.types import MAX_SPECULATIVE_TOKENS
 
 
 class Node:
@@ -71,6 +72,13 @@ class SuffixIndex:
             child = node.children[path[-1]] = Node()
         child.count += 1
 
+    def room(self, num_tokens: int, max_spec_factor: float) -> int:
+        """The continuation a match leaves room for: K, but no more than lets a match of
+        depth L propose max_spec_factor x L tokens within the tries (a long K would
+        otherwise squeeze the match to a token or two)."""
+        balanced = int(self.max_depth * max_spec_factor / (max_spec_factor + 1))
+        return max(1, min(num_tokens, balanced, self.max_depth - 1))
+
     def match(self, context: list[int], room: int = 1) -> tuple[Node | None, int]:
         """(the node of the longest suffix of context that occurs, its length): the longest
         one with a continuation (a child), since only those can propose, and short enough
@@ -89,7 +97,7 @@ class SuffixIndex:
     def propose(self, context: list[int], num_tokens: int, min_token_prob: float,
                 max_spec_factor: float) -> tuple[list[int], float]:
         """(the proposed tokens, their expected accepted length under the counts)."""
-        node, length = self.match(context, max(1, min(num_tokens, self.max_depth - 1)))
+        node, length = self.match(context, self.room(num_tokens, max_spec_factor))
         tokens: list[int] = []
         score, prob = 0.0, 1.0
         limit = min(num_tokens, int(max_spec_factor * length))
@@ -111,7 +119,7 @@ class SuffixIndex:
         then at its nodes up to width - 1 other continuations each (the next most frequent),
         the likeliest first while `nodes` (0: width per node) allows and their probability
         under the counts stays at or above min_token_prob."""
-        node, length = self.match(context, max(1, min(num_tokens, self.max_depth - 1)))
+        node, length = self.match(context, self.room(num_tokens, max_spec_factor))
         tokens: list[int] = []
         parents: list[int] = []
         others: list[tuple[float, int, int]] = []  # (probability, parent, token)
@@ -130,7 +138,7 @@ class SuffixIndex:
             parents.append(here)
             score += prob
             node = child
-        budget = (nodes or width * len(tokens)) - len(tokens)
+        budget = min(nodes or width * len(tokens), MAX_SPECULATIVE_TOKENS) - len(tokens)
         kept = [o for o in sorted(others, reverse=True)[:max(0, budget)]
                 if o[0] >= min_token_prob and o[1] < len(tokens)]
         for other_prob, parent, token in sorted(kept, key=lambda o: o[1]):

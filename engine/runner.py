@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from engine.batch import forward_packed, use_packed_attention
 from engine.cache import BLOCK_SIZE
+from engine.checkpoint import sliding_window
 from engine.lean import LeanForward, lean_supported
 from engine.memory import KVBudgetTooSmall, context_length, kv_shape
 from engine.paged import BlockPool, PagedAttention, kv_pool_blocks
@@ -85,9 +86,8 @@ class ModelRunner:
         """Whether a forward can score a draft tree: the lean forward always; transformers'
         modeling without sliding windows (its caches keep a window of slots, not of a
         tree's positions)."""
-        config = self.model.config
-        return self.lean is not None or getattr(config, "sliding_window", None) is None or \
-            getattr(config, "use_sliding_window", True) is False
+        return self.lean is not None or \
+            sliding_window(self.model.config.get_text_config()) is None
 
     def new_cache(self):
         if self.lean is None:

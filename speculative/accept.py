@@ -20,7 +20,9 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator
     the accepted path)."""
     if block.parents is None:
         return accept_chain(block, scores, greedy, generator), scores
-    if scores.tree_nodes != len(block.token_ids):
+    rows = len(scores.target_token_ids) if greedy or block.draft_probs is None else \
+        len(scores.recovered_token_ids)
+    if scores.tree_nodes != len(block.token_ids) or rows != len(block.token_ids) + 1:
         raise PoolUnavailable("verifier: scored a draft tree as a chain (a version without "
                               "draft trees?): serve both pools from one version")
     tree = DraftTree(block.token_ids, block.parents)

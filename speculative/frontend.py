@@ -139,7 +139,9 @@ class RequestFrontEnd:
         depth = (requested.depth if requested else None) or own_k or shape.depth or \
             (k if k != "auto" else self.defaults.seeded_num_speculative_tokens)
         nodes = min(shape.nodes or shape.width * depth, MAX_SPECULATIVE_TOKENS)
-        return shape.width, min(depth, nodes), nodes
+        if nodes <= depth:  # no room beside the main chain: the request's K as a chain
+            return 1, k, 0
+        return shape.width, depth, nodes
 
     def pipelined(self, requested: bool | None, sampling: SamplingParams) -> bool:
         if requested is not None:

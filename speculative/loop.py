@@ -20,6 +20,7 @@ from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.types import (
     EMPTY_PREFIX_HASH,
+    MAX_SPECULATIVE_TOKENS,
     NO_DRAFT,
     DraftBlock,
     Drafter,
@@ -194,7 +195,7 @@ def tree_shape(state: RequestState, k: int, assumed) -> tuple[int, int]:
         return 1, 0
     room = state.remaining if request.context_limit is None else \
         request.context_limit - len(state.committed)
-    nodes = min(request.tree_nodes or request.tree_width * k, room - 1)
+    nodes = min(request.tree_nodes or request.tree_width * k, MAX_SPECULATIVE_TOKENS, room - 1)
     return (request.tree_width, nodes) if nodes > k else (1, 0)
 
 

@@ -299,6 +299,20 @@ def check_tree(parents, nodes: int) -> None:
                          "earlier node")
 
 
+def check_tree_width(call: "ProposeCall") -> None:
+    """Refuse a tree the drafter cannot draft: too wide, or where its laws follow one chain
+    (a pre-draft's assumed tokens, a grammar, logit shaping)."""
+    if call.tree_width > MAX_TREE_WIDTH:
+        raise ValueError(f"tree_width must be at most {MAX_TREE_WIDTH}, got {call.tree_width}")
+    if call.tree_nodes > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"tree_nodes must be at most {MAX_SPECULATIVE_TOKENS}, got "
+                         f"{call.tree_nodes}")
+    if call.assumed_token_ids or call.sampling.grammar is not None or \
+            call.sampling.shapes_logits:
+        raise ValueError("a draft tree does not combine with pre-drafting, structured "
+                         "outputs, penalties, logit_bias or min_tokens: draft a chain")
+
+
 def check_call(token_ids, vocab_size: int, num_speculative_tokens: int = 0) -> None:
     """Raise ValueError for ids outside the vocabulary or an unreasonable K (bad input must
     be refused before it touches a cache or a model)."""

@@ -158,3 +158,22 @@ def test_a_long_repeat_still_proposes_a_whole_block():
     proposed, _ = index.propose(tokens, 3, 0.1, 1.0)
     assert proposed == [1, 2, 3]
     assert index.match(tokens, 3)[1] == 3 and index.match(tokens)[1] == 5
+
+
+def test_a_long_k_keeps_a_match_that_predicts():
+    """The match's room is bounded so that a long K still proposes factor x match tokens:
+    K = 32 on a long repeat proposes 16 (a match of 8), not one or two; and a tree stays
+    within the 64 nodes a verifier scores."""
+    index = SuffixIndex(24)
+    tokens = list(range(30)) * 3
+    index.add(tokens)
+    proposed, _ = index.propose(tokens, 32, 0.1, 2.0)
+    assert len(proposed) == 16 and proposed == list(range(16))
+    wide, base = SuffixIndex(24), list(range(1, 21))
+    for _ in range(10):
+        wide.add(base)
+    for level in range(1, 20):  # 7 other continuations at every level of the base
+        for other in range(7):
+            wide.add(base[:level] + [200 + 10 * level + other])
+    tree_tokens, parents, _ = wide.propose_tree([1], 16, 8, 500, 1e-6, 32.0)
+    assert tree_tokens[:16] == tuple(range(2, 18)) and len(tree_tokens) == 64

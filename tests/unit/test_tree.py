@@ -139,3 +139,27 @@ def test_a_tree_never_outgrows_the_outputs_room():
     assert shape(100, 4, context=10) == (3, 7)
     assert shape(100, 4, assumed=(5,)) == (1, 0) and shape(100, 0) == (1, 0)
     assert shape(100, 4, width=1) == (1, 0)
+
+
+def test_a_tree_budget_no_deeper_than_the_chain_leaves_the_requests_k():
+    """A router-default tree whose node budget leaves no room beside a request's own, deeper
+    K drafts that K as a chain; a request tree must have nodes beyond its depth."""
+    from deployments.router_args import SpeculativeTree
+    from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
+    from speculative.sampling import SamplingParams
+
+    front_end = RequestFrontEnd(SpeculationDefaults(tree=TreeShape(2, 6, 8)))
+    plan = front_end.plan("r", (1,), SamplingParams(temperature=0), num_speculative_tokens=16)
+    assert plan.num_speculative_tokens == 16 and plan.choices[0].request.tree_width == 1
+    plan = front_end.plan("r", (1,), SamplingParams(temperature=0), num_speculative_tokens=4)
+    assert (plan.choices[0].request.tree_width, plan.choices[0].request.tree_nodes) == (2, 8)
+    with pytest.raises(ValueError, match="must exceed depth"):
+        SpeculativeTree(width=2, depth=6, nodes=6)
+
+
+def test_no_tree_passes_the_nodes_a_verifier_scores():
+    from speculative.loop import Request, RequestState, tree_shape
+    from speculative.sampling import SamplingParams
+
+    request = Request("r", (1, 2), SamplingParams(max_tokens=1000), tree_width=8)
+    assert tree_shape(RequestState(request), 16, ()) == (8, 64)
