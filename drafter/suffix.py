@@ -21,6 +21,7 @@ so the rejection sampler keeps the output exactly the target's.
 from collections import deque
 
 from drafter.ngram import NgramDrafter
+from speculative.tree import main_chain_length
 from speculative.types import MAX_SPECULATIVE_TOKENS
 
 
@@ -206,8 +207,7 @@ class SuffixDrafter(NgramDrafter):
                                         self.max_spec_factor)
                      for found in self.indexes(call, sequence)]
         tokens, parents, _ = max(proposals, key=lambda proposal: proposal[2])
-        is_tree = any(parent != node - 1 for node, parent in enumerate(parents))
-        return (tokens, parents) if is_tree else None
+        return (tokens, parents) if main_chain_length(parents) < len(parents) else None
 
     def observe(self, request_id: str, token_ids: list[int]) -> None:
         """The request's committed tokens at its end (types.Drafter): its session takes the

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from speculative.tree import tree_depths
+
 
 @dataclass
 class Queries:
@@ -49,15 +51,11 @@ class Queries:
 def tree_layout(parents) -> tuple[torch.Tensor, torch.Tensor]:
     """(depth [m] from 1, ancestry [m, m] bool: node i sees node j, itself included) of a
     draft tree whose node i follows parents[i] (-1: the token before the tree)."""
-    m = len(parents)
-    depth = torch.zeros(m, dtype=torch.long)
-    ancestry = torch.eye(m, dtype=torch.bool)
+    ancestry = torch.eye(len(parents), dtype=torch.bool)
     for node, parent in enumerate(parents):
         if parent >= 0:
-            depth[node] = depth[parent]
             ancestry[node] |= ancestry[parent]
-        depth[node] += 1
-    return depth, ancestry
+    return torch.tensor(tree_depths(parents)), ancestry
 
 
 def lay_out(starts: list[int], lengths: list[int], row_of: list[int], rows: int,

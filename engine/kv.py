@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from engine.batch import Segment
+from speculative.tree import main_chain_length
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, StaleBase, prefix_hash
 
 
@@ -130,8 +131,7 @@ class Sequence:
         segment = self.prepare(runner, ids[start:], start, num_logits)
         if parents:
             segment.parents = tuple(parents)
-            in_place = next((i for i, parent in enumerate(parents) if parent != i - 1),
-                            len(parents))
+            in_place = main_chain_length(parents)
             self.cached_ids[len(ids) - len(parents) + in_place:] = \
                 [NO_TOKEN] * (len(parents) - in_place)
         return segment

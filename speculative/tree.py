@@ -51,10 +51,6 @@ class DraftTree:
         if any(not ROOT <= parent < node for node, parent in enumerate(self.parents)):
             raise ValueError("a node's parent must be ROOT or an earlier node")
 
-    @classmethod
-    def chain(cls, token_ids) -> "DraftTree":
-        return cls(tuple(token_ids), tuple(range(-1, len(token_ids) - 1)))
-
     def children(self, node: int) -> list[int]:
         """The children of node (ROOT or a node index), in the order they were drawn."""
         return [child for child, parent in enumerate(self.parents) if parent == node]
@@ -74,6 +70,13 @@ def tree_depths(parents) -> list[int]:
     for parent in parents:
         depths.append(1 if parent == ROOT else depths[parent] + 1)
     return depths
+
+
+def main_chain_length(parents) -> int:
+    """How many nodes, from the first, form a chain from the root (each the child of the one
+    before): the drafter's main chain, whose slots stand where its tokens will if accepted."""
+    return next((node for node, parent in enumerate(parents) if parent != node - 1),
+                len(parents))
 
 
 @dataclass(frozen=True)
