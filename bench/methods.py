@@ -1,11 +1,11 @@
 """The speculation methods beside the default chain, as rows of `specserve bench`: draft trees
-against chains at equal node budgets (bench.trees) and the model-free drafters on repetitive
-work (bench.model_free), in this process on the demo pair, after the served modes (the same
+against chains at equal node budgets (bench.trees), the model-free drafters on repetitive
+work (bench.model_free) and draft length by confidence (bench.confidence), in this process on the demo pair, after the served modes (the same
 prompts and token counts as the run; --quick keeps a few shapes, greedy only)."""
 
 from argparse import Namespace
 
-from bench import model_free, trees
+from bench import confidence, model_free, trees
 from bench.pairs import PAIRS, PROMPTS
 
 QUICK_SHAPES = ("target alone", "chain K=4", "chain K=8", "tree w2 d4 n8", "tree w2 d6 n8")
@@ -17,7 +17,8 @@ def run(num_prompts: int, max_tokens: int, quick: bool) -> dict:
     temperatures = (0.0,) if quick else (0.0, 1.0)
     return {"trees": {f"{t:g}": trees.rows_of(PAIRS["demo"], shapes, prompts, max_tokens, t)
                       for t in temperatures},
-            "model_free": model_free.run(Namespace(max_tokens=max_tokens, k=4))}
+            "model_free": model_free.run(Namespace(max_tokens=max_tokens, k=4)),
+            "confidence": confidence.run("demo", max_tokens, quick, num_prompts)}
 
 
 def markdown_lines(methods: dict) -> list[str]:
@@ -40,4 +41,6 @@ def markdown_lines(methods: dict) -> list[str]:
                      f"{model_free.shown(r['tokens_per_round'], '.2f')} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
                      f"{'yes' if r['same_tokens'] else 'NO'} |")
-    return lines + [""]
+    lines += ["", "Draft length by confidence (`python -m bench.confidence`), greedy, the "
+              "second of two passes:", ""]
+    return lines + confidence.markdown_lines(methods.get("confidence", [])) + [""]

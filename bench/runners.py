@@ -57,17 +57,18 @@ class InProcess:
 
 
 def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float, seed: int,
-             k: int, tree_width: int = 1, tree_nodes: int | None = None):
+             k: int | str, tree_width: int = 1, tree_nodes: int | None = None, front_end=None):
     """(token ids, seconds, SpecStats) of one request through the round loop in this
     process, planned as the router plans an HTTP request with this seed (choice 0's derived
-    seed: the same draws), at a fixed K, drafting then verifying (tree_width > 1: a tree of
-    that width, K deep, of tree_nodes nodes)."""
+    seed: the same draws), at K (or "auto"), drafting then verifying (tree_width > 1: a tree
+    of that width, K deep, of tree_nodes nodes). front_end: a RequestFrontEnd whose requests
+    share what they learn (default: a new one for this request, with these settings)."""
     from speculative.driver import Generation
     from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
     from speculative.sampling import SamplingParams
 
-    front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
-                                                    pipelined_drafting="off"))
+    front_end = front_end or RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
+                                                                 pipelined_drafting="off"))
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
     plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params,
                           tree=TreeShape(tree_width, nodes=tree_nodes),

@@ -1,5 +1,7 @@
 """The router's args (`applications[].args` of the "router" app in cluster/*.yaml)."""
 
+from typing import Annotated, Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.models import DEMO_TARGET
@@ -80,6 +82,11 @@ class RouterArgs(BaseModel):
     # a draft tree per round for requests that name none ({"width": b, "depth": d}; a
     # request may say otherwise with "speculative_tree"); None: chains
     speculative_tree: SpeculativeTree | None = None
+    # the draft calls' draft_confidence: a model drafter's block ends once the product of its
+    # drafted tokens' probabilities falls below it; "auto": learnt from acceptance and the
+    # measured costs, for requests with an adaptive K (speculative.confidence); None: the
+    # drafter pool's own (its `draft_confidence`, 0 = off, by default)
+    draft_confidence: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] | None = None
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
     # without max_tokens may use the rest of the context, as vLLM's does
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
@@ -118,4 +125,4 @@ class RouterArgs(BaseModel):
                                    self.adaptive_k.seeded, self.pipelined_drafting,
                                    self.busy_wait_s,
                                    self.speculative_tree.shape() if self.speculative_tree
-                                   else TreeShape())
+                                   else TreeShape(), self.draft_confidence)

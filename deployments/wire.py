@@ -240,6 +240,7 @@ def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
         prompt_len=call.prompt_len,
         tree_width=call.tree_width,
         tree_nodes=call.tree_nodes,
+        draft_confidence=call.draft_confidence,
     )
 
 
@@ -256,12 +257,15 @@ def propose_from_proto(message: pb.ProposeRequest,
         prompt_len=message.prompt_len,
         tree_width=max(1, message.tree_width),
         tree_nodes=message.tree_nodes,
+        draft_confidence=message.draft_confidence if message.HasField("draft_confidence")
+        else None,
     )
 
 
 def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
     response = pb.ProposeResponse(token_ids=block.token_ids, parents=block.parents or (),
-                                  compute_us=round(block.compute_seconds * 1e6))
+                                  compute_us=round(block.compute_seconds * 1e6),
+                                  confidences=block.confidences or ())
     if block.draft_probs is not None:
         response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs))
     if block.load is not None:
@@ -275,7 +279,8 @@ def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
     if parents is not None:
         check_tree(parents, len(message.token_ids))
     return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6,
-                      load=load_from_proto(message), parents=parents)
+                      load=load_from_proto(message), parents=parents,
+                      confidences=tuple(message.confidences) or None)
 
 
 def load_to_proto(load: BatchLoad) -> pb.BatchLoad:

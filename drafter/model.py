@@ -26,6 +26,7 @@ from speculative.types import (
     ProposeCall,
     StaleBase,
     check_call,
+    check_confidence,
     check_prompt_len,
     check_tree_width,
 )
@@ -68,8 +69,7 @@ class ModelDrafter:
         self.truncates = 0 < draft_top_k < self.vocab_size or draft_q_mass < 1
         self.draft_q_dtype = {"float32": torch.float32, "float16": torch.float16}[draft_q_dtype]
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
-        if not 0 <= draft_confidence < 1:
-            raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
+        check_confidence(draft_confidence)
         self.draft_confidence = draft_confidence
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
@@ -119,7 +119,9 @@ class ModelDrafter:
             # q leaves the device here, on the worker thread, not on the event loop
             probs = DraftDists.stack(q_rows, self.vocab_size).compact().to("cpu") \
                 if q_rows else None
-            results[index] = DraftBlock(tokens, probs, elapsed, load=load, parents=parents)
+            results[index] = DraftBlock(tokens, probs, elapsed, load=load, parents=parents,
+                                        confidences=tuple(draft.confidences)
+                                        if draft.reports else None)
         return results
 
     def start_drafts(self, calls: list[ProposeCall], results: list
@@ -168,7 +170,7 @@ class ModelDrafter:
             for (index, draft, _), token in zip(active, tokens):
                 draft.took(token)
                 if len(draft.token_ids) < draft.num_tokens and \
-                        draft.confidence >= self.draft_confidence:
+                        draft.confidence >= draft.threshold:
                     still.append((index, draft, draft.sequence.segment(
                         self.runner, draft.assumed + draft.token_ids, 1)))
             active = still
@@ -176,17 +178,19 @@ class ModelDrafter:
 
     def note_probs(self, drafts: list["Draft"], logits: list[torch.Tensor],
                    tokens: list[int]) -> None:
-        """What a step's drafts whose block length follows their confidence, or that are
-        trees, keep of it: the drawn token's probability (and a greedy tree the ids its
-        siblings will come from, not the logits); the others pay nothing."""
+        """What a step's drafts whose block length follows their confidence (or that report
+        it), or that are trees, keep of it: the drawn token's probability (and a greedy tree
+        the ids its siblings will come from, not the logits); the others pay nothing."""
         rows = [i for i, draft in enumerate(drafts)
-                if draft.width > 1 or self.draft_confidence > 0]
+                if draft.width > 1 or draft.threshold > 0 or draft.reports]
         if not rows:
             return
         picked = [drafts[i] for i in rows]
         probs = self.drafted_probs(picked, [logits[i] for i in rows], [tokens[i] for i in rows])
         for draft, i, prob in zip(picked, rows, probs):
             draft.confidence *= prob
+            if draft.reports:
+                draft.confidences.append(draft.confidence)
             if draft.width > 1:  # a tree's siblings are drawn once the chain is
                 top = fit_vocab(logits[i][0], self.vocab_size).topk(draft.width).indices \
                     if draft.call.sampling.greedy else None
@@ -245,6 +249,7 @@ class ModelDrafter:
         check_call(call.sync.new_token_ids + call.assumed_token_ids + call.sampling.shaping_ids,
                    self.vocab_size, call.num_speculative_tokens)
         check_prompt_len(call.prompt_len, call.sync.committed_len)
+        check_confidence(call.draft_confidence)
         sequence = self.sessions.apply(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
@@ -264,9 +269,12 @@ class ModelDrafter:
             if self.max_positions is not None and len(sequence.committed) + \
                     (call.tree_nodes or width * num_tokens) > self.max_positions:
                 width = 1  # the nodes would pass the context's end: a chain fits
+        threshold = self.draft_confidence if call.draft_confidence is None else \
+            call.draft_confidence
         return Draft(call, sequence, assumed, num_tokens,
                      seeded_generator(call.seed, self.model.device), matcher=matcher,
-                     width=width, nodes=call.tree_nodes)
+                     width=width, nodes=call.tree_nodes, threshold=threshold,
+                     reports=call.draft_confidence is not None)
 
     def next_tokens(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> list[int]:
         """Each draft's next token from its logits [1, V_draft], with ONE host sync for the
@@ -321,6 +329,9 @@ class Draft:
     q_rows: list[tuple] = field(default_factory=list)  # shipped_q of each drafted token
     matcher: TokenMasks | None = None  # the request's grammar, at the block's next position
     confidence: float = 1.0  # the drafted tokens' probabilities multiplied (draft_confidence)
+    threshold: float = 0.0  # the block ends once `confidence` falls below it
+    reports: bool = False  # the block reports its confidence after each token
+    confidences: list[float] = field(default_factory=list)
     width: int = 1  # > 1: a tree, up to that many children at each node of the main chain
     nodes: int = 0  # the tree's node budget (0: width at every node)
     # per level of the main chain: its token's probability under the draft's law, and the

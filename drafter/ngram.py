@@ -15,6 +15,7 @@ from speculative.types import (
     ProposeCall,
     StaleBase,
     check_call,
+    check_confidence,
     check_prompt_len,
     check_tree_width,
     timed,
@@ -73,6 +74,7 @@ class NgramDrafter:
         check_call(call.sync.new_token_ids + call.assumed_token_ids, self.vocab_size,
                    call.num_speculative_tokens)
         check_prompt_len(call.prompt_len, call.sync.committed_len)
+        check_confidence(call.draft_confidence)  # checked, then unused: no draft law
         sequence = self.sessions.apply(call.request_id, call.sync)
         context = sequence.committed + list(call.assumed_token_ids)
         if call.tree_width > 1 and not call.assumed_token_ids and call.sampling.grammar is None:

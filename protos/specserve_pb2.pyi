@@ -80,7 +80,7 @@ class PrefixSync(_message.Message):
     def __init__(self, known_len: _Optional[int] = ..., known_hash: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "sync", "num_speculative_tokens", "sampling", "seed", "assumed_token_ids", "prompt_len", "tree_width", "tree_nodes")
+    __slots__ = ("request_id", "sync", "num_speculative_tokens", "sampling", "seed", "assumed_token_ids", "prompt_len", "tree_width", "tree_nodes", "draft_confidence")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class ProposeRequest(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sync: PrefixSync
     num_speculative_tokens: int
@@ -99,10 +100,11 @@ class ProposeRequest(_message.Message):
     prompt_len: int
     tree_width: int
     tree_nodes: int
-    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., tree_width: _Optional[int] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
+    draft_confidence: float
+    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., tree_width: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., draft_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address", "compute_us", "load", "parents")
+    __slots__ = ("status", "token_ids", "draft_probs", "replica_id", "direct_address", "compute_us", "load", "parents", "confidences")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class ProposeResponse(_message.Message):
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     status: Status
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: Distributions
@@ -119,7 +122,8 @@ class ProposeResponse(_message.Message):
     compute_us: int
     load: BatchLoad
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed", "prompt_len", "return_bonus_probs", "draft_parents")

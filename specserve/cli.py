@@ -78,9 +78,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-q-dtype", choices=["float32", "float16"],
                         default=DrafterSpec.draft_q_dtype,
                         help="the precision of the draft distributions (as a drafter pool ships)")
-    parser.add_argument("--draft-confidence", type=float, default=DrafterSpec.draft_confidence,
+    parser.add_argument("--draft-confidence", type=confidence_value,
+                        default=DrafterSpec.draft_confidence,
                         help="end a block once its drafted tokens' probabilities multiplied "
-                             "fall below this (0 = every block K tokens)")
+                             "fall below this (0 = every block K tokens; auto = learnt from "
+                             "acceptance and costs, with -k auto)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -104,7 +106,9 @@ def build_engines(args):
     target = Checkpoint.load(args.target)
     spec = DrafterSpec(kind=args.drafter, model=args.draft, target=args.target, dtype=args.dtype,
                        draft_top_k=args.draft_top_k, draft_q_mass=args.draft_q_mass,
-                       draft_q_dtype=args.draft_q_dtype, draft_confidence=args.draft_confidence)
+                       draft_q_dtype=args.draft_q_dtype,
+                       draft_confidence=0.0 if args.draft_confidence == "auto"
+                       else args.draft_confidence)
     needed = args.num_speculative_tokens or not DRAFTERS[args.drafter].needs_model
     drafter = build_drafter(spec, target) if needed else None
     return drafter, ModelVerifier(load_causal_lm(args.target, args.dtype)), target
@@ -162,7 +166,17 @@ def request_front_end(args):
     return RequestFrontEnd(SpeculationDefaults(
         num_speculative_tokens=args.num_speculative_tokens,
         pipelined_drafting="on" if args.pipelined else "off",
-        tree=TreeShape(args.tree_width, nodes=args.tree_nodes)))
+        tree=TreeShape(args.tree_width, nodes=args.tree_nodes),
+        draft_confidence="auto" if args.draft_confidence == "auto" else None))
+
+
+def confidence_value(text: str) -> float | str:
+    if text == "auto":
+        return text
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) or auto, got {text}")
+    return value
 
 
 def k_value(text: str) -> int | str:

@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median_low
 
+from speculative.confidence import ConfidenceCut
+
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ class CostModel:
         self.draft_hop = Recent()
         self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
         self.trials = BatchTrials()  # the K of every request under batch load, tried
+        self.confidence = ConfidenceCut()  # where a draft's block pays no more
         # λ: the share of a pipelined round's shorter part (verify or draft) that did not
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}
@@ -288,6 +291,12 @@ class CostModel:
         per_call, per_token = self.draft.fit(0.0)
         # the fit's a is the time at n = 1: split into a call's part and a token's
         return max(1e-6, per_call - per_token + per_token * num_tokens)
+
+    def token_seconds(self) -> float:
+        """What one more drafted token costs a round: a draft step and one more token in the
+        verifier's batch (the lines' slopes; speculative.confidence)."""
+        verify = self.forward_seconds(2) - self.forward_seconds(1)
+        return verify + self.draft_seconds(2) - self.draft_seconds(1)
 
     def overhead_seconds(self, k: int = 1, load: float = 1.0) -> float:
         """A round's time beyond the pools' compute, with a draft call (k > 0) or without,

@@ -53,6 +53,10 @@ class SpeculationDefaults:
     pipelined_drafting: PipelinedDrafting = "on"
     busy_wait_s: float = 0.0  # how long a request waits out a full verifier (loop.Request)
     tree: TreeShape = TreeShape()  # a draft tree per round (width 1: chains)
+    # the draft calls' draft_confidence (a model drafter's block ends once its confidence
+    # falls below it): a number, "auto" (learnt per router from acceptance and costs, with
+    # an adaptive K: speculative.confidence) or None (the drafter pool's own)
+    draft_confidence: float | Literal["auto"] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,4 +157,5 @@ class RequestFrontEnd:
                  drafter_kind: str | None) -> KPolicy:
         costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
             else None
-        return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs)
+        return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
+                        self.defaults.draft_confidence)

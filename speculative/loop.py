@@ -115,6 +115,7 @@ class RequestState:
         self.drafter_called = False  # the drafter may hold a cache for it: release at the end
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
+        self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
         self._hash, self._hashed_len = EMPTY_PREFIX_HASH, 0
 
     @property
@@ -182,7 +183,8 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
         state.drafter_view,
         lambda sync: drafter.propose(
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
-                        len(request.prompt_token_ids), *tree_shape(state, k, assumed))),
+                        len(request.prompt_token_ids), *tree_shape(state, k, assumed),
+                        draft_confidence=state.draft_confidence)),
     )
 
 
@@ -286,6 +288,7 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     """
     meter = RoundMeter(state, carried=block is not None)
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
+    state.draft_confidence = policy.draft_confidence()
     beside = None if meter.carried else draft_beside(state, k, pipelined)
     if block is None and beside is None:
         block = await draft(state, drafter, k)
@@ -303,6 +306,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     if not meter.fell_back:  # a failed call's wait says nothing about what a K costs
         policy.update(depth(block) + outcome.predraft_tested,
                       outcome.num_accepted + outcome.predraft_accepted, cost)
+    if block.confidences is not None and block.parents is None:
+        policy.observe_confidences(block.confidences, outcome.num_accepted)
     return committed, None if state.finish_reason is not None else next_block
 
 

@@ -40,6 +40,9 @@ and a K it never runs is a K it never measures):
 - K = 0 (speculation off) is reachable only when it pays under batch load (or when this
   request's draft is measured to be useless), with a margin to enter and to leave, and it is
   left as soon as the load falls.
+
+A policy also gives each draft call its draft_confidence: a fixed one, or, "auto" with an
+adaptive K, the cut learnt into the shared costs (speculative.confidence).
 """
 
 from dataclasses import dataclass
@@ -53,19 +56,32 @@ class KPolicy(Protocol):
 
     def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None: ...
 
+    def draft_confidence(self) -> float | None:
+        """The next draft call's draft_confidence (None: the pool's own)."""
+
+    def observe_confidences(self, confidences, num_accepted: int) -> None:
+        """A chain's reported confidences and how many of its tokens were accepted."""
+
 
 class FixedK:
-    """The same K every round (vLLM's num_speculative_tokens)."""
+    """The same K every round (vLLM's num_speculative_tokens), and the same
+    draft_confidence (None: the pool's own)."""
 
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, confidence: float | None = None) -> None:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        self.k = num_speculative_tokens
+        self.k, self.confidence = num_speculative_tokens, confidence
 
     def num_speculative_tokens(self) -> int:
         return self.k
 
     def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None:
+        pass
+
+    def draft_confidence(self) -> float | None:
+        return self.confidence
+
+    def observe_confidences(self, confidences, num_accepted: int) -> None:
         pass
 
 
@@ -105,8 +121,9 @@ class AdaptiveK:
 
     def __init__(self, bounds: KBounds, costs: CostModel, pipelined: bool, greedy: bool,
                  prior_alpha: float = 0.6, prior_weight: float = 4.0,
-                 decay: float = 0.85) -> None:
+                 decay: float = 0.85, confidence: float | str | None = None) -> None:
         self.bounds, self.costs = bounds, costs
+        self.confidence = confidence  # draft_confidence: a number, "auto" (learnt) or None
         self.pipelined, self.greedy = pipelined, greedy
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
         self.accepted, self.tested = prior * prior_weight, prior_weight
@@ -132,6 +149,20 @@ class AdaptiveK:
 
     def num_speculative_tokens(self) -> int:
         return self.k
+
+    def draft_confidence(self) -> float | None:
+        """The draft's cut (speculative.confidence): learnt when "auto", where it is 0 (no
+        cut) under batch load, where the batch's one K rules, and on the rounds that run a
+        neighbouring K, so that every confidence keeps being measured."""
+        if self.confidence != "auto":
+            return self.confidence
+        if self.loaded or self.k != self.chosen:
+            return 0.0
+        return self.costs.confidence.threshold(self.rate(self.k), self.costs.token_seconds())
+
+    def observe_confidences(self, confidences, num_accepted: int) -> None:
+        if self.confidence == "auto":
+            self.costs.confidence.observe(confidences, num_accepted)
 
     def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None:
         if num_drafted:
@@ -238,8 +269,11 @@ class AdaptiveK:
 
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,
-             costs: CostModel | None = None) -> KPolicy:
-    """FixedK(k), or for k == "auto" an AdaptiveK in `bounds` learning into `costs`."""
+             costs: CostModel | None = None, confidence: float | str | None = None) -> KPolicy:
+    """FixedK(k), or for k == "auto" an AdaptiveK in `bounds` learning into `costs`.
+    confidence: the draft calls' draft_confidence, or "auto" to learn it (an adaptive K
+    only: a fixed K leaves it to the pool)."""
     if k != "auto":
-        return FixedK(k)
-    return AdaptiveK(bounds or KBounds(), costs or CostModel(), pipelined, greedy)
+        return FixedK(k, None if confidence == "auto" else confidence)
+    return AdaptiveK(bounds or KBounds(), costs or CostModel(), pipelined, greedy,
+                     confidence=confidence)

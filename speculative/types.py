@@ -56,6 +56,11 @@ class ProposeCall:
     # (DraftBlock), tree_nodes nodes in all (0: tree_width at every node)
     tree_width: int = 1
     tree_nodes: int = 0
+    # a model drafter's block ends once its confidence (the drafted tokens' probabilities
+    # multiplied) falls below this (0: never); None: the pool's own `draft_confidence`. Set,
+    # the block reports each drafted token's confidence (DraftBlock.confidences), from which
+    # the router learns the next call's (speculative.confidence)
+    draft_confidence: float | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,6 +182,9 @@ class DraftBlock:
     # a draft tree (speculative.tree): node i follows parents[i] (-1: the committed prefix),
     # and draft_probs' row i is the law its parent's children were drawn from; None: a chain
     parents: tuple[int, ...] | None = None
+    # the main chain's confidence after each of its tokens (the call's draft_confidence was
+    # set); None: not reported
+    confidences: tuple[float, ...] | None = None
 
 
 NO_DRAFT = DraftBlock((), None)  # a round without candidates
@@ -322,6 +330,12 @@ def check_call(token_ids, vocab_size: int, num_speculative_tokens: int = 0) -> N
     if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                          f"got {num_speculative_tokens}")
+
+
+def check_confidence(threshold: float | None) -> None:
+    """Raise ValueError unless a draft_confidence is None (unset) or in [0, 1)."""
+    if threshold is not None and not 0 <= threshold < 1:
+        raise ValueError(f"draft_confidence must be in [0, 1), got {threshold}")
 
 
 class PoolUnavailable(RuntimeError):

@@ -42,24 +42,26 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request_id="r", stop=(),
-        decode=None, pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0):
+        decode=None, pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
+        confidence=None):
     """Decode one request in-process through the request driver; returns (output ids, state).
 
     k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies);
-    tree_width > 1: each round drafts a tree of that width, K deep, of tree_nodes nodes.
+    tree_width > 1: each round drafts a tree of that width, K deep, of tree_nodes nodes;
+    confidence: the draft calls' draft_confidence ("auto": learnt, with an adaptive K).
     """
     request = Request(request_id, tuple(prompt), params, tuple(stop), tree_width=tree_width,
                       tree_nodes=tree_nodes)
     generation = Generation(request, decode)
-    asyncio.run(decoded(drafter, verifier, generation, k, pipelined))
+    asyncio.run(decoded(drafter, verifier, generation, k, pipelined, confidence))
     return generation.token_ids, generation.state
 
 
 async def decoded(drafter, verifier, generation: Generation, k: int | str,
-                  pipelined: bool = False) -> Generation:
+                  pipelined: bool = False, confidence=None) -> Generation:
     """The generation run to its end under a fixed K or "auto" (adaptive in 1..8)."""
     greedy = generation.state.request.sampling.greedy
-    policy = k_policy(k, pipelined, greedy, KBounds(1, 8, initial=2))
+    policy = k_policy(k, pipelined, greedy, KBounds(1, 8, initial=2), confidence=confidence)
     return await generation.run(drafter, verifier, policy, pipelined)
 
 

@@ -173,4 +173,7 @@ def test_the_speculation_methods_are_rows_too(quick_run):
     assert {r["method"] for r in methods["model_free"]} == \
         {"target alone", "ngram", "suffix", "suffix tree"}
     assert all(r["same_tokens"] for r in methods["model_free"])
+    assert {r["method"] for r in methods["confidence"]} == \
+        {"target alone", "K=4", "K=auto, cut learnt"}
+    assert all(r["same_tokens"] for r in methods["confidence"])
     assert "## Methods" in (out / "results.md").read_text()

@@ -52,3 +52,21 @@ def test_a_block_ends_where_its_confidence_falls_below_the_threshold(params):
 def test_the_threshold_is_checked():
     with pytest.raises(ValueError, match="draft_confidence"):
         ModelDrafter(tiny_llama(7), draft_confidence=1.0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1)],
+                         ids=["greedy", "sampled"])
+def test_a_calls_threshold_overrides_the_pools_and_is_reported(params):
+    model = tiny_llama(7)
+    drafter = ModelDrafter(model, draft_confidence=0.999)  # the pool's: one token a block
+    call = ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, PROMPT), 6, params, seed=3,
+                       draft_confidence=0.0)
+    reported = drafter.propose_now(call)
+    drafter.sessions.release("r")
+    assert reported.token_ids == block(ModelDrafter(model), params).token_ids  # no cut
+    running = torch.tensor(probs_of_block(model, reported.token_ids)).cumprod(0).tolist()
+    assert reported.confidences == pytest.approx(running, rel=1e-4)
+    assert block(drafter, params).confidences is None  # unset: the pool's, not reported
+    with pytest.raises(ValueError, match="draft_confidence"):
+        drafter.propose_now(ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, PROMPT), 6, params,
+                                        seed=3, draft_confidence=1.5))

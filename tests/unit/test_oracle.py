@@ -41,14 +41,21 @@ def drafters(target):
         "suffix": lambda: SuffixDrafter(64),
         # blocks end early once the draft's confidence falls below 0.5
         "confident": lambda: ModelDrafter(noisy_copy(target, 0.01, seed=1), draft_confidence=0.5),
+        # ...where each call says so (CONFIDENCE), over the pool's 0: a fixed cut, or learnt
+        "per-call": lambda: ModelDrafter(noisy_copy(target, 0.01, seed=1)),
+        "learnt": lambda: ModelDrafter(noisy_copy(target, 0.01, seed=1)),
     }
+
+
+CONFIDENCE = {"per-call": 0.5, "learnt": "auto"}  # the draft calls' draft_confidence
 
 
 CASES = [("self", 0)] + [
     (kind, k) for kind in ("self", "noisy", "ngram") for k in range(1, 9)
-] + [("random", k) for k in (1, 4, 8)] + [(kind, k) for kind in ("suffix", "confident")
+] + [("random", k) for k in (1, 4, 8)] + [(kind, k) for kind in ("suffix", "confident", "per-call")
                                            for k in (1, 3, 8)] + [
-    (kind, "auto") for kind in ("self", "noisy", "random", "ngram", "suffix", "confident")]
+    (kind, "auto") for kind in ("self", "noisy", "random", "ngram", "suffix", "confident",
+                                "per-call", "learnt")]
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
@@ -60,7 +67,7 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
     accepted = drafted = pre_drafted = 0
     for i, (prompt, expected) in enumerate(zip(prompts(), references)):
         out, state = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}",
-                         pipelined=pipelined)
+                         pipelined=pipelined, confidence=CONFIDENCE.get(kind))
         assert out == expected, f"prompt {i}, K={k}, {kind} drafter"
         accepted += state.stats.num_accepted_tokens
         drafted += state.stats.num_draft_tokens

@@ -204,3 +204,17 @@ def test_draft_trees_round_trip():
         (scores.accept_probs, scores.recovered_token_ids, None)
     with pytest.raises(ValueError, match="parent"):
         wire.block_from_proto(wire.block_to_proto(DraftBlock((1, 2), None, parents=(-1, 1))))
+
+
+@pytest.mark.parametrize("cut", [None, 0.0, 0.25])
+def test_a_draft_confidence_and_the_reported_confidences_round_trip(cut):
+    """Unset stays unset (the pool's own), 0 stays 0 (no cut); confidences travel as float32."""
+    call = ProposeCall("r1", PrefixSync(0, 0, (4, 5)), 3, SamplingParams(), seed=1,
+                       draft_confidence=cut)
+    assert wire.propose_from_proto(pb.ProposeRequest.FromString(
+        wire.propose_to_proto(call).SerializeToString())) == call
+    block = DraftBlock((1, 2, 3), None, confidences=(0.5, 0.25, 0.125))
+    back = wire.block_from_proto(pb.ProposeResponse.FromString(
+        wire.block_to_proto(block).SerializeToString()))
+    assert back.confidences == block.confidences
+    assert wire.block_from_proto(wire.block_to_proto(DraftBlock((1,), None))).confidences is None
