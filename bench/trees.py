@@ -15,6 +15,8 @@ checked token-identical to the target alone.
 
 import argparse
 from dataclasses import replace
+from itertools import product
+from statistics import stdev
 
 import torch
 
@@ -51,12 +53,13 @@ def resolved(pair: Pair) -> Pair:
 def run(args) -> list[dict]:
     pair = args.resolved = resolved(PAIRS[args.pair])
     shapes = [m for m in methods() if not args.only or m[0] in args.only or not m[1]]
-    return rows_of(pair, shapes, PROMPTS, args.max_tokens, args.temperature)
+    return rows_of(pair, shapes, PROMPTS, args.max_tokens, args.temperature, args.seeds)
 
 
 def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens: int,
-            temperature: float) -> list[dict]:
-    """One row per (name, K, width, nodes) of `shapes`, the target alone first."""
+            temperature: float, seeds: int = 1) -> list[dict]:
+    """One row per (name, K, width, nodes) of `shapes`, the target alone first; each prompt
+    runs with `seeds` seeds (sampled rows: more rounds, a smaller standard error)."""
     tokenizer = load_tokenizer(pair.target)
     verifier = ModelVerifier(load_causal_lm(pair.target, dtype=pair.target_dtype))
     drafter = ModelDrafter(load_causal_lm(pair.draft, dtype=pair.draft_dtype),
@@ -65,19 +68,24 @@ def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens
     run_loop(drafter, verifier, prompts[0], 8, 0.0, 0, 4)  # warm-up
     rows, alone = [], None
     for name, k, width, nodes in shapes:
-        tokens, seconds, rounds, emitted, verified = [], 0.0, 0, 0, 0
-        for i, prompt in enumerate(prompts):
+        tokens, seconds, rounds, emitted, verified, per_request = [], 0.0, 0, 0, 0, []
+        for seed, (i, prompt) in product(range(seeds), enumerate(prompts)):
             out, took, stats = run_loop(drafter if k else None, verifier, prompt,
-                                        max_tokens, temperature, i, k, width, nodes)
+                                        max_tokens, temperature, 1000 * seed + i, k, width,
+                                        nodes)
             tokens.append(out)
             seconds += took
             rounds += stats.rounds
             emitted += stats.num_emitted_tokens
             verified += stats.num_draft_tokens
+            per_request.append(stats.num_emitted_tokens / stats.rounds)
         count = sum(len(t) for t in tokens)
         alone = alone or (tokens, count / seconds)
         rows.append({"method": name, "nodes_per_round": verified / rounds,
-                     "tokens_per_round": emitted / rounds, "tokens_per_s": count / seconds,
+                     "tokens_per_round": emitted / rounds,
+                     "tokens_per_round_se": stdev(per_request) / len(per_request) ** 0.5
+                     if len(per_request) > 1 else 0.0,
+                     "tokens_per_s": count / seconds,
                      "speedup": count / seconds / alone[1],
                      "same_tokens": tokens == alone[0] if temperature == 0 else None})
     return rows
@@ -86,13 +94,15 @@ def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens
 def print_table(rows: list[dict], args) -> None:
     pair = args.resolved
     print(f"{pair.name} pair ({pair.note}; target {pair.target_dtype}), T = {args.temperature}, "
-          f"{args.max_tokens} tokens "
-          f"x {len(PROMPTS)} prompts, one thread, torch {torch.__version__}")
-    print("| method | nodes verified/round | tokens/round | tokens/s | speedup | same tokens |")
+          f"{args.max_tokens} tokens x {len(PROMPTS)} prompts x {args.seeds} seeds, one thread, "
+          f"torch {torch.__version__}")
+    print("| method | nodes verified/round | tokens/round (± s.e. over requests) | tokens/s | "
+          "speedup | same tokens |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         same = "–" if r["same_tokens"] is None else "yes" if r["same_tokens"] else "NO"
-        print(f"| {r['method']} | {r['nodes_per_round']:.2f} | {r['tokens_per_round']:.2f} | "
+        print(f"| {r['method']} | {r['nodes_per_round']:.2f} | {r['tokens_per_round']:.2f} ± "
+              f"{r['tokens_per_round_se']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {same} |")
 
 
@@ -101,6 +111,8 @@ def main() -> None:
     parser.add_argument("--pair", choices=sorted(PAIRS), default="scaled")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs of each prompt, each with its own seed (sampled rows)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma-separated rows to run (the target alone always runs), "
                              'e.g. "chain K=8,tree w3 d6 n8"')
