@@ -8,7 +8,8 @@ from argparse import Namespace
 from bench import confidence, model_free, trees
 from bench.pairs import PAIRS, PROMPTS
 
-QUICK_SHAPES = ("target alone", "chain K=4", "chain K=8", "tree w2 d4 n8", "tree w2 d6 n8")
+QUICK_SHAPES = ("target alone", "chain K=4", "chain K=8", "tree w2 d4 n8", "tree w2 d6 n8",
+                "K=auto tree=auto")
 
 
 def run(num_prompts: int, max_tokens: int, quick: bool) -> dict:

@@ -24,6 +24,7 @@ from bench.costs import flattest_dtype
 from bench.pairs import PAIRS, PROMPTS, Pair
 from bench.runners import run_loop
 from drafter.model import ModelDrafter
+from speculative.frontend import RequestFrontEnd, SpeculationDefaults
 from engine.models import load_causal_lm, load_tokenizer
 from verifier.engine import ModelVerifier
 
@@ -34,10 +35,12 @@ TREES = ((2, 2, 4), (2, 4, 8), (3, 3, 9), (2, 3, 4), (2, 6, 8), (3, 6, 8), (2, 7
          (3, 5, 8))
 
 
-def methods() -> list[tuple[str, int, int, int | None]]:
-    """(name, K, width, nodes): the target alone, the chains, the trees."""
+def methods() -> list[tuple[str, int | str, int | str, int | None]]:
+    """(name, K, width, nodes): the target alone, the chains, the trees, and the adaptive K
+    with chains and with the shape chosen per round (AdaptiveK.round_shape)."""
     return [("target alone", 0, 1, None)] + [(f"chain K={k}", k, 1, None) for k in CHAINS] + \
-        [(f"tree w{w} d{d} n{n}", d, w, n) for w, d, n in TREES]
+        [(f"tree w{w} d{d} n{n}", d, w, n) for w, d, n in TREES] + \
+        [("K=auto", "auto", 1, None), ("K=auto tree=auto", "auto", "auto", None)]
 
 
 def resolved(pair: Pair) -> Pair:
@@ -69,10 +72,13 @@ def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens
     rows, alone = [], None
     for name, k, width, nodes in shapes:
         tokens, seconds, rounds, emitted, verified, per_request = [], 0.0, 0, 0, 0, []
+        # one front end a row: an adaptive K's requests share what they learn
+        front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,
+                                                        pipelined_drafting="off"))
         for seed, (i, prompt) in product(range(seeds), enumerate(prompts)):
             out, took, stats = run_loop(drafter if k else None, verifier, prompt,
                                         max_tokens, temperature, 1000 * seed + i, k, width,
-                                        nodes)
+                                        nodes, front_end)
             tokens.append(out)
             seconds += took
             rounds += stats.rounds

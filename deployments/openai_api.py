@@ -15,7 +15,7 @@ from deployments.tools import (
     ToolUse,
     tool_use,
 )
-from deployments.router_args import SpeculativeTree
+from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
 from speculative.sampling import (
     MAX_LOGIT_BIAS,
@@ -96,8 +96,9 @@ class SamplingFields(BaseModel):
     pipelined: bool | None = None  # extension: draft during verification (router default)
     # extension: "model" (the drafter pool, the default) or a kind the router runs itself
     drafter: str | None = None
-    # extension: a draft tree per round, {"width": b, "depth": d} (router default: its own)
-    speculative_tree: SpeculativeTree | None = None
+    # extension: a draft tree per round, {"width": b, "depth": d}, or "auto" (chosen per
+    # round against the chain; router default: its own)
+    speculative_tree: TreeArg | None = None
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
     ignore_eos: bool = False  # extension (as vLLM): do not stop at the model's end tokens
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension (as vLLM)

@@ -31,7 +31,7 @@ from deployments.ingress import (
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.prompts import PromptReader
-from deployments.router_args import RouterArgs
+from deployments.router_args import RouterArgs, tree_shape
 from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
 from engine.checkpoint import Checkpoint, check_vocabularies
 from engine.models import load_tokenizer
@@ -139,5 +139,5 @@ class Router:
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,
                                    pipelined=body.pipelined, drafter_kind=body.drafter,
-                                   tree=body.speculative_tree and body.speculative_tree.shape(),
+                                   tree=tree_shape(body.speculative_tree),
                                    context_limit=self.prompts.context_limit)

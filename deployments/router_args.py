@@ -18,8 +18,10 @@ from speculative.types import MAX_SPECULATIVE_TOKENS, MAX_TREE_WIDTH
 class SpeculativeTree(BaseModel):
     """A draft tree per round: a main chain `depth` deep (default: the request's K) and up to
     `width` children at its nodes (the drafter's next most likely tokens, or its draws
-    without replacement), `nodes` in all. Width 1 is a chain. A request with a grammar or logit shaping drafts a
-    chain, as does a pipelined round's pre-draft: a tree's rounds are sequential."""
+    without replacement), `nodes` in all. Width 1 is a chain. A request with a grammar or
+    logit shaping drafts a chain, as does a pipelined round's pre-draft: a tree's rounds
+    are sequential. "auto" instead of a shape: the adaptive K chooses per round between
+    its chain and a tree of as many nodes (tree_shape)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,6 +40,16 @@ class SpeculativeTree(BaseModel):
             raise ValueError(f"nodes ({self.nodes}) must exceed depth ({self.depth}): the "
                              "main chain alone is a chain (num_speculative_tokens)")
         return self
+
+
+TreeArg = SpeculativeTree | Literal["auto"]
+
+
+def tree_shape(tree: TreeArg | None) -> TreeShape | None:
+    """The front end's shape of a `speculative_tree` value (None: unset)."""
+    if tree is None:
+        return None
+    return TreeShape(auto=True) if tree == "auto" else tree.shape()
 
 
 class AdaptiveKArgs(BaseModel):
@@ -79,14 +91,18 @@ class RouterArgs(BaseModel):
     # verify after a rejection: "on" (measured, it pays greedy and sampled), "greedy"
     # (greedy requests only) or "off"; a request may say otherwise with "pipelined"
     pipelined_drafting: PipelinedDrafting = "on"
-    # a draft tree per round for requests that name none ({"width": b, "depth": d}; a
-    # request may say otherwise with "speculative_tree"); None: chains
-    speculative_tree: SpeculativeTree | None = None
+    # a draft tree per round for requests that name none ({"width": b, "depth": d}, or
+    # "auto": chosen per round against the chain by their yields, for requests with an
+    # adaptive K and no pipelining; a request may say otherwise with "speculative_tree");
+    # None: chains
+    speculative_tree: TreeArg | None = None
     # the draft calls' draft_confidence: a model drafter's block ends once the product of its
     # drafted tokens' probabilities falls below it; "auto": learnt from acceptance and the
-    # measured costs, for requests with an adaptive K (speculative.confidence); None: the
-    # drafter pool's own (its `draft_confidence`, 0 = off, by default)
-    draft_confidence: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] | None = None
+    # measured costs, for requests with an adaptive K and no pipelining (pipelined ones
+    # leave it to the pool: speculative.confidence); None: the drafter pool's own (its
+    # `draft_confidence`, 0 = off, by default). At most 0.999: the wire's float32 rounds
+    # what is closer to 1 up to 1, which a drafter refuses
+    draft_confidence: Annotated[float, Field(ge=0, le=0.999)] | Literal["auto"] | None = None
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
     # without max_tokens may use the rest of the context, as vLLM's does
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
@@ -124,5 +140,5 @@ class RouterArgs(BaseModel):
         return SpeculationDefaults(self.num_speculative_tokens, self.adaptive_k.bounds(),
                                    self.adaptive_k.seeded, self.pipelined_drafting,
                                    self.busy_wait_s,
-                                   self.speculative_tree.shape() if self.speculative_tree
-                                   else TreeShape(), self.draft_confidence)
+                                   tree_shape(self.speculative_tree) or TreeShape(),
+                                   self.draft_confidence)

@@ -205,13 +205,13 @@ class ModelDrafter:
             if draft.call.sampling.greedy:
                 line = fit_vocab(rows[0], self.vocab_size)
                 law = (draft.processed(line) if draft.shaped else line).float().softmax(-1)
-                probs.append(float(law[token]))
+                probs.append(law[token])
                 continue
             weights, ids = draft.q_rows[-1]
             weights = weights.float()
             drawn = weights[token] if ids is None else weights[ids == token].sum()
-            probs.append(float(drawn / weights.sum()))
-        return probs
+            probs.append(drawn / weights.sum())
+        return torch.stack(probs).tolist()  # one host sync for the step
 
     def add_siblings(self, draft: "Draft") -> None:
         """A tree's other children at the main chain's nodes (speculative.tree), as many as

@@ -59,9 +59,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", "-k", type=k_value, default=4,
                         help="K, tokens drafted per round; 0 = target alone, no drafter call; "
                              "auto = chosen per round from the acceptance so far, in 1..8")
-    parser.add_argument("--tree-width", type=int, default=1,
+    parser.add_argument("--tree-width", type=k_value, default=1,
                         help="> 1: each round drafts a tree, up to that many children at each "
-                             "node of a main chain K deep (sequential rounds); 1 = a chain")
+                             "node of a main chain K deep (sequential rounds); 1 = a chain; "
+                             "auto = chain or tree per round by their yields (with -k auto)")
     parser.add_argument("--tree-nodes", type=int, default=None,
                         help="a tree's nodes in all, placed where the draft is least sure "
                              "(default: the width at every node)")
@@ -166,7 +167,8 @@ def request_front_end(args):
     return RequestFrontEnd(SpeculationDefaults(
         num_speculative_tokens=args.num_speculative_tokens,
         pipelined_drafting="on" if args.pipelined else "off",
-        tree=TreeShape(args.tree_width, nodes=args.tree_nodes),
+        tree=TreeShape(auto=True) if args.tree_width == "auto"
+        else TreeShape(args.tree_width, nodes=args.tree_nodes),
         draft_confidence="auto" if args.draft_confidence == "auto" else None))
 
 
@@ -195,7 +197,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--num-speculative-tokens must be >= 0")
     if args.n < 1:
         parser.error("--n must be >= 1")
-    if not 1 <= args.tree_width <= MAX_TREE_WIDTH:
+    if args.tree_width != "auto" and not 1 <= args.tree_width <= MAX_TREE_WIDTH:
         parser.error(f"--tree-width must be in [1, {MAX_TREE_WIDTH}]")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes <= 64:
         parser.error("--tree-nodes must be in [1, 64]")

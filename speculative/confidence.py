@@ -32,7 +32,8 @@ class ConfidenceCut:
     it), by bucket; and the threshold that keeps the tokens that pay."""
 
     prior_weight = 2.0  # positions of the optimistic prior (P = 1) in each bucket
-    decay = 0.98  # per position observed in the bucket: a bucket forgets old regimes
+    decay = 0.98  # per block observed, every bucket: old regimes fade, and each bucket's
+    # weight follows how often its confidences occur now
     margin = 0.05  # of a token per token cut: what a cut must gain beyond breaking even
 
     def __init__(self) -> None:
@@ -42,10 +43,12 @@ class ConfidenceCut:
     def observe(self, confidences, num_accepted: int) -> None:
         """A chain's block: its confidence after each drafted token, and how many of its
         tokens the round accepted. Token j + 1 was drafted after confidence c_j."""
+        self.accepted = [self.decay * count for count in self.accepted]
+        self.seen = [self.decay * count for count in self.seen]
         for j, confidence in enumerate(confidences[:-1], start=1):
             bucket = bucket_of(confidence)
-            self.accepted[bucket] = self.decay * self.accepted[bucket] + (num_accepted > j)
-            self.seen[bucket] = self.decay * self.seen[bucket] + 1.0
+            self.accepted[bucket] += num_accepted > j
+            self.seen[bucket] += 1.0
 
     def threshold(self, tokens_per_second: float, token_seconds: float) -> float:
         """τ: the edge below which cutting gains the most, by the measured buckets. Cutting

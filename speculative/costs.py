@@ -40,6 +40,7 @@ class RoundCost:
     kind: str = ""
     wall_seconds: float = 0.0
     tokens: int = 0  # committed by the round
+    tree: bool = False  # the round verified a draft tree (of verify_tokens - 1 nodes)
 
 
 # plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block
@@ -192,6 +193,32 @@ class BatchTrials:
         self.ratios.clear()
 
 
+class ShapeYields:
+    """Per node budget K: the yield (tokens committed over wall seconds) of the sequential
+    rounds that verified a chain of K and of those that verified a tree of K nodes, each
+    over its recent rounds (decayed sums), for the adaptive K's choice between the shapes
+    (AdaptiveK.round_shape). Both kinds run at the same budget, so a yield compares what
+    the verify costs alike: a tree drafts fewer steps and may accept more or less."""
+
+    least = 4  # rounds of a shape at a budget before its yield is trusted
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.sums: dict[tuple[int, bool], list[float]] = {}  # (K, tree): tokens, s, rounds
+
+    def record(self, budget: int, tree: bool, tokens: int, seconds: float) -> None:
+        entry = self.sums.setdefault((budget, tree), [0.0, 0.0, 0.0])
+        for i, value in enumerate((tokens, seconds, 1.0)):
+            entry[i] = self.decay * entry[i] + value
+
+    def rate(self, budget: int, tree: bool) -> float | None:
+        """Tokens per second of this shape's rounds at this budget (None: too few)."""
+        entry = self.sums.get((budget, tree))
+        if entry is None or entry[2] < (1 - self.decay ** self.least) / (1 - self.decay) - 1e-9:
+            return None
+        return entry[0] / entry[1]
+
+
 class CostModel:
     """The pools' costs as warm rounds measure them, shared by a router's requests.
 
@@ -212,6 +239,7 @@ class CostModel:
         self.alpha = Ema(0.05)  # acceptance across requests: a new request's prior
         self.trials = BatchTrials()  # the K of every request under batch load, tried
         self.confidence = ConfidenceCut()  # where a draft's block pays no more
+        self.shapes = ShapeYields()  # chains against trees at one node budget
         # λ: the share of a pipelined round's shorter part (verify or draft) that did not
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}

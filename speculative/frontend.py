@@ -34,6 +34,10 @@ class TreeShape:
     width: int = 1
     depth: int | None = None
     nodes: int | None = None  # in all (the main chain's included); None: width x depth
+    # the adaptive K chooses per round between its chain and a tree of as many nodes, by
+    # their measured yield (AdaptiveK.round_shape; sequential requests: a pipelined round
+    # continues a chain); width, depth and nodes are then unused
+    auto: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,11 +117,12 @@ class RequestFrontEnd:
         pipelined = self.pipelined(pipelined, sampling)
         width, k, nodes = self.tree(tree, sampling, k, num_speculative_tokens)
         pipelined = pipelined and width == 1  # a pre-draft continues one chain
+        trees = (tree or self.defaults.tree).auto and tree_allowed(sampling)
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
                            self.defaults.busy_wait_s, width, nodes, context_limit),
-                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind))
+                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
 
@@ -136,8 +141,7 @@ class RequestFrontEnd:
         else the router's K (an adaptive K is a chain's: then the seeded default). K = 0, a
         grammar or logit shaping (which follow one chain of drafted tokens): width 1."""
         shape = requested or self.defaults.tree
-        if shape.width <= 1 or k == 0 or sampling.grammar is not None or \
-                sampling.shapes_logits:
+        if shape.auto or shape.width <= 1 or k == 0 or not tree_allowed(sampling):
             return 1, k, 0
         own_k = requested_k if isinstance(requested_k, int) else None
         depth = (requested.depth if requested else None) or own_k or shape.depth or \
@@ -154,8 +158,14 @@ class RequestFrontEnd:
         return mode == "on" or mode == "greedy" and sampling.greedy
 
     def k_policy(self, k: NumSpeculativeTokens, pipelined: bool, greedy: bool,
-                 drafter_kind: str | None) -> KPolicy:
+                 drafter_kind: str | None, trees: bool = False) -> KPolicy:
         costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
             else None
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
-                        self.defaults.draft_confidence)
+                        self.defaults.draft_confidence, trees)
+
+
+def tree_allowed(sampling: SamplingParams) -> bool:
+    """Whether a request may draft trees: not under a grammar or logit shaping, which
+    follow one chain of drafted tokens."""
+    return sampling.grammar is None and not sampling.shapes_logits

@@ -116,6 +116,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
         self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
+        self.round_tree = 0  # nodes of the tree the policy chose for this round (0: none)
         self._hash, self._hashed_len = EMPTY_PREFIX_HASH, 0
 
     @property
@@ -189,16 +190,19 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
 
 
 def tree_shape(state: RequestState, k: int, assumed) -> tuple[int, int]:
-    """(tree width, nodes) of this call: a chain (1, 0) for a pre-draft, or where the tree
-    would not add a node; the verifier's slots (committed + nodes) kept within the context
+    """(tree width, nodes) of this call: the request's tree, else the one its policy chose
+    for this round (width 2); a chain (1, 0) for a pre-draft, or where the tree would not
+    add a node. The verifier's slots (committed + nodes) are kept within the context
     (without a known one, within the output's room, which the context holds)."""
     request = state.request
-    if assumed or not k or request.tree_width <= 1:
+    width, nodes = (request.tree_width, request.tree_nodes) if request.tree_width > 1 else \
+        (2, state.round_tree) if state.round_tree else (1, 0)
+    if assumed or not k or width <= 1:
         return 1, 0
     room = state.remaining if request.context_limit is None else \
         request.context_limit - len(state.committed)
-    nodes = min(request.tree_nodes or request.tree_width * k, MAX_SPECULATIVE_TOKENS, room - 1)
-    return (request.tree_width, nodes) if nodes > k else (1, 0)
+    nodes = min(nodes or width * k, MAX_SPECULATIVE_TOKENS, room - 1)
+    return (width, nodes) if nodes > k else (1, 0)
 
 
 def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock, predraft: DraftBlock,
@@ -289,6 +293,7 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     meter = RoundMeter(state, carried=block is not None)
     k = min(policy.num_speculative_tokens(), state.remaining - 1)
     state.draft_confidence = policy.draft_confidence()
+    k, state.round_tree = round_tree(state, policy, k, block is None and not pipelined)
     beside = None if meter.carried else draft_beside(state, k, pipelined)
     if block is None and beside is None:
         block = await draft(state, drafter, k)
@@ -309,6 +314,18 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     if block.confidences is not None and block.parents is None:
         policy.observe_confidences(block.confidences, outcome.num_accepted)
     return committed, None if state.finish_reason is not None else next_block
+
+
+def round_tree(state: RequestState, policy: KPolicy, k: int, drafts_now: bool
+               ) -> tuple[int, int]:
+    """(the round's K, its tree's nodes or 0): the policy's tree (AdaptiveK.round_shape), its
+    main chain as K, for a sequential round that drafts now and a request that names no
+    tree of its own."""
+    shape = policy.round_shape() if drafts_now and state.request.tree_width <= 1 else None
+    if shape is None or k < 2:
+        return k, 0
+    depth, nodes = shape
+    return min(depth, k), nodes
 
 
 def round_logprobs(scores: TargetScores, outcome: RoundOutcome) -> list | None:

@@ -4,6 +4,7 @@ reported; the algorithm itself never reads a clock."""
 
 import time
 
+from speculative.accept import depth
 from speculative.costs import RoundCost
 from speculative.rejection import RoundOutcome
 from speculative.types import NO_DRAFT, DraftBlock, TargetScores
@@ -87,8 +88,9 @@ class RoundMeter:
             self.stats.cache_misses == self.misses and \
             self.stats.busy_seconds == self.busy_seconds
         return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
-                         len(drafted_now.token_ids), drafted_now.compute_seconds,
+                         depth(drafted_now), drafted_now.compute_seconds,
                          unwaited_seconds - max(scores.compute_seconds, beside_seconds),
                          load.batch_size if load else 1, load.batch_tokens if load else 0,
                          max(0.0, hop), comparable, self.catch_up,
-                         self.kind(block, beside), round_seconds, tokens)
+                         self.kind(block, beside), round_seconds, tokens,
+                         block.parents is not None)

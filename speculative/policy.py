@@ -62,6 +62,9 @@ class KPolicy(Protocol):
     def observe_confidences(self, confidences, num_accepted: int) -> None:
         """A chain's reported confidences and how many of its tokens were accepted."""
 
+    def round_shape(self) -> tuple[int, int] | None:
+        """(depth, nodes) of a draft tree for this round's draft, or None: a chain of K."""
+
 
 class FixedK:
     """The same K every round (vLLM's num_speculative_tokens), and the same
@@ -83,6 +86,9 @@ class FixedK:
 
     def observe_confidences(self, confidences, num_accepted: int) -> None:
         pass
+
+    def round_shape(self) -> tuple[int, int] | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,15 @@ class AdaptiveK:
     # rounds between two choices (the costs and α move slowly; a choice weighs every K,
     # which on a router serving 16 streams was a tenth of its time per round)
     choose_every = 4
+    shape_explore_every = 8  # with trees: rounds between two runs of the other shape
 
     def __init__(self, bounds: KBounds, costs: CostModel, pipelined: bool, greedy: bool,
                  prior_alpha: float = 0.6, prior_weight: float = 4.0,
-                 decay: float = 0.85, confidence: float | str | None = None) -> None:
+                 decay: float = 0.85, confidence: float | str | None = None,
+                 trees: bool = False) -> None:
         self.bounds, self.costs = bounds, costs
         self.confidence = confidence  # draft_confidence: a number, "auto" (learnt) or None
+        self.trees = trees  # choose between a chain of K and a tree of K nodes (round_shape)
         self.pipelined, self.greedy = pipelined, greedy
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
         self.accepted, self.tested = prior * prior_weight, prior_weight
@@ -164,6 +173,23 @@ class AdaptiveK:
         if self.confidence == "auto":
             self.costs.confidence.observe(confidences, num_accepted)
 
+    def round_shape(self) -> tuple[int, int] | None:
+        """With trees chosen per round: (K - s, K), a tree of K nodes whose main chain is s
+        shorter than the chain's (s = K // 8, at least 1: one sibling a level, where the
+        draft is least sure; measured, the best tree of 8 nodes), when its sequential rounds
+        at this K yield `margin` more than the chain's; else None (the chain). The other
+        shape runs every `shape_explore_every` rounds (between the K explorations), so that
+        both stay measured. Chains under batch load and at K < 2."""
+        if not self.trees or self.loaded or self.k < 2:
+            return None
+        yields = self.costs.shapes
+        tree_rate, chain_rate = yields.rate(self.k, True), yields.rate(self.k, False)
+        tree = tree_rate is not None and chain_rate is not None and \
+            tree_rate > (1 + self.margin) * chain_rate
+        if self.rounds % self.shape_explore_every == self.shape_explore_every // 2:
+            tree = not tree
+        return (self.k - max(1, self.k // 8), self.k) if tree else None
+
     def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None:
         if num_drafted:
             tested = num_accepted + (num_accepted < num_drafted)
@@ -174,6 +200,10 @@ class AdaptiveK:
         if cost is not None:
             self.load = 0.5 * self.load + 0.5 * max(1, cost.batch_size)
             self.costs.observe(cost)
+            if self.trees and cost.comparable and cost.kind == "sequential" \
+                    and cost.wall_seconds > 0:
+                self.costs.shapes.record(cost.verify_tokens - 1, cost.tree, cost.tokens,
+                                         cost.wall_seconds)
         self.rounds += 1
         if self.load >= self.zero_load:
             if self.loaded and cost is not None and cost.comparable:
@@ -269,11 +299,17 @@ class AdaptiveK:
 
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,
-             costs: CostModel | None = None, confidence: float | str | None = None) -> KPolicy:
+             costs: CostModel | None = None, confidence: float | str | None = None,
+             trees: bool = False) -> KPolicy:
     """FixedK(k), or for k == "auto" an AdaptiveK in `bounds` learning into `costs`.
-    confidence: the draft calls' draft_confidence, or "auto" to learn it (an adaptive K
-    only: a fixed K leaves it to the pool)."""
+    confidence: the draft calls' draft_confidence, or "auto" to learn it; trees: choose per
+    round between a chain and a tree. Both "auto" and trees need an adaptive K and
+    sequential rounds: a fixed K or a pipelined request (whose pre-drafts run beside the
+    verify, at another cost, and continue one chain) leaves the cut to the pool and drafts
+    chains."""
     if k != "auto":
         return FixedK(k, None if confidence == "auto" else confidence)
+    if pipelined and confidence == "auto":
+        confidence = None
     return AdaptiveK(bounds or KBounds(), costs or CostModel(), pipelined, greedy,
-                     confidence=confidence)
+                     confidence=confidence, trees=trees and not pipelined)

@@ -5,6 +5,7 @@ import asyncio
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from speculative.costs import CostModel, RoundCost
 from speculative.driver import Generation
 from speculative.loop import Request
 from speculative.policy import KBounds, k_policy
@@ -43,25 +44,29 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request_id="r", stop=(),
         decode=None, pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
-        confidence=None):
+        confidence=None, costs=None, policy=None):
     """Decode one request in-process through the request driver; returns (output ids, state).
 
     k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies);
     tree_width > 1: each round drafts a tree of that width, K deep, of tree_nodes nodes;
-    confidence: the draft calls' draft_confidence ("auto": learnt, with an adaptive K).
+    confidence: the draft calls' draft_confidence ("auto": learnt, with an adaptive K, into
+    `costs`, a CostModel shared with other runs, or a new one); policy: a K policy of the
+    test's own instead.
     """
     request = Request(request_id, tuple(prompt), params, tuple(stop), tree_width=tree_width,
                       tree_nodes=tree_nodes)
     generation = Generation(request, decode)
-    asyncio.run(decoded(drafter, verifier, generation, k, pipelined, confidence))
+    asyncio.run(decoded(drafter, verifier, generation, k, pipelined, confidence, costs, policy))
     return generation.token_ids, generation.state
 
 
 async def decoded(drafter, verifier, generation: Generation, k: int | str,
-                  pipelined: bool = False, confidence=None) -> Generation:
+                  pipelined: bool = False, confidence=None, costs=None,
+                  policy=None) -> Generation:
     """The generation run to its end under a fixed K or "auto" (adaptive in 1..8)."""
     greedy = generation.state.request.sampling.greedy
-    policy = k_policy(k, pipelined, greedy, KBounds(1, 8, initial=2), confidence=confidence)
+    policy = policy or k_policy(k, pipelined, greedy, KBounds(1, 8, initial=2), costs,
+                                confidence=confidence)
     return await generation.run(drafter, verifier, policy, pipelined)
 
 
@@ -76,6 +81,20 @@ class Agreeing:
 
     async def release(self, request_id):
         pass
+
+
+def cutting_costs() -> CostModel:
+    """A router's costs that learnt to cut a draft block below a confidence of 0.3
+    (speculative.confidence): a drafted token costs 4 ms (draft and verify slopes of 2 ms),
+    so at the rate an adaptive K expects it pays only if accepted most of the time, and the
+    tokens drafted after confidences under 0.3 never were."""
+    costs = CostModel()
+    for _ in range(50):
+        costs.observe(RoundCost(5, 0.010, 4, 0.008, 0.001))
+        costs.observe(RoundCost(3, 0.006, 2, 0.004, 0.001))
+    for _ in range(200):
+        costs.confidence.observe((0.9, 0.5, 0.25, 0.15, 0.05), 3)
+    return costs
 
 
 def noisy_copy(model, scale: float, seed: int):

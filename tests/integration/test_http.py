@@ -114,12 +114,18 @@ def test_draft_trees_are_exact_through_the_pools(cluster):
     text, _ = stream_text(cluster, {"prompt": prompt, "max_tokens": 24, "temperature": 0,
                                     "speculative_tree": tree})
     assert text == alone["choices"][0]["text"]
+    chosen = complete(cluster, prompt, max_tokens=24, temperature=0, speculative_tree="auto",
+                      num_speculative_tokens="auto", pipelined=False)  # chain or tree a round
+    assert chosen["choices"][0]["text"] == alone["choices"][0]["text"]
     seeded = [complete(cluster, prompt, max_tokens=16, temperature=1.0, seed=7,
                        speculative_tree={"width": 2})["choices"][0]["text"] for _ in range(2)]
     assert seeded[0] == seeded[1]
     bad = cluster.post("/v1/completions", {"prompt": prompt, "max_tokens": 4,
                                           "speculative_tree": {"width": 99}})
     assert bad.status_code == 400 and "width" in bad.text
+    bad = cluster.post("/v1/completions", {"prompt": prompt, "max_tokens": 4,
+                                          "speculative_tree": "sometimes"})
+    assert bad.status_code == 400 and "speculative_tree" in bad.text
 
 
 @pytest.mark.parametrize("pipelined", [False, None], ids=["sequential", "default"])

@@ -6,12 +6,13 @@ import asyncio
 import pytest
 
 from speculative.confidence import EDGES, ConfidenceCut, bucket_of
-from speculative.costs import CostModel, RoundCost
+from speculative.costs import CostModel
 from speculative.driver import Generation
 from speculative.loop import Request
 from speculative.policy import AdaptiveK, FixedK, KBounds, k_policy
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores
+from tests.tiny import cutting_costs
 
 
 def test_a_cut_with_nothing_measured_keeps_every_token():
@@ -25,9 +26,16 @@ def test_token_j_plus_one_is_counted_against_the_confidence_before_it():
     prior = ConfidenceCut.prior_weight * ConfidenceCut.decay
     assert cut.seen[high] == pytest.approx(prior + 1) and cut.accepted[high] == pytest.approx(prior)
     assert cut.seen[mid] == pytest.approx(prior + 1) and cut.accepted[mid] == pytest.approx(prior)
-    assert cut.seen[low] == ConfidenceCut.prior_weight  # the last token is followed by none
+    assert cut.seen[low] == pytest.approx(prior)  # the last token is followed by none
     cut.observe((0.9, 0.5, 0.15), 3)
     assert cut.accepted[high] == pytest.approx(prior * ConfidenceCut.decay + 1)
+
+
+def test_buckets_weigh_as_often_as_their_confidences_occur():
+    cut = ConfidenceCut()
+    for i in range(1000):  # confidences near 0.9 ten times as often as near 0.15
+        cut.observe((0.9, 0.5) if i % 11 else (0.15, 0.1), 2)
+    assert cut.seen[bucket_of(0.9)] / cut.seen[bucket_of(0.15)] == pytest.approx(10, rel=0.1)
 
 
 def test_the_cut_rises_to_where_tokens_stop_paying():
@@ -73,23 +81,14 @@ def test_the_policies_carry_the_cut():
     assert FixedK(4, 0.3).draft_confidence() == 0.3
     assert adaptive(None).draft_confidence() is None
     assert adaptive(0.2).draft_confidence() == 0.2
-    # "auto" needs an adaptive K: a fixed K leaves the cut to the pool
+    # "auto" needs an adaptive K and sequential rounds: else the cut is the pool's
     assert k_policy(4, False, True, confidence="auto").draft_confidence() is None
-
-
-def learnt_costs() -> CostModel:
-    """Costs where a token is worth cutting below 0.3 (test_the_cut_rises_...)."""
-    costs = CostModel()
-    for _ in range(50):
-        costs.observe(RoundCost(5, 0.010, 4, 0.008, 0.001))
-        costs.observe(RoundCost(3, 0.006, 2, 0.004, 0.001))
-    for _ in range(200):
-        costs.confidence.observe((0.9, 0.5, 0.25, 0.15, 0.05), 3)
-    return costs
+    assert k_policy("auto", True, True, confidence="auto").draft_confidence() is None
+    assert k_policy("auto", False, True, confidence="auto").draft_confidence() == 0.0
 
 
 def test_an_adaptive_k_learns_the_cut_and_lifts_it_to_measure():
-    policy = adaptive("auto", learnt_costs())
+    policy = adaptive("auto", cutting_costs())
     assert policy.draft_confidence() == 0.3
     policy.k = policy.chosen + 1  # a round that explores a neighbouring K
     assert policy.draft_confidence() == 0.0

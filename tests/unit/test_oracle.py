@@ -7,8 +7,9 @@ import pytest
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
+from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
-from tests.tiny import hf_greedy, noisy_copy, run, tiny_llama
+from tests.tiny import cutting_costs, hf_greedy, noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
 MAX_TOKENS = 24
@@ -43,8 +44,20 @@ def drafters(target):
         "confident": lambda: ModelDrafter(noisy_copy(target, 0.01, seed=1), draft_confidence=0.5),
         # ...where each call says so (CONFIDENCE), over the pool's 0: a fixed cut, or learnt
         "per-call": lambda: ModelDrafter(noisy_copy(target, 0.01, seed=1)),
-        "learnt": lambda: ModelDrafter(noisy_copy(target, 0.01, seed=1)),
+        "learnt": lambda: CutCounting(noisy_copy(target, 0.01, seed=1)),
     }
+
+
+class CutCounting(ModelDrafter):
+    """Counts the blocks cut short by a call's draft_confidence."""
+
+    cut = 0
+
+    async def propose(self, call):
+        block = await super().propose(call)
+        self.cut += bool(call.draft_confidence) and \
+            0 < len(block.token_ids) < call.num_speculative_tokens
+        return block
 
 
 CONFIDENCE = {"per-call": 0.5, "learnt": "auto"}  # the draft calls' draft_confidence
@@ -65,9 +78,10 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     drafter, verifier = drafters[kind](), ModelVerifier(target)
     accepted = drafted = pre_drafted = 0
+    costs = cutting_costs()  # the router's, shared by its requests: the learnt cut is 0.3
     for i, (prompt, expected) in enumerate(zip(prompts(), references)):
         out, state = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}",
-                         pipelined=pipelined, confidence=CONFIDENCE.get(kind))
+                         pipelined=pipelined, confidence=CONFIDENCE.get(kind), costs=costs)
         assert out == expected, f"prompt {i}, K={k}, {kind} drafter"
         accepted += state.stats.num_accepted_tokens
         drafted += state.stats.num_draft_tokens
@@ -78,6 +92,8 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
         assert accepted == drafted
     if kind in ("ngram", "suffix"):
         assert drafted > 0  # the repeating prompts give the model-free drafters matches
+    if kind == "learnt" and not pipelined:
+        assert drafter.cut > 0  # the learnt cut ended blocks early (pipelined: no cut)
     if kind == "noisy" and k != 0:
         assert 0 < accepted < drafted  # the case exercises acceptance and rejection both
     if pipelined and (kind == "self" and k != 0 or kind == "noisy" and k in (1, 2, 3, 4)):
@@ -131,3 +147,31 @@ def test_greedy_trees_equal_target_greedy(target, references, drafters, kind, k,
     assert verifier.trees > 0 and len(verifier.sessions) == 0
     if kind in ("noisy", "random"):
         assert verifier.sibling_paths > 0  # a sibling was accepted: its keys were re-fed
+
+
+class TreeEveryOtherRound(FixedK):
+    """A policy whose K is the node budget and whose every other round drafts a tree of it,
+    one level shorter (as AdaptiveK.round_shape chooses one), the others a chain."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.rounds = 0
+
+    def round_shape(self):
+        self.rounds += 1
+        return (self.k - 1, self.k) if self.rounds % 2 else None
+
+
+@pytest.mark.parametrize("kind, k", [("noisy", 3), ("noisy", 8), ("random", 4)])
+def test_trees_chosen_round_by_round_equal_target_greedy(target, references, drafters, kind, k):
+    """A tree in some rounds and a chain in the others, as a policy chooses them: each
+    round's caches follow the path it kept."""
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    drafter, verifier = drafters[kind](), OffMainChain(ModelVerifier(target))
+    for i, (prompt, expected) in enumerate(zip(prompts(), references)):
+        policy = TreeEveryOtherRound(k)
+        out, state = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}",
+                         policy=policy)
+        assert out == expected, f"prompt {i}, K={k}, {kind} drafter"
+        assert state.stats.tree_rounds < state.stats.rounds  # chains between the trees
+    assert verifier.trees > 0 and verifier.sibling_paths > 0

@@ -218,3 +218,13 @@ def test_a_draft_confidence_and_the_reported_confidences_round_trip(cut):
         wire.block_to_proto(block).SerializeToString()))
     assert back.confidences == block.confidences
     assert wire.block_from_proto(wire.block_to_proto(DraftBlock((1,), None))).confidences is None
+
+
+@pytest.mark.parametrize("bad", [(0.5,), (0.5, 0.25, 0.1, 0.05), (0.5, float("nan"), 0.1),
+                                 (0.5, 1.5, 0.1)])
+def test_reported_confidences_that_do_not_fit_the_chain_are_refused(bad):
+    message = wire.block_to_proto(DraftBlock((1, 2, 3), None, confidences=bad))
+    with pytest.raises(ValueError, match="confidence"):
+        wire.block_from_proto(message)
+    tree = DraftBlock((1, 2, 3), None, parents=(-1, 0, -1), confidences=(0.5, 0.25))
+    assert wire.block_from_proto(wire.block_to_proto(tree)).confidences == (0.5, 0.25)
