@@ -17,11 +17,8 @@ import torch
 
 from bench.pairs import PAIRS, PROMPTS, Pair
 from bench.runners import run_loop
-from bench.trees import resolved
-from drafter.model import ModelDrafter
-from engine.models import load_causal_lm, load_tokenizer
+from bench.trees import resolved, warm_pair
 from speculative.frontend import RequestFrontEnd, SpeculationDefaults
-from verifier.engine import ModelVerifier
 
 # (name, K, draft_confidence): None leaves the drafter's own (0: no cut)
 ROWS = (("target alone", 0, None), ("K=4", 4, None), ("K=4, cut 0.2", 4, 0.2),
@@ -30,12 +27,7 @@ QUICK_ROWS = ("target alone", "K=4", "K=auto, cut learnt")
 
 
 def rows_of(pair: Pair, shapes, prompt_texts: list[str], max_tokens: int) -> list[dict]:
-    tokenizer = load_tokenizer(pair.target)
-    verifier = ModelVerifier(load_causal_lm(pair.target, dtype=pair.target_dtype))
-    drafter = ModelDrafter(load_causal_lm(pair.draft, dtype=pair.draft_dtype),
-                           vocab_size=verifier.model.config.vocab_size)
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompt_texts]
-    run_loop(drafter, verifier, prompts[0], 8, 0.0, 0, 4)  # warm-up
+    drafter, verifier, prompts = warm_pair(pair, prompt_texts)
     rows, alone = [], None
     for name, k, cut in shapes:
         front_end = RequestFrontEnd(SpeculationDefaults(

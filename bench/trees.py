@@ -63,12 +63,7 @@ def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens
             temperature: float, seeds: int = 1) -> list[dict]:
     """One row per (name, K, width, nodes) of `shapes`, the target alone first; each prompt
     runs with `seeds` seeds (sampled rows: more rounds, a smaller standard error)."""
-    tokenizer = load_tokenizer(pair.target)
-    verifier = ModelVerifier(load_causal_lm(pair.target, dtype=pair.target_dtype))
-    drafter = ModelDrafter(load_causal_lm(pair.draft, dtype=pair.draft_dtype),
-                           vocab_size=verifier.model.config.vocab_size)
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompt_texts]
-    run_loop(drafter, verifier, prompts[0], 8, 0.0, 0, 4)  # warm-up
+    drafter, verifier, prompts = warm_pair(pair, prompt_texts)
     rows, alone = [], None
     for name, k, width, nodes in shapes:
         tokens, seconds, rounds, emitted, verified, per_request = [], 0.0, 0, 0, 0, []
@@ -95,6 +90,18 @@ def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens
                      "speedup": count / seconds / alone[1],
                      "same_tokens": tokens == alone[0] if temperature == 0 else None})
     return rows
+
+
+def warm_pair(pair: Pair, prompt_texts: list[str]) -> tuple:
+    """(drafter, verifier, prompt token ids) of the pair in this process, warmed up by one
+    short request."""
+    tokenizer = load_tokenizer(pair.target)
+    verifier = ModelVerifier(load_causal_lm(pair.target, dtype=pair.target_dtype))
+    drafter = ModelDrafter(load_causal_lm(pair.draft, dtype=pair.draft_dtype),
+                           vocab_size=verifier.model.config.vocab_size)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompt_texts]
+    run_loop(drafter, verifier, prompts[0], 8, 0.0, 0, 4)
+    return drafter, verifier, prompts
 
 
 def print_table(rows: list[dict], args) -> None:
