@@ -111,7 +111,7 @@ class RouterArgs(BaseModel):
     call_timeout_s: float = Field(default=30.0, gt=0)
     # the drafter's deadline for everyone else: past it (or when the drafter fails) the
     # round runs without a draft, exact, and the request's next rounds skip the drafter a
-    # while (speculative.loop.DraftBackoff)
+    # while (speculative.busy.DraftBackoff)
     draft_timeout_s: float = Field(default=1.0, gt=0)
     # a request whose verifier has no room for it (its KV cache or its calls in flight full:
     # RESOURCE_EXHAUSTED) retries the same round after doubling pauses for up to this long

@@ -12,7 +12,7 @@ import torch
 
 from protos import specserve_pb2 as pb
 from speculative.sampling import SamplingParams
-from speculative.tree import main_chain_length
+from speculative.tree import check_confidences
 from speculative.types import (
     MAX_SPECULATIVE_TOKENS,
     BatchLoad,
@@ -280,20 +280,11 @@ def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
     if parents is not None:
         check_tree(parents, len(message.token_ids))
     confidences = tuple(message.confidences) or None
-    if confidences is not None:
-        check_confidences(confidences, len(message.token_ids) if parents is None
-                          else main_chain_length(parents))
+    check_confidences(confidences, parents, len(message.token_ids))
     return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6,
                       load=load_from_proto(message), parents=parents,
                       confidences=confidences)
 
-
-def check_confidences(confidences: tuple[float, ...], chain: int) -> None:
-    """Raise ValueError unless a block reports one confidence in [0, 1] per main-chain
-    token (a pool's bad answer must not skew the router's cut)."""
-    if len(confidences) != chain or not all(0 <= c <= 1 for c in confidences):
-        raise ValueError(f"a draft must report one confidence in [0, 1] per token of its "
-                         f"main chain ({chain}), got {list(confidences)[:8]}")
 
 
 def load_to_proto(load: BatchLoad) -> pb.BatchLoad:

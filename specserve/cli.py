@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    from drafter.registry import DRAFTERS, DrafterSpec
+    from drafter.registry import DRAFTERS
     from engine.models import DEMO_DRAFT, DEMO_TARGET
 
     parser.add_argument("--target", default=DEMO_TARGET, help="target model (path or hub id)")
@@ -56,6 +56,16 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop token id besides the checkpoint's end tokens (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="do not stop at the checkpoint's end tokens")
+    add_speculation_arguments(parser)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    """K, the draft's shape and length, pipelining and the draft distributions' form."""
+    from drafter.registry import DrafterSpec
+
     parser.add_argument("--num-speculative-tokens", "-k", type=k_value, default=4,
                         help="K, tokens drafted per round; 0 = target alone, no drafter call; "
                              "auto = chosen per round from the acceptance so far, in 1..8")
@@ -84,9 +94,6 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end a block once its drafted tokens' probabilities multiplied "
                              "fall below this (0 = every block K tokens; auto = learnt from "
                              "acceptance and costs, with -k auto)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def add_build_demo_arguments(parser: argparse.ArgumentParser) -> None:

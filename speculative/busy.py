@@ -6,6 +6,8 @@ pool that dropped the request's cache meanwhile answers StaleBase and RequestSta
 resends the prefix. A request waits whether or not its output has begun: a stream has
 already answered 200, and one choice of n refused while its siblings stream would end them
 all. Past the deadline the PoolBusy goes up (the router's 429, or a stream's error event).
+
+A drafter that fails is not waited for: the rounds go on without it a while (DraftBackoff).
 """
 
 import asyncio
@@ -35,3 +37,31 @@ async def retried_while_busy(wait_s: float, stats: SpecStats,
         stats.busy_seconds += pause
         await asyncio.sleep(pause)
         waited, pause = waited + pause, min(2 * pause, MAX_BUSY_PAUSE_S)
+
+
+MAX_SKIPPED_DRAFTS = 32
+
+
+class DraftBackoff:
+    """The drafter is an accelerator, not a dependency: after a draft fails (the pool is
+    down, overloaded or past its deadline) the request's next rounds run without one, 1, 2,
+    4 ... up to MAX_SKIPPED_DRAFTS rounds after consecutive failures, so a dead pool costs a
+    few failed calls, not one per round; a draft that arrives resets it."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.skipping = 0  # rounds left to run without asking the drafter
+
+    def may_draft(self) -> bool:
+        """Whether this round may ask the drafter (a round that may not counts down)."""
+        if self.skipping:
+            self.skipping -= 1
+            return False
+        return True
+
+    def failed(self) -> None:
+        self.failures += 1
+        self.skipping = min(2 ** (self.failures - 1), MAX_SKIPPED_DRAFTS)
+
+    def succeeded(self) -> None:
+        self.failures = 0

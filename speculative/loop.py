@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.busy import retried_while_busy
+from speculative.busy import DraftBackoff, retried_while_busy
 from speculative.meter import RoundMeter
 from speculative.policy import KPolicy
 from speculative.accept import accept, depth
@@ -69,34 +69,6 @@ class PoolView:
 
     def forget(self) -> None:
         self.known_len, self.known_hash = 0, EMPTY_PREFIX_HASH
-
-
-MAX_SKIPPED_DRAFTS = 32
-
-
-class DraftBackoff:
-    """The drafter is an accelerator, not a dependency: after a draft fails (the pool is
-    down, overloaded or past its deadline) the request's next rounds run without one, 1, 2,
-    4 ... up to MAX_SKIPPED_DRAFTS rounds after consecutive failures, so a dead pool costs a
-    few failed calls, not one per round; a draft that arrives resets it."""
-
-    def __init__(self) -> None:
-        self.failures = 0
-        self.skipping = 0  # rounds left to run without asking the drafter
-
-    def may_draft(self) -> bool:
-        """Whether this round may ask the drafter (a round that may not counts down)."""
-        if self.skipping:
-            self.skipping -= 1
-            return False
-        return True
-
-    def failed(self) -> None:
-        self.failures += 1
-        self.skipping = min(2 ** (self.failures - 1), MAX_SKIPPED_DRAFTS)
-
-    def succeeded(self) -> None:
-        self.failures = 0
 
 
 class RequestState:

@@ -220,3 +220,16 @@ def allocate_siblings(main_probs: list[float], per_level: int, budget: int) -> l
         counts[level] = min(per_level, budget)
         budget -= counts[level]
     return counts
+
+
+def check_confidences(confidences: tuple[float, ...] | None, parents: tuple[int, ...] | None,
+                      num_tokens: int) -> None:
+    """Raise ValueError unless a block that reports confidences (None: it reports none)
+    reports one in [0, 1] per token of its main chain (a pool's bad answer must not skew
+    the router's cut)."""
+    if confidences is None:
+        return
+    chain = num_tokens if parents is None else main_chain_length(parents)
+    if len(confidences) != chain or not all(0 <= c <= 1 for c in confidences):
+        raise ValueError(f"a draft must report one confidence in [0, 1] per token of its "
+                         f"main chain ({chain}), got {list(confidences)[:8]}")

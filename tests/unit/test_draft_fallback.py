@@ -6,7 +6,7 @@ import random
 import pytest
 
 from drafter.model import ModelDrafter
-from speculative.loop import MAX_SKIPPED_DRAFTS, DraftBackoff
+from speculative.busy import MAX_SKIPPED_DRAFTS, DraftBackoff
 from speculative.sampling import SamplingParams
 from speculative.types import PoolUnavailable
 from tests.tiny import hf_greedy, noisy_copy, run, tiny_llama
