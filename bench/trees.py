@@ -66,6 +66,8 @@ def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens
     drafter, verifier, prompts = warm_pair(pair, prompt_texts)
     rows, alone = [], None
     for name, k, width, nodes in shapes:
+        if k == "auto" and temperature > 0:
+            continue  # a seeded sampled request pins an adaptive K (the router's rule)
         tokens, seconds, rounds, emitted, verified, per_request = [], 0.0, 0, 0, 0, []
         # one front end a row: an adaptive K's requests share what they learn
         front_end = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,

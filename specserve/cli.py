@@ -204,6 +204,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--num-speculative-tokens must be >= 0")
     if args.n < 1:
         parser.error("--n must be >= 1")
+    if args.tree_width == "auto" and (args.num_speculative_tokens != "auto" or args.pipelined
+                                      or args.tree_nodes is not None):
+        parser.error("--tree-width auto chooses each round's shape for -k auto without "
+                     "--pipelined, and takes no --tree-nodes")
     if args.tree_width != "auto" and not 1 <= args.tree_width <= MAX_TREE_WIDTH:
         parser.error(f"--tree-width must be in [1, {MAX_TREE_WIDTH}]")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes <= 64:

@@ -40,7 +40,6 @@ class RoundCost:
     kind: str = ""
     wall_seconds: float = 0.0
     tokens: int = 0  # committed by the round
-    tree: bool = False  # the round verified a draft tree (of verify_tokens - 1 nodes)
 
 
 # plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block

@@ -117,7 +117,9 @@ class RequestFrontEnd:
         pipelined = self.pipelined(pipelined, sampling)
         width, k, nodes = self.tree(tree, sampling, k, num_speculative_tokens)
         pipelined = pipelined and width == 1  # a pre-draft continues one chain
-        trees = (tree or self.defaults.tree).auto and tree_allowed(sampling)
+        # prompt lookup proposes chains only (suffix decoding and the model draft trees)
+        trees = (tree or self.defaults.tree).auto and tree_allowed(sampling) and \
+            drafter_kind != "ngram"
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),

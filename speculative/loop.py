@@ -263,9 +263,11 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     assumption that this one is accepted whole (a pre-draft).
     """
     meter = RoundMeter(state, carried=block is not None)
-    k = min(policy.num_speculative_tokens(), state.remaining - 1)
+    wanted = policy.num_speculative_tokens()
+    k = min(wanted, state.remaining - 1)
     state.draft_confidence = policy.draft_confidence()
-    k, state.round_tree = round_tree(state, policy, k, block is None and not pipelined)
+    k, state.round_tree = round_tree(state, policy, k,
+                                     block is None and not pipelined and k == wanted)
     beside = None if meter.carried else draft_beside(state, k, pipelined)
     if block is None and beside is None:
         block = await draft(state, drafter, k)
@@ -288,16 +290,12 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     return committed, None if state.finish_reason is not None else next_block
 
 
-def round_tree(state: RequestState, policy: KPolicy, k: int, drafts_now: bool
+def round_tree(state: RequestState, policy: KPolicy, k: int, chosen_now: bool
                ) -> tuple[int, int]:
     """(the round's K, its tree's nodes or 0): the policy's tree (AdaptiveK.round_shape), its
-    main chain as K, for a sequential round that drafts now and a request that names no
-    tree of its own."""
-    shape = policy.round_shape() if drafts_now and state.request.tree_width <= 1 else None
-    if shape is None or k < 2:
-        return k, 0
-    depth, nodes = shape
-    return min(depth, k), nodes
+    main chain as K. Asked only for a sequential round that drafts the policy's K now (not
+    one clipped by the request's end) and a request that names no tree of its own."""
+    return policy.round_shape(chosen_now and state.request.tree_width <= 1) or (k, 0)
 
 
 def round_logprobs(scores: TargetScores, outcome: RoundOutcome) -> list | None:

@@ -62,8 +62,10 @@ class KPolicy(Protocol):
     def observe_confidences(self, confidences, num_accepted: int) -> None:
         """A chain's reported confidences and how many of its tokens were accepted."""
 
-    def round_shape(self) -> tuple[int, int] | None:
-        """(depth, nodes) of a draft tree for this round's draft, or None: a chain of K."""
+    def round_shape(self, free: bool) -> tuple[int, int] | None:
+        """(depth, nodes) of a draft tree for this round's draft, or None: a chain of K.
+        Asked every round; free: whether the round drafts K now, sequentially (else it is
+        a chain whatever the answer)."""
 
 
 class FixedK:
@@ -87,7 +89,7 @@ class FixedK:
     def observe_confidences(self, confidences, num_accepted: int) -> None:
         pass
 
-    def round_shape(self) -> tuple[int, int] | None:
+    def round_shape(self, free: bool) -> tuple[int, int] | None:
         return None
 
 
@@ -133,6 +135,7 @@ class AdaptiveK:
         self.bounds, self.costs = bounds, costs
         self.confidence = confidence  # draft_confidence: a number, "auto" (learnt) or None
         self.trees = trees  # choose between a chain of K and a tree of K nodes (round_shape)
+        self.asked: tuple[int, bool] | None = None  # this round's (K, tree), once chosen
         self.pipelined, self.greedy = pipelined, greedy
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
         self.accepted, self.tested = prior * prior_weight, prior_weight
@@ -173,14 +176,16 @@ class AdaptiveK:
         if self.confidence == "auto":
             self.costs.confidence.observe(confidences, num_accepted)
 
-    def round_shape(self) -> tuple[int, int] | None:
-        """With trees chosen per round: (K - s, K), a tree of K nodes whose main chain is s
+    def round_shape(self, free: bool) -> tuple[int, int] | None:
+        """With trees chosen per round, for a free round: (K - s, K), a tree of K nodes whose main chain is s
         shorter than the chain's (s = K // 8, at least 1: one sibling a level, where the
         draft is least sure; measured, the best tree of 8 nodes), when its sequential rounds
         at this K yield `margin` more than the chain's; else None (the chain). The other
         shape runs every `shape_explore_every` rounds (between the K explorations), so that
-        both stay measured. Chains under batch load and at K < 2."""
-        if not self.trees or self.loaded or self.k < 2:
+        both stay measured. The round is recorded under this choice (`asked`), whatever a
+        confidence cut made of its draft. Chains under batch load and at K < 2."""
+        self.asked = None
+        if not free or not self.trees or self.loaded or self.k < 2:
             return None
         yields = self.costs.shapes
         tree_rate, chain_rate = yields.rate(self.k, True), yields.rate(self.k, False)
@@ -188,6 +193,7 @@ class AdaptiveK:
             tree_rate > (1 + self.margin) * chain_rate
         if self.rounds % self.shape_explore_every == self.shape_explore_every // 2:
             tree = not tree
+        self.asked = (self.k, tree)
         return (self.k - max(1, self.k // 8), self.k) if tree else None
 
     def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None:
@@ -200,10 +206,9 @@ class AdaptiveK:
         if cost is not None:
             self.load = 0.5 * self.load + 0.5 * max(1, cost.batch_size)
             self.costs.observe(cost)
-            if self.trees and cost.comparable and cost.kind == "sequential" \
-                    and cost.wall_seconds > 0:
-                self.costs.shapes.record(cost.verify_tokens - 1, cost.tree, cost.tokens,
-                                         cost.wall_seconds)
+            if self.asked is not None and cost.comparable and cost.kind == "sequential" \
+                    and cost.wall_seconds > 0 and cost.batch_size <= 1:
+                self.costs.shapes.record(*self.asked, cost.tokens, cost.wall_seconds)
         self.rounds += 1
         if self.load >= self.zero_load:
             if self.loaded and cost is not None and cost.comparable:

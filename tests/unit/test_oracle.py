@@ -157,9 +157,9 @@ class TreeEveryOtherRound(FixedK):
         super().__init__(k)
         self.rounds = 0
 
-    def round_shape(self):
+    def round_shape(self, free):
         self.rounds += 1
-        return (self.k - 1, self.k) if self.rounds % 2 else None
+        return (self.k - 1, self.k) if free and self.rounds % 2 else None
 
 
 @pytest.mark.parametrize("kind, k", [("noisy", 3), ("noisy", 8), ("random", 4)])

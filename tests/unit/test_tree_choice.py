@@ -37,7 +37,7 @@ def shapes_over(chosen: AdaptiveK, rounds: int) -> list:
     """round_shape over `rounds` rounds, the round counter moving as update moves it."""
     shapes = []
     for _ in range(rounds):
-        shapes.append(chosen.round_shape())
+        shapes.append(chosen.round_shape(True))
         chosen.rounds += 1
     return shapes
 
@@ -60,21 +60,37 @@ def test_no_tree_without_trees_at_k_below_two_or_under_load():
     assert shapes_over(loaded, 16) == [None] * 16
 
 
-def test_sequential_rounds_are_recorded_by_shape_at_their_budget():
+def sequential(tokens: int, batch_size: int = 1, kind: str = "sequential") -> RoundCost:
+    return RoundCost(5, 0.005, 4, 0.004, 0.001, batch_size, kind=kind, wall_seconds=0.01,
+                     tokens=tokens)
+
+
+def test_a_round_is_recorded_under_the_shape_and_k_it_was_given():
     chosen = policy()
-    tree_round = RoundCost(9, 0.005, 7, 0.004, 0.001, kind="sequential", wall_seconds=0.01,
-                           tokens=5, tree=True)
-    chain_round = RoundCost(9, 0.005, 8, 0.005, 0.001, kind="sequential", wall_seconds=0.01,
-                            tokens=4)
-    carried = RoundCost(9, 0.005, 9, 0.005, 0.001, kind="carried", wall_seconds=0.01, tokens=9)
-    for _ in range(8):
-        for cost in (tree_round, chain_round, carried):
-            chosen.update(8, 4, cost)
+    for _ in range(ShapeYields.least):
+        chosen.k, chosen.rounds = 8, 4  # K = 8, on the round that explores: a tree
+        assert chosen.round_shape(True) == (7, 8)
+        chosen.update(4, 3, sequential(5))  # its draft cut short: still the tree of 8
+    for _ in range(ShapeYields.least):
+        chosen.k, chosen.rounds = 8, 1  # the chain's yield unknown: the chain
+        assert chosen.round_shape(True) is None
+        chosen.update(4, 3, sequential(4))  # the chain of 8, cut short
     assert chosen.costs.shapes.rate(8, True) == pytest.approx(500)
-    assert chosen.costs.shapes.rate(8, False) == pytest.approx(400)  # carried: not counted
-    untried = policy(trees=False)
-    untried.update(8, 4, tree_round)
-    assert untried.costs.shapes.sums == {}
+    assert chosen.costs.shapes.rate(8, False) == pytest.approx(400)
+    assert chosen.costs.shapes.rate(4, False) is None  # filed by K, not by what was drafted
+
+
+@pytest.mark.parametrize("free, cost", [
+    (False, sequential(9)),  # a carried or clipped round: the shape was not the policy's
+    (True, sequential(9, batch_size=16)),  # under batch load: the batch cycle's time
+    (True, sequential(9, kind="carried")),  # pipelined
+])
+def test_rounds_whose_shape_was_not_chosen_alone_are_not_recorded(free, cost):
+    chosen = policy()
+    for _ in range(8):
+        chosen.round_shape(free)
+        chosen.update(8, 4, cost)
+    assert chosen.costs.shapes.sums == {}
 
 
 @pytest.mark.parametrize("k, pipelined, sampling, trees", [
