@@ -1,7 +1,8 @@
 """The speculation methods beside the default chain, as rows of `specserve bench`: draft trees
 against chains at equal node budgets (bench.trees), the model-free drafters on repetitive
-work (bench.model_free) and draft length by confidence (bench.confidence), in this process on the demo pair, after the served modes (the same
-prompts and token counts as the run; --quick keeps a few shapes, greedy only)."""
+work (bench.model_free) and draft length by confidence (bench.confidence), in this process
+on the demo pair, after the served modes (the same prompts and token counts as the run;
+--quick keeps a few shapes, greedy only)."""
 
 from argparse import Namespace
 

@@ -62,8 +62,9 @@ def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float,
     """(token ids, seconds, SpecStats) of one request through the round loop in this
     process, planned as the router plans an HTTP request with this seed (choice 0's derived
     seed: the same draws), at K (or "auto"), drafting then verifying (tree_width > 1: a tree
-    of that width, K deep, of tree_nodes nodes; "auto": chain or tree per round). front_end: a RequestFrontEnd whose requests
-    share what they learn (default: a new one for this request, with these settings)."""
+    of that width, K deep, of tree_nodes nodes; "auto": chain or tree per round).
+    front_end: a RequestFrontEnd whose requests share what they learn (default: a new one
+    for this request, with these settings)."""
     from speculative.driver import Generation
     from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
     from speculative.sampling import SamplingParams

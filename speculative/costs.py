@@ -204,6 +204,8 @@ class ShapeYields:
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (K, tree): tokens, s, rounds
+        # the decayed count of `least` rounds in a row
+        self.trusted = (1 - decay ** self.least) / (1 - decay) - 1e-9
 
     def record(self, budget: int, tree: bool, tokens: int, seconds: float) -> None:
         entry = self.sums.setdefault((budget, tree), [0.0, 0.0, 0.0])
@@ -213,7 +215,7 @@ class ShapeYields:
     def rate(self, budget: int, tree: bool) -> float | None:
         """Tokens per second of this shape's rounds at this budget (None: too few)."""
         entry = self.sums.get((budget, tree))
-        if entry is None or entry[2] < (1 - self.decay ** self.least) / (1 - self.decay) - 1e-9:
+        if entry is None or entry[2] < self.trusted:
             return None
         return entry[0] / entry[1]
 

@@ -167,8 +167,9 @@ def tree_shape(state: RequestState, k: int, assumed) -> tuple[int, int]:
     add a node. The verifier's slots (committed + nodes) are kept within the context
     (without a known one, within the output's room, which the context holds)."""
     request = state.request
-    width, nodes = (request.tree_width, request.tree_nodes) if request.tree_width > 1 else \
-        (2, state.round_tree) if state.round_tree else (1, 0)
+    width, nodes = request.tree_width, request.tree_nodes
+    if width <= 1 and state.round_tree:
+        width, nodes = 2, state.round_tree
     if assumed or not k or width <= 1:
         return 1, 0
     room = state.remaining if request.context_limit is None else \

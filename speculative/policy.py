@@ -177,13 +177,14 @@ class AdaptiveK:
             self.costs.confidence.observe(confidences, num_accepted)
 
     def round_shape(self, free: bool) -> tuple[int, int] | None:
-        """With trees chosen per round, for a free round: (K - s, K), a tree of K nodes whose main chain is s
-        shorter than the chain's (s = K // 8, at least 1: one sibling a level, where the
-        draft is least sure; measured, the best tree of 8 nodes), when its sequential rounds
-        at this K yield `margin` more than the chain's; else None (the chain). The other
-        shape runs every `shape_explore_every` rounds (between the K explorations), so that
-        both stay measured. The round is recorded under this choice (`asked`), whatever a
-        confidence cut made of its draft. Chains under batch load and at K < 2."""
+        """With trees chosen per round, for a free round: (K - s, K), a tree of K nodes whose
+        main chain is s shorter than the chain's (s = K // 8, at least 1: one sibling a
+        level, where the draft is least sure; measured, the best tree of 8 nodes), when its
+        sequential rounds at this K yield `margin` more than the chain's; else None (the
+        chain). The other shape runs every `shape_explore_every` rounds (between the K
+        explorations), so that both stay measured. The round is recorded under this choice
+        (`asked`), whatever a confidence cut made of its draft. Chains under batch load and
+        at K < 2."""
         self.asked = None
         if not free or not self.trees or self.loaded or self.k < 2:
             return None
