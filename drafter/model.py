@@ -11,8 +11,10 @@ from engine.scheduler import admitted, in_turns
 from speculative.grammar import TokenMasks, masked, matcher_after
 from speculative.sampling import (
     fit_vocab,
+    grouped,
     kept_entries,
     logits_to_probs,
+    sample_each,
     sample_rows,
     seeded_generator,
     shape_logits,
@@ -288,8 +290,13 @@ class ModelDrafter:
                 last = torch.stack([drafts[row].processed(line)
                                     for row, line in zip(greedy, last)])
             parts.append(last.argmax(-1))  # [greedy drafts]
-        sampled = [row for row, draft in enumerate(drafts) if not draft.call.sampling.greedy]
-        parts.extend(self.draw(drafts[row], logits[row][0]) for row in sampled)
+        sampled = []  # sampled drafts sharing a law, drawn together (shaped: each alone)
+        for rows in grouped([None if draft.call.sampling.greedy else (row,) if draft.shaped
+                             else draft.call.sampling.law_key
+                             for row, draft in enumerate(drafts)]):
+            sampled += rows
+            parts.append(self.draw([drafts[row] for row in rows],
+                                   torch.stack([logits[row][0] for row in rows])))
         if not parts:
             return []
         host = torch.cat(parts).tolist()
@@ -298,22 +305,37 @@ class ModelDrafter:
             tokens[row] = int(token)
         return tokens
 
-    def draw(self, draft: "Draft", logits: torch.Tensor) -> torch.Tensor:
-        """A sampled draft's next token, [1] on the device, drawn from its logits [V_draft]
-        at the block's end through the q it ships (kept in draft.q_rows)."""
-        logits = draft.processed(fit_vocab(logits, self.vocab_size))  # [V]
-        weights, ids = self.shipped_q(logits_to_probs(logits, draft.call.sampling))
-        index = sample_rows(weights.float()[None], draft.generator)  # [1]
-        draft.q_rows.append((weights, ids))
-        return index if ids is None else ids[index]
+    def draw(self, drafts: list["Draft"], logits: torch.Tensor) -> torch.Tensor:
+        """Sampled drafts' next tokens, [R] on the device, drawn from their logits [R, V_draft]
+        at the block's end through the q each ships (kept in its q_rows), each with its own
+        generator. The drafts share their law (one, when shaped: its own masks apply)."""
+        logits = fit_vocab(logits, self.vocab_size)
+        if drafts[0].shaped:
+            logits = drafts[0].processed(logits[0])[None]
+        weights, ids = self.shipped_q(logits_to_probs(logits, drafts[0].call.sampling))
+        if weights is None:  # rows truncated to different lengths: one by one
+            return torch.cat([self.draw([d], line[None]) for d, line in zip(drafts, logits)])
+        index = sample_each(weights.float(), [draft.generator for draft in drafts])  # [R]
+        for row, draft in enumerate(drafts):
+            draft.q_rows.append((weights[row], None if ids is None else ids[row]))
+        return index if ids is None else ids.gather(-1, index[:, None]).squeeze(-1)
 
-    def shipped_q(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[V] q as it will travel, rounded to the wire's precision: (weights [m], ids [m])
-        of its truncation, renormalised, or (weights [V], None) when it is not truncated."""
+    def shipped_q(self, probs: torch.Tensor) -> tuple:
+        """[R, V] q as it will travel, rounded to the wire's precision: (weights [R, m], ids
+        [R, m]) of its truncation, renormalised, or (weights [R, V], None) untruncated;
+        (None, None) when rows would keep different numbers of entries."""
         if not self.truncates:
             return probs.to(self.draft_q_dtype), None
-        values, ids = kept_entries(probs, self.draft_top_k, self.draft_q_mass)
-        return (values / values.sum()).to(self.draft_q_dtype), ids
+        if len(probs) == 1:
+            values, ids = kept_entries(probs[0], self.draft_top_k, self.draft_q_mass)
+            return (values / values.sum()).to(self.draft_q_dtype)[None], ids[None]
+        if self.draft_q_mass < 1 or not 0 < self.draft_top_k < probs.shape[-1]:
+            return None, None
+        values, ids = torch.topk(probs, self.draft_top_k)
+        if not bool((values > 0).all()):  # one host sync
+            return None, None
+        values = values / values.sum(-1, keepdim=True)  # as kept_entries, then renormalised
+        return (values / values.sum(-1, keepdim=True)).to(self.draft_q_dtype), ids
 
 
 @dataclass

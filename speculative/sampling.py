@@ -95,6 +95,11 @@ class SamplingParams:
         return tuple(token for token, _ in self.logit_bias) + self.min_tokens_end_ids
 
     @property
+    def law_key(self) -> tuple:
+        """What rows drawn together in one batch must share: temperature, top-k, top-p."""
+        return self.temperature, self.top_k, self.top_p
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether logit_bias, min_tokens or penalties change the logits (shape_logits)."""
         return self.penalized or bool(self.logit_bias) or (
@@ -320,12 +325,35 @@ def sample_rows(weights: torch.Tensor, generator: torch.Generator) -> torch.Tens
     weights moves a draw only when its uniform falls that close to a boundary, and a row of
     a 4096-entry vocabulary costs a cumulative sum, not 4096 exponentials.
     """
-    cumulative = weights.double().cumsum(-1)
     uniform = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64,
                          device=weights.device)
+    return inverted(weights, uniform)
+
+
+def sample_each(weights: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """sample_rows of [R, m] weights, row r drawn with generators[r] (each gives the uniform
+    it would give sample_rows of its row alone): [R] int64, no host sync."""
+    uniform = torch.cat([torch.rand(1, 1, generator=generator, dtype=torch.float64,
+                                    device=weights.device) for generator in generators])
+    return inverted(weights, uniform)
+
+
+def inverted(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[R] index of each row of [R, m] weights at which its cumulative sum passes the row's
+    uniform [R, 1] times its total."""
+    cumulative = weights.double().cumsum(-1)
     index = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
     last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1, keepdim=True)
     return torch.minimum(index, last).squeeze(-1)  # a product rounded up to the row's total
+
+
+def grouped(keys: list) -> list[list[int]]:
+    """The indices of keys, grouped by equal key in first-seen order; None keys left out."""
+    groups: dict = {}
+    for index, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(index)
+    return list(groups.values())
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -27,12 +27,13 @@ def shipped_rows(q: DraftDists) -> list[dict[int, float]]:
 def test_the_drafter_samples_from_the_q_it_ships(monkeypatch, options):
     sampled = []  # (the weights drawn from, the index drawn)
 
-    def recording_sample_rows(weights, generator):  # the drafter draws one row at a time
+    def recording_sample_each(weights, generators):  # one row here: one request drafts
+        (generator,) = generators
         sampled.append((weights[0].clone(),
                         int(torch.multinomial(weights[0], 1, generator=generator))))
         return torch.tensor([sampled[-1][1]])
 
-    monkeypatch.setattr(drafter.model, "sample_rows", recording_sample_rows)
+    monkeypatch.setattr(drafter.model, "sample_each", recording_sample_each)
     engine = ModelDrafter(tiny_llama(2), **options)
     call = ProposeCall("r", PrefixSync(0, prefix_hash([]), (1, 2, 3)), 4,
                        SamplingParams(temperature=1.0), seed=5)
@@ -62,3 +63,23 @@ def test_the_verifier_refuses_weights_no_drafter_could_have_sampled_from():
 def test_draft_law_is_what_the_router_and_verifier_read():
     weights = torch.tensor([[2.0, 2.0, 0.0]], dtype=torch.float16)
     assert draft_law(weights).tolist() == [[0.5, 0.5, 0.0]]
+
+
+@pytest.mark.parametrize("options", [{}, {"draft_top_k": 5}, {"draft_q_mass": 0.9}])
+@pytest.mark.parametrize("shaped", [False, True])
+def test_drafts_drawn_together_equal_each_drafted_alone(options, shaped):
+    """Sampled drafts sharing their law draw in one batch of rows (each with its own
+    generator); shaped ones (logit_bias here), even sharing one SamplingParams object, each
+    alone. Every block, tokens and q, is the one its call drafts alone."""
+    params = SamplingParams(temperature=0.9, logit_bias=((7, 4.0), (9, -100.0)) if shaped
+                            else ())
+    calls = [ProposeCall(f"r{i}", PrefixSync(0, prefix_hash([]), (1, 2 + i, 3)), 4, params,
+                         seed=10 + i) for i in range(5)]
+    together = ModelDrafter(tiny_llama(2), **options).propose_batch(calls)
+    alone = [ModelDrafter(tiny_llama(2), **options).propose_now(call) for call in calls]
+    for one, other in zip(together, alone):
+        assert one.token_ids == other.token_ids
+        for row, other_row in zip(shipped_rows(one.draft_probs), shipped_rows(other.draft_probs)):
+            assert row.keys() == other_row.keys()
+            assert list(row.values()) == pytest.approx(list(other_row.values()), abs=1e-6)
+    assert len({block.token_ids for block in together}) > 1  # each its own generator

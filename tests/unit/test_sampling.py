@@ -3,7 +3,7 @@ import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from speculative.sampling import (SamplingParams, draft_law, kept_entries, logits_to_probs, sample,
-                                  sample_rows, seeded_generator)
+                                  sample_each, sample_rows, seeded_generator)
 from tests.stats.chisq import chi_square
 
 
@@ -117,6 +117,23 @@ def test_sample_follows_unnormalised_weights_and_never_picks_a_zero():
 def test_a_uniform_that_rounds_up_to_the_total_picks_the_last_positive_weight(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *_, **kw: torch.tensor(1.0, dtype=kw["dtype"]))
     assert sample(torch.tensor([0.25, 0.75, 0.0]), torch.Generator()) == 1
+
+
+def test_sample_each_draws_each_row_as_its_generator_would_alone():
+    """The drafter's batched draws: row r with generators[r], each generator's draw as it
+    would be for its row alone (a seeded request drafts the same batched or not)."""
+    weights = torch.rand(6, 10, generator=torch.Generator().manual_seed(3))
+    weights[weights < 0.3] = 0.0
+    skips = torch.randint(0, 9, (50, 6), generator=torch.Generator().manual_seed(4))
+    for skip in skips.tolist():  # each call takes one uniform from each generator
+        alone = [seeded_generator(seed, "cpu") for seed in range(6)]
+        together = [seeded_generator(seed, "cpu") for seed in range(6)]
+        for r in range(6):  # somewhere in their streams
+            torch.rand(skip[r], generator=alone[r])
+            torch.rand(skip[r], generator=together[r])
+        expected = torch.cat([sample_rows(weights[r:r + 1], alone[r]) for r in range(6)])
+        assert torch.equal(sample_each(weights, together), expected)
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(alone, together))
 
 
 def test_sample_rows_draws_each_row_from_its_own_weights():
