@@ -279,9 +279,9 @@ class ModelDrafter:
                      reports=call.draft_confidence is not None)
 
     def next_tokens(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> list[int]:
-        """Each draft's next token from its logits [1, V_draft], with ONE host sync for the
-        step: greedy drafts pick their argmax together (a greedy draft ships no q); a sampled
-        draft draws on the device from the q it will ship (its own seeded generator)."""
+        """Each draft's next token from its logits [1, V_draft], one host sync for the step
+        (and one per batch cut by top-k): greedy drafts take their argmax together (no q);
+        sampled ones draw from the q they ship, those sharing a law as one batch of rows."""
         greedy = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
         parts = []
         if greedy:
@@ -290,40 +290,40 @@ class ModelDrafter:
                 last = torch.stack([drafts[row].processed(line)
                                     for row, line in zip(greedy, last)])
             parts.append(last.argmax(-1))  # [greedy drafts]
-        sampled = []  # sampled drafts sharing a law, drawn together (shaped: each alone)
-        for rows in grouped([None if draft.call.sampling.greedy else (row,) if draft.shaped
-                             else draft.call.sampling.law_key
+        sampled = []  # alone: a shaped draft, or any when q is cut by mass (rows of any length)
+        for rows in grouped([None if draft.call.sampling.greedy else (row,) if draft.shaped or
+                             self.draft_q_mass < 1 else draft.call.sampling.law_key
                              for row, draft in enumerate(drafts)]):
             sampled += rows
             parts.append(self.draw([drafts[row] for row in rows],
                                    torch.stack([logits[row][0] for row in rows])))
         if not parts:
             return []
-        host = torch.cat(parts).tolist()
-        tokens = [0] * len(drafts)
-        for row, token in zip(greedy + sampled, host):
-            tokens[row] = int(token)
-        return tokens
+        by_row = dict(zip(greedy + sampled, torch.cat(parts).tolist()))
+        return [int(by_row[row]) for row in range(len(drafts))]
 
     def draw(self, drafts: list["Draft"], logits: torch.Tensor) -> torch.Tensor:
-        """Sampled drafts' next tokens, [R] on the device, drawn from their logits [R, V_draft]
-        at the block's end through the q each ships (kept in its q_rows), each with its own
-        generator. The drafts share their law (one, when shaped: its own masks apply)."""
+        """Next tokens [R] of sampled drafts sharing a law (one, when shaped: its own masks
+        apply) from their logits [R, V_draft] at the block's end (draw_from)."""
         logits = fit_vocab(logits, self.vocab_size)
         if drafts[0].shaped:
             logits = drafts[0].processed(logits[0])[None]
-        weights, ids = self.shipped_q(logits_to_probs(logits, drafts[0].call.sampling))
-        if weights is None:  # rows truncated to different lengths: one by one
-            return torch.cat([self.draw([d], line[None]) for d, line in zip(drafts, logits)])
+        return self.draw_from(drafts, logits_to_probs(logits, drafts[0].call.sampling))
+
+    def draw_from(self, drafts: list["Draft"], probs: torch.Tensor) -> torch.Tensor:
+        """[R] tokens on the device, each row of [R, V] probs drawn with its draft's generator
+        through the q it ships (kept in its q_rows); rows cut to different lengths one by one."""
+        weights, ids = self.shipped_q(probs)
+        if weights is None:
+            return torch.cat([self.draw_from([d], row[None]) for d, row in zip(drafts, probs)])
         index = sample_each(weights.float(), [draft.generator for draft in drafts])  # [R]
         for row, draft in enumerate(drafts):
             draft.q_rows.append((weights[row], None if ids is None else ids[row]))
         return index if ids is None else ids.gather(-1, index[:, None]).squeeze(-1)
 
     def shipped_q(self, probs: torch.Tensor) -> tuple:
-        """[R, V] q as it will travel, rounded to the wire's precision: (weights [R, m], ids
-        [R, m]) of its truncation, renormalised, or (weights [R, V], None) untruncated;
-        (None, None) when rows would keep different numbers of entries."""
+        """[R, V] q as it travels (the wire's precision): (weights [R, m], ids [R, m]) cut and
+        renormalised, (weights [R, V], None) uncut, (None, None) for rows cut unequally."""
         if not self.truncates:
             return probs.to(self.draft_q_dtype), None
         if len(probs) == 1:

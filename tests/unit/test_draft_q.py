@@ -65,20 +65,23 @@ def test_draft_law_is_what_the_router_and_verifier_read():
     assert draft_law(weights).tolist() == [[0.5, 0.5, 0.0]]
 
 
-@pytest.mark.parametrize("options", [{}, {"draft_top_k": 5}, {"draft_q_mass": 0.9}])
-@pytest.mark.parametrize("shaped", [False, True])
-def test_drafts_drawn_together_equal_each_drafted_alone(options, shaped):
+@pytest.mark.parametrize("options", [{}, {"draft_top_k": 5}, {"draft_q_mass": 0.9},
+                                     {"draft_top_k": 5, "draft_q_dtype": "float16"}])
+@pytest.mark.parametrize("law", ["plain", "shaped", "narrow"])
+def test_drafts_drawn_together_equal_each_drafted_alone(options, law):
     """Sampled drafts sharing their law draw in one batch of rows (each with its own
     generator); shaped ones (logit_bias here), even sharing one SamplingParams object, each
-    alone. Every block, tokens and q, is the one its call drafts alone."""
-    params = SamplingParams(temperature=0.9, logit_bias=((7, 4.0), (9, -100.0)) if shaped
-                            else ())
+    alone, and so do rows that keep fewer entries than draft_top_k (top_k 3: "narrow").
+    Every block, tokens and q, is the one its call drafts alone."""
+    params = SamplingParams(temperature=0.9, top_k=3 if law == "narrow" else 0,
+                            logit_bias=((7, 4.0), (9, -100.0)) if law == "shaped" else ())
     calls = [ProposeCall(f"r{i}", PrefixSync(0, prefix_hash([]), (1, 2 + i, 3)), 4, params,
                          seed=10 + i) for i in range(5)]
     together = ModelDrafter(tiny_llama(2), **options).propose_batch(calls)
     alone = [ModelDrafter(tiny_llama(2), **options).propose_now(call) for call in calls]
     for one, other in zip(together, alone):
         assert one.token_ids == other.token_ids
+        assert one.draft_probs.weights.dtype == other.draft_probs.weights.dtype
         for row, other_row in zip(shipped_rows(one.draft_probs), shipped_rows(other.draft_probs)):
             assert row.keys() == other_row.keys()
             assert list(row.values()) == pytest.approx(list(other_row.values()), abs=1e-6)
