@@ -66,6 +66,11 @@ def fuse(linears: list[torch.nn.Linear], transposed: bool = False
 # thread, weights out of cache, 40 x [1536, 256]: 1 row 3.1 against 4.5 ms, 2 rows 4.7
 # against 5.9; 5 rows 9.7 against 4.2, 9 rows 11.9 against 5.4, 32 rows 20 against 14)
 SMALL_MATMUL_ROWS = 2
+# weights (in x out entries) below which oneDNN's packed matmul never pays: its call costs
+# 30-45 us whatever the size, x @ W 4-10 us on a [32, 64] weight (measured, 2-core AVX2 VM,
+# one thread, 3 to 150 rows); from [256, 768] up the two are within 10 % there and packing
+# wins on AVX-512 (above). Tiny drafts, and the tests' tiny models, take x @ W at every size
+MIN_PACKED_WEIGHT = 65536
 
 
 class Projection:
@@ -108,9 +113,11 @@ class Projection:
 
 def packed_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """[out, in] weight in oneDNN's blocked layout for its matmul, or None where this torch
-    build or dtype has none (then x @ W serves every size)."""
+    build or dtype has none, or the weight is too small to gain (then x @ W serves every
+    size)."""
     if not torch.backends.mkldnn.is_available() or \
-            weight.dtype not in (torch.float32, torch.bfloat16):
+            weight.dtype not in (torch.float32, torch.bfloat16) or \
+            weight.numel() < MIN_PACKED_WEIGHT:
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())

@@ -75,6 +75,16 @@ def test_a_packed_batch_equals_each_request_alone(name, engine):
     assert batched_rounds_error(served(name, engine)) < ATOL
 
 
+def test_a_packed_batch_with_weights_large_enough_to_pack_equals_each_request_alone():
+    """Hidden 256: the projections take oneDNN's packed matmul for the batch's rows (the
+    tiny models' weights are too small to pack: engine.lean.MIN_PACKED_WEIGHT)."""
+    runner = serving_runner(tiny_llama(1, hidden=256), "paged", "paged", kv_cache_tokens=4096)
+    layer = runner.lean.layers[0]
+    assert all(p.packed is not None for p in (layer.qkv, layer.gate_up, layer.down_proj))
+    assert runner.lean.lm_head.packed is None  # [256, 64]: below the size that gains
+    assert batched_rounds_error(runner) < ATOL
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
 def test_the_test_sees_a_query_that_attends_past_its_position(name, monkeypatch):
     """Mutant: no mask inside a request's segment (a query sees the drafted tokens after it,
