@@ -80,8 +80,9 @@ class Projection:
     a one-token matmul streams it from memory about twice as fast as F.linear's [out, in]
     (3.3 against 7.5 ms for 63 MB). For more rows (a verify's K + 1, a batch) oneDNN's
     packed copy of the weight is 1.4-2.3x faster than either (SMALL_MATMUL_ROWS); the
-    copy doubles the weights' memory on a CPU. On a GPU the weight stays [out, in],
-    cuBLAS's own layout. See README, The engine."""
+    copy doubles the weights' memory on a CPU. A weight under MIN_PACKED_WEIGHT entries
+    has no packed copy: x @ W serves it at every size. On a GPU the weight stays
+    [out, in], cuBLAS's own layout. See docs/engine.md."""
 
     def __init__(self, linears: list[torch.nn.Linear], copy: bool = False) -> None:
         weight = linears[0].weight
