@@ -1,7 +1,14 @@
-"""A pool replica killed while 20 streams run: every request completes with the tokens of an
-undisturbed run (greedy, and seeded sampled at a fixed K). The router's pinned direct address
-dies with the replica, and its calls fall back to Serve's routing, which places them on the
-replacement (the cache rebuilt from the committed prefix: exact)."""
+"""A pool replica killed while 20 streams run: every request completes, the greedy ones with
+the tokens of an undisturbed run, the seeded sampled ones (at a fixed K) whole. The router's
+pinned direct address dies with the replica, and its calls fall back to Serve's routing,
+which places them on the replacement (the cache rebuilt from the committed prefix: exact).
+
+A seeded sampled request repeats its tokens only up to the float rounding of its forwards,
+which depends on what shares its batches (a call of 1-2 rows takes x @ W, a larger one
+oneDNN's packed weights: docs/engine.md) and on a rebuild's one prefill: where the draft's q is
+close to p, the residual max(0, p - q) is small enough for that rounding to move a draw (once
+in five runs on a 2-core AVX2 VM, 2026-11-27). Its law after a rebuild is tested in
+tests/stats (test_engine_laws' rebuilds case, test_fallback_distribution)."""
 
 import threading
 import time
@@ -107,7 +114,9 @@ def test_a_replica_killed_mid_stream_loses_no_request(cluster, app, deployment):
     print(f"\nfault: {app} replica killed; requests {len(REQUESTS)}, completed {len(outputs)}, "
           f"identical {identical}, batch {undisturbed:.2f} s -> {disturbed:.2f} s "
           f"(+{disturbed - undisturbed:.2f} s)")
-    assert outputs == expected
+    greedy = [i for i, body in enumerate(REQUESTS) if body["temperature"] == 0]
+    assert [outputs[i] for i in greedy] == [expected[i] for i in greedy]
+    assert all(len(ids) == body["max_tokens"] for ids, body in zip(outputs, REQUESTS))
     # the kill hit running streams: their calls failed over to the replacement, which
     # rebuilt their caches (a drafter's may also have run rounds without a draft)
     assert sum(s["cache_misses"] + s["draft_fallback_rounds"] for s in stats) > 0
