@@ -1,11 +1,18 @@
-"""Serve application builders named in the configs under cluster/ (`import_path`)."""
+"""Serve application builders named in the configs under cluster/ (`import_path`).
 
+Each deployment names its class by import path, which the replica imports: a build imports
+only Ray Serve and the apps' args (pydantic models, no torch or transformers), as each app's
+build is a process of its own. The replicas still import everything they serve."""
+
+from ray import serve
 from ray.serve import Application
 
 from deployments.pool_args import DrafterArgs, VerifierArgs
-from deployments.pools import DrafterPool, VerifierPool
-from deployments.router import Router
 from deployments.router_args import RouterArgs
+
+DrafterPool = serve.deployment(name="DrafterPool")("deployments.pools.DrafterPool")
+VerifierPool = serve.deployment(name="VerifierPool")("deployments.pools.VerifierPool")
+Router = serve.deployment(name="Router")("deployments.router.Router")
 
 
 def drafter_app(args: DrafterArgs) -> Application:

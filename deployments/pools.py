@@ -1,4 +1,5 @@
-"""The drafter and verifier pools: thin Serve deployments serving specserve.proto.
+"""The drafter and verifier pools: the replicas of two thin Serve deployments (deployments.apps)
+serving specserve.proto.
 
 Serve's gRPC proxy calls the method named like the rpc with the decoded request message; each
 replica also serves the same servicer methods on its own gRPC port (`direct_address` in every
@@ -295,7 +296,6 @@ class PoolReplica:
         return list(self.engine.sessions)
 
 
-@serve.deployment
 class DrafterPool(PoolReplica):
     async def __init__(self, args: DrafterArgs) -> None:
         torch.set_num_threads(args.torch_threads)
@@ -321,7 +321,6 @@ class DrafterPool(PoolReplica):
             yield answers
 
 
-@serve.deployment
 class VerifierPool(PoolReplica):
     async def __init__(self, args: VerifierArgs) -> None:
         torch.set_num_threads(args.torch_threads)

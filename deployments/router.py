@@ -41,9 +41,9 @@ from speculative.frontend import RequestFrontEnd, RequestPlan
 app = ingress_app("specserve")
 
 
-# Serve serialises the ingress class when it is decorated, so everything it uses must exist
-# by then: defined last, after the app, and what it calls is imported above.
-@serve.deployment
+# Serve's ingress wraps the class when it is decorated, so everything it uses must exist by
+# then: defined last, after the app, and what it calls is imported above. The deployment is
+# deployments.apps's (by import path: the replica imports this module, the build does not).
 @serve.ingress(app)
 class Router:
     def __init__(self, args: RouterArgs) -> None:

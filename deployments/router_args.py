@@ -5,14 +5,15 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.models import DEMO_TARGET
-from speculative.frontend import (
+from speculative.options import (
+    MAX_SPECULATIVE_TOKENS,
+    MAX_TREE_WIDTH,
     NumSpeculativeTokens,
     PipelinedDrafting,
     SpeculationDefaults,
     TreeShape,
 )
 from speculative.policy import KBounds
-from speculative.types import MAX_SPECULATIVE_TOKENS, MAX_TREE_WIDTH
 
 
 class SpeculativeTree(BaseModel):

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from engine.checkpoint import Checkpoint, check_same_tokenizer, check_vocabularies
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
-from speculative.grammar import grammar_tokenizer_at
 
 
 @dataclass(frozen=True)
@@ -50,6 +49,14 @@ class DrafterKind:
     help: str
 
 
+def grammar_tokenizer(spec: DrafterSpec, target: Checkpoint):
+    """The target's tokenizer as the grammars read it. Imported here, not with the registry:
+    the pool apps' args name DrafterSpec's defaults, and an app build imports no torch."""
+    from speculative.grammar import grammar_tokenizer_at
+
+    return grammar_tokenizer_at(spec.target, target.vocab_size)
+
+
 def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
     from drafter.model import ModelDrafter
 
@@ -70,7 +77,7 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
                         session_ttl_s=spec.session_ttl_s, engine=spec.engine,
                         attention=spec.attention,
                         kv_cache_tokens=spec.kv_cache_tokens,
-                        grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size),
+                        grammar_tokenizer=grammar_tokenizer(spec, target),
                         draft_confidence=spec.draft_confidence)
 
 
@@ -81,7 +88,7 @@ def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):
                         max_cached_requests=spec.max_cached_requests,
                         max_cached_tokens=spec.max_cached_tokens,
                         session_ttl_s=spec.session_ttl_s,
-                        grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
+                        grammar_tokenizer=grammar_tokenizer(spec, target))
 
 
 def build_suffix_drafter(spec: DrafterSpec, target: Checkpoint):
@@ -90,7 +97,7 @@ def build_suffix_drafter(spec: DrafterSpec, target: Checkpoint):
     return SuffixDrafter(target.vocab_size, max_cached_requests=spec.max_cached_requests,
                          max_cached_tokens=spec.max_cached_tokens,
                          session_ttl_s=spec.session_ttl_s,
-                         grammar_tokenizer=grammar_tokenizer_at(spec.target, target.vocab_size))
+                         grammar_tokenizer=grammar_tokenizer(spec, target))
 
 
 DRAFTERS: dict[str, DrafterKind] = {

@@ -1,22 +1,24 @@
-"""Loading Hugging Face causal LMs, and where the offline demo pair lives."""
+"""Loading Hugging Face causal LMs, and where the offline demo pair lives.
+
+torch and transformers are imported where a model is loaded, not here: the apps' args name
+the demo pair, and a Serve app build imports only its args (deployments.apps)."""
 
 from pathlib import Path
-
-import torch
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
 DEMO_TARGET = str(DEMO_DIR / "target")
 DEMO_DRAFT = str(DEMO_DIR / "draft")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch's dtypes of those names
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
     """Any causal LM `AutoModelForCausalLM` can load (a local folder or a hub id), in eval mode."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from speculative.options import MAX_SPECULATIVE_TOKENS, MAX_TREE_WIDTH
 from speculative.sampling import SamplingParams, draft_law
 
 
@@ -284,17 +285,11 @@ def timed(work, call):
     return replace(result, compute_seconds=time.perf_counter() - started)
 
 
-MAX_SPECULATIVE_TOKENS = 64
-
-
 def check_prompt_len(prompt_len: int, committed_len: int) -> None:
     """A call's prompt is a prefix of what it commits (checked before a pool changes)."""
     if not 0 <= prompt_len <= committed_len:
         raise ValueError(f"prompt_len {prompt_len} is beyond the committed prefix "
                          f"({committed_len} tokens)")
-
-
-MAX_TREE_WIDTH = 8
 
 
 def check_tree(parents, nodes: int) -> None:

@@ -43,6 +43,32 @@ def test_config_validates_and_its_apps_build(name, config):
                 assert router["request_router_class"].endswith("ConsistentHashRouter")
 
 
+def test_each_app_builds_without_torch_and_its_replica_finds_its_class():
+    """An app's build imports deployments.apps alone (no torch or transformers: it is a
+    process of its own for each app); the class each deployment names by import path loads
+    as a replica loads it (Serve's own loader), and the router's is the FastAPI ingress."""
+    import subprocess
+    import sys
+
+    from ray.serve._private.http_util import ASGIAppReplicaWrapper
+    from ray.serve._private.replica import _load_deployment_def_from_import_path
+
+    from deployments import apps
+
+    probe = "import sys, deployments.apps; print(sorted({'torch', 'transformers'} & " \
+            "set(sys.modules)))"
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              cwd=CLUSTER.parent, check=True).stdout.strip()
+    assert imported == "[]"
+    for deployment, module in ((apps.DrafterPool, "pools"), (apps.VerifierPool, "pools"),
+                               (apps.Router, "router")):
+        cls = _load_deployment_def_from_import_path(deployment.func_or_class)
+        assert isinstance(cls, type) and cls.__module__ == f"deployments.{module}"
+        assert cls.__name__ == deployment.name
+    router = _load_deployment_def_from_import_path(apps.Router.func_or_class)
+    assert issubclass(router, ASGIAppReplicaWrapper)
+
+
 def test_kuberay_embeds_the_gpu_config_verbatim():
     kuberay = yaml.safe_load((CLUSTER / "kuberay.yaml").read_text())
     assert kuberay["kind"] == "RayService"

@@ -26,8 +26,7 @@ def pool_secret(monkeypatch):
     monkeypatch.setattr(auth, "_secret", None)
 
 
-async def local_replica(deployment, args):
-    cls = deployment.func_or_class
+async def local_replica(cls, args):
     replica = cls.__new__(cls)
     await cls.__init__(replica, args)
     return replica
@@ -210,9 +209,9 @@ def test_a_replica_runs_its_model_before_it_is_ready_and_keeps_no_session(monkey
     monkeypatch.setattr(ModelRunner, "forward", counting)
 
     async def main():
-        deployment, args = (DrafterPool, DrafterArgs()) if pool == "drafter" else \
+        pool_class, args = (DrafterPool, DrafterArgs()) if pool == "drafter" else \
             (VerifierPool, VerifierArgs())
-        replica = await local_replica(deployment, args)
+        replica = await local_replica(pool_class, args)
         assert len(replica.engine.sessions) == 0
         await replica.server.stop(None)
 
