@@ -18,7 +18,8 @@ import torch
 from bench.pairs import PAIRS, PROMPTS, Pair
 from bench.runners import run_loop
 from bench.trees import resolved, warm_pair
-from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+from speculative.frontend import RequestFrontEnd
+from speculative.options import SpeculationDefaults
 
 # (name, K, draft_confidence): None leaves the drafter's own (0: no cut)
 ROWS = (("target alone", 0, None), ("K=4", 4, None), ("K=4, cut 0.2", 4, 0.2),

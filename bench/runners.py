@@ -66,7 +66,8 @@ def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float,
     front_end: a RequestFrontEnd whose requests share what they learn (default: a new one
     for this request, with these settings)."""
     from speculative.driver import Generation
-    from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
+    from speculative.frontend import RequestFrontEnd
+    from speculative.options import SpeculationDefaults, TreeShape
     from speculative.sampling import SamplingParams
 
     front_end = front_end or RequestFrontEnd(SpeculationDefaults(num_speculative_tokens=k,

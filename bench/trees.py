@@ -24,7 +24,8 @@ from bench.costs import flattest_dtype
 from bench.pairs import PAIRS, PROMPTS, Pair
 from bench.runners import run_loop
 from drafter.model import ModelDrafter
-from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+from speculative.frontend import RequestFrontEnd
+from speculative.options import SpeculationDefaults
 from engine.models import load_causal_lm, load_tokenizer
 from verifier.engine import ModelVerifier
 

@@ -10,6 +10,8 @@ from ray.serve import Application
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.router_args import RouterArgs
 
+# Deployments of the classes of the same names (deployments.pools, deployments.router), which
+# only their replicas import
 DrafterPool = serve.deployment(name="DrafterPool")("deployments.pools.DrafterPool")
 VerifierPool = serve.deployment(name="VerifierPool")("deployments.pools.VerifierPool")
 Router = serve.deployment(name="Router")("deployments.router.Router")

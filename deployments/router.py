@@ -41,9 +41,10 @@ from speculative.frontend import RequestFrontEnd, RequestPlan
 app = ingress_app("specserve")
 
 
-# Serve's ingress wraps the class when it is decorated, so everything it uses must exist by
-# then: defined last, after the app, and what it calls is imported above. The deployment is
-# deployments.apps's (by import path: the replica imports this module, the build does not).
+# Serve's ingress serialises the app when it decorates the class, so everything it uses must
+# exist by then: defined last, after the app, and what it calls is imported above. The
+# deployment is deployments.apps's, by import path (the replica imports this module, an app
+# build does not).
 @serve.ingress(app)
 class Router:
     def __init__(self, args: RouterArgs) -> None:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from protos import specserve_pb2 as pb
+from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.sampling import SamplingParams
 from speculative.tree import check_confidences
 from speculative.types import (
-    MAX_SPECULATIVE_TOKENS,
     BatchLoad,
     DraftBlock,
     DraftDists,

@@ -9,6 +9,7 @@ from engine.kv import Sequence, SessionStore
 from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns
 from speculative.grammar import TokenMasks, masked, matcher_after
+from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
     fit_vocab,
     grouped,
@@ -21,7 +22,6 @@ from speculative.sampling import (
 )
 from speculative.tree import allocate_siblings
 from speculative.types import (
-    MAX_SPECULATIVE_TOKENS,
     BatchLoad,
     DraftBlock,
     DraftDists,

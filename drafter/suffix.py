@@ -21,8 +21,8 @@ so the rejection sampler keeps the output exactly the target's.
 from collections import deque
 
 from drafter.ngram import NgramDrafter
+from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.tree import main_chain_length
-from speculative.types import MAX_SPECULATIVE_TOKENS
 
 
 class Node:

@@ -320,7 +320,8 @@ def run_request(drafter, verifier, prompt, params, k: int) -> list[int]:
     """One request through the request front end and the in-process loop with a fixed K;
     its output ids."""
     from speculative.driver import Generation
-    from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+    from speculative.frontend import RequestFrontEnd
+    from speculative.options import SpeculationDefaults
 
     front_end = RequestFrontEnd(SpeculationDefaults(k, pipelined_drafting="off"))
     plan = front_end.plan("check", prompt, params)

@@ -169,7 +169,8 @@ def sampling(args):
 def request_front_end(args):
     """The request front end the router uses, under the CLI's defaults: its K (4, or auto in
     1..8; a seeded sampled request pins auto to 4, as the router does) and --pipelined."""
-    from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
+    from speculative.frontend import RequestFrontEnd
+    from speculative.options import SpeculationDefaults, TreeShape
 
     return RequestFrontEnd(SpeculationDefaults(
         num_speculative_tokens=args.num_speculative_tokens,
@@ -198,7 +199,7 @@ def k_value(text: str) -> int | str:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    from speculative.types import MAX_TREE_WIDTH
+    from speculative.options import MAX_TREE_WIDTH
 
     if args.num_speculative_tokens != "auto" and args.num_speculative_tokens < 0:
         parser.error("--num-speculative-tokens must be >= 0")

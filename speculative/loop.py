@@ -13,6 +13,7 @@ import torch
 
 from speculative.busy import DraftBackoff, retried_while_busy
 from speculative.meter import RoundMeter
+from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.policy import KPolicy
 from speculative.accept import accept, depth
 from speculative.rejection import RoundOutcome, accept_first_predrafted
@@ -20,7 +21,6 @@ from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.types import (
     EMPTY_PREFIX_HASH,
-    MAX_SPECULATIVE_TOKENS,
     NO_DRAFT,
     DraftBlock,
     Drafter,

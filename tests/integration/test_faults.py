@@ -1,7 +1,7 @@
-"""A pool replica killed while 20 streams run: every request completes, the greedy ones with
-the tokens of an undisturbed run, the seeded sampled ones (at a fixed K) whole. The router's
-pinned direct address dies with the replica, and its calls fall back to Serve's routing,
-which places them on the replacement (the cache rebuilt from the committed prefix: exact).
+"""A pool replica killed while 20 streams run: every request completes (no error, `[DONE]`,
+all its tokens), the greedy ones with the tokens of an undisturbed run. The router's pinned
+direct address dies with the replica, and its calls fall back to Serve's routing, which
+places them on the replacement (the cache rebuilt from the committed prefix, exact in law).
 
 A seeded sampled request repeats its tokens only up to the float rounding of its forwards,
 which depends on what shares its batches (a call of 1-2 rows takes x @ W, a larger one

@@ -8,7 +8,8 @@ import pytest
 from deployments.router_args import RouterArgs
 from specserve.cli import build_parser, request_front_end
 from speculative.driver import Generation
-from speculative.frontend import RequestFrontEnd, SpeculationDefaults
+from speculative.frontend import RequestFrontEnd
+from speculative.options import SpeculationDefaults
 from speculative.policy import AdaptiveK, FixedK
 from speculative.rejection import RoundOutcome
 from speculative.sampling import SamplingParams, derive_seeds

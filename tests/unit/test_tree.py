@@ -145,7 +145,8 @@ def test_a_tree_budget_no_deeper_than_the_chain_leaves_the_requests_k():
     """A router-default tree whose node budget leaves no room beside a request's own, deeper
     K drafts that K as a chain; a request tree must have nodes beyond its depth."""
     from deployments.router_args import SpeculativeTree
-    from speculative.frontend import RequestFrontEnd, SpeculationDefaults, TreeShape
+    from speculative.frontend import RequestFrontEnd
+    from speculative.options import SpeculationDefaults, TreeShape
     from speculative.sampling import SamplingParams
 
     front_end = RequestFrontEnd(SpeculationDefaults(tree=TreeShape(2, 6, 8)))
