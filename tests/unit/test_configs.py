@@ -60,13 +60,14 @@ def test_each_app_builds_without_torch_and_its_replica_finds_its_class():
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                               cwd=CLUSTER.parent, check=True).stdout.strip()
     assert imported == "[]"
+    loaded = {}
     for deployment, module in ((apps.DrafterPool, "pools"), (apps.VerifierPool, "pools"),
                                (apps.Router, "router")):
-        cls = _load_deployment_def_from_import_path(deployment.func_or_class)
+        cls = loaded[deployment.name] = _load_deployment_def_from_import_path(
+            deployment.func_or_class)
         assert isinstance(cls, type) and cls.__module__ == f"deployments.{module}"
         assert cls.__name__ == deployment.name
-    router = _load_deployment_def_from_import_path(apps.Router.func_or_class)
-    assert issubclass(router, ASGIAppReplicaWrapper)
+    assert issubclass(loaded["Router"], ASGIAppReplicaWrapper)
 
 
 def test_kuberay_embeds_the_gpu_config_verbatim():
