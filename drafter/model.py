@@ -64,6 +64,7 @@ class ModelDrafter:
         self.runner = model if isinstance(model, ModelRunner) else \
             serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests)
         self.model = self.runner.model
+        self.device = self.model.device  # transformers' property walks the parameters
         self.grammar_tokenizer = grammar_tokenizer
         self.vocab_size = vocab_size or self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
@@ -274,7 +275,7 @@ class ModelDrafter:
         threshold = self.draft_confidence if call.draft_confidence is None else \
             call.draft_confidence
         return Draft(call, sequence, assumed, num_tokens,
-                     seeded_generator(call.seed, self.model.device), matcher=matcher,
+                     seeded_generator(call.seed, self.device), matcher=matcher,
                      width=width, nodes=call.tree_nodes, threshold=threshold,
                      reports=call.draft_confidence is not None)
 

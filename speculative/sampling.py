@@ -292,8 +292,10 @@ def draft_law(weights: torch.Tensor) -> torch.Tensor:
     """
     weights = weights.float()
     totals = weights.sum(-1, keepdim=True)
-    valid = torch.isfinite(weights).all() & (weights >= 0).all() & (totals > 0).all()
-    if not bool(valid):  # one host sync for the three checks
+    # an infinite entry fails the totals' maximum, a NaN or a negative one the minimum (q
+    # arrives from the wire, on the host: a scalar's .item() costs less than tensor logic)
+    if totals.numel() and not (0 < totals.min().item() and totals.max().item() < float("inf")
+                               and weights.min().item() >= 0):
         raise ValueError("draft_probs must be finite, non-negative, with a positive sum per row")
     return weights / totals
 
@@ -343,7 +345,7 @@ def inverted(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     uniform [R, 1] times its total."""
     cumulative = weights.double().cumsum(-1)
     index = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
-    last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1, keepdim=True)
+    last = cumulative.argmax(-1, keepdim=True)  # the first entry at the total: its last > 0
     return torch.minimum(index, last).squeeze(-1)  # a product rounded up to the row's total
 
 

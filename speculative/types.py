@@ -131,7 +131,7 @@ class DraftDists:
     def dense(self, device=None) -> torch.Tensor:
         """[K, V] float32 q (on `device`): each row over its sum; ValueError for weights no
         sampler could have drawn from (not finite, negative, a row summing to 0)."""
-        law = draft_law(self.weights.to(device))  # [K, m]
+        law = draft_law(self.weights).to(device)  # [K, m], checked where it arrived
         if self.ids is None:
             return law
         dense = torch.zeros(len(self), self.vocab_size, device=law.device)

@@ -12,7 +12,14 @@ from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
-from speculative.sampling import logits_to_probs, sample_rows, seeded_generator, shape_logits
+from speculative.sampling import (
+    grouped,
+    inverted,
+    logits_to_probs,
+    sample_rows,
+    seeded_generator,
+    shape_logits,
+)
 from speculative.tree import DraftTree, tree_scores
 from speculative.types import (
     BatchLoad,
@@ -48,6 +55,7 @@ class ModelVerifier:
         self.runner = model if isinstance(model, ModelRunner) else \
             serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests)
         self.model = self.runner.model
+        self.device = self.model.device  # transformers' property walks the parameters
         self.grammar_tokenizer = grammar_tokenizer
         self.max_batch_tokens = max_batch_tokens  # per forward; None: no chunked prefill
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
@@ -98,7 +106,7 @@ class ModelVerifier:
                 raise ValueError(f"sampling needs draft_probs of shape {(len(drafted), vocab_size)}"
                                  f", got {shape}")
             # the one dense [K, V] q of a round, checked before the cache is touched
-            draft_probs = call.draft_probs.dense(self.model.device)
+            draft_probs = call.draft_probs.dense(self.device)
         length = call.sync.committed_len + len(drafted)
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         if self.max_positions is not None and length > self.max_positions:
@@ -119,26 +127,63 @@ class ModelVerifier:
             return None
         matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
         return matcher.masks(sequence.committed[call.prompt_len:], drafted,
-                             self.model.config.vocab_size, self.model.device)
+                             self.model.config.vocab_size, self.device)
 
-    def finish(self, call: ScoreCall, logits: torch.Tensor, extra) -> TargetScores:
-        """logits: [K + 1, V] of the call's drafted positions and the one after them."""
-        draft_probs, history, allowed, sequence = extra
-        drafted, raw = list(call.draft_token_ids), logits
+    def finish(self, calls: list[ScoreCall], logits: list[torch.Tensor], extras: list
+               ) -> list[TargetScores]:
+        """Each call's scores from its logits [K + 1, V] (its drafted positions and the one
+        after them). Sampled calls sharing a shape (chain or tree, K) and a law (temperature,
+        top-k, top-p) turn their logits into probabilities together, and the chains among
+        them draw together (draw_recovered_and_bonus): a few ops per batch, not per call."""
+        shaped = [self.shaped(call, rows, extra) for call, rows, extra in zip(calls, logits,
+                                                                              extras)]
+        scores: list = [None] * len(calls)
+        probs: list = [None] * len(calls)
+        for group in grouped([None if call.sampling.greedy else (
+                call.draft_parents is None, len(call.draft_token_ids), call.sampling.law_key)
+                for call in calls]):
+            first = calls[group[0]]
+            target_probs = logits_to_probs(torch.stack([shaped[i] for i in group]),
+                                           first.sampling)  # [N, K + 1, V]
+            for row, index in enumerate(group):
+                probs[index] = target_probs[row]
+            if first.draft_parents is None:  # chains: one draw over the group's rows
+                draft_probs = None if not first.draft_token_ids else \
+                    torch.stack([extras[i][0] for i in group])  # [N, K, V]
+                drawn = draw_recovered_and_bonus(
+                    target_probs, [list(calls[i].draft_token_ids) for i in group],
+                    draft_probs, [calls[i].seed for i in group])
+                for index, result in zip(group, drawn):
+                    scores[index] = result
+            else:
+                for row, index in enumerate(group):
+                    scores[index] = tree_scores_of(calls[index], target_probs[row],
+                                                   extras[index][0])
+        return [self.finished(call, scores[i] if scores[i] is not None else
+                              greedy_scores(shaped[i]), probs[i], raw, extra)
+                for i, (call, raw, extra) in enumerate(zip(calls, logits, extras))]
+
+    @staticmethod
+    def shaped(call: ScoreCall, logits: torch.Tensor, extra) -> torch.Tensor:
+        """The call's logits masked by its grammar and shaped by its logit_bias, penalties
+        and min_tokens (row i counts the tokens drafted before it)."""
+        _, history, allowed, _ = extra
         logits = masked(logits, allowed)
-        if history is not None:  # row i counts the tokens drafted before it
-            logits = shape_logits(logits, call.sampling, *history, drafted)
-        if call.sampling.greedy:
-            ids = logits.argmax(-1)  # [K + 1], on the device until the batch's one transfer
-            scores = TargetScores(target_token_ids=ids if host.deferred() else
-                                  tuple(ids.tolist()))
-        else:
-            target_probs = logits_to_probs(logits, call.sampling)  # [K + 1, V]
-            scores = sampled_scores(call, target_probs, drafted, draft_probs)
-            if call.return_bonus_probs:  # the router tests a pre-drafted token against it
-                scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
+        if history is not None:
+            logits = shape_logits(logits, call.sampling, *history, list(call.draft_token_ids))
+        return logits
+
+    @staticmethod
+    def finished(call: ScoreCall, scores: TargetScores, target_probs, raw: torch.Tensor,
+                 extra) -> TargetScores:
+        """scores with what the call asked beside them: the bonus position's law, a tree's
+        size, the prefix cache's hit, logprobs (of the raw logits)."""
+        sequence = extra[3]
+        if call.return_bonus_probs and target_probs is not None:
+            # the router tests a pre-drafted token against it
+            scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
         if call.draft_parents is not None:
-            scores = replace(scores, tree_nodes=len(drafted))
+            scores = replace(scores, tree_nodes=len(call.draft_token_ids))
         if sequence.cached_tokens:  # reported once, by the call whose cache took them
             scores = replace(scores, cached_tokens=sequence.cached_tokens)
             sequence.cached_tokens = 0
@@ -150,8 +195,16 @@ class ModelVerifier:
             scores.recovered_token_ids if tree else \
             scores.recovered_token_ids + (scores.bonus_token_id,)  # one per row either way
         drafted_rows = [parent + 1 for parent in call.draft_parents] if tree else None
-        return replace(scores, logprobs=position_logprobs(raw, drafted, list(chosen),
-                                                          call.sampling.logprobs, drafted_rows))
+        return replace(scores, logprobs=position_logprobs(
+            raw, list(call.draft_token_ids), list(chosen), call.sampling.logprobs,
+            drafted_rows))
+
+
+def greedy_scores(logits: torch.Tensor) -> TargetScores:
+    """The target's argmax at each of [K + 1, V] rows, on the device until the batch's one
+    transfer."""
+    ids = logits.argmax(-1)
+    return TargetScores(target_token_ids=ids if host.deferred() else tuple(ids.tolist()))
 
 
 def matched(call: ScoreCall) -> bool:
@@ -170,12 +223,10 @@ def check_tree_call(call: ScoreCall) -> None:
                          "logit_bias or min_tokens: draft a chain")
 
 
-def sampled_scores(call: ScoreCall, target_probs, drafted: list[int], draft_probs
-                   ) -> TargetScores:
-    """A chain's residual and bonus draws, a tree's acceptance probabilities and row draws,
-    or, for a tree without q, the target's own draw at every row (the walk follows it)."""
-    if call.draft_parents is None:
-        return draw_recovered_and_bonus(target_probs, drafted, draft_probs, call.seed)
+def tree_scores_of(call: ScoreCall, target_probs, draft_probs) -> TargetScores:
+    """A sampled tree's acceptance probabilities and row draws, or, for a tree without q,
+    the target's own draw at every row (the walk follows it)."""
+    drafted = list(call.draft_token_ids)
     if not matched(call):
         return draw_tree(target_probs, drafted, call.draft_parents, draft_probs, call.seed)
     ids = sample_rows(target_probs, seeded_generator(call.seed, target_probs.device))
@@ -226,7 +277,8 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
               max_tokens: int | None = None) -> list:
     """Each call's answer (or refusal): the calls in turns of one per request
     (engine.scheduler), each turn prepared within the token budget, admitted, one packed
-    forward, finished; a call whose feed was cut answers UNFINISHED."""
+    forward, finished together (finish(calls, logits, extras) -> scores); a call whose feed
+    was cut answers UNFINISHED."""
     def one_turn(turn: list) -> list:
         started = time.perf_counter()
         results: list = [None] * len(turn)
@@ -240,9 +292,15 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
         logits = runner.forward([segment for _, segment, _ in ready])
         load = BatchLoad(len(ready), sum(len(segment.token_ids) for _, segment, _ in ready))
         with host.one_transfer():  # the draws and picks of every call stay on the device...
-            for (index, segment, extra), rows in zip(ready, logits):
-                results[index] = UNFINISHED if segment.num_logits == 0 else \
-                    replace(finish(turn[index], rows, extra), load=load)
+            done = [(index, rows, extra) for (index, segment, extra), rows in zip(ready, logits)
+                    if segment.num_logits > 0]
+            for index, segment, _ in ready:
+                if segment.num_logits == 0:
+                    results[index] = UNFINISHED
+            for (index, _, _), scores in zip(done, finish(
+                    [turn[index] for index, _, _ in done], [rows for _, rows, _ in done],
+                    [extra for _, _, extra in done])):
+                results[index] = replace(scores, load=load)
         results = host.to_host(results)  # ...and reach the host together: one sync
         elapsed = time.perf_counter() - started
         return [replace(result, compute_seconds=elapsed) if isinstance(result, TargetScores)
@@ -255,25 +313,32 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
     return in_turns(calls, one_guarded_turn)
 
 
-def draw_recovered_and_bonus(target_probs, drafted: list[int], draft_probs, seed: int) -> TargetScores:
-    """p_i(x_i), a residual draw per position and a bonus draw: all the router needs.
+def draw_recovered_and_bonus(target_probs, drafted: list[list[int]], draft_probs,
+                             seeds: list[int]) -> list[TargetScores]:
+    """For each of N chains of K drafted tokens: p_i(x_i), a residual draw per position and a
+    bonus draw, all the router needs.
 
-    target_probs: [K + 1, V]; draft_probs: [K, V], both on the model's device, where the
-    draws run too (one draw over K + 1 rows, one transfer to the host). Every residual
-    is drawn, used or not, so the draws do not depend on where the router's coins reject.
+    target_probs: [N, K + 1, V]; draft_probs: [N, K, V] (None when K = 0), both on the
+    model's device, where the draws run too (one draw over the N (K + 1) rows, one transfer
+    to the host). Each chain draws its K + 1 uniforms from its own seeded generator, as
+    sample_rows of its rows alone would, so its draws do not depend on the chains beside it.
+    Every residual is drawn, used or not, so the draws do not depend on where the router's
+    coins reject.
     """
-    k = len(drafted)
-    generator = seeded_generator(seed, target_probs.device)
+    n, k = target_probs.shape[0], target_probs.shape[1] - 1
+    device = target_probs.device
     rows = target_probs if k == 0 else \
-        torch.cat([residual_rows(target_probs[:k], draft_probs), target_probs[k:]])
-    draws = sample_rows(rows, generator)  # [K + 1]
-    tokens = torch.tensor(drafted, dtype=torch.long, device=target_probs.device)
-    at_draft = target_probs[torch.arange(k, device=target_probs.device), tokens]
-    if host.deferred():  # a batch's call: moved to the host with the batch's (verifier.host)
-        return TargetScores(draft_target_probs=at_draft, recovered_token_ids=draws[:k],
-                            bonus_token_id=draws[k])
+        torch.cat([residual_rows(target_probs[:, :k], draft_probs), target_probs[:, k:]], 1)
+    uniform = torch.cat([torch.rand(k + 1, 1, generator=seeded_generator(seed, device),
+                                    dtype=torch.float64, device=device) for seed in seeds])
+    draws = inverted(rows.flatten(0, 1), uniform).view(n, k + 1)
+    tokens = torch.tensor(drafted, dtype=torch.long, device=device).view(n, k, 1)
+    at_draft = target_probs[:, :k].gather(2, tokens).squeeze(2)  # [N, K]
+    if host.deferred():  # a batch's calls: moved to the host with the batch's (verifier.host)
+        return [TargetScores(draft_target_probs=at_draft[i], recovered_token_ids=draws[i, :k],
+                             bonus_token_id=draws[i, k]) for i in range(n)]
     # one host sync: ids < 2**53 and probabilities travel exactly as float64
-    values = torch.cat([draws.double(), at_draft.double()]).tolist()
-    return TargetScores(draft_target_probs=tuple(values[k + 1:]),
-                        recovered_token_ids=tuple(int(t) for t in values[:k]),
-                        bonus_token_id=int(values[k]))
+    values = torch.cat([draws.double(), at_draft.double()], 1).tolist()
+    return [TargetScores(draft_target_probs=tuple(row[k + 1:]),
+                         recovered_token_ids=tuple(int(t) for t in row[:k]),
+                         bonus_token_id=int(row[k])) for row in values]

@@ -94,11 +94,13 @@ def test_three_tokens_follow_the_target_law(target, draft, exact_law, pipelined)
 
 # --- mutants: each must fail the same check ---------------------------------------------
 
-def bonus_from_last_drafted_position(target_probs, drafted, draft_probs, seed):
-    """Draws the bonus token from p_K instead of p_(K+1)."""
-    scores = real_draw(target_probs, drafted, draft_probs, seed)
-    bonus = sample(target_probs[len(drafted) - 1], torch.Generator().manual_seed(seed + 1))
-    return type(scores)(**{**scores.__dict__, "bonus_token_id": bonus})
+def bonus_from_last_drafted_position(target_probs, drafted, draft_probs, seeds):
+    """Draws each chain's bonus token from p_K instead of p_(K+1)."""
+    k = target_probs.shape[1] - 1
+    return [type(scores)(**{**scores.__dict__, "bonus_token_id": sample(
+        rows[k - 1], torch.Generator().manual_seed(seed + 1))})
+        for scores, rows, seed in zip(real_draw(target_probs, drafted, draft_probs, seeds),
+                                      target_probs, seeds)]
 
 
 real_draw = verifier_engine.draw_recovered_and_bonus

@@ -73,7 +73,8 @@ class MarkovPair:
                 target_rows.append(self.target_row(drafted[-1]))
             draft, target = torch.stack(draft_rows), torch.stack(target_rows)
             seed = int(host.integers(0, 2**62))
-            scores = verifier.engine.draw_recovered_and_bonus(target, drafted, draft, seed)
+            [scores] = verifier.engine.draw_recovered_and_bonus(
+                target[None], [drafted], draft[None], [seed])
             at_draft = DraftDists.from_dense(draft).at(drafted)
             out = rejection.accept_drawn(drafted, at_draft, scores.draft_target_probs,
                                          scores.recovered_token_ids, scores.bonus_token_id,
@@ -136,16 +137,26 @@ def recover_from_target(target_probs, draft_probs):
 real_draw = verifier.engine.draw_recovered_and_bonus
 
 
-def bonus_from_last_drafted_position(target_probs, drafted, draft_probs, seed):
-    """Mutant: draws the bonus token from p_K instead of p_(K+1)."""
-    scores = real_draw(target_probs, drafted, draft_probs, seed)
-    bonus = sample(target_probs[max(len(drafted) - 1, 0)], torch.Generator().manual_seed(seed))
-    return dataclasses.replace(scores, bonus_token_id=bonus)
+def bonus_from_last_drafted_position(target_probs, drafted, draft_probs, seeds):
+    """Mutant: draws each chain's bonus token from p_K instead of p_(K+1)."""
+    k = target_probs.shape[1] - 1
+    return [dataclasses.replace(scores, bonus_token_id=sample(
+        rows[max(k - 1, 0)], torch.Generator().manual_seed(seed)))
+        for scores, rows, seed in zip(real_draw(target_probs, drafted, draft_probs, seeds),
+                                      target_probs, seeds)]
+
+
+real_rand = torch.rand
+
+
+def coins_of_zero(*size, **kwargs):
+    """Mutant of torch.rand for the router's coins (its 0-d draws): always 0, so every drafted
+    token is accepted; the verifier's draws (shaped [K + 1, 1]) stay as they were."""
+    return torch.tensor(0.0) if size in ((), ((),)) else real_rand(*size, **kwargs)
 
 
 MUTANTS = {
-    "accept all": lambda mp: mp.setattr(rejection.torch, "rand",
-                                        lambda *a, **kw: torch.tensor(0.0)),
+    "accept all": lambda mp: mp.setattr(rejection.torch, "rand", coins_of_zero),
     "residual is p": lambda mp: mp.setattr(verifier.engine, "residual_rows",
                                            recover_from_target),
     "bonus from p_K": lambda mp: mp.setattr(verifier.engine, "draw_recovered_and_bonus",
