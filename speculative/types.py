@@ -103,6 +103,9 @@ class DraftDists:
         padded to the widest with zero weights, which change no q."""
         if all(ids is None for _, ids in rows):
             return cls(torch.stack([weights for weights, _ in rows]), None, vocab_size)
+        if len({len(weights) for weights, _ in rows}) == 1:  # nothing to pad (top-k's rows)
+            return cls(torch.stack([weights for weights, _ in rows]),
+                       torch.stack([ids for _, ids in rows]), vocab_size)
         pad = torch.nn.utils.rnn.pad_sequence
         return cls(pad([weights for weights, _ in rows], batch_first=True),
                    pad([ids for _, ids in rows], batch_first=True), vocab_size)
