@@ -332,10 +332,11 @@ def sample_rows(weights: torch.Tensor, generator: torch.Generator) -> torch.Tens
     return inverted(weights, uniform)
 
 
-def sample_each(weights: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """sample_rows of [R, m] weights, row r drawn with generators[r] (each gives the uniform
-    it would give sample_rows of its row alone): [R] int64, no host sync."""
-    uniform = torch.cat([torch.rand(1, 1, generator=generator, dtype=torch.float64,
+def sample_each(weights: torch.Tensor, generators: list[torch.Generator],
+                rows_each: int = 1) -> torch.Tensor:
+    """sample_rows of [R, m] weights, each generator drawing for the next `rows_each` rows
+    (the uniforms it would give sample_rows of those rows alone): [R] int64, no host sync."""
+    uniform = torch.cat([torch.rand(rows_each, 1, generator=generator, dtype=torch.float64,
                                     device=weights.device) for generator in generators])
     return inverted(weights, uniform)
 

@@ -14,8 +14,8 @@ from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import (
     grouped,
-    inverted,
     logits_to_probs,
+    sample_each,
     sample_rows,
     seeded_generator,
     shape_logits,
@@ -178,7 +178,7 @@ class ModelVerifier:
                  extra) -> TargetScores:
         """scores with what the call asked beside them: the bonus position's law, a tree's
         size, the prefix cache's hit, logprobs (of the raw logits)."""
-        sequence = extra[3]
+        _, _, _, sequence = extra
         if call.return_bonus_probs and target_probs is not None:
             # the router tests a pre-drafted token against it
             scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
@@ -292,11 +292,12 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
         logits = runner.forward([segment for _, segment, _ in ready])
         load = BatchLoad(len(ready), sum(len(segment.token_ids) for _, segment, _ in ready))
         with host.one_transfer():  # the draws and picks of every call stay on the device...
-            done = [(index, rows, extra) for (index, segment, extra), rows in zip(ready, logits)
-                    if segment.num_logits > 0]
-            for index, segment, _ in ready:
+            done = []  # (index, logits, extra) of the calls whose feed was not cut
+            for (index, segment, extra), rows in zip(ready, logits):
                 if segment.num_logits == 0:
                     results[index] = UNFINISHED
+                else:
+                    done.append((index, rows, extra))
             for (index, _, _), scores in zip(done, finish(
                     [turn[index] for index, _, _ in done], [rows for _, rows, _ in done],
                     [extra for _, _, extra in done])):
@@ -329,9 +330,8 @@ def draw_recovered_and_bonus(target_probs, drafted: list[list[int]], draft_probs
     device = target_probs.device
     rows = target_probs if k == 0 else \
         torch.cat([residual_rows(target_probs[:, :k], draft_probs), target_probs[:, k:]], 1)
-    uniform = torch.cat([torch.rand(k + 1, 1, generator=seeded_generator(seed, device),
-                                    dtype=torch.float64, device=device) for seed in seeds])
-    draws = inverted(rows.flatten(0, 1), uniform).view(n, k + 1)
+    draws = sample_each(rows.flatten(0, 1), [seeded_generator(seed, device) for seed in seeds],
+                        k + 1).view(n, k + 1)
     tokens = torch.tensor(drafted, dtype=torch.long, device=device).view(n, k, 1)
     at_draft = target_probs[:, :k].gather(2, tokens).squeeze(2)  # [N, K]
     if host.deferred():  # a batch's calls: moved to the host with the batch's (verifier.host)

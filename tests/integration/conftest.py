@@ -88,9 +88,10 @@ LIMITED_KEY = "sesame"
 # Every router's drafter deadline in the shared deployment, instead of the config's 1 s: on
 # 2 cores shared with the other worker's tests, every draft of a short request once took
 # over 1 s in CI, so it ran without drafts, exact, and the test that checks it speculated
-# failed on the machine's load. A wall-clock deadline must not decide a test. A drafter that is gone still fails its
-# calls at once (Serve's proxy answers NOT_FOUND: test_pool_loss); the deadline and what a
-# missed draft does are tested without a cluster (test_pool_stream, test_draft_fallback).
+# failed on the machine's load. A wall-clock deadline must not decide a test. A drafter that
+# is gone still fails its calls at once (Serve's proxy answers NOT_FOUND: test_pool_loss);
+# the deadline and what a missed draft does are tested without a cluster (test_pool_stream,
+# test_draft_fallback).
 TEST_DRAFT_TIMEOUT_S = 30.0
 
 
