@@ -301,11 +301,10 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
             for (index, _, _), scores in zip(done, finish(
                     [turn[index] for index, _, _ in done], [rows for _, rows, _ in done],
                     [extra for _, _, extra in done])):
-                results[index] = replace(scores, load=load)
-        results = host.to_host(results)  # ...and reach the host together: one sync
-        elapsed = time.perf_counter() - started
-        return [replace(result, compute_seconds=elapsed) if isinstance(result, TargetScores)
-                else result for result in results]
+                results[index] = scores
+        # ...and reach the host together: one sync, after which the time is the batch's
+        return host.to_host(results, lambda: {
+            "load": load, "compute_seconds": time.perf_counter() - started})
 
     def one_guarded_turn(turn: list) -> list:
         with sessions.batch(call.request_id for call in turn):
@@ -334,11 +333,14 @@ def draw_recovered_and_bonus(target_probs, drafted: list[list[int]], draft_probs
                         k + 1).view(n, k + 1)
     tokens = torch.tensor(drafted, dtype=torch.long, device=device).view(n, k, 1)
     at_draft = target_probs[:, :k].gather(2, tokens).squeeze(2)  # [N, K]
+    # ids < 2**53 and probabilities travel exactly as float64
+    block = torch.cat([draws.double(), at_draft.double()], 1)  # [N, 2K + 1]
     if host.deferred():  # a batch's calls: moved to the host with the batch's (verifier.host)
-        return [TargetScores(draft_target_probs=at_draft[i], recovered_token_ids=draws[i, :k],
-                             bonus_token_id=draws[i, k]) for i in range(n)]
-    # one host sync: ids < 2**53 and probabilities travel exactly as float64
-    values = torch.cat([draws.double(), at_draft.double()], 1).tolist()
+        return [TargetScores(recovered_token_ids=host.Part(block, i, 0, k),
+                             bonus_token_id=host.Part(block, i, k, k + 1, scalar=True),
+                             draft_target_probs=host.Part(block, i, k + 1, 2 * k + 1))
+                for i in range(n)]
+    values = block.tolist()  # one host sync
     return [TargetScores(draft_target_probs=tuple(row[k + 1:]),
                          recovered_token_ids=tuple(int(t) for t in row[:k]),
                          bonus_token_id=int(row[k])) for row in values]

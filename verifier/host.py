@@ -3,15 +3,15 @@ the batch is finished, then reach the host together (on a GPU, one synchronisati
 of one per call).
 
 Inside `one_transfer()`, the verifier's finish and draw_recovered_and_bonus leave their
-TargetScores' ids and probabilities as device tensors; `to_host` moves every such tensor of
-a batch's answers in one concatenated float64 copy (ids < 2**53 and probabilities travel
-exactly) and puts tuples and ints back in their place. Outside it (a lone call, a test) they
-return host values at once, as before.
+TargetScores' ids and probabilities on the device: tensors, or `Part`s of one tensor that
+holds many calls' values; `to_host` moves all of a batch's answers in one concatenated
+float64 copy (ids < 2**53 and probabilities travel exactly) and puts tuples and ints back in
+their place. Outside it (a lone call, a test) they return host values at once, as before.
 """
 
 import threading
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,27 +36,55 @@ def one_transfer():
         _state.deferred = False
 
 
-def to_host(results: list) -> list:
-    """`results` with every TargetScores' device tensors replaced by host values."""
-    parts, places = [], []
+@dataclass(frozen=True, slots=True, eq=False)
+class Part:
+    """A field of one call's TargetScores until the batch's transfer: columns start..stop of
+    row `row` of `block`, a [N, W] float64 device tensor of N calls' values (one tensor for
+    a batch's chains, instead of a view and a copy per field); scalar: one value, not a
+    tuple."""
+
+    block: torch.Tensor
+    row: int
+    start: int
+    stop: int
+    scalar: bool = False
+
+
+def to_host(results: list, common=None) -> list:
+    """`results` with every TargetScores' device tensors and Parts replaced by host values;
+    common() (called once they are on the host) gives fields every TargetScores takes too
+    (one `replace` each: at a few microseconds apiece, a batch of short calls felt them)."""
+    parts, places, blocks, size = [], [], {}, 0
     for index, result in enumerate(results):
         if not isinstance(result, TargetScores):
             continue
         for name in FIELDS:
             value = getattr(result, name)
-            if isinstance(value, torch.Tensor):
-                places.append((index, name, value.numel(), value.dim() == 0))
+            if isinstance(value, Part):
+                base = blocks.get(id(value.block))
+                if base is None:
+                    base = blocks[id(value.block)] = size
+                    parts.append(value.block.flatten())
+                    size += parts[-1].numel()
+                at = base + value.row * value.block.shape[1] + value.start
+                places.append((index, name, at, value.stop - value.start, value.scalar))
+            elif isinstance(value, torch.Tensor):
+                places.append((index, name, size, value.numel(), value.dim() == 0))
                 parts.append(value.detach().double().flatten())
-    if not parts:
-        return results
-    values = torch.cat([part.to(parts[0].device) for part in parts]).tolist()
-    out, offset, changes = list(results), 0, {}
-    for index, name, count, scalar in places:
-        chunk = values[offset:offset + count]
-        offset += count
+                size += parts[-1].numel()
+    values = torch.cat([part.to(parts[0].device) for part in parts]).tolist() if parts else []
+    changes: dict[int, dict] = {}
+    for index, name, at, count, scalar in places:
+        chunk = values[at:at + count]
         if name in IDS:
             chunk = [int(v) for v in chunk]
         changes.setdefault(index, {})[name] = chunk[0] if scalar else tuple(chunk)
+    if common is not None:
+        fields = common()
+        for index, result in enumerate(results):
+            if isinstance(result, TargetScores):
+                changes[index] = {**fields, **changes.get(index, {})}
+    out = list(results)
     for index, fields in changes.items():
         out[index] = replace(out[index], **fields)
     return out
