@@ -26,6 +26,7 @@ from verifier.engine import ModelVerifier
 VOCAB = 8
 PROMPT = [1, 5, 2, 1, 5]  # repeats: the n-gram drafter finds [1, 5] and proposes 2
 SAMPLES = 6000
+CHUNK = 1000  # a mutant's counts are checked after every CHUNK samples
 FALSE_FAILURE = 1e-6
 
 
@@ -79,17 +80,23 @@ def test_two_token_sequences_match_target_only_sampling(target, params, drafter_
         assert siblings > SAMPLES / 20  # paths that took a continuation beside the main one
 
 
-def sample_counts(target, params, drafter_kind):
+def sample_counts(target, params, drafter_kind, stop_law=None):
+    """Counts of the three tokens over SAMPLES seeded requests; with stop_law, stops early
+    once the counts fail the check against it (a mutant's run), looking every CHUNK."""
     drafter = Batched(make_drafter(target, drafter_kind))
     verifier = Batched(ModelVerifier(target))
     counts = np.zeros((VOCAB,) * 3)
     accepted = siblings = 0
-    for out, state in run_seeded(drafter, verifier, PROMPT, params, 1, SAMPLES,
-                                 tree_width=TREE_WIDTHS.get(drafter_kind, 1),
-                                 context_limit=CONTEXT):
+    for i, (out, state) in enumerate(run_seeded(
+            drafter, verifier, PROMPT, params, 1, SAMPLES,
+            tree_width=TREE_WIDTHS.get(drafter_kind, 1), context_limit=CONTEXT)):
         counts[tuple(out)] += 1
         accepted += state.stats.num_accepted_tokens
         siblings += state.stats.sibling_rounds
+        if stop_law is not None and (i + 1) % CHUNK == 0:
+            statistic, threshold, _ = conditional_chi_square(counts, stop_law, FALSE_FAILURE)
+            if statistic > threshold:
+                break
     return counts, accepted, siblings
 
 
@@ -105,7 +112,7 @@ real_walk = accept_module.accept_tree_greedy
 @pytest.mark.slow
 def test_a_matched_tree_taken_untested_fails(target, monkeypatch):
     monkeypatch.setattr(accept_module, "accept_tree_greedy", main_child_taken_untested)
-    counts, _, _ = sample_counts(target, T1, "suffix-tree")
-    statistic, threshold, _ = conditional_chi_square(
-        counts, law_after_first(target, PROMPT, T1, 2), FALSE_FAILURE)
+    law = law_after_first(target, PROMPT, T1, 2)
+    counts, _, _ = sample_counts(target, T1, "suffix-tree", stop_law=law)
+    statistic, threshold, _ = conditional_chi_square(counts, law, FALSE_FAILURE)
     assert statistic > threshold, "the untested-main-child mutant passed"
