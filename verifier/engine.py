@@ -335,12 +335,9 @@ def draw_recovered_and_bonus(target_probs, drafted: list[list[int]], draft_probs
     at_draft = target_probs[:, :k].gather(2, tokens).squeeze(2)  # [N, K]
     # ids < 2**53 and probabilities travel exactly as float64
     block = torch.cat([draws.double(), at_draft.double()], 1)  # [N, 2K + 1]
-    if host.deferred():  # a batch's calls: moved to the host with the batch's (verifier.host)
-        return [TargetScores(recovered_token_ids=host.Part(block, i, 0, k),
-                             bonus_token_id=host.Part(block, i, k, k + 1, scalar=True),
-                             draft_target_probs=host.Part(block, i, k + 1, 2 * k + 1))
-                for i in range(n)]
-    values = block.tolist()  # one host sync
-    return [TargetScores(draft_target_probs=tuple(row[k + 1:]),
-                         recovered_token_ids=tuple(int(t) for t in row[:k]),
-                         bonus_token_id=int(row[k])) for row in values]
+    scores = [TargetScores(recovered_token_ids=host.Part(block, i, 0, k),
+                           bonus_token_id=host.Part(block, i, k, k + 1, scalar=True),
+                           draft_target_probs=host.Part(block, i, k + 1, 2 * k + 1))
+              for i in range(n)]
+    # a batch's calls reach the host with the batch's (verifier.host); a lone draw at once
+    return scores if host.deferred() else host.to_host(scores)
