@@ -19,7 +19,7 @@ blocks, engine.regions copies them) and prefills only the rest.
 import array
 import hashlib
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from speculative.types import PoolBusy
 
@@ -97,8 +97,14 @@ class UnitPool:
     @property
     def evictable_units(self) -> int:
         """Units the retired caches alone hold (what evicting them all would free)."""
-        return sum(sum(1 for unit in cache.units if self.refs[unit] == 1)
-                   for cache in self.retired.values())
+        return self.freed_by(self.retired.values())
+
+    def freed_by(self, caches) -> int:
+        """Units that freeing all these caches would give back: those whose every reference
+        is theirs. Caches can share a unit between them (a request rebuilt from its own
+        retired prefix, then retired again): neither alone frees it, both do."""
+        held = Counter(unit for cache in caches for unit in cache.units)
+        return sum(1 for unit, count in held.items() if self.refs[unit] == count)
 
     def allocate(self, count: int) -> list[int]:
         while count > len(self._free) and self.retired:

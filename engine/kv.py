@@ -278,13 +278,12 @@ class SessionStore:
         for request_id in list(self._sequences):
             self.drop(request_id)
 
-    def evictable_units(self) -> int:
-        """Pool units held by sessions outside the running batch and by no other cache
-        (what evict_idle could give back)."""
-        return sum(sum(1 for unit in sequence.cache.units if sequence.cache.pool.refs[unit] == 1)
-                   for request_id, sequence in self._sequences.items()
-                   if request_id not in self.serving and sequence.cache is not None
-                   and sequence.cache.pool is not None)
+    def idle_caches(self) -> list:
+        """The pool caches of the sessions outside the running batch (what evict_idle could
+        give back, with the retired caches that share their units: UnitPool.freed_by)."""
+        return [sequence.cache for request_id, sequence in self._sequences.items()
+                if request_id not in self.serving and sequence.cache is not None
+                and sequence.cache.pool is not None]
 
     def evict_idle(self) -> bool:
         """Release the least recently used session outside the running batch; False when

@@ -81,6 +81,23 @@ def test_idle_sessions_give_their_blocks_back_before_anyone_is_refused():
     assert isinstance(verifier.score_batch([later])[0], StaleBase)  # it rebuilds: exact
 
 
+def test_released_requests_that_share_a_prefix_give_it_back_together():
+    """A request rebuilt from its own released prefix shares those blocks with it; released
+    again, both retired caches hold them (reference counts of 2), neither alone frees one,
+    and together they do: a request that needs them is served, not refused for as long as
+    it waits (a rebuilt request in a full pool met that refusal)."""
+    verifier = small_verifier()
+    for name in ("a", "a rebuilt"):
+        [scores] = verifier.score_batch([first_call(name, prompt(98))])
+        verifier.sessions.release(name)
+    assert scores.cached_tokens == 96  # the second took the first's six full blocks
+    pool = verifier.runner.pool
+    assert sum(1 for refs in pool.refs if refs == 2) == 6
+    assert free_blocks(verifier) == USABLE_BLOCKS
+    [served] = verifier.score_batch([first_call("b", prompt(150, 1))])  # 152 positions: 10
+    assert not isinstance(served, Exception)
+
+
 def test_no_idle_session_is_evicted_when_evicting_them_all_would_not_make_room():
     # three cached requests: 20 blocks, 19 usable (and no eviction by count)
     verifier = ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=16,
