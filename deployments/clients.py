@@ -200,6 +200,9 @@ class PoolClient:
         self.pins: dict[str, str] = {}
         # request id -> the key its first call was placed by (prefix_route_key), while it lives
         self.routes: dict[str, str] = {}
+        # route key -> the replica address a first call of that key now going through the
+        # proxy will name (None if it fails): the key's other first calls wait for it
+        self.placing: dict[str, asyncio.Future] = {}
         self._releasing: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[tuple[str, str], ReplicaStream] = {}
@@ -213,25 +216,54 @@ class PoolClient:
         """The pool's answer; PoolError when it fails or the deadline (the whole call's,
         proxy fallback included) passes. route_key: what the proxy's consistent hash places
         an unpinned call by (default: the request id; prefix_route_key: its prompt's)."""
+        loop = asyncio.get_running_loop()
         timeout_s = timeout_s or self.timeout_s
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        address = self.pins.get(request_id)
+        deadline = loop.time() + timeout_s
+        route_key = self.routes.setdefault(request_id, route_key or request_id)
+        address = self.pins.get(request_id) or await self._placed_beside(route_key, deadline)
         if address is not None:
             try:
-                return await self._direct(address, method, message, timeout_s)
+                response = await self._direct(address, method, message,
+                                              deadline - loop.time())
+                self.pins[request_id] = address
+                return response
             except PoolError as error:
                 if error.code not in GONE:
                     raise
                 self.pins.pop(request_id, None)
                 self._forget(address)  # a dead replica: new pins open a new channel
-                timeout_s = deadline - asyncio.get_running_loop().time()
+                timeout_s = deadline - loop.time()
                 if timeout_s <= 0:
                     raise
-        route_key = self.routes.setdefault(request_id, route_key or request_id)
-        response = await self._through_proxy(method, message, route_key, deadline)
-        if self.direct and getattr(response, "direct_address", ""):
-            self.pins[request_id] = response.direct_address
+        placed = None
+        if self.direct and route_key not in self.placing:  # the others of its key wait
+            placed = self.placing[route_key] = loop.create_future()
+        address = None
+        try:
+            response = await self._through_proxy(method, message, route_key, deadline)
+            if self.direct:
+                address = getattr(response, "direct_address", "") or None
+        finally:
+            if placed is not None:
+                del self.placing[route_key]
+                placed.set_result(address)
+        if address is not None:
+            self.pins[request_id] = address
         return response
+
+    async def _placed_beside(self, route_key: str, deadline: float) -> str | None:
+        """The replica a call of the same route key now going through the proxy lands on
+        (the choices of one request start together: one of them is placed, the others go
+        straight to its replica, skipping the proxy's cost per call, and find the prompt
+        there); None when no such call is in flight, or it fails or outlasts the deadline."""
+        placing = self.placing.get(route_key)
+        if placing is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(placing),
+                                          deadline - asyncio.get_running_loop().time())
+        except TimeoutError:
+            return None
 
     async def _through_proxy(self, method: str, message, route_key: str, deadline: float):
         """The proxy's answer. Until Serve notices a dead replica its routing may still pick
@@ -313,13 +345,18 @@ class PoolClient:
 ROUTE_PREFIX_TOKENS = 32  # two KV blocks: a shared prompt start worth placing together
 
 
-def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS) -> str:
+def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS,
+                     placement: str = "") -> str:
     """What a call that carries a whole prompt is placed by: the hash of its first `tokens`
     tokens, so requests that start alike land on the replica that holds that prefix in its
     cache (a hint: any replica answers exactly; the call's later calls go to the replica it
-    landed on, pinned). Other calls, and every call when tokens is 0: the request id."""
-    if tokens <= 0 or sync.known_len != 0 or len(sync.new_token_ids) < tokens:
+    landed on, pinned); a shorter prompt (or every prompt when tokens is 0): `placement`,
+    which the choices of one HTTP request share, else the request id. Other calls: the
+    request id."""
+    if sync.known_len != 0:
         return request_id
+    if tokens <= 0 or len(sync.new_token_ids) < tokens:
+        return placement or request_id
     return f"prefix-{prefix_hash(list(sync.new_token_ids[:tokens])):x}"
 
 
@@ -341,7 +378,7 @@ class GrpcDrafter:
         response = await self.pool.call("Propose", message, call.request_id,
                                         None if seeded else self.draft_timeout_s,
                                         prefix_route_key(call.request_id, call.sync,
-                                                         self.prefix_tokens))
+                                                         self.prefix_tokens, call.placement))
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
         try:
@@ -365,8 +402,9 @@ class GrpcVerifier:
     async def score(self, call: ScoreCall) -> TargetScores:
         message = wire.score_to_proto(call)
         response = await self.pool.call("Score", message, call.request_id,
-                                        route_key=prefix_route_key(call.request_id, call.sync,
-                                                                   self.prefix_tokens))
+                                        route_key=prefix_route_key(
+                                            call.request_id, call.sync, self.prefix_tokens,
+                                            call.placement))
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
         return replace(wire.scores_from_proto(response),

@@ -86,7 +86,8 @@ class RequestFrontEnd:
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
-                           self.defaults.busy_wait_s, width, nodes, context_limit),
+                           self.defaults.busy_wait_s, width, nodes, context_limit,
+                           placement=request_id),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)

@@ -48,6 +48,9 @@ class Request:
     tree_width: int = 1  # > 1: each round drafts a tree of that width (speculative.tree)
     tree_nodes: int = 0  # ...of that many nodes (0: the width at every node)
     context_limit: int | None = None  # the target's context: a tree's nodes stay within it
+    # the key the pools place its first calls by (the choices of one HTTP request share it:
+    # deployments.clients); empty: its own id
+    placement: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -157,7 +160,8 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
         lambda sync: drafter.propose(
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
                         len(request.prompt_token_ids), *tree_shape(state, k, assumed),
-                        draft_confidence=state.draft_confidence)),
+                        draft_confidence=state.draft_confidence,
+                        placement=request.placement)),
     )
 
 
@@ -341,7 +345,8 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         len(request.prompt_token_ids),
         # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
         return_bonus_probs=predraft is not None and not request.sampling.greedy
-        and request.sampling.logprobs is None, draft_parents=block.parents))
+        and request.sampling.logprobs is None, draft_parents=block.parents,
+        placement=request.placement))
     try:
         return await retried_while_busy(request.busy_wait_s, state.stats,
                                         lambda: state.call_pool(state.verifier_view, score))

@@ -62,6 +62,9 @@ class ProposeCall:
     # the block reports each drafted token's confidence (DraftBlock.confidences), from which
     # the router learns the next call's (speculative.confidence)
     draft_confidence: float | None = None
+    # what a call carrying a whole short prompt is placed by, beside the calls of the other
+    # choices of its HTTP request (deployments.clients.prefix_route_key); not on the wire
+    placement: str = ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,6 +210,7 @@ class ScoreCall:
     # tests a token pre-drafted for that position beside this call
     return_bonus_probs: bool = False
     draft_parents: tuple[int, ...] | None = None  # a draft tree's (DraftBlock.parents)
+    placement: str = ""  # as ProposeCall's: router-side, not on the wire
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ def test_choices_have_their_own_ids_and_derived_seeds():
     plan = RequestFrontEnd().plan("cmpl-1", PROMPT, SAMPLED, n=3, stop_token_ids=[7])
     requests = [choice.request for choice in plan.choices]
     assert [r.request_id for r in requests] == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+    assert all(r.placement == "cmpl-1" for r in requests)  # placed together (clients)
     assert [r.sampling.seed for r in requests] == derive_seeds(5, 3)
     assert all(r.prompt_token_ids == PROMPT and r.stop_token_ids == (7,) for r in requests)
     assert all(r.sampling.max_tokens == 32 for r in requests)

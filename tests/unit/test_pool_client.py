@@ -1,6 +1,8 @@
-"""PoolClient: a proxy answer saying the replica is gone is tried again within the deadline."""
+"""PoolClient: a proxy answer saying the replica is gone is tried again within the deadline;
+the first calls of one placement (the choices of a request) cross the proxy once."""
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -71,6 +73,9 @@ def test_whole_prompts_that_start_alike_are_placed_alike():
     assert first == second != other and first.startswith("prefix-")
     assert prefix_route_key("d", PrefixSync(0, EMPTY_PREFIX_HASH, shared[:-1])) == "d"
     assert prefix_route_key("e", PrefixSync(40, 123, (1,))) == "e"
+    # a short prompt: the placement its request's choices share; a later call: its own id
+    assert prefix_route_key("g-0", PrefixSync(0, EMPTY_PREFIX_HASH, (5,)), placement="g") == "g"
+    assert prefix_route_key("g-0", PrefixSync(3, 123, (1,)), placement="g") == "g-0"
     whole = PrefixSync(0, EMPTY_PREFIX_HASH, shared + (7,))
     assert prefix_route_key("f", whole, tokens=0) == "f"  # the router's knob: off
 
@@ -89,3 +94,55 @@ def test_only_a_pools_refusal_for_want_of_room_is_busy():
     assert not isinstance(pool_error("verifier", exhausted,
                                      "Received message larger than max (9 vs. 4)"), PoolBusy)
     assert not isinstance(pool_error("verifier", grpc.StatusCode.UNAVAILABLE, "gone"), PoolBusy)
+
+
+class Placing:
+    """A proxy stub whose Score calls stay in flight a moment, then name replica r:1 (or fail
+    with INVALID_ARGUMENT, the first `failures` of them)."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures, self.calls = failures, 0
+
+    async def Score(self, message, metadata, timeout):
+        self.calls += 1
+        await asyncio.sleep(0.01)  # the other choices start meanwhile
+        if self.calls <= self.failures:
+            raise Gone(grpc.StatusCode.INVALID_ARGUMENT)
+        return SimpleNamespace(direct_address="r:1")
+
+
+def placed(proxy: Placing, monkeypatch, choices: int = 4):
+    """Each choice's first call (as the router makes them: one route key, at once) and the
+    direct calls made: (results or errors, [(address, message)], client)."""
+    pool = PoolClient(None, lambda channel: proxy, "verifier", 5.0, direct=True)
+    direct = []
+
+    async def straight(address, method, message, timeout_s):
+        direct.append((address, message))
+        return "direct"
+
+    monkeypatch.setattr(pool, "_direct", straight)
+
+    async def main():
+        return await asyncio.gather(*(pool.call("Score", i, f"x-{i}", route_key="x")
+                                      for i in range(choices)), return_exceptions=True)
+
+    return asyncio.run(main()), direct, pool
+
+
+def test_the_choices_of_a_request_cross_the_proxy_once(monkeypatch):
+    """One choice's first call is placed through the proxy; the others wait for its answer
+    and go straight to the replica it names, pinned there."""
+    proxy = Placing()
+    results, direct, pool = placed(proxy, monkeypatch)
+    assert proxy.calls == 1 and sorted(message for _, message in direct) == [1, 2, 3]
+    assert {address for address, _ in direct} == {"r:1"}
+    assert pool.pins == {f"x-{i}": "r:1" for i in range(4)} and not pool.placing
+    assert results.count("direct") == 3
+
+
+def test_when_the_placing_call_fails_the_others_are_placed_by_the_proxy(monkeypatch):
+    proxy = Placing(failures=1)
+    results, direct, pool = placed(proxy, monkeypatch)
+    assert isinstance(results[0], PoolError) and proxy.calls == 4 and not direct
+    assert pool.pins == {f"x-{i}": "r:1" for i in range(1, 4)} and not pool.placing
