@@ -1,12 +1,15 @@
 """One local Ray instance and one Serve deployment shared by every integration test that
-needs a cluster; stopped at the end of the session by the fixture that started it.
+needs a cluster; stopped after the last test that uses it by the fixture that started it.
 
-The deployment holds every app those tests use, deployed once: cluster/config.yaml's three,
-a router with a 64-token context (/short, for fuzzing), a router with 2 running slots and
-an API key (/limited), and drafter / verifier / router trios serving the tiny8 and quirky
-pairs (/tiny8, /quirky). Only the tests of pool loss and rescaling redeploy: removing a pool
-or adding a replica is what they test. Under pytest-xdist the tests that use the cluster run
-on one worker (one xdist group: tests/conftest.py), beside the in-process tests on the other.
+The deployment holds cluster/config.yaml's three apps for the whole run. The apps only one
+module uses are added beside them for that module's tests and removed after (module
+fixtures below; the three keep their replicas): a router with a 64-token context (/short,
+for fuzzing), a router with 2 running slots and an API key (/limited), and drafter /
+verifier / router trios serving the tiny8 and quirky pairs (/tiny8, /quirky). An idle
+replica costs about 1 % of a core (Ray's own threads), so the eight are not left idle for
+the whole run. The tests of pool loss and rescaling redeploy too: removing a pool or adding a
+replica is what they test. Under pytest-xdist the tests that use the cluster run on one
+worker (one xdist group: tests/conftest.py), beside the in-process tests on the other.
 """
 
 import contextlib
@@ -65,23 +68,56 @@ class Cluster:
             self.redeploy(base)
 
 
-def session_config(tiny8_dir, quirky_dir) -> dict:
-    """cluster/config.yaml on free ports plus the apps the tests need (module docstring)."""
+def session_config() -> dict:
+    """cluster/config.yaml on free ports, its router's drafter deadline the tests' own."""
     config = on_free_ports(load_config())
-    router = app_config(config, "router")
-    router["args"]["draft_timeout_s"] = TEST_DRAFT_TIMEOUT_S
-    for name, args in (("short", {"max_context_tokens": 64}),
-                       ("limited", {"max_running_requests": 2, "api_key": LIMITED_KEY})):
-        app = copy.deepcopy(router)
-        app.update(name=name, route_prefix=f"/{name}")
-        app["args"] = {**app["args"], **args}
-        app["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.1}
-        config["applications"].append(app)
-    config = with_pair(config, "tiny8", tiny8_dir, {"draft_top_k": 3})
+    app_config(config, "router")["args"]["draft_timeout_s"] = TEST_DRAFT_TIMEOUT_S
     # the controller's and proxy's logs at WARNING: their INFO lines about every replica
     # stopped would reach the test output when the cluster stops after its last test
     config["logging_config"] = {"log_level": "WARNING"}
-    return with_pair(config, "quirky", quirky_dir)
+    return config
+
+
+def with_router(config: dict, name: str, args: dict) -> dict:
+    """config plus a second router app under /<name>, its args the router's and these."""
+    config = copy.deepcopy(config)
+    app = copy.deepcopy(app_config(config, "router"))
+    app.update(name=name, route_prefix=f"/{name}")
+    app["args"] = {**app["args"], **args}
+    app["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.1}
+    config["applications"].append(app)
+    return config
+
+
+@pytest.fixture(scope="module")
+def short_router(cluster):
+    """The URL of a router with a 64-token context, for the module's tests."""
+    with cluster.deployed(with_router(cluster.config, "short", {"max_context_tokens": 64})):
+        yield cluster.base_url + "/short"
+
+
+@pytest.fixture(scope="module")
+def limited(cluster):
+    """The path of a router with 2 running slots and an API key, for the module's tests."""
+    limits = {"max_running_requests": 2, "api_key": LIMITED_KEY}
+    with cluster.deployed(with_router(cluster.config, "limited", limits)):
+        yield "/limited"
+
+
+@pytest.fixture(scope="module")
+def tiny8(cluster, tiny8_pair_dir):
+    """tiny8_pair_dir, served at /tiny8 (the drafter's q truncated to its top 3) for the
+    module's tests."""
+    pair = with_pair(cluster.config, "tiny8", tiny8_pair_dir, {"draft_top_k": 3})
+    with cluster.deployed(pair):
+        yield tiny8_pair_dir
+
+
+@pytest.fixture(scope="module")
+def quirky(cluster, quirky_pair_dir):
+    """quirky_pair_dir, served at /quirky for the module's tests."""
+    with cluster.deployed(with_pair(cluster.config, "quirky", quirky_pair_dir)):
+        yield quirky_pair_dir
 
 
 LIMITED_KEY = "sesame"
@@ -106,10 +142,10 @@ def stop_ray() -> None:
 
 
 @pytest.fixture(scope="session")
-def cluster(tiny8_pair_dir, quirky_pair_dir):
+def cluster():
     import ray
 
-    config = session_config(tiny8_pair_dir, quirky_pair_dir)
+    config = session_config()
     metrics_port = free_port()
     # 4 logical CPUs on this 2-core machine: room for a second drafter replica in tests
     with quieter_serve():

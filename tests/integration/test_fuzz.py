@@ -1,5 +1,5 @@
 """Schema-based fuzzing of the HTTP API (schemathesis, from the router's OpenAPI document):
-whatever the bodies, no 5xx. The fuzzed router (the session's /short) has a 64-token
+whatever the bodies, no 5xx. The fuzzed router (conftest's /short) has a 64-token
 context, so that every valid request generates at most 63 tokens (bounded time)."""
 
 import pytest
@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 
 
 @pytest.mark.slow
-def test_no_input_makes_the_router_fail(cluster):
-    short = cluster.base_url + "/short"
+def test_no_input_makes_the_router_fail(short_router):
+    short = short_router
     schema = schemathesis.openapi.from_url(short + "/openapi.json")
     calls = {}
     for result in schema.get_all_operations():

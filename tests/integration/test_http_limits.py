@@ -8,7 +8,6 @@ import requests
 
 from tests.integration.conftest import LIMITED_KEY
 
-LIMITED = "/limited"  # the session's router with 2 running slots and an API key
 
 VOCAB = 4096  # the demo pair's
 
@@ -65,20 +64,20 @@ def test_requests_sharing_a_client_request_id_keep_their_own_sessions(cluster):
 
 
 @pytest.mark.slow
-def test_overload_gets_fast_429s_and_the_admitted_stay_exact(cluster):
+def test_overload_gets_fast_429s_and_the_admitted_stay_exact(cluster, limited):
     """4x the configured capacity at once: only 200s and 429s (with Retry-After), and the
-    200s are the target's own tokens. Also the API key: the session's /limited router has
+    200s are the target's own tokens. Also the API key: conftest's /limited router has
     2 running slots and a key."""
     expected = {p: greedy(cluster, p, max_tokens=96).json()["choices"][0]["token_ids"]
                 for p in PROMPTS}
     key = {"Authorization": "Bearer " + LIMITED_KEY}
-    assert greedy(cluster, PROMPTS[0], path=LIMITED).status_code == 401
+    assert greedy(cluster, PROMPTS[0], path=limited).status_code == 401
     assert greedy(cluster, PROMPTS[0], {"Authorization": "Bearer guess"},
-                  path=LIMITED).status_code == 401
-    assert requests.get(cluster.base_url + LIMITED + "/health", timeout=30).status_code == 200
+                  path=limited).status_code == 401
+    assert requests.get(cluster.base_url + limited + "/health", timeout=30).status_code == 200
     prompts = PROMPTS * 2  # 8 requests for 2 running slots
     with ThreadPoolExecutor(len(prompts)) as pool:
-        responses = list(pool.map(lambda p: greedy(cluster, p, key, 96, LIMITED), prompts))
+        responses = list(pool.map(lambda p: greedy(cluster, p, key, 96, limited), prompts))
     codes = [r.status_code for r in responses]
     assert set(codes) == {200, 429}, codes
     for prompt, response in zip(prompts, responses):

@@ -1,6 +1,7 @@
 """Sampling over HTTP with pipelined drafting follows the target's own law.
 
-A pair over 8 tokens (tests/conftest.py tiny8_pair_dir) served beside the default apps, with
+A pair over 8 tokens (tests/conftest.py tiny8_pair_dir) served beside the default apps
+(tests/integration/conftest.py `tiny8`), with
 the drafter's q truncated to its top 3; requests draft K = 2 pipelined with max_tokens 5.
 The first output token is the target's alone (the drafter prefills beside that round), so
 the three tokens after it cover the next round's drafted positions and the position after
@@ -19,11 +20,6 @@ from tests.stats.laws import law_after_first
 PROMPT = [1, 5, 2]
 REQUESTS, N = 200, 16
 FALSE_FAILURE = 1e-6
-
-
-@pytest.fixture(scope="module")
-def tiny8(cluster, tiny8_pair_dir):
-    return tiny8_pair_dir  # served at /tiny8 by the session's deployment (conftest)
 
 
 def exact_law(target_dir) -> np.ndarray:

@@ -11,11 +11,6 @@ from engine.models import DEMO_TARGET, load_tokenizer
 from tests.conftest import QUIRKY_PROMPT
 
 
-@pytest.fixture(scope="module")
-def quirky(cluster, quirky_pair_dir):
-    return quirky_pair_dir  # served at /quirky by the session's deployment (conftest)
-
-
 def post(cluster, path, body):
     response = cluster.post(path, body)
     assert response.status_code == 200, response.text
