@@ -160,8 +160,8 @@ def cluster():
 
 
 # Serve's controller loop every 0.5 s instead of 0.1, and each replica's metrics exported
-# every second instead of every 100 ms: an idle deployment of twelve apps then takes 0.21 of
-# the 2 cores instead of 0.27 (measured). Nothing here tests those intervals; the metrics
+# every second instead of every 100 ms: an idle deployment of twelve apps took 0.21 of the 2
+# cores instead of 0.27 (measured). Nothing here tests those intervals; the metrics
 # tests poll until their series appear.
 QUIETER_SERVE = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                  "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
@@ -186,8 +186,8 @@ def quieter_serve():
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """The cluster stops after the last test that uses it, not at the end of the session: its
-    twenty-odd idle processes (controller, proxy, replicas) would otherwise poll beside the
-    tests this worker runs next (0.24 of the 2 cores, measured)."""
+    idle processes (controller, proxy, replicas, Ray's own) would otherwise poll beside the
+    tests this worker runs next (0.12 of a core with the three apps, measured)."""
     yield
     if "cluster" in item.fixturenames:
         RAN_ON_CLUSTER.add(item.nodeid)
