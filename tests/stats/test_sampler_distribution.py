@@ -45,42 +45,48 @@ class MarkovPair:
         self.draft_cumulative = (rows.cumsum(-1) / rows.sum(-1, keepdim=True)).tolist()
         self.last_positive = [max(i for i, w in enumerate(row) if w > 0) for row in rows.tolist()]
 
-    def target_row(self, previous):
-        return self.target_start if previous is None else self.target_next[previous]
-
-    def draft_row(self, previous):
-        return self.draft_start if previous is None else self.draft_next[previous]
-
     def draw_draft(self, previous, uniform: float) -> int:
         row = 0 if previous is None else previous + 1
         return min(bisect.bisect_right(self.draft_cumulative[row], uniform),
                    self.last_positive[row])
 
-    def first_two(self, k: int, generator, host: np.random.Generator) -> tuple[int, int]:
-        """Speculative rounds with K = k until two tokens are committed, on the product's
-        path: the verifier draws every residual and the bonus in advance (its own seed,
-        verifier.engine.draw_recovered_and_bonus) and the router tosses the coins
-        (rejection.accept_drawn), reading q_i(x_i) as it does from the wire form. `host`
-        draws the draft's tokens and the verifier's seeds."""
-        output: list[int] = []
-        while len(output) < 2:
-            last = output[-1] if output else None
-            drafted, draft_rows, target_rows = [], [], [self.target_row(last)]
-            for uniform in host.random(k).tolist():
-                previous = drafted[-1] if drafted else last
-                draft_rows.append(self.draft_row(previous))
-                drafted.append(self.draw_draft(previous, uniform))
-                target_rows.append(self.target_row(drafted[-1]))
-            draft, target = torch.stack(draft_rows), torch.stack(target_rows)
-            seed = int(host.integers(0, 2**62))
-            [scores] = verifier.engine.draw_recovered_and_bonus(
-                target[None], [drafted], draft[None], [seed])
-            at_draft = DraftDists.from_dense(draft).at(drafted)
-            out = rejection.accept_drawn(drafted, at_draft, scores.draft_target_probs,
-                                         scores.recovered_token_ids, scores.bonus_token_id,
-                                         generator)
-            output.extend(out.output_token_ids)
-        return output[0], output[1]
+    def first_twos(self, k: int, count: int, generator,
+                   host: np.random.Generator) -> list[tuple[int, int]]:
+        """`count` samples' first two tokens: speculative rounds with K = k until each has
+        committed two, on the product's path: the verifier draws every residual and the bonus
+        in advance (verifier.engine.draw_recovered_and_bonus, each chain from its own seed)
+        and the router tosses the coins (rejection.accept_drawn), reading q_i(x_i) as it does
+        from the wire form. The unfinished samples' rounds run side by side, one draw over
+        their chains a round, as a verifier's batch does: a chain's draws do not depend on
+        the chains beside it. `host` draws the draft's tokens and the verifier's seeds."""
+        target_rows = torch.cat([self.target_start[None], self.target_next])  # 0: the start
+        draft_rows = torch.cat([self.draft_start[None], self.draft_next])  # t + 1: after t
+        outputs: list[list[int]] = [[] for _ in range(count)]
+        running = list(range(count))
+        while running:
+            chains, rows = [], []  # each chain's drafted tokens, and the row of each position
+            for sample, uniforms in zip(running, host.random((len(running), k)).tolist()):
+                last = outputs[sample][-1] if outputs[sample] else None
+                chain = []
+                for uniform in uniforms:
+                    chain.append(self.draw_draft(chain[-1] if chain else last, uniform))
+                chains.append(chain)
+                rows.append([0 if last is None else last + 1] + [t + 1 for t in chain])
+            rows = torch.tensor(rows)  # [N, K + 1]
+            draft = draft_rows[rows[:, :k]]  # [N, K, V]
+            seeds = host.integers(0, 2**62, size=len(running)).tolist()
+            drawn = verifier.engine.draw_recovered_and_bonus(target_rows[rows], chains, draft,
+                                                             seeds)
+            at_draft = DraftDists.from_dense(draft.flatten(0, 1)).at(
+                [token for chain in chains for token in chain])
+            for index, (sample, chain, scores) in enumerate(zip(running, chains, drawn)):
+                out = rejection.accept_drawn(chain, at_draft[index * k:(index + 1) * k],
+                                             scores.draft_target_probs,
+                                             scores.recovered_token_ids,
+                                             scores.bonus_token_id, generator)
+                outputs[sample].extend(out.output_token_ids)
+            running = [sample for sample in running if len(outputs[sample]) < 2]
+        return [(output[0], output[1]) for output in outputs]
 
     def exact_pairs(self) -> np.ndarray:
         return (self.target_start[:, None] * self.target_next).numpy()
@@ -92,9 +98,10 @@ def checks(pair: MarkovPair, k: int, seed: int, stop_at_failure: bool = False):
     generator, host = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     counts = np.zeros((VOCAB, VOCAB))
     exact = pair.exact_pairs()
-    for n in range(1, SAMPLES + 1):
-        counts[pair.first_two(k, generator, host)] += 1
-        if stop_at_failure and n % CHUNK == 0 and failed(results(counts, exact)):
+    for _ in range(SAMPLES // CHUNK):
+        for first_two in pair.first_twos(k, CHUNK, generator, host):
+            counts[first_two] += 1
+        if stop_at_failure and failed(results(counts, exact)):
             break
     return results(counts, exact)
 
