@@ -247,3 +247,40 @@ def test_a_verify_batch_moves_its_answers_to_the_host_once(monkeypatch):
         assert (answer.target_token_ids, answer.recovered_token_ids, answer.bonus_token_id) == \
             (alone.target_token_ids, alone.recovered_token_ids, alone.bonus_token_id)
         assert answer.draft_target_probs == pytest.approx(alone.draft_target_probs, abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_layout_places_each_query_as_its_definition_says(seed):
+    """engine.attention.lay_out against the layout written out query by query: request b's
+    j-th new token is at position start_b + j, in row row_of[b], column j; a row's padding
+    queries read up to its last token, a row without a request reads key 0. Random batches
+    (seeded), rows left empty, and feeds long enough to take the layout's torch path."""
+    import random
+
+    from engine.attention import lay_out
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        count = rng.randint(1, 6)
+        lengths = [rng.choice([1, 2, 5, rng.randint(1, 1500)]) for _ in range(count)]
+        starts = [rng.randint(0, 300) for _ in range(count)]
+        rows = count + rng.choice([0, 0, rng.randint(1, 3)])
+        row_of = sorted(rng.sample(range(rows), count))
+        queries = lay_out(starts, lengths, row_of, rows)
+        width = max(lengths)
+        query_pos = [[0] * width for _ in range(rows)]
+        positions, token_rows, index = [], [], []
+        for start, length, row in zip(starts, lengths, row_of):
+            for j in range(width):
+                query_pos[row][j] = start + min(j, length - 1)
+            for j in range(length):
+                positions.append(start + j)
+                token_rows.append(row)
+                index.append(row * width + j)
+        assert queries.query_pos.tolist() == query_pos
+        assert queries.positions.tolist() == positions
+        assert queries.row_of_token.tolist() == token_rows
+        assert (queries.index is None and index == list(range(len(index)))
+                or queries.index.tolist() == index)
+        assert (queries.rows, queries.max_new, queries.max_len) == (
+            rows, width, max(s + n for s, n in zip(starts, lengths)))
