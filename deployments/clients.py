@@ -220,13 +220,12 @@ class PoolClient:
         timeout_s = timeout_s or self.timeout_s
         deadline = loop.time() + timeout_s
         route_key = self.routes.setdefault(request_id, route_key or request_id)
-        address = self.pins.get(request_id) or await self._placed_beside(route_key, deadline)
+        address = self.pins.get(request_id)
+        if address is None and (address := await self._placed_beside(route_key, deadline)):
+            self.pins[request_id] = address  # where the first call of its key landed
         if address is not None:
             try:
-                response = await self._direct(address, method, message,
-                                              deadline - loop.time())
-                self.pins[request_id] = address
-                return response
+                return await self._direct(address, method, message, deadline - loop.time())
             except PoolError as error:
                 if error.code not in GONE:
                     raise

@@ -39,14 +39,17 @@ class MarkovPair:
         self.target_next = logits_to_probs(logits(VOCAB, VOCAB), params)
         self.draft_start = logits_to_probs(logits(VOCAB), params)
         self.draft_next = logits_to_probs(logits(VOCAB, VOCAB), params)
+        # the rows a position reads: 0 the start's, t + 1 the one after token t
+        self.target_rows = torch.cat([self.target_start[None], self.target_next])
+        self.draft_rows = torch.cat([self.draft_start[None], self.draft_next])
         # the draft's own draws are the test's, not the product's: inverted cumulative sums
         # on the host (a torch draw per drafted token cost a third of the test's time)
-        rows = torch.cat([self.draft_start[None], self.draft_next]).double()
+        rows = self.draft_rows.double()
         self.draft_cumulative = (rows.cumsum(-1) / rows.sum(-1, keepdim=True)).tolist()
         self.last_positive = [max(i for i, w in enumerate(row) if w > 0) for row in rows.tolist()]
 
-    def draw_draft(self, previous, uniform: float) -> int:
-        row = 0 if previous is None else previous + 1
+    def draw_draft(self, row: int, uniform: float) -> int:
+        """The draft's token after row `row` (0: the start, t + 1: after token t)."""
         return min(bisect.bisect_right(self.draft_cumulative[row], uniform),
                    self.last_positive[row])
 
@@ -59,24 +62,23 @@ class MarkovPair:
         from the wire form. The unfinished samples' rounds run side by side, one draw over
         their chains a round, as a verifier's batch does: a chain's draws do not depend on
         the chains beside it. `host` draws the draft's tokens and the verifier's seeds."""
-        target_rows = torch.cat([self.target_start[None], self.target_next])  # 0: the start
-        draft_rows = torch.cat([self.draft_start[None], self.draft_next])  # t + 1: after t
         outputs: list[list[int]] = [[] for _ in range(count)]
         running = list(range(count))
         while running:
             chains, rows = [], []  # each chain's drafted tokens, and the row of each position
             for sample, uniforms in zip(running, host.random((len(running), k)).tolist()):
-                last = outputs[sample][-1] if outputs[sample] else None
+                chain_rows = [outputs[sample][-1] + 1 if outputs[sample] else 0]
                 chain = []
                 for uniform in uniforms:
-                    chain.append(self.draw_draft(chain[-1] if chain else last, uniform))
+                    chain.append(self.draw_draft(chain_rows[-1], uniform))
+                    chain_rows.append(chain[-1] + 1)
                 chains.append(chain)
-                rows.append([0 if last is None else last + 1] + [t + 1 for t in chain])
+                rows.append(chain_rows)
             rows = torch.tensor(rows)  # [N, K + 1]
-            draft = draft_rows[rows[:, :k]]  # [N, K, V]
+            draft = self.draft_rows[rows[:, :k]]  # [N, K, V]
             seeds = host.integers(0, 2**62, size=len(running)).tolist()
-            drawn = verifier.engine.draw_recovered_and_bonus(target_rows[rows], chains, draft,
-                                                             seeds)
+            drawn = verifier.engine.draw_recovered_and_bonus(self.target_rows[rows], chains,
+                                                             draft, seeds)
             at_draft = DraftDists.from_dense(draft.flatten(0, 1)).at(
                 [token for chain in chains for token in chain])
             for index, (sample, chain, scores) in enumerate(zip(running, chains, drawn)):
