@@ -1,7 +1,7 @@
 """Chi-square goodness of fit sized by the false-failure rate a correct sampler may have."""
 
 import numpy as np
-from scipy import stats
+import torch
 
 
 def chi_square(counts, expected_probs, false_failure: float):
@@ -23,7 +23,7 @@ def chi_square(counts, expected_probs, false_failure: float):
     keep = expected > 0
     statistic = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     df = int(keep.sum()) - 1
-    return statistic, float(stats.chi2.isf(false_failure, df)), df
+    return statistic, chi2_isf(false_failure, df), df
 
 
 def conditional_chi_square(counts, conditional_probs, false_failure: float):
@@ -52,7 +52,7 @@ def conditional_chi_square(counts, conditional_probs, false_failure: float):
     keep = expected > 0
     statistic = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     df = max(1, int(keep.sum()) - observed_groups)
-    return statistic, float(stats.chi2.isf(false_failure, df)), df
+    return statistic, chi2_isf(false_failure, df), df
 
 
 def two_sample_chi_square(first: dict, second: dict, false_failure: float):
@@ -69,5 +69,26 @@ def two_sample_chi_square(first: dict, second: dict, false_failure: float):
     table = table[:, table.sum(0) > 0]
     if table.shape[1] < 2:
         return 0.0, float("inf"), 0
-    statistic, _, df, _ = stats.chi2_contingency(table, correction=False)
-    return float(statistic), float(stats.chi2.isf(false_failure, df)), int(df)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    statistic = float(((table - expected) ** 2 / expected).sum())
+    df = table.shape[1] - 1  # (2 - 1) x (C - 1)
+    return statistic, chi2_isf(false_failure, df), df
+
+
+def chi2_isf(tail: float, df: int) -> float:
+    """The x that a chi-square variable of df degrees of freedom exceeds with probability
+    `tail`: P(X > x) = Q(df / 2, x / 2), Q the regularized upper incomplete gamma function
+    (torch.special.gammaincc), decreasing in x, inverted by bisection to float64 precision."""
+    def above(x: float) -> float:
+        return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                             torch.tensor(x / 2, dtype=torch.float64)))
+
+    low, high = 0.0, max(1.0, 2.0 * df)
+    while above(high) > tail:
+        low, high = high, 2 * high
+    for _ in range(200):
+        middle = (low + high) / 2
+        if middle in (low, high):
+            break
+        low, high = (middle, high) if above(middle) > tail else (low, middle)
+    return high

@@ -14,20 +14,26 @@ from speculative.sampling import SamplingParams, logits_to_probs, penalize
 
 
 @torch.no_grad()
-def next_probs(model, prefix: list[int], params: SamplingParams, prompt_len: int) -> np.ndarray:
-    """The next token's law after prefix, whose first prompt_len tokens are the prompt (the
-    rest is output, which penalties and min_tokens count, and a grammar follows: ALLOWED),
-    shaped as the request says, written out here apart from the product's shape_logits."""
-    logits = model(input_ids=torch.tensor([prefix])).logits[0, -1]
-    if params.grammar is not None:
-        logits = logits.masked_fill(~ALLOWED[0](params.grammar, prefix[prompt_len:]),
-                                    float("-inf"))
-    for token, bias in params.logit_bias:  # OpenAI's: added to the raw logits, first
-        logits[token] += bias
-    logits = penalize(logits[None], params, prefix[:prompt_len], prefix[prompt_len:])[0]
-    if len(prefix) - prompt_len < params.min_tokens:  # an end may not come yet
-        logits[list(params.min_tokens_end_ids)] = float("-inf")
-    return logits_to_probs(logits, params).numpy()
+def next_probs(model, prefixes: list[list[int]], params: SamplingParams,
+               prompt_len: int) -> np.ndarray:
+    """[len(prefixes), V]: the next token's law after each prefix (all of one length, so one
+    forward of the whole batch needs no padding), whose first prompt_len tokens are the
+    prompt (the rest is output, which penalties and min_tokens count, and a grammar follows:
+    ALLOWED), shaped as the request says, written out here apart from the product's
+    shape_logits."""
+    batch = model(input_ids=torch.tensor(prefixes)).logits[:, -1]
+    rows = []
+    for prefix, logits in zip(prefixes, batch):
+        if params.grammar is not None:
+            logits = logits.masked_fill(~ALLOWED[0](params.grammar, prefix[prompt_len:]),
+                                        float("-inf"))
+        for token, bias in params.logit_bias:  # OpenAI's: added to the raw logits, first
+            logits[token] += bias
+        logits = penalize(logits[None], params, prefix[:prompt_len], prefix[prompt_len:])[0]
+        if len(prefix) - prompt_len < params.min_tokens:  # an end may not come yet
+            logits[list(params.min_tokens_end_ids)] = float("-inf")
+        rows.append(logits_to_probs(logits, params).numpy())
+    return np.stack(rows)
 
 
 # allowed(grammar, output) -> [V] bool, for laws under a grammar (set by the tests using them)
@@ -37,16 +43,19 @@ ALLOWED: list = [None]
 def sequence_law(model, prompt: list[int], params: SamplingParams, length: int,
                  prompt_len: int | None = None) -> np.ndarray:
     """law[t1, ..., t_length] of the next `length` tokens after the prompt (of which the
-    first prompt_len tokens are the request's prompt: default all)."""
+    first prompt_len tokens are the request's prompt: default all): the chain rule, one
+    forward per position over every head of positive probability so far."""
     vocab = model.config.vocab_size
     prompt_len = len(prompt) if prompt_len is None else prompt_len
-    law = np.zeros((vocab,) * length)
-    for head in itertools.product(range(vocab), repeat=length - 1):
-        weight = 1.0
-        for i in range(length - 1):
-            weight *= next_probs(model, prompt + list(head[:i]), params, prompt_len)[head[i]]
-        if weight > 0:
-            law[head] = weight * next_probs(model, prompt + list(head), params, prompt_len)
+    law = np.ones(())  # law of the empty head
+    for _ in range(length):
+        heads = [head for head in itertools.product(range(vocab), repeat=law.ndim)
+                 if law[head] > 0]
+        probs = next_probs(model, [prompt + list(head) for head in heads], params, prompt_len)
+        longer = np.zeros((vocab,) * (law.ndim + 1))
+        for head, row in zip(heads, probs):
+            longer[head] = law[head] * row
+        law = longer
     return law
 
 
