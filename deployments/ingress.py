@@ -13,6 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
+from ray.exceptions import TaskCancelledError
 
 from deployments.clients import PoolError
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, error_body
@@ -54,9 +55,17 @@ def pool_failure(error: PoolError) -> BadRequest:
 
 
 async def unexpected(request: Request, error: Exception) -> JSONResponse:
-    """A bug: logged with its traceback, answered in OpenAI's shape without its details."""
+    """A bug: logged with its traceback, answered in OpenAI's shape without its details.
+    Serve cancelling the request's task is not one: its client went away (a stream's
+    disconnect can surface as that cancellation instead of starlette's own disconnect)."""
+    if isinstance(error, TaskCancelledError):
+        log.info("the client of %s went away", request.url.path)
+        return JSONResponse(error_body("client closed the request", CLIENT_CLOSED), CLIENT_CLOSED)
     log.exception("unexpected error serving %s", request.url.path)
     return JSONResponse(error_body("internal error", 500), 500)
+
+
+CLIENT_CLOSED = 499  # nginx's status for a request its client closed: no one reads it
 
 
 def api_key(configured: str | None) -> str | None:
