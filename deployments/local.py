@@ -69,20 +69,29 @@ def deploy(config: dict, timeout_s: float = 600) -> None:
     """What `serve deploy` does: declare the whole config, then wait until it runs (a guard
     against a hang, not a speed check: the tests' twelve apps on two busy cores took 104-113 s,
     and once over 120 s)."""
-    from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+    client = _get_global_client()
+    client.deploy_apps(ServeDeploySchema.model_validate(config))
     deadline = time.monotonic() + timeout_s
     names = {app["name"] for app in config["applications"]}
     while time.monotonic() < deadline:
-        apps = serve.status().applications
-        if all(n in apps and apps[n].status == "RUNNING" for n in names):
+        apps = app_states(client)
+        if all(n in apps and apps[n]["status"] == "RUNNING" for n in names):
             return
-        failed = [f"{n}: {apps[n].message}" for n in names
-                  if n in apps and apps[n].status == "DEPLOY_FAILED"]
+        failed = [f"{n}: {apps[n]['message']}" for n in names
+                  if n in apps and apps[n]["status"] == "DEPLOY_FAILED"]
         if failed:
             raise RuntimeError("deploy failed: " + "; ".join(failed))
         time.sleep(0.5)
-    raise TimeoutError(f"apps not running after {timeout_s}s: {serve.status().applications}")
+    raise TimeoutError(f"apps not running after {timeout_s}s: {app_states(client)}")
+
+
+def app_states(client) -> dict:
+    """{app: {"status": ..., "message": ...}} from the controller's details as they come:
+    serve.status() builds them into pydantic models, which cloudpickles every deployment's
+    request router class once per call (about 0.1 CPU s in a process that has imported
+    torch and transformers: most of what polling cost)."""
+    return {name: {"status": app["status"], "message": app.get("message", "")}
+            for name, app in client.get_serve_details().get("applications", {}).items()}
