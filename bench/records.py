@@ -16,7 +16,7 @@ FIELDS = ("pair", "mode", "k", "temperature", "draft_q", "concurrency", "request
           "speedup_vs_predicted", "c", "acceptance_by_position", "ms_draft", "ms_verify",
           "ms_transport", "ms_router", "ms_round", "overhead_ms_p50", "exposed_ms_p50",
           "wire_bytes_per_round", "mean_k",
-          "greedy_matches_target", "sampled_matches_inprocess",
+          "greedy_matches_target", "greedy_departures_at_ties", "sampled_matches_inprocess",
           # the concurrency sweep's records (bench/sweep.py), None elsewhere
           "stream", "speedup_vs_off", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99",
           "batch_mean_verifier", "batch_mean_drafter", "draft_fallback_rounds")
@@ -35,6 +35,9 @@ class Tally:
     # requests whose ids differ from the reference: greedy, target_only's; sampled serve_sync,
     # inprocess's with the same seed (None: not compared)
     mismatches: int | None = None
+    # greedy requests that departed from the reference first at a tie of the target's own
+    # top two logits (runners.departs_at_tie): not counted in mismatches
+    tie_departures: int = 0
 
     def add(self, tokens: int, seconds: float, stats: SpecStats | None = None,
             overhead_p50: float | None = None, exposed_p50: float | None = None) -> None:
@@ -49,8 +52,14 @@ class Tally:
         if exposed_p50 is not None:
             self.exposed_p50s.append(exposed_p50)
 
-    def compare(self, ids, reference) -> None:
-        self.mismatches = (self.mismatches or 0) + (list(ids) != list(reference))
+    def compare(self, ids, reference, at_tie=None) -> None:
+        """Count ids against the reference; at_tie(ids): whether they depart from it first
+        where the reference's own choice was a tie at its dtype's rounding (greedy)."""
+        differs = list(ids) != list(reference)
+        if differs and at_tie is not None and at_tie(ids):
+            self.tie_departures += 1
+            differs = False
+        self.mismatches = (self.mismatches or 0) + differs
 
 
 def report_order(key: tuple) -> tuple:
@@ -116,6 +125,8 @@ def record(pair: str, mode: str, k: int | str, temperature: float, concurrency: 
     if tally.mismatches is not None:
         name = "greedy_matches_target" if temperature == 0 else "sampled_matches_inprocess"
         rec[name] = tally.mismatches == 0
+        if temperature == 0:
+            rec["greedy_departures_at_ties"] = tally.tie_departures
     return rec
 
 

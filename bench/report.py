@@ -16,10 +16,13 @@ def fmt(value, digits: int = 2, suffix: str = "") -> str:
     return f"{value}{suffix}"
 
 
-def same_tokens(r: dict) -> bool | None:
-    if r["greedy_matches_target"] is not None:
-        return r["greedy_matches_target"]
-    return r["sampled_matches_inprocess"]
+def same_tokens(r: dict) -> str:
+    """yes / NO / – of a record's comparison; greedy, with its departures at ties."""
+    if r["greedy_matches_target"] is None:
+        return fmt(r["sampled_matches_inprocess"])
+    ties = r["greedy_departures_at_ties"]
+    noted = "" if not ties else " (1 at a tie)" if ties == 1 else f" ({ties} at ties)"
+    return fmt(r["greedy_matches_target"]) + noted
 
 
 def markdown(results: dict) -> str:
@@ -52,7 +55,7 @@ def markdown(results: dict) -> str:
                 f"| {fmt(r['predicted_tokens_per_round'])} | {fmt(r['mean_k'])} | {split} "
                 f"| {fmt(r['overhead_ms_p50'])} | {fmt(r['exposed_ms_p50'])} "
                 f"| {fmt(r['wire_bytes_per_round'], 0)} "
-                f"| {fmt(same_tokens(r))} |")
+                f"| {same_tokens(r)} |")
         lines.append("")
     lines += ["speedup: tokens/s over `target_only` of the same pair and temperature. formula: "
               "E[N] / (t(K+1)/t(1) + K c) with E[N] = (1 - α^(K+1)) / (1 - α) from the measured "
@@ -64,8 +67,12 @@ def markdown(results: dict) -> str:
               "same less only the verifier's compute (what a round waits beyond the verify: "
               "the draft on the critical path, hops, router work). bytes/round: "
               "serialised gRPC messages of the round's two calls. same tokens: greedy, every "
-              "request's tokens equal `target_only`'s; sampled serve_sync, equal to `inprocess`'s "
-              "with the same seed (the same draws end to end).", ""]
+              "request's tokens equal `target_only`'s, or depart from them first with a token "
+              "whose logit there is within one unit of the target dtype's rounding of the top "
+              "one (\"at ties\": another batch's rounding breaks a tie either way, bf16's "
+              "often); sampled "
+              "serve_sync, equal to `inprocess`'s with the same seed (the same draws end to "
+              "end).", ""]
     if "methods" in results:
         from bench.methods import markdown_lines
 
@@ -73,7 +80,7 @@ def markdown(results: dict) -> str:
     lines += checks.section(results.get("checks", []))
     streamed = [r for r in results["results"] if r["stream"]]
     if streamed:
-        lines += sweep.section(streamed, m["sweep"], fmt)
+        lines += sweep.section(streamed, m["sweep"], fmt, same_tokens)
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ runs every pair's cells and writes the results.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -54,7 +55,7 @@ from bench.costs import flattest_dtype, pair_facts
 from bench.pairs import BALANCED_DRAFT, PAIRS, PROMPTS, SCALED_TARGET, Pair
 from bench.records import Tallies, Tally, add_speedups, describe_q, record
 from bench.report import markdown, plot
-from bench.runners import InProcess, Served, hf_generate, stats_from_http
+from bench.runners import InProcess, Served, departs_at_tie, hf_generate, stats_from_http
 from engine.models import load_tokenizer
 
 
@@ -162,12 +163,14 @@ class PairBench:
         reference, seconds = hf_generate(self.models.target, ids, self.plan.max_tokens,
                                          temperature, seed)
         self.tallies.cell("target_only", 0, temperature).add(len(reference), seconds)
-        inprocess = self.in_process(ids, temperature, seed, reference)
-        self.one_at_a_time(ids, temperature, seed, reference, inprocess)
+        at_tie = functools.partial(departs_at_tie, self.models.target, ids, reference)
+        inprocess = self.in_process(ids, temperature, seed, reference, at_tie)
+        self.one_at_a_time(ids, temperature, seed, reference, inprocess, at_tie)
         if self.plan.serve_concurrency > 1:
             self.concurrent(ids, temperature, seed)
 
-    def in_process(self, ids, temperature: float, seed: int, reference) -> dict[int, list]:
+    def in_process(self, ids, temperature: float, seed: int, reference, at_tie
+                   ) -> dict[int, list]:
         """hf_assisted and inprocess at each K; returns inprocess's tokens by K."""
         models, n, greedy = self.models, self.plan.max_tokens, temperature == 0
         inprocess = {}
@@ -176,13 +179,13 @@ class PairBench:
             tally = self.tallies.cell("hf_assisted", k, temperature, q="dense")
             tally.add(len(out), seconds)
             if greedy:
-                tally.compare(out, reference)
+                tally.compare(out, reference, at_tie)
             out, seconds, stats = models.loop(ids, n, temperature, seed, k)
             tally = self.tallies.cell("inprocess", k, temperature)
             tally.add(len(out), seconds, stats, stats.overhead_ms_p50)
             inprocess[k] = out
             if greedy:
-                tally.compare(out, reference)
+                tally.compare(out, reference, at_tie)
             elif self.tallies.draft_q != "dense":  # the same draws with dense q: what the
                 # shipped q costs in acceptance (nothing to compare when it ships dense)
                 out, seconds, stats = models.loop(ids, n, temperature, seed, k, dense_q=True)
@@ -190,7 +193,8 @@ class PairBench:
                     len(out), seconds, stats, stats.overhead_ms_p50)
         return inprocess
 
-    def one_at_a_time(self, ids, temperature: float, seed: int, reference, inprocess) -> None:
+    def one_at_a_time(self, ids, temperature: float, seed: int, reference, inprocess,
+                      at_tie) -> None:
         """The serve modes, one request at a time: off, sync and pipelined at each K, and
         serve_adaptive, pipelined as the router's default says (greedy requests only)."""
         fixed = [(k, pipelined) for k in self.plan.ks for pipelined in (False, True)]
@@ -204,7 +208,7 @@ class PairBench:
             tally.add(len(out), seconds, stats_from_http(spec), spec["overhead_ms_p50"],
                       spec.get("exposed_ms_p50"))
             if temperature == 0:
-                tally.compare(out, reference)
+                tally.compare(out, reference, at_tie)
             elif k in inprocess and not pipelined:  # same seed, same draws: same tokens
                 tally.compare(out, inprocess[k])
 
@@ -259,11 +263,12 @@ def sweep_pair(name: str, plan: Plan, served: Served, models: InProcess, tokeniz
         cell_prompts = prompts[: clients * per_client]
         streams, seconds = sweep.run_cell(served.url, cell_prompts, clients, n, k)
         tally = Tally()
-        for streamed, reference in zip(streams, references):
+        for streamed, prompt, reference in zip(streams, cell_prompts, references):
             spec = streamed.speculative
             tally.add(len(streamed.token_ids), 0.0, stats_from_http(spec),
                       spec["overhead_ms_p50"], spec.get("exposed_ms_p50"))
-            tally.compare(streamed.token_ids, reference)
+            tally.compare(streamed.token_ids, reference,
+                          functools.partial(departs_at_tie, models.target, prompt, reference))
         tally.seconds = seconds  # the cell's wall time: the clients ran at once
         rec = record(name, mode, k, 0.0, clients, tally, facts)
         rec.update(stream=True, **sweep.latency_fields(streams))

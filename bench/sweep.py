@@ -140,9 +140,9 @@ def latency_fields(streams: list[Streamed]) -> dict:
 # ---------------------------------------------------------------------------- reports
 
 
-def section(records: list[dict], plan: dict, fmt) -> list[str]:
+def section(records: list[dict], plan: dict, fmt, same_tokens) -> list[str]:
     """The sweep's part of results.md: how it ran, a row per pair, concurrency and mode, and
-    what the columns mean."""
+    what the columns mean (fmt and same_tokens: bench.report's cells)."""
     lines = ["## Concurrency sweep", "",
              f"{', '.join(map(str, plan['concurrency']))} streaming HTTP clients at once "
              f"(loopback), {plan['requests_per_client']} request(s) of {plan['max_tokens']} "
@@ -160,7 +160,7 @@ def section(records: list[dict], plan: dict, fmt) -> list[str]:
             f"| {fmt(r['ttft_ms_p50'], 1)} "
             f"| {fmt(r['batch_mean_verifier'])} / {fmt(r['batch_mean_drafter'])} "
             f"| {fmt(r['mean_k'])} | {fmt(r['acceptance_rate'])} "
-            f"| {fmt(r['greedy_matches_target'])} |")
+            f"| {same_tokens(r)} |")
     return lines + ["", NOTE, ""]
 
 
@@ -171,7 +171,9 @@ NOTE = ("tokens/s: output tokens of all the cell's requests over its wall time. 
         "chunk. batch: the mean over requests of the mean number of calls in the pool batches "
         "that served a request's rounds (drafter: – when no round drafted). mean K: tokens "
         "drafted per round, over all the cell's rounds (as the router chose them). same "
-        "tokens: every request's tokens equal the target's greedy tokens for its prompt.")
+        "tokens: every request's tokens equal the target's greedy tokens for its prompt, or "
+        "depart from them first with a token tied with the target's own at its dtype's "
+        "rounding (\"at ties\", as in the tables above).")
 
 
 def plot(records: list[dict], out: Path) -> None:

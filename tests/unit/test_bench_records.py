@@ -8,13 +8,15 @@ import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 from bench import sweep
 from bench.costs import expected_tokens_per_round
 from bench.records import FIELDS, Tally, add_speedups, record
-from bench.runners import stats_from_http
+from bench.runners import departs_at_tie, stats_from_http
 from bench.sweep import Streamed, latency_fields, percentile, stream_completion
 from speculative.stats import SpecStats
+from tests.tiny import hf_greedy, tiny_llama
 
 
 def test_expected_tokens_per_round_is_the_geometric_formula():
@@ -48,6 +50,35 @@ def test_a_speculative_record_has_the_formula_and_the_measured_ratio():
     assert rec["wire_bytes_per_round"] == 250 and rec["overhead_ms_p50"] == 2.0
     assert rec["greedy_matches_target"] is True and rec["sampled_matches_inprocess"] is None
     assert anchor["acceptance_rate"] is None and anchor["predicted_speedup"] is None
+
+
+def test_a_departure_at_a_tie_is_counted_apart_from_mismatches():
+    tied, untied = Tally(2, 4, 0.1), Tally(1, 2, 0.1)
+    tied.compare([1, 2], [1, 2], lambda ids: False)
+    tied.compare([1, 3], [1, 2], lambda ids: True)
+    untied.compare([1, 3], [1, 2], lambda ids: False)
+    rec, bad = (record("demo", "serve_sync", 2, 0.0, 1, t, {"c": 0.25}) for t in (tied, untied))
+    assert (rec["greedy_matches_target"], rec["greedy_departures_at_ties"]) == (True, 1)
+    assert (bad["greedy_matches_target"], bad["greedy_departures_at_ties"]) == (False, 0)
+
+
+def test_a_tie_is_a_token_within_one_unit_of_rounding_of_the_top_logit():
+    model, prompt = tiny_llama(5, vocab_size=16), [1, 2, 3]
+    first = hf_greedy(model, prompt, 1)[0]
+    partner = (first + 1) % 16
+    with torch.no_grad():  # the partner's logits equal the first's everywhere: a tie
+        model.lm_head.weight[partner] = model.lm_head.weight[first]
+    reference = hf_greedy(model, prompt, 4)  # the lower of the two ids wins the tie
+    partner = first if reference[0] == partner else partner
+    with torch.no_grad():
+        logits = [model(input_ids=torch.tensor([prompt + reference[:i]])).logits[0, -1]
+                  for i in range(4)]
+    assert departs_at_tie(model, prompt, reference, [partner, *reference[1:]])
+    last = int(logits[0].argmin())  # far below the top: a mismatch
+    assert not departs_at_tie(model, prompt, reference, [last, *reference[1:]])
+    later = int(logits[2].argmin())
+    assert not departs_at_tie(model, prompt, reference, [*reference[:2], later, reference[3]])
+    assert not departs_at_tie(model, prompt, reference, reference)
 
 
 def test_percentiles_interpolate_between_order_statistics():
