@@ -1,13 +1,18 @@
 import json
 
 import pytest
-import torch
 
-from specserve.demo import train_tokenizer
-from tests.tiny import noisy_copy, tiny_llama
 
-# Tiny models gain nothing from threads, and two test workers must not fight over cores.
-torch.set_num_threads(1)
+def pytest_configure(config):
+    """One torch thread in every process that runs tests: tiny models gain nothing from
+    threads, and two test workers must not fight over cores. The xdist controller runs none,
+    so it imports neither torch nor the models: this file is imported before the workers
+    start, and its imports held them back by about 6 s (measured, AVX-512)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
+
+    torch.set_num_threads(1)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
@@ -37,6 +42,9 @@ def save_pair(root, target, draft, tokenizer):
 @pytest.fixture(scope="session")
 def tiny_pair_dir(tmp_path_factory):
     """A tiny random target and draft with a real (tiny) tokenizer, saved like hub models."""
+    from specserve.demo import train_tokenizer
+    from tests.tiny import noisy_copy, tiny_llama
+
     root = tmp_path_factory.mktemp("tiny_pair")
     tokenizer = train_tokenizer(TEXT, vocab_size=300)
     target = tiny_llama(3, vocab_size=len(tokenizer))
@@ -52,7 +60,8 @@ def quirky_pair_dir(tmp_path_factory):
     - Qwen2.5-like padded vocabularies: a tokenizer of < 300 tokens, target 320 rows, draft 310;
     - Mistral-like sliding-window attention (window 16), in both target and draft.
     """
-    from tests.tiny import hf_greedy, tiny_sliding
+    from specserve.demo import train_tokenizer
+    from tests.tiny import hf_greedy, noisy_copy, tiny_sliding
 
     root = tmp_path_factory.mktemp("quirky_pair")
     tokenizer = train_tokenizer(TEXT, vocab_size=300)
@@ -81,7 +90,7 @@ def tiny8_pair_dir(tmp_path_factory):
     of several output tokens is computed from a few dozen target forwards."""
     from tokenizers import decoders, pre_tokenizers
 
-    from tests.tiny import tiny_llama, word_tokenizer
+    from tests.tiny import noisy_copy, tiny_llama, word_tokenizer
 
     root = tmp_path_factory.mktemp("tiny8_pair")
     tokenizer = word_tokenizer(list("abcdef"), pre_tokenizers.WhitespaceSplit(),
