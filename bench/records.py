@@ -35,8 +35,8 @@ class Tally:
     # requests whose ids differ from the reference: greedy, target_only's; sampled serve_sync,
     # inprocess's with the same seed (None: not compared)
     mismatches: int | None = None
-    # greedy requests that departed from the reference first at a tie of the target's own
-    # top two logits (runners.departs_at_tie): not counted in mismatches
+    # greedy requests that departed from the reference first with a token tied with its
+    # choice at the target dtype's rounding (runners.departs_at_tie): not in mismatches
     tie_departures: int = 0
 
     def add(self, tokens: int, seconds: float, stats: SpecStats | None = None,

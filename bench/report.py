@@ -70,9 +70,8 @@ def markdown(results: dict) -> str:
               "request's tokens equal `target_only`'s, or depart from them first with a token "
               "whose logit there is within one unit of the target dtype's rounding of the top "
               "one (\"at ties\": another batch's rounding breaks a tie either way, bf16's "
-              "often); sampled "
-              "serve_sync, equal to `inprocess`'s with the same seed (the same draws end to "
-              "end).", ""]
+              "often); sampled serve_sync, equal to `inprocess`'s with the same seed (the same "
+              "draws end to end).", ""]
     if "methods" in results:
         from bench.methods import markdown_lines
 

@@ -91,7 +91,7 @@ def deploy(config: dict, timeout_s: float = 600) -> None:
 def app_states(client) -> dict:
     """{app: {"status": ..., "message": ...}} from the controller's details as they come:
     serve.status() builds them into pydantic models, which cloudpickles every deployment's
-    request router class once per call (about 0.1 CPU s in a process that has imported
-    torch and transformers: most of what polling cost)."""
+    request router class once per call (20 ms of CPU against 1.6 here, in a process that has
+    imported torch and transformers: most of what polling cost)."""
     return {name: {"status": app["status"], "message": app.get("message", "")}
             for name, app in client.get_serve_details().get("applications", {}).items()}
