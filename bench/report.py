@@ -68,8 +68,8 @@ def markdown(results: dict) -> str:
               "the draft on the critical path, hops, router work). bytes/round: "
               "serialised gRPC messages of the round's two calls. same tokens: greedy, every "
               "request's tokens equal `target_only`'s, or depart from them first with a token "
-              "whose logit there is within one unit of the target dtype's rounding of the top "
-              "one (\"at ties\": another batch's rounding breaks a tie either way, bf16's "
+              "whose logit there is within one unit of the target dtype's rounding of its own "
+              "token's (\"at ties\": another batch's rounding breaks a tie either way, bf16's "
               "often); sampled serve_sync, equal to `inprocess`'s with the same seed (the same "
               "draws end to end).", ""]
     if "methods" in results:

@@ -40,22 +40,18 @@ def hf_generate(model, prompt_ids, max_tokens: int, temperature: float, seed: in
 def departs_at_tie(model, prompt_ids, reference, ids) -> bool:
     """Whether ids, another run's greedy tokens after prompt_ids, depart from the target's
     own (reference) first with a token whose logit there lies within one unit of rounding of
-    the target's dtype below the top one: a tie that another batch's rounding may break
-    either way (bf16's often: the scaled pair's top two were equal on 10 of 32 sweep prompts
-    within 12 tokens, and its bf16 and fp32 greedy tokens differed on 5). Any other
+    the target's dtype of the reference's token: a tie that another batch's rounding may
+    break either way (bf16's often: the scaled pair's top two were equal on 10 of 32 sweep
+    prompts within 12 tokens, and its bf16 and fp32 greedy tokens differed on 5). Any other
     departure is a mismatch. The logits come from one forward of the prompt and the
-    reference's tokens before the departure, end tokens excluded (the bench's requests
-    ignore them)."""
+    reference's tokens before the departure."""
     at = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), None)
     if at is None:  # one is a prefix of the other: a length, not a choice
         return False
     logits = model(input_ids=torch.tensor([[*prompt_ids, *reference[:at]]])).logits[0, -1]
-    ends = model.generation_config.eos_token_id
-    if ends is not None:
-        logits[torch.tensor(ends if isinstance(ends, list) else [ends])] = float("-inf")
-    top, chosen = float(logits.max()), float(logits[ids[at]])
-    unit = torch.finfo(logits.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))
-    return top - chosen <= unit
+    own, chosen = float(logits[reference[at]]), float(logits[ids[at]])
+    unit = torch.finfo(logits.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(own), 1e-30)))
+    return abs(own - chosen) <= unit
 
 
 class InProcess:

@@ -54,6 +54,9 @@ def pool_failure(error: PoolError) -> BadRequest:
     return retry_later(f"the {error.pool} pool is unavailable; retry later", 503)
 
 
+CLIENT_CLOSED = 499  # nginx's status for a request its client closed: no one reads it
+
+
 async def unexpected(request: Request, error: Exception) -> JSONResponse:
     """A bug: logged with its traceback, answered in OpenAI's shape without its details.
     Serve cancelling the request's task is not one: its client went away (a stream's
@@ -63,9 +66,6 @@ async def unexpected(request: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_body("client closed the request", CLIENT_CLOSED), CLIENT_CLOSED)
     log.exception("unexpected error serving %s", request.url.path)
     return JSONResponse(error_body("internal error", 500), 500)
-
-
-CLIENT_CLOSED = 499  # nginx's status for a request its client closed: no one reads it
 
 
 def api_key(configured: str | None) -> str | None:

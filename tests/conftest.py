@@ -14,6 +14,7 @@ def pytest_configure(config):
 
     torch.set_num_threads(1)
 
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """xdist groups: the tests that use the shared Ray cluster run on one worker, in file

@@ -5,8 +5,6 @@ the speculative positions begin at the second output token: the law tests condit
 first token and test the law of the tokens after it.
 """
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -49,8 +47,7 @@ def sequence_law(model, prompt: list[int], params: SamplingParams, length: int,
     prompt_len = len(prompt) if prompt_len is None else prompt_len
     law = np.ones(())  # law of the empty head
     for _ in range(length):
-        heads = [head for head in itertools.product(range(vocab), repeat=law.ndim)
-                 if law[head] > 0]
+        heads = [tuple(head) for head in np.argwhere(law > 0)]
         probs = next_probs(model, [prompt + list(head) for head in heads], params, prompt_len)
         longer = np.zeros((vocab,) * (law.ndim + 1))
         for head, row in zip(heads, probs):
