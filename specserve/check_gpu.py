@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def greedy_identity(runner, prompt: list[int], max_tokens: int, k: int, draft=No
 
     model = getattr(runner, "model", runner)
     ids = torch.tensor([prompt], device=model.device)
-    with torch.no_grad():
+    with torch.no_grad(), any_attention():  # the reference may take any kernel
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                    pad_token_id=0, output_scores=True,
@@ -201,6 +202,17 @@ def full_pool(runner) -> dict:
     return {"capacity_tokens": capacity, "refused": False}
 
 
+def any_attention():
+    """SDPA with every kernel, math included: for transformers' own generate, the reference.
+    Its unbatched calls pass `enable_gqa` without a mask, which on CUDA in float32 only the
+    math kernel takes (flash has no float32, the efficient kernel no GQA): measured on an
+    H200, torch 2.11, where no_math_attention made that reference raise."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION,
+                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+
 def no_math_attention(device: str):
     """SDPA without its math kernel: a call that would fall back to it raises instead."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -264,6 +276,9 @@ def passed(report: dict) -> bool:
     """fp32 greedy identical; a batch changes logits by reassociation only; the pool refuses
     cleanly; sampling returned its tokens; the demo pair is exact."""
     demo = report.get("demo_pair")
+    entries = [*report["models"].values(), *([demo] if demo is not None else [])]
+    if any("error" in entry for entry in entries):
+        return False
     if demo is not None and not (demo["greedy"]["identical"]
                                  and demo["sampled"]["in_vocabulary"]):
         return False
@@ -278,6 +293,17 @@ def passed(report: dict) -> bool:
     return True
 
 
+def guarded(check, *args) -> dict:
+    """check(*args), or {"error": the exception and where it was raised}: one check that
+    raises fails the run without losing the others' measurements (a GPU is lent for
+    minutes)."""
+    try:
+        return check(*args)
+    except Exception as error:  # noqa: BLE001 - reported, and the run fails
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        return {"error": f"{type(error).__name__}: {error} ({where.filename}:{where.lineno})"}
+
+
 def run(device: str, small: bool) -> dict:
     shapes = SMALL if small else FULL
     report = {"device": device, "small": small, "torch": torch.__version__, "models": {}}
@@ -289,10 +315,10 @@ def run(device: str, small: bool) -> dict:
             dtypes = [torch.float32, torch.bfloat16]  # exact in fp32, near-ties in bf16
         for dtype in dtypes:
             name = f"{shape.name} {str(dtype).removeprefix('torch.')}"
-            report["models"][name] = check_shape(shape, device, small, dtype)
+            report["models"][name] = guarded(check_shape, shape, device, small, dtype)
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    report["demo_pair"] = check_demo_pair(device, small)
+    report["demo_pair"] = guarded(check_demo_pair, device, small)
     report["ok"] = passed(report)
     return report
 

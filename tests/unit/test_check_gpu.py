@@ -42,3 +42,20 @@ def test_the_run_fails_an_engine_whose_batch_leaks(monkeypatch):
     monkeypatch.setattr(paged.PagedPlan, "__init__", unmasked)
     monkeypatch.setattr(check_gpu, "SMALL", check_gpu.SMALL[:1])
     assert check_gpu.run("cpu", small=True)["ok"] is False
+
+
+def test_a_check_that_raises_fails_the_run_and_keeps_the_others(monkeypatch):
+    """A check's exception is reported in its entry (the other shapes still run)."""
+    check_shape = check_gpu.check_shape
+
+    def broken_second(shape, *args):
+        if shape == check_gpu.SMALL[1]:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return check_shape(shape, *args)
+
+    monkeypatch.setattr(check_gpu, "check_shape", broken_second)
+    report = check_gpu.run("cpu", small=True)
+    assert report["ok"] is False
+    assert report["models"]["small-1b-like float32"]["greedy"]["identical"] is True
+    assert report["models"]["small-8b-like float32"]["error"].startswith(
+        "RuntimeError: No available kernel")
