@@ -125,10 +125,11 @@ def test_a_stream_without_the_secret_is_refused():
         replica = await local_replica(VerifierPool, VerifierArgs())
         async with direct(replica, pb_grpc.VerifierStub) as stub:
             stream = stub.ScoreStream()
-            await stream.write(pb.ScoreBatch(entries=[pb.ScoreEntry(
-                tag=1, call=pb.ScoreRequest(request_id="a",
-                                            sync=pb.PrefixSync(new_token_ids=[1, 2])))]))
+            # the refusal ends the stream at once: it reaches the write when it lands first
             with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stream.write(pb.ScoreBatch(entries=[pb.ScoreEntry(
+                    tag=1, call=pb.ScoreRequest(request_id="a",
+                                                sync=pb.PrefixSync(new_token_ids=[1, 2])))]))
                 await stream.read()
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert len(replica.engine.sessions) == 0
