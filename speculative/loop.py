@@ -24,6 +24,7 @@ from speculative.types import (
     NO_DRAFT,
     DraftBlock,
     Drafter,
+    GrowingPrefixHash,
     PoolUnavailable,
     PrefixSync,
     ProposeCall,
@@ -32,7 +33,6 @@ from speculative.types import (
     TargetScores,
     TokenLogprob,
     Verifier,
-    prefix_hash,
 )
 
 
@@ -92,7 +92,7 @@ class RequestState:
         self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
         self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
         self.round_tree = 0  # nodes of the tree the policy chose for this round (0: none)
-        self._hash, self._hashed_len = EMPTY_PREFIX_HASH, 0
+        self._hasher = GrowingPrefixHash()
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -121,6 +121,7 @@ class RequestState:
     def stop_after(self, num_output_tokens: int) -> None:
         """End the request after its first num_output_tokens (a stop string ended there)."""
         del self.committed[len(self.request.prompt_token_ids) + num_output_tokens :]
+        self._hasher = GrowingPrefixHash()
         del self.logprobs[num_output_tokens:]
         self.finish_reason = "stop"
 
@@ -141,9 +142,7 @@ class RequestState:
         return result
 
     def _committed_hash(self) -> int:
-        if self._hashed_len != len(self.committed):  # both pools confirm the same prefix
-            self._hash, self._hashed_len = prefix_hash(self.committed), len(self.committed)
-        return self._hash
+        return self._hasher.of(self.committed)
 
 
 def draw_seed(state: RequestState) -> int:

@@ -25,6 +25,31 @@ def prefix_hash(token_ids) -> int:
 EMPTY_PREFIX_HASH = prefix_hash([])
 
 
+class GrowingPrefixHash:
+    """prefix_hash of a token list that grows at its end, hashing only what was added.
+
+    The router and each pool fingerprint a request's committed prefix on every call; hashing
+    it whole made that O(length) a call (76 us at 2,000 tokens against 2 us for the tokens of
+    a round). A list passed shorter than before is hashed again from its start; one cut and
+    grown back between two calls needs a new GrowingPrefixHash."""
+
+    __slots__ = ("_state", "length", "value")
+
+    def __init__(self) -> None:
+        self._state = hashlib.blake2b(digest_size=8)
+        self.length, self.value = 0, EMPTY_PREFIX_HASH
+
+    def of(self, token_ids: list[int]) -> int:
+        """prefix_hash(token_ids), where token_ids extends (or cuts) the list last passed."""
+        if len(token_ids) < self.length:
+            self.__init__()
+        if len(token_ids) > self.length:
+            self._state.update(array.array("i", token_ids[self.length:]).tobytes())
+            self.length = len(token_ids)
+            self.value = int.from_bytes(self._state.copy().digest(), "little")
+        return self.value
+
+
 @dataclass(frozen=True)
 class PrefixSync:
     """How a pool brings its copy of a request to the committed prefix.

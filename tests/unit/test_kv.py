@@ -12,7 +12,7 @@ from engine.runner import serving_runner
 from speculative.loop import Request, RequestState, run_rounds
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
-from speculative.types import PrefixSync, StaleBase, prefix_hash
+from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase, prefix_hash
 from tests.tiny import hf_greedy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -73,6 +73,23 @@ def test_a_call_whose_base_is_not_here_is_refused_without_changing_state(model):
         store.apply("r", sync([1, 2], [3]))  # an older base
     assert store.apply("r", sync([1, 2, 3], [4])).committed == [1, 2, 3, 4]
     assert store.stats.misses == 3
+
+
+def test_the_growing_fingerprint_equals_hashing_the_whole_prefix():
+    """What the router and the pools compute per call, fed only the tokens added, equals the
+    fingerprint of the whole prefix as it grows (by rounds of 0-5 tokens), and after a cut
+    (a stop string) and a rebuild's restart."""
+    rng = random.Random(7)
+    hasher, ids = GrowingPrefixHash(), []
+    for _ in range(200):
+        ids.extend(rng.randrange(50_000) for _ in range(rng.randrange(6)))
+        assert hasher.of(ids) == prefix_hash(ids)
+    del ids[-7:]
+    assert hasher.of(ids) == prefix_hash(ids)
+    ids.append(3)
+    assert hasher.of(ids) == prefix_hash(ids)
+    assert hasher.of([]) == prefix_hash([])
+    assert hasher.of([9, 8]) == prefix_hash([9, 8]) != prefix_hash([8, 9])
 
 
 def test_the_lru_bound_holds_and_evicts_the_least_recently_used():
