@@ -12,7 +12,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from tests.integration.conftest import app_config
 from tests.integration.test_faults import stream
 
-RUNNING, TOKENS = 20, 160
+RUNNING, TOKENS = 20, 256
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self",
            "for i in range(", "from collections import", "if x:\n", "try:\n"]
 
@@ -42,12 +42,16 @@ def with_drafter_replicas(config, n):
 
 
 def test_rescaling_the_drafter_keeps_the_verifier_and_moved_requests_exact(cluster):
-    """The drafter pool grows to 2 replicas (requests on both stay exact, the verifier is
-    not restarted), then shrinks back to 1 under RUNNING streams. A running request keeps
-    calling the replica it was placed on (the direct data path), so growing moves none;
-    the streams the ring placed on the removed replica move to the other one, which
-    rebuilds their caches (cache misses) and stays exact. Each stream is on the removed
-    replica with probability about 1/2: none of RUNNING there is about 2**-RUNNING."""
+    """The drafter pool grows to 2 replicas (the verifier is not restarted), RUNNING
+    streams start on both, then it shrinks back to 1 under them. A running request keeps
+    calling the replica it was placed on (the direct data path); the streams the ring placed
+    on the removed replica move to the other one, which rebuilds their caches (cache misses).
+    Every stream, on the replica that stays or moved from the one removed, equals the target
+    alone. Each stream is on the removed replica with probability about 1/2: none of RUNNING
+    there is about 2**-RUNNING, if every stream outlasts the removal. Measured: the removal
+    took 3.2 s from the last stream's first text, and streams of 160 tokens ended 2.4-5.3 s
+    after it (those on the removed replica that ended first never moved: 2-9 of 20 moved in
+    five runs); TOKENS streams take about 1.6 times as long."""
     bodies = [{"prompt": p, "max_tokens": TOKENS, "temperature": 0, "num_speculative_tokens": 4}
               for p in (PROMPTS * 3)[:RUNNING]]
     before = verifier_replica(cluster)
@@ -55,8 +59,6 @@ def test_rescaling_the_drafter_keeps_the_verifier_and_moved_requests_exact(clust
         alone = list(pool.map(lambda b: stream(cluster, {**b, "num_speculative_tokens": 0},
                                                threading.Semaphore(0))[0], bodies))
         with cluster.deployed(with_drafter_replicas(cluster.config, 2)):
-            on_two = list(pool.map(lambda b: stream(cluster, b, threading.Semaphore(0)),
-                                   bodies))
             assert verifier_replica(cluster) == before  # the verifier was not restarted
             started = threading.Semaphore(0)
             running = [pool.submit(stream, cluster, b, started) for b in bodies]
@@ -64,7 +66,7 @@ def test_rescaling_the_drafter_keeps_the_verifier_and_moved_requests_exact(clust
                 assert started.acquire(timeout=120), "a stream never started"
         # leaving the block scaled the drafter pool back to 1 replica under the streams
         moved = [f.result() for f in running]
-    assert [ids for ids, _ in on_two] == alone
+    print(f"\nrescaled: {sum(s['cache_misses'] > 0 for _, s in moved)} of {RUNNING} moved")
     assert [ids for ids, _ in moved] == alone
     assert sum(stats["cache_misses"] for _, stats in moved) > 0  # some moved, exact
     assert verifier_replica(cluster) == before
