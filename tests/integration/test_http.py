@@ -178,10 +178,15 @@ def test_streamed_chunks_concatenate_to_the_non_streamed_text(cluster, body):
 
 
 def test_seeded_requests_are_reproducible_and_n_samples_differ(cluster):
-    body = {"prompt": "def ", "max_tokens": 16, "temperature": 1, "seed": 11, "n": 3}
-    first = [c["text"] for c in complete(cluster, **body)["choices"]]
-    second = [c["text"] for c in complete(cluster, **body)["choices"]]
-    assert first == second and len(set(first)) > 1
+    """A seeded request alone repeats its tokens; its n choices differ. Choices share the
+    pools' batches in whatever cohorts their calls arrive, and a batch's make-up moves the
+    float rounding of its forwards (a drafter step of 1-2 rows takes x @ W, of 3 oneDNN's
+    packed weights: docs/engine.md), which can move a draw where q is close to p; so the
+    repeat is asserted for a request of one choice, whose batches are its own each time."""
+    body = {"prompt": "def ", "max_tokens": 16, "temperature": 1, "seed": 11}
+    first, second = (complete(cluster, **body)["choices"][0]["text"] for _ in range(2))
+    assert first == second
+    assert len({c["text"] for c in complete(cluster, **body, n=3)["choices"]}) > 1
 
 
 def test_stop_strings_are_not_returned(cluster):
