@@ -22,6 +22,7 @@ PROMPTS = ["import os\n", "def main():\n", "class Tree:\n", "for i in range(", "
            "from collections import", "try:\n    ", "if __name__ ==", "with open(", "return "]
 REPLICAS = {"router": ("router", "Router"), "drafter": ("drafter", "DrafterPool"),
             "verifier": ("verifier", "VerifierPool")}
+MIN_REQUESTS = 2  # per stream, however short the soak
 
 
 DONE = "[DONE]"
@@ -108,6 +109,18 @@ def replica_stats() -> dict[str, dict]:
     return stats
 
 
+def settled_stats(timeout_s: float = 60) -> dict[str, dict]:
+    """replica_stats once the pools hold no session (the releases of finished and cancelled
+    requests run in the background), or whatever they hold after timeout_s: a leak."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = replica_stats()
+        if time.monotonic() > deadline or not any(
+                stats[kind].get("sessions") for kind in ("drafter", "verifier")):
+            return stats
+        time.sleep(0.5)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -129,8 +142,11 @@ def soak(url: str, seconds: float, streams: int, seed: int = 0,
 
     def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
-        while time.monotonic() < deadline:
+        made = 0
+        # at least MIN_REQUESTS each, so what a short soak checks does not hang on the speed
+        while time.monotonic() < deadline or made < MIN_REQUESTS:
             one_request(url, rng, tally)
+            made += 1
 
     def sampler() -> None:
         while not stop.wait(sample_every_s):
@@ -147,8 +163,7 @@ def soak(url: str, seconds: float, streams: int, seed: int = 0,
     elapsed = time.monotonic() - started
     stop.set()
     watcher.join()
-    time.sleep(3)  # background releases land
-    end = replica_stats()
+    end = settled_stats()
     samples.append(end)
     rss = {kind: {"after_warmup_mb": baseline[kind]["rss_mb"],
                   "max_mb": max(s[kind]["rss_mb"] for s in samples),
