@@ -106,10 +106,12 @@ def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float,
 class Served:
     """cluster/config.yaml on this process's Ray instance (free ports), serving one pair."""
 
-    def __init__(self) -> None:
-        from deployments.local import load_config, on_free_ports, start_serve
+    def __init__(self, draft_timeout_s: float | None = None) -> None:
+        from deployments.local import app_config, load_config, on_free_ports, start_serve
 
         self.config = on_free_ports(load_config())
+        if draft_timeout_s is not None:
+            app_config(self.config, "router")["args"]["draft_timeout_s"] = draft_timeout_s
         self.url = f"http://127.0.0.1:{self.config['http_options']['port']}"
         start_serve(self.config)
 

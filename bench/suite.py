@@ -72,6 +72,7 @@ class Plan:
     sweep_tokens: int = 40
     sweep_requests_per_client: int = 1
     sweep_pairs: tuple[str, ...] = ("demo", "scaled")
+    draft_timeout_s: float | None = None  # the served router's wait for a draft (None: the config's)
 
     @classmethod
     def make(cls, quick: bool, pair: str, levels: tuple[int, ...] = sweep.LEVELS) -> "Plan":
@@ -287,7 +288,7 @@ def run(plan: Plan, out: Path, threads: int, argv: list[str]) -> dict:
     ray.init(address="local", include_dashboard=False, logging_level="error",
              log_to_driver=False)
     try:
-        served = Served()
+        served = Served(plan.draft_timeout_s)
         for name in plan.pairs:
             records, facts = bench_pair(PAIRS[name], plan, served)
             results["pairs"][name] = facts
@@ -322,6 +323,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=client_counts, default=sweep.LEVELS,
                         help="the sweep's concurrent streaming clients, comma-separated "
                              "(default 1,4,16,32; none: no sweep)")
+    parser.add_argument("--draft-timeout-s", type=float, default=None,
+                        help="the served router's wait for a draft before a round runs "
+                             "without one (default: cluster/config.yaml's)")
     parser.add_argument("--soak", action="store_true",
                         help="instead of the suite: streams for minutes with cancellations "
                              "and disconnects; errors, latency and every replica's RSS "
@@ -349,7 +353,8 @@ def main(args, argv: list[str]) -> int:
         from bench import soak
 
         return soak.main(args)
-    plan = Plan.make(args.quick, args.pair, args.concurrency)
+    plan = replace(Plan.make(args.quick, args.pair, args.concurrency),
+                   draft_timeout_s=args.draft_timeout_s)
     out = args.out or Path("bench/results/quick" if args.quick else "bench/results")
     results = run(plan, out, args.threads, argv)
     print(markdown(results))

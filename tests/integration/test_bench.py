@@ -14,14 +14,17 @@ import pytest
 from bench.records import FIELDS, MODES, describe_q
 from bench.sweep import LEVELS
 from deployments.local import app_config, load_config
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import ROOT, TEST_DRAFT_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
+    # the shared deployment's drafter deadline (conftest): with the config's 1 s, drafts
+    # delayed by the other worker's tests would decide the mean K checked below
     result = subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "--quick",
-                             "--pair", "demo", "--out", str(out)],
+                             "--pair", "demo", "--out", str(out),
+                             "--draft-timeout-s", str(TEST_DRAFT_TIMEOUT_S)],
                             cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text())

@@ -12,7 +12,13 @@ import pytest
 import requests
 import yaml
 
-from tests.integration.conftest import ROOT, load_config, on_free_ports
+from tests.integration.conftest import (
+    ROOT,
+    TEST_DRAFT_TIMEOUT_S,
+    app_config,
+    load_config,
+    on_free_ports,
+)
 
 
 def openai_features_work(base_url: str) -> None:
@@ -37,6 +43,9 @@ def openai_features_work(base_url: str) -> None:
 @pytest.mark.slow
 def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
     config = on_free_ports(load_config())
+    # the drafter deadline of the shared deployment's routers (conftest): with the config's
+    # 1 s, drafts delayed by the other worker's tests would decide the mean K checked below
+    app_config(config, "router")["args"]["draft_timeout_s"] = TEST_DRAFT_TIMEOUT_S
     http_port = config["http_options"]["port"]
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
