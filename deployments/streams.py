@@ -40,10 +40,6 @@ class CallStream:
     async def read(self, batches) -> None:
         replica = self.replica
         async for batch in batches:
-            for tag in batch.cancel:
-                future = self.running.pop(tag, None)
-                if future is not None:
-                    future.cancel()
             for entry in batch.entries:
                 if replica.direct_in_flight >= replica.max_direct_calls:
                     self.finished.append(self.refused(
@@ -54,6 +50,11 @@ class CallStream:
                                         direct=True)
                 self.running[entry.tag] = future
                 future.add_done_callback(functools.partial(self.finish, entry.tag))
+            # after the entries: a cancel written after its entry may share its message
+            for tag in batch.cancel:
+                future = self.running.pop(tag, None)
+                if future is not None:
+                    future.cancel()
             self.wake.set()
         self.wake.set()
 

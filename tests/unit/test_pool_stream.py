@@ -40,6 +40,18 @@ async def one_message(stub, entries, cancel=()):
     return answers, messages
 
 
+def recording(replica) -> dict:
+    """{request id: the future} of every call the replica is submitted from now on."""
+    submitted, submit = {}, replica.submit
+
+    def recorded(check, from_proto, call, **options):
+        submitted[call.request_id] = submit(check, from_proto, call, **options)
+        return submitted[call.request_id]
+
+    replica.submit = recorded
+    return submitted
+
+
 def answers_match(answers: dict, expected: dict) -> bool:
     """Every tag's answer is its own call's: the unary answer of the same call."""
     return all(answers[tag].response.token_ids == expected[tag].token_ids for tag in expected)
@@ -106,15 +118,21 @@ def test_a_bad_entry_is_refused_alone_and_a_cancelled_one_never_runs():
             await until(lambda: replica.waiting == 2)
             await stream.write(pb.ProposeBatch(cancel=[3]))  # its caller gave up
             await until(lambda: replica.waiting == 1)
+            # a call whose cancel shares its message (written right after it) is withdrawn too
+            submitted = recording(replica)
+            await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=4, call=CALLS[2])],
+                                               cancel=[4]))
+            await until(lambda: "r3" in submitted and submitted["r3"].done())
             gate.set()
             answers = {}
             while len(answers) < 2:
                 answers.update({a.tag: a for a in (await stream.read()).answers})
+            await until(lambda: replica.waiting == 0)
             stream.cancel()
             assert answers[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             assert "out of range" in answers[2].error.details
             assert len(answers[1].response.token_ids) == 1
-            assert replica.session_ids() == ["r1"]  # the cancelled call never ran
+            assert replica.session_ids() == ["r1"]  # the cancelled calls never ran
             assert replica.direct_in_flight == 0
 
     asyncio.run(main())
@@ -184,12 +202,16 @@ def test_a_deadline_withdraws_the_call():
                                    "drafter")
             gate = threading.Event()
             replica.worker.submit(gate.wait)
+            submitted = recording(replica)
             running = asyncio.ensure_future(stream.call(CALLS[2], 5.0))
             await until(lambda: replica.waiting == 1)  # its batch waits for the worker
             with pytest.raises(PoolError) as late:
                 await stream.call(CALLS[0], 0.2)  # queued behind it
             assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            await until(lambda: replica.waiting == 1)  # withdrawn from the replica's queue
+            # its entry and then its cancel reached the replica (they may share a message),
+            # which withdrew it from the queue
+            await until(lambda: "r1" in submitted and submitted["r1"].cancelled())
+            await until(lambda: replica.waiting == 1)  # counted out of the queue
             gate.set()
             assert len((await running).token_ids) == 3
             answer = await stream.call(CALLS[1], 5.0)
