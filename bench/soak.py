@@ -22,6 +22,7 @@ PROMPTS = ["import os\n", "def main():\n", "class Tree:\n", "for i in range(", "
            "from collections import", "try:\n    ", "if __name__ ==", "with open(", "return "]
 REPLICAS = {"router": ("router", "Router"), "drafter": ("drafter", "DrafterPool"),
             "verifier": ("verifier", "VerifierPool")}
+POOLS = ("drafter", "verifier")  # the replica kinds that hold sessions
 MIN_REQUESTS = 2  # per stream, however short the soak
 
 
@@ -115,8 +116,7 @@ def settled_stats(timeout_s: float = 60) -> dict[str, dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = replica_stats()
-        if time.monotonic() > deadline or not any(
-                stats[kind].get("sessions") for kind in ("drafter", "verifier")):
+        if time.monotonic() > deadline or not any(stats[kind].get("sessions") for kind in POOLS):
             return stats
         time.sleep(0.5)
 
@@ -175,7 +175,7 @@ def soak(url: str, seconds: float, streams: int, seed: int = 0,
             "latency_s_p50": percentile(tally.latencies, 0.5),
             "latency_s_p99": percentile(tally.latencies, 0.99),
             "tokens_per_s": round(tally.tokens / elapsed, 1), "rss": rss,
-            "sessions_left": {kind: end[kind].get("sessions") for kind in ("drafter", "verifier")}}
+            "sessions_left": {kind: end[kind].get("sessions") for kind in POOLS}}
 
 
 def report(result: dict) -> str:

@@ -29,7 +29,7 @@ import torch
 
 from engine.batch import Segment
 from speculative.tree import main_chain_length
-from speculative.types import EMPTY_PREFIX_HASH, GrowingPrefixHash, PrefixSync, StaleBase
+from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase
 
 
 NO_TOKEN = -1  # a cached slot whose keys stand for no token at that position (a tree node)
@@ -48,8 +48,7 @@ class Sequence:
 
     def __init__(self) -> None:
         self.committed: list[int] = []
-        self.committed_hash = EMPTY_PREFIX_HASH
-        self._hasher = GrowingPrefixHash()
+        self._hasher = GrowingPrefixHash()  # the committed prefix's fingerprint, as of apply
         self.cached_ids: list[int] = []
         self.cache = None  # the runner's (engine.runner.ModelRunner.new_cache)
         self.cached_tokens = 0  # prompt tokens its cache started with (a prefix hit)
@@ -64,7 +63,6 @@ class Sequence:
         """Advance to the committed prefix the call names, or raise StaleBase."""
         if sync.known_len == 0:
             self.committed = []  # a full prefix: rebuild; the cache keeps what still matches
-            self.committed_hash = EMPTY_PREFIX_HASH
             self._hasher = GrowingPrefixHash()
             self.drafter_state = None
         elif sync.known_len != len(self.committed) or sync.known_hash != self.committed_hash:
@@ -72,10 +70,14 @@ class Sequence:
                 f"holds {len(self.committed)} committed tokens, call builds on {sync.known_len}"
             )
         self.committed.extend(sync.new_token_ids)
-        self.committed_hash = self._hasher.of(self.committed)
+        self._hasher.of(self.committed)
         if not self.committed:
             raise ValueError("the committed prefix is empty: a prompt needs at least one token")
         self.publish()
+
+    @property
+    def committed_hash(self) -> int:
+        return self._hasher.value
 
     def publish(self) -> None:
         """Offer the full blocks of the committed prefix its cache holds to later requests."""
