@@ -222,8 +222,9 @@ def test_a_replica_runs_its_model_before_it_is_ready_and_keeps_no_session(monkey
 
 def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
     """Two 120-token prompts in one batch of a verifier whose paged cache holds 208
-    positions (tests/unit/test_admission.py): the first is served, the second refused
-    with RESOURCE_EXHAUSTED (the router's 429), and served once the first is released."""
+    positions (tests/unit/test_admission.py): the one that reaches the batch first is
+    served (the two calls may arrive in either order), the other refused with
+    RESOURCE_EXHAUSTED (the router's 429), and served once the first is released."""
     async def main():
         replica = await local_replica(VerifierPool, VerifierArgs(kv_cache_tokens=16,
                                                                  max_cached_requests=2))
@@ -240,13 +241,16 @@ def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
             await until(lambda: replica.waiting == 3)
             gate.set()
             await first
-            served, refused = await asyncio.gather(*calls, return_exceptions=True)
+            answers = dict(zip(("a", "b"), await asyncio.gather(*calls,
+                                                                 return_exceptions=True)))
+            [refused_id] = [r for r, a in answers.items() if isinstance(a, grpc.aio.AioRpcError)]
+            [served_id] = [r for r in answers if r != refused_id]
+            served, refused = answers[served_id], answers[refused_id]
             assert len(served.greedy.target_token_ids) == 1
-            assert isinstance(refused, grpc.aio.AioRpcError)
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "KV cache" in refused.details()
-            await stub.Release(pb.ReleaseRequest(request_id="a"), metadata=KEY())
-            again = await stub.Score(long_score("b"), metadata=KEY())
+            await stub.Release(pb.ReleaseRequest(request_id=served_id), metadata=KEY())
+            again = await stub.Score(long_score(refused_id), metadata=KEY())
             assert again.greedy.target_token_ids == served.greedy.target_token_ids
 
     asyncio.run(main())
