@@ -131,7 +131,7 @@ class RequestState:
         The pool learns the prefix committed when the call was made, which a call that runs
         beside the verifier (a pre-draft) must not confuse with what is committed when it ends.
         """
-        length, fingerprint = len(self.committed), self._committed_hash()
+        length, fingerprint = len(self.committed), self._hasher.of(self.committed)
         try:
             result = await call(view.prefix_sync(self.committed))
         except StaleBase:
@@ -140,9 +140,6 @@ class RequestState:
             result = await call(view.prefix_sync(self.committed[:length]))
         view.confirm(length, fingerprint)
         return result
-
-    def _committed_hash(self) -> int:
-        return self._hasher.of(self.committed)
 
 
 def draw_seed(state: RequestState) -> int:
