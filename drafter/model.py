@@ -87,6 +87,7 @@ class ModelDrafter:
             raise result
         return result
 
+    @torch.inference_mode()  # as ModelVerifier.score_batch
     def propose_batch(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
         """Every call's DraftBlock, or the ValueError / StaleBase that refused it. The calls
         draft together: step i is one forward over every call still drafting."""

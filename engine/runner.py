@@ -94,7 +94,7 @@ class ModelRunner:
             return TransformersCache(self.model.config)
         return self.lean.attention.new_cache()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, segments) -> list[torch.Tensor]:
         if self.lean is not None:
             return self.lean(segments)

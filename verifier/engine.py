@@ -75,6 +75,7 @@ class ModelVerifier:
             raise result
         return result
 
+    @torch.inference_mode()  # no autograd bookkeeping on the batch's many small operations
     def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
         """Every call's TargetScores, or the ValueError / StaleBase that refused it."""
         try:
