@@ -249,6 +249,26 @@ def test_a_verify_batch_moves_its_answers_to_the_host_once(monkeypatch):
         assert answer.draft_target_probs == pytest.approx(alone.draft_target_probs, abs=1e-6)
 
 
+def test_a_pools_batch_runs_in_inference_mode():
+    """The verifier's and the drafter's batches, from their calls' checks to their answers,
+    run under torch.inference_mode (no autograd bookkeeping on their many small operations:
+    docs/engine.md); outside a batch the mode is off again."""
+    target = tiny_llama(1)
+    verifier, drafter = ModelVerifier(target), ModelDrafter(noisy_copy(target, 0.02, seed=5))
+    modes = []
+
+    def spied(method):
+        return lambda *args: modes.append(torch.is_inference_mode_enabled()) or method(*args)
+
+    verifier.prepare = spied(verifier.prepare)
+    drafter.draft_together = spied(drafter.draft_together)
+    sampled = SamplingParams(temperature=1.0)
+    block = drafter.propose_now(ProposeCall("r", sync([], [1, 2, 3]), 2, sampled, seed=1))
+    verifier.score_now(ScoreCall("r", sync([], [1, 2, 3]), block.token_ids, sampled, seed=2,
+                                 draft_probs=block.draft_probs))
+    assert modes == [True, True] and not torch.is_inference_mode_enabled()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_layout_places_each_query_as_its_definition_says(seed):
     """engine.attention.lay_out against the layout written out query by query: request b's
