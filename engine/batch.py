@@ -137,7 +137,6 @@ def positions_of(segment: Segment) -> list[int]:
     return positions
 
 
-@torch.inference_mode()
 def forward_packed(model, segments: list[Segment]) -> list[torch.Tensor]:
     """One forward of transformers' modeling over all segments (each on its own cache,
     attention through packed_attention); returns each segment's logits [num_logits, V]."""

@@ -175,7 +175,6 @@ class LeanForward:
         self.layers = [LeanLayer(layer, config) for layer in model.model.layers]
         self.attention = attention
 
-    @torch.inference_mode()
     def __call__(self, segments) -> list[torch.Tensor]:
         """Each segment's logits [num_logits, V]; segment caches are the backend's."""
         device = self.embed.weight.device

@@ -94,7 +94,7 @@ class ModelRunner:
             return TransformersCache(self.model.config)
         return self.lean.attention.new_cache()
 
-    @torch.inference_mode()
+    @torch.inference_mode()  # every forward (the lean one's and transformers') enters here
     def forward(self, segments) -> list[torch.Tensor]:
         if self.lean is not None:
             return self.lean(segments)
