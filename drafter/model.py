@@ -11,6 +11,7 @@ from engine.scheduler import admitted, in_turns
 from speculative.grammar import TokenMasks, masked, matcher_after
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
+    Shaping,
     fit_vocab,
     grouped,
     kept_entries,
@@ -18,7 +19,7 @@ from speculative.sampling import (
     sample_each,
     sample_rows,
     seeded_generator,
-    shape_logits,
+    shape_batch,
 )
 from speculative.tree import allocate_siblings
 from speculative.types import (
@@ -207,9 +208,8 @@ class ModelDrafter:
         probs = []
         for draft, rows, token in zip(drafts, logits, tokens):
             if draft.call.sampling.greedy:
-                line = fit_vocab(rows[0], self.vocab_size)
-                law = (draft.processed(line) if draft.shaped else line).float().softmax(-1)
-                probs.append(law[token])
+                line = processed([draft], fit_vocab(rows, self.vocab_size))[0]
+                probs.append(line.float().softmax(-1)[token])
                 continue
             weights, ids = draft.q_rows[-1]
             weights = weights.float()
@@ -282,35 +282,24 @@ class ModelDrafter:
 
     def next_tokens(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> list[int]:
         """Each draft's next token from its logits [1, V_draft], one host sync for the step
-        (and one per batch cut by top-k): greedy drafts take their argmax together (no q);
-        sampled ones draw from the q they ship, those sharing a law as one batch of rows."""
+        (and one per batch cut by top-k), its grammar and shaping applied to the step's
+        rows together (processed): greedy drafts take their argmax together (no q); sampled
+        ones draw from the q they ship, those sharing a law as one batch of rows."""
+        if not drafts:
+            return []
+        lines = processed(drafts, fit_vocab(torch.stack([rows[0] for rows in logits]),
+                                            self.vocab_size))  # [drafts, V]
         greedy = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
-        parts = []
-        if greedy:
-            last = fit_vocab(torch.stack([logits[row][0] for row in greedy]), self.vocab_size)
-            if any(drafts[row].shaped for row in greedy):  # masks or penalties: row by row
-                last = torch.stack([drafts[row].processed(line)
-                                    for row, line in zip(greedy, last)])
-            parts.append(last.argmax(-1))  # [greedy drafts]
-        sampled = []  # alone: a shaped draft, or any when q is cut by mass (rows of any length)
-        for rows in grouped([None if draft.call.sampling.greedy else (row,) if draft.shaped or
-                             self.draft_q_mass < 1 else draft.call.sampling.law_key
+        parts = [lines[greedy].argmax(-1)] if greedy else []  # [greedy drafts]
+        sampled = []  # alone: any draft when q is cut by mass (rows of any length)
+        for rows in grouped([None if draft.call.sampling.greedy else (row,)
+                             if self.draft_q_mass < 1 else draft.call.sampling.law_key
                              for row, draft in enumerate(drafts)]):
             sampled += rows
-            parts.append(self.draw([drafts[row] for row in rows],
-                                   torch.stack([logits[row][0] for row in rows])))
-        if not parts:
-            return []
+            parts.append(self.draw_from([drafts[row] for row in rows], logits_to_probs(
+                lines[rows], drafts[rows[0]].call.sampling)))
         by_row = dict(zip(greedy + sampled, torch.cat(parts).tolist()))
         return [int(by_row[row]) for row in range(len(drafts))]
-
-    def draw(self, drafts: list["Draft"], logits: torch.Tensor) -> torch.Tensor:
-        """Next tokens [R] of sampled drafts sharing a law (one, when shaped: its own masks
-        apply) from their logits [R, V_draft] at the block's end (draw_from)."""
-        logits = fit_vocab(logits, self.vocab_size)
-        if drafts[0].shaped:
-            logits = drafts[0].processed(logits[0])[None]
-        return self.draw_from(drafts, logits_to_probs(logits, drafts[0].call.sampling))
 
     def draw_from(self, drafts: list["Draft"], probs: torch.Tensor) -> torch.Tensor:
         """[R] tokens on the device, each row of [R, V] probs drawn with its draft's generator
@@ -383,20 +372,25 @@ class Draft:
         if self.matcher is not None:
             self.matcher.advance([token])
 
-    @property
-    def shaped(self) -> bool:
-        """Whether a grammar, logit_bias, min_tokens or penalties change this draft's logits."""
-        return self.matcher is not None or self.call.sampling.shapes_logits
-
-    def processed(self, logits: torch.Tensor) -> torch.Tensor:
-        """[V] logits of the block's next position under the request's grammar and shaping
-        (speculative.sampling.shape_logits), which counts the output so far: committed,
-        assumed and drafted (as the verifier will)."""
-        if self.matcher is not None:
-            logits = masked(logits, self.matcher.next_mask(logits.shape[-1], logits.device))
-        sampling = self.call.sampling
-        if not sampling.shapes_logits:
-            return logits
+    def shaping(self, row: int) -> Shaping | None:
+        """Row `row` of a step's logits as the request's logit_bias, min_tokens and
+        penalties shape it (speculative.sampling.shape_batch), counting the output so far:
+        committed, assumed and drafted (as the verifier will); None when they are unset."""
+        if not self.call.sampling.shapes_logits:
+            return None
         committed, start = self.sequence.committed, self.call.prompt_len
-        output = committed[start:] + self.assumed + self.token_ids
-        return shape_logits(logits[None], sampling, committed[:start], output)[0]
+        return Shaping(row, 1, self.call.sampling, committed[:start],
+                       committed[start:] + self.assumed + self.token_ids)
+
+
+def processed(drafts: list[Draft], lines: torch.Tensor) -> torch.Tensor:
+    """[R, V] logits of the drafts' next positions (row i: drafts[i]'s), each masked by its
+    request's grammar, then all shaped in one shape_batch; `lines` itself when none is."""
+    masks = [(row, draft.matcher.next_mask(lines.shape[-1], lines.device))
+             for row, draft in enumerate(drafts) if draft.matcher is not None]
+    if masks:
+        lines = lines.clone()
+        for row, allowed in masks:
+            lines[row] = masked(lines[row], allowed)
+    return shape_batch(lines, [shaping for shaping in (
+        draft.shaping(row) for row, draft in enumerate(drafts)) if shaping is not None])

@@ -2,6 +2,7 @@
 
 import time
 from dataclasses import replace
+from itertools import accumulate
 
 import torch
 
@@ -13,12 +14,13 @@ from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import (
+    Shaping,
     grouped,
     logits_to_probs,
     sample_each,
     sample_rows,
     seeded_generator,
-    shape_logits,
+    shape_batch,
 )
 from speculative.tree import DraftTree, tree_scores
 from speculative.types import (
@@ -136,8 +138,7 @@ class ModelVerifier:
         after them). Sampled calls sharing a shape (chain or tree, K) and a law (temperature,
         top-k, top-p) turn their logits into probabilities together, and the chains among
         them draw together (draw_recovered_and_bonus): a few ops per batch, not per call."""
-        shaped = [self.shaped(call, rows, extra) for call, rows, extra in zip(calls, logits,
-                                                                              extras)]
+        shaped = self.shaped(calls, logits, extras)
         scores: list = [None] * len(calls)
         probs: list = [None] * len(calls)
         for group in grouped([None if call.sampling.greedy else (
@@ -165,13 +166,22 @@ class ModelVerifier:
                 for i, (call, raw, extra) in enumerate(zip(calls, logits, extras))]
 
     @staticmethod
-    def shaped(call: ScoreCall, logits: torch.Tensor, extra) -> torch.Tensor:
-        """The call's logits masked by its grammar and shaped by its logit_bias, penalties
-        and min_tokens (row i counts the tokens drafted before it)."""
-        _, history, allowed, _ = extra
-        logits = masked(logits, allowed)
-        if history is not None:
-            logits = shape_logits(logits, call.sampling, *history, list(call.draft_token_ids))
+    def shaped(calls: list[ScoreCall], logits: list[torch.Tensor], extras: list
+               ) -> list[torch.Tensor]:
+        """Each call's logits masked by its grammar and shaped by its logit_bias, penalties
+        and min_tokens (row i counts the tokens drafted before it): the shaped calls' rows
+        in one shape_batch."""
+        logits = [masked(rows, allowed) for rows, (_, _, allowed, _) in zip(logits, extras)]
+        shaping = [i for i, (_, history, _, _) in enumerate(extras) if history is not None]
+        if not shaping:
+            return logits
+        sizes = [len(logits[i]) for i in shaping]
+        starts = [0, *accumulate(sizes)][:-1]
+        batch = shape_batch(torch.cat([logits[i] for i in shaping]), [
+            Shaping(start, size, calls[i].sampling, *extras[i][1], calls[i].draft_token_ids)
+            for i, start, size in zip(shaping, starts, sizes)])
+        for i, rows in zip(shaping, batch.split(sizes)):
+            logits[i] = rows
         return logits
 
     @staticmethod

@@ -7,7 +7,7 @@ shaping on at once: a bias that favours one token and one that bans another, min
 holding back an end token (so the window's first two positions mask it and its third does
 not), and presence, frequency and repetition penalties. The exact law shapes each position
 by the prompt and every output token before it (tests/stats/laws.py, written apart from the
-product's shape_logits); the verifier must count the tokens drafted before a position, which
+product's shaping); the verifier must count the tokens drafted before a position, which
 are output by the time that position is committed. Each mutant must fail the same check at
 the same sample size. Chi-square at a false-failure rate of 1e-6 per case.
 """
@@ -16,9 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
-from speculative.sampling import SamplingParams, shape_logits
+from speculative.sampling import SamplingParams, Shaping
 from tests.stats.laws import law_after_first, sequence_law
 from tests.tiny import tiny_llama
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
@@ -65,20 +64,26 @@ def test_shaped_tokens_follow_the_shaped_law(target, draft, shaped_law, pipeline
     assert (totals["pipelined_rounds"] > SAMPLES / 10) == pipelined
 
 
-def shaped_from_the_committed_only(logits, params, prompt, output, drafted=()):
+real_shape_batch = verifier_engine.shape_batch
+
+
+def shaped_from_the_committed_only(logits, shapings):
     """Mutant of the verifier's shaping: every drafted position counts the committed output
     only, not the tokens drafted before it (penalties and min_tokens both go wrong)."""
-    return torch.cat([shape_logits(row[None], params, prompt, output) for row in logits])
+    return real_shape_batch(logits, [Shaping(s.start + row, 1, s.params, s.prompt, s.output)
+                                     for s in shapings for row in range(s.rows)])
 
 
-def shaped_without_the_bias(logits, params, prompt, output, drafted=()):
+def shaped_without_the_bias(logits, shapings):
     """Mutant: the verifier leaves logit_bias out (the drafter still applies it)."""
-    return shape_logits(logits, replace(params, logit_bias=()), prompt, output, drafted)
+    return real_shape_batch(logits, [replace(s, params=replace(s.params, logit_bias=()))
+                                     for s in shapings])
 
 
-def shaped_without_min_tokens(logits, params, prompt, output, drafted=()):
+def shaped_without_min_tokens(logits, shapings):
     """Mutant: the verifier leaves min_tokens out (the drafter still holds the end back)."""
-    return shape_logits(logits, replace(params, min_tokens=0), prompt, output, drafted)
+    return real_shape_batch(logits, [replace(s, params=replace(s.params, min_tokens=0))
+                                     for s in shapings])
 
 
 @pytest.mark.slow
@@ -86,7 +91,7 @@ def shaped_without_min_tokens(logits, params, prompt, output, drafted=()):
                                     shaped_without_min_tokens],
                          ids=["committed-only", "bias-left-out", "min-tokens-left-out"])
 def test_the_check_catches_wrong_shaping(target, draft, shaped_law, monkeypatch, mutant):
-    monkeypatch.setattr(verifier_engine, "shape_logits", mutant)
+    monkeypatch.setattr(verifier_engine, "shape_batch", mutant)
     counts, _ = sample_counts(target, draft, False, stop_law=shaped_law, params=PARAMS)
     passes, message = chi2_passes(counts, shaped_law)
     assert not passes, f"the {mutant.__name__} mutant passed: {message}"

@@ -16,7 +16,7 @@ from deployments.ingress import BadRequest
 from deployments.openai_api import CompletionRequest
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
-from speculative.sampling import SamplingParams, shape_logits
+from speculative.sampling import SamplingParams, Shaping, shape_batch, shape_logits
 from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -49,6 +49,45 @@ def test_nothing_to_shape_leaves_the_logits_alone_and_a_foreign_id_is_refused():
     assert shape_logits(logits, SamplingParams(min_tokens=4), [1], [2], [3]) is logits
     with pytest.raises(ValueError, match="logit_bias"):
         shape_logits(logits, SamplingParams(logit_bias=((8, 1.0),)), [1], [], [3])
+
+
+def test_a_batch_shapes_each_request_as_it_would_alone():
+    """shape_batch over requests of every kind of shaping, one with nothing to shape among
+    them, gives each request's rows shape_logits' own bits and leaves the others: a row of
+    only -inf and an end keeps its end, a drafted id past the vocabulary is refused."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(11, 16, generator=generator) * 3
+    logits[9] = float("-inf")
+    logits[9, 2] = 0.5  # min_tokens yields to it
+    requests = [  # (rows, params, prompt, output, drafted)
+        (3, SamplingParams(presence_penalty=1.0, frequency_penalty=-0.4, repetition_penalty=1.3,
+                           logit_bias=BIAS), [1, 2, 2], [2, 5, 5, 9], [5, 7]),
+        (2, SamplingParams(repetition_penalty=0.7), [4], [4, 20], [3]),
+        (1, SamplingParams(temperature=0), [1], [2], []),  # nothing to shape
+        (3, SamplingParams(min_tokens=3, min_tokens_end_ids=(2, 5, 2), logit_bias=((2, 1.0),
+                                                                                  (2, 3.0))),
+         [1], [6], [2, 2]),
+        (2, SamplingParams(min_tokens=2, min_tokens_end_ids=(2,), frequency_penalty=0.5),
+         [3], [], [8]),
+    ]
+    shapings, start = [], 0
+    for rows, params, prompt, output, drafted in requests:
+        shapings.append(Shaping(start, rows, params, prompt, output, drafted))
+        start += rows
+    before = logits.clone()
+    batch = shape_batch(logits, shapings)
+    assert torch.equal(logits, before)  # the caller's logits untouched
+    for shaping in shapings:
+        rows = slice(shaping.start, shaping.start + shaping.rows)
+        assert torch.equal(batch[rows], shape_logits(logits[rows], shaping.params,
+                                                     shaping.prompt, shaping.output,
+                                                     shaping.drafted))
+    assert torch.equal(batch[5], logits[5])  # the request with nothing to shape
+    assert batch[9, 2] == 0.5 and batch[7, 2] == batch[7, 5] == float("-inf")
+    assert batch[8, 2] == logits[8, 2] + 3.0  # the last value given for an id
+    assert shape_batch(logits, shapings[2:3]) is logits
+    with pytest.raises(IndexError, match="past the vocabulary"):
+        shape_batch(logits, [Shaping(0, 2, SamplingParams(presence_penalty=1.0), [1], [], [16])])
 
 
 @torch.no_grad()
