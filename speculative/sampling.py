@@ -139,18 +139,21 @@ def shape_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int]
     return shape_batch(logits, [Shaping(0, len(logits), params, prompt, output, drafted)])
 
 
-def shape_batch(logits: torch.Tensor, shapings: list[Shaping]) -> torch.Tensor:
+def shape_batch(logits: torch.Tensor, shapings: list[Shaping],
+                in_place: bool = False) -> torch.Tensor:
     """[N, V] logits with each Shaping's rows shaped as shape_logits shapes one request's
-    (the other rows as they were; the caller's tensor untouched), or `logits` itself when
-    none shapes anything. A pool shapes a batch's requests together: what each request adds
-    (its bias, its seen columns' penalty terms, its held end ids) is worked out on the host,
-    where its token lists are, and each kind of shaping is then a few tensor operations for
-    the whole batch, not per request (the per-request cost had been about 170 us a draft step
-    with every shaping on, at a 4k vocabulary, measured)."""
+    (the other rows as they were), or `logits` itself when none shapes anything. The
+    caller's tensor is untouched, unless in_place: then it is shaped itself (a contiguous
+    float32 tensor the caller owns, such as a fresh concatenation). A pool shapes a batch's
+    requests together: what each request adds (its bias, its seen columns' penalty terms,
+    its held end ids) is worked out on the host, where its token lists are, and each kind of
+    shaping is then a few tensor operations for the whole batch, not per request (the
+    per-request cost had been about 170 us a draft step with every shaping on, at a 4k
+    vocabulary, measured)."""
     shapings = [shaping for shaping in shapings if shaping.params.shapes_logits]
     if not shapings:
         return logits
-    shaped = logits.to(torch.float32, copy=True)
+    shaped = logits if in_place else logits.to(torch.float32, copy=True)
     add_bias(shaped, shapings)
     add_penalties(shaped, shapings)
     hold_ends(shaped, shapings)

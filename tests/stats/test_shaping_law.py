@@ -67,23 +67,23 @@ def test_shaped_tokens_follow_the_shaped_law(target, draft, shaped_law, pipeline
 real_shape_batch = verifier_engine.shape_batch
 
 
-def shaped_from_the_committed_only(logits, shapings):
+def shaped_from_the_committed_only(logits, shapings, in_place=False):
     """Mutant of the verifier's shaping: every drafted position counts the committed output
     only, not the tokens drafted before it (penalties and min_tokens both go wrong)."""
     return real_shape_batch(logits, [Shaping(s.start + row, 1, s.params, s.prompt, s.output)
-                                     for s in shapings for row in range(s.rows)])
+                                     for s in shapings for row in range(s.rows)], in_place)
 
 
-def shaped_without_the_bias(logits, shapings):
+def shaped_without_the_bias(logits, shapings, in_place=False):
     """Mutant: the verifier leaves logit_bias out (the drafter still applies it)."""
     return real_shape_batch(logits, [replace(s, params=replace(s.params, logit_bias=()))
-                                     for s in shapings])
+                                     for s in shapings], in_place)
 
 
-def shaped_without_min_tokens(logits, shapings):
+def shaped_without_min_tokens(logits, shapings, in_place=False):
     """Mutant: the verifier leaves min_tokens out (the drafter still holds the end back)."""
     return real_shape_batch(logits, [replace(s, params=replace(s.params, min_tokens=0))
-                                     for s in shapings])
+                                     for s in shapings], in_place)
 
 
 @pytest.mark.slow

@@ -90,6 +90,31 @@ def test_a_batch_shapes_each_request_as_it_would_alone():
         shape_batch(logits, [Shaping(0, 2, SamplingParams(presence_penalty=1.0), [1], [], [16])])
 
 
+@pytest.mark.parametrize("group_bytes", [1, 8 << 20], ids=["a-group-a-call", "one-group"])
+def test_the_verifier_shapes_its_calls_together_as_each_alone(monkeypatch, group_bytes):
+    """ModelVerifier.shaped: each shaped call's rows as shape_logits gives them, whether the
+    calls share one group of logits or each has its own; an unshaped call's rows untouched."""
+    from types import SimpleNamespace
+
+    from verifier import engine as verifier_engine
+
+    monkeypatch.setattr(verifier_engine, "SHAPED_GROUP_BYTES", group_bytes)
+    generator = torch.Generator().manual_seed(6)
+    requests = [(SamplingParams(presence_penalty=1.0, logit_bias=BIAS), ([1, 2], [2, 9]), (4, 9)),
+                (SamplingParams(temperature=0), None, (3,)),
+                (SamplingParams(min_tokens=2, min_tokens_end_ids=(2,), repetition_penalty=1.2),
+                 ([5], []), (2, 2, 6))]
+    calls = [SimpleNamespace(sampling=params, draft_token_ids=drafted)
+             for params, _, drafted in requests]
+    logits = [torch.randn(len(drafted) + 1, 16, generator=generator)
+              for _, _, drafted in requests]
+    extras = [(None, history, None, None) for _, history, _ in requests]
+    shaped = ModelVerifier.shaped(calls, logits, extras)
+    for (params, history, drafted), rows, raw in zip(requests, shaped, logits):
+        expected = raw if history is None else shape_logits(raw, params, *history, drafted)
+        assert torch.equal(rows, expected)
+
+
 @torch.no_grad()
 def reference_greedy(model, prompt: list[int], params: SamplingParams) -> list[int]:
     """The target alone, the whole sequence forwarded at every step, shaped by hand."""
