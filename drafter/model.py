@@ -11,7 +11,6 @@ from engine.scheduler import admitted, in_turns
 from speculative.grammar import TokenMasks, masked, matcher_after
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
-    Shaping,
     fit_vocab,
     grouped,
     kept_entries,
@@ -19,8 +18,8 @@ from speculative.sampling import (
     sample_each,
     sample_rows,
     seeded_generator,
-    shape_batch,
 )
+from speculative.shaping import Shaping, shape_batch
 from speculative.tree import allocate_siblings
 from speculative.types import (
     BatchLoad,
@@ -374,7 +373,7 @@ class Draft:
 
     def shaping(self, row: int) -> Shaping | None:
         """Row `row` of a step's logits as the request's logit_bias, min_tokens and
-        penalties shape it (speculative.sampling.shape_batch), counting the output so far:
+        penalties shape it (speculative.shaping.shape_batch), counting the output so far:
         committed, assumed and drafted (as the verifier will); None when they are unset."""
         if not self.call.sampling.shapes_logits:
             return None

@@ -6,7 +6,6 @@ sampler is exact for the distribution the verifier reports, so any mismatch here
 the output distribution, not just the speed.
 """
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,7 +102,7 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether logit_bias, min_tokens or penalties change the logits (shape_logits)."""
+        """Whether logit_bias, min_tokens or penalties change the logits (speculative.shaping)."""
         return self.penalized or bool(self.logit_bias) or (
             self.min_tokens > 0 and bool(self.min_tokens_end_ids))
 
@@ -112,169 +111,6 @@ class SamplingParams:
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """One request's `rows` consecutive rows of a batch's logits, from row `start`: the
-    positions after `prompt + output`, row r after drafted[:r] too (shape_logits' terms)."""
-
-    start: int
-    rows: int
-    params: SamplingParams
-    prompt: list[int]
-    output: list[int]
-    drafted: Sequence[int] = ()
-
-
-def shape_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
-                 output: list[int], drafted: Sequence[int] = ()) -> torch.Tensor:
-    """[R, V] logits of R consecutive positions after `prompt + output`, shaped by the
-    request as vLLM does before temperature: logit_bias added, then the penalties (penalize:
-    row r counts drafted[:r] too), then min_tokens' end ids masked in every row whose output
-    so far (output + drafted[:r]) is shorter than min_tokens, unless the mask would leave
-    the row nothing (a grammar that allows only an end: the grammar wins). Drafter and
-    verifier both shape through shape_batch, so p and q are shaped alike: exact under
-    speculation."""
-    return shape_batch(logits, [Shaping(0, len(logits), params, prompt, output, drafted)])
-
-
-def shape_batch(logits: torch.Tensor, shapings: list[Shaping],
-                in_place: bool = False) -> torch.Tensor:
-    """[N, V] logits with each Shaping's rows shaped as shape_logits shapes one request's
-    (the other rows as they were), or `logits` itself when none shapes anything. The
-    caller's tensor is untouched, unless in_place: then it is shaped itself (a contiguous
-    float32 tensor the caller owns, such as a fresh concatenation). A pool shapes a batch's
-    requests together: what each request adds (its bias, its seen columns' penalty terms,
-    its held end ids) is worked out on the host, where its token lists are, and each kind of
-    shaping is then a few tensor operations for the whole batch, not per request (shaped
-    alone, a request with every shaping on cost about 0.17 ms a draft step at a 4k
-    vocabulary, most of it those operations' own overhead; measured)."""
-    shapings = [shaping for shaping in shapings if shaping.params.shapes_logits]
-    if not shapings:
-        return logits
-    shaped = logits if in_place else logits.to(torch.float32, copy=True)
-    add_bias(shaped, shapings)
-    add_penalties(shaped, shapings)
-    hold_ends(shaped, shapings)
-    return shaped
-
-
-def add_bias(logits: torch.Tensor, shapings: list[Shaping]) -> None:
-    """OpenAI's logit_bias added in place, each id once per row (the last value given)."""
-    rows, columns, values = [], [], []
-    vocab = logits.shape[-1]
-    for shaping in shapings:
-        if not shaping.params.logit_bias:
-            continue
-        bias = dict(shaping.params.logit_bias)
-        if max(bias) >= vocab:
-            raise ValueError(f"logit_bias names token {max(bias)}; the vocabulary has {vocab}")
-        for row in range(shaping.start, shaping.start + shaping.rows):
-            rows += [row] * len(bias)
-            columns += bias
-            values += bias.values()
-    if rows:
-        device, flat = logits.device, logits.view(-1)  # the entries by their flat index
-        index = torch.tensor(rows, device=device) * vocab + torch.tensor(columns, device=device)
-        flat.index_copy_(0, index, flat.index_select(0, index) + torch.tensor(
-            values, dtype=torch.float32, device=device))
-
-
-def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
-             output: list[int], drafted: Sequence[int] = ()) -> torch.Tensor:
-    """[R, V] logits of R consecutive positions after `prompt + output`, penalised as vLLM
-    does before temperature: row r counts the output's tokens and drafted[:r] (the tokens
-    drafted before it). The repetition penalty (Hugging Face's: a positive logit divided by
-    it, a negative one multiplied) hits every token seen in the prompt or before the row;
-    then the frequency penalty times each token's count in the output before the row and
-    the presence penalty once per token that occurs there are subtracted. A copy; the
-    logits themselves when no penalty is set."""
-    if not params.penalized:
-        return logits
-    shaped = logits.to(torch.float32, copy=True)
-    add_penalties(shaped, [Shaping(0, len(logits), params, prompt, output, drafted)])
-    return shaped
-
-
-def add_penalties(logits: torch.Tensor, shapings: list[Shaping]) -> None:
-    """penalize's terms applied in place to every penalised Shaping's rows. Only the columns
-    of tokens seen change (ids past V, a smaller draft vocabulary's, have none): they are
-    gathered, penalised and written back (penalising whole rows cost 1.8 ms a call at a 32k
-    vocabulary and 8.5 ms at 128k, 5 rows, measured)."""
-    terms = [penalty_terms(shaping, logits.shape[-1]) for shaping in shapings
-             if shaping.params.penalized]
-    terms = [term for term in terms if term is not None]
-    if not terms:
-        return
-    vocab, flat = logits.shape[-1], logits.view(-1)  # the entries by their flat index
-    index = torch.from_numpy(np.concatenate([(rows * vocab + columns).ravel()
-                                             for rows, columns, _ in terms])).to(logits.device)
-    divisor, factor, frequency, presence = torch.from_numpy(
-        np.concatenate([term[2] for term in terms], axis=1)).to(logits.device)
-    picked = flat.index_select(0, index)
-    # a divisor or factor of 1 (a column the repetition penalty leaves alone) keeps its bits
-    picked = torch.where(picked > 0, picked / divisor, picked * factor)
-    flat.index_copy_(0, index, picked - frequency - presence)
-
-
-def penalty_terms(shaping: Shaping, vocab: int):
-    """(rows [R, 1], columns [1, C], terms [4, R x C]) of a penalised Shaping's R rows and C
-    seen columns: each entry's divisor if positive, factor if negative (the repetition
-    penalty where seen, else 1), and the frequency and presence amounts subtracted, in
-    float32 as the logits' arithmetic takes them; None when nothing was seen."""
-    params, rows = shaping.params, shaping.rows
-    if len(shaping.drafted) < rows - 1:
-        raise ValueError(f"{rows} positions need the {rows - 1} tokens drafted before them")
-    steps = np.asarray(shaping.drafted[:rows - 1], dtype=np.int64)
-    if steps.size and steps.max() >= vocab:  # the pool drafted it from these logits
-        raise IndexError(f"a drafted token {steps.max()} past the vocabulary of {vocab}")
-    output = np.asarray(shaping.output, dtype=np.int64)
-    output = output[output < vocab]
-    repetition = params.repetition_penalty != 1
-    prompt = np.asarray(shaping.prompt if repetition else (), dtype=np.int64)
-    prompt = prompt[prompt < vocab]
-    columns = np.unique(np.concatenate([output, prompt, steps]))
-    if not columns.size:
-        return None
-    counts = np.empty((rows, columns.size), dtype=np.float32)
-    counts[:] = np.bincount(np.searchsorted(columns, output), minlength=columns.size)
-    for row, column in enumerate(np.searchsorted(columns, steps), start=1):
-        counts[row:, column] += 1  # row r also counts drafted[:r]
-    present = counts > 0
-    terms = np.ones((4, rows, columns.size), dtype=np.float32)
-    if repetition:
-        seen = present.copy()
-        seen[:, np.searchsorted(columns, prompt)] = True  # every prompt id is a column
-        terms[0][seen] = terms[1][seen] = params.repetition_penalty
-    terms[2] = np.float32(params.frequency_penalty) * counts
-    terms[3] = np.float32(params.presence_penalty) * present
-    return (np.arange(shaping.start, shaping.start + rows)[:, None], columns[None],
-            terms.reshape(4, -1))
-
-
-def hold_ends(logits: torch.Tensor, shapings: list[Shaping]) -> None:
-    """min_tokens in place: each Shaping's rows whose output so far is shorter than its
-    min_tokens get its end ids at -inf, but for a row the mask would leave nothing (it keeps
-    them). The held entries are set, each row's maximum says whether it has a token left,
-    and the entries of rows without one get their values back: small operations and one
-    pass over the logits, whatever the batch."""
-    rows, columns = [], []
-    vocab = logits.shape[-1]
-    for shaping in shapings:
-        short = min(shaping.params.min_tokens - len(shaping.output), shaping.rows)
-        ends = [token for token in shaping.params.min_tokens_end_ids if token < vocab]
-        for row in range(shaping.start, shaping.start + max(short, 0)):
-            rows += [row] * len(ends)
-            columns += ends
-    if not rows:
-        return
-    device, flat = logits.device, logits.view(-1)
-    index = torch.tensor(rows, device=device) * vocab + torch.tensor(columns, device=device)
-    held = flat.index_select(0, index)
-    flat.index_fill_(0, index, float("-inf"))
-    room = logits.amax(-1) > float("-inf")  # [N]: a row still has a token to take
-    flat.index_copy_(0, index, torch.where(room[index // vocab], float("-inf"), held))
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -14,14 +14,13 @@ from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import (
-    Shaping,
     grouped,
     logits_to_probs,
     sample_each,
     sample_rows,
     seeded_generator,
-    shape_batch,
 )
+from speculative.shaping import Shaping, shape_batch
 from speculative.tree import DraftTree, tree_scores
 from speculative.types import (
     BatchLoad,

@@ -8,7 +8,8 @@ first token and test the law of the tokens after it.
 import numpy as np
 import torch
 
-from speculative.sampling import SamplingParams, logits_to_probs, penalize
+from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.shaping import penalize
 
 
 @torch.no_grad()

@@ -17,7 +17,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from speculative.sampling import SamplingParams, Shaping
+from speculative.sampling import SamplingParams
+from speculative.shaping import Shaping
 from tests.stats.laws import law_after_first, sequence_law
 from tests.tiny import tiny_llama
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)

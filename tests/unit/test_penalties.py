@@ -13,7 +13,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
-from speculative.sampling import SamplingParams, penalize
+from speculative.sampling import SamplingParams
+from speculative.shaping import penalize
 from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 

@@ -16,7 +16,8 @@ from deployments.ingress import BadRequest
 from deployments.openai_api import CompletionRequest
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
-from speculative.sampling import SamplingParams, Shaping, shape_batch, shape_logits
+from speculative.sampling import SamplingParams
+from speculative.shaping import Shaping, shape_batch, shape_logits
 from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
