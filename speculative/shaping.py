@@ -112,12 +112,18 @@ def add_penalties(logits: torch.Tensor, shapings: list[Shaping]) -> None:
     vocab, flat = logits.shape[-1], logits.view(-1)  # the entries by their flat index
     index = torch.from_numpy(np.concatenate([(rows * vocab + columns).ravel()
                                              for rows, columns, _ in terms])).to(logits.device)
-    divisor, factor, frequency, presence = torch.from_numpy(
-        np.concatenate([term[2] for term in terms], axis=1)).to(logits.device)
+    amounts = np.concatenate([term[2] for term in terms], axis=1)  # [4, M]
+    divisor, factor, frequency, presence = torch.from_numpy(amounts).to(logits.device)
     picked = flat.index_select(0, index)
-    # a divisor or factor of 1 (a column the repetition penalty leaves alone) keeps its bits
-    picked = torch.where(picked > 0, picked / divisor, picked * factor)
-    flat.index_copy_(0, index, picked - frequency - presence)
+    # each operation only where some request sets its penalty (a divisor or factor of 1,
+    # and an amount of 0, keep a logit's bits)
+    if any(shaping.params.repetition_penalty != 1 for shaping in shapings):
+        picked = torch.where(picked > 0, picked / divisor, picked * factor)
+    if any(shaping.params.frequency_penalty for shaping in shapings):
+        picked = picked - frequency
+    if any(shaping.params.presence_penalty for shaping in shapings):
+        picked = picked - presence
+    flat.index_copy_(0, index, picked)
 
 
 def penalty_terms(shaping: Shaping, vocab: int):
