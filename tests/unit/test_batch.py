@@ -193,6 +193,36 @@ def test_drafting_in_a_batch_equals_drafting_alone(temperature):
     assert together[0].load.batch_size == 4
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shaped_drafts_in_a_batch_equal_drafting_alone(temperature):
+    """Drafts under penalties, a bias and min_tokens, beside a plain one: shaped together in
+    each step, the sampled ones drawn with the drafts of their law (q cut to its top 3), they
+    draw the tokens and ship the q each draws alone. The bias bans the first token the last
+    call drafts unshaped, so the shaping shows."""
+    draft = tiny_llama(4)
+    batch_drafter, alone = ModelDrafter(draft, draft_top_k=3), ModelDrafter(draft, draft_top_k=3)
+    plain = SamplingParams(temperature=temperature)
+
+    def call(i: int, k: int, params: SamplingParams) -> ProposeCall:
+        return ProposeCall(f"r{i}", sync([], list(range(1 + i, 4 + 3 * i))), k, params,
+                           seed=100 + i, assumed_token_ids=tuple(range(i)), prompt_len=2)
+
+    unshaped = ModelDrafter(draft, draft_top_k=3).propose_now(call(3, 5, plain))
+    shaped = SamplingParams(temperature=temperature, presence_penalty=1.0, repetition_penalty=1.3,
+                            logit_bias=((unshaped.token_ids[0], -100.0), (7, 2.0)), min_tokens=4,
+                            min_tokens_end_ids=(5,))
+    calls = [call(i, k, params)
+             for i, (k, params) in enumerate([(3, shaped), (4, plain), (2, shaped), (5, shaped)])]
+    together = batch_drafter.propose_batch(calls)
+    for one, block in zip(calls, together):
+        single = alone.propose_now(one)
+        assert block.token_ids == single.token_ids
+        if temperature:
+            torch.testing.assert_close(block.draft_probs.dense(), single.draft_probs.dense(),
+                                       atol=1e-5, rtol=0)
+    assert together[3].token_ids[0] != unshaped.token_ids[0]
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_greedy_oracle_with_requests_joining_and_leaving_batches(pipelined):
     """Eight requests of different prompt and output lengths decode at once through batched
