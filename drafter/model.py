@@ -168,8 +168,11 @@ class ModelDrafter:
             first_tokens = first_tokens or sum(len(s.token_ids) for s in segments)
             logits = self.runner.forward(segments)
             drafts = [draft for _, draft, _ in active]
-            tokens = self.next_tokens(drafts, logits)
-            self.note_probs(drafts, logits, tokens)
+            # each draft's next position under its grammar and shaping, once for the step
+            lines = processed(drafts, fit_vocab(torch.stack([rows[0] for rows in logits]),
+                                                self.vocab_size))  # [drafts, V]
+            tokens = self.next_tokens(drafts, lines)
+            self.note_probs(drafts, lines, tokens)
             still = []
             for (index, draft, _), token in zip(active, tokens):
                 draft.took(token)
@@ -180,8 +183,7 @@ class ModelDrafter:
             active = still
         return first_tokens
 
-    def note_probs(self, drafts: list["Draft"], logits: list[torch.Tensor],
-                   tokens: list[int]) -> None:
+    def note_probs(self, drafts: list["Draft"], lines: torch.Tensor, tokens: list[int]) -> None:
         """What a step's drafts whose block length follows their confidence (or that report
         it), or that are trees, keep of it: the drawn token's probability (and a greedy tree
         the ids its siblings will come from, not the logits); the others pay nothing."""
@@ -190,24 +192,24 @@ class ModelDrafter:
         if not rows:
             return
         picked = [drafts[i] for i in rows]
-        probs = self.drafted_probs(picked, [logits[i] for i in rows], [tokens[i] for i in rows])
+        probs = self.drafted_probs(picked, lines[rows], [tokens[i] for i in rows])
         for draft, i, prob in zip(picked, rows, probs):
             draft.confidence *= prob
             if draft.reports:
                 draft.confidences.append(draft.confidence)
             if draft.width > 1:  # a tree's siblings are drawn once the chain is
-                top = fit_vocab(logits[i][0], self.vocab_size).topk(draft.width).indices \
-                    if draft.call.sampling.greedy else None
+                # (a tree has no grammar or shaping: its line is the draft's own logits)
+                top = lines[i].topk(draft.width).indices if draft.call.sampling.greedy else None
                 draft.levels.append((prob, top))
 
-    def drafted_probs(self, drafts: list["Draft"], logits: list[torch.Tensor],
+    def drafted_probs(self, drafts: list["Draft"], lines: torch.Tensor,
                       tokens: list[int]) -> list[float]:
         """Each draft's probability of the token it has just drawn (before `took`), under
-        its own law: q as it will ship when sampled, the shaped softmax when greedy."""
+        its own law: q as it will ship when sampled, the shaped softmax of its line [V]
+        (processed) when greedy."""
         probs = []
-        for draft, rows, token in zip(drafts, logits, tokens):
+        for draft, line, token in zip(drafts, lines, tokens):
             if draft.call.sampling.greedy:
-                line = processed([draft], fit_vocab(rows, self.vocab_size))[0]
                 probs.append(line.float().softmax(-1)[token])
                 continue
             weights, ids = draft.q_rows[-1]
@@ -279,15 +281,11 @@ class ModelDrafter:
                      width=width, nodes=call.tree_nodes, threshold=threshold,
                      reports=call.draft_confidence is not None)
 
-    def next_tokens(self, drafts: list["Draft"], logits: list[torch.Tensor]) -> list[int]:
-        """Each draft's next token from its logits [1, V_draft], one host sync for the step
-        (and one per batch cut by top-k), its grammar and shaping applied to the step's
-        rows together (processed): greedy drafts take their argmax together (no q); sampled
-        ones draw from the q they ship, those sharing a law as one batch of rows."""
-        if not drafts:
-            return []
-        lines = processed(drafts, fit_vocab(torch.stack([rows[0] for rows in logits]),
-                                            self.vocab_size))  # [drafts, V]
+    def next_tokens(self, drafts: list["Draft"], lines: torch.Tensor) -> list[int]:
+        """Each draft's next token from its line [V] (its logits under its grammar and
+        shaping: processed), one host sync for the step (and one per batch cut by top-k):
+        greedy drafts take their argmax together (no q); sampled ones draw from the q they
+        ship, those sharing a law as one batch of rows."""
         greedy = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
         parts = [lines[greedy].argmax(-1)] if greedy else []  # [greedy drafts]
         sampled = []  # alone: any draft when q is cut by mass (rows of any length)

@@ -177,12 +177,13 @@ class ModelVerifier:
         for i, (_, history, _, _) in enumerate(extras):
             if history is None:
                 continue
-            size += 4 * logits[i].numel()
-            if groups and size <= SHAPED_GROUP_BYTES:
+            nbytes = 4 * logits[i].numel()
+            if groups and size + nbytes <= SHAPED_GROUP_BYTES:
                 groups[-1].append(i)
+                size += nbytes
             else:
                 groups.append([i])
-                size = 4 * logits[i].numel()
+                size = nbytes
         for group in groups:
             sizes = [len(logits[i]) for i in group]
             batch = torch.cat([logits[i] for i in group]).float()  # this method's own copy
