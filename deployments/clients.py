@@ -16,7 +16,6 @@ long as for the verifier. Releases are sent in the background and never delay an
 import asyncio
 import itertools
 import logging
-from dataclasses import replace
 
 import grpc
 
@@ -93,9 +92,9 @@ class ReplicaStream:
         self.wake = asyncio.Event()
         self.tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
 
-    async def call(self, message, timeout_s: float):
+    async def call(self, message, timeout_s: float | None):
         """The replica's answer to one call; PoolError when it refuses the call, the stream
-        breaks or the deadline passes."""
+        breaks or the deadline passes (None: no deadline)."""
         if self.broken is not None:
             raise self.broken
         tag = next(self.tags)
@@ -103,15 +102,23 @@ class ReplicaStream:
         self.pending[tag] = future
         self.outbox.append(self.entry_type(tag=tag, call=message))
         self.wake.set()
+        # a timer on the future itself, not asyncio.wait_for (a second future and two
+        # callbacks per call: about 4 % of the router's CPU at 16 streams, measured)
+        deadline = None if timeout_s is None else \
+            future.get_loop().call_later(timeout_s, self._expire, future, timeout_s)
         try:
-            return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            raise PoolError(self.application, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"no answer within {timeout_s:.1f} s") from None
+            return await future
         finally:
+            if deadline is not None:
+                deadline.cancel()
             if self.pending.pop(tag, None) is not None and self.broken is None:
                 self.cancelled.append(tag)  # withdrawn: the replica drops it from its queue
                 self.wake.set()
+
+    def _expire(self, future: asyncio.Future, timeout_s: float) -> None:
+        if not future.done():
+            future.set_exception(PoolError(self.application, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"no answer within {timeout_s:.1f} s"))
 
     async def _write(self) -> None:
         try:
@@ -381,10 +388,9 @@ class GrpcDrafter:
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
         try:
-            block = wire.block_from_proto(response)
+            return wire.block_from_proto(response, message.ByteSize() + response.ByteSize())
         except ValueError as error:  # a drafter's bad answer costs its draft, not the request
             raise PoolUnavailable(f"drafter: malformed answer: {error}") from None
-        return replace(block, wire_bytes=message.ByteSize() + response.ByteSize())
 
     async def release(self, request_id: str) -> None:
         self.pool.release(request_id)
@@ -406,8 +412,7 @@ class GrpcVerifier:
                                             call.placement))
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
-        return replace(wire.scores_from_proto(response),
-                       wire_bytes=message.ByteSize() + response.ByteSize())
+        return wire.scores_from_proto(response, message.ByteSize() + response.ByteSize())
 
     async def release(self, request_id: str) -> None:
         self.pool.release(request_id)

@@ -279,7 +279,8 @@ def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
     return response
 
 
-def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
+def block_from_proto(message: pb.ProposeResponse, wire_bytes: int = 0) -> DraftBlock:
+    """The block of an answer; wire_bytes: its call's and its own serialised size."""
     probs = dists_from_proto(message.draft_probs) if message.HasField("draft_probs") else None
     parents = tuple(message.parents) or None
     if parents is not None:
@@ -288,7 +289,7 @@ def block_from_proto(message: pb.ProposeResponse) -> DraftBlock:
     check_confidences(confidences, parents, len(message.token_ids))
     return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6,
                       load=load_from_proto(message), parents=parents,
-                      confidences=confidences)
+                      confidences=confidences, wire_bytes=wire_bytes)
 
 
 
@@ -378,10 +379,11 @@ def logprobs_from_proto(message: pb.ScoreResponse) -> PositionLogprobs | None:
                             tuple(tuple(pairs[r * n:(r + 1) * n]) for r in range(positions)))
 
 
-def scores_from_proto(message: pb.ScoreResponse) -> TargetScores:
+def scores_from_proto(message: pb.ScoreResponse, wire_bytes: int = 0) -> TargetScores:
+    """The scores of an answer; wire_bytes: its call's and its own serialised size."""
     timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message),
               "logprobs": logprobs_from_proto(message), "cached_tokens": message.cached_tokens,
-              "tree_nodes": message.tree_nodes}
+              "tree_nodes": message.tree_nodes, "wire_bytes": wire_bytes}
     kind = message.WhichOneof("scores")
     if kind == "greedy":
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)
