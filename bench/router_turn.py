@@ -1,0 +1,83 @@
+"""Where a loaded deployment's CPU goes: each Serve process's CPU per output token.
+
+    python -m bench.router_turn [--streams 16] [--k 0] [--seconds 20] [--max-tokens 96]
+
+A fresh `serve run cluster/config.yaml` (the default deployment, on free ports) serves the
+held-out prompts as greedy requests at a fixed K (`ignore_eos`), `--streams` at a time, for
+`--seconds` after a warm-up. Prints the output tokens/s and, for each process that used
+CPU meanwhile (the router, the pools, Serve's proxy and controller, Ray's own), its share
+of a core and its CPU microseconds per output token, read from /proc (Linux).
+
+At 16 streams and K = 0 the verifier's batches wait for the router's turn (its rounds'
+accepts, commits and next calls, one request after another), so the router's CPU per token
+is on the critical path: see docs/benchmarks.md (the data path).
+"""
+
+import argparse
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from bench.newcomer import HELD_OUT, fresh_serve_run
+from bench.peer import completion
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (its command line's first 48 characters, user + system CPU seconds)."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                name = f.read().split(b"\0")[0].decode(errors="replace")[:48]
+        except OSError:  # gone meanwhile
+            continue
+        found[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / TICKS)
+    return found
+
+
+def loaded(url: str, streams: int, k: int, seconds: float, max_tokens: int) -> int:
+    """Output tokens of `streams` clients sending requests back to back for `seconds`."""
+    fields = {"num_speculative_tokens": k}
+    stop = time.monotonic() + seconds
+
+    def client(index: int) -> int:
+        tokens = 0
+        while time.monotonic() < stop:
+            tokens += completion(url, HELD_OUT[index % len(HELD_OUT)], max_tokens, fields)
+        return tokens
+
+    with ThreadPoolExecutor(streams) as pool:
+        return sum(pool.map(client, range(streams)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--k", type=int, default=0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+    with fresh_serve_run() as (port, _):
+        url = f"http://127.0.0.1:{port}"
+        loaded(url, args.streams, args.k, 3.0, 8)  # warm-up
+        before, started = cpu_seconds(), time.perf_counter()
+        tokens = loaded(url, args.streams, args.k, args.seconds, args.max_tokens)
+        wall, after = time.perf_counter() - started, cpu_seconds()
+    print(f"{args.streams} streams, K = {args.k}: {tokens / wall:.0f} tokens/s "
+          f"over {wall:.1f} s")
+    used = sorted(((after[pid][1] - before[pid][1], name) for pid, (name, _) in after.items()
+                   if pid in before), reverse=True)
+    for seconds, name in used:
+        if seconds / wall >= 0.01:
+            print(f"  {seconds / wall:6.1%} of a core  {seconds / tokens * 1e6:6.0f} us/token"
+                  f"  {name}")
+
+
+if __name__ == "__main__":
+    main()
