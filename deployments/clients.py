@@ -103,7 +103,7 @@ class ReplicaStream:
         self.outbox.append(self.entry_type(tag=tag, call=message))
         self.wake.set()
         # a timer on the future itself, not asyncio.wait_for (a second future and two
-        # callbacks per call: about 4 % of the router's CPU at 16 streams, measured)
+        # callbacks: 11.1 -> 7.1 us a call, measured alone)
         deadline = None if timeout_s is None else \
             future.get_loop().call_later(timeout_s, self._expire, future, timeout_s)
         try:
