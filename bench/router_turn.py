@@ -1,6 +1,7 @@
 """Where a loaded deployment's CPU goes: each Serve process's CPU per output token.
 
     python -m bench.router_turn [--streams 16] [--k 0] [--seconds 20] [--max-tokens 96]
+                                [--in-process]
 
 A fresh `serve run cluster/config.yaml` (the default deployment, on free ports) serves the
 held-out prompts as greedy requests at a fixed K (`ignore_eos`), `--streams` at a time, for
@@ -8,17 +9,23 @@ held-out prompts as greedy requests at a fixed K (`ignore_eos`), `--streams` at 
 CPU meanwhile (the router, the pools, Serve's proxy and controller, Ray's own), its share
 of a core and its CPU microseconds per output token, read from /proc (Linux).
 
+--in-process: no Serve, no wire. The same number of greedy requests (`--streams` at a time,
+each `--max-tokens` long) run through the router's round (`speculative.driver.Generation`,
+the demo tokenizer's incremental text) against pools that answer at once, in this process:
+the CPU microseconds a token of the round's own code.
+
 At 16 streams and K = 0 the verifier's batches wait for the router's turn (its rounds'
 accepts, commits and next calls, one request after another), so the router's CPU per token
 is on the critical path: see docs/benchmarks.md (the data path).
 """
 
 import argparse
+import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.newcomer import HELD_OUT, fresh_serve_run
+from bench.newcomer import HELD_OUT, ROOT, fresh_serve_run
 from bench.peer import completion
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -56,13 +63,78 @@ def loaded(url: str, streams: int, k: int, seconds: float, max_tokens: int) -> i
         return sum(pool.map(client, range(streams)))
 
 
+class InstantPools:
+    """A drafter and a verifier that answer at once, greedy, from one fixed output: the
+    drafter right but at every third position, so rounds commit 1 to K + 1 tokens."""
+
+    def __init__(self, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+
+    def at(self, position: int) -> int:
+        return (7 * position) % 500 + 3
+
+    async def propose(self, call):
+        from speculative.types import DraftBlock
+
+        start = call.sync.committed_len - self.prompt_len
+        return DraftBlock(tuple(self.at(p) + (p % 3 == 2) for p in
+                                range(start, start + call.num_speculative_tokens)), None)
+
+    async def score(self, call):
+        from speculative.types import TargetScores
+
+        start = call.sync.committed_len - self.prompt_len
+        return TargetScores(target_token_ids=tuple(
+            self.at(p) for p in range(start, start + len(call.draft_token_ids) + 1)))
+
+    async def release(self, request_id: str) -> None:
+        pass
+
+
+def in_process(streams: int, k: int, max_tokens: int, requests: int) -> float:
+    """CPU microseconds a token of `requests` greedy requests through the round, `streams`
+    at a time, against InstantPools."""
+    from transformers import AutoTokenizer
+
+    from speculative.driver import Generation, text_decoder
+    from speculative.loop import Request
+    from speculative.policy import FixedK
+    from speculative.sampling import SamplingParams
+
+    decode = text_decoder(AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target"))
+    prompt = tuple(range(3, 19))
+    pools = InstantPools(len(prompt))
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens)  # no stop ids
+
+    async def one(index: int, gate: asyncio.Semaphore) -> int:
+        async with gate:
+            generation = Generation(Request(f"r{index}", prompt, sampling, ()), decode)
+            await generation.run(pools, pools, FixedK(k))
+            return len(generation.token_ids)
+
+    async def run(count: int) -> int:
+        gate = asyncio.Semaphore(streams)
+        return sum(await asyncio.gather(*(one(i, gate) for i in range(count))))
+
+    asyncio.run(run(streams))  # warm-up
+    started = time.process_time()
+    tokens = asyncio.run(run(requests))
+    return (time.process_time() - started) / tokens * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--k", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--in-process", action="store_true",
+                        help="the round's own CPU against pools that answer at once")
     args = parser.parse_args()
+    if args.in_process:
+        us = in_process(args.streams, args.k, args.max_tokens, 10 * args.streams)
+        print(f"in process, {args.streams} streams, K = {args.k}: {us:.1f} us of CPU a token")
+        return
     with fresh_serve_run() as (port, _):
         url = f"http://127.0.0.1:{port}"
         loaded(url, args.streams, args.k, 3.0, 8)  # warm-up

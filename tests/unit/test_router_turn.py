@@ -1,0 +1,27 @@
+"""bench.router_turn's in-process mode: its instant pools drive the round as the served pools
+do (the output is the verifier's tokens whatever the drafts), and the measure runs."""
+
+import asyncio
+
+import pytest
+
+from bench.router_turn import InstantPools, in_process
+from speculative.driver import Generation
+from speculative.loop import Request
+from speculative.policy import FixedK
+from speculative.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_the_output_is_the_verifiers_tokens_at_any_k(k):
+    pools = InstantPools(prompt_len=3)
+    generation = Generation(Request("r", (5, 6, 7), SamplingParams(temperature=0,
+                                                                   max_tokens=20)))
+    asyncio.run(generation.run(pools, pools, FixedK(k)))
+    assert generation.token_ids == [pools.at(p) for p in range(20)]
+    if k:  # the drafter is wrong at every third position: some rounds commit several
+        assert generation.stats.rounds < 20
+
+
+def test_the_in_process_measure_runs():
+    assert in_process(streams=2, k=2, max_tokens=8, requests=4) > 0
