@@ -27,6 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bench.newcomer import HELD_OUT, ROOT, fresh_serve_run
 from bench.peer import completion
+from speculative.driver import Generation, text_decoder
+from speculative.loop import Request
+from speculative.policy import FixedK
+from speculative.sampling import SamplingParams
+from speculative.types import DraftBlock, TargetScores
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -74,15 +79,11 @@ class InstantPools:
         return (7 * position) % 500 + 3
 
     async def propose(self, call):
-        from speculative.types import DraftBlock
-
         start = call.sync.committed_len - self.prompt_len
         return DraftBlock(tuple(self.at(p) + (p % 3 == 2) for p in
                                 range(start, start + call.num_speculative_tokens)), None)
 
     async def score(self, call):
-        from speculative.types import TargetScores
-
         start = call.sync.committed_len - self.prompt_len
         return TargetScores(target_token_ids=tuple(
             self.at(p) for p in range(start, start + len(call.draft_token_ids) + 1)))
@@ -95,11 +96,6 @@ def in_process(streams: int, k: int, max_tokens: int, requests: int) -> float:
     """CPU microseconds a token of `requests` greedy requests through the round, `streams`
     at a time, against InstantPools."""
     from transformers import AutoTokenizer
-
-    from speculative.driver import Generation, text_decoder
-    from speculative.loop import Request
-    from speculative.policy import FixedK
-    from speculative.sampling import SamplingParams
 
     decode = text_decoder(AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target"))
     prompt = tuple(range(3, 19))
