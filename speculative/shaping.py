@@ -77,10 +77,17 @@ def add_bias(logits: torch.Tensor, shapings: list[Shaping]) -> None:
             columns += bias
             values += bias.values()
     if rows:
-        device, flat = logits.device, logits.view(-1)  # the entries by their flat index
-        index = torch.tensor(rows, device=device) * vocab + torch.tensor(columns, device=device)
+        flat, index = flat_entries(logits, rows, columns)
         flat.index_copy_(0, index, flat.index_select(0, index) + torch.tensor(
-            values, dtype=torch.float32, device=device))
+            values, dtype=torch.float32, device=logits.device))
+
+
+def flat_entries(logits: torch.Tensor, rows: list[int], columns: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the [N, V] logits as one flat view, the flat indices of the (row, column) entries)."""
+    device, vocab = logits.device, logits.shape[-1]
+    return logits.view(-1), torch.tensor(rows, device=device) * vocab + torch.tensor(
+        columns, device=device)
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
@@ -177,8 +184,7 @@ def hold_ends(logits: torch.Tensor, shapings: list[Shaping]) -> None:
             columns += ends
     if not rows:
         return
-    device, flat = logits.device, logits.view(-1)
-    index = torch.tensor(rows, device=device) * vocab + torch.tensor(columns, device=device)
+    flat, index = flat_entries(logits, rows, columns)
     held = flat.index_select(0, index)
     flat.index_fill_(0, index, float("-inf"))
     room = logits.amax(-1) > float("-inf")  # [N]: a row still has a token to take
