@@ -22,6 +22,13 @@ CONTEXT_TOKENS = 6
 
 
 def text_decoder(tokenizer) -> Decode:
+    """The tokenizer's decode, special tokens skipped. A fast tokenizer that cleans up no
+    spaces decodes through its Rust backend directly: the same text, without transformers'
+    argument handling around it (the detokenizer on the demo tokenizer: 8.0 -> 3.3 us a
+    token, two decodes each)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 

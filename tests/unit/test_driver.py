@@ -5,7 +5,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.driver import Detokenizer, Generation
+from speculative.driver import Detokenizer, Generation, text_decoder
 from speculative.loop import Request
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
@@ -97,7 +97,7 @@ def test_max_tokens_is_length():
 
 
 def detokenized(tokenizer, prompt_ids, ids):
-    detokenizer = Detokenizer(lambda x: tokenizer.decode(x, skip_special_tokens=True), prompt_ids)
+    detokenizer = Detokenizer(text_decoder(tokenizer), prompt_ids)
     pieces = [detokenizer.add(i) for i in ids]
     return "".join(pieces) + detokenizer.flush()
 
@@ -110,6 +110,25 @@ def test_byte_level_text_equals_the_decoded_ids_with_multibyte_characters():
     ids = tokenizer("x): é 日本 🐍 return x\n", add_special_tokens=False)["input_ids"]
     assert len(ids) > 12  # the rare characters are split into byte tokens
     assert detokenized(tokenizer, prompt, ids) == tokenizer.decode(ids)
+
+
+def test_the_decoder_gives_transformers_text_with_or_without_its_backend():
+    import random
+
+    from specserve.demo import train_tokenizer
+    from tests.tiny import rewriting_tokenizer
+
+    direct = train_tokenizer(["def f(x):\n    return x é 日本\n"] * 20, vocab_size=300)
+    assert direct.clean_up_tokenization_spaces is False  # decodes through the backend
+    rewriting = rewriting_tokenizer()
+    assert rewriting.clean_up_tokenization_spaces  # transformers' cleanup: its own decode
+    rng = random.Random(0)
+    for tokenizer in (direct, rewriting):
+        decode = text_decoder(tokenizer)
+        for _ in range(200):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+            ids.insert(rng.randrange(len(ids)), tokenizer.eos_token_id or 0)  # a special one
+            assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_a_tokenizer_whose_decode_rewrites_earlier_text_loses_no_text():
