@@ -23,6 +23,9 @@ from engine.cache import BLOCK_SIZE, PoolCache, UnitPool
 from engine.memory import context_length, kv_budget_bytes, kv_bytes_per_token, too_small
 
 MAX_GAP = 2  # regions between two of a batch that one SDPA call still reads across
+# positions a region is zeroed ahead of its reads: a decoding request's region is zeroed once
+# every ZERO_AHEAD steps, not at every step (two small writes per region in the batch)
+ZERO_AHEAD = 64
 
 
 class RegionPool(UnitPool):
@@ -38,13 +41,15 @@ class RegionPool(UnitPool):
         self.max_tokens = region_tokens
 
     def initialise(self, regions: list[int], length: int) -> None:
-        """Zero the positions below `length` of these regions never written yet."""
+        """Zero the positions below `length` of these regions never written yet, and up to
+        ZERO_AHEAD past it. Keys and values are written only below a region's mark (a plan
+        initialises its batch's end before the batch writes), so zeroing ahead meets none."""
         for region in regions:
             if self.written[region] < length:
-                start = self.written[region]
-                self.keys[:, region, :, start:length].zero_()
-                self.values[:, region, :, start:length].zero_()
-                self.written[region] = length
+                start, end = self.written[region], min(length + ZERO_AHEAD, self.max_tokens)
+                self.keys[:, region, :, start:end].zero_()
+                self.values[:, region, :, start:end].zero_()
+                self.written[region] = end
 
 
 class RegionCache(PoolCache):
