@@ -65,7 +65,7 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
         replica = await local_drafter()
         async with direct(replica, pb_grpc.DrafterStub) as stub:
             gate = threading.Event()
-            replica.worker.submit(gate.wait)  # the model is busy until the gate opens
+            replica.worker.submit(replica.owning, gate.wait)  # the model is busy until the gate opens
             calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"), metadata=KEY()))
                      for i in range(3)]
             await until(lambda: replica.direct_in_flight == 3)
@@ -96,6 +96,38 @@ def test_a_bad_direct_call_is_invalid_argument_and_not_left_in_flight():
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "out of range" in error.details()
             assert replica.direct_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_lone_small_call_runs_on_the_event_loop_and_the_rest_on_the_worker():
+    """A lone call of a few tokens runs on the replica's event loop (no hop to the worker
+    and back); a long feed (a prefill), and a call while the worker holds the engine, run
+    on the worker, the latter once the worker lets go of the engine."""
+    async def main():
+        replica = await local_drafter()
+        ran_on, engine_batch = [], replica.engine_batch
+
+        def recording(run_batch, calls):
+            ran_on.append(threading.current_thread().name)
+            return engine_batch(run_batch, calls)
+
+        replica.engine_batch = recording
+        long = propose("long")
+        long.sync.new_token_ids[:] = list(range(5, 45))
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            small = await stub.Propose(propose("small"), metadata=KEY())
+            await stub.Propose(long, metadata=KEY())
+            gate = threading.Event()
+            replica.worker.submit(replica.owning, gate.wait)  # the worker holds the engine
+            held = asyncio.ensure_future(stub.Propose(propose("held"), metadata=KEY()))
+            await until(lambda: replica.direct_in_flight == 1)
+            await asyncio.sleep(0.05)
+            assert not held.done()  # it waits for the engine, not beside it
+            gate.set()
+            assert len((await held).token_ids) == len(small.token_ids) == 3
+        assert ran_on[0] == threading.current_thread().name
+        assert [name.startswith("engine") for name in ran_on] == [False, True, True]
 
     asyncio.run(main())
 
@@ -179,7 +211,7 @@ def test_a_stuck_model_worker_fails_the_health_check():
         replica = await local_replica(DrafterPool, DrafterArgs(health_stall_s=0.2))
         await replica.check_health()  # idle: healthy
         gate = threading.Event()
-        replica.worker.submit(gate.wait)  # the worker is stuck
+        replica.worker.submit(replica.owning, gate.wait)  # the worker is stuck
         call = asyncio.ensure_future(replica.Propose(propose("s")))
         await until(lambda: replica.waiting == 1)
         await asyncio.sleep(0.3)
@@ -233,7 +265,7 @@ def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
                 return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
                                        sync=pb.PrefixSync(new_token_ids=range(1, length + 1)))
             gate = threading.Event()
-            replica.worker.submit(gate.wait)  # the model is busy until the gate opens
+            replica.worker.submit(replica.owning, gate.wait)  # the model is busy until the gate opens
             first = asyncio.ensure_future(stub.Score(long_score("x", 8), metadata=KEY()))
             await until(lambda: replica.waiting == 1)  # x holds the batcher: a and b queue
             calls = [asyncio.ensure_future(stub.Score(long_score(r), metadata=KEY()))

@@ -72,7 +72,7 @@ def run_stream_case(mutant=None):
             expected = await unary_answers(replica, stub)
             assert len({tuple(e.token_ids) for e in expected.values()}) == len(CALLS)
             gate = threading.Event()
-            replica.worker.submit(gate.wait)  # busy: the message's calls wait together
+            replica.worker.submit(replica.owning, gate.wait)  # busy: the message's calls wait together
             entries = [pb.ProposeEntry(tag=tag, call=call) for tag, call in enumerate(CALLS, 1)]
             reply = asyncio.ensure_future(one_message(stub, entries))
             await until(lambda: replica.waiting == len(CALLS))
@@ -109,7 +109,7 @@ def test_a_bad_entry_is_refused_alone_and_a_cancelled_one_never_runs():
         async with direct(replica, pb_grpc.DrafterStub) as stub:
             bad = propose("bad", 2, [10**6])  # outside the vocabulary
             gate = threading.Event()
-            replica.worker.submit(gate.wait)
+            replica.worker.submit(replica.owning, gate.wait)
             stream = stub.ProposeStream(metadata=KEY())
             await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=1, call=CALLS[0])]))
             await until(lambda: replica.waiting == 1)  # its batch waits for the worker
@@ -173,7 +173,7 @@ def test_the_client_pins_then_streams_and_falls_back_when_the_replica_is_gone():
         first = [await client.call("Propose", call, call.request_id) for call in CALLS]
         assert Proxy.calls == len(CALLS) and set(client.pins.values()) == {replica.address}
         gate = threading.Event()
-        replica.worker.submit(gate.wait)
+        replica.worker.submit(replica.owning, gate.wait)
         again = [propose(c.request_id, c.num_speculative_tokens, []) for c in CALLS]
         for message, call in zip(again, CALLS):  # builds on the prefix the first call sent
             message.sync.known_len = len(call.sync.new_token_ids)
@@ -201,7 +201,7 @@ def test_a_deadline_withdraws_the_call():
             stream = ReplicaStream(stub, "ProposeStream", pb.ProposeBatch, pb.ProposeEntry,
                                    "drafter")
             gate = threading.Event()
-            replica.worker.submit(gate.wait)
+            replica.worker.submit(replica.owning, gate.wait)
             submitted = recording(replica)
             running = asyncio.ensure_future(stream.call(CALLS[2], 5.0))
             await until(lambda: replica.waiting == 1)  # its batch waits for the worker
