@@ -20,7 +20,7 @@ from speculative.types import TargetScores
 IDS = ("target_token_ids", "recovered_token_ids", "bonus_token_id")
 FIELDS = (*IDS, "draft_target_probs", "accept_probs")
 
-_state = threading.local()  # the engine's worker thread runs one batch at a time
+_state = threading.local()  # per thread: a batch runs on the worker, or a lone call on the loop
 
 
 def deferred() -> bool:

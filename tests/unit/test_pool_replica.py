@@ -53,6 +53,15 @@ def propose(request_id: str) -> pb.ProposeRequest:
                              sampling=pb.SamplingParams(temperature=0))
 
 
+async def hold_engine(replica) -> threading.Event:
+    """The replica's worker holds the engine until the gate returned is set: the model is
+    busy, and calls wait for it (a lone one too, which would otherwise run on the loop)."""
+    gate = threading.Event()
+    replica.worker.submit(replica.owning, gate.wait)
+    await until(replica.engine_lock.locked)
+    return gate
+
+
 async def until(condition, timeout_s: float = 10) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():
@@ -64,8 +73,7 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
     async def main():
         replica = await local_drafter()
         async with direct(replica, pb_grpc.DrafterStub) as stub:
-            gate = threading.Event()
-            replica.worker.submit(replica.owning, gate.wait)  # the model is busy until the gate opens
+            gate = await hold_engine(replica)  # the model is busy until the gate opens
             calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"), metadata=KEY()))
                      for i in range(3)]
             await until(lambda: replica.direct_in_flight == 3)
@@ -118,8 +126,7 @@ def test_a_lone_small_call_runs_on_the_event_loop_and_the_rest_on_the_worker():
         async with direct(replica, pb_grpc.DrafterStub) as stub:
             small = await stub.Propose(propose("small"), metadata=KEY())
             await stub.Propose(long, metadata=KEY())
-            gate = threading.Event()
-            replica.worker.submit(replica.owning, gate.wait)  # the worker holds the engine
+            gate = await hold_engine(replica)  # the worker holds the engine
             held = asyncio.ensure_future(stub.Propose(propose("held"), metadata=KEY()))
             await until(lambda: replica.direct_in_flight == 1)
             await asyncio.sleep(0.05)
@@ -210,8 +217,7 @@ def test_a_stuck_model_worker_fails_the_health_check():
     async def main():
         replica = await local_replica(DrafterPool, DrafterArgs(health_stall_s=0.2))
         await replica.check_health()  # idle: healthy
-        gate = threading.Event()
-        replica.worker.submit(replica.owning, gate.wait)  # the worker is stuck
+        gate = await hold_engine(replica)  # the worker is stuck
         call = asyncio.ensure_future(replica.Propose(propose("s")))
         await until(lambda: replica.waiting == 1)
         await asyncio.sleep(0.3)
@@ -264,8 +270,7 @@ def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
             def long_score(request_id: str, length: int = 120) -> pb.ScoreRequest:
                 return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
                                        sync=pb.PrefixSync(new_token_ids=range(1, length + 1)))
-            gate = threading.Event()
-            replica.worker.submit(replica.owning, gate.wait)  # the model is busy until the gate opens
+            gate = await hold_engine(replica)  # the model is busy until the gate opens
             first = asyncio.ensure_future(stub.Score(long_score("x", 8), metadata=KEY()))
             await until(lambda: replica.waiting == 1)  # x holds the batcher: a and b queue
             calls = [asyncio.ensure_future(stub.Score(long_score(r), metadata=KEY()))

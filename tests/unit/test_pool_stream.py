@@ -3,7 +3,6 @@ waiting for a replica goes in one message, the replica's batcher receives them t
 each call is answered (or refused) by its own tag."""
 
 import asyncio
-import threading
 
 import grpc
 import pytest
@@ -14,7 +13,14 @@ from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from tests.unit.test_pool_replica import KEY, direct, local_replica, pool_secret, until  # noqa: F401
+from tests.unit.test_pool_replica import (  # noqa: F401
+    KEY,
+    direct,
+    hold_engine,
+    local_replica,
+    pool_secret,
+    until,
+)
 
 
 def propose(request_id: str, k: int, prompt: list[int]) -> pb.ProposeRequest:
@@ -71,8 +77,7 @@ def run_stream_case(mutant=None):
         async with direct(replica, pb_grpc.DrafterStub) as stub:
             expected = await unary_answers(replica, stub)
             assert len({tuple(e.token_ids) for e in expected.values()}) == len(CALLS)
-            gate = threading.Event()
-            replica.worker.submit(replica.owning, gate.wait)  # busy: the message's calls wait together
+            gate = await hold_engine(replica)  # busy: the message's calls wait together
             entries = [pb.ProposeEntry(tag=tag, call=call) for tag, call in enumerate(CALLS, 1)]
             reply = asyncio.ensure_future(one_message(stub, entries))
             await until(lambda: replica.waiting == len(CALLS))
@@ -108,8 +113,7 @@ def test_a_bad_entry_is_refused_alone_and_a_cancelled_one_never_runs():
         replica = await local_replica(DrafterPool, DrafterArgs())
         async with direct(replica, pb_grpc.DrafterStub) as stub:
             bad = propose("bad", 2, [10**6])  # outside the vocabulary
-            gate = threading.Event()
-            replica.worker.submit(replica.owning, gate.wait)
+            gate = await hold_engine(replica)
             stream = stub.ProposeStream(metadata=KEY())
             await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=1, call=CALLS[0])]))
             await until(lambda: replica.waiting == 1)  # its batch waits for the worker
@@ -172,8 +176,7 @@ def test_the_client_pins_then_streams_and_falls_back_when_the_replica_is_gone():
                             pb_grpc.DrafterStub(channel), "drafter", 5.0, direct=True)
         first = [await client.call("Propose", call, call.request_id) for call in CALLS]
         assert Proxy.calls == len(CALLS) and set(client.pins.values()) == {replica.address}
-        gate = threading.Event()
-        replica.worker.submit(replica.owning, gate.wait)
+        gate = await hold_engine(replica)
         again = [propose(c.request_id, c.num_speculative_tokens, []) for c in CALLS]
         for message, call in zip(again, CALLS):  # builds on the prefix the first call sent
             message.sync.known_len = len(call.sync.new_token_ids)
@@ -200,8 +203,7 @@ def test_a_deadline_withdraws_the_call():
         async with direct(replica, pb_grpc.DrafterStub) as stub:
             stream = ReplicaStream(stub, "ProposeStream", pb.ProposeBatch, pb.ProposeEntry,
                                    "drafter")
-            gate = threading.Event()
-            replica.worker.submit(replica.owning, gate.wait)
+            gate = await hold_engine(replica)
             submitted = recording(replica)
             running = asyncio.ensure_future(stream.call(CALLS[2], 5.0))
             await until(lambda: replica.waiting == 1)  # its batch waits for the worker
