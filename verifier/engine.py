@@ -136,7 +136,8 @@ class ModelVerifier:
         """Each call's scores from its logits [K + 1, V] (its drafted positions and the one
         after them). Sampled calls sharing a shape (chain or tree, K) and a law (temperature,
         top-k, top-p) turn their logits into probabilities together, and the chains among
-        them draw together (draw_recovered_and_bonus): a few ops per batch, not per call."""
+        them draw together (draw_recovered_and_bonus): a few ops per batch, not per call. So
+        do the greedy calls with as many rows: one argmax (greedy_scores)."""
         shaped = self.shaped(calls, logits, extras)
         scores: list = [None] * len(calls)
         probs: list = [None] * len(calls)
@@ -160,8 +161,11 @@ class ModelVerifier:
                 for row, index in enumerate(group):
                     scores[index] = tree_scores_of(calls[index], target_probs[row],
                                                    extras[index][0])
-        return [self.finished(call, scores[i] if scores[i] is not None else
-                              greedy_scores(shaped[i]), probs[i], raw, extra)
+        for group in grouped([len(shaped[i]) if call.sampling.greedy else None
+                              for i, call in enumerate(calls)]):
+            for index, result in zip(group, greedy_scores([shaped[i] for i in group])):
+                scores[index] = result
+        return [self.finished(call, scores[i], probs[i], raw, extra)
                 for i, (call, raw, extra) in enumerate(zip(calls, logits, extras))]
 
     @staticmethod
@@ -221,11 +225,16 @@ class ModelVerifier:
             drafted_rows))
 
 
-def greedy_scores(logits: torch.Tensor) -> TargetScores:
-    """The target's argmax at each of [K + 1, V] rows, on the device until the batch's one
-    transfer."""
-    ids = logits.argmax(-1)
-    return TargetScores(target_token_ids=ids if host.deferred() else tuple(ids.tolist()))
+def greedy_scores(logits: list[torch.Tensor]) -> list[TargetScores]:
+    """Each call's target argmax at each of its rows, from N calls' logits of equal shape
+    [R, V]: one argmax over them, kept on the device (Parts of one [N, R] block) until the
+    batch's one transfer."""
+    ids = torch.stack(logits).argmax(-1)  # [N, R]
+    if not host.deferred():
+        return [TargetScores(target_token_ids=tuple(row)) for row in ids.tolist()]
+    block = ids.double()  # ids < 2**53 travel exactly
+    return [TargetScores(target_token_ids=host.Part(block, i, 0, block.shape[1]))
+            for i in range(len(logits))]
 
 
 def matched(call: ScoreCall) -> bool:
