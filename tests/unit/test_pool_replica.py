@@ -108,12 +108,32 @@ def test_a_bad_direct_call_is_invalid_argument_and_not_left_in_flight():
     asyncio.run(main())
 
 
-def test_a_lone_small_call_runs_on_the_event_loop_and_the_rest_on_the_worker():
+def greedy_score(request_id: str, length: int = 3) -> pb.ScoreRequest:
+    return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
+                           sync=pb.PrefixSync(new_token_ids=range(5, 5 + length)))
+
+
+def sized_propose(request_id: str, length: int = 3) -> pb.ProposeRequest:
+    request = propose(request_id)
+    request.sync.new_token_ids[:] = list(range(5, 5 + length))
+    return request
+
+
+LONE_CALLS = {  # pool: (replica class, args, stub, rpc, a request of `length` new tokens)
+    "drafter": (DrafterPool, DrafterArgs(), pb_grpc.DrafterStub, "Propose", sized_propose),
+    "verifier": (VerifierPool, VerifierArgs(), pb_grpc.VerifierStub, "Score", greedy_score),
+}
+
+
+@pytest.mark.parametrize("pool", LONE_CALLS)
+def test_a_lone_small_call_runs_on_the_event_loop_and_the_rest_on_the_worker(pool):
     """A lone call of a few tokens runs on the replica's event loop (no hop to the worker
     and back); a long feed (a prefill), and a call while the worker holds the engine, run
     on the worker, the latter once the worker lets go of the engine."""
+    cls, args, stub_class, rpc, request = LONE_CALLS[pool]
+
     async def main():
-        replica = await local_drafter()
+        replica = await local_replica(cls, args)
         ran_on, engine_batch = [], replica.engine_batch
 
         def recording(run_batch, calls):
@@ -121,18 +141,17 @@ def test_a_lone_small_call_runs_on_the_event_loop_and_the_rest_on_the_worker():
             return engine_batch(run_batch, calls)
 
         replica.engine_batch = recording
-        long = propose("long")
-        long.sync.new_token_ids[:] = list(range(5, 45))
-        async with direct(replica, pb_grpc.DrafterStub) as stub:
-            small = await stub.Propose(propose("small"), metadata=KEY())
-            await stub.Propose(long, metadata=KEY())
+        async with direct(replica, stub_class) as stub:
+            call = getattr(stub, rpc)
+            small = await call(request("small"), metadata=KEY())
+            await call(request("long", 40), metadata=KEY())
             gate = await hold_engine(replica)  # the worker holds the engine
-            held = asyncio.ensure_future(stub.Propose(propose("held"), metadata=KEY()))
+            held = asyncio.ensure_future(call(request("held"), metadata=KEY()))
             await until(lambda: replica.direct_in_flight == 1)
             await asyncio.sleep(0.05)
             assert not held.done()  # it waits for the engine, not beside it
             gate.set()
-            assert len((await held).token_ids) == len(small.token_ids) == 3
+            assert (await held).direct_address == small.direct_address == replica.address
         assert ran_on[0] == threading.current_thread().name
         assert [name.startswith("engine") for name in ran_on] == [False, True, True]
 
