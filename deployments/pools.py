@@ -149,12 +149,7 @@ class PoolReplica:
             self.occupancy.observe(len(calls))
             self.metrics.record_batch(len(calls), max_batch_size)
             try:
-                if self.runs_inline(calls) and self.engine_lock.acquire(blocking=False):
-                    try:
-                        return self.engine_batch(run_batch, calls)
-                    finally:
-                        self.engine_lock.release()
-                return await self.on_worker(self.engine_batch, run_batch, calls)
+                return await self.run_engine(run_batch, calls)
             finally:
                 self.last_progress = time.monotonic()
 
@@ -196,6 +191,16 @@ class PoolReplica:
         if self.waiting and stalled > self.health_stall_s:
             raise RuntimeError(f"{self.waiting} calls wait and the model worker has not "
                                f"finished a batch for {stalled:.0f} s")
+
+    async def run_engine(self, run_batch, calls: list) -> list:
+        """The batch's answers: on the event loop when it runs inline and the engine is
+        free, else on the worker."""
+        if self.runs_inline(calls) and self.engine_lock.acquire(blocking=False):
+            try:
+                return self.engine_batch(run_batch, calls)
+            finally:
+                self.engine_lock.release()
+        return await self.on_worker(self.engine_batch, run_batch, calls)
 
     def runs_inline(self, calls: list) -> bool:
         """A lone small call runs on the event loop itself, when the worker is not using the

@@ -47,10 +47,17 @@ async def local_drafter():
     return await local_replica(DrafterPool, DrafterArgs())
 
 
-def propose(request_id: str) -> pb.ProposeRequest:
+def propose(request_id: str, length: int = 3) -> pb.ProposeRequest:
+    """A greedy K = 3 call after `length` new tokens (5, 6, 7, ...)."""
     return pb.ProposeRequest(request_id=request_id, num_speculative_tokens=3,
-                             sync=pb.PrefixSync(new_token_ids=[5, 6, 7]),
+                             sync=pb.PrefixSync(new_token_ids=range(5, 5 + length)),
                              sampling=pb.SamplingParams(temperature=0))
+
+
+def greedy_score(request_id: str, length: int = 120) -> pb.ScoreRequest:
+    """A greedy call without drafts after `length` new tokens (1, 2, 3, ...)."""
+    return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
+                           sync=pb.PrefixSync(new_token_ids=range(1, length + 1)))
 
 
 async def hold_engine(replica) -> threading.Event:
@@ -108,19 +115,8 @@ def test_a_bad_direct_call_is_invalid_argument_and_not_left_in_flight():
     asyncio.run(main())
 
 
-def greedy_score(request_id: str, length: int = 3) -> pb.ScoreRequest:
-    return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
-                           sync=pb.PrefixSync(new_token_ids=range(5, 5 + length)))
-
-
-def sized_propose(request_id: str, length: int = 3) -> pb.ProposeRequest:
-    request = propose(request_id)
-    request.sync.new_token_ids[:] = list(range(5, 5 + length))
-    return request
-
-
 LONE_CALLS = {  # pool: (replica class, args, stub, rpc, a request of `length` new tokens)
-    "drafter": (DrafterPool, DrafterArgs(), pb_grpc.DrafterStub, "Propose", sized_propose),
+    "drafter": (DrafterPool, DrafterArgs(), pb_grpc.DrafterStub, "Propose", propose),
     "verifier": (VerifierPool, VerifierArgs(), pb_grpc.VerifierStub, "Score", greedy_score),
 }
 
@@ -143,10 +139,10 @@ def test_a_lone_small_call_runs_on_the_event_loop_and_the_rest_on_the_worker(poo
         replica.engine_batch = recording
         async with direct(replica, stub_class) as stub:
             call = getattr(stub, rpc)
-            small = await call(request("small"), metadata=KEY())
+            small = await call(request("small", 3), metadata=KEY())
             await call(request("long", 40), metadata=KEY())
             gate = await hold_engine(replica)  # the worker holds the engine
-            held = asyncio.ensure_future(call(request("held"), metadata=KEY()))
+            held = asyncio.ensure_future(call(request("held", 3), metadata=KEY()))
             await until(lambda: replica.direct_in_flight == 1)
             await asyncio.sleep(0.05)
             assert not held.done()  # it waits for the engine, not beside it
@@ -286,13 +282,10 @@ def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
         replica = await local_replica(VerifierPool, VerifierArgs(kv_cache_tokens=16,
                                                                  max_cached_requests=2))
         async with direct(replica, pb_grpc.VerifierStub) as stub:
-            def long_score(request_id: str, length: int = 120) -> pb.ScoreRequest:
-                return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
-                                       sync=pb.PrefixSync(new_token_ids=range(1, length + 1)))
             gate = await hold_engine(replica)  # the model is busy until the gate opens
-            first = asyncio.ensure_future(stub.Score(long_score("x", 8), metadata=KEY()))
+            first = asyncio.ensure_future(stub.Score(greedy_score("x", 8), metadata=KEY()))
             await until(lambda: replica.waiting == 1)  # x holds the batcher: a and b queue
-            calls = [asyncio.ensure_future(stub.Score(long_score(r), metadata=KEY()))
+            calls = [asyncio.ensure_future(stub.Score(greedy_score(r), metadata=KEY()))
                      for r in ("a", "b")]
             await until(lambda: replica.waiting == 3)
             gate.set()
@@ -306,7 +299,7 @@ def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "KV cache" in refused.details()
             await stub.Release(pb.ReleaseRequest(request_id=served_id), metadata=KEY())
-            again = await stub.Score(long_score(refused_id), metadata=KEY())
+            again = await stub.Score(greedy_score(refused_id), metadata=KEY())
             assert again.greedy.target_token_ids == served.greedy.target_token_ids
 
     asyncio.run(main())
