@@ -138,7 +138,7 @@ class Generation:
             self.stop_reason = added[-1]
         if self.detokenizer is None:
             return
-        first_output = len(self.token_ids) - len(added)
+        first_output = self.state.num_output_tokens - len(added)
         min_tokens = self.state.request.sampling.min_tokens  # no stop string before (as vLLM)
         for offset, token in enumerate(added):
             delta = self.detokenizer.add(token)

@@ -99,8 +99,13 @@ class RequestState:
         return self.committed[len(self.request.prompt_token_ids) :]
 
     @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids), without the copy (asked several times a round)."""
+        return len(self.committed) - len(self.request.prompt_token_ids)
+
+    @property
     def remaining(self) -> int:
-        return self.request.sampling.max_tokens - len(self.output_token_ids)
+        return self.request.sampling.max_tokens - self.num_output_tokens
 
     def commit(self, token_ids: tuple[int, ...], logprobs: list | None = None) -> list[int]:
         """Append a round's output (and its logprobs), cut at a stop token or max_tokens;

@@ -60,6 +60,9 @@ class ModelVerifier:
         self.grammar_tokenizer = grammar_tokenizer
         self.max_batch_tokens = max_batch_tokens  # per forward; None: no chunked prefill
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        # read once: transformers' config answers an attribute through its own
+        # __getattribute__, about 1 us a read, on every call of a batch
+        self.vocab_size = self.model.config.vocab_size
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
 
     async def score(self, call: ScoreCall) -> TargetScores:
@@ -92,7 +95,7 @@ class ModelVerifier:
         (q, history)), history the (prompt, output) a penalised call's logits need; a feed
         longer than `limit` is cut (the segment asks no logits) and resumed by the same
         call."""
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.vocab_size
         check_call(call.sync.new_token_ids + call.draft_token_ids + call.sampling.shaping_ids,
                    vocab_size, len(call.draft_token_ids))
         drafted = list(call.draft_token_ids)
@@ -129,7 +132,7 @@ class ModelVerifier:
             return None
         matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
         return matcher.masks(sequence.committed[call.prompt_len:], drafted,
-                             self.model.config.vocab_size, self.device)
+                             self.vocab_size, self.device)
 
     def finish(self, calls: list[ScoreCall], logits: list[torch.Tensor], extras: list
                ) -> list[TargetScores]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafter.model import ModelDrafter
-from engine.kv import SessionStore
+from engine.kv import SessionStore, common_prefix_len
 from engine.runner import serving_runner
 from speculative.loop import Request, RequestState, run_rounds
 from speculative.policy import FixedK
@@ -90,6 +90,24 @@ def test_the_growing_fingerprint_equals_hashing_the_whole_prefix():
     assert hasher.of(ids) == prefix_hash(ids)
     assert hasher.of([]) == prefix_hash([])
     assert hasher.of([9, 8]) == prefix_hash([9, 8]) != prefix_hash([8, 9])
+
+
+def test_the_common_prefix_is_the_first_difference_wherever_it_lies():
+    """A cached sequence against the next feed: the length of their common prefix whether
+    they differ at the start, in the middle, in the last few ids (rejected drafts), not at
+    all, or one is a prefix of the other, in either order; checked against a scan."""
+    def scanned(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    rng = random.Random(11)
+    for _ in range(3000):
+        a = [rng.randrange(4) for _ in range(rng.choice((0, 1, 7, 60, 700)))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(9))]
+        assert common_prefix_len(a, b) == common_prefix_len(b, a) == scanned(a, b)
+    ids = list(range(1000))
+    for at in (0, 1, 7, 8, 9, 63, 64, 65, 500, 991, 992, 999):
+        other = ids[:at] + [-1] + ids[at + 1:]
+        assert common_prefix_len(ids, other) == at
 
 
 def test_the_lru_bound_holds_and_evicts_the_least_recently_used():
