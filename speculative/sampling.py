@@ -277,8 +277,11 @@ def inverted(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[R] index of each row of [R, m] weights at which its cumulative sum passes the row's
     uniform [R, 1] times its total."""
     cumulative = weights.double().cumsum(-1)
-    index = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
-    last = cumulative.argmax(-1, keepdim=True)  # the first entry at the total: its last > 0
+    total = cumulative[:, -1:].contiguous()
+    index = torch.searchsorted(cumulative, uniform * total, right=True)
+    # the first entry at the total (the row's last > 0), found by bisection: a cumulative
+    # sum of weights >= 0 never decreases (an argmax over it took 60 of 140 us at 16 x 4096)
+    last = torch.searchsorted(cumulative, total)
     return torch.minimum(index, last).squeeze(-1)  # a product rounded up to the row's total
 
 

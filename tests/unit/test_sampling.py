@@ -2,8 +2,9 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from speculative.sampling import (SamplingParams, draft_law, kept_entries, logits_to_probs, sample,
-                                  sample_each, sample_rows, seeded_generator)
+from speculative.sampling import (SamplingParams, draft_law, inverted, kept_entries,
+                                  logits_to_probs, sample, sample_each, sample_rows,
+                                  seeded_generator)
 from tests.stats.chisq import chi_square
 
 
@@ -117,6 +118,13 @@ def test_sample_follows_unnormalised_weights_and_never_picks_a_zero():
 def test_a_uniform_that_rounds_up_to_the_total_picks_the_last_positive_weight(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *_, **kw: torch.tensor(1.0, dtype=kw["dtype"]))
     assert sample(torch.tensor([0.25, 0.75, 0.0]), torch.Generator()) == 1
+    # rows whose last positive weight lies in different places, zeros between: each row's own
+    weights = torch.tensor([[0.25, 0.75, 0.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.5, 0.0],
+                            [0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0, 0.0]])
+    ones = torch.ones(4, 1, dtype=torch.float64)
+    assert inverted(weights, ones).tolist() == [1, 3, 4, 1]
+    assert inverted(weights, ones * 0.6).tolist() == [1, 3, 4, 1]
+    assert inverted(weights, ones * 0.0).tolist() == [0, 0, 4, 1]
 
 
 def test_sample_each_draws_each_row_as_its_generator_would_alone():
