@@ -178,8 +178,10 @@ class ModelDrafter:
                 draft.took(token)
                 if len(draft.token_ids) < draft.num_tokens and \
                         draft.confidence >= draft.threshold:
-                    still.append((index, draft, draft.sequence.segment(
-                        self.runner, draft.assumed + draft.token_ids, 1)))
+                    # the cache holds committed + assumed + the draft before `token`, which
+                    # the step drew: it is fed next
+                    still.append((index, draft, draft.sequence.next_segment(
+                        self.runner, token)))
             active = still
         return first_tokens
 
@@ -287,7 +289,10 @@ class ModelDrafter:
         greedy drafts take their argmax together (no q); sampled ones draw from the q they
         ship, those sharing a law as one batch of rows."""
         greedy = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
-        parts = [lines[greedy].argmax(-1)] if greedy else []  # [greedy drafts]
+        if greedy:  # [greedy drafts]; all of them: the lines themselves, not a copy
+            parts = [(lines if len(greedy) == len(drafts) else lines[greedy]).argmax(-1)]
+        else:
+            parts = []
         sampled = []  # alone: any draft when q is cut by mass (rows of any length)
         for rows in grouped([None if draft.call.sampling.greedy else (row,)
                              if self.draft_q_mass < 1 else draft.call.sampling.law_key

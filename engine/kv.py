@@ -154,6 +154,12 @@ class Sequence:
                 [NO_TOKEN] * (len(parents) - in_place)
         return segment
 
+    def next_segment(self, runner, token: int) -> Segment:
+        """What segment() gives for one token after everything the cache holds, its logits
+        asked, without comparing the whole sequence with the cache: a draft's next step,
+        whose previous step fed the sequence up to the token before."""
+        return self.prepare(runner, [token], len(self.cached_ids), 1)
+
     def prepare(self, runner, token_ids: list[int], start: int, num_logits: int) -> Segment:
         """Crop the cache to `start` tokens; the segment feeds token_ids after it."""
         if self.cache is not None and self.cache.get_seq_length() > 0:

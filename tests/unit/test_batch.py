@@ -193,6 +193,29 @@ def test_drafting_in_a_batch_equals_drafting_alone(temperature):
     assert together[0].load.batch_size == 4
 
 
+@pytest.mark.parametrize("engine", ["auto", "transformers"])
+def test_greedy_drafts_are_the_draft_models_own_continuation_across_rollbacks(engine):
+    """Each greedy block is what the draft model generates alone from the committed prefix,
+    round after round, for two requests drafted together: rounds that accept part of a
+    block and commit a token of their own (the draft's cache rolls back), and rounds that
+    accept it whole (the block's last token, never fed, is fed with the next)."""
+    draft = tiny_llama(4)
+    drafter = ModelDrafter(draft, engine=engine)
+    params = SamplingParams(temperature=0.0)
+    committed = {"a": [3, 1, 4, 1, 5], "b": [2, 7, 1, 8, 2, 8, 1, 8]}
+    known = {request_id: [] for request_id in committed}
+    accepted = iter([0, 4, 2, 4, 1, 3, 4, 0, 2, 4, 4, 1] * 2)
+    for round_ in range(12):
+        calls = [ProposeCall(request_id, sync(known[request_id], ids[len(known[request_id]):]),
+                             4, params, seed=0) for request_id, ids in committed.items()]
+        for call, block in zip(calls, drafter.propose_batch(calls)):
+            ids = committed[call.request_id]
+            assert list(block.token_ids) == hf_greedy(draft, ids, 4), (round_, call.request_id)
+            known[call.request_id] = ids
+            committed[call.request_id] = ids + list(block.token_ids[:next(accepted)]) + \
+                [(7 * round_ + len(ids)) % 64]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_shaped_drafts_in_a_batch_equal_drafting_alone(temperature):
     """Drafts under penalties, a bias and min_tokens, beside a plain one: shaped together in
