@@ -19,8 +19,9 @@ import time
 
 import torch
 
+from speculative.loop import PoolView
 from speculative.sampling import SamplingParams
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall, ScoreCall, prefix_hash
+from speculative.types import NO_DRAFT, GrowingPrefixHash, PrefixSync, ProposeCall, ScoreCall
 
 
 class ForwardClock:
@@ -48,22 +49,24 @@ def batch_time(work, clock: ForwardClock, *args) -> tuple:
 
 
 class Requests:
-    """The requests' committed tokens and what each pool was last told of them."""
+    """The requests' committed tokens and what each pool was last told of them (the router's
+    PoolView per pool)."""
 
     def __init__(self, count: int, prompt_tokens: int, vocab_size: int) -> None:
         self.committed = [[(7 * i + j) % (vocab_size - 1) + 1 for j in range(prompt_tokens)]
                           for i in range(count)]
-        self.known = {"drafter": [0] * count, "verifier": [0] * count}
+        self.hashers = [GrowingPrefixHash() for _ in range(count)]
+        self.views = {pool: [PoolView() for _ in range(count)] for pool in ("drafter", "verifier")}
 
     def sync(self, pool: str, index: int) -> PrefixSync:
-        ids, known = self.committed[index], self.known[pool][index]
-        fingerprint = prefix_hash(ids[:known]) if known else EMPTY_PREFIX_HASH
-        return PrefixSync(known, fingerprint, tuple(ids[known:]))
+        return self.views[pool][index].prefix_sync(self.committed[index])
 
     def commit(self, index: int, drafted: tuple, own: int) -> None:
+        """Both pools hold the prefix they were just sent; then the round's tokens."""
         ids = self.committed[index]
-        for pool in self.known.values():
-            pool[index] = len(ids)
+        fingerprint = self.hashers[index].of(ids)
+        for views in self.views.values():
+            views[index].confirm(len(ids), fingerprint)
         ids.extend([*drafted[:2], own])
 
 
@@ -86,18 +89,16 @@ def measure(drafter, verifier, requests: int, k: int, batches: int, prompt_token
     times: dict[str, list] = {"drafter": [], "verifier": []}
     for round_ in range(batches + 4):
         seed = 1000 * round_
-        blocks = [None] * requests
+        blocks = [NO_DRAFT] * requests
         if k:
             calls = [ProposeCall(f"r{i}", state.sync("drafter", i), k, params, seed=seed + i)
                      for i in range(requests)]
             blocks, *drafter_times = batch_time(drafter.propose_batch, clocks["drafter"], calls)
-        calls = [ScoreCall(f"r{i}", state.sync("verifier", i),
-                           blocks[i].token_ids if k else (), params,
-                           blocks[i].draft_probs if k else None, seed=seed + i)
-                 for i in range(requests)]
+        calls = [ScoreCall(f"r{i}", state.sync("verifier", i), blocks[i].token_ids, params,
+                           blocks[i].draft_probs, seed=seed + i) for i in range(requests)]
         scores, *verifier_times = batch_time(verifier.score_batch, clocks["verifier"], calls)
         for i, answer in enumerate(scores):
-            drafted = blocks[i].token_ids if k else ()
+            drafted = blocks[i].token_ids
             state.commit(i, drafted, own_token(answer, min(2, len(drafted))))
         if round_ >= 4:  # the first: prefills; then warm-up
             times["verifier"].append(verifier_times)
