@@ -321,6 +321,13 @@ class CostModel:
         # the fit's a is the time at n = 1: split into a call's part and a token's
         return max(1e-6, per_call - per_token + per_token * num_tokens)
 
+    def draft_call_seconds(self, load: float = 1.0) -> float:
+        """What waiting for a draft call adds to a round beyond the draft's compute: as the
+        rounds that waited for one measured it, else a pool call's share of a round without
+        a draft (one call, as a draft's is)."""
+        hop = self.draft_hop.value
+        return hop if hop is not None else self.overhead_seconds(0, load)
+
     def token_seconds(self) -> float:
         """What one more drafted token costs a round: a draft step and one more token in the
         verifier's batch (the lines' slopes; speculative.confidence)."""

@@ -238,20 +238,22 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
     return block
 
 
-def draft_beside(state: RequestState, k: int, pipelined: bool) -> int | None:
+def draft_beside(state: RequestState, k: int, fresh: bool) -> int | None:
     """The length of the draft a round without candidates asks for beside a verify of none
     (K = 0), or None when it drafts first and then verifies, as a sequential round does.
 
-    Pipelined, a round without pre-drafted candidates (the first, or one after a rejection)
-    is the target's alone while the drafter drafts K + 1 tokens from the committed prefix
-    beside it: y1 is settled at the round's own position, as a pre-draft is
+    `fresh` (a pipelined request whose policy restarts fresh: KPolicy.restarts_fresh): a
+    round without pre-drafted candidates (the first, or one after a rejection) is the
+    target's alone while the drafter drafts K + 1 tokens from the committed prefix beside
+    it: y1 is settled at the round's own position, as a pre-draft is
     (continue_with_predraft), and y2.. are the next candidates, so no round waits for a
-    draft. A first round that is not pipelined asks for 0 tokens beside its verify: the
-    drafter's prefill, overlapping the target's instead of adding to it.
+    draft. Otherwise a first round asks for 0 tokens beside its verify: the drafter's
+    prefill, overlapping the target's instead of adding to it; the rounds after it draft
+    first (a pipelined one then pre-drafts the next block beside its verify).
     """
     if k <= 0 or state.draft_backoff.skipping:
         return None
-    if pipelined and tests_predraft(state.request.sampling):
+    if fresh and tests_predraft(state.request.sampling):
         return min(k + 1, state.remaining - 1) or None
     return None if state.drafter_called else 0
 
@@ -278,7 +280,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     state.draft_confidence = policy.draft_confidence()
     k, state.round_tree = round_tree(state, policy, k,
                                      block is None and not pipelined and k == wanted)
-    beside = None if meter.carried else draft_beside(state, k, pipelined)
+    beside = None if meter.carried else \
+        draft_beside(state, k, pipelined and policy.restarts_fresh())
     if block is None and beside is None:
         block = await draft(state, drafter, k)
         meter.fell_back = block is None

@@ -67,6 +67,11 @@ class KPolicy(Protocol):
         Asked every round; free: whether the round drafts K now, sequentially (else it is
         a chain whatever the answer)."""
 
+    def restarts_fresh(self) -> bool:
+        """Whether a pipelined round without candidates (the first, or one after a
+        rejection) runs the target alone beside a fresh draft of K + 1 (True), or drafts its
+        K first and verifies them beside the next block's pre-draft (False)."""
+
 
 class FixedK:
     """The same K every round (vLLM's num_speculative_tokens), and the same
@@ -91,6 +96,9 @@ class FixedK:
 
     def round_shape(self, free: bool) -> tuple[int, int] | None:
         return None
+
+    def restarts_fresh(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -291,17 +299,39 @@ class AdaptiveK:
         return self.pipelined_rate(k, tokens)
 
     def pipelined_rate(self, k: int, tokens: float) -> float:
-        """Pipelined rounds come in two kinds: one with pre-drafted candidates (carried)
-        verifies K beside a pre-draft of K + 1, and is followed by another such round when
-        its block and y1 are accepted (a = α^(K+1)); one without (fresh, after a rejection)
-        verifies no draft beside a fresh draft of K + 1, makes one token, and is followed by
-        a round with candidates when y1 is accepted (α). Over many rounds the first kind is
-        α / (1 - a) times as frequent as the second."""
+        """The rate of pipelined rounds at K = k, each round without candidates run the
+        better of the two ways (restart_rates)."""
+        return max(self.restart_rates(k, tokens))
+
+    def restart_rates(self, k: int, tokens: float) -> tuple[float, float]:
+        """(fresh, drafted): tokens per second of pipelined rounds at K = k over many rounds,
+        when a round without candidates (after a rejection) runs fresh, and when it drafts
+        first. A round with candidates (carried) verifies K beside a pre-draft of K + 1 and
+        is followed by another when its block and y1 are accepted (a = α^(K+1)).
+        - fresh: the round verifies no draft beside a fresh draft of K + 1, makes one token,
+          and is followed by a carried round when y1 is accepted (α), so carried rounds are
+          α / (1 - a) times as frequent as fresh ones;
+        - drafted: the round waits for a draft of K (its compute and its call), then runs as
+          a carried round does, followed by a carried round as often (a).
+        Drafting first pays where a verify is dear against a draft (a fresh round spends a
+        whole verify on one token). Under batch load only fresh: a request that drafted
+        first would reach the verifier's batch a draft later than the others."""
         costs, alpha = self.costs, self.alpha
         carried = costs.round_seconds("carried", k, self.load)
         fresh = costs.round_seconds("fresh", k, self.load)
         used = alpha ** (k + 1)
-        return (alpha * tokens + (1 - used)) / (alpha * carried + (1 - used) * fresh)
+        fresh_rate = (alpha * tokens + (1 - used)) / (alpha * carried + (1 - used) * fresh)
+        if self.load >= self.zero_load:
+            return fresh_rate, 0.0
+        drafted = carried + costs.draft_seconds(k) + costs.draft_call_seconds(self.load)
+        return fresh_rate, tokens / (used * carried + (1 - used) * drafted)
+
+    def restarts_fresh(self) -> bool:
+        """See KPolicy: the better of the two at this round's K (restart_rates)."""
+        if not self.pipelined or self.k <= 0 or self.load >= self.zero_load:
+            return True
+        fresh, drafted = self.restart_rates(self.k, expected_tokens(self.alpha, self.k))
+        return fresh >= drafted
 
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,

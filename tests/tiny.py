@@ -211,17 +211,19 @@ class Batched:
 
 def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, samples: int,
                pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
-               group: int = 100, context_limit: int | None = None):
+               group: int = 100, context_limit: int | None = None, policy=None):
     """Request i (its seed i, its id str(i)) for i in 0..samples-1, `group` of them decoding
     at once (the pools wrapped in `Batched` serve each group's rounds in shared forwards);
-    yields each one's (output ids, state) in order. A caller may stop early between groups."""
+    yields each one's (output ids, state) in order. A caller may stop early between groups.
+    policy: makes each request's K policy (None: k's)."""
     from dataclasses import replace
 
     async def one(i):
         request = Request(str(i), tuple(prompt), replace(params, seed=i), (),
                           tree_width=tree_width, tree_nodes=tree_nodes,
                           context_limit=context_limit)
-        generation = await decoded(drafter, verifier, Generation(request), k, pipelined)
+        generation = await decoded(drafter, verifier, Generation(request), k, pipelined,
+                                   policy=policy and policy())
         return generation.token_ids, generation.state
 
     async def main(start):

@@ -20,6 +20,7 @@ import torch
 
 import speculative.loop as loop
 from drafter.model import ModelDrafter
+from speculative.policy import FixedK
 from speculative.rejection import RoundOutcome
 from speculative.sampling import SamplingParams, sample
 from speculative.types import DraftBlock, DraftDists
@@ -56,7 +57,7 @@ def exact_law(target) -> np.ndarray:
 
 def sample_counts(target, draft, pipelined: bool, samples: int = SAMPLES,
                   stop_law=None, params: SamplingParams = PARAMS, prompt: list[int] = PROMPT,
-                  grammar_tokenizer=None) -> tuple[np.ndarray, dict]:
+                  grammar_tokenizer=None, policy=None) -> tuple[np.ndarray, dict]:
     """Counts of the window over `samples` seeded requests, decoded 100 at a time through
     batched pools; with stop_law, stops early once the counts fail the check against it (a
     mutant's run)."""
@@ -64,13 +65,14 @@ def sample_counts(target, draft, pipelined: bool, samples: int = SAMPLES,
                                    grammar_tokenizer=grammar_tokenizer))
     verifier = Batched(ModelVerifier(target, grammar_tokenizer=grammar_tokenizer))
     counts = np.zeros((VOCAB,) * 3)
-    totals = {"accepted": 0, "drafted": 0, "pipelined_rounds": 0}
+    totals = {"accepted": 0, "drafted": 0, "pipelined_rounds": 0, "bonus_position_drafts": 0}
     for i, (out, state) in enumerate(run_seeded(drafter, verifier, prompt, params, K, samples,
-                                                pipelined)):
+                                                pipelined, policy=policy)):
         counts[tuple(out[1:4])] += 1
         totals["accepted"] += state.stats.num_accepted_tokens
         totals["drafted"] += state.stats.num_draft_tokens
         totals["pipelined_rounds"] += state.stats.pipelined_rounds
+        totals["bonus_position_drafts"] += state.stats.bonus_position_drafts
         if stop_law is not None and (i + 1) % 500 == 0 and not chi2_passes(counts,
                                                                           stop_law)[0]:
             break
@@ -82,14 +84,27 @@ def chi2_passes(counts, law) -> tuple[bool, str]:
     return statistic < threshold, f"chi2 = {statistic:.1f}, threshold {threshold:.1f} (df {df})"
 
 
+class DraftsFirst(FixedK):
+    """Pipelined rounds without candidates draft first (as AdaptiveK.restarts_fresh chooses
+    where a verify is dear against a draft), not fresh."""
+
+    def restarts_fresh(self) -> bool:
+        return False
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
-def test_three_tokens_follow_the_target_law(target, draft, exact_law, pipelined):
-    counts, totals = sample_counts(target, draft, pipelined)
+@pytest.mark.parametrize("pipelined, policy", [(False, None), (True, None),
+                                                (True, lambda: DraftsFirst(K))],
+                         ids=["sequential", "pipelined", "pipelined-drafting-first"])
+def test_three_tokens_follow_the_target_law(target, draft, exact_law, pipelined, policy):
+    counts, totals = sample_counts(target, draft, pipelined, policy=policy)
     passes, message = chi2_passes(counts, exact_law)
     assert passes, f"{message}: a correct implementation fails with probability {FALSE_FAILURE}"
     assert 0 < totals["accepted"] < totals["drafted"]
-    assert (totals["pipelined_rounds"] > SAMPLES / 10) == pipelined
+    # pre-drafted tokens tested at a bonus position: after fresh rounds and carried ones, or
+    # (drafting first) after the drafted block, within the window
+    assert (totals["bonus_position_drafts"] > SAMPLES / 10) == pipelined
+    assert (totals["pipelined_rounds"] > SAMPLES / 10) == (pipelined and policy is None)
 
 
 # --- mutants: each must fail the same check ---------------------------------------------
@@ -158,7 +173,7 @@ def rejected_predraft_replaced_from_p(token_id, draft_row, target_row, generator
 real_first_predrafted = loop.accept_first_predrafted
 
 
-# (pipelined, samples, patch). With the window after the first token (the target's alone),
+# (pipelined, samples, patch[, policy]). With the window after the first token (the target's alone),
 # q shifted passed at 1500 samples (so it has 3000) and the full q at 1500 (chi-square 0.67
 # of its threshold; so it has 9000). The bonus-from-p_K mutant is caught at the real sample
 # size by the draft-is-target case of tests/stats/test_engine_laws.py, where every window
@@ -172,14 +187,19 @@ MUTANTS = {
         loop, "continue_with_predraft", predraft_accepted_without_its_test)),
     "predraft-replaced-from-p": (True, SAMPLES, lambda mp: mp.setattr(
         loop, "accept_first_predrafted", rejected_predraft_replaced_from_p)),
+    # the same y1, pre-drafted beside a block drafted first
+    "predraft-untested-drafting-first": (True, SAMPLES, lambda mp: mp.setattr(
+        loop, "continue_with_predraft", predraft_accepted_without_its_test),
+        lambda: DraftsFirst(K)),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutants_fail(target, draft, exact_law, monkeypatch, name):
-    pipelined, samples, patch = MUTANTS[name]
+    pipelined, samples, patch, *policy = MUTANTS[name]
     patch(monkeypatch)
-    counts, _ = sample_counts(target, draft, pipelined, samples, stop_law=exact_law)
+    counts, _ = sample_counts(target, draft, pipelined, samples, stop_law=exact_law,
+                              policy=policy[0] if policy else None)
     passes, message = chi2_passes(counts, exact_law)
     assert not passes, f"the {name} mutant passed: {message}"

@@ -100,6 +100,35 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
         assert pre_drafted > 0  # the pre-drafted path ran (rare for long noisy blocks)
 
 
+class DraftsFirst(FixedK):
+    """Pipelined rounds without candidates draft first (as AdaptiveK.restarts_fresh chooses
+    where a verify is dear against a draft), not fresh."""
+
+    def restarts_fresh(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("kind, k", [("self", 3), ("noisy", 1), ("noisy", 3), ("noisy", 8),
+                                     ("random", 4)])
+def test_pipelined_rounds_that_draft_first_equal_target_greedy(target, references, drafters,
+                                                               kind, k):
+    """After a rejection the round drafts K, then verifies them beside the next block's
+    pre-draft: no round runs the target alone but a request's first (and a last one
+    clipped to its end)."""
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    drafter, verifier = drafters[kind](), ModelVerifier(target)
+    pre_drafted = 0
+    for i, (prompt, expected) in enumerate(zip(prompts(), references)):
+        out, state = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}",
+                         pipelined=True, policy=DraftsFirst(k))
+        assert out == expected, f"prompt {i}, K={k}, {kind} drafter"
+        assert state.stats.rounds_by_k.get(0, 0) <= 2
+        pre_drafted += state.stats.pipelined_rounds
+    assert len(drafter.sessions) == 0 and len(verifier.sessions) == 0
+    if kind == "self" or k < 4:
+        assert pre_drafted > 0  # whole blocks were accepted and their pre-drafts carried
+
+
 def test_stop_tokens_end_the_output_and_are_included(target, references):
     prompt, expected = prompts()[2], references[2]
     stop = expected[5]
