@@ -289,10 +289,9 @@ class ModelDrafter:
         greedy drafts take their argmax together (no q); sampled ones draw from the q they
         ship, those sharing a law as one batch of rows."""
         greedy = [row for row, draft in enumerate(drafts) if draft.call.sampling.greedy]
-        if greedy:  # [greedy drafts]; all of them: the lines themselves, not a copy
-            parts = [(lines if len(greedy) == len(drafts) else lines[greedy]).argmax(-1)]
-        else:
-            parts = []
+        # [greedy drafts]; when all are, the lines themselves, not an indexed copy
+        parts = [(lines if len(greedy) == len(drafts) else lines[greedy]).argmax(-1)] \
+            if greedy else []
         sampled = []  # alone: any draft when q is cut by mass (rows of any length)
         for rows in grouped([None if draft.call.sampling.greedy else (row,)
                              if self.draft_q_mass < 1 else draft.call.sampling.law_key

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from speculative.costs import CostModel, RoundCost
 from speculative.driver import Generation
 from speculative.loop import Request
-from speculative.policy import KBounds, k_policy
+from speculative.policy import FixedK, KBounds, k_policy
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores
 
@@ -68,6 +68,14 @@ async def decoded(drafter, verifier, generation: Generation, k: int | str,
     policy = policy or k_policy(k, pipelined, greedy, KBounds(1, 8, initial=2), costs,
                                 confidence=confidence)
     return await generation.run(drafter, verifier, policy, pipelined)
+
+
+class DraftsFirst(FixedK):
+    """A fixed K whose pipelined rounds without candidates draft first (as
+    AdaptiveK.restarts_fresh chooses where a verify is dear against a draft), not fresh."""
+
+    def restarts_fresh(self) -> bool:
+        return False
 
 
 class Agreeing:

@@ -20,13 +20,12 @@ import torch
 
 import speculative.loop as loop
 from drafter.model import ModelDrafter
-from speculative.policy import FixedK
 from speculative.rejection import RoundOutcome
 from speculative.sampling import SamplingParams, sample
 from speculative.types import DraftBlock, DraftDists
 from tests.stats.chisq import chi_square
 from tests.stats.laws import law_after_first, sequence_law
-from tests.tiny import Batched, noisy_copy, run_seeded, tiny_llama
+from tests.tiny import Batched, DraftsFirst, noisy_copy, run_seeded, tiny_llama
 from verifier import engine as verifier_engine
 from verifier.engine import ModelVerifier
 
@@ -82,14 +81,6 @@ def sample_counts(target, draft, pipelined: bool, samples: int = SAMPLES,
 def chi2_passes(counts, law) -> tuple[bool, str]:
     statistic, threshold, df = chi_square(counts, law, FALSE_FAILURE)
     return statistic < threshold, f"chi2 = {statistic:.1f}, threshold {threshold:.1f} (df {df})"
-
-
-class DraftsFirst(FixedK):
-    """Pipelined rounds without candidates draft first (as AdaptiveK.restarts_fresh chooses
-    where a verify is dear against a draft), not fresh."""
-
-    def restarts_fresh(self) -> bool:
-        return False
 
 
 @pytest.mark.slow

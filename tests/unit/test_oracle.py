@@ -9,7 +9,7 @@ from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
-from tests.tiny import cutting_costs, hf_greedy, noisy_copy, run, tiny_llama
+from tests.tiny import DraftsFirst, cutting_costs, hf_greedy, noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
 MAX_TOKENS = 24
@@ -98,14 +98,6 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
         assert 0 < accepted < drafted  # the case exercises acceptance and rejection both
     if pipelined and (kind == "self" and k != 0 or kind == "noisy" and k in (1, 2, 3, 4)):
         assert pre_drafted > 0  # the pre-drafted path ran (rare for long noisy blocks)
-
-
-class DraftsFirst(FixedK):
-    """Pipelined rounds without candidates draft first (as AdaptiveK.restarts_fresh chooses
-    where a verify is dear against a draft), not fresh."""
-
-    def restarts_fresh(self) -> bool:
-        return False
 
 
 @pytest.mark.parametrize("kind, k", [("self", 3), ("noisy", 1), ("noisy", 3), ("noisy", 8),

@@ -12,17 +12,11 @@ import pytest
 
 from speculative.costs import CostModel, RoundCost
 from speculative.policy import AdaptiveK, FixedK, KBounds
+from tests.tiny import DraftsFirst
 
 DEMO = {"verify_ms": 6.0, "verify_per_token_ms": 0.7, "draft_per_token_ms": 1.2}
 SCALED = {"verify_ms": 45.0, "verify_per_token_ms": 0.4, "draft_per_token_ms": 1.5}
 DRAFT_CALL_MS, HOP_MS = 0.3, 2.0
-
-
-class DraftsFirst(FixedK):
-    """A fixed K whose pipelined rounds without candidates draft first."""
-
-    def restarts_fresh(self) -> bool:
-        return False
 
 
 class OneStream:
