@@ -1,7 +1,7 @@
 """Where a loaded deployment's CPU goes: each Serve process's CPU per output token.
 
-    python -m bench.router_turn [--streams 16] [--k 0] [--seconds 20] [--max-tokens 96]
-                                [--in-process]
+    python -m bench.router_turn [--streams 16] [--k 0|N|auto] [--seconds 20]
+                                [--max-tokens 96] [--in-process [--pipelined]]
 
 A fresh `serve run cluster/config.yaml` (the default deployment, on free ports) serves the
 held-out prompts as greedy requests at a fixed K (`ignore_eos`), `--streams` at a time, for
@@ -12,7 +12,10 @@ of a core and its CPU microseconds per output token, read from /proc (Linux).
 --in-process: no Serve, no wire. The same number of greedy requests (`--streams` at a time,
 each `--max-tokens` long) run through the router's round (`speculative.driver.Generation`,
 the demo tokenizer's incremental text) against pools that answer at once, in this process:
-the CPU microseconds a token of the round's own code.
+the CPU microseconds a token of the round's own code. The pools report the compute times and
+the batch (`--streams` calls) that loaded pools would, so that `--k auto` (the adaptive K,
+all requests sharing one cost model, as a router's do) runs its loaded path; `--pipelined`
+drafts the next block during each verify, as the default config does.
 
 At 16 streams and K = 0 the verifier's batches wait for the router's turn (its rounds'
 accepts, commits and next calls, one request after another), so the router's CPU per token
@@ -29,9 +32,10 @@ from bench.newcomer import HELD_OUT, ROOT, fresh_serve_run
 from bench.peer import completion
 from speculative.driver import Generation, text_decoder
 from speculative.loop import Request
-from speculative.policy import FixedK
+from speculative.costs import CostModel
+from speculative.policy import k_policy
 from speculative.sampling import SamplingParams
-from speculative.types import DraftBlock, TargetScores
+from speculative.types import BatchLoad, DraftBlock, TargetScores
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -53,7 +57,7 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
     return found
 
 
-def loaded(url: str, streams: int, k: int, seconds: float, max_tokens: int) -> int:
+def loaded(url: str, streams: int, k: int | str, seconds: float, max_tokens: int) -> int:
     """Output tokens of `streams` clients sending requests back to back for `seconds`."""
     fields = {"num_speculative_tokens": k}
     stop = time.monotonic() + seconds
@@ -70,42 +74,54 @@ def loaded(url: str, streams: int, k: int, seconds: float, max_tokens: int) -> i
 
 class InstantPools:
     """A drafter and a verifier that answer at once, greedy, from one fixed output: the
-    drafter right but at every third position, so rounds commit 1 to K + 1 tokens."""
+    drafter right but at every third position, so rounds commit 1 to K + 1 tokens. Each
+    answer reports the compute time and the batch of `batch_size` such calls that loaded
+    pools would (the demo pair's float32 costs at about that load)."""
 
-    def __init__(self, prompt_len: int) -> None:
-        self.prompt_len = prompt_len
+    verify_s, verify_token_s = 5e-3, 4e-4  # a forward, and each token of its batch
+    draft_step_s, draft_row_s = 1e-3, 1e-4  # a draft step, and each call in its batch
+
+    def __init__(self, prompt_len: int, batch_size: int = 1) -> None:
+        self.prompt_len, self.batch_size = prompt_len, batch_size
 
     def at(self, position: int) -> int:
         return (7 * position) % 500 + 3
 
     async def propose(self, call):
-        start = call.sync.committed_len - self.prompt_len
-        return DraftBlock(tuple(self.at(p) + (p % 3 == 2) for p in
-                                range(start, start + call.num_speculative_tokens)), None)
+        start, k = call.sync.committed_len - self.prompt_len, call.num_speculative_tokens
+        return DraftBlock(tuple(self.at(p) + (p % 3 == 2) for p in range(start, start + k)),
+                          None, compute_seconds=k * (self.draft_step_s
+                                                      + self.draft_row_s * self.batch_size),
+                          load=BatchLoad(self.batch_size, k * self.batch_size))
 
     async def score(self, call):
-        start = call.sync.committed_len - self.prompt_len
-        return TargetScores(target_token_ids=tuple(
-            self.at(p) for p in range(start, start + len(call.draft_token_ids) + 1)))
+        start, fed = call.sync.committed_len - self.prompt_len, len(call.draft_token_ids) + 1
+        tokens = fed * self.batch_size
+        return TargetScores(target_token_ids=tuple(self.at(p) for p in range(start, start + fed)),
+                            compute_seconds=self.verify_s + self.verify_token_s * tokens,
+                            load=BatchLoad(self.batch_size, tokens))
 
     async def release(self, request_id: str) -> None:
         pass
 
 
-def in_process(streams: int, k: int, max_tokens: int, requests: int) -> float:
+def in_process(streams: int, k: int | str, max_tokens: int, requests: int,
+               pipelined: bool = False) -> float:
     """CPU microseconds a token of `requests` greedy requests through the round, `streams`
-    at a time, against InstantPools."""
+    at a time, against InstantPools (batches of `streams` calls), at K = k (or "auto")."""
     from transformers import AutoTokenizer
 
     decode = text_decoder(AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target"))
     prompt = tuple(range(3, 19))
-    pools = InstantPools(len(prompt))
+    pools = InstantPools(len(prompt), streams)
+    costs = CostModel()  # a router's, shared by its requests (for "auto")
     sampling = SamplingParams(temperature=0, max_tokens=max_tokens)  # no stop ids
 
     async def one(index: int, gate: asyncio.Semaphore) -> int:
         async with gate:
             generation = Generation(Request(f"r{index}", prompt, sampling, ()), decode)
-            await generation.run(pools, pools, FixedK(k))
+            policy = k_policy(k, pipelined, greedy=True, costs=costs)
+            await generation.run(pools, pools, policy, pipelined)
             return len(generation.token_ids)
 
     async def run(count: int) -> int:
@@ -118,18 +134,26 @@ def in_process(streams: int, k: int, max_tokens: int, requests: int) -> float:
     return (time.process_time() - started) / tokens * 1e6
 
 
+def k_arg(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--k", type=int, default=0)
+    parser.add_argument("--k", type=k_arg, default=0, help="a fixed K, or auto")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--in-process", action="store_true",
                         help="the round's own CPU against pools that answer at once")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="in process: draft the next block during each verify")
     args = parser.parse_args()
     if args.in_process:
-        us = in_process(args.streams, args.k, args.max_tokens, 10 * args.streams)
-        print(f"in process, {args.streams} streams, K = {args.k}: {us:.1f} us of CPU a token")
+        us = in_process(args.streams, args.k, args.max_tokens, 10 * args.streams,
+                        args.pipelined)
+        print(f"in process, {args.streams} streams, K = {args.k}"
+              f"{', pipelined' if args.pipelined else ''}: {us:.1f} us of CPU a token")
         return
     with fresh_serve_run() as (port, _):
         url = f"http://127.0.0.1:{port}"

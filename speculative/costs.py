@@ -50,7 +50,7 @@ BESIDE = ("carried", "fresh")
 
 def load_bucket(batch_size: float) -> int:
     """Verifier batches of about the same size (powers of two) share their overlap."""
-    return max(0, round(math.log2(max(1.0, batch_size))))
+    return round(math.log2(batch_size)) if batch_size > 1.0 else 0
 
 
 class Ema:
@@ -91,15 +91,21 @@ class Curve:
 
     def __init__(self, decay: float = 0.02) -> None:
         self.points: dict[int, Recent] = {}
-        self.seen: dict[int, float] = {}  # decayed counts: how common each size is now
+        # decayed counts, how common each size is now, relative to one another: each add
+        # weighs 1 / (1 - decay) times the one before (the same ratios as decaying every
+        # count on every add, which costs a pass over the sizes), rescaled now and then
+        self.seen: dict[int, float] = {}
+        self.weight = 1.0  # of the next add
         self.decay = decay
         self.fitted: dict[float, tuple[float, float]] = {}  # by prior slope, until an add
 
     def add(self, size: int, seconds: float) -> None:
-        for n in self.seen:
-            self.seen[n] *= 1 - self.decay
-        self.points.setdefault(size, Recent()).add(seconds)
-        self.seen[size] = self.seen.get(size, 0.0) + 1.0
+        added(self.points, size, seconds)
+        self.seen[size] = self.seen.get(size, 0.0) + self.weight
+        self.weight /= 1 - self.decay
+        if self.weight > 1e100:
+            self.seen = {n: count / self.weight for n, count in self.seen.items()}
+            self.weight = 1.0
         self.fitted.clear()
 
     def __bool__(self) -> bool:
@@ -116,6 +122,12 @@ class Curve:
         else at the most common size, whose slope is the mean of the slopes from the anchor
         to every other size, weighted by how often each is seen (a rare size, however far
         out, weighs as rarely as it occurs); one size alone gets `prior_slope` of a."""
+        fitted = self.fitted.get(prior_slope)
+        if fitted is None:
+            fitted = self.fitted[prior_slope] = self._fit(prior_slope)
+        return fitted
+
+    def _fit(self, prior_slope: float) -> tuple[float, float]:
         sizes = self.confirmed()
         anchor = 1 if 1 in sizes else max(sizes, key=self.seen.get)
         base = self.points[anchor].value
@@ -128,6 +140,9 @@ class Curve:
             slope = prior_slope * base / (1 + prior_slope * (anchor - 1))
         return max(1e-6, base - slope * (anchor - 1)), slope
 
+
+# the first draft costs, then every this many, are checked for no room for speculation
+ROOM_CHECK_EVERY = 32
 
 # a drafter fed more committed tokens than a round's usual (its last draft token and the
 # bonus) was catching up after rounds without a draft
@@ -245,6 +260,7 @@ class CostModel:
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}
         self.warned = False
+        self.draft_adds = 0  # draft costs observed (the warning is checked on some)
 
     def no_room_for_speculation(self) -> float | None:
         """c = a one-token draft over a one-token verify, once both are measured, when it
@@ -263,23 +279,25 @@ class CostModel:
         if cost.draft_tokens > 0 and cost.draft_seconds > 0 \
                 and cost.draft_catch_up <= USUAL_CATCH_UP:
             self.draft.add(cost.draft_tokens, cost.draft_seconds)
-            ratio = None if self.warned else self.no_room_for_speculation()
+            self.draft_adds += 1
+            checked = self.draft_adds <= ROOM_CHECK_EVERY or \
+                self.draft_adds % ROOM_CHECK_EVERY == 0  # (a check costs both lines' fits)
+            ratio = None if self.warned or not checked else self.no_room_for_speculation()
             if ratio is not None:
                 self.warned = True
                 log.warning("a draft step costs %.2fx a verify on these pools: speculation "
                             "cannot pay (adaptive K will stay at 0); pair a cheaper drafter "
                             "or a faster drafter class", ratio)
         bucket = load_bucket(cost.batch_size)
-        (self.overhead_plain if cost.verify_tokens <= 1 else self.overhead).setdefault(
-            bucket, Recent()).add(max(0.0, cost.overhead_seconds))
+        added(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
+              max(0.0, cost.overhead_seconds))
         if cost.draft_hop_seconds > 0:
             self.draft_hop.add(cost.draft_hop_seconds)
         shorter = min(cost.verify_seconds, cost.draft_seconds)
         if cost.kind in BESIDE and cost.wall_seconds > 0 and shorter > 0:
             exposed = cost.wall_seconds - self.overhead_seconds(0, cost.batch_size) - \
                 max(cost.verify_seconds, cost.draft_seconds)
-            self.overlap.setdefault(bucket, Recent()).add(
-                min(1.0, max(0.0, exposed / shorter)))
+            added(self.overlap, bucket, min(1.0, max(0.0, exposed / shorter)))
 
     def exposed_share(self, load: float) -> float | None:
         """λ at this load (the nearest load measured; None before any pipelined round)."""
@@ -346,10 +364,21 @@ class CostModel:
         return max(0.0, drafting - (self.draft_hop.value or 0.0))
 
 
+def added(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:
+    """value added to by_bucket[bucket] (a Recent made for the first)."""
+    recent = by_bucket.get(bucket)
+    if recent is None:
+        recent = by_bucket[bucket] = Recent()
+    recent.add(value)
+
+
 def nearest(by_bucket: dict[int, Recent], load: float, least: int = 1) -> float | None:
     """The value kept for the load bucket nearest to `load`'s among those with at least
     `least` values (the lower on a tie); None when there is none."""
     bucket = load_bucket(load)
+    recent = by_bucket.get(bucket)
+    if recent is not None and len(recent.values) >= least:  # the load's own
+        return recent.value
     measured = [(abs(b - bucket), b) for b, recent in by_bucket.items()
                 if len(recent.values) >= least]
     return by_bucket[min(measured)[1]].value if measured else None

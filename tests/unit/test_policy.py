@@ -2,7 +2,14 @@
 
 import pytest
 
-from speculative.costs import BatchTrials, CostModel, RoundCost, expected_tokens
+from speculative.costs import (
+    ROOM_CHECK_EVERY,
+    BatchTrials,
+    CostModel,
+    Curve,
+    RoundCost,
+    expected_tokens,
+)
 from speculative.policy import AdaptiveK, FixedK, KBounds
 
 
@@ -204,6 +211,37 @@ def test_the_verify_line_weights_sizes_by_how_often_they_are_seen():
     assert costs.forward_seconds(1) == pytest.approx(0.0072)  # the measured t(1)
     # the one-off's slope weighs once against the common sizes' 39 (decayed counts)
     assert costs.forward_seconds(5) == pytest.approx(0.0072 + 4 * 0.0007, rel=0.1)
+
+
+def test_the_sizes_weigh_as_counts_decayed_on_every_add_across_rescales():
+    """Curve weighs each add 1 / (1 - decay) times the one before instead of decaying every
+    count on every add: the same ratios, through the rescale that keeps them finite; and a
+    fit is kept until the next add."""
+    curve, decayed = Curve(), {}
+    for i in range(13000):  # past 1e100 (about 11,400 adds at decay 0.02): rescaled
+        size = (1, 2, 2, 5, 9)[i % 5] if i < 12000 else 3
+        for n in decayed:
+            decayed[n] *= 1 - curve.decay
+        decayed[size] = decayed.get(size, 0.0) + 1.0
+        curve.add(size, 0.001 * size)
+        if i in (10, 11500, 12999):
+            total, kept = sum(decayed.values()), sum(curve.seen.values())
+            assert all(curve.seen[n] / kept == pytest.approx(decayed[n] / total, rel=1e-9)
+                       for n in decayed)
+    assert curve.weight < 1e100
+    fitted = curve.fit(0.1)
+    assert curve.fit(0.1) is fitted
+    curve.add(3, 0.004)
+    assert curve.fit(0.1) is not fitted
+
+
+def test_a_draft_that_turns_dear_later_is_warned_of_within_a_check(caplog):
+    costs = measured({1: 2.0, 5: 3.0}, draft_ms_per_token=1.0)  # 200 draft costs, cheap
+    assert not caplog.records
+    for _ in range(ROOM_CHECK_EVERY):  # the drafter now costs 5 verifies a token
+        for n in (2, 5):
+            costs.observe(RoundCost(n, 0.002, n - 1, (n - 1) * 0.01, 0.0))
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
 
 
 def test_draft_cost_has_a_per_call_part():

@@ -8,7 +8,8 @@ import pytest
 from bench.router_turn import InstantPools, in_process
 from speculative.driver import Generation
 from speculative.loop import Request
-from speculative.policy import FixedK
+from speculative.costs import CostModel
+from speculative.policy import FixedK, k_policy
 from speculative.sampling import SamplingParams
 
 
@@ -23,5 +24,19 @@ def test_the_output_is_the_verifiers_tokens_at_any_k(k):
         assert generation.stats.rounds < 20
 
 
-def test_the_in_process_measure_runs():
-    assert in_process(streams=2, k=2, max_tokens=8, requests=4) > 0
+@pytest.mark.parametrize("k, pipelined", [(2, False), ("auto", True)])
+def test_the_in_process_measure_runs(k, pipelined):
+    assert in_process(streams=2, k=k, max_tokens=8, requests=4, pipelined=pipelined) > 0
+
+
+def test_the_instant_pools_report_a_loaded_batchs_costs():
+    """So that the adaptive K runs its loaded path (BatchTrials) and its cost model fills."""
+    pools = InstantPools(prompt_len=3, batch_size=16)
+    generation = Generation(Request("r", (5, 6, 7), SamplingParams(temperature=0,
+                                                                   max_tokens=40)))
+    costs = CostModel()
+    policy = k_policy("auto", True, greedy=True, costs=costs)
+    asyncio.run(generation.run(pools, pools, policy, True))
+    assert generation.token_ids == [pools.at(p) for p in range(40)]
+    assert policy.loaded and costs.trials.k is not None
+    assert costs.verify and costs.draft and costs.overlap
