@@ -211,7 +211,7 @@ class AdaptiveK:
             self.accepted = self.decay * self.accepted + num_accepted
             self.tested = self.decay * self.tested + tested
             self.positions_tested += tested
-            self.costs.alpha.add(num_accepted / tested)
+            self.costs.alpha.add(num_accepted, tested)
         if cost is not None:
             self.load = 0.5 * self.load + 0.5 * max(1, cost.batch_size)
             self.costs.observe(cost)

@@ -475,6 +475,40 @@ def test_the_overlap_of_pipelined_rounds_is_measured_by_load():
     assert CostModel().exposed_share(1) is None
 
 
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_the_routers_acceptance_is_per_position_tested_at_any_k(k):
+    """What every request's K under load is chosen by (and a new request's prior): rounds of
+    i.i.d. acceptance 0.7 give 0.7 at any K. A mean of each round's accepted / tested,
+    which weighs a round that rejects its first token as much as one that tests K, gives
+    0.52 at K = 4 (and 0.7 only at K = 1): the mutant below."""
+    import random
+
+    draws = random.Random(k)
+    costs = CostModel()
+    policy = AdaptiveK(KBounds(0, 8), costs, pipelined=False, greedy=True)
+    values = []
+    for i in range(3000):
+        accepted = 0
+        while accepted < k and draws.random() < 0.7:
+            accepted += 1
+        policy.update(k, accepted)
+        if i >= 100:
+            values.append(costs.alpha.value)
+    assert sum(values) / len(values) == pytest.approx(0.7, abs=0.02)
+
+
+def test_a_mean_of_round_ratios_fails_the_acceptance_check(monkeypatch):
+    from speculative import costs as module
+
+    class MeanOfRatios(module.Acceptance):
+        def add(self, accepted, tested):
+            super().add(accepted / tested, 1)
+
+    monkeypatch.setattr(module, "Acceptance", MeanOfRatios)
+    with pytest.raises(AssertionError):
+        test_the_routers_acceptance_is_per_position_tested_at_any_k(4)
+
+
 def test_a_tried_k_is_judged_against_the_phases_around_it():
     trials = BatchTrials()
     trials.switch(2)
