@@ -4,10 +4,11 @@
                                 [--max-tokens 96] [--in-process [--pipelined]]
 
 A fresh `serve run cluster/config.yaml` (the default deployment, on free ports) serves the
-held-out prompts as greedy requests at a fixed K (`ignore_eos`), `--streams` at a time, for
-`--seconds` after a warm-up. Prints the output tokens/s and, for each process that used
-CPU meanwhile (the router, the pools, Serve's proxy and controller, Ray's own), its share
-of a core and its CPU microseconds per output token, read from /proc (Linux).
+held-out prompts as greedy requests at a fixed K or the default's (`--k auto`; `ignore_eos`),
+`--streams` at a time, for `--seconds` after a warm-up. Prints the output tokens/s and, for
+each process that used CPU meanwhile (the router, the pools, Serve's proxy and controller,
+Ray's own), its share of a core and its CPU microseconds per output token, read from /proc
+(Linux).
 
 --in-process: no Serve, no wire. The same number of greedy requests (`--streams` at a time,
 each `--max-tokens` long) run through the router's round (`speculative.driver.Generation`,

@@ -108,7 +108,7 @@ class Curve:
         self.fitted: dict[float, tuple[float, float]] = {}  # by prior slope, until an add
 
     def add(self, size: int, seconds: float) -> None:
-        added(self.points, size, seconds)
+        add_to(self.points, size, seconds)
         self.seen[size] = self.seen.get(size, 0.0) + self.weight
         self.weight /= 1 - self.decay
         if self.weight > 1e100:
@@ -298,7 +298,7 @@ class CostModel:
                             "cannot pay (adaptive K will stay at 0); pair a cheaper drafter "
                             "or a faster drafter class", ratio)
         bucket = load_bucket(cost.batch_size)
-        added(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
+        add_to(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
               max(0.0, cost.overhead_seconds))
         if cost.draft_hop_seconds > 0:
             self.draft_hop.add(cost.draft_hop_seconds)
@@ -306,7 +306,7 @@ class CostModel:
         if cost.kind in BESIDE and cost.wall_seconds > 0 and shorter > 0:
             exposed = cost.wall_seconds - self.overhead_seconds(0, cost.batch_size) - \
                 max(cost.verify_seconds, cost.draft_seconds)
-            added(self.overlap, bucket, min(1.0, max(0.0, exposed / shorter)))
+            add_to(self.overlap, bucket, min(1.0, max(0.0, exposed / shorter)))
 
     def exposed_share(self, load: float) -> float | None:
         """λ at this load (the nearest load measured; None before any pipelined round)."""
@@ -373,7 +373,7 @@ class CostModel:
         return max(0.0, drafting - (self.draft_hop.value or 0.0))
 
 
-def added(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:
+def add_to(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:
     """value added to by_bucket[bucket] (a Recent made for the first)."""
     recent = by_bucket.get(bucket)
     if recent is None:
