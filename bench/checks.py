@@ -1,7 +1,7 @@
 """What `specserve bench` checks of the default K controller, from the records of its own run.
 
 Per pair and temperature, one request at a time: `serve_adaptive` (the router's default,
-num_speculative_tokens "auto") against the best fixed K served (`serve_sync` or
+num_speculative_tokens "auto"; sampled, without a seed) against the best fixed K served (`serve_sync` or
 `serve_pipelined`) and against speculation off (`serve_off`). Ratios from one run, so a
 slower or faster machine moves both sides; the goals hold at T = 0, T = 1 is reported.
 """
@@ -41,7 +41,8 @@ def section(checks: list[dict]) -> list[str]:
     """The checks as a markdown section."""
     lines = ["## The default K controller", "",
              f"`serve_adaptive` (the default request) against the best fixed K served and "
-             f"against speculation off, one request at a time. Goals at T = 0: at least "
+             f"against speculation off, one request at a time (T = 1 unseeded: a seeded "
+             f"request runs a fixed K). Goals at T = 0: at least "
              f"{GOAL_VS_BEST_FIXED}x the best fixed K and {GOAL_VS_OFF}x off; T = 1 reported.",
              "", "| pair | T | adaptive tokens/s (mean K) | best fixed | off tokens/s "
              "| vs best fixed | vs off | goals |", "|---|---|---|---|---|---|---|---|"]

@@ -134,8 +134,8 @@ class Served:
         return {name: args[name] for name in ("draft_top_k", "draft_q_mass", "draft_q_dtype")
                 if name in args}
 
-    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int, k: int | str,
-                 pipelined: bool | None = False):
+    def complete(self, prompt_ids, max_tokens: int, temperature: float, seed: int | None,
+                 k: int | str, pipelined: bool | None = False):
         import requests
 
         body = {"prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,

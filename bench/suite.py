@@ -197,12 +197,15 @@ class PairBench:
     def one_at_a_time(self, ids, temperature: float, seed: int, reference, inprocess,
                       at_tie) -> None:
         """The serve modes, one request at a time: off, sync and pipelined at each K, and
-        serve_adaptive, pipelined as the router's default says (greedy requests only)."""
+        serve_adaptive, the default request: pipelined as the router's default says, and
+        sampled without a seed (a seeded request runs the router's seeded fixed K, which is
+        reproducible, not the adaptive K)."""
         fixed = [(k, pipelined) for k in self.plan.ks for pipelined in (False, True)]
         runs = [(0, False)] + fixed + [("auto", None)]
         for k, pipelined in runs:
+            unseeded = k == "auto" and temperature > 0
             out, seconds, spec = self.served.complete(ids, self.plan.max_tokens, temperature,
-                                                      seed, k, pipelined)
+                                                      None if unseeded else seed, k, pipelined)
             mode = "serve_off" if k == 0 else "serve_adaptive" if k == "auto" else \
                 "serve_pipelined" if pipelined else "serve_sync"
             tally = self.tallies.cell(mode, k, temperature)
