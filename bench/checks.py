@@ -1,9 +1,10 @@
 """What `specserve bench` checks of the default K controller, from the records of its own run.
 
 Per pair and temperature, one request at a time: `serve_adaptive` (the router's default,
-num_speculative_tokens "auto"; sampled, without a seed) against the best fixed K served (`serve_sync` or
-`serve_pipelined`) and against speculation off (`serve_off`). Ratios from one run, so a
-slower or faster machine moves both sides; the goals hold at T = 0, T = 1 is reported.
+num_speculative_tokens "auto"; sampled, without a seed) against the best fixed K served
+(`serve_sync` or `serve_pipelined`) and against speculation off (`serve_off`). Ratios from
+one run, so a slower or faster machine moves both sides; the goals hold at T = 0, T = 1 is
+reported.
 """
 
 GOAL_VS_BEST_FIXED = 0.9

@@ -60,8 +60,9 @@ class Acceptance:
     accepts all tests K, so the mean of ratios weighs early rejections K times too much
     (i.i.d. acceptance 0.7 at K = 4: 0.52)."""
 
-    def __init__(self, decay: float) -> None:
-        self.decay, self.accepted, self.tested = decay, 0.0, 0.0
+    def __init__(self, decay: float, accepted: float = 0.0, tested: float = 0.0) -> None:
+        """accepted, tested: a prior, worth `tested` positions."""
+        self.decay, self.accepted, self.tested = decay, accepted, tested
 
     def add(self, accepted: int, tested: int) -> None:
         self.accepted = self.decay * self.accepted + accepted

@@ -48,7 +48,7 @@ adaptive K, the cut learnt into the shared costs (speculative.confidence).
 from dataclasses import dataclass
 from typing import Protocol
 
-from speculative.costs import CostModel, RoundCost, expected_tokens
+from speculative.costs import Acceptance, CostModel, RoundCost, expected_tokens
 
 
 class KPolicy(Protocol):
@@ -146,8 +146,7 @@ class AdaptiveK:
         self.asked: tuple[int, bool] | None = None  # this round's (K, tree), once chosen
         self.pipelined, self.greedy = pipelined, greedy
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
-        self.accepted, self.tested = prior * prior_weight, prior_weight
-        self.decay = decay
+        self.own = Acceptance(decay, prior * prior_weight, prior_weight)
         self.positions_tested = 0  # by this request's own rounds, not the prior
         self.load = 1.0
         self.loaded = False  # the last round chose the router's K under load
@@ -165,7 +164,7 @@ class AdaptiveK:
         each pick their own split it into cohorts)."""
         if self.load >= self.zero_load and self.costs.alpha.value is not None:
             return self.costs.alpha.value
-        return self.accepted / self.tested
+        return self.own.value
 
     def num_speculative_tokens(self) -> int:
         return self.k
@@ -208,8 +207,7 @@ class AdaptiveK:
     def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None:
         if num_drafted:
             tested = num_accepted + (num_accepted < num_drafted)
-            self.accepted = self.decay * self.accepted + num_accepted
-            self.tested = self.decay * self.tested + tested
+            self.own.add(num_accepted, tested)
             self.positions_tested += tested
             self.costs.alpha.add(num_accepted, tested)
         if cost is not None:

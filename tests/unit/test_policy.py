@@ -94,7 +94,7 @@ def test_pipelined_the_best_k_is_where_the_draft_costs_about_a_verify():
     sequential = AdaptiveK(KBounds(1, 8), costs, pipelined=False, greedy=True)
     pipelined = AdaptiveK(KBounds(1, 8), costs, pipelined=True, greedy=True)
     for policy in (sequential, pipelined):
-        policy.accepted, policy.tested = 0.95 * 1e6, 1e6  # α = 0.95, held
+        policy.own.accepted, policy.own.tested = 0.95 * 1e6, 1e6  # α = 0.95, held
     assert sequential.choose() == 8
     assert pipelined.choose() in (3, 4)
     assert all(pipelined.rate(k) > sequential.rate(k) for k in range(1, 9))
@@ -145,7 +145,7 @@ def loaded(batch_size: int, per_token_ms: float = 2.0, fixed_ms: float = 20.0) -
 
 def at_load(costs: CostModel, load: float, alpha: float = 0.65) -> AdaptiveK:
     policy = AdaptiveK(KBounds(0, 8), costs, pipelined=False, greedy=True)
-    policy.accepted, policy.tested, policy.load = alpha * 100, 100.0, load
+    policy.own.accepted, policy.own.tested, policy.load = alpha * 100, 100.0, load
     return policy
 
 
