@@ -60,7 +60,7 @@ def feature_fields(name: str, grammar_tokenizer) -> dict:
 
 def decode(drafter, verifier, prompt_ids, params, k: int) -> tuple[int, float, object]:
     from speculative.driver import Generation
-    from speculative.loop import Request
+    from speculative.state import Request
     from speculative.policy import KBounds, k_policy
 
     generation = Generation(Request(f"r{time.perf_counter_ns()}", tuple(prompt_ids), params,

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from speculative.loop import PoolView
+from speculative.state import PoolView
 from speculative.sampling import SamplingParams
 from speculative.types import NO_DRAFT, GrowingPrefixHash, PrefixSync, ProposeCall, ScoreCall
 

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from bench.newcomer import HELD_OUT, ROOT, fresh_serve_run
 from bench.peer import completion
 from speculative.driver import Generation, text_decoder
-from speculative.loop import Request
+from speculative.state import Request
 from speculative.costs import CostModel
 from speculative.policy import k_policy
 from speculative.sampling import SamplingParams

@@ -3,7 +3,7 @@ vLLM users know them)."""
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from speculative.loop import RequestState
+from speculative.state import RequestState
 
 ROUND_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]

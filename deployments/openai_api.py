@@ -16,6 +16,7 @@ from deployments.tools import (
     tool_use,
 )
 from deployments.router_args import TreeArg
+from speculative.options import MAX_PLAIN_STEPS
 from drafter.registry import router_side_kinds
 from speculative.sampling import (
     MAX_LOGIT_BIAS,
@@ -94,6 +95,8 @@ class SamplingFields(BaseModel):
     # extension: K, or "auto" for the router's adaptive K (default: the router's setting)
     num_speculative_tokens: Annotated[int, Field(ge=0, le=32)] | Literal["auto"] | None = None
     pipelined: bool | None = None  # extension: draft during verification (router default)
+    # extension: the tokens a round without a draft asks the verifier for (router default)
+    plain_steps: int | None = Field(default=None, ge=1, le=MAX_PLAIN_STEPS)
     # extension: "model" (the drafter pool, the default) or a kind the router runs itself
     drafter: str | None = None
     # extension: a draft tree per round, {"width": b, "depth": d}, or "auto" (chosen per

@@ -140,5 +140,6 @@ class Router:
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,
                                    pipelined=body.pipelined, drafter_kind=body.drafter,
+                                   plain_steps=body.plain_steps,
                                    tree=tree_shape(body.speculative_tree),
                                    context_limit=self.prompts.context_limit)

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.models import DEMO_TARGET
 from speculative.options import (
+    MAX_PLAIN_STEPS,
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_WIDTH,
     NumSpeculativeTokens,
@@ -118,6 +119,11 @@ class RouterArgs(BaseModel):
     # RESOURCE_EXHAUSTED) retries the same round after doubling pauses for up to this long
     # (speculative.busy), then gets 429 (streamed: an error event); 0: 429 at once
     busy_wait_s: float = Field(default=30.0, ge=0)
+    # a round without a draft (K = 0: speculation off, or chosen by the adaptive K under
+    # load) asks the verifier for up to this many tokens: it draws and feeds each itself,
+    # and the round's calls and turn are paid once for them all (verifier.steps; as vLLM's
+    # num_scheduler_steps). Its tokens then stream this many at a time
+    plain_steps: int = Field(default=4, ge=1, le=MAX_PLAIN_STEPS)
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
     # ...over one stream per pool replica, each message carrying every call waiting for it
     # (false: one unary call per call, as before the streams; for comparison)
@@ -142,4 +148,4 @@ class RouterArgs(BaseModel):
                                    self.adaptive_k.seeded, self.pipelined_drafting,
                                    self.busy_wait_s,
                                    tree_shape(self.speculative_tree) or TreeShape(),
-                                   self.draft_confidence)
+                                   self.draft_confidence, self.plain_steps)

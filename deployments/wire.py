@@ -313,6 +313,8 @@ def score_to_proto(call: ScoreCall) -> pb.ScoreRequest:
         prompt_len=call.prompt_len,
         return_bonus_probs=call.return_bonus_probs,
         draft_parents=call.draft_parents or (),
+        steps=call.steps if call.steps > 1 else 0,
+        stop_token_ids=call.stop_token_ids if call.steps > 1 else (),
     )
     if call.draft_probs is not None:
         message.draft_probs.CopyFrom(dists_to_proto(call.draft_probs))
@@ -333,13 +335,16 @@ def score_from_proto(message: pb.ScoreRequest,
         prompt_len=message.prompt_len,
         return_bonus_probs=message.return_bonus_probs,
         draft_parents=tuple(message.draft_parents) or None,
+        steps=message.steps or 1,
+        stop_token_ids=tuple(message.stop_token_ids),
     )
 
 
 def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
     response = pb.ScoreResponse(compute_us=round(scores.compute_seconds * 1e6),
                                 cached_tokens=scores.cached_tokens,
-                                tree_nodes=scores.tree_nodes)
+                                tree_nodes=scores.tree_nodes,
+                                continued_token_ids=scores.continued_token_ids)
     if scores.accept_probs:  # a sampled tree
         response.sampled.accept_probs.extend(scores.accept_probs)
         response.sampled.recovered_token_ids.extend(scores.recovered_token_ids)
@@ -383,7 +388,8 @@ def scores_from_proto(message: pb.ScoreResponse, wire_bytes: int = 0) -> TargetS
     """The scores of an answer; wire_bytes: its call's and its own serialised size."""
     timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message),
               "logprobs": logprobs_from_proto(message), "cached_tokens": message.cached_tokens,
-              "tree_nodes": message.tree_nodes, "wire_bytes": wire_bytes}
+              "tree_nodes": message.tree_nodes, "wire_bytes": wire_bytes,
+              "continued_token_ids": tuple(message.continued_token_ids)}
     kind = message.WhichOneof("scores")
     if kind == "greedy":
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)

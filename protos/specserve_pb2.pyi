@@ -126,7 +126,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed", "prompt_len", "return_bonus_probs", "draft_parents")
+    __slots__ = ("request_id", "sync", "draft_token_ids", "sampling", "draft_probs", "seed", "prompt_len", "return_bonus_probs", "draft_parents", "steps", "stop_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class ScoreRequest(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     RETURN_BONUS_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sync: PrefixSync
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -145,10 +147,12 @@ class ScoreRequest(_message.Message):
     prompt_len: int
     return_bonus_probs: bool
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ..., return_bonus_probs: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    steps: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ..., return_bonus_probs: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs", "cached_tokens", "tree_nodes")
+    __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs", "cached_tokens", "tree_nodes", "continued_token_ids")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +163,7 @@ class ScoreResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     replica_id: str
     direct_address: str
@@ -169,7 +174,8 @@ class ScoreResponse(_message.Message):
     logprobs: PositionLogprobs
     cached_tokens: int
     tree_nodes: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., greedy: _Optional[_Union[GreedyScores, _Mapping]] = ..., sampled: _Optional[_Union[SampledScores, _Mapping]] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
+    continued_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., greedy: _Optional[_Union[GreedyScores, _Mapping]] = ..., sampled: _Optional[_Union[SampledScores, _Mapping]] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., continued_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PositionLogprobs(_message.Message):
     __slots__ = ("drafted", "chosen", "top_n", "top_ids", "top_logprobs")

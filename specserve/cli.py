@@ -77,6 +77,9 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a tree's nodes in all, placed where the draft is least sure "
                              "(default: the width at every node)")
     parser.add_argument("--n", type=int, default=1, help="independent samples")
+    parser.add_argument("--plain-steps", type=int, default=1,
+                        help="a round without a draft asks the target for this many tokens, "
+                             "one forward each (the router's plain_steps)")
     parser.add_argument("--pipelined", action="store_true",
                         help="draft the next block while the target verifies this one (the "
                              "pools overlap only when served; in-process this costs the bonus "
@@ -177,7 +180,8 @@ def request_front_end(args):
         pipelined_drafting="on" if args.pipelined else "off",
         tree=TreeShape(auto=True) if args.tree_width == "auto"
         else TreeShape(args.tree_width, nodes=args.tree_nodes),
-        draft_confidence="auto" if args.draft_confidence == "auto" else None))
+        draft_confidence="auto" if args.draft_confidence == "auto" else None,
+        plain_steps=args.plain_steps))
 
 
 def confidence_value(text: str) -> float | str:
@@ -199,12 +203,14 @@ def k_value(text: str) -> int | str:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    from speculative.options import MAX_TREE_WIDTH
+    from speculative.options import MAX_PLAIN_STEPS, MAX_TREE_WIDTH
 
     if args.num_speculative_tokens != "auto" and args.num_speculative_tokens < 0:
         parser.error("--num-speculative-tokens must be >= 0")
     if args.n < 1:
         parser.error("--n must be >= 1")
+    if not 1 <= args.plain_steps <= MAX_PLAIN_STEPS:
+        parser.error(f"--plain-steps must be in [1, {MAX_PLAIN_STEPS}]")
     if args.tree_width == "auto" and (args.num_speculative_tokens != "auto" or args.pipelined
                                       or args.tree_nodes is not None):
         parser.error("--tree-width auto chooses each round's shape for -k auto without "

@@ -10,7 +10,8 @@ string and the output ids after the token that completed it, as vLLM does) and m
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from speculative.loop import Request, RequestState, run_rounds
+from speculative.loop import run_rounds
+from speculative.state import Request, RequestState
 from speculative.policy import KPolicy
 from speculative.types import Drafter, Verifier
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from speculative.driver import Generation
-from speculative.loop import Request
+from speculative.state import Request
 from speculative.costs import CostModel
 from speculative.options import (
     MAX_SPECULATIVE_TOKENS,
@@ -73,9 +73,11 @@ class RequestFrontEnd:
              n: int = 1, stop_token_ids: Sequence[int] = (), *,
              num_speculative_tokens: NumSpeculativeTokens | None = None,
              pipelined: bool | None = None, drafter_kind: str | None = None,
-             tree: TreeShape | None = None, context_limit: int | None = None) -> RequestPlan:
+             tree: TreeShape | None = None, context_limit: int | None = None,
+             plain_steps: int | None = None) -> RequestPlan:
         """n choices of the request; sampling carries the request's seed, from which each
-        choice's is derived. None for K, pipelined or tree: the defaults."""
+        choice's is derived. None for K, pipelined, tree or plain_steps: the defaults."""
+        steps = plain_steps or self.defaults.plain_steps
         k = self.num_speculative_tokens(num_speculative_tokens, sampling)
         pipelined = self.pipelined(pipelined, sampling)
         width, k, nodes = self.tree(tree, sampling, k, num_speculative_tokens)
@@ -87,8 +89,8 @@ class RequestFrontEnd:
             Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
                            self.defaults.busy_wait_s, width, nodes, context_limit,
-                           placement=request_id),
-                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees))
+                           placement=request_id, plain_steps=steps),
+                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees, steps))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
 
@@ -124,11 +126,12 @@ class RequestFrontEnd:
         return mode == "on" or mode == "greedy" and sampling.greedy
 
     def k_policy(self, k: NumSpeculativeTokens, pipelined: bool, greedy: bool,
-                 drafter_kind: str | None, trees: bool = False) -> KPolicy:
+                 drafter_kind: str | None, trees: bool = False,
+                 plain_steps: int = 1) -> KPolicy:
         costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
             else None
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
-                        self.defaults.draft_confidence, trees)
+                        self.defaults.draft_confidence, trees, plain_steps)
 
 
 def tree_allowed(sampling: SamplingParams) -> bool:

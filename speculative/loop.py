@@ -6,145 +6,28 @@ over in-process engines for the CLI and over gRPC clients for the router.
 """
 
 import asyncio
-import secrets
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-from speculative.busy import DraftBackoff, retried_while_busy
+from speculative.busy import retried_while_busy
 from speculative.meter import RoundMeter
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.policy import KPolicy
 from speculative.accept import accept, depth
 from speculative.rejection import RoundOutcome, accept_first_predrafted
 from speculative.sampling import SamplingParams
-from speculative.stats import SpecStats
+from speculative.state import RequestState
 from speculative.types import (
-    EMPTY_PREFIX_HASH,
     NO_DRAFT,
     DraftBlock,
     Drafter,
-    GrowingPrefixHash,
     PoolUnavailable,
-    PrefixSync,
     ProposeCall,
     ScoreCall,
-    StaleBase,
     TargetScores,
-    TokenLogprob,
     Verifier,
 )
-
-
-@dataclass(frozen=True)
-class Request:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    stop_token_ids: tuple[int, ...] = ()  # e.g. EOS; the stop token is part of the output
-    # how long a request retries a verifier that has no room for it (PoolBusy) before it
-    # fails (speculative.busy); 0: it fails at once
-    busy_wait_s: float = 0.0
-    tree_width: int = 1  # > 1: each round drafts a tree of that width (speculative.tree)
-    tree_nodes: int = 0  # ...of that many nodes (0: the width at every node)
-    context_limit: int | None = None  # the target's context: a tree's nodes stay within it
-    # the key the pools place its first calls by (the choices of one HTTP request share it:
-    # deployments.clients); empty: its own id
-    placement: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("the prompt must contain at least one token")
-
-
-class PoolView:
-    """What the router believes one pool knows of a request's committed prefix."""
-
-    def __init__(self) -> None:
-        self.known_len = 0
-        self.known_hash = EMPTY_PREFIX_HASH
-
-    def prefix_sync(self, committed: list[int]) -> PrefixSync:
-        return PrefixSync(self.known_len, self.known_hash, tuple(committed[self.known_len :]))
-
-    def confirm(self, committed_len: int, committed_hash: int) -> None:
-        self.known_len, self.known_hash = committed_len, committed_hash
-
-    def forget(self) -> None:
-        self.known_len, self.known_hash = 0, EMPTY_PREFIX_HASH
-
-
-class RequestState:
-    """Per-request state the router owns: committed ids, sampling RNG, counters."""
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.committed: list[int] = list(request.prompt_token_ids)
-        seed = request.sampling.seed
-        self.generator = torch.Generator().manual_seed(
-            seed if seed is not None else secrets.randbits(63)
-        )
-        self.stats = SpecStats()
-        self.drafter_view, self.verifier_view = PoolView(), PoolView()
-        self.draft_backoff = DraftBackoff()
-        self.drafter_called = False  # the drafter may hold a cache for it: release at the end
-        self.finish_reason: str | None = None
-        self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
-        self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
-        self.round_tree = 0  # nodes of the tree the policy chose for this round (0: none)
-        self._hasher = GrowingPrefixHash()
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.committed[len(self.request.prompt_token_ids) :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        """len(output_token_ids), without the copy (asked several times a round)."""
-        return len(self.committed) - len(self.request.prompt_token_ids)
-
-    @property
-    def remaining(self) -> int:
-        return self.request.sampling.max_tokens - self.num_output_tokens
-
-    def commit(self, token_ids: tuple[int, ...], logprobs: list | None = None) -> list[int]:
-        """Append a round's output (and its logprobs), cut at a stop token or max_tokens;
-        returns what was added."""
-        added: list[int] = []
-        for token in token_ids[: self.remaining]:
-            added.append(token)
-            if token in self.request.stop_token_ids:
-                self.finish_reason = "stop"
-                break
-        self.committed.extend(added)
-        if logprobs is not None:
-            self.logprobs.extend(logprobs[:len(added)])
-        if self.finish_reason is None and self.remaining == 0:
-            self.finish_reason = "length"
-        return added
-
-    def stop_after(self, num_output_tokens: int) -> None:
-        """End the request after its first num_output_tokens (a stop string ended there)."""
-        del self.committed[len(self.request.prompt_token_ids) + num_output_tokens :]
-        self._hasher = GrowingPrefixHash()
-        del self.logprobs[num_output_tokens:]
-        self.finish_reason = "stop"
-
-    async def call_pool(self, view: PoolView, call):
-        """Run call(sync) against a pool; on StaleBase resend the whole prefix once.
-
-        The pool learns the prefix committed when the call was made, which a call that runs
-        beside the verifier (a pre-draft) must not confuse with what is committed when it ends.
-        """
-        length, fingerprint = len(self.committed), self._hasher.of(self.committed)
-        try:
-            result = await call(view.prefix_sync(self.committed))
-        except StaleBase:
-            self.stats.cache_misses += 1
-            view.forget()
-            result = await call(view.prefix_sync(self.committed[:length]))
-        view.confirm(length, fingerprint)
-        return result
 
 
 def draw_seed(state: RequestState) -> int:
@@ -288,12 +171,19 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     block = meter.drafted(block or NO_DRAFT)
     verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
     predraft = start_predraft(state, drafter, policy, block, beside, pipelined)
-    scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft))
+    steps = plain_steps(state, block, predraft)
+    scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft, steps))
     greedy = state.request.sampling.greedy
     outcome, scores = accept(block, scores, greedy, state.generator)
     outcome, next_block = await settle_predraft(predraft, meter, outcome, block, scores, greedy,
                                                 state.generator)
+    continued = scores.continued_token_ids[:steps - 1]
+    if continued:
+        outcome = replace(outcome, output_token_ids=outcome.output_token_ids + continued)
+        state.stats.plain_step_tokens += len(continued)
     committed = state.commit(outcome.output_token_ids, round_logprobs(scores, outcome))
+    if continued and state.finish_reason is None:
+        state.confirm_fed(state.verifier_view, len(continued))
     cost = meter.finish(block, scores, outcome, beside=beside)
     if not meter.fell_back:  # a failed call's wait says nothing about what a K costs
         policy.update(depth(block) + outcome.predraft_tested,
@@ -301,6 +191,21 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     if block.confidences is not None and block.parents is None:
         policy.observe_confidences(block.confidences, outcome.num_accepted)
     return committed, None if state.finish_reason is not None else next_block
+
+
+def plain_steps(state: RequestState, block: DraftBlock, predraft) -> int:
+    """The verifier's steps for this round's call (verifier.steps): the request's
+    plain_steps for a round without a draft (and none beside it: a pre-draft or a fresh
+    draft assumes the round makes one token) and without logprobs, within its tokens
+    left and its context; else 1. A request's first token comes alone (its time to first
+    token is a prefill's, not a prefill's and the steps')."""
+    request = state.request
+    if block.token_ids or predraft is not None or request.sampling.logprobs is not None \
+            or not state.num_output_tokens:
+        return 1
+    room = state.remaining if request.context_limit is None else \
+        min(state.remaining, request.context_limit - len(state.committed) + 1)
+    return max(1, min(request.plain_steps, room))
 
 
 def round_tree(state: RequestState, policy: KPolicy, k: int, chosen_now: bool
@@ -345,8 +250,9 @@ def start_predraft(state: RequestState, drafter: Drafter, policy: KPolicy, block
 
 
 async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, seed: int,
-                 predraft: asyncio.Future | None) -> TargetScores:
-    """The target's scores of the block; a failure cancels the pre-draft beside it."""
+                 predraft: asyncio.Future | None, steps: int = 1) -> TargetScores:
+    """The target's scores of the block (of `steps` tokens without one: plain_steps); a
+    failure cancels the pre-draft beside it."""
     request = state.request
     score = lambda sync: verifier.score(ScoreCall(  # noqa: E731
         request.request_id, sync, block.token_ids, request.sampling, block.draft_probs, seed,
@@ -354,7 +260,8 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
         return_bonus_probs=predraft is not None and not request.sampling.greedy
         and request.sampling.logprobs is None, draft_parents=block.parents,
-        placement=request.placement))
+        placement=request.placement, steps=steps,
+        stop_token_ids=request.stop_token_ids if steps > 1 else ()))
     try:
         return await retried_while_busy(request.busy_wait_s, state.stats,
                                         lambda: state.call_pool(state.verifier_view, score))

@@ -87,7 +87,10 @@ class RoundMeter:
         comparable = not (self.first and drafted_beside) and \
             self.stats.cache_misses == self.misses and \
             self.stats.busy_seconds == self.busy_seconds
-        return RoundCost(len(block.token_ids) + 1, scores.compute_seconds,
+        # a call of several steps (verifier.steps) ran one forward a token: the verify line
+        # learns one forward's time, the overhead is the call's once
+        forwards = 1 + len(scores.continued_token_ids)
+        return RoundCost(len(block.token_ids) + 1, scores.compute_seconds / forwards,
                          depth(drafted_now), drafted_now.compute_seconds,
                          unwaited_seconds - max(scores.compute_seconds, beside_seconds),
                          load.batch_size if load else 1, load.batch_tokens if load else 0,

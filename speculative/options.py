@@ -8,6 +8,7 @@ from typing import Literal
 from speculative.policy import KBounds
 
 MAX_SPECULATIVE_TOKENS = 64  # K, and a draft tree's nodes
+MAX_PLAIN_STEPS = 64  # the tokens a call without a draft may ask for (verifier.steps)
 MAX_TREE_WIDTH = 8  # a draft tree's children at a node
 
 NumSpeculativeTokens = int | Literal["auto"]
@@ -44,9 +45,10 @@ class SpeculationDefaults:
     # draft the next block while the verifier scores this one: "greedy" for greedy requests
     # only, "on" or "off"
     pipelined_drafting: PipelinedDrafting = "on"
-    busy_wait_s: float = 0.0  # how long a request waits out a full verifier (loop.Request)
+    busy_wait_s: float = 0.0  # how long a request waits out a full verifier (state.Request)
     tree: TreeShape = TreeShape()  # a draft tree per round (width 1: chains)
     # the draft calls' draft_confidence (a model drafter's block ends once its confidence
     # falls below it): a number, "auto" (learnt per router from acceptance and costs, with
     # an adaptive K: speculative.confidence) or None (the drafter pool's own)
     draft_confidence: float | Literal["auto"] | None = None
+    plain_steps: int = 1  # the tokens a round without a draft asks for (state.Request)

@@ -118,8 +118,10 @@ class AdaptiveK:
     α is the request's own acceptance, counted per position tested (a round that accepts n of
     K tested n + 1 positions, or K when all were accepted), with older rounds decaying and the
     router-wide acceptance as a prior worth `prior_weight` positions. The load is the
-    verifier batch this request's own recent rounds were scored in (1 until it has seen one):
-    a request that starts after a burst drafts at once.
+    verifier batch this request's own recent rounds were scored in, at first the router's
+    latest rounds' (CostModel.load): a request that starts under load runs the batch's K
+    from its first round (K = 0: no drafter call at all), one that starts after a burst
+    drafts at once.
     """
 
     explore_every = 8  # rounds between two runs of a neighbouring K
@@ -139,8 +141,9 @@ class AdaptiveK:
     def __init__(self, bounds: KBounds, costs: CostModel, pipelined: bool, greedy: bool,
                  prior_alpha: float = 0.6, prior_weight: float = 4.0,
                  decay: float = 0.85, confidence: float | str | None = None,
-                 trees: bool = False) -> None:
+                 trees: bool = False, plain_steps: int = 1) -> None:
         self.bounds, self.costs = bounds, costs
+        self.plain_steps = plain_steps  # a round without a draft makes this many tokens
         self.confidence = confidence  # draft_confidence: a number, "auto" (learnt) or None
         self.trees = trees  # choose between a chain of K and a tree of K nodes (round_shape)
         self.asked: tuple[int, bool] | None = None  # this round's (K, tree), once chosen
@@ -148,12 +151,12 @@ class AdaptiveK:
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
         self.own = Acceptance(decay, prior * prior_weight, prior_weight)
         self.positions_tested = 0  # by this request's own rounds, not the prior
-        self.load = 1.0
+        self.load = costs.load
         self.loaded = False  # the last round chose the router's K under load
         self.phase = 0  # ...in this phase of the router's (BatchTrials)
         self.rounds = 0
         self.explored_up = False
-        self.chosen = self.choose(None) if bounds.initial is None else \
+        self.chosen = self.first_k() if bounds.initial is None else \
             min(max(bounds.initial, bounds.min), bounds.max)
         self.k = self.chosen
 
@@ -212,6 +215,7 @@ class AdaptiveK:
             self.costs.alpha.add(num_accepted, tested)
         if cost is not None:
             self.load = 0.5 * self.load + 0.5 * max(1, cost.batch_size)
+            self.costs.load = 0.5 * self.costs.load + 0.5 * max(1, cost.batch_size)
             self.costs.observe(cost)
             if self.asked is not None and cost.comparable and cost.kind == "sequential" \
                     and cost.wall_seconds > 0 and cost.batch_size <= 1:
@@ -260,6 +264,15 @@ class AdaptiveK:
         tried = k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low
         return min(max(tried, low), self.bounds.max), phase
 
+    def first_k(self) -> int:
+        """The first round's K: under batch load the router's K in force (BatchTrials), else
+        the best the model expects."""
+        trials = self.costs.trials
+        if self.load < self.zero_load or trials.k is None:
+            return self.choose(None)
+        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
+        return min(max(trials.k, low), self.bounds.max)
+
     def explore(self, k: int) -> int:
         """A neighbour of k: one up and one down in turn, within what may be chosen."""
         low = 0 if self.zero_allowed() else max(1, self.bounds.min)
@@ -289,8 +302,10 @@ class AdaptiveK:
     def rate(self, k: int) -> float:
         """Expected tokens per second at K = k."""
         costs, alpha = self.costs, self.alpha
-        if k == 0:
-            return 1.0 / costs.round_seconds("plain", 0, self.load)
+        if k == 0:  # steps forwards, the call's overhead once (verifier.steps)
+            steps = self.plain_steps
+            return steps / (costs.round_seconds("plain", 0, self.load)
+                            + (steps - 1) * costs.forward_seconds(self.load))
         tokens = expected_tokens(alpha, k)
         if not self.pipelined:
             return tokens / costs.round_seconds("sequential", k, self.load)
@@ -334,16 +349,17 @@ class AdaptiveK:
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,
              costs: CostModel | None = None, confidence: float | str | None = None,
-             trees: bool = False) -> KPolicy:
+             trees: bool = False, plain_steps: int = 1) -> KPolicy:
     """FixedK(k), or for k == "auto" an AdaptiveK in `bounds` learning into `costs`.
     confidence: the draft calls' draft_confidence, or "auto" to learn it; trees: choose per
     round between a chain and a tree. Both "auto" and trees need an adaptive K and
     sequential rounds: a fixed K or a pipelined request (whose pre-drafts run beside the
     verify, at another cost, and continue one chain) leaves the cut to the pool and drafts
-    chains."""
+    chains; plain_steps: the tokens a round without a draft makes (state.Request)."""
     if k != "auto":
         return FixedK(k, None if confidence == "auto" else confidence)
     if pipelined and confidence == "auto":
         confidence = None
     return AdaptiveK(bounds or KBounds(), costs or CostModel(), pipelined, greedy,
-                     confidence=confidence, trees=trees and not pipelined)
+                     confidence=confidence, trees=trees and not pipelined,
+                     plain_steps=plain_steps)

@@ -20,6 +20,9 @@ class SpecStats:
     # its bonus position to a pre-drafted token it cannot test there produces its accepted
     # tokens only)
     num_emitted_tokens: int = 0
+    # ...of which the verifier drew after a round's first in its later steps (a round without
+    # a draft asks for several: verifier.steps)
+    plain_step_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     # [j]: the rounds that tested drafted tokens and accepted exactly j (vLLM's per-request
     # acceptance_histogram; the bonus token is not counted)
@@ -99,7 +102,7 @@ class SpecStats:
                      "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "bonus_position_drafts",
-                     "tree_rounds", "sibling_rounds",
+                     "tree_rounds", "sibling_rounds", "plain_step_tokens",
                      "predraft_compute_seconds",
                      "exposed_seconds", "verifier_batch_calls", "verifier_batches",
                      "drafter_batch_calls", "drafter_batches", "draft_fallback_rounds"):
@@ -113,10 +116,11 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        """Tokens per round, the recovered or bonus token included (vLLM's definition)."""
+        """Tokens per round, the recovered or bonus token included (vLLM's definition); a
+        round's later steps without a draft (plain_step_tokens) are no speculation's."""
         if not self.rounds:
             return None
-        return self.num_emitted_tokens / self.rounds
+        return (self.num_emitted_tokens - self.plain_step_tokens) / self.rounds
 
     @property
     def mean_num_speculative_tokens(self) -> float | None:
@@ -129,6 +133,7 @@ class SpecStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_emitted_tokens": self.num_emitted_tokens,
+            "plain_step_tokens": self.plain_step_tokens,
             "num_drafts": self.num_drafts,
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate": self.acceptance_rate,

@@ -236,6 +236,10 @@ class ScoreCall:
     return_bonus_probs: bool = False
     draft_parents: tuple[int, ...] | None = None  # a draft tree's (DraftBlock.parents)
     placement: str = ""  # as ProposeCall's: router-side, not on the wire
+    # a call without a draft may ask for several tokens (verifier.steps): the verifier feeds
+    # each token it draws and draws the next, up to `steps` tokens or a stop id
+    steps: int = 1
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,9 @@ class TargetScores:
     # recovered_token_ids then holds one draw per row (the root's, then each node's)
     accept_probs: tuple[float, ...] = ()
     tree_nodes: int = 0  # the nodes of a draft tree the verifier scored as a tree
+    # a call of several steps: the tokens drawn after the call's own position, each fed
+    # before the next was drawn (the verifier's committed prefix holds all but the last)
+    continued_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

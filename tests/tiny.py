@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from speculative.costs import CostModel, RoundCost
 from speculative.driver import Generation
-from speculative.loop import Request
+from speculative.state import Request
 from speculative.policy import FixedK, KBounds, k_policy
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores
@@ -44,17 +44,18 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request_id="r", stop=(),
         decode=None, pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
-        confidence=None, costs=None, policy=None):
+        confidence=None, costs=None, policy=None, plain_steps: int = 1):
     """Decode one request in-process through the request driver; returns (output ids, state).
 
     k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies);
     tree_width > 1: each round drafts a tree of that width, K deep, of tree_nodes nodes;
     confidence: the draft calls' draft_confidence ("auto": learnt, with an adaptive K, into
     `costs`, a CostModel shared with other runs, or a new one); policy: a K policy of the
-    test's own instead.
+    test's own instead; plain_steps: the tokens a round without a draft asks the verifier
+    for (verifier.steps).
     """
     request = Request(request_id, tuple(prompt), params, tuple(stop), tree_width=tree_width,
-                      tree_nodes=tree_nodes)
+                      tree_nodes=tree_nodes, plain_steps=plain_steps)
     generation = Generation(request, decode)
     asyncio.run(decoded(drafter, verifier, generation, k, pipelined, confidence, costs, policy))
     return generation.token_ids, generation.state
@@ -190,6 +191,7 @@ class Batched:
 
     def __init__(self, engine, max_batch_size: int = 64) -> None:
         from deployments.batcher import ContinuousBatcher
+        from engine.batch import UNFINISHED
 
         self.engine = engine
         self.batch_sizes: list[int] = []
@@ -200,7 +202,9 @@ class Batched:
             await asyncio.sleep(0)  # let the other requests queue behind this batch
             return work(calls)
 
-        self.batcher = ContinuousBatcher(run_batch, max_batch_size)
+        # a call of several steps (verifier.steps) runs again until its last, as in a pool
+        self.batcher = ContinuousBatcher(run_batch, max_batch_size,
+                                         lambda answer: answer is UNFINISHED)
 
     async def answer(self, call):
         result = await self.batcher.submit(call)
@@ -219,17 +223,18 @@ class Batched:
 
 def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, samples: int,
                pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
-               group: int = 100, context_limit: int | None = None, policy=None):
+               group: int = 100, context_limit: int | None = None, policy=None,
+               plain_steps: int = 1):
     """Request i (its seed i, its id str(i)) for i in 0..samples-1, `group` of them decoding
     at once (the pools wrapped in `Batched` serve each group's rounds in shared forwards);
     yields each one's (output ids, state) in order. A caller may stop early between groups.
-    policy: makes each request's K policy (None: k's)."""
+    policy: makes each request's K policy (None: k's); plain_steps: loop.Request's."""
     from dataclasses import replace
 
     async def one(i):
         request = Request(str(i), tuple(prompt), replace(params, seed=i), (),
                           tree_width=tree_width, tree_nodes=tree_nodes,
-                          context_limit=context_limit)
+                          context_limit=context_limit, plain_steps=plain_steps)
         generation = await decoded(drafter, verifier, Generation(request), k, pipelined,
                                    policy=policy and policy())
         return generation.token_ids, generation.state
@@ -243,14 +248,15 @@ def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, 
 
 
 def run_concurrently(drafter, verifier, prompts, params: SamplingParams, k: int | str,
-                     max_tokens: list[int] | None = None, pipelined: bool = False):
+                     max_tokens: list[int] | None = None, pipelined: bool = False,
+                     plain_steps: int = 1):
     """Decode every prompt at once through the request driver; returns each one's ids."""
     from dataclasses import replace
 
     async def one(i, prompt):
         p = params if max_tokens is None else replace(params, max_tokens=max_tokens[i])
         p = replace(p, seed=(params.seed or 0) + i) if params.seed is not None else p
-        request = Request(f"r{i}", tuple(prompt), p, ())
+        request = Request(f"r{i}", tuple(prompt), p, (), plain_steps=plain_steps)
         return (await decoded(drafter, verifier, Generation(request), k, pipelined)).token_ids
 
     async def main():

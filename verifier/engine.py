@@ -8,6 +8,7 @@ import torch
 
 from engine.batch import UNFINISHED
 from verifier import host
+from verifier.steps import Steps, check_steps
 from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
@@ -64,11 +65,13 @@ class ModelVerifier:
         # __getattribute__, about 1 us a read, on every call of a batch
         self.vocab_size = self.model.config.vocab_size
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
+        self.steps = Steps(self.sessions)  # the calls of several steps between two of them
 
     async def score(self, call: ScoreCall) -> TargetScores:
         return self.score_now(call)
 
     async def release(self, request_id: str) -> None:
+        self.steps.forget(request_id)
         self.sessions.release(request_id)
 
     def score_now(self, call: ScoreCall) -> TargetScores:
@@ -81,14 +84,18 @@ class ModelVerifier:
 
     @torch.inference_mode()  # no autograd bookkeeping on the batch's many small operations
     def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
-        """Every call's TargetScores, or the ValueError / StaleBase that refused it."""
+        """Every call's TargetScores, or the ValueError / StaleBase that refused it; a call
+        of several steps runs its next step (verifier.steps) and answers UNFINISHED until
+        its last."""
         try:
-            return run_batch(calls, self.prepare, self.runner, self.finish, self.sessions,
-                             self.max_batch_tokens)
+            results = run_batch([self.steps.current(call) for call in calls], self.prepare,
+                                self.runner, self.finish, self.sessions, self.max_batch_tokens)
         except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
             for call in calls:
+                self.steps.forget(call.request_id)
                 self.sessions.drop(call.request_id)
             raise
+        return [self.steps.advance(call, result) for call, result in zip(calls, results)]
 
     def prepare(self, call: ScoreCall, limit: int | None = None):
         """Check the call and bring its sequence to the committed prefix: (segment,
@@ -98,6 +105,7 @@ class ModelVerifier:
         vocab_size = self.vocab_size
         check_call(call.sync.new_token_ids + call.draft_token_ids + call.sampling.shaping_ids,
                    vocab_size, len(call.draft_token_ids))
+        check_steps(call, vocab_size)
         drafted = list(call.draft_token_ids)
         if call.draft_parents is not None:
             check_tree_call(call)

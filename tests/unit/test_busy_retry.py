@@ -9,7 +9,7 @@ import pytest
 
 from drafter.model import ModelDrafter
 from speculative.driver import Generation
-from speculative.loop import Request
+from speculative.state import Request
 from speculative.sampling import SamplingParams
 from speculative.types import PoolBusy
 from tests.tiny import decoded, noisy_copy, run, tiny_llama

@@ -31,6 +31,9 @@ def test_json_output_has_choices_and_stats(capsys, tiny_pair_dir):
 def test_greedy_through_the_cli_equals_target_alone(capsys, tiny_pair_dir, drafter):
     alone = generate(capsys, tiny_pair_dir, "-k", "0")
     assert alone["stats"]["num_draft_tokens"] == 0
+    steps = generate(capsys, tiny_pair_dir, "-k", "0", "--plain-steps", "3")
+    assert steps["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert steps["stats"]["plain_step_tokens"] > 0
     for k in ("2", "5"):
         spec = generate(capsys, tiny_pair_dir, "-k", k, "--drafter", drafter)
         assert spec["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
@@ -75,6 +78,7 @@ def test_stop_strings_cut_the_text(capsys, tiny_pair_dir):
         (["--max-tokens", "0"], "max_tokens"),
         (["-k", "-1"], "num-speculative-tokens"),
         (["--n", "0"], "--n"),
+        (["--plain-steps", "0"], "--plain-steps"),
         (["--drafter", "tree"], "invalid choice"),
         (["--temperature", "hot"], "invalid float"),
     ],

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculative.driver import Detokenizer, Generation, text_decoder
-from speculative.loop import Request
+from speculative.state import Request
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores

@@ -9,7 +9,8 @@ import torch
 from drafter.model import ModelDrafter
 from engine.kv import SessionStore, common_prefix_len
 from engine.runner import serving_runner
-from speculative.loop import Request, RequestState, run_rounds
+from speculative.loop import run_rounds
+from speculative.state import Request, RequestState
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase, prefix_hash

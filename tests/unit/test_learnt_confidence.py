@@ -8,7 +8,7 @@ import pytest
 from speculative.confidence import EDGES, ConfidenceCut, bucket_of
 from speculative.costs import CostModel
 from speculative.driver import Generation
-from speculative.loop import Request
+from speculative.state import Request
 from speculative.policy import AdaptiveK, FixedK, KBounds, k_policy
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores

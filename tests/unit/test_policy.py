@@ -564,3 +564,20 @@ def test_the_router_warns_once_when_a_draft_step_costs_as_much_as_a_verify(caplo
     dear = measured({1: 2.0, 5: 3.0}, draft_ms_per_token=2.5)
     assert dear.no_room_for_speculation() >= 1.0
     assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+def test_a_request_that_starts_under_load_runs_the_batch_k_from_its_first_round():
+    """A new request joins a loaded router at the K in force (K = 0: it never calls the
+    drafter), not at the K the model expects alone; after the load fell it drafts."""
+    pair = ServedPair(alpha=0.6, seed=3, per_token_ms=1.5)
+    costs = CostModel()
+    serve_requests(pair, costs, requests=1)
+    costs.trials.switch(0)
+    for _ in range(4):  # the router's latest rounds were scored in batches of 16
+        AdaptiveK(KBounds(0, 8), costs, False, True).update(
+            0, 0, RoundCost(1, 0.01, 0, 0.0, 0.001, batch_size=16))
+    assert AdaptiveK(KBounds(0, 8), costs, False, True).num_speculative_tokens() == 0
+    for _ in range(10):
+        AdaptiveK(KBounds(0, 8), costs, False, True).update(
+            0, 0, RoundCost(1, 0.01, 0, 0.0, 0.001, batch_size=1))
+    assert AdaptiveK(KBounds(0, 8), costs, False, True).num_speculative_tokens() >= 1

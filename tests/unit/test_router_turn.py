@@ -7,7 +7,7 @@ import pytest
 
 from bench.router_turn import InstantPools, in_process
 from speculative.driver import Generation
-from speculative.loop import Request
+from speculative.state import Request
 from speculative.costs import CostModel
 from speculative.policy import FixedK, k_policy
 from speculative.sampling import SamplingParams

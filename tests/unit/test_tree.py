@@ -123,7 +123,8 @@ def test_a_drafted_tree_keeps_its_budget_and_its_main_chain(greedy):
 def test_a_tree_never_outgrows_the_outputs_room():
     """The verifier's slots hold committed + nodes: a tree keeps to the output's room less
     one (within the context whenever the output is), and becomes a chain at the end."""
-    from speculative.loop import Request, RequestState, tree_shape
+    from speculative.loop import tree_shape
+    from speculative.state import Request, RequestState
     from speculative.sampling import SamplingParams
 
     def shape(max_tokens, k, width=3, nodes=0, assumed=(), context=None):
@@ -159,7 +160,8 @@ def test_a_tree_budget_no_deeper_than_the_chain_leaves_the_requests_k():
 
 
 def test_no_tree_passes_the_nodes_a_verifier_scores():
-    from speculative.loop import Request, RequestState, tree_shape
+    from speculative.loop import tree_shape
+    from speculative.state import Request, RequestState
     from speculative.sampling import SamplingParams
 
     request = Request("r", (1, 2), SamplingParams(max_tokens=1000), tree_width=8)

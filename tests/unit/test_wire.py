@@ -228,3 +228,17 @@ def test_reported_confidences_that_do_not_fit_the_chain_are_refused(bad):
         wire.block_from_proto(message)
     tree = DraftBlock((1, 2, 3), None, parents=(-1, 0, -1), confidences=(0.5, 0.25))
     assert wire.block_from_proto(wire.block_to_proto(tree)).confidences == (0.5, 0.25)
+
+
+def test_calls_of_several_steps_round_trip():
+    sync = PrefixSync(3, 12345678901234567890, (4, 5))
+    call = ScoreCall("r1", sync, (), SamplingParams(), seed=3, steps=6, stop_token_ids=(2, 9))
+    assert wire.score_from_proto(wire.score_to_proto(call), SamplingParams()) == call
+    one = ScoreCall("r1", sync, (), SamplingParams(), stop_token_ids=(2,))
+    message = wire.score_to_proto(one)  # one step: neither field on the wire
+    assert message.steps == 0 and not message.stop_token_ids
+    assert wire.score_from_proto(message, SamplingParams()).steps == 1
+    for scores in (TargetScores(target_token_ids=(3,), continued_token_ids=(4, 5)),
+                   TargetScores(recovered_token_ids=(), bonus_token_id=7,
+                                continued_token_ids=(1,))):
+        assert wire.scores_from_proto(wire.scores_to_proto(scores)) == scores

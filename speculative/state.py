@@ -1,0 +1,140 @@
+"""A request as the round loop runs it: what it asks (`Request`), what the router keeps for it
+between rounds (`RequestState`: committed ids, the sampling generator, counters) and what the
+router believes each pool knows of its committed prefix (`PoolView`)."""
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from speculative.busy import DraftBackoff
+from speculative.sampling import SamplingParams
+from speculative.stats import SpecStats
+from speculative.types import (
+    EMPTY_PREFIX_HASH,
+    GrowingPrefixHash,
+    PrefixSync,
+    StaleBase,
+    TokenLogprob,
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...] = ()  # e.g. EOS; the stop token is part of the output
+    # how long a request retries a verifier that has no room for it (PoolBusy) before it
+    # fails (speculative.busy); 0: it fails at once
+    busy_wait_s: float = 0.0
+    tree_width: int = 1  # > 1: each round drafts a tree of that width (speculative.tree)
+    tree_nodes: int = 0  # ...of that many nodes (0: the width at every node)
+    context_limit: int | None = None  # the target's context: a tree's nodes stay within it
+    # the key the pools place its first calls by (the choices of one HTTP request share it:
+    # deployments.clients); empty: its own id
+    placement: str = ""
+    # a round without a draft asks the verifier for up to this many tokens (verifier.steps):
+    # it draws and feeds them itself, one forward each, and the round's call and turn are
+    # paid once for them all
+    plain_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+
+
+class PoolView:
+    """What the router believes one pool knows of a request's committed prefix."""
+
+    def __init__(self) -> None:
+        self.known_len = 0
+        self.known_hash = EMPTY_PREFIX_HASH
+
+    def prefix_sync(self, committed: list[int]) -> PrefixSync:
+        return PrefixSync(self.known_len, self.known_hash, tuple(committed[self.known_len :]))
+
+    def confirm(self, committed_len: int, committed_hash: int) -> None:
+        self.known_len, self.known_hash = committed_len, committed_hash
+
+    def forget(self) -> None:
+        self.known_len, self.known_hash = 0, EMPTY_PREFIX_HASH
+
+
+class RequestState:
+    """Per-request state the router owns: committed ids, sampling RNG, counters."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.committed: list[int] = list(request.prompt_token_ids)
+        seed = request.sampling.seed
+        self.generator = torch.Generator().manual_seed(
+            seed if seed is not None else secrets.randbits(63)
+        )
+        self.stats = SpecStats()
+        self.drafter_view, self.verifier_view = PoolView(), PoolView()
+        self.draft_backoff = DraftBackoff()
+        self.drafter_called = False  # the drafter may hold a cache for it: release at the end
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
+        self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
+        self.round_tree = 0  # nodes of the tree the policy chose for this round (0: none)
+        self._hasher = GrowingPrefixHash()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.committed[len(self.request.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids), without the copy (asked several times a round)."""
+        return len(self.committed) - len(self.request.prompt_token_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.request.sampling.max_tokens - self.num_output_tokens
+
+    def commit(self, token_ids: tuple[int, ...], logprobs: list | None = None) -> list[int]:
+        """Append a round's output (and its logprobs), cut at a stop token or max_tokens;
+        returns what was added."""
+        added: list[int] = []
+        for token in token_ids[: self.remaining]:
+            added.append(token)
+            if token in self.request.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+        self.committed.extend(added)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[:len(added)])
+        if self.finish_reason is None and self.remaining == 0:
+            self.finish_reason = "length"
+        return added
+
+    def stop_after(self, num_output_tokens: int) -> None:
+        """End the request after its first num_output_tokens (a stop string ended there)."""
+        del self.committed[len(self.request.prompt_token_ids) + num_output_tokens :]
+        self._hasher = GrowingPrefixHash()
+        del self.logprobs[num_output_tokens:]
+        self.finish_reason = "stop"
+
+    async def call_pool(self, view: PoolView, call):
+        """Run call(sync) against a pool; on StaleBase resend the whole prefix once.
+
+        The pool learns the prefix committed when the call was made, which a call that runs
+        beside the verifier (a pre-draft) must not confuse with what is committed when it ends.
+        """
+        length, fingerprint = len(self.committed), self._hasher.of(self.committed)
+        try:
+            result = await call(view.prefix_sync(self.committed))
+        except StaleBase:
+            self.stats.cache_misses += 1
+            view.forget()
+            result = await call(view.prefix_sync(self.committed[:length]))
+        view.confirm(length, fingerprint)
+        return result
+
+    def confirm_fed(self, view: PoolView, fed: int) -> None:
+        """The pool fed `fed` committed tokens beyond the prefix its last call named (a call
+        of several steps feeds all its tokens but the last)."""
+        length = view.known_len + fed
+        view.confirm(length, self._hasher.of(self.committed[:length]))

@@ -1,0 +1,134 @@
+"""Rounds without a draft that ask the verifier for several tokens (verifier.steps): greedy
+output equals the target's own, whatever the steps and the rounds with drafts between them;
+the router's view of the verifier's prefix follows (no rebuilt cache); a stop id ends the
+steps; bad steps are refused; the adaptive K's rate of K = 0 counts the steps."""
+
+import asyncio
+
+import pytest
+
+from drafter.model import ModelDrafter
+from engine.batch import UNFINISHED
+from speculative.costs import CostModel, RoundCost
+from speculative.policy import AdaptiveK, FixedK, KBounds
+from speculative.sampling import SamplingParams
+from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
+from tests.tiny import Batched, noisy_copy, run, run_concurrently
+from tests.unit.test_oracle import (  # noqa: F401 (fixtures)
+    MAX_TOKENS,
+    prompts,
+    references,
+    target,
+)
+from verifier.engine import ModelVerifier
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+class Alternating(FixedK):
+    """K = 0, then 3, 0, 1, 0, 2 in turn: rounds of several steps between drafted ones."""
+
+    CYCLE = (0, 3, 0, 1, 0, 2)
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.round = 0
+
+    def num_speculative_tokens(self) -> int:
+        return self.CYCLE[self.round % len(self.CYCLE)]
+
+    def update(self, num_drafted, num_accepted, cost=None) -> None:
+        self.round += 1
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 8])
+def test_rounds_of_several_steps_equal_target_greedy(target, references, steps):
+    verifier = ModelVerifier(target)
+    for i, (prompt, expected) in enumerate(zip(prompts(), references)):
+        out, state = run(ModelDrafter(target), verifier, prompt, GREEDY, 0, request_id=f"r{i}",
+                         plain_steps=steps)
+        assert out == expected, f"prompt {i}, {steps} steps"
+        # the first token alone, then each round made `steps`
+        assert state.stats.rounds == 1 + -(-(MAX_TOKENS - 1) // steps)
+        assert state.stats.cache_misses == 0  # the router's view followed the verifier's
+    assert len(verifier.sessions) == 0 and not verifier.steps.running
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_steps_between_drafted_rounds_equal_target_greedy(target, references, pipelined):
+    """Drafted rounds after rounds of steps: the drafter catches up on the tokens the
+    verifier drew, and the verifier's prefix holds all of them but the last."""
+    verifier = ModelVerifier(target)
+    drafter = ModelDrafter(noisy_copy(target, 0.01, seed=1))
+    accepted = 0
+    for i, (prompt, expected) in enumerate(zip(prompts(), references)):
+        out, state = run(drafter, verifier, prompt, GREEDY, 0, request_id=f"r{i}",
+                         pipelined=pipelined, policy=Alternating(), plain_steps=4)
+        assert out == expected, f"prompt {i}"
+        assert state.stats.cache_misses == 0
+        accepted += state.stats.num_accepted_tokens
+    assert accepted > 0
+
+
+def test_batched_rounds_of_steps_equal_target_greedy(target, references):
+    """Requests of several steps share the verifier's batches with each other's steps."""
+    verifier = Batched(ModelVerifier(target), max_batch_size=4)
+    outputs = run_concurrently(ModelDrafter(target), verifier, prompts(), GREEDY, 0,
+                               plain_steps=5)
+    assert outputs == references
+    assert max(verifier.batch_sizes) > 1
+
+
+def test_a_stop_id_ends_the_steps(target, references):
+    prompt, expected = prompts()[2], references[2]
+    stop = expected[5]
+    verifier = ModelVerifier(target)
+    out, state = run(ModelDrafter(target), verifier, prompt, GREEDY, 0, stop=(stop,),
+                     plain_steps=4)
+    assert out == expected[:expected.index(stop) + 1] and state.finish_reason == "stop"
+    # the verifier stopped at the stop id: its last call drew no token beyond it
+    assert state.stats.rounds == 1 + -(-expected.index(stop) // 4)
+
+
+def call(steps: int, **fields) -> ScoreCall:
+    fields = {"draft_token_ids": (), "sampling": GREEDY, **fields}
+    return ScoreCall("bad", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), steps=steps, **fields)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (call(0), "steps must be in"), (call(65), "steps must be in"),
+    (call(2, draft_token_ids=(4,)), "scores no draft"),
+    (call(2, sampling=SamplingParams(temperature=0, logprobs=2)), "scores no draft"),
+    (call(2, return_bonus_probs=True), "scores no draft"),
+    (call(2, stop_token_ids=(64,)), "stop token ids out of range"),
+])
+def test_bad_steps_are_refused(target, bad, message):
+    verifier = ModelVerifier(target)
+    with pytest.raises(ValueError, match=message):
+        verifier.score_now(bad)
+    assert len(verifier.sessions) == 0  # refused before the cache was touched
+
+
+def test_a_released_request_forgets_its_steps(target):
+    """A request that ends between two steps (its client gone) leaves nothing behind, and a
+    new call of a request replaces a call that never finished."""
+    verifier = ModelVerifier(target)
+    first = call(4)
+    assert verifier.score_batch([first]) == [UNFINISHED]  # its first step of four
+    assert "bad" in verifier.steps.running
+    asyncio.run(verifier.release("bad"))
+    assert not verifier.steps.running and len(verifier.sessions) == 0
+    assert verifier.score_batch([first]) == [UNFINISHED]
+    scores = verifier.score_now(call(3))  # the request's next call: from its own start
+    assert len(scores.continued_token_ids) == 2 and not verifier.steps.running
+
+
+def test_the_adaptive_rate_of_no_draft_counts_the_steps():
+    """rate(0) = M / (M t + h): M forwards of t, the round's overhead h once."""
+    costs = CostModel()
+    for _ in range(20):  # a plain round: a 10 ms forward, 4 ms beside it
+        costs.observe(RoundCost(1, 0.010, 0, 0.0, 0.004, kind="plain"))
+    rates = {steps: AdaptiveK(KBounds(0, 8), costs, False, True, plain_steps=steps).rate(0)
+             for steps in (1, 4)}
+    assert rates[1] == pytest.approx(1 / 0.014)
+    assert rates[4] == pytest.approx(4 / (4 * 0.010 + 0.004))
