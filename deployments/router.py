@@ -141,5 +141,6 @@ class Router:
                                    num_speculative_tokens=body.num_speculative_tokens,
                                    pipelined=body.pipelined, drafter_kind=body.drafter,
                                    plain_steps=body.plain_steps,
+                                   running=self.admission.running,
                                    tree=tree_shape(body.speculative_tree),
                                    context_limit=self.prompts.context_limit)

@@ -270,9 +270,6 @@ class CostModel:
         # overlap the other, by load bucket
         self.overlap: dict[int, Recent] = {}
         self.warned = False
-        # the verifier batches of the router's latest rounds (any request's, halved each
-        # round): a request that starts under load runs the batch's K from its first round
-        self.load = 1.0
         self.draft_adds = 0  # draft costs observed (the warning is checked on some)
 
     def no_room_for_speculation(self) -> float | None:

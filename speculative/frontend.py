@@ -74,9 +74,11 @@ class RequestFrontEnd:
              num_speculative_tokens: NumSpeculativeTokens | None = None,
              pipelined: bool | None = None, drafter_kind: str | None = None,
              tree: TreeShape | None = None, context_limit: int | None = None,
-             plain_steps: int | None = None) -> RequestPlan:
+             plain_steps: int | None = None, running: int = 0) -> RequestPlan:
         """n choices of the request; sampling carries the request's seed, from which each
-        choice's is derived. None for K, pipelined, tree or plain_steps: the defaults."""
+        choice's is derived. None for K, pipelined, tree or plain_steps: the defaults.
+        running: the choices of other requests running now (an adaptive K starts at the
+        load they and the n choices make)."""
         steps = plain_steps or self.defaults.plain_steps
         k = self.num_speculative_tokens(num_speculative_tokens, sampling)
         pipelined = self.pipelined(pipelined, sampling)
@@ -90,7 +92,8 @@ class RequestFrontEnd:
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
                            self.defaults.busy_wait_s, width, nodes, context_limit,
                            placement=request_id, plain_steps=steps),
-                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees, steps))
+                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees, steps,
+                                 running + n))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
 
@@ -127,11 +130,11 @@ class RequestFrontEnd:
 
     def k_policy(self, k: NumSpeculativeTokens, pipelined: bool, greedy: bool,
                  drafter_kind: str | None, trees: bool = False,
-                 plain_steps: int = 1) -> KPolicy:
+                 plain_steps: int = 1, load: float = 1.0) -> KPolicy:
         costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
             else None
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
-                        self.defaults.draft_confidence, trees, plain_steps)
+                        self.defaults.draft_confidence, trees, plain_steps, load)
 
 
 def tree_allowed(sampling: SamplingParams) -> bool:

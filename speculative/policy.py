@@ -118,10 +118,10 @@ class AdaptiveK:
     α is the request's own acceptance, counted per position tested (a round that accepts n of
     K tested n + 1 positions, or K when all were accepted), with older rounds decaying and the
     router-wide acceptance as a prior worth `prior_weight` positions. The load is the
-    verifier batch this request's own recent rounds were scored in, at first the router's
-    latest rounds' (CostModel.load): a request that starts under load runs the batch's K
-    from its first round (K = 0: no drafter call at all), one that starts after a burst
-    drafts at once.
+    verifier batch this request's own recent rounds were scored in, at first the requests
+    running beside it when it started (`load`): a request that starts under load runs the
+    batch's K from its first round (K = 0: no drafter call at all), one that starts after a
+    burst drafts at once.
     """
 
     explore_every = 8  # rounds between two runs of a neighbouring K
@@ -141,7 +141,7 @@ class AdaptiveK:
     def __init__(self, bounds: KBounds, costs: CostModel, pipelined: bool, greedy: bool,
                  prior_alpha: float = 0.6, prior_weight: float = 4.0,
                  decay: float = 0.85, confidence: float | str | None = None,
-                 trees: bool = False, plain_steps: int = 1) -> None:
+                 trees: bool = False, plain_steps: int = 1, load: float = 1.0) -> None:
         self.bounds, self.costs = bounds, costs
         self.plain_steps = plain_steps  # a round without a draft makes this many tokens
         self.confidence = confidence  # draft_confidence: a number, "auto" (learnt) or None
@@ -151,7 +151,7 @@ class AdaptiveK:
         prior = costs.alpha.value if costs.alpha.value is not None else prior_alpha
         self.own = Acceptance(decay, prior * prior_weight, prior_weight)
         self.positions_tested = 0  # by this request's own rounds, not the prior
-        self.load = costs.load
+        self.load = max(1.0, load)
         self.loaded = False  # the last round chose the router's K under load
         self.phase = 0  # ...in this phase of the router's (BatchTrials)
         self.rounds = 0
@@ -215,7 +215,6 @@ class AdaptiveK:
             self.costs.alpha.add(num_accepted, tested)
         if cost is not None:
             self.load = 0.5 * self.load + 0.5 * max(1, cost.batch_size)
-            self.costs.load = 0.5 * self.costs.load + 0.5 * max(1, cost.batch_size)
             self.costs.observe(cost)
             if self.asked is not None and cost.comparable and cost.kind == "sequential" \
                     and cost.wall_seconds > 0 and cost.batch_size <= 1:
@@ -349,17 +348,18 @@ class AdaptiveK:
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,
              costs: CostModel | None = None, confidence: float | str | None = None,
-             trees: bool = False, plain_steps: int = 1) -> KPolicy:
+             trees: bool = False, plain_steps: int = 1, load: float = 1.0) -> KPolicy:
     """FixedK(k), or for k == "auto" an AdaptiveK in `bounds` learning into `costs`.
     confidence: the draft calls' draft_confidence, or "auto" to learn it; trees: choose per
     round between a chain and a tree. Both "auto" and trees need an adaptive K and
     sequential rounds: a fixed K or a pipelined request (whose pre-drafts run beside the
     verify, at another cost, and continue one chain) leaves the cut to the pool and drafts
-    chains; plain_steps: the tokens a round without a draft makes (state.Request)."""
+    chains; plain_steps: the tokens a round without a draft makes (state.Request); load:
+    the requests running when this one starts, itself included (AdaptiveK)."""
     if k != "auto":
         return FixedK(k, None if confidence == "auto" else confidence)
     if pipelined and confidence == "auto":
         confidence = None
     return AdaptiveK(bounds or KBounds(), costs or CostModel(), pipelined, greedy,
                      confidence=confidence, trees=trees and not pipelined,
-                     plain_steps=plain_steps)
+                     plain_steps=plain_steps, load=load)

@@ -10,7 +10,10 @@ from speculative.costs import (
     RoundCost,
     expected_tokens,
 )
+from speculative.frontend import RequestFrontEnd
+from speculative.options import SpeculationDefaults
 from speculative.policy import AdaptiveK, FixedK, KBounds
+from speculative.sampling import SamplingParams
 
 
 def measured(verify_ms, draft_ms_per_token: float, overhead_ms: float = 0.0) -> CostModel:
@@ -567,17 +570,18 @@ def test_the_router_warns_once_when_a_draft_step_costs_as_much_as_a_verify(caplo
 
 
 def test_a_request_that_starts_under_load_runs_the_batch_k_from_its_first_round():
-    """A new request joins a loaded router at the K in force (K = 0: it never calls the
-    drafter), not at the K the model expects alone; after the load fell it drafts."""
+    """A new request that joins 15 running ones starts at the router's K in force (K = 0: it
+    never calls the drafter), not at the K the model expects alone; one that starts alone
+    drafts."""
     pair = ServedPair(alpha=0.6, seed=3, per_token_ms=1.5)
     costs = CostModel()
     serve_requests(pair, costs, requests=1)
     costs.trials.switch(0)
-    for _ in range(4):  # the router's latest rounds were scored in batches of 16
-        AdaptiveK(KBounds(0, 8), costs, False, True).update(
-            0, 0, RoundCost(1, 0.01, 0, 0.0, 0.001, batch_size=16))
-    assert AdaptiveK(KBounds(0, 8), costs, False, True).num_speculative_tokens() == 0
-    for _ in range(10):
-        AdaptiveK(KBounds(0, 8), costs, False, True).update(
-            0, 0, RoundCost(1, 0.01, 0, 0.0, 0.001, batch_size=1))
-    assert AdaptiveK(KBounds(0, 8), costs, False, True).num_speculative_tokens() >= 1
+    assert AdaptiveK(KBounds(0, 8), costs, False, True, load=16).num_speculative_tokens() == 0
+    assert AdaptiveK(KBounds(0, 8), costs, False, True, load=1).num_speculative_tokens() >= 1
+    front_end = RequestFrontEnd(SpeculationDefaults(adaptive_bounds=KBounds(0, 8)))
+    front_end.costs[(None, True)] = costs
+    plans = {running: front_end.plan("r", [1, 2], SamplingParams(temperature=0),
+                                     running=running) for running in (0, 15)}
+    assert plans[15].choices[0].policy.num_speculative_tokens() == 0
+    assert plans[0].choices[0].policy.num_speculative_tokens() >= 1
