@@ -40,6 +40,7 @@ class RoundCost:
     kind: str = ""
     wall_seconds: float = 0.0
     tokens: int = 0  # committed by the round
+    steps: int = 1  # the verifier's forwards for a round without a draft (verifier.steps)
 
 
 # plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block
@@ -299,8 +300,9 @@ class CostModel:
                             "cannot pay (adaptive K will stay at 0); pair a cheaper drafter "
                             "or a faster drafter class", ratio)
         bucket = load_bucket(cost.batch_size)
-        add_to(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
-              max(0.0, cost.overhead_seconds))
+        if cost.steps <= 1:  # (a round of several steps also waits between its steps)
+            add_to(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
+                   max(0.0, cost.overhead_seconds))
         if cost.draft_hop_seconds > 0:
             self.draft_hop.add(cost.draft_hop_seconds)
         shorter = min(cost.verify_seconds, cost.draft_seconds)

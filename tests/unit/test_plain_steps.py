@@ -1,7 +1,7 @@
 """Rounds without a draft that ask the verifier for several tokens (verifier.steps): greedy
 output equals the target's own, whatever the steps and the rounds with drafts between them;
 the router's view of the verifier's prefix follows (no rebuilt cache); a stop id ends the
-steps; bad steps are refused; the adaptive K's rate of K = 0 counts the steps."""
+steps; bad steps are refused; the costs keep a pool call's overhead apart."""
 
 import asyncio
 
@@ -10,7 +10,7 @@ import pytest
 from drafter.model import ModelDrafter
 from engine.batch import UNFINISHED
 from speculative.costs import CostModel, RoundCost
-from speculative.policy import AdaptiveK, FixedK, KBounds
+from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
 from tests.tiny import Batched, noisy_copy, run, run_concurrently
@@ -123,12 +123,14 @@ def test_a_released_request_forgets_its_steps(target):
     assert len(scores.continued_token_ids) == 2 and not verifier.steps.running
 
 
-def test_the_adaptive_rate_of_no_draft_counts_the_steps():
-    """rate(0) = M / (M t + h): M forwards of t, the round's overhead h once."""
+def test_rounds_of_several_steps_leave_a_pool_calls_overhead_alone():
+    """A round of several steps teaches the verify line one forward's time, and its time
+    beyond the forwards (which includes its waits between steps) is not taken for the
+    overhead of a pool call, which every kind of round pays."""
     costs = CostModel()
     for _ in range(20):  # a plain round: a 10 ms forward, 4 ms beside it
         costs.observe(RoundCost(1, 0.010, 0, 0.0, 0.004, kind="plain"))
-    rates = {steps: AdaptiveK(KBounds(0, 8), costs, False, True, plain_steps=steps).rate(0)
-             for steps in (1, 4)}
-    assert rates[1] == pytest.approx(1 / 0.014)
-    assert rates[4] == pytest.approx(4 / (4 * 0.010 + 0.004))
+    for _ in range(40):  # rounds of 4 steps: 8 ms forwards, 9 ms beyond them
+        costs.observe(RoundCost(1, 0.008, 0, 0.0, 0.009, kind="plain", steps=4))
+    assert costs.overhead_seconds(0) == pytest.approx(0.004)
+    assert costs.forward_seconds(1) == pytest.approx(0.008)
