@@ -31,6 +31,26 @@ def test_greedy_with_speculation_equals_target_alone(cluster, k):
         assert spec["speculative"]["num_draft_tokens"] > 0
 
 
+def test_rounds_of_several_steps_equal_target_alone(cluster):
+    """K = 0 rounds that ask the verifier for 4 tokens each (over gRPC, its committed prefix
+    then one token behind the router's), and with a stop id among them."""
+    for prompt in PROMPTS[:3]:
+        alone = complete(cluster, prompt, max_tokens=30, temperature=0, num_speculative_tokens=0,
+                         return_token_ids=True)
+        steps = complete(cluster, prompt, max_tokens=30, temperature=0, num_speculative_tokens=0,
+                         plain_steps=4, return_token_ids=True)
+        assert steps["choices"][0]["text"] == alone["choices"][0]["text"], prompt
+        assert steps["speculative"]["plain_step_tokens"] > 0
+        assert steps["speculative"]["cache_misses"] == 0
+        ids = alone["choices"][0]["token_ids"]
+        stop = ids[10]
+        cut = complete(cluster, prompt, max_tokens=30, temperature=0, num_speculative_tokens=0,
+                       plain_steps=4, stop_token_ids=[stop], return_token_ids=True)
+        assert cut["choices"][0]["token_ids"] == ids[:ids.index(stop) + 1]
+    response = cluster.post("/v1/completions", {"prompt": "x", "plain_steps": 0})
+    assert response.status_code == 400 and "plain_steps" in response.text
+
+
 def test_concurrent_requests_share_the_pools_batches_and_stay_exact(cluster):
     """12 requests at once, of different lengths, speculation on (auto K, fixed K) and off:
     each one's text equals the target alone's, and the pools ran them in shared batches."""
