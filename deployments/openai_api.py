@@ -16,8 +16,8 @@ from deployments.tools import (
     tool_use,
 )
 from deployments.router_args import TreeArg
-from speculative.options import MAX_PLAIN_STEPS
 from drafter.registry import router_side_kinds
+from speculative.options import MAX_PLAIN_STEPS
 from speculative.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,

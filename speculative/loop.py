@@ -260,8 +260,7 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
         return_bonus_probs=predraft is not None and not request.sampling.greedy
         and request.sampling.logprobs is None, draft_parents=block.parents,
-        placement=request.placement, steps=steps,
-        stop_token_ids=request.stop_token_ids if steps > 1 else ()))
+        placement=request.placement, steps=steps, stop_token_ids=request.stop_token_ids))
     try:
         return await retried_while_busy(request.busy_wait_s, state.stats,
                                         lambda: state.call_pool(state.verifier_view, score))

@@ -252,15 +252,15 @@ class AdaptiveK:
                 trials.switch(better)
         trials.rounds += 1
         phase = trials.rounds // self.batch_rounds
-        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
-        k = min(max(trials.k, low), self.bounds.max)
+        low = self.lowest()
+        k = self.within(trials.k)
         if phase % self.batch_explore_every != self.batch_explore_every - 1:
             return k, phase
         # in turn: one up, one down, and K = 0 itself (the choice that load may call for,
         # however far the K in force is from it)
         turn = phase // self.batch_explore_every % 3
         tried = k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low
-        return min(max(tried, low), self.bounds.max), phase
+        return self.within(tried), phase
 
     def first_k(self) -> int:
         """The first round's K: under batch load the router's K in force (BatchTrials), else
@@ -268,15 +268,22 @@ class AdaptiveK:
         trials = self.costs.trials
         if self.load < self.zero_load or trials.k is None:
             return self.choose(None)
-        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
-        return min(max(trials.k, low), self.bounds.max)
+        return self.within(trials.k)
 
     def explore(self, k: int) -> int:
         """A neighbour of k: one up and one down in turn, within what may be chosen."""
-        low = 0 if self.zero_allowed() else max(1, self.bounds.min)
         self.explored_up = not self.explored_up
-        step = 1 if self.explored_up or k <= low else -1
-        return min(max(k + step, low), self.bounds.max)
+        step = 1 if self.explored_up or k <= self.lowest() else -1
+        return self.within(k + step)
+
+    def lowest(self) -> int:
+        """The smallest K that may be chosen now: 0 where zero_allowed, else the bounds'
+        (at least 1)."""
+        return 0 if self.zero_allowed() else max(1, self.bounds.min)
+
+    def within(self, k: int) -> int:
+        """k brought within what may be chosen now (lowest() to the bounds' max)."""
+        return min(max(k, self.lowest()), self.bounds.max)
 
     def zero_allowed(self) -> bool:
         if self.bounds.min > 0:

@@ -228,7 +228,7 @@ def run_seeded(drafter, verifier, prompt, params: SamplingParams, k: int | str, 
     """Request i (its seed i, its id str(i)) for i in 0..samples-1, `group` of them decoding
     at once (the pools wrapped in `Batched` serve each group's rounds in shared forwards);
     yields each one's (output ids, state) in order. A caller may stop early between groups.
-    policy: makes each request's K policy (None: k's); plain_steps: loop.Request's."""
+    policy: makes each request's K policy (None: k's); plain_steps: state.Request's."""
     from dataclasses import replace
 
     async def one(i):

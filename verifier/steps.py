@@ -33,10 +33,12 @@ from speculative.types import BatchLoad, PrefixSync, ScoreCall, TargetScores
 def check_steps(call: ScoreCall, vocab_size: int) -> None:
     """ValueError unless the call's steps can run: 1 to MAX_PLAIN_STEPS, and beyond one only
     without a draft, logprobs or p(K+1) asked for (those describe one position)."""
+    if call.steps == 1:  # (a one-step call's stop ids are not used)
+        return
     if not 1 <= call.steps <= MAX_PLAIN_STEPS:
         raise ValueError(f"steps must be in [1, {MAX_PLAIN_STEPS}], got {call.steps}")
-    if call.steps > 1 and (call.draft_token_ids or call.draft_parents is not None
-                           or call.sampling.logprobs is not None or call.return_bonus_probs):
+    if call.draft_token_ids or call.draft_parents is not None \
+            or call.sampling.logprobs is not None or call.return_bonus_probs:
         raise ValueError("a call of several steps scores no draft and asks no logprobs or "
                          "bonus_probs")
     bad = [t for t in call.stop_token_ids if not 0 <= t < vocab_size]
@@ -108,7 +110,7 @@ class Steps:
             progress.current = replace(
                 call, sync=PrefixSync(len(sequence.committed), sequence.committed_hash,
                                       (token,)),
-                seed=step_seed(call.seed, steps), prompt_len=call.prompt_len)
+                seed=step_seed(call.seed, steps))
             self.running[call.request_id] = progress
             return UNFINISHED
         return replace(progress.first, continued_token_ids=tuple(progress.tokens[1:]),
