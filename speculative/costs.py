@@ -41,6 +41,8 @@ class RoundCost:
     wall_seconds: float = 0.0
     tokens: int = 0  # committed by the round
     steps: int = 1  # the verifier's forwards for a round without a draft (verifier.steps)
+    # the drafter's batch that drafted draft_tokens: its calls (0: unknown, batch_size's)
+    draft_batch_size: int = 0
 
 
 # plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block
@@ -250,18 +252,23 @@ class CostModel:
 
     Verify: the forward's time as a line in the tokens its batch feeds (a new machine's curve
     is learnt, not configured); until two sizes are seen the slope is `prior_slope` of t(1)
-    per extra token. Draft: a call's time as a per-call part plus a per-token part.
-    Overheads: a round's time beyond the pools' compute, with a draft call and without.
+    per extra token. Draft: a call's time as a per-call part plus a per-token part, a line
+    per load bucket of the drafter's batches (a call's time is its batch's: measured on the
+    demo pair, a draft of one token took 2 ms alone and 18-38 ms among a burst's; one line
+    for both made a lone request after a burst take drafts for dear per call and free per
+    token, and draft K = 8 at an acceptance of 0.38). Overheads: a round's time beyond the
+    pools' compute, with a draft call and without.
     """
 
     def __init__(self, prior_slope: float = 0.1) -> None:
         self.prior_slope = prior_slope
-        self.verify, self.draft = Curve(), Curve()
+        self.verify = Curve()
+        self.drafts: dict[int, Curve] = {}  # the draft line by load bucket
         # a round's time beyond compute, with a draft call and without, by load bucket (under
         # load it holds the waits of the batch cycle)
         self.overhead: dict[int, Recent] = {}
         self.overhead_plain: dict[int, Recent] = {}
-        self.draft_hop = Recent()
+        self.draft_hop: dict[int, Recent] = {}  # by load bucket, as the draft line
         # acceptance across requests: a new request's prior, every request's under load
         self.alpha = Acceptance(0.95)
         self.trials = BatchTrials()  # the K of every request under batch load, tried
@@ -277,7 +284,7 @@ class CostModel:
         """c = a one-token draft over a one-token verify, once both are measured, when it
         leaves no room for speculation (c >= 1: even a fully accepted K = 1 round makes two
         tokens in at least two verifies' time); else None."""
-        if not self.verify or not self.draft.confirmed():
+        if not self.verify or not self.draft_line(1.0):
             return None
         ratio = self.draft_seconds(1) / self.forward_seconds(1)
         return ratio if ratio >= 1.0 else None
@@ -287,9 +294,11 @@ class CostModel:
             return
         if cost.verify_tokens > 0 and cost.verify_seconds > 0:
             self.verify.add(cost.batch_tokens or cost.verify_tokens, cost.verify_seconds)
+        draft_bucket = load_bucket(cost.draft_batch_size or cost.batch_size)
         if cost.draft_tokens > 0 and cost.draft_seconds > 0 \
                 and cost.draft_catch_up <= USUAL_CATCH_UP:
-            self.draft.add(cost.draft_tokens, cost.draft_seconds)
+            line = self.drafts.setdefault(draft_bucket, Curve())
+            line.add(cost.draft_tokens, cost.draft_seconds)
             self.draft_adds += 1
             checked = self.draft_adds <= ROOM_CHECK_EVERY or \
                 self.draft_adds % ROOM_CHECK_EVERY == 0  # (a check costs both lines' fits)
@@ -304,7 +313,7 @@ class CostModel:
             add_to(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
                    max(0.0, cost.overhead_seconds))
         if cost.draft_hop_seconds > 0:
-            self.draft_hop.add(cost.draft_hop_seconds)
+            add_to(self.draft_hop, draft_bucket, cost.draft_hop_seconds)
         shorter = min(cost.verify_seconds, cost.draft_seconds)
         if cost.kind in BESIDE and cost.wall_seconds > 0 and shorter > 0:
             exposed = cost.wall_seconds - self.overhead_seconds(0, cost.batch_size) - \
@@ -321,10 +330,10 @@ class CostModel:
         if kind == "plain":
             return self.forward_seconds(load) + self.overhead_seconds(0, load)
         if kind == "sequential":
-            return self.forward_seconds(load * (k + 1)) + self.draft_seconds(k) + \
+            return self.forward_seconds(load * (k + 1)) + self.draft_seconds(k, load) + \
                 self.overhead_seconds(k, load)
         verify = self.forward_seconds(load * ((k if kind == "carried" else 0) + 1))
-        draft = self.draft_seconds(k + 1)
+        draft = self.draft_seconds(k + 1, load)
         share = self.exposed_share(load)
         if share is None:  # nothing measured yet: the overlap is assumed whole
             return max(verify, draft) + self.overhead_seconds(k, load)
@@ -337,17 +346,24 @@ class CostModel:
         base, slope = self.verify.fit(self.prior_slope)
         return max(1e-6, base + slope * (batch_tokens - 1))
 
-    def draft_seconds(self, num_tokens: int) -> float:
-        """A draft call of num_tokens tokens (0: no call)."""
+    def draft_line(self, load: float) -> Curve | None:
+        """The draft line of the load bucket nearest to `load`'s (None before any draft)."""
+        bucket = nearest_bucket(self.drafts, load)
+        return None if bucket is None else self.drafts[bucket]
+
+    def draft_seconds(self, num_tokens: int, load: float = 1.0) -> float:
+        """A draft call of num_tokens tokens (0: no call) when the drafter's batches hold
+        about `load` calls."""
         if num_tokens <= 0:
             return 0.0
-        if not self.draft:
+        line = self.draft_line(load)
+        if line is None:
             return 0.1 * num_tokens * self.forward_seconds(1)
-        sizes = self.draft.confirmed()
+        sizes = line.confirmed()
         if len(sizes) == 1:  # one size: all of it per token (dear for long K)
             n = sizes[0]
-            return self.draft.points[n].value * num_tokens / n
-        per_call, per_token = self.draft.fit(0.0)
+            return line.points[n].value * num_tokens / n
+        per_call, per_token = line.fit(0.0)
         # the fit's a is the time at n = 1: split into a call's part and a token's
         return max(1e-6, per_call - per_token + per_token * num_tokens)
 
@@ -355,7 +371,7 @@ class CostModel:
         """What waiting for a draft call adds to a round beyond the draft's compute: as the
         rounds that waited for one measured it, else a pool call's share of a round without
         a draft (one call, as a draft's is)."""
-        hop = self.draft_hop.value
+        hop = nearest(self.draft_hop, load)
         return hop if hop is not None else self.overhead_seconds(0, load)
 
     def token_seconds(self) -> float:
@@ -373,7 +389,7 @@ class CostModel:
         plain = nearest(self.overhead_plain, load)
         if plain is not None:
             return plain
-        return max(0.0, drafting - (self.draft_hop.value or 0.0))
+        return max(0.0, drafting - (nearest(self.draft_hop, load) or 0.0))
 
 
 def add_to(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:
@@ -387,13 +403,16 @@ def add_to(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:
 def nearest(by_bucket: dict[int, Recent], load: float, least: int = 1) -> float | None:
     """The value kept for the load bucket nearest to `load`'s among those with at least
     `least` values (the lower on a tie); None when there is none."""
-    bucket = load_bucket(load)
-    recent = by_bucket.get(bucket)
-    if recent is not None and len(recent.values) >= least:  # the load's own
-        return recent.value
-    measured = [(abs(b - bucket), b) for b, recent in by_bucket.items()
-                if len(recent.values) >= least]
-    return by_bucket[min(measured)[1]].value if measured else None
+    bucket = nearest_bucket([b for b, recent in by_bucket.items()
+                             if len(recent.values) >= least], load)
+    return None if bucket is None else by_bucket[bucket].value
+
+
+def nearest_bucket(buckets, load: float) -> int | None:
+    """Of `buckets`, `load`'s own, else the nearest to it (the lower on a tie); None for
+    none."""
+    own = load_bucket(load)
+    return min(buckets, key=lambda b: (abs(b - own), b), default=None)
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -95,4 +95,5 @@ class RoundMeter:
                          unwaited_seconds - max(scores.compute_seconds, beside_seconds),
                          load.batch_size if load else 1, load.batch_tokens if load else 0,
                          max(0.0, hop), comparable, self.catch_up,
-                         self.kind(block, beside), round_seconds, tokens, forwards)
+                         self.kind(block, beside), round_seconds, tokens, forwards,
+                         drafted_now.load.batch_size if drafted_now.load else 0)

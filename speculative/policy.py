@@ -339,7 +339,8 @@ class AdaptiveK:
         fresh_rate = (alpha * tokens + (1 - used)) / (alpha * carried + (1 - used) * fresh)
         if self.load >= self.zero_load:
             return fresh_rate, 0.0
-        drafted = carried + costs.draft_seconds(k) + costs.draft_call_seconds(self.load)
+        drafted = carried + costs.draft_seconds(k, self.load) + \
+            costs.draft_call_seconds(self.load)
         return fresh_rate, tokens / (used * carried + (1 - used) * drafted)
 
     def restarts_fresh(self) -> bool:

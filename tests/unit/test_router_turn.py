@@ -39,4 +39,4 @@ def test_the_instant_pools_report_a_loaded_batchs_costs():
     asyncio.run(generation.run(pools, pools, policy, True))
     assert generation.token_ids == [pools.at(p) for p in range(40)]
     assert policy.loaded and costs.trials.k is not None
-    assert costs.verify and costs.draft and costs.overlap
+    assert costs.verify and costs.drafts and costs.overlap
