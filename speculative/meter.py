@@ -47,6 +47,8 @@ class RoundMeter:
         stats.verify_seconds += self.verified_at - self.drafted_at - paused
         waited_draft = 0.0 if self.carried else block.compute_seconds
         stats.draft_compute_seconds += waited_draft
+        # (beside = 0: the drafter's prefill beside a first verify, no draft)
+        stats.predrafts += predraft is not None and beside != 0
         stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
         stats.verify_compute_seconds += scores.compute_seconds
         stats.cached_tokens = max(stats.cached_tokens, scores.cached_tokens)

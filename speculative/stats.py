@@ -45,6 +45,8 @@ class SpecStats:
     bonus_position_drafts: int = 0
     tree_rounds: int = 0  # rounds that verified a draft tree (speculative.tree)
     sibling_rounds: int = 0  # tree rounds whose accepted path took a node off the main chain
+    # drafts run beside a verify (pipelined drafting), used or not; not a drafter's prefill
+    predrafts: int = 0
     predraft_compute_seconds: float = 0.0  # the drafter's time on pre-drafts (hidden, mostly)
     # per round: the round's time less the pools' own (transport plus the router's work)
     overhead_seconds: list[float] = field(default_factory=list)
@@ -103,7 +105,7 @@ class SpecStats:
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "bonus_position_drafts",
                      "tree_rounds", "sibling_rounds", "plain_step_tokens",
-                     "predraft_compute_seconds",
+                     "predrafts", "predraft_compute_seconds",
                      "exposed_seconds", "verifier_batch_calls", "verifier_batches",
                      "drafter_batch_calls", "drafter_batches", "draft_fallback_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -148,6 +150,7 @@ class SpecStats:
             "exposed_ms_p50": median_ms(self.exposed_seconds),
             "pipelined_rounds": self.pipelined_rounds,
             "bonus_position_drafts": self.bonus_position_drafts,
+            "predrafts": self.predrafts,
             "tree_rounds": self.tree_rounds,
             "sibling_rounds": self.sibling_rounds,
             "draft_fallback_rounds": self.draft_fallback_rounds,

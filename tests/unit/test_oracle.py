@@ -77,7 +77,7 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
                                                  pipelined):
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     drafter, verifier = drafters[kind](), ModelVerifier(target)
-    accepted = drafted = pre_drafted = 0
+    accepted = drafted = pre_drafted = beside = 0
     costs = cutting_costs()  # the router's, shared by its requests: the learnt cut is 0.3
     for i, (prompt, expected) in enumerate(zip(prompts(), references)):
         out, state = run(drafter, verifier, prompt, greedy, k, request_id=f"r{i}",
@@ -86,7 +86,10 @@ def test_greedy_speculation_equals_target_greedy(target, references, drafters, k
         accepted += state.stats.num_accepted_tokens
         drafted += state.stats.num_draft_tokens
         pre_drafted += state.stats.pipelined_rounds
+        beside += state.stats.predrafts
     assert len(drafter.sessions) == 0 and len(verifier.sessions) == 0  # released
+    if kind in ("self", "noisy") and k != 0:  # (a first round's drafter prefill is no draft)
+        assert (beside > 0) == pipelined
     if kind == "self":
         # drafter cache bugs cost only speed: only acceptance can reveal them
         assert accepted == drafted
