@@ -123,7 +123,7 @@ class RouterArgs(BaseModel):
     # load) asks the verifier for up to this many tokens: it draws and feeds each itself,
     # and the round's calls and turn are paid once for them all (verifier.steps; as vLLM's
     # num_scheduler_steps). Its tokens then stream this many at a time
-    plain_steps: int = Field(default=1, ge=1, le=MAX_PLAIN_STEPS)
+    plain_steps: int = Field(default=4, ge=1, le=MAX_PLAIN_STEPS)
     direct_data_path: bool = True  # after Serve places a request, call its replicas directly
     # ...over one stream per pool replica, each message carrying every call waiting for it
     # (false: one unary call per call, as before the streams; for comparison)

@@ -77,7 +77,7 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a tree's nodes in all, placed where the draft is least sure "
                              "(default: the width at every node)")
     parser.add_argument("--n", type=int, default=1, help="independent samples")
-    parser.add_argument("--plain-steps", type=int, default=1,
+    parser.add_argument("--plain-steps", type=int, default=4,
                         help="a round without a draft asks the target for this many tokens, "
                              "one forward each (the router's plain_steps)")
     parser.add_argument("--pipelined", action="store_true",

@@ -51,4 +51,4 @@ class SpeculationDefaults:
     # falls below it): a number, "auto" (learnt per router from acceptance and costs, with
     # an adaptive K: speculative.confidence) or None (the drafter pool's own)
     draft_confidence: float | Literal["auto"] | None = None
-    plain_steps: int = 1  # the tokens a round without a draft asks for (state.Request)
+    plain_steps: int = 4  # the tokens a round without a draft asks for (state.Request)
