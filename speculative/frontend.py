@@ -93,7 +93,7 @@ class RequestFrontEnd:
                            self.defaults.busy_wait_s, width, nodes, context_limit,
                            placement=request_id, plain_steps=steps),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees,
-                                 running + n))
+                                 running + n, steps))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
 
@@ -130,11 +130,11 @@ class RequestFrontEnd:
 
     def k_policy(self, k: NumSpeculativeTokens, pipelined: bool, greedy: bool,
                  drafter_kind: str | None, trees: bool = False,
-                 load: float = 1.0) -> KPolicy:
+                 load: float = 1.0, plain_steps: int = 1) -> KPolicy:
         costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
             else None
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
-                        self.defaults.draft_confidence, trees, load)
+                        self.defaults.draft_confidence, trees, load, plain_steps)
 
 
 def tree_allowed(sampling: SamplingParams) -> bool:

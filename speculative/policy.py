@@ -141,8 +141,9 @@ class AdaptiveK:
     def __init__(self, bounds: KBounds, costs: CostModel, pipelined: bool, greedy: bool,
                  prior_alpha: float = 0.6, prior_weight: float = 4.0,
                  decay: float = 0.85, confidence: float | str | None = None,
-                 trees: bool = False, load: float = 1.0) -> None:
+                 trees: bool = False, load: float = 1.0, plain_steps: int = 1) -> None:
         self.bounds, self.costs = bounds, costs
+        self.plain_steps = plain_steps  # the tokens a round without a draft asks for
         self.confidence = confidence  # draft_confidence: a number, "auto" (learnt) or None
         self.trees = trees  # choose between a chain of K and a tree of K nodes (round_shape)
         self.asked: tuple[int, bool] | None = None  # this round's (K, tree), once chosen
@@ -307,8 +308,10 @@ class AdaptiveK:
     def rate(self, k: int) -> float:
         """Expected tokens per second at K = k."""
         costs, alpha = self.costs, self.alpha
-        if k == 0:
-            return 1.0 / costs.round_seconds("plain", 0, self.load)
+        if k == 0:  # its steps' forwards, the round's overhead once (verifier.steps)
+            steps = self.plain_steps
+            return steps / (costs.round_seconds("plain", 0, self.load)
+                            + (steps - 1) * costs.forward_seconds(self.load))
         tokens = expected_tokens(alpha, k)
         if not self.pipelined:
             return tokens / costs.round_seconds("sequential", k, self.load)
@@ -353,17 +356,18 @@ class AdaptiveK:
 
 def k_policy(k: int | str, pipelined: bool, greedy: bool, bounds: KBounds | None = None,
              costs: CostModel | None = None, confidence: float | str | None = None,
-             trees: bool = False, load: float = 1.0) -> KPolicy:
+             trees: bool = False, load: float = 1.0, plain_steps: int = 1) -> KPolicy:
     """FixedK(k), or for k == "auto" an AdaptiveK in `bounds` learning into `costs`.
     confidence: the draft calls' draft_confidence, or "auto" to learn it; trees: choose per
     round between a chain and a tree. Both "auto" and trees need an adaptive K and
     sequential rounds: a fixed K or a pipelined request (whose pre-drafts run beside the
     verify, at another cost, and continue one chain) leaves the cut to the pool and drafts
-    chains; load: the requests running when this one starts, itself included (AdaptiveK)."""
+    chains; load: the requests running when this one starts, itself included (AdaptiveK);
+    plain_steps: the tokens a round without a draft asks for (state.Request)."""
     if k != "auto":
         return FixedK(k, None if confidence == "auto" else confidence)
     if pipelined and confidence == "auto":
         confidence = None
     return AdaptiveK(bounds or KBounds(), costs or CostModel(), pipelined, greedy,
                      confidence=confidence, trees=trees and not pipelined,
-                     load=load)
+                     load=load, plain_steps=plain_steps)

@@ -1,7 +1,8 @@
 """Rounds without a draft that ask the verifier for several tokens (verifier.steps): greedy
 output equals the target's own, whatever the steps and the rounds with drafts between them;
 the router's view of the verifier's prefix follows (no rebuilt cache); a stop id ends the
-steps; bad steps are refused; the costs keep a pool call's overhead apart."""
+steps; bad steps are refused; the costs keep a pool call's overhead apart, and the
+adaptive K's rate of K = 0 counts the steps."""
 
 import asyncio
 
@@ -10,7 +11,7 @@ import pytest
 from drafter.model import ModelDrafter
 from engine.batch import UNFINISHED
 from speculative.costs import CostModel, RoundCost
-from speculative.policy import FixedK
+from speculative.policy import AdaptiveK, FixedK, KBounds
 from speculative.sampling import SamplingParams
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
 from tests.tiny import Batched, noisy_copy, run, run_concurrently
@@ -134,3 +135,16 @@ def test_rounds_of_several_steps_leave_a_pool_calls_overhead_alone():
         costs.observe(RoundCost(1, 0.008, 0, 0.0, 0.009, kind="plain", steps=4))
     assert costs.overhead_seconds(0) == pytest.approx(0.004)
     assert costs.forward_seconds(1) == pytest.approx(0.008)
+
+
+def test_the_adaptive_rate_of_no_draft_counts_the_steps():
+    """rate(0) = M / (M t + h): M forwards of t, the round's overhead h once; so under batch
+    load, where K = 0 may be chosen, the steps make it the choice sooner."""
+    costs = CostModel()
+    for _ in range(20):  # a plain round at batch 16: a 10 ms forward, 4 ms beside it
+        costs.observe(RoundCost(1, 0.010, 0, 0.0, 0.004, batch_size=16, batch_tokens=16,
+                                kind="plain"))
+    policies = {steps: AdaptiveK(KBounds(0, 8), costs, False, True, load=16.0,
+                                 plain_steps=steps) for steps in (1, 4)}
+    assert policies[1].rate(0) == pytest.approx(1 / 0.014)
+    assert policies[4].rate(0) == pytest.approx(4 / (4 * 0.010 + 0.004))
