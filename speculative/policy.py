@@ -25,7 +25,7 @@ Under batch load every request runs the router's one K (AdaptiveK.batch_k): meas
 streams, requests that each chose their own K (mostly 1 to 3) made 0.6x the tokens of all
 at K = 2, as a drafter batch lasts as long as its longest block. That K is then tried, not
 modelled: phases of the whole batch at another K, each judged against the phases around it
-(BatchTrials), decide it once they have judged one.
+(speculative.yields.BatchTrials), decide it once they have judged one.
 
 What keeps the estimates honest (a policy that believes speculation is dear stops drafting,
 and a K it never runs is a K it never measures):

@@ -2,18 +2,12 @@
 
 import pytest
 
-from speculative.costs import (
-    ROOM_CHECK_EVERY,
-    BatchTrials,
-    CostModel,
-    Curve,
-    RoundCost,
-    expected_tokens,
-)
+from speculative.costs import ROOM_CHECK_EVERY, CostModel, Curve, RoundCost, expected_tokens
 from speculative.frontend import RequestFrontEnd
 from speculative.options import SpeculationDefaults
 from speculative.policy import AdaptiveK, FixedK, KBounds
 from speculative.sampling import SamplingParams
+from speculative.yields import BatchTrials
 
 
 def measured(verify_ms, draft_ms_per_token: float, overhead_ms: float = 0.0) -> CostModel:

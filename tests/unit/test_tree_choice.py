@@ -3,7 +3,8 @@ tree of K nodes, by the yields their sequential rounds measured (AdaptiveK.round
 
 import pytest
 
-from speculative.costs import CostModel, RoundCost, ShapeYields
+from speculative.costs import CostModel, RoundCost
+from speculative.yields import ShapeYields
 from speculative.frontend import RequestFrontEnd
 from speculative.options import SpeculationDefaults, TreeShape
 from speculative.policy import AdaptiveK, KBounds
