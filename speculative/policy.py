@@ -37,9 +37,10 @@ and a K it never runs is a K it never measures):
   through the measured t(1) when there is one;
 - every `explore_every` rounds a request runs a neighbour of its K (one up, then one down),
   so the costs of the K it might choose next are measured, not assumed;
-- K = 0 (speculation off) is reachable only when it pays under batch load (or when this
-  request's draft is measured to be useless), with a margin to enter and to leave, and it is
-  left as soon as the load falls.
+- K = 0 (speculation off) is reachable only when it pays under batch load, or alone when
+  the request's rounds without a draft run several steps (plain_steps) and its own
+  acceptance is measured (or its draft is measured to be useless), with a margin to enter
+  and to leave; alone it still explores K = 1 every `explore_every` rounds.
 
 A policy also gives each draft call its draft_confidence: a fixed one, or, "auto" with an
 adaptive K, the cut learnt into the shared costs (speculative.confidence).
@@ -289,8 +290,12 @@ class AdaptiveK:
     def zero_allowed(self) -> bool:
         if self.bounds.min > 0:
             return False
-        useless = self.positions_tested >= self.min_tested and self.alpha < self.useless_alpha
-        return self.load >= self.zero_load or useless
+        measured = self.positions_tested >= self.min_tested
+        useless = measured and self.alpha < self.useless_alpha
+        # alone, a round of several steps is a real rival to drafting (measured on the demo
+        # pair at T = 1, alone: 214 tokens/s at K = 0 with 4 steps, 169 for the adaptive K);
+        # one step never is, short of a useless draft
+        return self.load >= self.zero_load or useless or measured and self.plain_steps > 1
 
     def choose(self, current: int | None = None) -> int:
         """The best K, where K = 0 must win by `margin` to be entered or kept."""

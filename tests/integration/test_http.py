@@ -5,6 +5,8 @@ import json
 import pytest
 import requests
 
+from speculative.policy import AdaptiveK
+
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self",
            "for i in range(", "from collections import"]
 
@@ -98,15 +100,13 @@ def test_adaptive_k_is_exact_and_reports_the_k_it_chose(cluster, pipelined):
 
 def test_the_default_request_drafts(cluster):
     """The router's default (auto K, greedy demo prompts, one at a time) speculates: alone in
-    its batches a request never turns speculation off, and the K it runs follows costs
-    measured on warm rounds."""
-    mean_ks = []
+    its batches a request drafts at least until its own acceptance is measured (it may turn
+    to rounds without a draft after that, where their steps pay more: policy.AdaptiveK)."""
     for prompt in PROMPTS:
         body = complete(cluster, prompt, max_tokens=48, temperature=0, ignore_eos=True)
         stats = body["speculative"]
-        assert stats["num_draft_tokens"] > 0, prompt
-        mean_ks.append(stats["mean_num_speculative_tokens"])
-    assert min(mean_ks) >= 1, mean_ks
+        # (every position tested was drafted)
+        assert stats["num_draft_tokens"] >= AdaptiveK.min_tested, stats
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])

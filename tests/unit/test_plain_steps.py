@@ -148,3 +148,28 @@ def test_the_adaptive_rate_of_no_draft_counts_the_steps():
                                  plain_steps=steps) for steps in (1, 4)}
     assert policies[1].rate(0) == pytest.approx(1 / 0.014)
     assert policies[4].rate(0) == pytest.approx(4 / (4 * 0.010 + 0.004))
+
+
+def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured():
+    """With several steps a round without a draft rivals drafting even alone: a request
+    whose own acceptance is measured (16 positions) turns to K = 0 where its steps beat the
+    best K by the margin, and explores K = 1 from there; with one step, or before its
+    acceptance is measured, it drafts."""
+    costs = CostModel()
+    for _ in range(40):  # about the demo pair served alone: t(1) 3.5 ms, a draft 1.5 ms
+        costs.observe(RoundCost(1, 0.0035, 0, 0.0, 0.002, kind="plain"))
+        for k in (1, 2, 3, 4):
+            costs.observe(RoundCost(k + 1, (3.5 + 0.3 * k) / 1000, k, (0.5 + 1.5 * k) / 1000,
+                                    0.003, kind="sequential"))
+
+    def alone(steps: int, alpha: float, tested: int) -> AdaptiveK:
+        policy = AdaptiveK(KBounds(0, 8), costs, False, False, plain_steps=steps)
+        policy.own.accepted, policy.own.tested = alpha * 100, 100.0
+        policy.positions_tested = tested
+        return policy
+
+    assert alone(4, 0.5, 16).choose(None) == 0  # 250 tokens/s against 170 drafting
+    assert alone(4, 0.5, 15).choose(None) >= 1  # its acceptance not measured yet
+    assert alone(1, 0.5, 16).choose(None) >= 1  # one step: 182 against 170, within margin
+    assert alone(4, 0.85, 16).choose(None) >= 3  # a good draft still pays: 261 against 250
+    assert alone(4, 0.5, 16).explore(0) == 1
