@@ -51,8 +51,8 @@ def main() -> None:
             hit_times.append(hit)
             cached.append(tokens)
     first, hit = statistics.median(first_times), statistics.median(hit_times)
-    print(f"| prompt tokens | first request ms | repeated prefix ms | ratio | cached tokens |")
-    print(f"|---|---|---|---|---|")
+    print("| prompt tokens | first request ms | repeated prefix ms | ratio | cached tokens |")
+    print("|---|---|---|---|---|")
     print(f"| {args.prefix_tokens + 1} | {1e3 * first:.1f} | {1e3 * hit:.1f} | "
           f"{hit / first:.2f}x | {min(cached)} |")
 
