@@ -318,6 +318,9 @@ def add_to(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:
 def nearest(by_bucket: dict[int, Recent], load: float, least: int = 1) -> float | None:
     """The value kept for the load bucket nearest to `load`'s among those with at least
     `least` values (the lower on a tie); None when there is none."""
+    recent = by_bucket.get(load_bucket(load))
+    if recent is not None and len(recent.values) >= least:  # the load's own (a rate's
+        return recent.value  # every K asks: no list built)
     bucket = nearest_bucket([b for b, recent in by_bucket.items()
                              if len(recent.values) >= least], load)
     return None if bucket is None else by_bucket[bucket].value
@@ -327,6 +330,8 @@ def nearest_bucket(buckets, load: float) -> int | None:
     """Of `buckets`, `load`'s own, else the nearest to it (the lower on a tie); None for
     none."""
     own = load_bucket(load)
+    if own in buckets:
+        return own
     return min(buckets, key=lambda b: (abs(b - own), b), default=None)
 
 
