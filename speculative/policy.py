@@ -261,8 +261,8 @@ class AdaptiveK:
         # in turn: one up, one down, and K = 0 itself (the choice that load may call for,
         # however far the K in force is from it)
         turn = phase // self.batch_explore_every % 3
-        tried = k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low
-        return self.within(tried), phase
+        tried = self.within(k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low)
+        return (tried if trials.runs_trial(phase, tried) else k), phase
 
     def first_k(self) -> int:
         """The first round's K: under batch load the router's K in force (BatchTrials), else

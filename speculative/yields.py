@@ -13,7 +13,14 @@ class BatchTrials:
     (tokens committed over the rounds' wall seconds) against the phases just before and just
     after it, at the K in force: the load drifts as requests start and end, and a phase's
     yield moves with it (measured at 16 streams: 30 % within a run, more than the
-    differences between K = 0, 1 and 2), which an average over time would take for the K."""
+    differences between K = 0, 1 and 2), which an average over time would take for the K.
+
+    A tried K whose trials keep losing is tried less often: after n losses in a row it sits
+    out its next 2^n - 1 turns (at most `patience` - 1), and a trial it wins or a change of
+    the K in force gives it every turn again. Measured at 16 streams with K = 0 in force,
+    the trials of K = 1 took a sixth of the rounds and lost every time."""
+
+    patience = 4  # the most turns of which a losing K runs one
 
     def __init__(self, keep: int = 4) -> None:
         self.k: int | None = None  # the K in force (None: not chosen yet)
@@ -25,6 +32,9 @@ class BatchTrials:
         # per tried K, its phases' yields over their neighbours', since the K last changed
         self.ratios: dict[int, deque[float]] = {}
         self.keep = keep
+        self.losses: dict[int, int] = {}  # per tried K, its trials lost in a row
+        self.skips: dict[int, int] = {}  # per tried K, the turns it still sits out
+        self.planned: tuple[int, bool] = (-1, False)  # (phase, whether its trial runs)
 
     def record(self, phase: int, k: int, tokens: int, seconds: float) -> None:
         """A round run at K = k, assigned in `phase`. A phase closes once rounds of two
@@ -44,8 +54,21 @@ class BatchTrials:
             return
         (p0, k0, y0), (p1, k1, y1), (p2, k2, y2) = self.closed
         if p2 - p1 == p1 - p0 == 1 and k0 == k2 == self.k != k1 and y0 + y2 > 0:
-            self.ratios.setdefault(k1, deque(maxlen=self.keep)).append(2 * y1 / (y0 + y2))
+            ratio = 2 * y1 / (y0 + y2)
+            self.ratios.setdefault(k1, deque(maxlen=self.keep)).append(ratio)
             self.judged = True
+            self.losses[k1] = self.losses.get(k1, 0) + 1 if ratio < 1 else 0
+            self.skips[k1] = min(2 ** self.losses[k1], self.patience) - 1
+
+    def runs_trial(self, phase: int, k: int) -> bool:
+        """Whether exploring phase `phase` tries K = k, its turn's K, or runs the K in force:
+        decided by the phase's first round, so every request of the phase runs the same K."""
+        if self.planned[0] != phase:
+            skip = self.skips.get(k, 0) > 0
+            if skip:
+                self.skips[k] -= 1
+            self.planned = (phase, not skip)
+        return self.planned[1]
 
     def better(self, margin: float, least: int = 2) -> int | None:
         """The tried K whose phases beat their neighbours by more than `margin` (geometric
@@ -63,6 +86,8 @@ class BatchTrials:
         """Put K = k in force; what was tried was relative to the old K."""
         self.k = k
         self.ratios.clear()
+        self.losses.clear()
+        self.skips.clear()
 
 
 class ShapeYields:

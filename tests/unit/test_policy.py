@@ -7,7 +7,6 @@ from speculative.frontend import RequestFrontEnd
 from speculative.options import SpeculationDefaults
 from speculative.policy import AdaptiveK, FixedK, KBounds
 from speculative.sampling import SamplingParams
-from speculative.yields import BatchTrials
 
 
 def measured(verify_ms, draft_ms_per_token: float, overhead_ms: float = 0.0) -> CostModel:
@@ -526,38 +525,6 @@ def test_a_mean_of_round_ratios_fails_the_acceptance_check(monkeypatch):
     monkeypatch.setattr(module, "Acceptance", MeanOfRatios)
     with pytest.raises(AssertionError):
         test_the_routers_acceptance_is_per_position_tested_at_any_k(4)
-
-
-def test_a_tried_k_is_judged_against_the_phases_around_it():
-    trials = BatchTrials()
-    trials.switch(2)
-    yields = {2: 50.0, 0: 60.0}  # tokens per second of a request in a phase at this K
-    drift = 1.0
-    for phase in range(40):
-        k = 0 if phase % 4 == 0 else 2
-        drift *= 1.05  # the load falls: every K's yield rises, 5 % a phase
-        for _ in range(16):
-            trials.record(phase, k, 3, 3 / (yields[k] * drift))
-    # every trial of K = 0 beat the phases around it by 1.2 / the drift's 1.0006
-    assert len(trials.ratios[0]) == 4 and all(1.19 < r < 1.21 for r in trials.ratios[0])
-    assert trials.better(margin=0.1) == 0 and trials.better(margin=0.25) is None
-    trials.switch(0)
-    assert not trials.ratios and trials.k == 0
-
-
-def test_a_drift_does_not_pass_for_a_better_k():
-    """The load rises through a run (every K's yield falls 5 % a phase) while the K tried
-    is worse by 5 %: against its neighbours it loses, where an average of each K's phases
-    over time would credit it with the drift (its phases come first in every four)."""
-    trials = BatchTrials()
-    trials.switch(2)
-    drift = 1.0
-    for phase in range(40):
-        k = 3 if phase % 4 == 0 else 2
-        drift *= 0.95
-        for _ in range(16):
-            trials.record(phase, k, 3, 3 / ((47.5 if k == 3 else 50.0) * drift))
-    assert trials.better(margin=0.0) is None
 
 
 def test_under_load_every_request_runs_the_routers_k_and_explores_zero_and_its_neighbours():

@@ -1,0 +1,83 @@
+"""The router's K under batch load (speculative.yields.BatchTrials, AdaptiveK.batch_k): a
+tried K is judged against the phases around it, a drift does not pass for a better K, and
+a K whose trials keep losing is tried less often until it wins again."""
+
+from speculative.policy import AdaptiveK
+from speculative.yields import BatchTrials
+from tests.unit.test_policy import at_load, loaded
+
+
+def test_a_tried_k_is_judged_against_the_phases_around_it():
+    trials = BatchTrials()
+    trials.switch(2)
+    yields = {2: 50.0, 0: 60.0}  # tokens per second of a request in a phase at this K
+    drift = 1.0
+    for phase in range(40):
+        k = 0 if phase % 4 == 0 else 2
+        drift *= 1.05  # the load falls: every K's yield rises, 5 % a phase
+        for _ in range(16):
+            trials.record(phase, k, 3, 3 / (yields[k] * drift))
+    # every trial of K = 0 beat the phases around it by 1.2 / the drift's 1.0006
+    assert len(trials.ratios[0]) == 4 and all(1.19 < r < 1.21 for r in trials.ratios[0])
+    assert trials.better(margin=0.1) == 0 and trials.better(margin=0.25) is None
+    trials.switch(0)
+    assert not trials.ratios and trials.k == 0
+
+
+def test_a_drift_does_not_pass_for_a_better_k():
+    """The load rises through a run (every K's yield falls 5 % a phase) while the K tried
+    is worse by 5 %: against its neighbours it loses, where an average of each K's phases
+    over time would credit it with the drift (its phases come first in every four)."""
+    trials = BatchTrials()
+    trials.switch(2)
+    drift = 1.0
+    for phase in range(40):
+        k = 3 if phase % 4 == 0 else 2
+        drift *= 0.95
+        for _ in range(16):
+            trials.record(phase, k, 3, 3 / ((47.5 if k == 3 else 50.0) * drift))
+    assert trials.better(margin=0.0) is None
+
+
+def run_phases(policies: list[AdaptiveK], yields: dict[int, float], phases: int) -> list[int]:
+    """The policies' rounds under load, in turn, for `phases` more phases of the router,
+    each round recorded at its K's yield (tokens per second): the K of each phase."""
+    trials = policies[0].costs.trials
+    by_phase: dict[int, int] = {}
+    end = trials.rounds // AdaptiveK.batch_rounds + phases
+    while trials.rounds // AdaptiveK.batch_rounds < end:
+        for policy in policies:
+            before = trials.k
+            k, phase = policy.batch_k()
+            if trials.k == before:  # a phase mixes K only where the K in force changes
+                assert by_phase.setdefault(phase, k) == k
+            by_phase[phase] = k
+            trials.record(phase, k, 4, 4 / yields[k])
+    return [by_phase[phase] for phase in sorted(by_phase)][-phases:]
+
+
+def test_a_k_whose_trials_keep_losing_is_tried_less_until_it_wins():
+    """K = 0 in force under load: every exploring phase (one in four) is a turn of K = 1,
+    its one neighbour. While K = 1 loses, it runs one turn in `patience`; once it wins,
+    every turn again, and the batch moves to it."""
+    costs = loaded(64)  # where the model puts the batch at K = 0
+    policies = [at_load(costs, 64) for _ in range(2)]
+    explore = AdaptiveK.batch_explore_every
+    ks = run_phases(policies, {0: 60.0, 1: 45.0}, phases=48)
+    assert costs.trials.k == 0 and costs.trials.losses[1] >= 2
+    late = ks[-24:]  # 6 exploring phases, all turns of K = 1: one or two of them run
+    assert 1 <= late.count(1) <= 24 // explore // BatchTrials.patience + 1
+    # K = 1 turns better: its next trial wins, it runs every turn, and the batch moves
+    ks = run_phases(policies, {0: 60.0, 1: 80.0, 2: 70.0}, phases=64)
+    assert costs.trials.k == 1
+    moved = next(i for i in range(len(ks)) if ks[i:i + explore] == [1] * explore)
+    assert moved <= 48
+
+
+def test_without_the_back_off_losing_trials_keep_their_share(monkeypatch):
+    """The mutant that never backs off (a patience of 1) fails the check above."""
+    monkeypatch.setattr(BatchTrials, "patience", 1)
+    costs = loaded(64)
+    policies = [at_load(costs, 64) for _ in range(2)]
+    late = run_phases(policies, {0: 60.0, 1: 45.0}, phases=48)[-24:]
+    assert late.count(1) == 24 // AdaptiveK.batch_explore_every
