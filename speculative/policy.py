@@ -21,9 +21,10 @@ where the pools share cores they take turns and λ nears 1.
 Costs stay those of a batch in which every request runs the K being weighed (t at B (K + 1)
 tokens): under load a request's own round lasts as long as the batch cycle whatever its K,
 so its own round times would make every K look free to it while its drafts slow everyone.
-Under batch load every request runs the router's one K (AdaptiveK.batch_k): measured at 16
-streams, requests that each chose their own K (mostly 1 to 3) made 0.6x the tokens of all
-at K = 2, as a drafter batch lasts as long as its longest block. That K is then tried, not
+Under batch load every request runs the router's one K for its load's band (a factor of 4
+wide: AdaptiveK.batch_k): measured at 16 streams, requests that each chose their own K
+(mostly 1 to 3) made 0.6x the tokens of all at K = 2, as a drafter batch lasts as long as
+its longest block. That K is then tried, not
 modelled: phases of the whole batch at another K, each judged against the phases around it
 (speculative.yields.BatchTrials), decide it once they have judged one.
 
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from speculative.costs import Acceptance, CostModel, RoundCost, expected_tokens
+from speculative.yields import BatchTrials
 
 
 class KPolicy(Protocol):
@@ -154,7 +156,8 @@ class AdaptiveK:
         self.positions_tested = 0  # by this request's own rounds, not the prior
         self.load = max(1.0, load)
         self.loaded = False  # the last round chose the router's K under load
-        self.phase = 0  # ...in this phase of the router's (BatchTrials)
+        self.phase = 0  # ...in this phase of the router's (BatchTrials)...
+        self.trials: BatchTrials | None = None  # ...of these trials (its load's band)
         self.rounds = 0
         self.explored_up = False
         self.chosen = self.first_k() if bounds.initial is None else \
@@ -223,7 +226,7 @@ class AdaptiveK:
         self.rounds += 1
         if self.load >= self.zero_load:
             if self.loaded and cost is not None and cost.comparable:
-                self.costs.trials.record(self.phase, self.k, cost.tokens, cost.wall_seconds)
+                self.trials.record(self.phase, self.k, cost.tokens, cost.wall_seconds)
             self.k, self.phase = self.batch_k()
             self.chosen, self.loaded = self.k, True
             return
@@ -234,13 +237,14 @@ class AdaptiveK:
             else self.chosen
 
     def batch_k(self) -> tuple[int, int]:
-        """Under batch load: (the router's K, which every loaded request runs, the phase it
-        was given in). The model chooses it first; after that it moves to a K whose trials
+        """Under batch load: (the router's K for this request's load band, which every
+        loaded request of the band runs, the phase it was given in). The model chooses it
+        first; after that it moves to a K whose trials
         (BatchTrials) beat it by `margin`. One phase of `batch_rounds` rounds in every
         `batch_explore_every` tries, for the whole batch at once, K + 1, K - 1 and K = 0 in
         turn, so the batch never mixes K (measured, 16 streams each choosing its own K ran
         at 0.55x of them all at the K most chose)."""
-        trials = self.costs.trials
+        trials = self.trials = self.costs.trials_at(self.load)
         if trials.k is None:
             trials.switch(self.choose(None))
         elif trials.rounds % self.choose_every == 0:
@@ -267,7 +271,7 @@ class AdaptiveK:
     def first_k(self) -> int:
         """The first round's K: under batch load the router's K in force (BatchTrials), else
         the best the model expects."""
-        trials = self.costs.trials
+        trials = self.costs.trials_at(self.load)
         if self.load < self.zero_load or trials.k is None:
             return self.choose(None)
         return self.within(trials.k)

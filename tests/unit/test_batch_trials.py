@@ -2,7 +2,7 @@
 tried K is judged against the phases around it, a drift does not pass for a better K, and
 a K whose trials keep losing is tried less often until it wins again."""
 
-from speculative.policy import AdaptiveK
+from speculative.policy import AdaptiveK, KBounds
 from speculative.yields import BatchTrials
 from tests.unit.test_policy import at_load, loaded
 
@@ -42,7 +42,7 @@ def test_a_drift_does_not_pass_for_a_better_k():
 def run_phases(policies: list[AdaptiveK], yields: dict[int, float], phases: int) -> list[int]:
     """The policies' rounds under load, in turn, for `phases` more phases of the router,
     each round recorded at its K's yield (tokens per second): the K of each phase."""
-    trials = policies[0].costs.trials
+    trials = policies[0].costs.trials_at(policies[0].load)
     by_phase: dict[int, int] = {}
     end = trials.rounds // AdaptiveK.batch_rounds + phases
     while trials.rounds // AdaptiveK.batch_rounds < end:
@@ -64,12 +64,12 @@ def test_a_k_whose_trials_keep_losing_is_tried_less_until_it_wins():
     policies = [at_load(costs, 64) for _ in range(2)]
     explore = AdaptiveK.batch_explore_every
     ks = run_phases(policies, {0: 60.0, 1: 45.0}, phases=48)
-    assert costs.trials.k == 0 and costs.trials.losses[1] >= 2
+    assert costs.trials_at(64).k == 0 and costs.trials_at(64).losses[1] >= 2
     late = ks[-24:]  # 6 exploring phases, all turns of K = 1: one or two of them run
     assert 1 <= late.count(1) <= 24 // explore // BatchTrials.patience + 1
     # K = 1 turns better: its next trial wins, it runs every turn, and the batch moves
     ks = run_phases(policies, {0: 60.0, 1: 80.0, 2: 70.0}, phases=64)
-    assert costs.trials.k == 1
+    assert costs.trials_at(64).k == 1
     moved = next(i for i in range(len(ks)) if ks[i:i + explore] == [1] * explore)
     assert moved <= 48
 
@@ -81,3 +81,24 @@ def test_without_the_back_off_losing_trials_keep_their_share(monkeypatch):
     policies = [at_load(costs, 64) for _ in range(2)]
     late = run_phases(policies, {0: 60.0, 1: 45.0}, phases=48)[-24:]
     assert late.count(1) == 24 // AdaptiveK.batch_explore_every
+
+
+def test_each_load_band_keeps_its_own_k(monkeypatch):
+    """The trials at 4 calls a batch move the K from the model's 2 to 3; at 16 the batch
+    starts from the model's K there (1), not from 4's, and back at 4 a request starts at
+    the 3 learnt there. The mutant with one band for every load carries 3 to 16."""
+    from speculative import costs as module
+
+    def run(one_band: bool) -> tuple[int, int, int]:
+        if one_band:
+            monkeypatch.setattr(module, "load_band", lambda load: 0)
+        costs = loaded(64)
+        assert at_load(costs, 4).choose(None) == 2 and at_load(costs, 16).choose(None) == 1
+        yields = {0: 30.0, 1: 40.0, 2: 50.0, 3: 65.0, 4: 55.0}
+        run_phases([at_load(costs, 4) for _ in range(2)], yields, phases=64)
+        at_4 = costs.trials_at(4).k
+        at_16 = at_load(costs, 16).batch_k()[0]
+        return at_4, at_16, AdaptiveK(KBounds(0, 8), costs, False, True, load=4).k
+
+    assert run(one_band=False) == (3, 1, 3)
+    assert run(one_band=True) == (3, 3, 3)

@@ -536,7 +536,7 @@ def test_under_load_every_request_runs_the_routers_k_and_explores_zero_and_its_n
             k, phase = policy.batch_k()
             assert by_phase.setdefault(phase, k) == k  # a phase never mixes K
             seen.append(k)
-    chosen = costs.trials.k
+    chosen = costs.trials_at(16).k
     assert chosen >= 2
     explored = set(seen) - {chosen}
     assert explored == {chosen + 1, chosen - 1, 0} - {chosen}
@@ -559,7 +559,7 @@ def test_a_request_that_starts_under_load_runs_the_batch_k_from_its_first_round(
     pair = ServedPair(alpha=0.6, seed=3, per_token_ms=1.5)
     costs = CostModel()
     serve_requests(pair, costs, requests=1)
-    costs.trials.switch(0)
+    costs.trials_at(16).switch(0)
     assert AdaptiveK(KBounds(0, 8), costs, False, True, load=16).num_speculative_tokens() == 0
     assert AdaptiveK(KBounds(0, 8), costs, False, True, load=1).num_speculative_tokens() >= 1
     front_end = RequestFrontEnd(SpeculationDefaults(adaptive_bounds=KBounds(0, 8)))

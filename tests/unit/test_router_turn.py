@@ -38,5 +38,5 @@ def test_the_instant_pools_report_a_loaded_batchs_costs():
     policy = k_policy("auto", True, greedy=True, costs=costs)
     asyncio.run(generation.run(pools, pools, policy, True))
     assert generation.token_ids == [pools.at(p) for p in range(40)]
-    assert policy.loaded and costs.trials.k is not None
+    assert policy.loaded and costs.trials_at(16).k is not None
     assert costs.verify and costs.drafts and costs.overlap
