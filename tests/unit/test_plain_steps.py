@@ -150,17 +150,23 @@ def test_the_adaptive_rate_of_no_draft_counts_the_steps():
     assert policies[4].rate(0) == pytest.approx(4 / (4 * 0.010 + 0.004))
 
 
+def served_alone() -> CostModel:
+    """Costs about the demo pair's served alone: t(1) 3.5 ms, a draft 1.5 ms a token."""
+    costs = CostModel()
+    for _ in range(40):
+        costs.observe(RoundCost(1, 0.0035, 0, 0.0, 0.002, kind="plain"))
+        for k in (1, 2, 3, 4):
+            costs.observe(RoundCost(k + 1, (3.5 + 0.3 * k) / 1000, k, (0.5 + 1.5 * k) / 1000,
+                                    0.003, kind="sequential"))
+    return costs
+
+
 def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured():
     """With several steps a round without a draft rivals drafting even alone: a request
     whose own acceptance is measured (16 positions) turns to K = 0 where its steps beat the
     best K by the margin, and explores K = 1 from there; with one step, or before its
     acceptance is measured, it drafts."""
-    costs = CostModel()
-    for _ in range(40):  # about the demo pair served alone: t(1) 3.5 ms, a draft 1.5 ms
-        costs.observe(RoundCost(1, 0.0035, 0, 0.0, 0.002, kind="plain"))
-        for k in (1, 2, 3, 4):
-            costs.observe(RoundCost(k + 1, (3.5 + 0.3 * k) / 1000, k, (0.5 + 1.5 * k) / 1000,
-                                    0.003, kind="sequential"))
+    costs = served_alone()
 
     def alone(steps: int, alpha: float, tested: int) -> AdaptiveK:
         policy = AdaptiveK(KBounds(0, 8), costs, False, False, plain_steps=steps)
@@ -173,3 +179,19 @@ def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured()
     assert alone(1, 0.5, 16).choose(None) >= 1  # one step: 182 against 170, within margin
     assert alone(4, 0.85, 16).choose(None) >= 3  # a good draft still pays: 261 against 250
     assert alone(4, 0.5, 16).explore(0) == 1
+
+
+@pytest.mark.parametrize("alpha, steps, drafts", [(0.5, 4, False), (0.85, 4, True),
+                                                  (0.5, 1, True)])
+def test_a_new_request_weighs_the_routers_measured_acceptance(alpha, steps, drafts):
+    """Before its own acceptance is measured, a request alone weighs the router's (its
+    prior), once the router's recent rounds have measured it (16 positions): at 0.5 its
+    first round runs 4 steps without a draft; at 0.85, or with one step, it drafts. With
+    the router's acceptance unmeasured it drafts at any (the test above)."""
+    costs = served_alone()
+    costs.alpha.add(round(alpha * 100), 100)
+    first_k = AdaptiveK(KBounds(0, 8), costs, False, False, plain_steps=steps).k
+    assert (first_k >= 1) == drafts
+    costs.alpha.tested = AdaptiveK.min_tested - 1  # (the same acceptance, measured less)
+    costs.alpha.accepted = alpha * costs.alpha.tested
+    assert AdaptiveK(KBounds(0, 8), costs, False, False, plain_steps=steps).k >= 1
