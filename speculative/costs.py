@@ -3,7 +3,8 @@
 `RoundCost` is one round's measured parts, `CostModel` keeps them per load bucket: the
 verify and draft lines (`Curve`, each point the median of its recent values), the overhead
 beyond compute, the overlap λ of pipelined rounds, the acceptance prior, and the batch's
-K trials per load band (`BatchTrials`, speculative.yields). See speculative.policy for how they choose K.
+K trials per load band (`BatchTrials`, speculative.yields). See speculative.policy for how
+they choose K.
 """
 
 import logging

@@ -24,9 +24,9 @@ so its own round times would make every K look free to it while its drafts slow 
 Under batch load every request runs the router's one K for its load's band (a factor of 4
 wide: AdaptiveK.batch_k): measured at 16 streams, requests that each chose their own K
 (mostly 1 to 3) made 0.6x the tokens of all at K = 2, as a drafter batch lasts as long as
-its longest block. That K is then tried, not
-modelled: phases of the whole batch at another K, each judged against the phases around it
-(speculative.yields.BatchTrials), decide it once they have judged one.
+its longest block. That K is then tried, not modelled: phases of the whole batch at another
+K, each judged against the phases around it (speculative.yields.BatchTrials), decide it
+once they have judged one.
 
 What keeps the estimates honest (a policy that believes speculation is dear stops drafting,
 and a K it never runs is a K it never measures):
@@ -239,11 +239,11 @@ class AdaptiveK:
     def batch_k(self) -> tuple[int, int]:
         """Under batch load: (the router's K for this request's load band, which every
         loaded request of the band runs, the phase it was given in). The model chooses it
-        first; after that it moves to a K whose trials
-        (BatchTrials) beat it by `margin`. One phase of `batch_rounds` rounds in every
-        `batch_explore_every` tries, for the whole batch at once, K + 1, K - 1 and K = 0 in
-        turn, so the batch never mixes K (measured, 16 streams each choosing its own K ran
-        at 0.55x of them all at the K most chose)."""
+        first; after that it moves to a K whose trials (BatchTrials) beat it by `margin`.
+        One phase of `batch_rounds` rounds in every `batch_explore_every` tries, for the
+        whole batch at once, K + 1, K - 1 and K = 0 in turn (a K whose trials keep losing
+        sits some of its turns out), so the batch never mixes K (measured, 16 streams each
+        choosing its own K ran at 0.55x of them all at the K most chose)."""
         trials = self.trials = self.costs.trials_at(self.load)
         if trials.k is None:
             trials.switch(self.choose(None))

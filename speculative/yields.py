@@ -18,7 +18,7 @@ class BatchTrials:
     A tried K whose trials keep losing is tried less often: after n losses in a row it sits
     out its next 2^n - 1 turns (at most `patience` - 1), and a trial it wins or a change of
     the K in force gives it every turn again. Measured at 16 streams with K = 0 in force,
-    the trials of K = 1 took a sixth of the rounds and lost every time."""
+    the trials of K = 1 ran a fifth of the rounds and kept losing."""
 
     patience = 4  # the most turns of which a losing K runs one
 

@@ -1,6 +1,7 @@
 """The router's K under batch load (speculative.yields.BatchTrials, AdaptiveK.batch_k): a
-tried K is judged against the phases around it, a drift does not pass for a better K, and
-a K whose trials keep losing is tried less often until it wins again."""
+tried K is judged against the phases around it, a drift does not pass for a better K, a K
+whose trials keep losing is tried less often until it wins again, and each load band keeps
+its own K."""
 
 from speculative.policy import AdaptiveK, KBounds
 from speculative.yields import BatchTrials
