@@ -15,12 +15,14 @@ class BatchTrials:
     yield moves with it (measured at 16 streams: 30 % within a run, more than the
     differences between K = 0, 1 and 2), which an average over time would take for the K.
 
-    A tried K whose trials keep losing is tried less often: after n losses in a row it sits
-    out its next 2^n - 1 turns (at most `patience` - 1), and a trial it wins or a change of
-    the K in force gives it every turn again. Measured at 16 streams with K = 0 in force,
-    the trials of K = 1 ran a fifth of the rounds and kept losing."""
+    A tried K whose trials keep losing is tried less often: each trial it loses adds a loss
+    (at most `most_losses`), each it wins takes one away, and with n losses it sits out its
+    next 2^n - 1 turns; a change of the K in force gives every K every turn again. Measured
+    at 16 streams with K = 0 in force, the trials of K = 1 ran a fifth of the rounds and
+    kept losing; a win by noise (one trial's ratio to its neighbours ranged 0.48-1.05 for
+    K = 1) took the back-off away at once when a win reset it."""
 
-    patience = 4  # the most turns of which a losing K runs one
+    most_losses = 2  # (then a losing K runs one turn in four)
 
     def __init__(self, keep: int = 4) -> None:
         self.k: int | None = None  # the K in force (None: not chosen yet)
@@ -57,8 +59,10 @@ class BatchTrials:
             ratio = 2 * y1 / (y0 + y2)
             self.ratios.setdefault(k1, deque(maxlen=self.keep)).append(ratio)
             self.judged = True
-            self.losses[k1] = self.losses.get(k1, 0) + 1 if ratio < 1 else 0
-            self.skips[k1] = min(2 ** self.losses[k1], self.patience) - 1
+            losses = self.losses.get(k1, 0)
+            self.losses[k1] = min(losses + 1, self.most_losses) if ratio < 1 else \
+                max(losses - 1, 0)
+            self.skips[k1] = 2 ** self.losses[k1] - 1
 
     def runs_trial(self, phase: int, k: int) -> bool:
         """Whether exploring phase `phase` tries K = k, its turn's K, or runs the K in force:
