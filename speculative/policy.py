@@ -298,11 +298,10 @@ class AdaptiveK:
         useless = measured and self.alpha < self.useless_alpha
         # alone, a round of several steps is a real rival to drafting (measured on the demo
         # pair at T = 1, alone: 214 tokens/s at K = 0 with 4 steps, 169 for the adaptive K);
-        # one step never is, short of a useless draft. The acceptance it is weighed with is
-        # the request's own once measured, before that the router's (its prior), once the
-        # router's recent rounds have measured it
-        known = measured or self.costs.alpha.tested >= self.min_tested
-        return self.load >= self.zero_load or useless or known and self.plain_steps > 1
+        # one step never is, short of a useless draft. Not on the router's acceptance before
+        # its own (tried: a default greedy request on a shared deployment whose other load
+        # made drafts look dear then ran without a draft from its first round)
+        return self.load >= self.zero_load or useless or measured and self.plain_steps > 1
 
     def choose(self, current: int | None = None) -> int:
         """The best K, where K = 0 must win by `margin` to be entered or kept."""

@@ -100,9 +100,8 @@ def test_adaptive_k_is_exact_and_reports_the_k_it_chose(cluster, pipelined):
 
 def test_the_default_request_drafts(cluster):
     """The router's default (auto K, greedy demo prompts, one at a time) speculates: alone in
-    its batches a request whose draft is accepted this well drafts (it would turn to rounds
-    without a draft where their steps pay more, by its own acceptance or, before that is
-    measured, the router's: policy.AdaptiveK)."""
+    its batches a request drafts at least until its own acceptance is measured (it may turn
+    to rounds without a draft after that, where their steps pay more: policy.AdaptiveK)."""
     for prompt in PROMPTS:
         body = complete(cluster, prompt, max_tokens=48, temperature=0, ignore_eos=True)
         stats = body["speculative"]

@@ -180,18 +180,3 @@ def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured()
     assert alone(4, 0.85, 16).choose(None) >= 3  # a good draft still pays: 261 against 250
     assert alone(4, 0.5, 16).explore(0) == 1
 
-
-@pytest.mark.parametrize("alpha, steps, drafts", [(0.5, 4, False), (0.85, 4, True),
-                                                  (0.5, 1, True)])
-def test_a_new_request_weighs_the_routers_measured_acceptance(alpha, steps, drafts):
-    """Before its own acceptance is measured, a request alone weighs the router's (its
-    prior), once the router's recent rounds have measured it (16 positions): at 0.5 its
-    first round runs 4 steps without a draft; at 0.85, or with one step, it drafts. With
-    the router's acceptance unmeasured it drafts at any (the test above)."""
-    costs = served_alone()
-    costs.alpha.add(round(alpha * 100), 100)
-    first_k = AdaptiveK(KBounds(0, 8), costs, False, False, plain_steps=steps).k
-    assert (first_k >= 1) == drafts
-    costs.alpha.tested = AdaptiveK.min_tested - 1  # (the same acceptance, measured less)
-    costs.alpha.accepted = alpha * costs.alpha.tested
-    assert AdaptiveK(KBounds(0, 8), costs, False, False, plain_steps=steps).k >= 1

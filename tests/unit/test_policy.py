@@ -555,8 +555,7 @@ def test_the_router_warns_once_when_a_draft_step_costs_as_much_as_a_verify(caplo
 def test_a_request_that_starts_under_load_runs_the_batch_k_from_its_first_round():
     """A new request that joins 15 running ones starts at the router's K in force (K = 0: it
     never calls the drafter), not at the K the model expects alone; one that starts alone
-    drafts (with one step a round: with more, the router's measured acceptance of 0.6 may
-    turn it to K = 0 alone, test_plain_steps)."""
+    drafts."""
     pair = ServedPair(alpha=0.6, seed=3, per_token_ms=1.5)
     costs = CostModel()
     serve_requests(pair, costs, requests=1)
@@ -566,6 +565,6 @@ def test_a_request_that_starts_under_load_runs_the_batch_k_from_its_first_round(
     front_end = RequestFrontEnd(SpeculationDefaults(adaptive_bounds=KBounds(0, 8)))
     front_end.costs[(None, True)] = costs
     plans = {running: front_end.plan("r", [1, 2], SamplingParams(temperature=0),
-                                     plain_steps=1, running=running) for running in (0, 15)}
+                                     running=running) for running in (0, 15)}
     assert plans[15].choices[0].policy.num_speculative_tokens() == 0
     assert plans[0].choices[0].policy.num_speculative_tokens() >= 1
