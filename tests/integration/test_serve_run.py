@@ -12,6 +12,7 @@ import pytest
 import requests
 import yaml
 
+from speculative.policy import AdaptiveK
 from tests.integration.conftest import (
     ROOT,
     TEST_DRAFT_TIMEOUT_S,
@@ -74,13 +75,16 @@ def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
         assert body is not None, "serve run never answered"
         assert body["usage"]["completion_tokens"] == 4
         print(f"serve run -> first completion in {first_token_s:.1f}s")
-        # a newcomer's first requests speculate: nothing was warmed by hand
-        mean_ks = [requests.post(f"http://127.0.0.1:{http_port}/v1/completions", json={
+        # a newcomer's first requests speculate, nothing warmed by hand: each drafts at least
+        # until its own acceptance is measured (a controller trapped at K = 0 by cold costs
+        # drafts nothing); after that, alone, rounds of several steps without a draft may
+        # pay more where the other tests load the cores (policy.AdaptiveK.zero_allowed)
+        stats = [requests.post(f"http://127.0.0.1:{http_port}/v1/completions", json={
             "prompt": prompt, "max_tokens": 96, "temperature": 0, "ignore_eos": True},
-            timeout=60).json()["speculative"]["mean_num_speculative_tokens"]
-            for prompt in NEWCOMER_PROMPTS]
-        print(f"mean K of the first four requests: {mean_ks}")
-        assert sum(mean_ks) / len(mean_ks) >= 1.5, mean_ks
+            timeout=60).json()["speculative"] for prompt in NEWCOMER_PROMPTS]
+        print("mean K of the first four requests: "
+              f"{[s['mean_num_speculative_tokens'] for s in stats]}")
+        assert all(s["num_draft_tokens"] >= AdaptiveK.min_tested for s in stats), stats
         openai_features_work(f"http://127.0.0.1:{http_port}/v1")
         process.send_signal(signal.SIGTERM)
         stopping = time.monotonic()
