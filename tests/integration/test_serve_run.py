@@ -45,7 +45,7 @@ def openai_features_work(base_url: str) -> None:
 def test_serve_run_serves_completions_and_stops_on_sigterm(tmp_path):
     config = on_free_ports(load_config())
     # the drafter deadline of the shared deployment's routers (conftest): with the config's
-    # 1 s, drafts delayed by the other worker's tests would decide the mean K checked below
+    # 1 s, drafts delayed by the other worker's tests would decide the drafts checked below
     app_config(config, "router")["args"]["draft_timeout_s"] = TEST_DRAFT_TIMEOUT_S
     http_port = config["http_options"]["port"]
     path = tmp_path / "config.yaml"
