@@ -205,8 +205,13 @@ class CostModel:
         self.draft_adds = 0  # draft costs observed (the warning is checked on some)
 
     def trials_at(self, load: float) -> BatchTrials:
-        """The batch trials of this load's band (load_band)."""
-        return self.trials.setdefault(load_band(load), BatchTrials())
+        """The batch trials of this load's band (load_band). (Asked every loaded round: a
+        setdefault would build a BatchTrials each time.)"""
+        band = load_band(load)
+        trials = self.trials.get(band)
+        if trials is None:
+            trials = self.trials[band] = BatchTrials()
+        return trials
 
     def no_room_for_speculation(self) -> float | None:
         """c = a one-token draft over a one-token verify, once both are measured, when it

@@ -271,10 +271,10 @@ class AdaptiveK:
     def first_k(self) -> int:
         """The first round's K: under batch load the router's K in force (BatchTrials), else
         the best the model expects."""
-        trials = self.costs.trials_at(self.load)
-        if self.load < self.zero_load or trials.k is None:
+        if self.load < self.zero_load:
             return self.choose(None)
-        return self.within(trials.k)
+        k = self.costs.trials_at(self.load).k
+        return self.choose(None) if k is None else self.within(k)
 
     def explore(self, k: int) -> int:
         """A neighbour of k: one up and one down in turn, within what may be chosen."""

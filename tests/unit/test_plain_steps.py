@@ -150,23 +150,17 @@ def test_the_adaptive_rate_of_no_draft_counts_the_steps():
     assert policies[4].rate(0) == pytest.approx(4 / (4 * 0.010 + 0.004))
 
 
-def served_alone() -> CostModel:
-    """Costs about the demo pair's served alone: t(1) 3.5 ms, a draft 1.5 ms a token."""
-    costs = CostModel()
-    for _ in range(40):
-        costs.observe(RoundCost(1, 0.0035, 0, 0.0, 0.002, kind="plain"))
-        for k in (1, 2, 3, 4):
-            costs.observe(RoundCost(k + 1, (3.5 + 0.3 * k) / 1000, k, (0.5 + 1.5 * k) / 1000,
-                                    0.003, kind="sequential"))
-    return costs
-
-
 def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured():
     """With several steps a round without a draft rivals drafting even alone: a request
     whose own acceptance is measured (16 positions) turns to K = 0 where its steps beat the
     best K by the margin, and explores K = 1 from there; with one step, or before its
     acceptance is measured, it drafts."""
-    costs = served_alone()
+    costs = CostModel()
+    for _ in range(40):  # about the demo pair served alone: t(1) 3.5 ms, a draft 1.5 ms
+        costs.observe(RoundCost(1, 0.0035, 0, 0.0, 0.002, kind="plain"))
+        for k in (1, 2, 3, 4):
+            costs.observe(RoundCost(k + 1, (3.5 + 0.3 * k) / 1000, k, (0.5 + 1.5 * k) / 1000,
+                                    0.003, kind="sequential"))
 
     def alone(steps: int, alpha: float, tested: int) -> AdaptiveK:
         policy = AdaptiveK(KBounds(0, 8), costs, False, False, plain_steps=steps)
@@ -179,4 +173,3 @@ def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured()
     assert alone(1, 0.5, 16).choose(None) >= 1  # one step: 182 against 170, within margin
     assert alone(4, 0.85, 16).choose(None) >= 3  # a good draft still pays: 261 against 250
     assert alone(4, 0.5, 16).explore(0) == 1
-
