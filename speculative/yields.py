@@ -17,12 +17,16 @@ class BatchTrials:
 
     A tried K whose trials keep losing is tried less often: each trial it loses adds a loss
     (at most `most_losses`), each it wins takes one away, and with n losses it sits out its
-    next 2^n - 1 turns; a change of the K in force gives every K every turn again. Measured
-    at 16 streams with K = 0 in force, the trials of K = 1 ran a fifth of the rounds and
-    kept losing; a win by noise (one trial's ratio to its neighbours ranged 0.48-1.05 for
-    K = 1) took the back-off away at once when a win reset it."""
+    next 2^n - 1 turns; a change of the K in force gives every K every turn again. A trial
+    wins only by `margin`, the gain a switch asks for: one that gains less cannot move the
+    batch, and each trial costs every request a round of transition (a K back from 0 has
+    its drafter catch up the whole prefix). Measured at 16 streams with K = 0 in force, the
+    trials of K = 1 ran a fifth of the rounds and kept losing; a win by noise (one trial's
+    ratio to its neighbours ranged 0.48-1.05 for K = 1) took the back-off away at once when
+    a win reset it."""
 
     most_losses = 2  # (then a losing K runs one turn in four)
+    margin = 0.1  # a trial wins by this much: AdaptiveK.margin, the gain a switch asks for
 
     def __init__(self, keep: int = 4) -> None:
         self.k: int | None = None  # the K in force (None: not chosen yet)
@@ -60,8 +64,8 @@ class BatchTrials:
             self.ratios.setdefault(k1, deque(maxlen=self.keep)).append(ratio)
             self.judged = True
             losses = self.losses.get(k1, 0)
-            self.losses[k1] = min(losses + 1, self.most_losses) if ratio < 1 else \
-                max(losses - 1, 0)
+            self.losses[k1] = max(losses - 1, 0) if ratio > 1 + self.margin else \
+                min(losses + 1, self.most_losses)
             self.skips[k1] = 2 ** self.losses[k1] - 1
 
     def runs_trial(self, phase: int, k: int) -> bool:

@@ -87,7 +87,8 @@ def test_without_the_back_off_losing_trials_keep_their_share(monkeypatch):
 def test_one_win_does_not_end_the_back_off():
     """A K that lost three trials runs one turn in four; one win (noise, as often as not:
     one trial's ratio ranged 0.48-1.05 for K = 1 at 16 streams) brings it to one in two,
-    a second to every turn."""
+    a second to every turn. A gain within the margin a switch asks for is no win."""
+    assert BatchTrials.margin == AdaptiveK.margin
     trials = BatchTrials()
     trials.switch(0)
 
@@ -97,7 +98,8 @@ def test_one_win_does_not_end_the_back_off():
         return trials.skips[1]
 
     assert [trial(0, 40.0), trial(3, 40.0), trial(6, 40.0)] == [1, 3, 3]
-    assert [trial(9, 55.0), trial(12, 55.0)] == [1, 0]
+    assert [trial(9, 60.0), trial(12, 60.0)] == [1, 0]
+    assert [trial(15, 54.0), trial(18, 54.0)] == [1, 3]  # 8 % more: losses
 
 
 def test_each_load_band_keeps_its_own_k(monkeypatch):
@@ -119,3 +121,28 @@ def test_each_load_band_keeps_its_own_k(monkeypatch):
 
     assert run(one_band=False) == (3, 1, 3)
     assert run(one_band=True) == (3, 3, 3)
+
+
+def test_before_a_trial_is_judged_the_model_may_only_lower_the_batch_k(monkeypatch):
+    """Until the band's first trial is judged the model moves the batch's K, and only down:
+    a model that says 8, then 0, then 6 (as its costs move) leaves the batch at 0. The
+    mutant that takes the model's K either way moves the batch back to 6."""
+
+    def ks_run() -> list[int]:
+        said = [8, 0, 6]
+        monkeypatch.setattr(AdaptiveK, "choose", lambda self, current=None: said[0])
+        costs = loaded(64)
+        policy = at_load(costs, 64)
+        ks = []
+        for _ in range(3):
+            for _ in range(AdaptiveK.choose_every * 2):
+                k, _phase = policy.batch_k()
+            ks.append(k)
+            if len(said) > 1:
+                said.pop(0)  # the model's costs moved
+        assert not costs.trials_at(64).judged
+        return ks
+
+    assert ks_run() == [8, 0, 0]
+    monkeypatch.setattr(AdaptiveK, "lowered", lambda self, k: self.choose(k))
+    assert ks_run() == [8, 0, 6]
