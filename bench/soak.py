@@ -52,6 +52,7 @@ class Tally:
 
 def one_request(url: str, rng: random.Random, tally: Tally) -> None:
     body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(8, 96), "stream": True,
+            "stream_options": {"include_usage": True},
             "temperature": rng.choice([0.0, 1.0]), "ignore_eos": True}
     mode = rng.choices(["read", "disconnect", "timeout"], weights=[7, 2, 1])[0]
     started = time.monotonic()

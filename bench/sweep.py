@@ -54,7 +54,7 @@ def stream_completion(url: str, prompt_ids, max_tokens: int, k: int | str,
     """POST /v1/completions with stream=True (greedy, exactly max_tokens tokens)."""
     body = json.dumps({"prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
                        "num_speculative_tokens": k, "ignore_eos": True, "return_token_ids": True,
-                       "stream": True})
+                       "stream": True, "stream_options": {"include_usage": True}})
     address = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(address.hostname, address.port, timeout=timeout_s)
     started = time.perf_counter()

@@ -4,6 +4,7 @@ answered as one completion body or as server-sent events."""
 import asyncio
 import json
 import logging
+import time
 
 from deployments.admission import Ticket
 from deployments.clients import PoolError
@@ -43,11 +44,14 @@ class Choices:
 
     def __init__(self, plan: RequestPlan, pools: tuple[Drafter, Verifier], decode: Decode,
                  metrics: RouterMetrics, ticket: Ticket, *, model: str, chat: bool,
-                 return_token_ids: bool, tools: ToolUse | None = None) -> None:
+                 return_token_ids: bool, tools: ToolUse | None = None,
+                 include_usage: bool = False, stop_token_ids: tuple[int, ...] = ()) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
         self.tools = tools  # the tools in effect: their calls are read out of each output
+        self.include_usage = include_usage  # streamed: a last chunk with the usage
+        self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
 
     @property
     def request_id(self) -> str:
@@ -55,7 +59,7 @@ class Choices:
 
     async def run_choice(self, index: int, on_text) -> Generation:
         choice = self.plan.choices[index]
-        generation = Generation(choice.request, self.decode)
+        generation = Generation(choice.request, self.decode, self.stop_token_ids)
         async for delta in generation.stream(*self.pools, choice.policy, self.plan.pipelined):
             await on_text(index, delta)
         self.metrics.record(generation.state)
@@ -87,7 +91,8 @@ class Choices:
 
     async def events(self):
         """Server-sent events: a first chunk per choice (chat: the role, as OpenAI sends it),
-        one chunk per text delta, a final chunk per choice, usage, [DONE]."""
+        one chunk per text delta, a final chunk per choice, the usage when asked
+        (stream_options.include_usage, as OpenAI), [DONE]."""
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(
             self.all_choices(lambda index: self.stream_choice(index, queue)))
@@ -96,12 +101,13 @@ class Choices:
             while (chunk := await queue.get()) is not None:  # serialised JSON
                 yield f"data: {chunk}\n\n"
             done = await task
-            kind = "chat.completion.chunk" if self.chat else "text_completion"
-            stats = self.plan.merged_stats(done)
-            final = {"id": self.request_id, "object": kind, "model": self.model,
-                     "choices": [], "usage": self.plan.usage(done),
-                     "speculative": stats.as_dict(), "metrics": stats.vllm_metrics()}
-            yield f"data: {json.dumps(final)}\n\n"
+            if self.include_usage:
+                kind = "chat.completion.chunk" if self.chat else "text_completion"
+                stats = self.plan.merged_stats(done)
+                final = {"id": self.request_id, "object": kind, "created": int(time.time()),
+                         "model": self.model, "choices": [], "usage": self.plan.usage(done),
+                         "speculative": stats.as_dict(), "metrics": stats.vllm_metrics()}
+                yield f"data: {json.dumps(final)}\n\n"
         except PoolError as error:  # the stream ends with an error event, then [DONE]
             failure = pool_failure(error)
             yield f"data: {json.dumps(error_body(str(failure), failure.status))}\n\n"

@@ -72,6 +72,11 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
+class StreamOptions(BaseModel):
+    # a last chunk with no choices, the usage and the speculative counters (as OpenAI)
+    include_usage: bool = False
+
+
 class SamplingFields(BaseModel):
     """The fields both endpoints share: sampling, n, streaming and the speculative extensions."""
 
@@ -92,6 +97,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     # extension: K, or "auto" for the router's adaptive K (default: the router's setting)
     num_speculative_tokens: Annotated[int, Field(ge=0, le=32)] | Literal["auto"] | None = None
     pipelined: bool | None = None  # extension: draft during verification (router default)
@@ -114,6 +120,26 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_the_default(cls, data):
+        """OpenAI's fields are nullable (temperature, n, stream, ...): null means the default,
+        as in vLLM."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def only_when_streaming(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     @field_validator("drafter")
     @classmethod
@@ -179,9 +205,27 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI's, not supported: refused rather than ignored, as each changes the answer
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def unsupported(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def best_of_n(cls, value, info):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of is not supported beyond n (each choice is returned)")
+        return value
 
     @field_validator("prompt")
     @classmethod

@@ -115,7 +115,9 @@ class Router:
             return error_response(BadRequest(str(error)))
         choices = Choices(plan, self.pools(plan.drafter_kind), self.decode, self.metrics,
                           ticket, model=self.args.served_model_name, chat=chat,
-                          return_token_ids=body.return_token_ids, tools=tools)
+                          return_token_ids=body.return_token_ids, tools=tools,
+                          include_usage=body.include_usage,
+                          stop_token_ids=tuple(body.stop_token_ids or ()))
         if body.stream:
             return StreamingResponse(choices.events(), media_type="text/event-stream",
                                      background=BackgroundTask(ticket.release))

@@ -145,7 +145,7 @@ def generate(args) -> dict:
     decode, done = text_decoder(tokenizer), []
     started = time.perf_counter()
     for choice in plan.choices:
-        generation = Generation(choice.request, decode)
+        generation = Generation(choice.request, decode, args.stop_token_id)
         asyncio.run(generation.run(drafter, verifier, choice.policy, plan.pipelined))
         done.append(generation)
     seconds = time.perf_counter() - started

@@ -81,12 +81,17 @@ class Generation:
 
     `stream()` yields text deltas that are final (a tail that could still grow into a stop
     string is held back), so the deltas concatenate to `text`; afterwards `token_ids`,
-    `finish_reason` ("stop" or "length") and `stop_reason` (the stop token id or stop string,
-    None at max_tokens) describe the output. Without a decode function it produces ids only.
+    `finish_reason` ("stop" or "length") and `stop_reason` describe the output. As in vLLM,
+    stop_reason is the stop string or the stop token id that ended it, None at max_tokens
+    and at the model's own end tokens (those not in `reported_stop_ids`; None: every stop id
+    is reported), and a stop token's text is not part of `text`. Without a decode function
+    it produces ids only.
     """
 
-    def __init__(self, request: Request, decode: Decode | None = None) -> None:
+    def __init__(self, request: Request, decode: Decode | None = None,
+                 reported_stop_ids: Sequence[int] | None = None) -> None:
         self.state = RequestState(request)
+        self.reported_stop_ids = reported_stop_ids
         self.stop = request.sampling.stop
         if self.stop and decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
@@ -134,14 +139,15 @@ class Generation:
     def _take(self, added: list[int]) -> None:
         """Detokenize a round's committed tokens one by one, stopping at a stop string (once
         the output holds min_tokens tokens)."""
-        stop_ids = self.state.request.stop_token_ids
-        if self.finish_reason == "stop" and added and added[-1] in stop_ids:
+        stop_ids, reported = self.state.request.stop_token_ids, self.reported_stop_ids
+        at_stop_id = self.finish_reason == "stop" and added and added[-1] in stop_ids
+        if at_stop_id and (reported is None or added[-1] in reported):
             self.stop_reason = added[-1]
         if self.detokenizer is None:
             return
         first_output = self.state.num_output_tokens - len(added)
         min_tokens = self.state.request.sampling.min_tokens  # no stop string before (as vLLM)
-        for offset, token in enumerate(added):
+        for offset, token in enumerate(added[:-1] if at_stop_id else added):
             delta = self.detokenizer.add(token)
             start = max(0, len(self.text) - self.longest_stop + 1)
             self.text += delta

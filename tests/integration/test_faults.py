@@ -29,7 +29,8 @@ REQUESTS = [{"prompt": p, "max_tokens": 64, "temperature": 0} for p in PROMPTS] 
 def stream(cluster, body, started: threading.Semaphore) -> tuple[list[int], dict]:
     """The token ids of a streamed completion (the final chunk carries them) and its stats;
     releases `started` once its first text arrives (the stream is running)."""
-    body = {**body, "stream": True, "return_token_ids": True, "ignore_eos": True}
+    body = {**body, "stream": True, "return_token_ids": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
     ids, stats, done, running = None, None, False, False
     with requests.post(cluster.base_url + "/v1/completions", json=body, stream=True,
                        timeout=120) as response:

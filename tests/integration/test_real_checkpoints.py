@@ -37,7 +37,7 @@ def test_the_router_stops_at_any_end_token_and_decodes_past_windows_and_padding(
     ended = post(cluster, "/quirky/v1/completions", body)["choices"][0]
     end_at = report["end_at"]
     assert ended["token_ids"] == report["greedy"][: end_at + 1]
-    assert (ended["finish_reason"], ended["stop_reason"]) == ("stop", report["greedy"][end_at])
+    assert (ended["finish_reason"], ended["stop_reason"]) == ("stop", None)  # as vLLM
     sampled = post(cluster, "/quirky/v1/completions",
                    {**body, "temperature": 1, "seed": 5, "ignore_eos": True, "drafter": "ngram"})
     assert len(sampled["choices"][0]["token_ids"]) == 40  # the n-gram q spans 320 ids

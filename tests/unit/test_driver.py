@@ -44,9 +44,9 @@ class Scripted:
         pass
 
 
-def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3):
+def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3, reported=None):
     params = SamplingParams(temperature=0, max_tokens=max_tokens or len(output), stop=stop)
-    generation = Generation(Request("r", PROMPT, params, tuple(stop_ids)), decode)
+    generation = Generation(Request("r", PROMPT, params, tuple(stop_ids)), decode, reported)
     engine = Scripted(output, miss)
 
     async def collect():
@@ -77,11 +77,20 @@ def test_stop_strings_cut_text_and_ids_where_the_stop_completes(output, stop, k,
     assert decode(ids)[cut:].startswith(generation.stop_reason)
 
 
-def test_a_stop_token_ends_the_output_and_stays_in_it():
+def test_a_stop_token_ends_the_output_and_stays_in_its_ids_not_its_text():
     output = [0, 1, 2, 1, 0, 0, 2, 2]
-    generation, _ = generate(output, stop_ids=(2,), k=4)
+    generation, deltas = generate(output, stop_ids=(2,), k=4)
     assert generation.token_ids == [0, 1, 2]
     assert (generation.finish_reason, generation.stop_reason) == ("stop", 2)
+    assert generation.text == "".join(deltas) == "ab"  # as vLLM: not the stop token's "\n"
+
+
+def test_an_end_token_the_request_did_not_ask_for_is_no_stop_reason():
+    """As vLLM: stop_reason names a stop string or one of the request's own stop ids; the
+    model's end tokens (stop ids not reported) end the output with none."""
+    output = [0, 1, 2, 1, 0, 0, 2, 2]
+    assert generate(output, stop_ids=(2,), k=4, reported=())[0].stop_reason is None
+    assert generate(output, stop_ids=(2,), k=4, reported=(2,))[0].stop_reason == 2
 
 
 def test_the_earlier_of_a_stop_string_and_a_stop_token_wins():

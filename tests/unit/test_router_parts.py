@@ -63,13 +63,14 @@ class Recorded:
         self.states.append(state)
 
 
-def fan_out(chat: bool):
+def fan_out(chat: bool, include_usage: bool = False):
     admission = Admission(8)
     plan = RequestFrontEnd().plan("cmpl-x", (2, 3), SamplingParams(temperature=0.0,
                                                                     max_tokens=4), n=2)
     engine, metrics = Agreeing(), Recorded()
     choices = Choices(plan, (engine, engine), lambda ids: "a" * len(ids), metrics,
-                      admission.admit(2), model="m", chat=chat, return_token_ids=True)
+                      admission.admit(2), model="m", chat=chat, return_token_ids=True,
+                      include_usage=include_usage)
     return choices, admission, metrics
 
 
@@ -83,8 +84,12 @@ def test_a_completion_has_every_choice_and_the_merged_usage():
     assert body["id"] == "cmpl-x" and len(metrics.states) == 2
 
 
-def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_back():
-    choices, admission, _ = fan_out(chat=True)
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_back(
+        include_usage):
+    """The usage chunk (no choices) only when stream_options.include_usage asks for it, as
+    OpenAI: clients read chunk.choices[0] from every other chunk."""
+    choices, admission, _ = fan_out(chat=True, include_usage=include_usage)
 
     async def collect():
         return [event async for event in choices.events()]
@@ -92,9 +97,14 @@ def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_b
     events = asyncio.run(collect())
     assert events[-1] == "data: [DONE]\n\n" and admission.running == 0
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
-    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert all("created" in c for c in chunks)
+    if include_usage:
+        usage = chunks.pop()
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+        assert usage["speculative"]["rounds"] > 0 and "usage" not in chunks[-1]
+    assert all(c["choices"] for c in chunks)
     for index in (0, 1):
-        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["delta"].get("content", "") for c in mine) == "aaaa"
         assert mine[-1]["finish_reason"] == "length" and mine[-1]["token_ids"] == [1] * 4

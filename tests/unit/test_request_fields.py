@@ -1,0 +1,66 @@
+"""What the request bodies accept and refuse, as OpenAI's and vLLM's servers do: null for a
+nullable field is its default, stream_options only with stream, fields that would change the
+answer refused rather than ignored, and a body nested too deeply a 400, not a 500."""
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from deployments.ingress import BadRequest, parse
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "n", "stream", "presence_penalty",
+                                   "frequency_penalty", "seed", "stop", "max_tokens"])
+def test_null_is_the_default(field):
+    completion = CompletionRequest(prompt="x", **{field: None})
+    assert getattr(completion, field) == CompletionRequest.model_fields[field].default
+    chat = ChatCompletionRequest(messages=CHAT, logprobs=None, parallel_tool_calls=None,
+                                 **{field: None})
+    assert getattr(chat, field) == ChatCompletionRequest.model_fields[field].default
+    assert chat.logprobs is False and chat.parallel_tool_calls is True
+
+
+def test_stream_options_come_with_a_stream():
+    asked = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True})
+    assert asked.include_usage
+    assert not CompletionRequest(prompt="x", stream=True).include_usage
+    with pytest.raises(ValidationError, match="only allowed when stream is true"):
+        CompletionRequest(prompt="x", stream_options={"include_usage": True})
+
+
+@pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"suffix": "}"}, "suffix"),
+                                           ({"best_of": 2}, "best_of"),
+                                           ({"best_of": 3, "n": 2}, "best_of")])
+def test_fields_that_would_change_the_answer_are_refused(fields, param):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest(prompt="x", **fields)
+    assert raised.value.errors()[0]["loc"] == (param,)
+
+
+def test_what_changes_nothing_passes():
+    assert CompletionRequest(prompt="x", echo=False, suffix=None, best_of=2, n=2).n == 2
+
+
+def request_with(body: bytes) -> Request:
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-length", str(len(body)).encode())]}
+    return Request(scope, receive)
+
+
+@pytest.mark.parametrize("depth", [100, 2000])
+def test_a_body_nested_too_deeply_is_a_400(depth):
+    body = b'{"prompt": "x", "user": ' + b"[" * depth + b"]" * depth + b"}"
+    try:
+        parsed = asyncio.run(parse(request_with(body), CompletionRequest, 1 << 20))
+    except BadRequest as error:
+        assert depth == 2000 and error.status == 400 and "nested" in str(error)
+    else:
+        assert depth == 100 and parsed.prompt == "x"
