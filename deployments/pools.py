@@ -253,6 +253,11 @@ class PoolReplica:
         except (ValueError, StaleBase) as error:  # refused before it reached the engine
             future = asyncio.get_running_loop().create_future()
             future.set_result(error)
+        except BaseException:  # a bug: raised, and counted nowhere
+            self.direct_calls -= direct
+            self.direct_in_flight -= direct
+            self.waiting -= 1
+            raise
         else:
             if self.waiting == 1:
                 self.last_progress = time.monotonic()  # an idle worker is not a stalled one

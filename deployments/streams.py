@@ -38,25 +38,31 @@ class CallStream:
         self.wake.set()
 
     async def read(self, batches) -> None:
-        replica = self.replica
-        async for batch in batches:
-            for entry in batch.entries:
-                if replica.direct_in_flight >= replica.max_direct_calls:
-                    self.finished.append(self.refused(
-                        entry.tag, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{replica.direct_in_flight} calls in flight"))
-                    continue
-                future = replica.submit(self.check, self.call_from_proto, entry.call,
-                                        direct=True)
-                self.running[entry.tag] = future
-                future.add_done_callback(functools.partial(self.finish, entry.tag))
-            # after the entries: a cancel written after its entry may share its message
-            for tag in batch.cancel:
-                future = self.running.pop(tag, None)
-                if future is not None:
-                    future.cancel()
+        try:
+            async for batch in batches:
+                self.take(batch)
+                self.wake.set()
+        finally:  # ended or broken: serve() sees it (a broken one ends with its error)
             self.wake.set()
-        self.wake.set()
+
+    def take(self, batch) -> None:
+        """One incoming message: its calls submitted, then its cancels."""
+        replica = self.replica
+        for entry in batch.entries:
+            if replica.direct_in_flight >= replica.max_direct_calls:
+                self.finished.append(self.refused(
+                    entry.tag, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{replica.direct_in_flight} calls in flight"))
+                continue
+            future = replica.submit(self.check, self.call_from_proto, entry.call,
+                                    direct=True)
+            self.running[entry.tag] = future
+            future.add_done_callback(functools.partial(self.finish, entry.tag))
+        # after the entries: a cancel written after its entry may share its message
+        for tag in batch.cancel:
+            future = self.running.pop(tag, None)
+            if future is not None:
+                future.cancel()
 
     async def serve(self, batches):
         """Yields lists of answers until the stream ends and every call is answered."""

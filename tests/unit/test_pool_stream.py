@@ -222,3 +222,31 @@ def test_a_deadline_withdraws_the_call():
             stream.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("breaks", ["submit", "stream"])
+def test_a_broken_stream_ends_with_its_error_with_no_call_running(breaks):
+    """Its reader failing (a bug in a submit, or the incoming stream broken) ends serve()
+    with that error: it does not wait on for answers no call will give."""
+    from types import SimpleNamespace
+
+    from deployments.streams import CallStream
+
+    class Replica:
+        direct_in_flight, max_direct_calls = 0, 8
+
+        def submit(self, *args, **options):
+            raise KeyError("a bug")
+
+    async def batches():
+        if breaks == "stream":
+            raise ConnectionResetError("the router went away")
+        yield SimpleNamespace(entries=[SimpleNamespace(tag=1, call=None)], cancel=[])
+
+    async def main():
+        stream = CallStream(Replica(), None, None, None, None)
+        # a hang would fail at the guard's timeout (the reader fails at once)
+        return await asyncio.wait_for(anext(stream.serve(batches()), None), 60)
+
+    with pytest.raises(KeyError if breaks == "submit" else ConnectionResetError):
+        asyncio.run(main())
