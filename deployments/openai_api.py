@@ -203,7 +203,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    # a prompt (text or token ids), or a batch of them: n choices each
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # OpenAI's, not supported: refused rather than ignored, as each changes the answer
     echo: bool = False
@@ -230,9 +231,25 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def non_empty(cls, value):
-        if not value:
-            raise ValueError("prompt must not be empty")
-        return encodable(value, "prompt") if isinstance(value, str) else value
+        for prompt in [value] if not value or isinstance(value, str) or \
+                isinstance(value[0], int) else value:
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if isinstance(prompt, str):
+                encodable(prompt, "prompt")
+        return value
+
+    @model_validator(mode="after")
+    def choices_in_bounds(self):
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"the prompts times n make {len(self.prompts()) * self.n} "
+                             f"choices; the limit is {MAX_CHOICES}")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch's."""
+        one = isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
 
 class ChatMessage(BaseModel):

@@ -36,7 +36,7 @@ from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
 from engine.checkpoint import Checkpoint, check_vocabularies
 from engine.models import load_tokenizer
 from speculative.driver import text_decoder
-from speculative.frontend import RequestFrontEnd, RequestPlan
+from speculative.frontend import RequestFrontEnd, RequestPlan, joined
 
 app = ingress_app("specserve")
 
@@ -129,8 +129,8 @@ class Router:
             ticket.release()
 
     async def plan(self, body, chat: bool) -> RequestPlan:
-        """The body's prompt read, its model checked, its choices planned."""
-        prompt = await self.prompts.read(body, chat)
+        """The body's prompt read (each of a completions batch's), its model checked, its
+        choices planned."""
         if body.model not in (None, self.args.served_model_name):
             raise BadRequest(f"model {body.model!r} does not exist; this server serves "
                              f"{self.args.served_model_name!r}", 404, "model")
@@ -138,6 +138,16 @@ class Router:
         # x-request-id (two requests sharing one would share caches), which Serve's proxy
         # logs and echoes
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if chat:
+            return await self.plan_one(request_id, body, chat)
+        prompts = [body.model_copy(update={"prompt": p}) for p in body.prompts()]
+        if len(prompts) == 1:
+            return await self.plan_one(request_id, prompts[0], chat)
+        return joined(request_id, [await self.plan_one(f"{request_id}-{i}", one, chat)
+                                   for i, one in enumerate(prompts)])
+
+    async def plan_one(self, request_id: str, body, chat: bool) -> RequestPlan:
+        prompt = await self.prompts.read(body, chat)
         return self.front_end.plan(request_id, prompt.token_ids, prompt.sampling, body.n,
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,

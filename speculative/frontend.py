@@ -43,12 +43,15 @@ class RequestPlan:
     num_speculative_tokens: NumSpeculativeTokens  # after the seeded rule
     pipelined: bool
     drafter_kind: str | None  # keys the shared costs (the router: None for its pool's model)
+    n: int = 1  # choices per prompt (a completions batch: the prompts' n choices in turn)
 
     def usage(self, done: Sequence[Generation]) -> dict:
-        """OpenAI's usage: the prompt counted once, the completion tokens of every choice."""
-        prompt_tokens = len(self.choices[0].request.prompt_token_ids)
+        """OpenAI's usage: each prompt counted once, the completion tokens of every choice."""
+        starts = range(0, len(self.choices), self.n)
+        prompt_tokens = sum(len(self.choices[i].request.prompt_token_ids) for i in starts)
         completion_tokens = sum(len(generation.token_ids) for generation in done)
-        cached = max((generation.stats.cached_tokens for generation in done), default=0)
+        cached = sum(max((g.stats.cached_tokens for g in done[i:i + self.n]), default=0)
+                     for i in starts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -59,6 +62,13 @@ class RequestPlan:
         for generation in done:
             total.add(generation.stats)
         return total
+
+
+def joined(request_id: str, plans: Sequence[RequestPlan]) -> RequestPlan:
+    """One request's plans for several prompts (a completions batch, each planned on its
+    own) as one: the first prompt's n choices, then the next's (vLLM's choice indices)."""
+    return dataclasses.replace(plans[0], request_id=request_id,
+                               choices=tuple(c for plan in plans for c in plan.choices))
 
 
 class RequestFrontEnd:
@@ -95,7 +105,7 @@ class RequestFrontEnd:
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees,
                                  running + n, steps))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
-        return RequestPlan(request_id, choices, k, pipelined, drafter_kind)
+        return RequestPlan(request_id, choices, k, pipelined, drafter_kind, n)
 
     def num_speculative_tokens(self, requested: NumSpeculativeTokens | None,
                                sampling: SamplingParams) -> NumSpeculativeTokens:

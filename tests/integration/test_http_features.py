@@ -87,6 +87,30 @@ def test_a_hundred_choices_and_vllms_speculative_metrics(client):
     assert metrics["num_accepted_draft_tokens"] == stats["num_accepted_tokens"]
 
 
+def test_a_batch_of_prompts_answers_each_with_its_n_choices(client):
+    """prompt as a list (text and token ids), as OpenAI's and vLLM's completions take it:
+    choice i * n + j is prompt i's j-th, each prompt's greedy text as alone; usage counts
+    each prompt once; streamed, the same choices."""
+    from engine.models import DEMO_TARGET, load_tokenizer
+
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    fields = dict(model="specserve-demo", max_tokens=12, temperature=0, n=2)
+    alone = [client.completions.create(prompt=p, **fields) for p in PROMPTS[:2]]
+    texts = [c.text for a in alone for c in a.choices]
+    batch = client.completions.create(prompt=PROMPTS[:2], **fields)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == texts
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:2]]
+    assert [c.text for c in client.completions.create(prompt=ids, **fields).choices] == texts
+    streamed = {}
+    for chunk in client.completions.create(prompt=PROMPTS[:2], stream=True, **fields):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(4)] == texts
+
+
 @pytest.mark.parametrize("body, param", [
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"3": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"min_tokens": 20, "max_tokens": 8},

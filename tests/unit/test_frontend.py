@@ -8,7 +8,7 @@ import pytest
 from deployments.router_args import RouterArgs
 from specserve.cli import build_parser, request_front_end
 from speculative.driver import Generation
-from speculative.frontend import RequestFrontEnd
+from speculative.frontend import RequestFrontEnd, joined
 from speculative.options import SpeculationDefaults
 from speculative.policy import AdaptiveK, FixedK
 from speculative.rejection import RoundOutcome
@@ -104,6 +104,22 @@ def test_usage_and_stats_are_merged_across_choices():
     stats = plan.merged_stats(done).as_dict()
     assert stats["rounds"] == sum(g.stats.rounds for g in done)
     assert stats["num_accepted_tokens"] == sum(g.stats.num_accepted_tokens for g in done) > 0
+
+
+def test_a_batch_of_prompts_is_one_plan_with_each_prompt_counted_once():
+    """A completions batch: each prompt planned with its n choices, joined in prompt order
+    (vLLM's indices); usage counts each prompt once and every choice's tokens."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    front_end = RequestFrontEnd()
+    plans = [front_end.plan(f"r-{i}", prompt, greedy, n=2)
+             for i, prompt in enumerate([PROMPT, (7, 8)])]
+    plan = joined("r", plans)
+    assert plan.request_id == "r" and plan.n == 2
+    assert [c.request.prompt_token_ids for c in plan.choices] == [PROMPT] * 2 + [(7, 8)] * 2
+    assert len({c.request.request_id for c in plan.choices}) == 4
+    engine = Agreeing()
+    done = [asyncio.run(Generation(c.request).run(engine, engine, c.policy)) for c in plan.choices]
+    assert plan.usage(done)["prompt_tokens"] == 5 and plan.usage(done)["completion_tokens"] == 20
 
 
 def test_vllms_per_request_metrics_count_the_rounds_that_drafted():

@@ -64,3 +64,18 @@ def test_a_body_nested_too_deeply_is_a_400(depth):
         assert depth == 2000 and error.status == 400 and "nested" in str(error)
     else:
         assert depth == 100 and parsed.prompt == "x"
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("x", ["x"]), ([5, 6], [[5, 6]]), (["x", "y"], ["x", "y"]), ([[5], [6, 7]], [[5], [6, 7]]),
+    ([[5, 6]], [[5, 6]])])
+def test_a_completions_prompt_is_one_or_a_batch(prompt, prompts):
+    assert CompletionRequest(prompt=prompt).prompts() == prompts
+
+
+@pytest.mark.parametrize("fields", [{"prompt": []}, {"prompt": ["x", ""]},
+                                    {"prompt": [[5], []]}, {"prompt": ["a\ud800"]},
+                                    {"prompt": ["x"] * 65, "n": 2}, {"prompt": ["x", [5]]}])
+def test_a_bad_batch_is_refused(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(**fields)
