@@ -39,30 +39,33 @@ def draw_seed(state: RequestState) -> int:
 
 
 async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
-                  assumed: tuple[int, ...] = ()) -> DraftBlock:
-    """K draft tokens after the committed prefix, or after it plus `assumed` (a pre-draft)."""
+                  assumed: tuple[int, ...] = (), beside: bool = False) -> DraftBlock:
+    """K draft tokens after the committed prefix, or after it plus `assumed` (a pre-draft);
+    beside: the draft runs beside a verify (a pre-draft, or a fresh draft beside a verify of
+    none), whose tokens a later round continues as a chain."""
     request = state.request
     state.drafter_called = True
     return await state.call_pool(
         state.drafter_view,
         lambda sync: drafter.propose(
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
-                        len(request.prompt_token_ids), *tree_shape(state, k, assumed),
+                        len(request.prompt_token_ids), *tree_shape(state, k, beside),
                         draft_confidence=state.draft_confidence,
                         placement=request.placement)),
     )
 
 
-def tree_shape(state: RequestState, k: int, assumed) -> tuple[int, int]:
+def tree_shape(state: RequestState, k: int, beside: bool) -> tuple[int, int]:
     """(tree width, nodes) of this call: the request's tree, else the one its policy chose
-    for this round (width 2); a chain (1, 0) for a pre-draft, or where the tree would not
-    add a node. The verifier's slots (committed + nodes) are kept within the context
+    for this round (width 2); a chain (1, 0) for a draft beside a verify (its tokens go on
+    as the next round's chain: continue_with_predraft), or where the tree would not add a
+    node. The verifier's slots (committed + nodes) are kept within the context
     (without a known one, within the output's room, which the context holds)."""
     request = state.request
     width, nodes = request.tree_width, request.tree_nodes
     if width <= 1 and state.round_tree:
         width, nodes = 2, state.round_tree
-    if assumed or not k or width <= 1:
+    if beside or not k or width <= 1:
         return 1, 0
     room = state.remaining if request.context_limit is None else \
         request.context_limit - len(state.committed)
@@ -108,12 +111,13 @@ def continue_with_predraft(outcome: RoundOutcome, block: DraftBlock, predraft: D
 
 
 async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int,
-                        assumed: tuple[int, ...] = ()) -> DraftBlock | None:
+                        assumed: tuple[int, ...] = (), beside: bool = False
+                        ) -> DraftBlock | None:
     """propose(), or None when the drafter failed: the round goes on without it. A failed
     call leaves the router's view of the drafter's prefix unconfirmed, so the next call
     rebuilds it if the pool moved on (exact either way)."""
     try:
-        block = await propose(state, drafter, k, seed, assumed)
+        block = await propose(state, drafter, k, seed, assumed, beside)
     except PoolUnavailable:
         state.draft_backoff.failed()
         return None
@@ -239,14 +243,15 @@ def start_predraft(state: RequestState, drafter: Drafter, policy: KPolicy, block
     prefix (see draft_beside), or, pipelined, the next block after this one: K + 1 tokens,
     whose first meets the test of this round's bonus position."""
     if beside is not None:
-        return asyncio.ensure_future(draft_or_none(state, drafter, beside, draw_seed(state)))
+        return asyncio.ensure_future(draft_or_none(state, drafter, beside, draw_seed(state),
+                                                   beside=True))
     tests_y1 = tests_predraft(state.request.sampling)  # then y1 is tested at the bonus
     next_k = min(policy.num_speculative_tokens() + tests_y1,
                  state.remaining - len(block.token_ids) - 1)
     if not pipelined or not block.token_ids or next_k <= 0 or state.draft_backoff.skipping:
         return None
     return asyncio.ensure_future(
-        draft_or_none(state, drafter, next_k, draw_seed(state), tuple(block.token_ids)))
+        draft_or_none(state, drafter, next_k, draw_seed(state), tuple(block.token_ids), True))
 
 
 async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, seed: int,

@@ -127,10 +127,10 @@ def test_a_tree_never_outgrows_the_outputs_room():
     from speculative.state import Request, RequestState
     from speculative.sampling import SamplingParams
 
-    def shape(max_tokens, k, width=3, nodes=0, assumed=(), context=None):
+    def shape(max_tokens, k, width=3, nodes=0, beside=False, context=None):
         request = Request("r", (1, 2), SamplingParams(max_tokens=max_tokens),
                           tree_width=width, tree_nodes=nodes, context_limit=context)
-        return tree_shape(RequestState(request), k, assumed)
+        return tree_shape(RequestState(request), k, beside)
 
     assert shape(100, 4) == (3, 12)
     assert shape(100, 4, nodes=6) == (3, 6)
@@ -138,7 +138,9 @@ def test_a_tree_never_outgrows_the_outputs_room():
     assert shape(5, 4) == (1, 0)  # no room beside the main chain: a chain
     assert shape(5, 4, context=100) == (3, 12)  # a known context: its room counts
     assert shape(100, 4, context=10) == (3, 7)
-    assert shape(100, 4, assumed=(5,)) == (1, 0) and shape(100, 0) == (1, 0)
+    # a draft beside a verify (a pre-draft, or a fresh one beside a verify of none) is
+    # continued as the next round's chain: a chain
+    assert shape(100, 4, beside=True) == (1, 0) and shape(100, 0) == (1, 0)
     assert shape(100, 4, width=1) == (1, 0)
 
 
@@ -165,4 +167,4 @@ def test_no_tree_passes_the_nodes_a_verifier_scores():
     from speculative.sampling import SamplingParams
 
     request = Request("r", (1, 2), SamplingParams(max_tokens=1000), tree_width=8)
-    assert tree_shape(RequestState(request), 16, ()) == (8, 64)
+    assert tree_shape(RequestState(request), 16, False) == (8, 64)
