@@ -92,18 +92,14 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise BadRequest(f"the request body has {size} bytes; the limit is about "
                          f"{2 * max_prompt_bytes}", 413)
     try:
-        payload = await request.json()
+        return schema.model_validate(await request.json())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
-    except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
-        raise BadRequest("the request body is nested too deeply") from None
-    try:
-        return schema.model_validate(payload)
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise BadRequest(f"{param}: {first['msg']}", param=param) from None
-    except RecursionError:
+    except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
 
 

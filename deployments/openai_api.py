@@ -231,8 +231,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def non_empty(cls, value):
-        for prompt in [value] if not value or isinstance(value, str) or \
-                isinstance(value[0], int) else value:
+        for prompt in prompt_list(value):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if isinstance(prompt, str):
@@ -247,9 +246,14 @@ class CompletionRequest(SamplingFields):
         return self
 
     def prompts(self) -> list[str | list[int]]:
-        """The request's prompts: one, or a batch's."""
-        one = isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int)
-        return [self.prompt] if one else list(self.prompt)
+        return prompt_list(self.prompt)
+
+
+def prompt_list(prompt) -> list:
+    """A completions prompt's prompts: one (text, token ids, or an empty list), or a
+    batch's."""
+    one = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
+    return [prompt] if one else list(prompt)
 
 
 class ChatMessage(BaseModel):
