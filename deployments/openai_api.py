@@ -48,6 +48,14 @@ def encodable(text: str, field: str) -> str:
     return text
 
 
+def needing(value, info, field: str, message: str):
+    """A field's value, refused (ValueError(message)) when it is set and the field it needs
+    is not (a validator's info.data: the fields declared before it)."""
+    if value is not None and not info.data.get(field):
+        raise ValueError(message)
+    return value
+
+
 class JsonSchemaFormat(BaseModel):
     name: str | None = None
     description: str | None = None
@@ -133,9 +141,8 @@ class SamplingFields(BaseModel):
     @field_validator("stream_options")
     @classmethod
     def only_when_streaming(cls, value, info):
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return value
+        return needing(value, info, "stream", "stream_options is only allowed when stream "
+                                              "is true")
 
     @property
     def include_usage(self) -> bool:
@@ -302,9 +309,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def needs_logprobs(cls, value, info):
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs: true")
-        return value
+        return needing(value, info, "logprobs", "top_logprobs needs logprobs: true")
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
