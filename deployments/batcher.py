@@ -129,5 +129,11 @@ class ContinuousBatcher:
         return self.returning - {self.key(call) for call, _ in self.waiting}
 
     def forget(self, key) -> None:
-        """A request that ended (released) will not come back: never wait for it."""
+        """A request that ended (released) will not come back: never wait for it, and
+        withdraw its calls still waiting (their callers gave up; run after the release, a
+        call that carries its whole prefix would hold a session no one releases)."""
         self.returning.discard(key)
+        if self.key is not None:
+            for call, future in self.waiting:
+                if self.key(call) == key:
+                    future.cancel()

@@ -305,10 +305,16 @@ class PoolReplica:
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
-        self.batcher.forget(request.request_id)
+        self.batcher.forget(request.request_id)  # its calls still waiting withdrawn too
         self.sampling.forget(request.request_id)
-        await self.on_worker(self.engine.sessions.release, request.request_id)
+        # shielded: a router past its release deadline (the worker busy with a long batch)
+        # cancels this handler, and must not cancel the release with it
+        await asyncio.shield(self.on_worker(self.release_session, request.request_id))
         return pb.ReleaseResponse(released=released)
+
+    def release_session(self, request_id: str) -> None:
+        """On the worker: what the replica holds for a request that ended."""
+        self.engine.sessions.release(request_id)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Load Serve cannot see (polled when the deployment has an autoscaling_config; the
@@ -388,6 +394,11 @@ class VerifierPool(PoolReplica):
             step = PrefixSync(len(prompt), prefix_hash(prompt), ())
             calls.append(ScoreCall(request_id, step, prompt[:WARM_UP_K], params))
         return calls
+
+    def release_session(self, request_id: str) -> None:
+        """And a call of several steps cut short between two (its caller gone)."""
+        self.engine.steps.forget(request_id)
+        super().release_session(request_id)
 
     def feed_tokens(self, call: ScoreCall) -> int:
         return len(call.sync.new_token_ids) + len(call.draft_token_ids) + 1
