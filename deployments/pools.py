@@ -17,11 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 from ray import serve
-from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
-from deployments.streams import CallStream
+from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from deployments.pool_args import DrafterArgs, PoolArgs, VerifierArgs
@@ -68,27 +67,6 @@ def placement(model) -> dict:
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": None if model is None else str(model.device)}
-
-
-async def serve_directly(servicer, add_to_server, host: str = "loopback",
-                         max_concurrent_rpcs: int | None = None,
-                         max_message_bytes: int | None = None) -> tuple[grpc.aio.Server, str]:
-    """Serve `servicer` on a free port of this node; returns (server, "host:port")."""
-    import ray
-
-    host = ray.util.get_node_ip_address() if host == "node" and ray.is_initialized() \
-        else "127.0.0.1"
-    options = wire.message_size_options(max_message_bytes) if max_message_bytes else []
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
-    add_to_server(servicer, server)
-    port = server.add_insecure_port(f"{host}:0")
-    await server.start()
-    return server, f"{host}:{port}"
-
-
-def is_direct(grpc_context) -> bool:
-    """Whether a call came over the replica's own port (not through Serve's proxy)."""
-    return grpc_context is not None and not isinstance(grpc_context, RayServegRPCContext)
 
 
 def refuse(grpc_context, error, response,

@@ -2,13 +2,16 @@
 the calls of each incoming message are queued for the replica's batcher together, and the
 answers finished meanwhile go back in one message, each under its call's tag. A cancelled
 tag withdraws its call; a call beyond the replica's in-flight bound is refused at once
-(RESOURCE_EXHAUSTED); an engine failure fails its call, never the stream."""
+(RESOURCE_EXHAUSTED); an engine failure fails its call, never the stream. And the replica's
+own port those streams come to (serve_directly)."""
 
 import asyncio
 import functools
 
 import grpc
+from ray.serve.grpc_util import RayServegRPCContext
 
+from deployments import wire
 from protos import specserve_pb2 as pb
 
 
@@ -80,3 +83,24 @@ class CallStream:
             reader.cancel()
             for future in self.running.values():
                 future.cancel()
+
+
+async def serve_directly(servicer, add_to_server, host: str = "loopback",
+                         max_concurrent_rpcs: int | None = None,
+                         max_message_bytes: int | None = None) -> tuple[grpc.aio.Server, str]:
+    """Serve `servicer` on a free port of this node; returns (server, "host:port")."""
+    import ray
+
+    host = ray.util.get_node_ip_address() if host == "node" and ray.is_initialized() \
+        else "127.0.0.1"
+    options = wire.message_size_options(max_message_bytes) if max_message_bytes else []
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
+    add_to_server(servicer, server)
+    port = server.add_insecure_port(f"{host}:0")
+    await server.start()
+    return server, f"{host}:{port}"
+
+
+def is_direct(grpc_context) -> bool:
+    """Whether a call came over the replica's own port (not through Serve's proxy)."""
+    return grpc_context is not None and not isinstance(grpc_context, RayServegRPCContext)
