@@ -221,25 +221,21 @@ class PoolReplica:
         """The future of the call `request` decodes to, queued for the batcher: check(request,
         limits) or decoding failing -> its ValueError as the result, before the call queues;
         a call without sampling parameters whose session's are not held -> StaleBase.
-        Counted as waiting (and in flight, when direct) until the future is done."""
-        self.direct_calls += direct
-        self.direct_in_flight += direct
-        self.waiting += 1
+        Counted as waiting (and in flight, when direct) until the future is done; a call
+        whose decoding raised anything else (a bug) is counted nowhere."""
         try:
             check(request, self.limits)
             call = call_from_proto(request, self.sampling.of(request))
         except (ValueError, StaleBase) as error:  # refused before it reached the engine
             future = asyncio.get_running_loop().create_future()
             future.set_result(error)
-        except BaseException:  # a bug: raised, and counted nowhere
-            self.direct_calls -= direct
-            self.direct_in_flight -= direct
-            self.waiting -= 1
-            raise
         else:
-            if self.waiting == 1:
+            if not self.waiting:
                 self.last_progress = time.monotonic()  # an idle worker is not a stalled one
             future = self.batcher.enqueue(call)
+        self.direct_calls += direct
+        self.direct_in_flight += direct
+        self.waiting += 1
 
         def done(_) -> None:
             self.direct_in_flight -= direct
@@ -374,9 +370,7 @@ class VerifierPool(PoolReplica):
         return calls
 
     def release_session(self, request_id: str) -> None:
-        """And a call of several steps cut short between two (its caller gone)."""
-        self.engine.steps.forget(request_id)
-        super().release_session(request_id)
+        self.engine.release_now(request_id)  # its steps' progress too
 
     def feed_tokens(self, call: ScoreCall) -> int:
         return len(call.sync.new_token_ids) + len(call.draft_token_ids) + 1

@@ -71,6 +71,11 @@ class ModelVerifier:
         return self.score_now(call)
 
     async def release(self, request_id: str) -> None:
+        self.release_now(request_id)
+
+    def release_now(self, request_id: str) -> None:
+        """The request's session and a call of several steps of it cut short between two
+        (its caller gone)."""
         self.steps.forget(request_id)
         self.sessions.release(request_id)
 
