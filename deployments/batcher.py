@@ -129,11 +129,7 @@ class ContinuousBatcher:
         return self.returning - {self.key(call) for call, _ in self.waiting}
 
     def forget(self, key) -> None:
-        """A request that ended (released) will not come back: never wait for it, and
-        withdraw its calls still waiting (their callers gave up; run after the release, a
-        call that carries its whole prefix would hold a session no one releases)."""
+        """A request that ended (released) will not come back: never wait for it. Its calls
+        still waiting stay: a release may also come for a request that runs on (an
+        operator's, or a test's standing in for a lost replica), whose next calls rebuild."""
         self.returning.discard(key)
-        if self.key is not None:
-            for call, future in self.waiting:
-                if self.key(call) == key:
-                    future.cancel()

@@ -279,7 +279,7 @@ class PoolReplica:
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
-        self.batcher.forget(request.request_id)  # its calls still waiting withdrawn too
+        self.batcher.forget(request.request_id)
         self.sampling.forget(request.request_id)
         # shielded: a router past its release deadline (the worker busy with a long batch)
         # cancels this handler, and must not cancel the release with it
