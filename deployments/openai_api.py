@@ -196,7 +196,8 @@ class SamplingFields(BaseModel):
             found.append(("response_format", "json", {"type": "object"}))
         elif form is not None and form.type == "json_schema":
             if form.json_schema is None:
-                raise ValueError("response_format of type json_schema needs json_schema")
+                raise ToolError("response_format.json_schema",
+                                "a response_format of type json_schema needs it")
             found.append(("response_format.json_schema", "json", form.json_schema.schema_))
         given = self.structured_outputs
         for kind in ("json", "regex", "choice", "grammar"):
@@ -263,11 +264,31 @@ def prompt_list(prompt) -> list:
     return [prompt] if one else list(prompt)
 
 
+def joined_parts(content):
+    """OpenAI's array form of a message's content as one text: its text parts joined by
+    newlines, as vLLM joins them (ValueError for any other kind of part)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {index} is not a text part ({{'type': 'text', "
+                             f"'text': ...}}): this server takes no images, audio or files")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | None = None  # None only beside an assistant's tool_calls
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=256)  # a tool result's call
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_parts(cls, value):
+        return joined_parts(value)
 
     @field_validator("content")
     @classmethod

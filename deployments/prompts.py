@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from deployments.ingress import BadRequest
 from deployments.router_args import RouterArgs
-from deployments.tools import ToolError, check_tools
+from deployments.tools import ToolError, check_forced, check_tools
 from engine.checkpoint import Checkpoint, context_limit, end_token_ids, stop_token_ids
 from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
@@ -71,7 +71,7 @@ class PromptReader:
     def constraint(self, body):
         try:
             return body.constraint()
-        except ValueError as error:  # a ToolError names its own field
+        except ValueError as error:  # a ToolError names its own field (any field's error)
             raise BadRequest(str(error), param=getattr(error, "param", "structured_outputs")
                              ) from None
 
@@ -126,6 +126,8 @@ class PromptReader:
         try:  # the tools in effect are listed in the prompt (none for tool_choice "none")
             check_tools(body.tools)
             use = body.tool_use()
+            if use is not None:
+                check_forced(body.tools, use.forced)
         except ToolError as error:
             raise BadRequest(str(error), param=error.param) from None
         messages = [m.for_template() for m in body.messages]

@@ -21,13 +21,13 @@ from speculative.grammar import JSON_LAYOUT, GrammarError, compile_spec
 
 MAX_TOOLS = 128  # as OpenAI
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-CALLS = re.compile(re.escape(CALL_OPEN) + "(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 # a function without parameters takes none (OpenAI): its arguments are {}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class ToolError(ValueError):
-    """A request's tools or tool_choice refused; `param` names the field (OpenAI's style)."""
+    """A request's tools or tool_choice (or another field of its constraint) refused;
+    `param` names the field (OpenAI's style)."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
@@ -75,7 +75,7 @@ class ToolCall(BaseModel):
         object (transformers' convention, and vLLM's), else the text as sent."""
         try:
             arguments = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's limit
             arguments = None
         if not isinstance(arguments, dict):
             arguments = self.function.arguments
@@ -92,8 +92,9 @@ def arguments_schema(function: ToolFunction) -> dict:
 
 
 def check_tools(tools: list[Tool] | None) -> None:
-    """ToolError naming the field when a tool's name repeats, its parameters are not a JSON
-    schema of an object, or its text is not valid Unicode."""
+    """ToolError naming the field when a tool's name repeats, its parameters do not describe
+    an object, or its text is not valid Unicode. (A schema is compiled only where a call is
+    forced: `check_forced`.)"""
     seen = set()
     for i, tool in enumerate(tools or ()):
         function = tool.function
@@ -105,14 +106,24 @@ def check_tools(tools: list[Tool] | None) -> None:
         except UnicodeEncodeError:
             raise ToolError(f"tools[{i}]", "contains text that is not valid Unicode (a lone "
                                            "surrogate?)") from None
-        field = f"tools[{i}].function.parameters"
         if (function.parameters or {}).get("type", "object") != "object":
-            raise ToolError(field, "must describe an object (the call's arguments)")
+            raise ToolError(f"tools[{i}].function.parameters",
+                            "must describe an object (the call's arguments)")
+
+
+def check_forced(tools: list[Tool], forced: tuple["ToolFunction", ...]) -> None:
+    """ToolError naming the field when a function whose call is forced has a schema the
+    grammar cannot follow (under "auto" or "none" no grammar is built: any schema passes,
+    as OpenAI and vLLM take it)."""
+    for i, tool in enumerate(tools):
+        if not any(tool.function is function for function in forced):
+            continue
         try:
-            compile_spec("json", arguments_schema(function), None)
+            compile_spec("json", arguments_schema(tool.function), None)
         except GrammarError as error:
-            raise ToolError(field, f"not a JSON schema llguidance can follow: "
-                                   f"{str(error).removeprefix('json: ')}") from None
+            raise ToolError(f"tools[{i}].function.parameters",
+                            f"not a JSON schema llguidance can follow: "
+                            f"{str(error).removeprefix('json: ')}") from None
 
 
 def tool_use(tools: list[Tool] | None, tool_choice: ToolChoice | None,
@@ -165,19 +176,62 @@ class ToolUse:
         if start < 0:
             return text, []
         names = {f.name for f in self.functions}
-        calls = []
-        for match in CALLS.finditer(text, start):
-            try:
-                call = json.loads(match.group(1))
-            except ValueError:
+        calls, at = [], start
+        while at >= 0:
+            read = read_call(text, at + len(CALL_OPEN))
+            if read is None:
                 return text, []
-            if not (isinstance(call, dict) and call.get("name") in names
-                    and isinstance(call.get("arguments"), dict)):
+            (name, arguments), end = read
+            if name not in names:
                 return text, []
-            calls.append(call_body(call["name"], call["arguments"]))
-        if not calls:
-            return text, []
+            calls.append(call_body(name, arguments))
+            at = text.find(CALL_OPEN, end)
         return text[:start] or None, calls if self.parallel else calls[:1]
+
+
+def strict_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+# JSON as the standard has it: no NaN or Infinity (Python's json takes them by default)
+DECODER = json.JSONDecoder(parse_constant=strict_json)
+ARGUMENTS_KEY = re.compile(r'"arguments"\s*:\s*')
+
+
+def read_call(text: str, at: int) -> tuple[tuple[str, str], int] | None:
+    """((name, arguments as the model wrote them), the end of `</tool_call>`) of the call
+    whose JSON object starts at `at` (after whitespace) and is followed by `</tool_call>`;
+    None when it is no such call. The object is decoded, not matched up to the first
+    `</tool_call>`, so an argument may hold that text."""
+    try:
+        begin = len(text) - len(text[at:].lstrip())
+        call, end = DECODER.raw_decode(text, begin)
+    except (ValueError, RecursionError):
+        return None
+    close = len(text) - len(text[end:].lstrip())
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+            and isinstance(call.get("arguments"), dict)
+            and text.startswith(CALL_CLOSE, close)):
+        return None
+    arguments = arguments_text(text[begin:end], call["arguments"])
+    return None if arguments is None else ((call["name"], arguments), close + len(CALL_CLOSE))
+
+
+def arguments_text(call_text: str, arguments: dict) -> str | None:
+    """The arguments object as the model wrote it in the call (OpenAI returns the model's
+    own text: numbers keep their digits), or re-encoded where its span cannot be found."""
+    key = ARGUMENTS_KEY.search(call_text)
+    if key is not None:
+        try:
+            found, end = DECODER.raw_decode(call_text, key.end())
+            if found == arguments:
+                return call_text[key.end():end]
+        except (ValueError, RecursionError):
+            pass
+    try:
+        return json.dumps(arguments, allow_nan=False)
+    except ValueError:  # a number past float's range: no call
+        return None
 
 
 def call_grammar(functions: tuple[ToolFunction, ...]) -> str:
@@ -192,10 +246,10 @@ def call_grammar(functions: tuple[ToolFunction, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def call_body(name: str, arguments: dict) -> dict:
+def call_body(name: str, arguments: str) -> dict:
     """A call in a response message (OpenAI's shape: the arguments as JSON text)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def call_deltas(calls: list[dict]) -> list[dict]:

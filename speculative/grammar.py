@@ -43,19 +43,23 @@ def grammar_text(kind: str, spec) -> str:
     """llguidance's grammar for a json schema (dict or text), a regex, a list of choices or a
     Lark grammar; raises GrammarError(kind) for a spec of the wrong shape."""
     matcher = llguidance().LLMatcher
-    if kind == "json":
-        try:
+    try:
+        if kind == "json":
             schema = json.loads(spec) if isinstance(spec, str) else spec
             return matcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-        except (ValueError, TypeError) as error:
-            raise GrammarError(kind, f"not a JSON schema: {error}") from None
-    if kind == "regex" and isinstance(spec, str):
-        return matcher.grammar_from_regex(spec)
-    if kind == "choice" and isinstance(spec, list) and spec and \
-            all(isinstance(c, str) and c for c in spec):
-        return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
-    if kind == "grammar" and isinstance(spec, str):
-        return matcher.grammar_from_lark(spec)
+        if kind == "regex" and isinstance(spec, str):
+            return matcher.grammar_from_regex(spec)
+        if kind == "choice" and isinstance(spec, list) and spec and \
+                all(isinstance(c, str) and c for c in spec):
+            return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
+        if kind == "grammar" and isinstance(spec, str):
+            return matcher.grammar_from_lark(spec)
+    except UnicodeError:  # a lone surrogate, which no grammar can hold
+        raise GrammarError(kind, "contains text that is not valid Unicode (a lone "
+                                 "surrogate?)") from None
+    except (ValueError, TypeError, RecursionError) as error:
+        what = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise GrammarError(kind, f"not a JSON schema: {what}") from None
     raise GrammarError(kind, "has the wrong type")
 
 
@@ -66,9 +70,36 @@ def compile_spec(kind: str, spec, tokenizer) -> str:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(kind, f"compiles to more than {MAX_GRAMMAR_CHARS} characters")
     problem = llguidance().LLMatcher.validate_grammar(text, tokenizer)
+    if not problem and tokenizer is not None:
+        problem = dead_end(tokenizer, text)
     if problem:
         raise GrammarError(kind, problem.strip().splitlines()[0])
     return text
+
+
+PROBE_STEPS = 8
+
+
+@functools.lru_cache(maxsize=64)
+def dead_end(tokenizer, grammar: str) -> str | None:
+    """Why the grammar cannot be followed from its start, or None: it allows nothing but the
+    end before it is complete (an empty language: `[^\\s\\S]`), or a token its mask allows
+    breaks the matcher (a rule that must recurse forever: llguidance runs out of parser
+    items). Probed along the lowest allowed token for PROBE_STEPS tokens, so a dead end
+    deeper in the grammar still ends its requests with an error, not a 400 here."""
+    matcher = compiled(tokenizer, grammar).deep_copy()
+    ends = set(tokenizer.eos_tokens or [tokenizer.eos_token])
+    for _ in range(PROBE_STEPS):
+        if matcher.is_accepting():
+            return None
+        bias = matcher.compute_logit_bias()
+        allowed = [token for token in range(min(len(bias), tokenizer.vocab_size))
+                   if bias[token] and token not in ends]
+        if not allowed:
+            return "no text follows it (its language is empty)"
+        if matcher.try_consume_tokens(allowed[:1]) != 1 or matcher.is_error():
+            return f"it cannot be followed: {matcher.get_error() or 'a dead end'}"
+    return None
 
 
 def ll_tokenizer(hf_tokenizer, vocab_size: int):

@@ -3,6 +3,7 @@ nullable field is its default, stream_options only with stream, fields that woul
 answer refused rather than ignored, and a body nested too deeply a 400, not a 500."""
 
 import asyncio
+import json
 
 import pytest
 from pydantic import ValidationError
@@ -79,3 +80,29 @@ def test_a_completions_prompt_is_one_or_a_batch(prompt, prompts):
 def test_a_bad_batch_is_refused(fields):
     with pytest.raises(ValidationError):
         CompletionRequest(**fields)
+
+
+def test_text_content_parts_are_joined_as_vllm_joins_them():
+    parts = [{"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]
+    chat = ChatCompletionRequest(messages=[
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": parts}])
+    assert [m.content for m in chat.messages] == ["be brief", "line one\nline two"]
+    assert chat.messages[1].for_template() == {"role": "user",
+                                               "content": "line one\nline two"}
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "http://x/a.png"}},
+                                  {"type": "text"}, {"type": "text", "text": "a\ud800"}])
+def test_a_content_part_that_is_not_text_is_refused_naming_it(part):
+    body = json.dumps({"messages": [{"role": "user", "content": [part]}]}).encode()
+    with pytest.raises(BadRequest) as raised:
+        asyncio.run(parse(request_with(body), ChatCompletionRequest, 1 << 20))
+    assert raised.value.status == 400 and raised.value.param.startswith("messages.0.content")
+
+
+def test_a_json_schema_format_without_its_schema_names_that_field():
+    body = ChatCompletionRequest(messages=CHAT, response_format={"type": "json_schema"})
+    with pytest.raises(ValueError) as refused:
+        body.constraint()
+    assert refused.value.param == "response_format.json_schema"

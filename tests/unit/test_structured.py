@@ -102,7 +102,14 @@ def test_constrained_greedy_equals_the_masked_target_alone(demo, name):
 @pytest.mark.parametrize("kind, spec, field", [
     ("json", "{not json", "json"), ("json", {"type": "nonsense"}, "json"),
     ("regex", "[0-9", "regex"), ("choice", [], "choice"), ("choice", "one", "choice"),
-    ("grammar", "start: undefined_rule", "grammar")])
+    ("grammar", "start: undefined_rule", "grammar"), ("json", "[" * 100000, "json"),
+    ("regex", "a\ud800", "regex"), ("choice", ["\udc00"], "choice"),
+    # no sentence at all, or none that ends: refused here, not failed mid-request
+    ("regex", "[^\\s\\S]", "regex"), ("regex", "abc[^\\s\\S]", "regex"),
+    ("grammar", 'start: "abc" B\nB: /[^\\s\\S]/', "grammar"),
+    ("grammar", 'start: "abc" b\nb: "d" b', "grammar"),
+    ("json", {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                              "required": ["c"]}}, "$ref": "#/$defs/n"}, "json")])
 def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
     with pytest.raises(GrammarError) as refused:
         compile_spec(kind, spec, demo[3])

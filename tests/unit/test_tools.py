@@ -13,7 +13,13 @@ from pydantic import ValidationError
 from deployments.admission import Admission
 from deployments.choices import Choices
 from deployments.openai_api import ChatCompletionRequest, ChatMessage
-from deployments.tools import HeldContent, ToolError, call_grammar, check_tools
+from deployments.tools import (
+    HeldContent,
+    ToolError,
+    call_grammar,
+    check_forced,
+    check_tools,
+)
 from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.frontend import RequestFrontEnd
 from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
@@ -49,8 +55,27 @@ def tokenizer():
 def test_bad_parameter_schemas_name_their_field(parameters, field):
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
     with pytest.raises(ToolError) as refused:
-        check_tools(request(tools=tools).tools)
+        body = request(tools=tools, tool_choice="required")
+        check_tools(body.tools)
+        check_forced(body.tools, body.tool_use().forced)
     assert refused.value.param == field
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "named"])
+def test_a_schema_the_grammar_cannot_follow_is_taken_where_no_call_is_forced(choice):
+    """OpenAI and vLLM take any schema under auto (uniqueItems, not, ...): only a forced call
+    compiles one."""
+    free = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True},
+                                             "x": {"not": {"type": "null"}}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": free}}, TOOLS[1]]
+    body = request(tools=tools, tool_choice={"type": "function", "function": {"name": "now"}}
+                   if choice == "named" else choice)
+    check_tools(body.tools)
+    use = body.tool_use()
+    check_forced(body.tools, use.forced if use else ())
+    with pytest.raises(ToolError) as refused:
+        check_forced(body.tools, tuple(tool.function for tool in body.tools))
+    assert refused.value.param == "tools[0].function.parameters"
 
 
 def test_a_repeated_name_and_a_bad_name_are_refused():
@@ -135,8 +160,33 @@ def test_calls_are_read_out_of_a_free_output_only_when_all_are_well_formed():
     for text in ["def f():\n    pass\n", CALL.replace("}}<", "}<"),
                  CALL.replace("get_weather", "unknown"), CALL + "<tool_call>{}</tool_call>",
                  CALL.replace('{"city": "Paris", "unit": "celsius"}', '"Paris"'),
-                 "<tool_call>never closed"]:
+                 "<tool_call>never closed", '<tool_call>{"name": "now", "arguments": '
+                 '{"x": Infinity}}</tool_call>', "<tool_call>" + "[" * 5000]:
         assert use.read_calls(text) == (text, []), text
+
+
+def test_a_call_is_its_decoded_object_and_its_arguments_the_models_own_text():
+    """An argument may hold `</tool_call>` (a coding agent's), and the arguments come back
+    as written: 1e999 and twenty digits stay what the model wrote, and an escaped lone
+    surrogate stays an escape (json.dumps would write Infinity, or a surrogate no response
+    encodes)."""
+    use = request(tools=TOOLS).tool_use()
+    for arguments in ['{"code": "print(\'</tool_call>\')"}', '{"factor": 1e999}',
+                      '{"big": 12345678901234567890.5, "s": "\\ud800 \u00e9"}', "{}"]:
+        text = f'<tool_call>\n{{"name": "now", "arguments": {arguments}}}\n</tool_call>'
+        content, calls = use.read_calls("Here: " + text)
+        assert content == "Here: " and calls[0]["function"]["arguments"] == arguments
+        json.loads(calls[0]["function"]["arguments"])
+        calls[0]["function"]["arguments"].encode()
+    keys_first = '<tool_call>{"arguments": {"a": [1, 2]}, "name": "now"}</tool_call>'
+    assert use.read_calls(keys_first)[1][0]["function"]["arguments"] == '{"a": [1, 2]}'
+
+
+def test_an_assistant_call_nested_too_deeply_is_sent_to_the_template_as_text():
+    deep = "[" * 100000
+    message = ChatMessage(role="assistant", content=None, tool_calls=[
+        {"id": "c1", "function": {"name": "now", "arguments": deep}}])
+    assert message.for_template()["tool_calls"][0]["function"]["arguments"] == deep
 
 
 @pytest.mark.parametrize("text", ["Let me look. " + CALL, "a < b <tool <tool_call> x",
