@@ -121,7 +121,8 @@ def record(pair: str, mode: str, k: int | str, temperature: float, concurrency: 
     if rec["acceptance_rate"] is not None and fixed_k > 0:
         tokens_per_round = expected_tokens_per_round(rec["acceptance_rate"], fixed_k)
         rec["predicted_tokens_per_round"] = round(tokens_per_round, 3)
-        rec["predicted_speedup"] = round(tokens_per_round / round_cost(facts, fixed_k), 3)
+        if concurrency == 1:  # the formula is one stream's: a batch's rounds cost otherwise
+            rec["predicted_speedup"] = round(tokens_per_round / round_cost(facts, fixed_k), 3)
     if tally.mismatches is not None:
         name = "greedy_matches_target" if temperature == 0 else "sampled_matches_inprocess"
         rec[name] = tally.mismatches == 0

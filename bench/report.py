@@ -111,6 +111,16 @@ def pair_lines(facts: dict) -> list[str]:
     return lines
 
 
+def plotted(results: dict) -> list[dict]:
+    """The records the K plots draw: one stream, a fixed K, q as the pair's drafter ships it
+    (sampled in-process cells also run with dense q where it ships otherwise: those stay in
+    the tables), and HF assisted generation."""
+    return [r for r in results["results"] if not r["stream"] and (
+            r["concurrency"] == 1 and isinstance(r["k"], int)
+            and r["draft_q"] in (None, results["pairs"][r["pair"]].get("draft_q"))
+            or r["mode"] == "hf_assisted")]
+
+
 def plot(results: dict, out: Path) -> None:
     """speedup_vs_k.png and acceptance_by_position.png: one panel per pair and temperature;
     concurrency.png (bench/sweep.py)."""
@@ -122,9 +132,7 @@ def plot(results: dict, out: Path) -> None:
     streamed = [r for r in results["results"] if r["stream"]]
     if streamed:
         sweep.plot(streamed, out)
-    records = [r for r in results["results"] if not r["stream"] and (
-               r["concurrency"] == 1 and isinstance(r["k"], int) and r["draft_q"] != "dense"
-               or r["mode"] == "hf_assisted")]
+    records = plotted(results)
     cells = [(p, t) for p in results["pairs"] for t in results["machine"]["temperatures"]]
 
     def speedups(ax, rows):

@@ -179,13 +179,17 @@ def soak(url: str, seconds: float, streams: int, seed: int = 0,
             "sessions_left": {kind: end[kind].get("sessions") for kind in POOLS}}
 
 
+def seconds_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"  # None: no request completed
+
+
 def report(result: dict) -> str:
     lines = [f"soak: {result['streams']} streams for {result['seconds']} s: "
              f"{result['requests']} requests, {result['completed']} completed, "
              f"{result['cancelled']} cancelled, {result['refused_429']} refused (429), "
              f"{result['errors']} errors {result['error_kinds'] or ''}",
-             f"latency of the completed: p50 {result['latency_s_p50']:.2f} s, p99 "
-             f"{result['latency_s_p99']:.2f} s; {result['tokens_per_s']} tokens/s",
+             f"latency of the completed: p50 {seconds_text(result['latency_s_p50'])}, p99 "
+             f"{seconds_text(result['latency_s_p99'])}; {result['tokens_per_s']} tokens/s",
              f"sessions left in the pools: {result['sessions_left']}"]
     for kind, mb in result["rss"].items():
         lines.append(f"RSS {kind}: {mb['after_warmup_mb']:.0f} MB after warm-up, max "

@@ -15,9 +15,10 @@ The concurrency sweep (bench/sweep.py; records with `stream` true): 1, 4, 16 and
 HTTP clients at once, greedy, serve_off against serve_adaptive, on the demo and scaled pairs:
 aggregate tokens/s, TTFT and TPOT percentiles, the pools' mean batch sizes, the K chosen.
 
-Sampled records carry `draft_q`: the draft distribution as shipped ("mass0.99-float16", the
-default config's) or "dense" (HF assisted generation, and in-process records with dense q at
-T > 0 for the comparison).
+Sampled records carry `draft_q`: the draft distribution as shipped (cluster/config.yaml ships
+q whole in float32: "dense"; a truncated one reads e.g. "mass0.99-float16") or "dense" (HF
+assisted generation, and in-process records with dense q at T > 0 for the comparison where
+the shipped q is not).
 
 Prompts are interleaved: for each prompt every mode runs once before the next prompt, so
 machine drift hits all modes alike. Everything runs with the same torch thread count (each pool
@@ -57,6 +58,7 @@ from bench.records import Tallies, Tally, add_speedups, describe_q, record
 from bench.report import markdown, plot
 from bench.runners import InProcess, Served, departs_at_tie, hf_generate, stats_from_http
 from engine.models import load_tokenizer
+from specserve.cli import positive_float, positive_int
 
 
 @dataclass(frozen=True)
@@ -321,20 +323,20 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None,
                         help="where results go (default bench/results, the committed full "
                              "run; with --quick bench/results/quick, not committed)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads here (each replica of cluster/config.yaml has 1)")
     parser.add_argument("--concurrency", type=client_counts, default=sweep.LEVELS,
                         help="the sweep's concurrent streaming clients, comma-separated "
                              "(default 1,4,16,32; none: no sweep)")
-    parser.add_argument("--draft-timeout-s", type=float, default=None,
+    parser.add_argument("--draft-timeout-s", type=positive_float, default=None,
                         help="the served router's wait for a draft before a round runs "
                              "without one (default: cluster/config.yaml's)")
     parser.add_argument("--soak", action="store_true",
                         help="instead of the suite: streams for minutes with cancellations "
                              "and disconnects; errors, latency and every replica's RSS "
                              "(bench/soak.py)")
-    parser.add_argument("--soak-seconds", type=float, default=300)
-    parser.add_argument("--soak-streams", type=int, default=32)
+    parser.add_argument("--soak-seconds", type=positive_float, default=300)
+    parser.add_argument("--soak-streams", type=positive_int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="the soak's clients' seed")
     return parser
 

@@ -16,7 +16,7 @@ class PoolArgs(BaseModel):
     model: str
     dtype: str = "float32"
     device: str = "cpu"
-    torch_threads: int = 1  # match the replica's num_cpus
+    torch_threads: int = Field(default=1, ge=1)  # match the replica's num_cpus
     max_cached_requests: int = Field(default=256, ge=1)
     # cached tokens over all sessions (prompt and output): least recently used sessions are
     # evicted beyond it (they rebuild once, exact); size it for the router's admission

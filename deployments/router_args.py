@@ -9,7 +9,6 @@ from speculative.options import (
     MAX_PLAIN_STEPS,
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_WIDTH,
-    NumSpeculativeTokens,
     PipelinedDrafting,
     SpeculationDefaults,
     TreeShape,
@@ -60,7 +59,7 @@ class AdaptiveKArgs(BaseModel):
     min: int = Field(default=0, ge=0, le=32)  # 0: speculation off when it does not pay
     max: int = Field(default=8, ge=0, le=32)
     # the first round's K (default: the best under the prior and the costs measured so far)
-    initial: int | None = Field(default=None, ge=0, le=32)
+    initial: int | None = Field(default=None, ge=0, le=32)  # within [min, max]
     # the K of a seeded sampled request: an adaptive K follows timings and load, and the same
     # seed must give the same tokens (greedy output is the same whatever the K)
     seeded: int = Field(default=4, ge=0, le=32)
@@ -71,6 +70,9 @@ class AdaptiveKArgs(BaseModel):
     @model_validator(mode="after")
     def ordered(self):
         self.bounds()  # raises ValueError unless 0 <= min <= max
+        if self.initial is not None and not self.min <= self.initial <= self.max:
+            raise ValueError(f"initial ({self.initial}) must lie within [min, max] "
+                             f"({self.min}, {self.max})")
         return self
 
 
@@ -87,7 +89,7 @@ class RouterArgs(BaseModel):
     # K drafted per round, or "auto": per request, the K in adaptive_k's bounds that the
     # request's acceptance and the measured costs (the verifier's load among them) say is
     # fastest (a request may say either; a fixed K is kept whatever the load)
-    num_speculative_tokens: NumSpeculativeTokens = "auto"
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=32)] | Literal["auto"] = "auto"
     adaptive_k: AdaptiveKArgs = AdaptiveKArgs()
     # draft the next block while the verifier scores this one, and a fresh one beside the
     # verify after a rejection: "on" (measured, it pays greedy and sampled), "greedy"
@@ -105,8 +107,9 @@ class RouterArgs(BaseModel):
     # `draft_confidence`, 0 = off, by default). At most 0.999: the wire's float32 rounds
     # what is closer to 1 up to 1, which a drafter refuses
     draft_confidence: Annotated[float, Field(ge=0, le=0.999)] | Literal["auto"] | None = None
-    default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default); chat
-    # without max_tokens may use the rest of the context, as vLLM's does
+    # completions without max_tokens (OpenAI's default); chat without max_tokens may use
+    # the rest of the context, as vLLM's does
+    default_max_tokens: int = Field(default=16, ge=1)
     max_context_tokens: int | None = None  # default: the model's max_position_embeddings
     # a pool call's deadline: the verifier's (and the drafter's for seeded sampled
     # requests, whose tokens depend on their drafts); past it the request answers 503

@@ -58,7 +58,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not stop at the checkpoint's end tokens")
     add_speculation_arguments(parser)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -102,9 +102,13 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
 def add_build_demo_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.models import DEMO_TARGET
 
-    parser.add_argument("--out", type=Path, default=Path(DEMO_TARGET).parent)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where the pair is saved (default: the bundled demo pair, "
+                             f"{Path(DEMO_TARGET).parent}; --quick needs its own)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few steps only (a smoke test; needs --out, so the bundled pair "
+                             "is not overwritten)")
 
 
 def build_engines(args):
@@ -137,6 +141,10 @@ def generate(args) -> dict:
     if not prompt_ids:
         raise ValueError("the prompt tokenizes to nothing: give at least one character")
     drafter, verifier, _ = build_engines(args)
+    if len(prompt_ids) + args.max_tokens > verifier.max_positions:  # as the router refuses it
+        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens "
+                         f"({args.max_tokens}) exceed the target's context of "
+                         f"{verifier.max_positions}")
     stop_ids = stop_token_ids(end_token_ids(args.target, tokenizer), args.stop_token_id,
                               args.ignore_eos)
     plan = request_front_end(args).plan(uuid.uuid4().hex, prompt_ids, sampling(args), args.n,
@@ -193,6 +201,26 @@ def confidence_value(text: str) -> float | str:
     return value
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def k_value(text: str) -> int | str:
     if text == "auto":
         return text
@@ -219,6 +247,15 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--tree-width must be in [1, {MAX_TREE_WIDTH}]")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes <= 64:
         parser.error("--tree-nodes must be in [1, 64]")
+    if args.tree_nodes is not None and args.tree_width == 1:
+        parser.error("--tree-nodes shapes a tree: give --tree-width > 1")
+    k = args.num_speculative_tokens
+    if args.tree_nodes is not None and k != "auto" and args.tree_nodes <= k:
+        parser.error(f"--tree-nodes ({args.tree_nodes}) must exceed -k ({k}), the tree's "
+                     "main chain: a chain alone is -k without a tree")
+    if args.draft_confidence == "auto" and (k != "auto" or args.pipelined):
+        parser.error("--draft-confidence auto is learnt for -k auto without --pipelined; "
+                     "give a number in [0, 1) instead")
     if args.draft_top_k < 0:
         parser.error("--draft-top-k must be >= 0")
     if not 0 < args.draft_q_mass <= 1:
@@ -227,6 +264,20 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         sampling(args)
     except ValueError as error:
         parser.error(str(error))
+
+
+def build_demo(parser: argparse.ArgumentParser, args) -> int:
+    from engine.models import DEMO_TARGET
+    from specserve.demo import DemoRecipe, build_demo_models
+
+    if args.quick and args.out is None:
+        parser.error("--quick trains a smoke-test pair: give --out (the default is the "
+                     "bundled demo pair, which it would overwrite)")
+    recipe = DemoRecipe(target_steps=4, draft_steps=4, distill_steps=4) if args.quick \
+        else DemoRecipe()
+    out = args.out or Path(DEMO_TARGET).parent
+    print(json.dumps(build_demo_models(out, recipe), indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,11 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return check_gpu(args)
     if args.command == "build-demo-models":
-        from specserve.demo import DemoRecipe, build_demo_models
-
-        recipe = DemoRecipe(target_steps=4, draft_steps=4, distill_steps=4) if args.quick else DemoRecipe()
-        print(json.dumps(build_demo_models(args.out, recipe), indent=2))
-        return 0
+        return build_demo(parser, args)
     check_args(parser, args)
     try:
         result = generate(args)

@@ -13,6 +13,8 @@ import torch
 from bench import sweep
 from bench.costs import expected_tokens_per_round
 from bench.records import FIELDS, Tally, add_speedups, record
+from bench.report import plotted
+from bench.soak import report as soak_report
 from bench.runners import departs_at_tie, stats_from_http
 from bench.sweep import Streamed, latency_fields, percentile, stream_completion
 from speculative.stats import SpecStats
@@ -50,6 +52,11 @@ def test_a_speculative_record_has_the_formula_and_the_measured_ratio():
     assert rec["wire_bytes_per_round"] == 250 and rec["overhead_ms_p50"] == 2.0
     assert rec["greedy_matches_target"] is True and rec["sampled_matches_inprocess"] is None
     assert anchor["acceptance_rate"] is None and anchor["predicted_speedup"] is None
+    # four streams at once: throughput against one stream, no one-stream formula beside it
+    batched = record("demo", "serve_sync", 2, 0.0, 4, tally, {"c": 0.25})
+    add_speedups([batched, anchor])
+    assert batched["speedup"] == 2.0 and batched["predicted_tokens_per_round"] == 1.75
+    assert batched["predicted_speedup"] is None and batched["speedup_vs_predicted"] is None
 
 
 def test_a_departure_at_a_tie_is_counted_apart_from_mismatches():
@@ -170,3 +177,28 @@ def test_a_streamed_request_is_timed_chunk_by_chunk(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("shipped", ["dense", "mass0.99-float16"])
+def test_the_k_plots_draw_the_sampled_cells_with_the_shipped_q(shipped):
+    def cell(mode, temperature, q, concurrency=1):
+        rec = dict.fromkeys(FIELDS)
+        rec.update(pair="demo", mode=mode, k=4, temperature=temperature, draft_q=q,
+                   concurrency=concurrency, stream=False)
+        return rec
+
+    cells = [cell("inprocess", 0.0, None), cell("inprocess", 1.0, shipped),
+             cell("serve_sync", 1.0, shipped), cell("hf_assisted", 1.0, "dense"),
+             cell("serve_sync", 0.0, None, concurrency=4)]
+    if shipped != "dense":
+        cells.append(cell("inprocess", 1.0, "dense"))  # the comparison: tables only
+    drawn = plotted({"results": cells, "pairs": {"demo": {"draft_q": shipped}}})
+    assert drawn == cells[:4]
+
+
+def test_a_soak_with_no_completed_request_still_reports():
+    result = {"streams": 2, "seconds": 5.0, "requests": 4, "completed": 0, "cancelled": 0,
+              "refused_429": 0, "errors": 4, "error_kinds": ["503"], "latency_s_p50": None,
+              "latency_s_p99": None, "tokens_per_s": 0.0, "sessions_left": {},
+              "rss": {"router": {"after_warmup_mb": 1.0, "max_mb": 2.0, "end_mb": 2.0}}}
+    assert "p50 -, p99 -" in soak_report(result)

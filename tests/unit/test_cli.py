@@ -69,24 +69,45 @@ def test_stop_strings_cut_the_text(capsys, tiny_pair_dir):
     assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top_p"),
-        (["--top-k", "-2"], "top_k"),
-        (["--max-tokens", "0"], "max_tokens"),
-        (["-k", "-1"], "num-speculative-tokens"),
-        (["--n", "0"], "--n"),
-        (["--plain-steps", "0"], "--plain-steps"),
-        (["--drafter", "tree"], "invalid choice"),
-        (["--temperature", "hot"], "invalid float"),
-    ],
-)
-def test_bad_flags_exit_non_zero_with_a_message(capsys, flags, message):
+BAD_GENERATE_FLAGS = [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["-k", "-1"], "num-speculative-tokens"),
+    (["--n", "0"], "--n"),
+    (["--plain-steps", "0"], "--plain-steps"),
+    (["--drafter", "tree"], "invalid choice"),
+    (["--temperature", "hot"], "invalid float"),
+    (["--threads", "0"], "--threads"),
+    (["-k", "4", "--draft-confidence", "auto"], "--draft-confidence auto"),
+    (["-k", "auto", "--pipelined", "--draft-confidence", "auto"], "--draft-confidence auto"),
+    (["--tree-nodes", "5"], "--tree-width > 1"),
+    (["-k", "4", "--tree-width", "3", "--tree-nodes", "3"], "must exceed -k"),
+]
+BAD_OTHER_FLAGS = [
+    (["bench", "--threads", "0"], "--threads"),
+    (["bench", "--soak-streams", "0"], "--soak-streams"),
+    (["bench", "--soak-seconds", "-5"], "--soak-seconds"),
+    (["bench", "--draft-timeout-s", "nan"], "--draft-timeout-s"),
+    (["build-demo-models", "--quick"], "give --out"),  # not over the bundled pair
+    (["build-demo-models", "--threads", "-1"], "--threads"),
+]
+
+
+@pytest.mark.parametrize("argv, message", [(["generate", *flags], message)
+                                           for flags, message in BAD_GENERATE_FLAGS]
+                         + BAD_OTHER_FLAGS)
+def test_bad_flags_exit_non_zero_with_a_message(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", *flags])
+        main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_max_tokens_past_the_context_is_refused_before_generating(capsys, tiny_pair_dir):
+    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
+                 str(tiny_pair_dir / "draft"), "--prompt", "ab", "--max-tokens", "100000"])
+    assert code == 2 and "--max-tokens (100000) exceed" in capsys.readouterr().err
 
 
 def test_a_missing_model_is_a_clear_error(capsys, tmp_path):

@@ -90,6 +90,24 @@ def test_unknown_args_are_errors():
         DrafterArgs.model_validate({"modle": "x"})
 
 
+@pytest.mark.parametrize("args, field", [
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 100}, "num_speculative_tokens"),  # past the pools' bound
+    ({"default_max_tokens": 0}, "default_max_tokens"),
+    ({"adaptive_k": {"min": 1, "max": 4, "initial": 6}}, "adaptive_k")])
+def test_router_args_that_would_fail_every_request_fail_at_deploy(args, field):
+    """Refused when the app starts, naming the arg; before, each request got the 400."""
+    with pytest.raises(ValidationError) as refused:
+        RouterArgs.model_validate(args)
+    assert refused.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("threads", [0, -2])
+def test_a_pool_needs_a_torch_thread(threads):
+    with pytest.raises(ValidationError, match="torch_threads"):
+        DrafterArgs.model_validate({"model": "x", "torch_threads": threads})
+
+
 @pytest.mark.parametrize("name, config", serve_configs().items())
 def test_the_three_apps_name_the_same_target(name, config):
     """The drafter's `target` and the router's `model` are the verifier's model: the pools
