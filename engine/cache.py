@@ -11,8 +11,8 @@ that starts with the same prefix (prefix caching), until an allocation needs the
 
 Prefix caching: the committed prompt of a request is cut into full blocks of block_size
 tokens; each block is named by the hash of every token up to its end (a chain), so a block
-name stands for the whole prefix before it, as in vLLM. `PrefixIndex` maps names to the cache
-that holds the block; a new request adopts the longest chain it finds (engine.paged shares the
+name stands for the whole prefix before it, as in vLLM. `PrefixIndex` maps names to the caches
+that hold the block; a new request adopts the longest chain it finds (engine.paged shares the
 blocks, engine.regions copies them) and prefills only the rest.
 """
 
@@ -51,27 +51,32 @@ def block_names(tokens: list[int], block_size: int = BLOCK_SIZE,
 
 
 class PrefixIndex:
-    """Block name -> (cache, block number) of the committed prompt blocks a pool holds."""
+    """Block name -> the (cache, block number) of every cache holding that committed prompt
+    block (several: a request that adopted a prefix publishes it too, so it stays found
+    when the cache it came from is evicted)."""
 
     def __init__(self) -> None:
-        self.holders: dict[int, tuple[object, int]] = {}
+        self.holders: dict[int, dict[int, tuple[object, int]]] = {}
 
     def publish(self, cache, names: list[int], start: int) -> None:
         for number in range(start, len(names)):
-            self.holders.setdefault(names[number], (cache, number))
+            self.holders.setdefault(names[number], {})[id(cache)] = (cache, number)
 
     def withdraw(self, cache, names: list[int], start: int) -> None:
         for number in range(start, len(names)):
-            if self.holders.get(names[number], (None,))[0] is cache:
-                del self.holders[names[number]]
+            held = self.holders.get(names[number])
+            if held is not None and held.get(id(cache), (None,))[0] is cache:
+                del held[id(cache)]
+                if not held:
+                    del self.holders[names[number]]
 
     def longest(self, names: list[int]) -> tuple[object, int]:
         """(a cache holding the first n blocks, n) for the longest n found, else (None, 0): a
-        cache publishes its blocks from the first on, so the holder of block n holds 0..n."""
+        cache publishes its blocks from the first on, so a holder of block n holds 0..n."""
         for number in range(len(names) - 1, -1, -1):
-            entry = self.holders.get(names[number])
-            if entry is not None and entry[1] == number:
-                return entry[0], number + 1
+            for cache, held_number in self.holders.get(names[number], {}).values():
+                if held_number == number:
+                    return cache, number + 1
         return None, 0
 
 

@@ -40,7 +40,8 @@ def prompt(length: int, offset: int = 0) -> tuple[int, ...]:
 
 
 def first_call(request_id: str, ids: tuple[int, ...], draft=(3, 4)) -> ScoreCall:
-    return ScoreCall(request_id, PrefixSync(0, prefix_hash([]), ids), draft, GREEDY)
+    return ScoreCall(request_id, PrefixSync(0, prefix_hash([]), ids), draft, GREEDY,
+                     prompt_len=len(ids))
 
 
 def free_blocks(engine) -> int:

@@ -114,6 +114,46 @@ def test_the_test_sees_a_share_that_forgets_its_reference(monkeypatch):
         test_shared_blocks_are_freed_when_their_last_reference_goes()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prefix_stays_found_while_a_request_that_took_it_holds_it(backend):
+    """b adopts a's prompt and publishes it too: once a is gone (its cache evicted), a new
+    request still finds the prefix in b, which holds it."""
+    runner = served(backend)
+    store = SessionStore(8)
+    start(store, runner, "a", PROMPT)
+    store.apply("a", sync(PROMPT, [7]))
+    b, _ = start(store, runner, "b", PROMPT[:36])
+    store.apply("b", sync(PROMPT[:36], [3]))
+    assert b.cached_tokens == 32
+    store.drop("a")
+    c, logits = start(store, runner, "c", PROMPT[:34])
+    assert c.cached_tokens == 32
+    torch.testing.assert_close(logits, full_logits(runner.model, PROMPT[:34])[-1:], atol=ATOL,
+                               rtol=0)
+    store.clear()
+    assert not runner.pool.prefixes.holders and not any(runner.pool.refs)
+
+
+def test_a_rebuild_from_its_own_retired_cache_reports_only_prompt_tokens_cached():
+    """An evicted session rebuilt mid-output takes its own retired blocks back, output
+    included: usage's cached_tokens counts the prompt's only."""
+    greedy = SamplingParams(temperature=0.0)
+    verifier = ModelVerifier(served("paged"), max_cached_requests=1)
+    prompt = PROMPT[:20]
+    committed = list(prompt)
+    scores = verifier.score_now(ScoreCall("a", sync([], prompt), (), greedy, prompt_len=20))
+    for _ in range(40):
+        new = [int(scores.target_token_ids[0])]
+        scores = verifier.score_now(ScoreCall("a", sync(committed, new), (), greedy,
+                                              prompt_len=20))
+        committed += new
+    verifier.score_now(ScoreCall("b", sync([], [60, 61, 62]), (), greedy))  # a evicted
+    committed.append(int(scores.target_token_ids[0]))
+    rebuilt = verifier.score_now(ScoreCall("a", sync([], committed), (), greedy,
+                                           prompt_len=20))
+    assert rebuilt.cached_tokens == 20 < len(committed) - 16
+
+
 def store_units(store, request_id):
     return store._sequences[request_id].cache.units
 
@@ -128,7 +168,7 @@ def test_greedy_verify_with_a_hit_equals_one_without(backend):
     first = ScoreCall("a", sync([], PROMPT), (3, 4), greedy)
     assert verifier.score_now(first).cached_tokens == 0
     verifier.score_now(ScoreCall("a", sync(PROMPT, [3]), (5,), greedy))  # publishes
-    second = ScoreCall("b", sync([], PROMPT + [9]), (1, 2, 3), greedy)
+    second = ScoreCall("b", sync([], PROMPT + [9]), (1, 2, 3), greedy, prompt_len=41)
     hit, alone = verifier.score_now(second), fresh.score_now(second)
     assert hit.cached_tokens == 32 and alone.cached_tokens == 0
     assert hit.target_token_ids == alone.target_token_ids
