@@ -60,9 +60,12 @@ class Choices:
     async def run_choice(self, index: int, on_text) -> Generation:
         choice = self.plan.choices[index]
         generation = Generation(choice.request, self.decode, self.stop_token_ids)
-        async for delta in generation.stream(*self.pools, choice.policy, self.plan.pipelined):
-            await on_text(index, delta)
-        self.metrics.record(generation.state)
+        try:
+            async for delta in generation.stream(*self.pools, choice.policy,
+                                                 self.plan.pipelined):
+                await on_text(index, delta)
+        finally:  # a failed or cancelled choice's rounds count too (retries, fallbacks)
+            self.metrics.record(generation.state)
         return generation
 
     def all_choices(self, run):

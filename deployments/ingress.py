@@ -17,6 +17,7 @@ from ray.exceptions import TaskCancelledError
 
 from deployments.clients import PoolError
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, error_body
+from speculative.types import PoolBusy
 
 log = logging.getLogger("ray.serve")
 API_KEY_ENV = "SPECSERVE_API_KEY"
@@ -41,12 +42,13 @@ def retry_later(message: str, status: int) -> BadRequest:
 
 def pool_failure(error: PoolError) -> BadRequest:
     """What a client learns of a failed pool call: 429 when the pool had no room for the
-    request now (its KV cache, or its calls in flight: RESOURCE_EXHAUSTED), 400 with the
+    request now (its KV cache, or its calls in flight: RESOURCE_EXHAUSTED, a PoolBusy; a
+    message too large for the channel never fits, so it is not one), 400 with the
     pool's reason when the request can never fit its KV cache (OUT_OF_RANGE), else 503 (an
     INVALID_ARGUMENT from a pool is the router's fault, not the client's); the details go
     to the log."""
     log.warning("pool call failed: %s", error)
-    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if isinstance(error, PoolBusy):  # not a message too large, which never fits
         return retry_later(f"the {error.pool} pool has no room for this request now (its KV "
                            "cache or its calls in flight are full); retry later", 429)
     if error.code == grpc.StatusCode.OUT_OF_RANGE:
@@ -87,12 +89,19 @@ def unauthorized(request: Request, key: str | None) -> JSONResponse | None:
 async def parse(request: Request, schema, max_prompt_bytes: int):
     """The body as `schema`, refused before reading when its declared size is far beyond
     what a prompt of max_prompt_bytes needs."""
+    limit = 2 * max_prompt_bytes + (1 << 16)
     size = int(request.headers.get("content-length") or 0)
-    if size > 2 * max_prompt_bytes + (1 << 16):
+    if size > limit:
         raise BadRequest(f"the request body has {size} bytes; the limit is about "
                          f"{2 * max_prompt_bytes}", 413)
+    body = bytearray()
+    async for chunk in request.stream():  # a chunked body declares no length: counted here
+        body += chunk
+        if len(body) > limit:
+            raise BadRequest(f"the request body has more than {limit} bytes; the limit is "
+                             f"about {2 * max_prompt_bytes}", 413)
     try:
-        return schema.model_validate(await request.json())
+        return schema.model_validate(json.loads(body))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
     except ValidationError as error:

@@ -15,7 +15,7 @@ import contextlib
 import grpc
 import pytest
 
-from deployments.clients import PoolError
+from deployments.clients import pool_error
 from deployments.ingress import pool_failure
 from drafter.model import ModelDrafter
 from engine.scheduler import KVCacheTooSmall
@@ -122,13 +122,16 @@ def test_the_drafter_reserves_its_whole_block_or_is_refused_alone():
     assert free_blocks(drafter) == USABLE_BLOCKS - 7  # 100 + 8 - 1 positions: 7 blocks
 
 
-@pytest.mark.parametrize("code, status", [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-                                          (grpc.StatusCode.OUT_OF_RANGE, 400),
-                                          (grpc.StatusCode.INVALID_ARGUMENT, 503),
-                                          (grpc.StatusCode.UNAVAILABLE, 503),
-                                          (grpc.StatusCode.INTERNAL, 503)])
-def test_the_router_answers_a_pool_refusal_with_its_http_status(code, status):
-    failure = pool_failure(PoolError("verifier", code, "the reason"))
+@pytest.mark.parametrize("code, details, status", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "the reason", 429),
+    # gRPC's own for a message over the channel's limit: waiting never mends it
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9 vs. 4)", 503),
+    (grpc.StatusCode.OUT_OF_RANGE, "the reason", 400),
+    (grpc.StatusCode.INVALID_ARGUMENT, "the reason", 503),
+    (grpc.StatusCode.UNAVAILABLE, "the reason", 503),
+    (grpc.StatusCode.INTERNAL, "the reason", 503)])
+def test_the_router_answers_a_pool_refusal_with_its_http_status(code, details, status):
+    failure = pool_failure(pool_error("verifier", code, details))
     assert failure.status == status
     assert ("the reason" in str(failure)) == (status == 400)
     assert ("Retry-After" in (failure.headers or {})) == (status != 400)

@@ -106,3 +106,26 @@ def test_a_json_schema_format_without_its_schema_names_that_field():
     with pytest.raises(ValueError) as refused:
         body.constraint()
     assert refused.value.param == "response_format.json_schema"
+
+
+def chunked_request(chunks: list[bytes]) -> tuple[Request, list]:
+    """A request whose body comes in chunks with no Content-Length (Transfer-Encoding:
+    chunked), and the chunks it has handed out."""
+    sent = []
+
+    async def receive():
+        sent.append(chunks[len(sent)])
+        return {"type": "http.request", "body": sent[-1], "more_body": len(sent) < len(chunks)}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    return Request(scope, receive), sent
+
+
+def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_all_read():
+    head = b'{"prompt": "'
+    request, sent = chunked_request([head] + [b"x" * 1024] * 100 + [b'"}'])
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(request, CompletionRequest, 1024))  # limit 2 KiB + 64 KiB
+    assert refused.value.status == 413 and len(sent) == 67  # the head and 66 KiB: past it
+    request, _ = chunked_request([head, b"x" * 1024, b'"}'])
+    assert len(asyncio.run(parse(request, CompletionRequest, 1024)).prompt) == 1024

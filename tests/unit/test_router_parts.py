@@ -84,6 +84,33 @@ def test_a_completion_has_every_choice_and_the_merged_usage():
     assert body["id"] == "cmpl-x" and len(metrics.states) == 2
 
 
+class FailingAfter(Agreeing):
+    """Agrees with every draft for its first `calls` score calls, then is unavailable."""
+
+    def __init__(self, calls: int) -> None:
+        self.left = calls
+
+    async def score(self, call):
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("verifier: UNAVAILABLE")
+        return await super().score(call)
+
+
+def test_a_failed_request_still_counts_its_rounds_in_the_metrics():
+    """The metrics show incidents: a request that ends in a pool error records the rounds
+    it ran (and with them its busy retries and draft fallbacks), as a finished one does."""
+    plan = RequestFrontEnd().plan("cmpl-x", (2, 3), SamplingParams(temperature=0.0,
+                                                                    max_tokens=64), n=1)
+    metrics = Recorded()
+    choices = Choices(plan, (Agreeing(), FailingAfter(3)), lambda ids: "a" * len(ids),
+                      metrics, Admission(8).admit(1), model="m", chat=False,
+                      return_token_ids=False)
+    with pytest.raises(RuntimeError):
+        asyncio.run(choices.complete())
+    assert len(metrics.states) == 1 and metrics.states[0].stats.rounds >= 3
+
+
 @pytest.mark.parametrize("include_usage", [True, False])
 def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_back(
         include_usage):
