@@ -124,9 +124,12 @@ class ReplicaStream:
                 await self.wake.wait()
                 self.wake.clear()
                 if self.outbox or self.cancelled:
-                    batch = self.batch_type(entries=self.outbox, cancel=self.cancelled)
+                    runs, cancelled = wire.in_messages(self.outbox), self.cancelled
                     self.outbox, self.cancelled = [], []
-                    await self.stream.write(batch)
+                    for run in runs[:-1]:
+                        await self.stream.write(self.batch_type(entries=run))
+                    # cancels last: a cancel may name an entry written just before it
+                    await self.stream.write(self.batch_type(entries=runs[-1], cancel=cancelled))
         except grpc.aio.AioRpcError as error:
             self._break(self._broken_by(error))
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:  # closed under us

@@ -23,6 +23,7 @@ from speculative.sampling import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
     SamplingParams,
 )
 from speculative.stats import SpecStats
@@ -32,7 +33,6 @@ from speculative.stats import SpecStats
 # checked against the router's max_prompt_bytes and the context)
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
-MIN_TEMPERATURE = 1e-5  # below it a temperature is greedy (as vLLM): logits / 1e-30 overflow
 MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too

@@ -140,7 +140,7 @@ class PoolReplica:
         self.max_direct_calls = args.max_concurrent_rpcs or 2 * max_batch_size
         self.server, self.address = await serve_directly(
             self, add_to_server, args.direct_host, self.max_direct_calls,
-            limits.message_bytes())
+            limits.stream_message_bytes())
 
     def warm_up(self, run_batch, vocab_size: int) -> None:
         """Run the engine on throwaway greedy and sampled calls (a prompt's prefill, then a
@@ -273,7 +273,8 @@ class PoolReplica:
                            lambda result: self.respond(result, to_proto, response_type),
                            answer_type)
         async for answers in calls.serve(batches):
-            yield answers_type(answers=answers)
+            for run in wire.in_messages(answers):  # many calls' q: within the message bound
+                yield answers_type(answers=run)
 
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         if not auth.authorized(grpc_context):

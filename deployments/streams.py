@@ -52,6 +52,11 @@ class CallStream:
         """One incoming message: its calls submitted, then its cancels."""
         replica = self.replica
         for entry in batch.entries:
+            if entry.tag in self.running:  # its answer could go to one call only
+                self.finished.append(self.refused(
+                    entry.tag, grpc.StatusCode.INVALID_ARGUMENT,
+                    f"tag {entry.tag} names a call still running on this stream"))
+                continue
             if replica.direct_in_flight >= replica.max_direct_calls:
                 self.finished.append(self.refused(
                     entry.tag, grpc.StatusCode.RESOURCE_EXHAUSTED,

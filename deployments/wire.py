@@ -57,6 +57,34 @@ class Limits:
         positions = self.max_speculative_tokens + 1
         return positions * self.vocab_size * 8 + 5 * (self.context or 0) + (1 << 16)
 
+    def stream_message_bytes(self) -> int:
+        """The largest message of a pool's direct stream: one legal call (or answer), or
+        calls packed up to STREAM_MESSAGE_BYTES (their framing and cancels beside them)."""
+        return max(self.message_bytes(), STREAM_MESSAGE_BYTES + (1 << 20))
+
+
+# a stream message carries the calls (or answers) that wait together, as many as fit this
+# budget; a call larger than it goes alone (a pool's port takes any one legal call, and a
+# message of this budget: Limits.stream_message_bytes)
+STREAM_MESSAGE_BYTES = 4 << 20
+
+
+def in_messages(items: list, budget: int = STREAM_MESSAGE_BYTES) -> list[list]:
+    """items (protobuf messages) in order, cut into runs whose sizes add up to at most
+    budget (an item larger than it alone in its run)."""
+    if len(items) <= 1:
+        return [items]
+    runs, run, size = [], [], 0
+    for item in items:
+        item_size = item.ByteSize()
+        if run and size + item_size > budget:
+            runs.append(run)
+            run, size = [], 0
+        run.append(item)
+        size += item_size
+    runs.append(run)
+    return runs
+
 
 def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
     """gRPC server or channel options bounding messages both ways to max_bytes."""

@@ -6,6 +6,7 @@ sampler is exact for the distribution the verifier reports, so any mismatch here
 the output distribution, not just the speed.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,8 +41,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         errors = []
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            errors.append(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not (
+                self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            errors.append(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), "
+                          f"got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             errors.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -109,6 +112,9 @@ class SamplingParams:
 
 # a logit divided by the penalty stays finite (1e-300 made it inf, and q NaN: found by fuzzing)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# below it a positive temperature is no law a float can hold (logits / 1e-30 overflow): the
+# router serves it greedy, as vLLM; a call (or the CLI) asking for it is refused
+MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 

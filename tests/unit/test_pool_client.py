@@ -146,3 +146,59 @@ def test_when_the_placing_call_fails_the_others_are_placed_by_the_proxy(monkeypa
     results, direct, pool = placed(proxy, monkeypatch)
     assert isinstance(results[0], PoolError) and proxy.calls == 4 and not direct
     assert pool.pins == {f"x-{i}": "r:1" for i in range(1, 4)} and not pool.placing
+
+
+class Recording:
+    """A stream stub that keeps what is written to it and never answers."""
+
+    def __init__(self) -> None:
+        self.written = []
+
+    def ScoreStream(self, metadata):
+        return self
+
+    async def write(self, message):
+        self.written.append(message)
+
+    async def read(self):
+        await asyncio.sleep(60)
+
+
+def test_calls_that_wait_together_go_in_messages_within_the_pools_bound():
+    """Twenty sampled calls of 900 KB of q each (a large vocabulary at K = 8) wait together:
+    they go in messages of at most wire.STREAM_MESSAGE_BYTES, which a pool's port takes (one
+    message of them all was refused and broke the stream, failing every call on it)."""
+    from deployments import wire
+    from protos import specserve_pb2 as pb
+
+    big = pb.ScoreRequest(request_id="r " + "x" * 900_000)  # the size of a large q
+    stub = Recording()
+
+    async def main():
+        stream = clients.ReplicaStream(stub, "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
+                                       "verifier")
+        calls = [asyncio.ensure_future(stream.call(big, 0.5)) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        for task in stream.tasks:
+            task.cancel()
+
+    asyncio.run(main())
+    sizes = [message.ByteSize() for message in stub.written]
+    assert sum(len(message.entries) for message in stub.written) == 20
+    assert len(sizes) > 1 and max(sizes) <= wire.STREAM_MESSAGE_BYTES + 1024
+    limits = wire.Limits(vocab_size=4096, context=2048)
+    assert limits.stream_message_bytes() >= max(sizes + [limits.message_bytes()])
+
+
+def test_in_messages_keeps_the_order_and_sends_an_oversized_item_alone():
+    from deployments import wire
+    from protos import specserve_pb2 as pb
+
+    items = [pb.ReleaseRequest(request_id="x" * n) for n in (10, 10, 50, 10, 10)]
+    runs = wire.in_messages(items, budget=30)
+    assert [item for run in runs for item in run] == items
+    assert [len(run) for run in runs] == [2, 1, 2]
+    assert wire.in_messages([], budget=30) == [[]]

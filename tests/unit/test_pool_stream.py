@@ -142,6 +142,32 @@ def test_a_bad_entry_is_refused_alone_and_a_cancelled_one_never_runs():
     asyncio.run(main())
 
 
+def test_a_tag_still_running_is_refused_not_answered_twice():
+    """Tags are the router's counter; one repeated (a client of the pool's own port) is
+    refused, where the first call to finish took the tag's one answer and the other's was
+    lost though it ran."""
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs())
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            gate = await hold_engine(replica)
+            stream = stub.ProposeStream(metadata=KEY())
+            await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=5, call=CALLS[0]),
+                                                        pb.ProposeEntry(tag=5, call=CALLS[1])]))
+            # the refusal comes at once, while the engine is held (before: no answer until
+            # the calls ran; the bound only ends a run that would otherwise hang)
+            first = list((await asyncio.wait_for(stream.read(), 60)).answers)
+            gate.set()
+            second = list((await stream.read()).answers)
+            stream.cancel()
+            assert [a.tag for a in first + second] == [5, 5]
+            assert first[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert len(second[0].response.token_ids) == 1  # r1's: K = 1
+            await until(lambda: replica.direct_in_flight == 0)
+            assert replica.session_ids() == ["r1"]
+
+    asyncio.run(main())
+
+
 def test_a_stream_without_the_secret_is_refused():
     async def main():
         replica = await local_replica(VerifierPool, VerifierArgs())

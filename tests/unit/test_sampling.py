@@ -13,6 +13,10 @@ from tests.stats.chisq import chi_square
     [
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        # a law no float holds (q NaN, a draw past the vocabulary): the router serves these
+        # greedy, a pool's call or the CLI is refused
+        ({"temperature": 1e-30}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
         ({"top_k": -1}, "top_k"),
         ({"top_k": 2.5}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
