@@ -283,8 +283,8 @@ async def settle_predraft(predraft: asyncio.Future | None, meter: RoundMeter,
     the drafter's prefix must stay exact."""
     if predraft is None:
         return outcome, None
-    meter.predraft = await predraft or NO_DRAFT
-    return continue_with_predraft(outcome, block, meter.predraft, scores, greedy, generator)
+    return continue_with_predraft(outcome, block, await meter.settled(predraft), scores,
+                                  greedy, generator)
 
 
 async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, policy: KPolicy,

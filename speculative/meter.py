@@ -23,6 +23,14 @@ class RoundMeter:
         self.catch_up = 0 if carried else len(state.committed) - state.drafter_view.known_len
         self.started = time.perf_counter()
         self.drafted_at = self.verified_at = self.started
+        self.predraft_wait = 0.0  # after the verify, for the pre-draft beside it
+
+    async def settled(self, predraft) -> DraftBlock:
+        """The pre-draft beside the verify, once in hand (the wait is the drafter's)."""
+        since = time.perf_counter()
+        self.predraft = await predraft or NO_DRAFT
+        self.predraft_wait = time.perf_counter() - since
+        return self.predraft
 
     def drafted(self, block: DraftBlock) -> DraftBlock:
         self.drafted_at = time.perf_counter()
@@ -41,8 +49,9 @@ class RoundMeter:
         stats.record(len(block.token_ids), outcome)
         stats.draft_fallback_rounds += self.fell_back
         stats.pipelined_rounds += self.carried
-        # waiting for a draft: before the verify, and for the pre-draft after it
-        stats.draft_seconds += self.drafted_at - self.started + ended - self.verified_at
+        # waiting for a draft: before the verify, and for the pre-draft after it (the
+        # router's own work after the verify, rejection sampling and the commit, is not)
+        stats.draft_seconds += self.drafted_at - self.started + self.predraft_wait
         paused = stats.busy_seconds - self.busy_seconds
         stats.verify_seconds += self.verified_at - self.drafted_at - paused
         waited_draft = 0.0 if self.carried else block.compute_seconds

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,3 +159,40 @@ def test_sentencepiece_leading_spaces_survive_across_the_prompt_boundary():
     prompt = tokenizer("hello", add_special_tokens=False)["input_ids"]
     ids = tokenizer("hello world again", add_special_tokens=False)["input_ids"][len(prompt):]
     assert detokenized(tokenizer, prompt, ids) == " world again"
+
+
+class Instant:
+    async def propose(self, call):
+        return DraftBlock((1,) * call.num_speculative_tokens, None)
+
+    async def score(self, call):
+        return TargetScores(target_token_ids=(1,) * (len(call.draft_token_ids) + 1))
+
+    async def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_routers_own_work_after_the_verify_is_its_phase_not_transport(
+        monkeypatch, pipelined):
+    """spec_decode_round_seconds{phase}: rejection sampling and the commit are the router's;
+    only the wait for a pre-draft after the verify is the drafter's. A clock that moves only
+    while accept runs (10 ms a round) must book it all as phase router."""
+    import speculative.loop as loop
+    import speculative.meter as meter
+
+    now = [0.0]
+    monkeypatch.setattr(meter.time, "perf_counter", lambda: now[0])
+    real_accept = loop.accept
+
+    def accept(*args, **kwargs):
+        now[0] += 0.010
+        return real_accept(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "accept", accept)
+    request = Request("r", (2, 3), SamplingParams(temperature=0.0, max_tokens=40))
+    generation = Generation(request)
+    asyncio.run(generation.run(Instant(), Instant(), FixedK(3), pipelined))
+    phases = generation.stats.ms_per_round()
+    assert phases["router"] == phases["total"] == 10.0
+    assert phases["transport"] == phases["draft"] == phases["verify"] == 0.0
