@@ -25,7 +25,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def first_token_s(verifier: ModelVerifier, request_id: str, prompt: list[int]):
     """(seconds to score the prompt's first position, cached tokens reported)."""
-    call = ScoreCall(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt)), (), GREEDY)
+    call = ScoreCall(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt)), (), GREEDY,
+                     prompt_len=len(prompt))  # cached_tokens counts the prompt's
     started = time.perf_counter()
     scores = verifier.score_now(call)
     return time.perf_counter() - started, scores.cached_tokens

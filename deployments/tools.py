@@ -224,7 +224,7 @@ def arguments_text(call_text: str, arguments: dict) -> str | None:
     if key is not None:
         try:
             found, end = DECODER.raw_decode(call_text, key.end())
-            if found == arguments:
+            if json.dumps(found) == json.dumps(arguments):  # the same text (True is no 1)
                 return call_text[key.end():end]
         except (ValueError, RecursionError):
             pass

@@ -141,7 +141,8 @@ def generate(args) -> dict:
     if not prompt_ids:
         raise ValueError("the prompt tokenizes to nothing: give at least one character")
     drafter, verifier, _ = build_engines(args)
-    if len(prompt_ids) + args.max_tokens > verifier.max_positions:  # as the router refuses it
+    if verifier.max_positions is not None and \
+            len(prompt_ids) + args.max_tokens > verifier.max_positions:  # as the router does
         raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens "
                          f"({args.max_tokens}) exceed the target's context of "
                          f"{verifier.max_positions}")

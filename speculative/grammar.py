@@ -16,6 +16,7 @@ import functools
 import json
 import re
 
+import numpy as np
 import torch
 
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -88,16 +89,17 @@ def dead_end(tokenizer, grammar: str) -> str | None:
     items). Probed along the lowest allowed token for PROBE_STEPS tokens, so a dead end
     deeper in the grammar still ends its requests with an error, not a 400 here."""
     matcher = compiled(tokenizer, grammar).deep_copy()
-    ends = set(tokenizer.eos_tokens or [tokenizer.eos_token])
+    ends = list(tokenizer.eos_tokens or [tokenizer.eos_token])
     for _ in range(PROBE_STEPS):
         if matcher.is_accepting():
             return None
-        bias = matcher.compute_logit_bias()
-        allowed = [token for token in range(min(len(bias), tokenizer.vocab_size))
-                   if bias[token] and token not in ends]
-        if not allowed:
+        allowed = np.frombuffer(matcher.compute_logit_bias(), np.uint8)[:tokenizer.vocab_size]
+        allowed = allowed.copy()
+        allowed[[end for end in ends if end < len(allowed)]] = 0
+        lowest = np.flatnonzero(allowed)[:1].tolist()
+        if not lowest:
             return "no text follows it (its language is empty)"
-        if matcher.try_consume_tokens(allowed[:1]) != 1 or matcher.is_error():
+        if matcher.try_consume_tokens(lowest) != 1 or matcher.is_error():
             return f"it cannot be followed: {matcher.get_error() or 'a dead end'}"
     return None
 

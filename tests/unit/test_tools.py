@@ -180,6 +180,10 @@ def test_a_call_is_its_decoded_object_and_its_arguments_the_models_own_text():
         calls[0]["function"]["arguments"].encode()
     keys_first = '<tool_call>{"arguments": {"a": [1, 2]}, "name": "now"}</tool_call>'
     assert use.read_calls(keys_first)[1][0]["function"]["arguments"] == '{"a": [1, 2]}'
+    nested_first = '<tool_call>{"name": "now", "meta": {"arguments": {"a": 1}}, ' \
+                   '"arguments": {"a": true}}</tool_call>'  # 1 == True to Python
+    assert json.loads(use.read_calls(nested_first)[1][0]["function"]["arguments"]) == \
+        {"a": True}
 
 
 def test_an_assistant_call_nested_too_deeply_is_sent_to_the_template_as_text():
