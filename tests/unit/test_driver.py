@@ -11,6 +11,7 @@ from speculative.state import Request
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores
+from tests.tiny import Agreeing
 
 ALPHABET = "ab\n"
 PROMPT = (0,)
@@ -161,17 +162,6 @@ def test_sentencepiece_leading_spaces_survive_across_the_prompt_boundary():
     assert detokenized(tokenizer, prompt, ids) == " world again"
 
 
-class Instant:
-    async def propose(self, call):
-        return DraftBlock((1,) * call.num_speculative_tokens, None)
-
-    async def score(self, call):
-        return TargetScores(target_token_ids=(1,) * (len(call.draft_token_ids) + 1))
-
-    async def release(self, request_id):
-        pass
-
-
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_the_routers_own_work_after_the_verify_is_its_phase_not_transport(
         monkeypatch, pipelined):
@@ -192,7 +182,7 @@ def test_the_routers_own_work_after_the_verify_is_its_phase_not_transport(
     monkeypatch.setattr(loop, "accept", accept)
     request = Request("r", (2, 3), SamplingParams(temperature=0.0, max_tokens=40))
     generation = Generation(request)
-    asyncio.run(generation.run(Instant(), Instant(), FixedK(3), pipelined))
+    asyncio.run(generation.run(Agreeing(), Agreeing(), FixedK(3), pipelined))
     phases = generation.stats.ms_per_round()
     assert phases["router"] == phases["total"] == 10.0
     assert phases["transport"] == phases["draft"] == phases["verify"] == 0.0
