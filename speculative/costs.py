@@ -152,7 +152,9 @@ class Curve:
         sizes = self.confirmed()
         anchor = 1 if 1 in sizes else max(sizes, key=self.seen.get)
         base = self.points[anchor].value
-        others = [(n, self.points[n].value, self.seen[n]) for n in sizes if n != anchor]
+        # a size unseen for tens of thousands of adds weighs 0.0 after a rescale: none
+        others = [(n, self.points[n].value, self.seen[n]) for n in sizes
+                  if n != anchor and self.seen[n] > 0]
         if others:
             slope = sum(w * (t - base) / (n - anchor) for n, t, w in others) / \
                 sum(w for _, _, w in others)

@@ -231,6 +231,19 @@ def test_the_sizes_weigh_as_counts_decayed_on_every_add_across_rescales():
     assert curve.fit(0.1) is not fitted
 
 
+def test_a_size_whose_weight_underflowed_leaves_the_fit():
+    """One size for ~45,000 adds (an adaptive K with min = max, requests ending on their end
+    token): the other sizes' weights underflow to 0.0 at a rescale, and the fit must not
+    divide by their sum (it failed the request that asked)."""
+    curve = Curve()
+    for size in (3, 4, 3, 4):
+        curve.add(size, 0.001 * size)
+    for _ in range(46000):
+        curve.add(5, 0.005)
+    assert curve.seen[3] == curve.seen[4] == 0.0
+    assert curve.fit(0.1) == (pytest.approx(0.005 / 1.4), pytest.approx(0.005 * 0.1 / 1.4))
+
+
 def test_a_draft_that_turns_dear_later_is_warned_of_within_a_check(caplog):
     costs = measured({1: 2.0, 5: 3.0}, draft_ms_per_token=1.0)  # 200 draft costs, cheap
     assert not caplog.records
