@@ -33,7 +33,7 @@ from engine.batch import UNFINISHED
 from engine.kv import PoolEngine
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
-from speculative.grammar import grammar_tokenizer_at
+from speculative.grammar import GrammarDeadEnd, grammar_tokenizer_at
 from speculative.sampling import SamplingParams
 from speculative.types import (
     EMPTY_PREFIX_HASH,
@@ -84,6 +84,7 @@ def unauthenticated(grpc_context, response):
 
 # a refused call's status, by its error (the first that matches)
 REFUSALS = ((KVCacheTooSmall, grpc.StatusCode.OUT_OF_RANGE),  # the request never fits here
+            (GrammarDeadEnd, grpc.StatusCode.OUT_OF_RANGE),  # nor can its grammar go on
             (KVCacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),  # other requests hold the blocks
             (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
 

@@ -34,6 +34,12 @@ class GrammarError(ValueError):
         self.field = field
 
 
+class GrammarDeadEnd(ValueError):
+    """A request's committed output that its grammar's matcher refuses: a token the mask
+    allowed broke the matcher (a rule deeper than `dead_end` probes, recursing forever).
+    The request cannot go on (its pool answers OUT_OF_RANGE, the router a 400)."""
+
+
 def llguidance():
     import llguidance as module
 
@@ -174,8 +180,10 @@ class TokenMasks:
         """[len(drafted) + 1, vocab_size] bool: row i allows what may follow output plus
         drafted[:i]. Past a drafted token the grammar forbids, the rows repeat the last
         reachable one (those positions are never committed: that token is rejected)."""
-        if self.follow(output) < len(output):
-            raise ValueError("the committed output breaks the request's grammar")
+        taken = self.follow(output)
+        if taken < len(output):
+            raise GrammarDeadEnd(f"the committed output breaks the request's grammar after "
+                                 f"{taken} tokens: {self.matcher.get_error() or 'refused'}")
         rows = [self.next_mask(vocab_size, device)]
         for token in drafted:
             if self.advance([token]) == 0:

@@ -141,3 +141,28 @@ def test_grammars_survive_rebuilds_and_drafter_failures(demo):
                          stop=(eos,), pipelined=pipelined)
         assert out == expected, pipelined
         assert state.stats.cache_misses > 0 and state.stats.draft_fallback_rounds > 0
+
+
+def test_an_output_the_grammar_refuses_is_a_dead_end_the_client_learns_of(demo):
+    """A committed output the matcher refuses (a rule deeper than the compile-time probe
+    that breaks llguidance, here a token the regex forbids) ends the request with a 400
+    naming the grammar, not a 503 "retry later" that retrying never mends."""
+    import grpc
+
+    from deployments.clients import pool_error
+    from deployments.ingress import pool_failure
+    from deployments.pools import PoolReplica
+    from protos import specserve_pb2 as pb
+    from speculative.grammar import GrammarDeadEnd
+
+    tokenizer, _, _, ll = demo
+    masks = TokenMasks(ll, compile_spec("regex", "[a-z]+", ll))
+    output = tokenizer("ab1", add_special_tokens=False)["input_ids"]
+    with pytest.raises(GrammarDeadEnd, match="breaks the request's grammar") as dead:
+        masks.masks(output, [], 4096)
+    replica = PoolReplica.__new__(PoolReplica)
+    replica.replica_id = "v"
+    _, code = replica.respond(dead.value, None, pb.ScoreResponse)
+    assert code == grpc.StatusCode.OUT_OF_RANGE
+    answer = pool_failure(pool_error("verifier", code, str(dead.value)))
+    assert answer.status == 400 and "grammar" in str(answer)
