@@ -28,6 +28,7 @@ from deployments.ingress import (
     pool_failure,
     unauthorized,
 )
+from deployments.local_drafters import OffLoop
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.prompts import PromptReader
@@ -54,8 +55,9 @@ class Router:
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
         self.prompts = PromptReader(args, tokenizer, target)
-        self.local_drafters = {kind: build_drafter(DrafterSpec(kind=kind, target=args.model),
-                                                   target)
+        self.local_drafters = {kind: OffLoop(build_drafter(DrafterSpec(kind=kind,
+                                                                       target=args.model),
+                                                           target))
                                for kind in router_side_kinds()}
         self.front_end = RequestFrontEnd(args.speculation_defaults())
         self.admission = Admission(args.max_running_requests)

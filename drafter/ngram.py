@@ -58,6 +58,9 @@ class NgramDrafter:
         return timed(self.propose_now, call)
 
     async def release(self, request_id: str) -> None:
+        self.release_now(request_id)
+
+    def release_now(self, request_id: str) -> None:
         self.sessions.release(request_id)
 
     def propose_batch(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:

@@ -177,3 +177,43 @@ def test_a_long_k_keeps_a_match_that_predicts():
             wide.add(base[:level] + [200 + 10 * level + other])
     tree_tokens, parents, _ = wide.propose_tree([1], 16, 8, 500, 1e-6, 32.0)
     assert tree_tokens[:16] == tuple(range(2, 18)) and len(tree_tokens) == 64
+
+
+def test_the_router_runs_a_long_call_and_every_release_off_its_event_loop():
+    """The router's own drafters (deployments.local_drafters): a call over OFF_LOOP_TOKENS
+    tokens of context (a suffix drafter indexes the whole prompt, ~170 us a token) and a
+    release (its output joins the global index) run on a worker thread, one at a time; a
+    short call stays on the loop. The proposals are the drafter's own."""
+    import threading
+
+    from deployments.local_drafters import OFF_LOOP_TOKENS, OffLoop
+
+    drafter = SuffixDrafter(16, max_spec_factor=2)
+    where, inside = [], []
+    propose_now, release_now = drafter.propose_now, drafter.release_now
+
+    def watched(work):
+        def run(*args):
+            assert not inside  # one caller at a time
+            inside.append(1)
+            where.append(threading.current_thread() is threading.main_thread())
+            try:
+                return work(*args)
+            finally:
+                inside.pop()
+        return run
+
+    drafter.propose_now, drafter.release_now = watched(propose_now), watched(release_now)
+    long_prompt = [1, 2, 3] * (OFF_LOOP_TOKENS // 3 + 1)
+    routed = OffLoop(drafter)
+
+    async def main():
+        blocks = await asyncio.gather(routed.propose(call("long", [], long_prompt)),
+                                      routed.propose(call("short", [], [7, 8, 9, 7, 8])))
+        await routed.release("long")
+        return blocks
+
+    long_block, short_block = asyncio.run(main())
+    assert where == [False, True, False]  # the long call and the release on a thread
+    assert long_block.token_ids == (1, 2, 3, 1) and short_block.token_ids == (9, 7, 8)
+    assert list(drafter.outputs) == [long_prompt]
