@@ -181,12 +181,13 @@ def test_a_long_k_keeps_a_match_that_predicts():
 
 def test_the_router_runs_a_long_call_and_every_release_off_its_event_loop():
     """The router's own drafters (deployments.local_drafters): a call over OFF_LOOP_TOKENS
-    tokens of context (a suffix drafter indexes the whole prompt, ~170 us a token) and a
-    release (its output joins the global index) run on a worker thread, one at a time; a
-    short call stays on the loop. The proposals are the drafter's own."""
+    tokens of context or bringing more than OFF_LOOP_NEW_TOKENS (a suffix drafter indexes
+    the whole prompt on a first call, ~170 us a token) and a release (its output joins the
+    global index) run on a worker thread, one at a time; a round's few new tokens over a
+    short context stay on the loop. The proposals are the drafter's own."""
     import threading
 
-    from deployments.local_drafters import OFF_LOOP_TOKENS, OffLoop
+    from deployments.local_drafters import OFF_LOOP_NEW_TOKENS, OFF_LOOP_TOKENS, OffLoop
 
     drafter = SuffixDrafter(16, max_spec_factor=2)
     where, inside = [], []
@@ -210,10 +211,13 @@ def test_the_router_runs_a_long_call_and_every_release_off_its_event_loop():
     async def main():
         blocks = await asyncio.gather(routed.propose(call("long", [], long_prompt)),
                                       routed.propose(call("short", [], [7, 8, 9, 7, 8])))
+        await routed.propose(call("first", [], [5] * (OFF_LOOP_NEW_TOKENS + 1)))
+        await routed.propose(call("first", [5] * (OFF_LOOP_NEW_TOKENS + 1), [6]))
         await routed.release("long")
         return blocks
 
     long_block, short_block = asyncio.run(main())
-    assert where == [False, True, False]  # the long call and the release on a thread
+    # on a thread: the long context, a first call of 65 tokens, the release
+    assert where == [False, True, False, True, False]
     assert long_block.token_ids == (1, 2, 3, 1) and short_block.token_ids == (9, 7, 8)
     assert list(drafter.outputs) == [long_prompt]
