@@ -196,6 +196,7 @@ def strict_json(constant: str):
 # JSON as the standard has it: no NaN or Infinity (Python's json takes them by default)
 DECODER = json.JSONDecoder(parse_constant=strict_json)
 ARGUMENTS_KEY = re.compile(r'"arguments"\s*:\s*')
+SPACE = re.compile(r"\s*")
 
 
 def read_call(text: str, at: int) -> tuple[tuple[str, str], int] | None:
@@ -204,11 +205,11 @@ def read_call(text: str, at: int) -> tuple[tuple[str, str], int] | None:
     None when it is no such call. The object is decoded, not matched up to the first
     `</tool_call>`, so an argument may hold that text."""
     try:
-        begin = len(text) - len(text[at:].lstrip())
+        begin = SPACE.match(text, at).end()
         call, end = DECODER.raw_decode(text, begin)
     except (ValueError, RecursionError):
         return None
-    close = len(text) - len(text[end:].lstrip())
+    close = SPACE.match(text, end).end()
     if not (isinstance(call, dict) and isinstance(call.get("name"), str)
             and isinstance(call.get("arguments"), dict)
             and text.startswith(CALL_CLOSE, close)):
