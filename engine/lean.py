@@ -181,6 +181,20 @@ class LeanForward:
         plan = self.attention.plan(segments)  # reserves first: a full pool fails untouched
         ids = torch.tensor([t for s in segments for t in s.token_ids], device=device)
         ids.clamp_(max=self.embed.num_embeddings - 1)  # a padded draft: as engine.batch
+        keep, offset = [], 0
+        for segment in segments:
+            offset += len(segment.token_ids)
+            keep.extend(range(offset - segment.num_logits, offset))
+        logits = self.run(ids, plan, torch.tensor(keep, dtype=torch.long, device=device))
+        for segment in segments:
+            segment.cache.length = segment.start + len(segment.token_ids)
+        return list(logits.split([s.num_logits for s in segments]))
+
+    def run(self, ids: torch.Tensor, plan, keep: torch.Tensor) -> torch.Tensor:
+        """A forward's device work once its host work is done: the logits [len(keep), V] of
+        the packed tokens `ids` [N] laid out by `plan`, at the packed indices `keep`. It
+        reads only device tensors and never waits on the device, so a GPU can record it as
+        one CUDA graph and replay it (bench.graphs measures that)."""
         hidden = self.embed(ids)  # [N, hidden]
         cos, sin = self.rotary(hidden[None], plan.queries.positions[None])
         cos, sin = cos[0], sin[0]  # [N, D]
@@ -196,14 +210,7 @@ class LeanForward:
             hidden = hidden + layer.o_proj(attended)
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, -1)
             hidden = hidden + layer.down_proj(layer.act(gate) * up)
-        keep, offset = [], 0
-        for segment in segments:
-            segment.cache.length = segment.start + len(segment.token_ids)
-            offset += len(segment.token_ids)
-            keep.extend(range(offset - segment.num_logits, offset))
-        logits = self.lm_head(self.norm(hidden[torch.tensor(keep, dtype=torch.long,
-                                                            device=device)]))
-        return list(logits.split([s.num_logits for s in segments]))
+        return self.lm_head(self.norm(hidden[keep]))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,7 @@ class PagedPlan:
             .to(device)
         self.masks = attention.masks(queries, windows, group, device)
         self.queries = attention.device_of(queries, device)
+        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # the backend's
 
 
 class PagedAttention:
@@ -133,7 +134,7 @@ class PagedAttention:
         for segment in segments:  # before any write: a full pool fails the batch untouched
             segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)
         plan = PagedPlan(segments, self.pool, self.windows, self.group, self.pool.keys.device)
-        self.buffers(plan.gather.numel())
+        plan.gathered = self.buffers(plan.gather.numel())
         return plan
 
     def buffers(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +158,7 @@ class PagedAttention:
 
     def gather(self, plan: PagedPlan, cache: torch.Tensor, which: int) -> torch.Tensor:
         """[slots, H_kv, D] of one layer -> the batch's [B, H_kv, max_len, D]."""
-        buffer = self.gathered[which][:plan.gather.numel()]
+        buffer = plan.gathered[which][:plan.gather.numel()]
         picked = torch.index_select(cache, 0, plan.gather, out=buffer)
         return picked.view(plan.queries.rows, plan.queries.max_len,
                            *cache.shape[1:]).transpose(1, 2)
