@@ -30,6 +30,9 @@ class PoolArgs(BaseModel):
     # read in place; the CPU default where memory holds enough whole-context regions),
     # "paged" (blocks gathered: the reference, the GPU default), "auto"
     attention: Literal["auto", "paged", "regions"] = "auto"
+    # on a GPU, small batches of the paged backend replay CUDA graphs, one per batch bucket
+    # (engine.graphs); false runs every forward kernel by kernel (vLLM's enforce_eager)
+    cuda_graphs: bool = True
     # positions the paged KV pool holds (default: on a GPU its free memory less 10 %, on a
     # CPU 30 % of the memory available at start, at most 262144 positions, backed by memory
     # only as blocks are used; too little for one request at the model's context is an error)
@@ -72,7 +75,7 @@ class DrafterArgs(PoolArgs):
                            max_cached_requests=self.max_cached_requests,
                            max_cached_tokens=self.max_cached_tokens,
                            session_ttl_s=self.session_ttl_s, engine=self.engine,
-                           attention=self.attention,
+                           attention=self.attention, cuda_graphs=self.cuda_graphs,
                            kv_cache_tokens=self.kv_cache_tokens,
                            draft_top_k=self.draft_top_k, draft_q_mass=self.draft_q_mass,
                            draft_q_dtype=self.draft_q_dtype,

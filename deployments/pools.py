@@ -353,6 +353,7 @@ class VerifierPool(PoolReplica):
                                     max_cached_tokens=args.max_cached_tokens,
                                     session_ttl_s=args.session_ttl_s, engine=args.engine,
                                     attention=args.attention,
+                                    cuda_graphs=args.cuda_graphs,
                                     kv_cache_tokens=args.kv_cache_tokens,
                                     max_batch_tokens=args.max_batch_tokens,
                                     grammar_tokenizer=grammar_tokenizer_at(

@@ -57,12 +57,13 @@ class ModelDrafter:
                  draft_q_dtype: str = "float32", max_cached_tokens: int | None = None,
                  session_ttl_s: float | None = None, engine: str = "auto", attention: str = "auto",
                  kv_cache_tokens: int | None = None, grammar_tokenizer=None,
-                 draft_confidence: float = 0.0) -> None:
+                 draft_confidence: float = 0.0, cuda_graphs: bool = True) -> None:
         """grammar_tokenizer: llguidance's tokenizer over `vocab_size` (the target's), for
         structured outputs; without it a request with a grammar gets no draft."""
         # a runner already built (a check sharing one model between engines) or a model
         self.runner = model if isinstance(model, ModelRunner) else \
-            serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests)
+            serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests,
+                           cuda_graphs=cuda_graphs)
         self.model = self.runner.model
         self.device = self.model.device  # transformers' property walks the parameters
         self.grammar_tokenizer = grammar_tokenizer

@@ -24,6 +24,7 @@ class DrafterSpec:
     session_ttl_s: float | None = None
     engine: str = "auto"  # see deployments.pool_args.PoolArgs
     attention: str = "auto"
+    cuda_graphs: bool = True
     kv_cache_tokens: int | None = None
     # model: q as shipped: its top entries (0 = all), the fewest top entries holding this
     # mass (1 = all), in this precision. Whole in float32 by default (float16's steps move
@@ -75,7 +76,7 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
                         max_cached_requests=spec.max_cached_requests,
                         max_cached_tokens=spec.max_cached_tokens,
                         session_ttl_s=spec.session_ttl_s, engine=spec.engine,
-                        attention=spec.attention,
+                        attention=spec.attention, cuda_graphs=spec.cuda_graphs,
                         kv_cache_tokens=spec.kv_cache_tokens,
                         grammar_tokenizer=grammar_tokenizer(spec, target),
                         draft_confidence=spec.draft_confidence)

@@ -8,7 +8,8 @@ with per-request attention (engine.batch) for any other architecture. Backends
 (engine.attention): `regions` (engine.regions: keys read in place; the CPU default when the
 memory budget holds enough whole-context regions), `paged` (engine.paged: blocks gathered;
 the reference, and the default on a GPU, where its SDPA runs the fused memory-efficient
-kernel: the GQA group is folded into the query axis, so no call pairs a mask with GQA).
+kernel: the GQA group is folded into the query axis, so no call pairs a mask with GQA). On a
+GPU the paged backend's small batches replay CUDA graphs (engine.graphs).
 """
 
 import logging
@@ -19,6 +20,7 @@ from transformers import DynamicCache
 from engine.batch import forward_packed, use_packed_attention
 from engine.cache import BLOCK_SIZE
 from engine.checkpoint import sliding_window
+from engine.graphs import GraphedForward
 from engine.lean import LeanForward, lean_supported
 from engine.memory import KVBudgetTooSmall, context_length, kv_shape
 from engine.paged import BlockPool, PagedAttention, kv_pool_blocks
@@ -73,8 +75,9 @@ class TransformersCache(DynamicCache):
 class ModelRunner:
     """A model and how its packed forward runs: `forward(segments)` -> each segment's logits."""
 
-    def __init__(self, model, lean: LeanForward | None = None) -> None:
-        self.model, self.lean = model, lean
+    def __init__(self, model, lean: LeanForward | None = None,
+                 graphs: GraphedForward | None = None) -> None:
+        self.model, self.lean, self.graphs = model, lean, graphs
         self.attention = lean.attention.name if lean is not None else "transformers"
 
     @property
@@ -96,6 +99,10 @@ class ModelRunner:
 
     @torch.inference_mode()  # every forward (the lean one's and transformers') enters here
     def forward(self, segments) -> list[torch.Tensor]:
+        if self.graphs is not None:
+            logits = self.graphs(segments)
+            if logits is not None:
+                return logits
         if self.lean is not None:
             return self.lean(segments)
         return forward_packed(self.model, segments)
@@ -137,10 +144,12 @@ def backend(model, attention: str, kv_cache_tokens: int | None, max_sequences: i
 
 def serving_runner(model, engine: str = "auto", attention: str = "auto",
                    kv_cache_tokens: int | None = None, max_sequences: int = 256,
-                   max_new_per_sequence: int = 64, block_size: int = BLOCK_SIZE) -> ModelRunner:
+                   max_new_per_sequence: int = 64, block_size: int = BLOCK_SIZE,
+                   cuda_graphs: bool = True) -> ModelRunner:
     """The model's runner: the lean forward over an attention backend (`paged` engine;
     `auto` where the architecture allows), or transformers' modeling with packed attention
-    (`transformers`; `auto` otherwise)."""
+    (`transformers`; `auto` otherwise). On a GPU the paged backend's small batches replay
+    CUDA graphs (engine.graphs) unless `cuda_graphs` is off (vLLM's `enforce_eager`)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if attention not in ATTENTIONS:
@@ -154,6 +163,9 @@ def serving_runner(model, engine: str = "auto", attention: str = "auto",
         return ModelRunner(model)
     chosen = backend(model, attention, kv_cache_tokens, max_sequences, max_new_per_sequence,
                      block_size)
-    logger.info("engine: lean, attention %s, %d %s in the KV pool", chosen.name,
-                chosen.pool.count - 1, chosen.pool.unit_name)
-    return ModelRunner(model, LeanForward(model, chosen))
+    lean = LeanForward(model, chosen)
+    graphs = GraphedForward(lean) if cuda_graphs and chosen.name == "paged" and \
+        chosen.pool.keys.device.type == "cuda" else None
+    logger.info("engine: lean, attention %s%s, %d %s in the KV pool", chosen.name,
+                ", CUDA graphs" if graphs else "", chosen.pool.count - 1, chosen.pool.unit_name)
+    return ModelRunner(model, lean, graphs)

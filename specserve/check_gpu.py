@@ -14,6 +14,10 @@ What it checks and measures, per model shape:
 - the bundled demo pair on the device: greedy identity with its own draft, a sampled run,
   in-process tokens/s at K = 0 and 4.
 
+On a GPU every runner replays CUDA graphs where a batch fits a bucket (engine.graphs), so the
+checks and times above are the graphed forward's; `cuda_graphs` reports how many buckets
+were recorded (`python -m bench.graphs` times eager against graphs).
+
 It prints one JSON report (and writes it with --out); `ok` is false when a check fails.
 """
 
@@ -241,6 +245,8 @@ def check_shape(shape: Shape, device: str, small: bool, dtype) -> dict:
                                              3 if small else 5)
     if device.startswith("cuda"):
         report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    if runner.graphs is not None:  # the buckets its batches replayed (engine.graphs)
+        report["cuda_graphs"] = len(runner.graphs.recorded)
     report["when_full"] = full_pool(runner)
     return report
 

@@ -50,12 +50,13 @@ class ModelVerifier:
                  max_cached_tokens: int | None = None, session_ttl_s: float | None = None,
                  engine: str = "auto", attention: str = "auto",
                  kv_cache_tokens: int | None = None, max_batch_tokens: int | None = None,
-                 grammar_tokenizer=None) -> None:
+                 grammar_tokenizer=None, cuda_graphs: bool = True) -> None:
         """grammar_tokenizer: llguidance's tokenizer (speculative.grammar.ll_tokenizer), for
         structured outputs; without it a call with a grammar is refused."""
         # a runner already built (a check sharing one model between engines) or a model
         self.runner = model if isinstance(model, ModelRunner) else \
-            serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests)
+            serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests,
+                           cuda_graphs=cuda_graphs)
         self.model = self.runner.model
         self.device = self.model.device  # transformers' property walks the parameters
         self.grammar_tokenizer = grammar_tokenizer

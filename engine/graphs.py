@@ -1,0 +1,201 @@
+"""CUDA graphs of the lean forward over the paged backend, one per batch bucket (GPU only).
+
+A GPU forward of a small batch is bound by its kernel launches, not by the device: on an H200
+a Llama-3.2-1B-shaped bfloat16 step launched kernel by kernel took 7-14 ms, the same device
+work recorded as a CUDA graph and replayed 2.0 ms (`bench.graphs`, docs/engine.md).
+`GraphedForward` records `LeanForward.run` once per bucket and replays it:
+
+- a bucket is (rows, new tokens per row, keys per row): the batch's rows padded to a power of
+  two up to `MAX_ROWS`, each row's new tokens to the batch's longest (at most `MAX_NEW`: a
+  verify of K <= 8 drafts, a draft step), its keys up to `key_bucket`'s (multiples of
+  `MIN_KEYS`, a quarter of a doubling apart past 2048);
+- per forward the host writes a few small inputs into the bucket's static buffer in one copy
+  (each row's token ids, start, length and block table), and the device derives the rest
+  inside the graph: positions, write slots, the gather index and the masks, as
+  engine.paged's plan and engine.attention's masks do on the host;
+- padding writes its keys and values into a scratch block of its own (block 0 stays the
+  zeros that masked keys read) and its outputs are dropped; a padding row sees only its own
+  key, so no row is fully masked.
+
+A batch outside every bucket (a prefill chunk, a draft tree, more rows, a longer context)
+runs eager, as does everything off a GPU. Each bucket's graph is recorded at its first
+batch, after warm-ups on a side stream (CUDA's rule); all graphs share one memory pool, one
+output buffer and the backend's gather buffers. `capture=False` runs the same bucketed
+forward eagerly: the suite checks it against fresh forwards on a CPU.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import Queries, longs
+
+MAX_ROWS = 64  # cluster/gpu.yaml's max_batch_size
+MAX_NEW = 9
+MIN_KEYS = 256
+MAX_KEYS = 8192
+MAX_SLOTS = 131_072  # rows x keys the gather buffers hold at least (64 x 2048, 16 x 8192)
+
+
+@dataclass
+class Bucket:
+    rows: int
+    new: int
+    keys: int
+
+
+def bucket_of(segments, block_size: int, slots: int = MAX_SLOTS) -> Bucket | None:
+    """The bucket a batch fits with `slots` rows x keys of gather buffer, or None (module
+    doc)."""
+    new = max(len(s.token_ids) for s in segments)
+    keys = max(s.start + len(s.token_ids) for s in segments)
+    if len(segments) > MAX_ROWS or new > MAX_NEW or keys > MAX_KEYS or \
+            any(s.parents for s in segments):
+        return None
+    bucket = Bucket(1 << (len(segments) - 1).bit_length(), new, key_bucket(keys, block_size))
+    return bucket if bucket.rows * bucket.keys <= slots else None
+
+
+def key_bucket(keys: int, block_size: int) -> int:
+    """Keys rounded up to a multiple of MIN_KEYS, four buckets per doubling past 2048
+    (2560, 3072, ...): a bucket pads a row's keys by less than MIN_KEYS or by at most a
+    quarter. Every padded key is gathered and attended: powers of two made a 32 x 5 verify
+    over 2,052 keys gather 4,096 a row, and an 8B-shaped step slower than eager (23.1
+    against 20.5 ms on an H200)."""
+    step = max(MIN_KEYS, (1 << (keys - 1).bit_length()) // 8, block_size)
+    return -(-keys // step) * step
+
+
+class DevicePlan:
+    """A bucket's plan for engine.paged's attention, derived on the device from its static
+    inputs (every tensor here is the device's and stays put between replays)."""
+
+    def __init__(self, bucket: Bucket, inputs: torch.Tensor, gathered, windows: set,
+                 group: int, block_size: int, scratch: int) -> None:
+        rows, new, keys = bucket.rows, bucket.new, bucket.keys
+        width = keys // block_size
+        device = inputs.device
+        ids, starts, lengths, tables = inputs.split([rows * new, rows, rows, rows * width])
+        self.ids, tables = ids, tables.view(rows, width)
+        step = torch.arange(new, device=device)
+        position = starts[:, None] + step  # [rows, new]
+        real = step[None, :] < lengths[:, None]
+        query_pos = torch.where(real, position, (starts + lengths - 1)[:, None])
+        block = tables.gather(1, (position // block_size).clamp_(max=width - 1))
+        self.write_slots = torch.where(real, block * block_size + position % block_size,
+                                       scratch * block_size + step % block_size).flatten()
+        key_pos = torch.arange(keys, device=device)
+        gather = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+        self.gather = gather.masked_fill_(key_pos >= (starts + lengths)[:, None], 0).flatten()
+        self.gathered = gathered
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [rows, new, keys]
+        distance = query_pos[:, :, None] - key_pos[None, None, :]
+        self.masks = {window: (visible if window is None else visible & (distance < window))
+                      .repeat(1, group, 1)[:, None] for window in windows}
+        self.queries = Queries(rows, new, keys, None, query_pos, query_pos.flatten(), None)
+
+
+class Recorded:
+    """One bucket: its static inputs, and its graph and output once recorded."""
+
+    def __init__(self, bucket: Bucket, owner: "GraphedForward") -> None:
+        self.bucket, self.owner = bucket, owner
+        width = bucket.keys // owner.block_size
+        device = owner.logits.device
+        self.inputs = torch.zeros(bucket.rows * (bucket.new + 2 + width), dtype=torch.long,
+                                  device=device)
+        self.keep = torch.arange(bucket.rows * bucket.new, device=device)
+        self.graph = None
+
+    def work(self) -> torch.Tensor:
+        owner = self.owner
+        attention = owner.lean.attention
+        plan = DevicePlan(self.bucket, self.inputs, owner.gathered, attention.windows,
+                          attention.group, owner.block_size, owner.scratch)
+        return owner.lean.run(plan.ids, plan, self.keep)
+
+    def __call__(self, host_inputs: torch.Tensor) -> torch.Tensor:
+        """The logits [rows * new, V] of these inputs (with capture: a view of the shared
+        output buffer, to read before the next replay of any bucket)."""
+        self.inputs.copy_(host_inputs)
+        if not self.owner.capture:
+            return self.work()
+        output = self.owner.logits[:self.keep.numel()]
+        if self.graph is None:
+            device = self.inputs.device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.work()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of the replica's other threads (sampling on its
+            # event loop) do not void the capture
+            with torch.cuda.graph(self.graph, pool=self.owner.pool,
+                                  capture_error_mode="thread_local"):
+                output.copy_(self.work())  # the graph's own logits die inside the capture
+        self.graph.replay()
+        return output
+
+
+class GraphedForward:
+    """The lean forward of a paged backend, replayed from per-bucket CUDA graphs where a batch
+    fits a bucket (module doc); `__call__` returns None where it does not."""
+
+    def __init__(self, lean, capture: bool = True) -> None:
+        attention = lean.attention
+        self.lean, self.capture = lean, capture
+        self.block_size = attention.pool.block_size
+        # a block of its own for padding's keys and values, held for the runner's life
+        self.scratch = attention.pool.allocate(1)[0]
+        # what every graph reads and writes outside its pool: a replay reaches its buffers by
+        # address. The gather buffers are the backend's own, grown to MAX_SLOTS now; an eager
+        # batch that grows them further voids the graphs (__call__)
+        self.gathered = attention.buffers(MAX_SLOTS)
+        keys = attention.pool.keys
+        self.logits = keys.new_empty(MAX_ROWS * MAX_NEW, lean.model.lm_head.out_features,
+                                     dtype=lean.embed.weight.dtype)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.recorded: dict[tuple, Recorded] = {}
+
+    def __call__(self, segments) -> list[torch.Tensor] | None:
+        if self.lean.attention.gathered is not self.gathered:  # grown: recorded anew
+            self.gathered = self.lean.attention.gathered
+            self.recorded.clear()
+        bucket = bucket_of(segments, self.block_size, self.gathered[0].shape[0])
+        if bucket is None:
+            return None
+        for segment in segments:  # before any write: a full pool fails the batch untouched
+            segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)
+        key = (bucket.rows, bucket.new, bucket.keys)
+        if key not in self.recorded:
+            self.recorded[key] = Recorded(bucket, self)
+        logits = self.recorded[key](self.host_inputs(segments, bucket))
+        keep = []
+        for row, segment in enumerate(segments):
+            end = row * bucket.new + len(segment.token_ids)
+            keep.extend(range(end - segment.num_logits, end))
+            segment.cache.length = segment.start + len(segment.token_ids)
+        if len(keep) == len(segments) * bucket.new and len(segments) == bucket.rows:
+            kept = logits.clone()  # every row full, every logit wanted: no index to send
+        else:
+            kept = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+        return list(kept.split([s.num_logits for s in segments]))
+
+    def host_inputs(self, segments, bucket: Bucket) -> torch.Tensor:
+        """The static inputs' values (DevicePlan): token ids, starts, lengths, block tables;
+        padding rows start at 0 with one token, their table the scratch block. Built from
+        host lists: a few small torch ops per row cost more (measured: 0.2 against 1.5 ms
+        for 32 rows)."""
+        rows, new, width = bucket.rows, bucket.new, bucket.keys // self.block_size
+        top = self.lean.embed.num_embeddings - 1
+        ids, tables = [0] * (rows * new), [self.scratch] * (rows * width)
+        starts, lengths = [0] * rows, [1] * rows
+        for row, segment in enumerate(segments):
+            fed = segment.token_ids
+            ids[row * new:row * new + len(fed)] = [min(t, top) for t in fed]  # as LeanForward
+            starts[row], lengths[row] = segment.start, len(fed)
+            units = segment.cache.units[:width]  # a rolled-back cache keeps later blocks
+            tables[row * width:(row + 1) * width] = units + [0] * (width - len(units))
+        return longs(ids + starts + lengths + tables)

@@ -1,0 +1,119 @@
+"""engine.graphs on a CPU: the bucketed forward that a GPU records as CUDA graphs, run eagerly
+(capture=False), against fresh forwards of each request's own tokens.
+
+The bugs to catch: padding (rows, tokens, keys) leaking into a request's logits, a padding
+write landing in the zero block or in a request's own blocks, a rolled-back cache whose
+later blocks overflow its bucket's table, and a sliding window lost in the device's masks.
+"""
+
+import pytest
+
+from engine.batch import Segment
+from engine.graphs import MAX_NEW, MAX_ROWS, MAX_SLOTS, GraphedForward, bucket_of, \
+    key_bucket
+from engine.kv import SessionStore
+from tests.unit.test_batch import ATOL, MODELS, batched_rounds_error, full_logits, served, sync
+
+
+def bucketed(name: str):
+    runner = served(name, "paged")
+    runner.graphs = GraphedForward(runner.lean, capture=False)
+    return runner
+
+
+def zero_block_is_zero(runner) -> bool:
+    pool, size = runner.pool, runner.pool.block_size
+    return not pool.keys[:, :size].any() and not pool.values[:, :size].any()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_bucketed_forward_equals_each_request_alone(name):
+    """Four requests of 1-4 drafts each (tokens padded to the longest), the sliding-window
+    models' keys past their window; the prompts' forwards are too long for a bucket."""
+    runner = bucketed(name)
+    assert batched_rounds_error(runner) < ATOL
+    assert runner.graphs.recorded, "no round ran bucketed"
+    assert zero_block_is_zero(runner)
+
+
+def verify_rounds(runner, store, prompts, rounds) -> float:
+    """Each request's prompt alone, then rounds of one committed token and its drafts (rounds
+    [round][request]), each round one forward; the largest gap to a fresh forward."""
+    for i, prompt in enumerate(prompts):
+        runner.forward([store.apply(f"r{i}", sync([], prompt)).segment(runner, [], 1)])
+    known, worst = [list(p) for p in prompts], 0.0
+    for drafts in rounds:
+        segments, wanted = [], []
+        for i, drafted in enumerate(drafts):
+            committed = known[i] + [11 + i]
+            sequence = store.apply(f"r{i}", sync(known[i], committed[len(known[i]):]))
+            known[i] = committed
+            segments.append(sequence.segment(runner, drafted, len(drafted) + 1))
+            wanted.append(committed + drafted)
+        for got, ids, segment in zip(runner.forward(segments), wanted, segments):
+            expected = full_logits(runner.model, ids)[-segment.num_logits:]
+            worst = max(worst, float((got - expected).abs().max()))
+    return worst
+
+
+def test_padding_rows_and_a_rolled_back_cache_keep_every_request_exact():
+    """Three requests (a fourth row of padding); one of them holds 17 blocks after a 9-token
+    verify, then rolls back to 251 positions: its bucket's table has room for 16."""
+    runner, store = bucketed("llama"), SessionStore(8)
+    prompts = [[(5 * i) % 60 + 1 for i in range(250)], [3, 1, 4], [2, 7, 1, 8]]
+    rounds = [[[7] * 8, [5], [6, 6]],  # r0: 9 new tokens, its cache to 259 positions
+              [[9], [4, 4, 4], []]]  # r0 rolled back to 251 positions: 2 new tokens
+    assert verify_rounds(runner, store, prompts, rounds) < ATOL
+    assert len(store.get("r0").cache.units) == 17
+    # the short prompts ran alone; then rows of 9 new tokens over 259 keys, 4 over 253
+    assert set(runner.graphs.recorded) == {(1, 3, 256), (1, 4, 256), (4, 9, 512), (4, 4, 256)}
+    assert zero_block_is_zero(runner)
+    assert runner.graphs.scratch not in runner.pool._free and \
+        runner.pool.refs[runner.graphs.scratch] == 1  # never handed out
+
+
+def test_a_full_bucket_returns_each_request_its_own_logits():
+    """Two requests of three drafts each: every row and token of the bucket is wanted."""
+    runner = bucketed("mistral-sliding")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
+    rounds = [[[1, 2, 3], [4, 5, 6]], [[7, 7, 7], [8, 8, 8]]]
+    assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
+    assert (2, 4, 256) in runner.graphs.recorded
+
+
+def test_gather_buffers_grown_by_an_eager_batch_void_the_recorded_buckets():
+    """A replay reaches the gather buffers by address: once an eager batch grows them, every
+    bucket is recorded anew over the new ones."""
+    runner, prompts, rounds = bucketed("llama"), [[3, 1, 4], [2, 7, 1, 8]], [[[1], [2, 2]]]
+    assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
+    first = runner.graphs.recorded[(2, 3, 256)]
+    grown = runner.lean.attention.buffers(2 * MAX_SLOTS)  # as a long eager batch would
+    assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
+    assert runner.graphs.gathered is grown and runner.graphs.recorded[(2, 3, 256)] is not first
+
+
+def test_a_bucket_pads_a_rows_keys_by_less_than_256_or_at_most_a_quarter():
+    assert [key_bucket(k, 16) for k in (1, 256, 257, 2048, 2049, 2053, 4097, 8192)] == \
+        [256, 256, 512, 2048, 2560, 2560, 5120, 8192]
+    assert all(k <= key_bucket(k, 16) <= max(k + 255, 1.25 * k) and key_bucket(k, 16) % 16 == 0
+               for k in range(1, 9000))
+
+
+def test_batches_outside_every_bucket_run_eager():
+    def segments(count, new, start=0, parents=None):
+        return [Segment(None, [1] * new, start, 1, parents) for _ in range(count)]
+
+    assert bucket_of(segments(3, 2, start=100), 16).__dict__ == {"rows": 4, "new": 2,
+                                                                 "keys": 256}
+    assert bucket_of(segments(MAX_ROWS, MAX_NEW, start=1000), 16).rows == MAX_ROWS
+    assert bucket_of(segments(MAX_ROWS + 1, 1), 16) is None
+    assert bucket_of(segments(1, MAX_NEW + 1), 16) is None
+    assert bucket_of(segments(1, 3, parents=(-1, 0)), 16) is None  # a draft tree
+    assert bucket_of(segments(1, 1, start=9000), 16) is None
+    assert bucket_of(segments(32, 1, start=5000), 16) is None  # 6144 keys a row
+    assert bucket_of(segments(32, 1, start=4000), 16).keys == 4096
+    assert bucket_of(segments(32, 1, start=4000), 16, slots=65_536) is None  # over the buffers
+
+
+def test_a_runner_off_a_gpu_records_no_graphs():
+    assert served("llama", "paged").graphs is None
