@@ -69,8 +69,8 @@ class Sequence:
         self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
         self.unfinished = None  # the call whose feed was cut (chunked prefill), to resume
         self.constraint = None  # a structured output's matcher (speculative.grammar)
-        # what a drafter without a model keeps per request (drafter.suffix.RequestIndex):
-        # dropped on a full-prefix rebuild, closed with the session
+        # what a drafter without a model keeps per request (drafter.suffix.RequestIndex,
+        # drafter.ngram.TokenBytes): dropped on a full-prefix rebuild, closed with the session
         self.drafter_state = None
 
     def apply(self, sync: PrefixSync) -> None:
