@@ -2,8 +2,12 @@
 often followed the context's longest matching suffix, from token tries of bounded depth.
 
 Two indexes: one over the request's own committed tokens (prompt and output), extended as
-tokens commit, and one global over the outputs of recent finished requests (bounded: the
-oldest output leaves when a new one would exceed `max_global_outputs`). Only committed
+tokens commit, and one global over the outputs of recent finished requests, bounded in
+outputs (`max_global_outputs`) and in tokens (`max_global_tokens`): the oldest outputs leave
+while either is exceeded, and an output longer than the token bound alone keeps its last
+tokens. The tries are uncompressed, about 6 KB a token of text that never repeats (measured:
+5.9-6.4 KB at depth 24), so the token bound is the global index's memory bound: 32,768
+tokens, about 200 MB at worst. Only committed
 tokens are indexed, never a drafted token the target rejected.
 
 A proposal finds, in each index, the longest suffix of the context (at most `max_depth`
@@ -172,17 +176,19 @@ class SuffixDrafter(NgramDrafter):
 
     def __init__(self, vocab_size: int, *, max_depth: int = 24, min_token_prob: float = 0.1,
                  max_spec_factor: float = 2.0, max_global_outputs: int = 256,
-                 **session_options) -> None:
+                 max_global_tokens: int = 32_768, **session_options) -> None:
         super().__init__(vocab_size, **session_options)
         if max_depth < 2 or not 0 < min_token_prob <= 1 or max_spec_factor <= 0 \
-                or max_global_outputs < 0:
+                or max_global_outputs < 0 or max_global_tokens < 0:
             raise ValueError("suffix drafting needs max_depth >= 2, 0 < min_token_prob <= 1, "
-                             "max_spec_factor > 0 and max_global_outputs >= 0")
+                             "max_spec_factor > 0, max_global_outputs >= 0 and "
+                             "max_global_tokens >= 0")
         self.max_depth, self.min_token_prob = max_depth, min_token_prob
         self.max_spec_factor = max_spec_factor
         self.global_index = SuffixIndex(max_depth)
         self.outputs: deque[list[int]] = deque()
-        self.max_global_outputs = max_global_outputs
+        self.max_global_outputs, self.max_global_tokens = max_global_outputs, max_global_tokens
+        self.global_tokens = 0  # in self.outputs
 
     def indexes(self, call, sequence) -> tuple["SuffixIndex", "SuffixIndex"]:
         """The request's own index (made on its session's first call or after a rebuild,
@@ -218,11 +224,18 @@ class SuffixDrafter(NgramDrafter):
             sequence.committed = list(token_ids)
 
     def remember(self, output: list[int]) -> None:
-        """A finished request's output (as far as this drafter saw it committed) joins the
-        global index; the oldest leaves past max_global_outputs."""
-        if not self.max_global_outputs:
+        """A finished request's output (as far as this drafter saw it committed; its last
+        max_global_tokens) joins the global index; the oldest leave while the outputs or
+        their tokens are over their bounds."""
+        output = output[len(output) - self.max_global_tokens:] \
+            if len(output) > self.max_global_tokens else output
+        if not self.max_global_outputs or not output:
             return
         self.global_index.add(output)
         self.outputs.append(output)
-        while len(self.outputs) > self.max_global_outputs:
-            self.global_index.add(self.outputs.popleft(), sign=-1)
+        self.global_tokens += len(output)
+        while len(self.outputs) > self.max_global_outputs or \
+                self.global_tokens > self.max_global_tokens:
+            oldest = self.outputs.popleft()
+            self.global_index.add(oldest, sign=-1)
+            self.global_tokens -= len(oldest)

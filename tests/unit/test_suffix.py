@@ -88,6 +88,25 @@ def test_outputs_of_finished_requests_propose_for_later_ones_within_a_bound():
     assert len(drafter.sessions) == 1
 
 
+def test_the_global_index_is_bounded_in_tokens_too():
+    """Outputs leave, oldest first, while their tokens are over max_global_tokens; one longer
+    than the bound alone keeps its last tokens; the tries count exactly what is left."""
+    drafter = SuffixDrafter(16, max_global_tokens=6, max_spec_factor=2)
+    for output in ([1, 2, 3], [4, 5], [6, 7, 8], list(range(9, 17))):
+        drafter.remember(output)
+        kept = [token for kept in drafter.outputs for token in kept]
+        assert drafter.global_tokens == len(kept) <= 6
+        reference = SuffixIndex(drafter.max_depth)
+        for kept in drafter.outputs:
+            reference.add(kept)
+        assert tries(drafter.global_index.root) == tries(reference.root)
+    assert list(drafter.outputs) == [[11, 12, 13, 14, 15, 16]]
+
+
+def tries(node) -> dict:
+    return {token: (child.count, tries(child)) for token, child in node.children.items()}
+
+
 def test_the_pools_release_feeds_the_global_index_and_a_reused_id_starts_over():
     """A drafter pool releases through its session store (deployments.pools: Release), not
     the engine's release: the output still joins the global index. A later request under
