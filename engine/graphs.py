@@ -18,12 +18,14 @@ work recorded as a CUDA graph and replayed 2.0 ms (`bench.graphs`, docs/engine.m
   key, so no row is fully masked.
 
 A batch outside every bucket (a prefill chunk, a draft tree, more rows, a longer context)
-runs eager, as does everything off a GPU. Each bucket's graph is recorded at its first
+runs eager, as does everything off a GPU, a bucket whose capture failed, and a model whose
+rotary embedding updates on the host (`graphs_refused`). Each bucket's graph is recorded at its first
 batch, after warm-ups on a side stream (CUDA's rule); all graphs share one memory pool, one
 output buffer and the backend's gather buffers. `capture=False` runs the same bucketed
 forward eagerly: the suite checks it against fresh forwards on a CPU.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,8 @@ MAX_NEW = 9
 MIN_KEYS = 256
 MAX_KEYS = 8192
 MAX_SLOTS = 131_072  # rows x keys the gather buffers hold at least (64 x 2048, 16 x 8192)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,7 +66,8 @@ def key_bucket(keys: int, block_size: int) -> int:
     quarter. Every padded key is gathered and attended: powers of two made a 32 x 5 verify
     over 2,052 keys gather 4,096 a row, and an 8B-shaped step slower than eager (23.1
     against 20.5 ms on an H200)."""
-    step = max(MIN_KEYS, (1 << (keys - 1).bit_length()) // 8, block_size)
+    step = max(MIN_KEYS, (1 << (keys - 1).bit_length()) // 8)
+    step = -(-step // block_size) * block_size  # whole blocks: the table's width
     return -(-keys // step) * step
 
 
@@ -75,7 +80,8 @@ class DevicePlan:
         rows, new, keys = bucket.rows, bucket.new, bucket.keys
         width = keys // block_size
         device = inputs.device
-        ids, starts, lengths, tables = inputs.split([rows * new, rows, rows, rows * width])
+        ids, starts, lengths, tables, _ = inputs.split([rows * new, rows, rows, rows * width,
+                                                        rows * new])  # last: Recorded's
         self.ids, tables = ids, tables.view(rows, width)
         step = torch.arange(new, device=device)
         position = starts[:, None] + step  # [rows, new]
@@ -96,106 +102,153 @@ class DevicePlan:
 
 
 class Recorded:
-    """One bucket: its static inputs, and its graph and output once recorded."""
+    """One bucket: its static inputs, and its graph once recorded. The inputs' last rows x new
+    entries are the positions whose logits the batch wants (`kept`): they travel in the same
+    copy, so no second host-to-device copy waits for the replay."""
 
     def __init__(self, bucket: Bucket, owner: "GraphedForward") -> None:
         self.bucket, self.owner = bucket, owner
         width = bucket.keys // owner.block_size
         device = owner.logits.device
-        self.inputs = torch.zeros(bucket.rows * (bucket.new + 2 + width), dtype=torch.long,
+        self.inputs = torch.zeros(bucket.rows * (2 * bucket.new + 2 + width), dtype=torch.long,
                                   device=device)
-        self.keep = torch.arange(bucket.rows * bucket.new, device=device)
+        self.wanted = self.inputs[-bucket.rows * bucket.new:]
+        self.every = torch.arange(bucket.rows * bucket.new, device=device)
         self.graph = None
 
     def work(self) -> torch.Tensor:
+        """The bucket's device work over its static inputs: the logits of every position."""
         owner = self.owner
         attention = owner.lean.attention
         plan = DevicePlan(self.bucket, self.inputs, owner.gathered, attention.windows,
                           attention.group, owner.block_size, owner.scratch)
-        return owner.lean.run(plan.ids, plan, self.keep)
+        return owner.lean.run(plan.ids, plan, self.every)
 
-    def __call__(self, host_inputs: torch.Tensor) -> torch.Tensor:
-        """The logits [rows * new, V] of these inputs (with capture: a view of the shared
-        output buffer, to read before the next replay of any bucket)."""
+    def __call__(self, host_inputs: torch.Tensor, kept: int) -> torch.Tensor:
+        """The logits of these inputs' first `kept` wanted positions, [kept, V] (a tensor of
+        the caller's own)."""
         self.inputs.copy_(host_inputs)
         if not self.owner.capture:
-            return self.work()
-        output = self.owner.logits[:self.keep.numel()]
+            return self.work()[self.wanted[:kept]]
+        output = self.owner.logits[:self.every.numel()]
         if self.graph is None:
-            device = self.inputs.device
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.work()
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls of the replica's other threads (sampling on its
-            # event loop) do not void the capture
-            with torch.cuda.graph(self.graph, pool=self.owner.pool,
-                                  capture_error_mode="thread_local"):
-                output.copy_(self.work())  # the graph's own logits die inside the capture
+            self.graph = self.record(output)
         self.graph.replay()
-        return output
+        return output[self.wanted[:kept]]
+
+    def record(self, output: torch.Tensor):
+        """The graph of `work`, writing into `output`, after warm-ups on a side stream
+        (CUDA's rule: allocations and lazy initialisations happen before the capture)."""
+        device = self.inputs.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.work()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of the replica's other threads (sampling on its event
+        # loop) do not void the capture
+        with torch.cuda.graph(graph, pool=self.owner.pool, capture_error_mode="thread_local"):
+            output.copy_(self.work())  # the graph's own logits die inside the capture
+        return graph  # only once recorded: a failed capture leaves nothing to replay
 
 
 class GraphedForward:
     """The lean forward of a paged backend, replayed from per-bucket CUDA graphs where a batch
-    fits a bucket (module doc); `__call__` returns None where it does not."""
+    fits a bucket (module doc): `bucket(segments)` says whether it does, `__call__` runs it."""
 
     def __init__(self, lean, capture: bool = True) -> None:
         attention = lean.attention
         self.lean, self.capture = lean, capture
         self.block_size = attention.pool.block_size
-        # a block of its own for padding's keys and values, held for the runner's life
+        # a block of its own for padding's keys and values, held for the runner's life and
+        # out of the pool's capacity (a request that needs it is refused as too long)
         self.scratch = attention.pool.allocate(1)[0]
+        attention.pool.max_tokens -= self.block_size
         # what every graph reads and writes outside its pool: a replay reaches its buffers by
         # address. The gather buffers are the backend's own, grown to MAX_SLOTS now; an eager
-        # batch that grows them further voids the graphs (__call__)
+        # batch that grows them further voids the graphs (`bucket`)
         self.gathered = attention.buffers(MAX_SLOTS)
         keys = attention.pool.keys
         self.logits = keys.new_empty(MAX_ROWS * MAX_NEW, lean.model.lm_head.out_features,
                                      dtype=lean.embed.weight.dtype)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.recorded: dict[tuple, Recorded] = {}
+        self.eager: set[tuple] = set()  # buckets whose capture failed: they run eager
 
-    def __call__(self, segments) -> list[torch.Tensor] | None:
+    def bucket(self, segments) -> Bucket | None:
+        """The bucket this batch replays, or None: it runs eager."""
         if self.lean.attention.gathered is not self.gathered:  # grown: recorded anew
             self.gathered = self.lean.attention.gathered
             self.recorded.clear()
+            # a fresh pool: the old one stays pinned by what its first capture allocated
+            self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         bucket = bucket_of(segments, self.block_size, self.gathered[0].shape[0])
-        if bucket is None:
+        if bucket is None or (bucket.rows, bucket.new, bucket.keys) in self.eager:
             return None
-        for segment in segments:  # before any write: a full pool fails the batch untouched
-            segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)
+        return bucket
+
+    def __call__(self, segments, bucket: Bucket) -> list[torch.Tensor]:
+        """Each segment's logits, as LeanForward's, from the bucket's graph (recorded at its
+        first batch). A capture that fails leaves the batch to the eager forward (raised as
+        GraphFailed) and its bucket eager from then on."""
+        reserve(segments)
         key = (bucket.rows, bucket.new, bucket.keys)
         if key not in self.recorded:
             self.recorded[key] = Recorded(bucket, self)
-        logits = self.recorded[key](self.host_inputs(segments, bucket))
-        keep = []
-        for row, segment in enumerate(segments):
-            end = row * bucket.new + len(segment.token_ids)
-            keep.extend(range(end - segment.num_logits, end))
+        host, kept = self.host_inputs(segments, bucket)
+        try:
+            logits = self.recorded[key](host, kept)
+        except RuntimeError as error:  # out of memory for the graph's pool included
+            if self.recorded[key].graph is not None:
+                raise  # a replay's failure is the forward's
+            del self.recorded[key]
+            self.eager.add(key)
+            logger.warning("CUDA graph of bucket %s not recorded, it runs eager: %s", key, error)
+            raise GraphFailed from error
+        for segment in segments:
             segment.cache.length = segment.start + len(segment.token_ids)
-        if len(keep) == len(segments) * bucket.new and len(segments) == bucket.rows:
-            kept = logits.clone()  # every row full, every logit wanted: no index to send
-        else:
-            kept = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-        return list(kept.split([s.num_logits for s in segments]))
+        return list(logits.split([s.num_logits for s in segments]))
 
-    def host_inputs(self, segments, bucket: Bucket) -> torch.Tensor:
-        """The static inputs' values (DevicePlan): token ids, starts, lengths, block tables;
-        padding rows start at 0 with one token, their table the scratch block. Built from
-        host lists: a few small torch ops per row cost more (measured: 0.2 against 1.5 ms
-        for 32 rows)."""
+    def host_inputs(self, segments, bucket: Bucket) -> tuple[torch.Tensor, int]:
+        """The static inputs' values (DevicePlan): token ids, starts, lengths, block tables,
+        then the wanted positions; and how many are wanted. Padding rows start at 0 with one
+        token, their table the scratch block. Built from host lists: a few small torch ops
+        per row cost more (measured: 0.2 against 1.5 ms for 32 rows)."""
         rows, new, width = bucket.rows, bucket.new, bucket.keys // self.block_size
         top = self.lean.embed.num_embeddings - 1
         ids, tables = [0] * (rows * new), [self.scratch] * (rows * width)
-        starts, lengths = [0] * rows, [1] * rows
+        starts, lengths, wanted = [0] * rows, [1] * rows, []
         for row, segment in enumerate(segments):
             fed = segment.token_ids
             ids[row * new:row * new + len(fed)] = [min(t, top) for t in fed]  # as LeanForward
             starts[row], lengths[row] = segment.start, len(fed)
             units = segment.cache.units[:width]  # a rolled-back cache keeps later blocks
             tables[row * width:(row + 1) * width] = units + [0] * (width - len(units))
-        return longs(ids + starts + lengths + tables)
+            end = row * new + len(fed)
+            wanted.extend(range(end - segment.num_logits, end))
+        padded = wanted + [0] * (rows * new - len(wanted))
+        return longs(ids + starts + lengths + tables + padded), len(wanted)
+
+
+def graphs_refused(lean) -> str | None:
+    """Why this model's forward cannot be recorded, or None. transformers' dynamic and
+    LongRoPE rotary embeddings decide on the host, from the positions' values, whether to
+    recompute their frequencies (a device-to-host read a capture forbids), and re-register
+    them as new tensors (a replay would read the old ones)."""
+    rope_type = getattr(lean.rotary, "rope_type", "default")
+    if "dynamic" in rope_type or "longrope" in rope_type:
+        return f"rope_type {rope_type!r} updates its frequencies on the host"
+    return None
+
+
+class GraphFailed(RuntimeError):
+    """A bucket's capture failed: the batch runs eager (engine.runner), the bucket too."""
+
+
+def reserve(segments) -> None:
+    """Blocks for every segment's feed before any write: a full pool fails the batch
+    untouched (KVCacheFull), as engine.paged's plan does."""
+    for segment in segments:
+        segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)

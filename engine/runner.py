@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from engine.batch import forward_packed, use_packed_attention
 from engine.cache import BLOCK_SIZE
 from engine.checkpoint import sliding_window
-from engine.graphs import GraphedForward
+from engine.graphs import GraphedForward, GraphFailed, graphs_refused
 from engine.lean import LeanForward, lean_supported
 from engine.memory import KVBudgetTooSmall, context_length, kv_shape
 from engine.paged import BlockPool, PagedAttention, kv_pool_blocks
@@ -99,10 +99,12 @@ class ModelRunner:
 
     @torch.inference_mode()  # every forward (the lean one's and transformers') enters here
     def forward(self, segments) -> list[torch.Tensor]:
-        if self.graphs is not None:
-            logits = self.graphs(segments)
-            if logits is not None:
-                return logits
+        bucket = None if self.graphs is None else self.graphs.bucket(segments)
+        if bucket is not None:
+            try:
+                return self.graphs(segments, bucket)
+            except GraphFailed:
+                pass  # its capture failed (logged): this batch and its bucket run eager
         if self.lean is not None:
             return self.lean(segments)
         return forward_packed(self.model, segments)
@@ -163,9 +165,14 @@ def serving_runner(model, engine: str = "auto", attention: str = "auto",
         return ModelRunner(model)
     chosen = backend(model, attention, kv_cache_tokens, max_sequences, max_new_per_sequence,
                      block_size)
-    lean = LeanForward(model, chosen)
-    graphs = GraphedForward(lean) if cuda_graphs and chosen.name == "paged" and \
-        chosen.pool.keys.device.type == "cuda" else None
+    lean, graphs = LeanForward(model, chosen), None
+    if cuda_graphs and chosen.name == "paged" and chosen.pool.keys.device.type == "cuda":
+        refused = graphs_refused(lean)
+        if refused is None:
+            graphs = GraphedForward(lean)  # it holds a block of the pool as its scratch
+        else:
+            logger.info("engine: no CUDA graphs: %s", refused)
     logger.info("engine: lean, attention %s%s, %d %s in the KV pool", chosen.name,
-                ", CUDA graphs" if graphs else "", chosen.pool.count - 1, chosen.pool.unit_name)
+                ", CUDA graphs" if graphs else "", chosen.pool.free_units,
+                chosen.pool.unit_name)
     return ModelRunner(model, lean, graphs)

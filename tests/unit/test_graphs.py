@@ -7,16 +7,20 @@ later blocks overflow its bucket's table, and a sliding window lost in the devic
 """
 
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine import graphs
 from engine.batch import Segment
 from engine.graphs import MAX_NEW, MAX_ROWS, MAX_SLOTS, GraphedForward, bucket_of, \
-    key_bucket
+    graphs_refused, key_bucket
 from engine.kv import SessionStore
+from engine.runner import serving_runner
 from tests.unit.test_batch import ATOL, MODELS, batched_rounds_error, full_logits, served, sync
 
 
-def bucketed(name: str):
-    runner = served(name, "paged")
+def bucketed(name: str, block_size: int = 16):
+    runner = serving_runner(MODELS[name](), "paged", "paged", kv_cache_tokens=4096,
+                            block_size=block_size)
     runner.graphs = GraphedForward(runner.lean, capture=False)
     return runner
 
@@ -97,6 +101,57 @@ def test_a_bucket_pads_a_rows_keys_by_less_than_256_or_at_most_a_quarter():
         [256, 256, 512, 2048, 2560, 2560, 5120, 8192]
     assert all(k <= key_bucket(k, 16) <= max(k + 255, 1.25 * k) and key_bucket(k, 16) % 16 == 0
                for k in range(1, 9000))
+
+
+def test_a_block_size_that_does_not_divide_256_keeps_whole_blocks_in_a_bucket():
+    runner = bucketed("llama", block_size=48)
+    prompts = [[(5 * i) % 60 + 1 for i in range(250)], [3, 1, 4]]
+    assert verify_rounds(runner, SessionStore(4), prompts, [[[7] * 8, [5]], [[9], [4]]]) < ATOL
+    assert {keys % 48 for _, _, keys in runner.graphs.recorded} == {0}
+
+
+def test_a_failed_capture_leaves_its_batch_and_bucket_to_the_eager_forward(monkeypatch):
+    """What a GPU does when a bucket cannot be recorded (a host sync, the graph pool out of
+    memory): the batch still gets its logits, and the bucket is never tried again."""
+    runner = bucketed("llama")
+    tries = []
+
+    def refused(self, output):
+        tries.append(self.bucket)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs.Recorded, "record", refused)
+    runner.graphs.capture = True
+    prompts, rounds = [[3, 1, 4], [2, 7, 1, 8]], [[[1], [2, 2]], [[3], [4, 4]]]
+    assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
+    assert (2, 3, 256) in runner.graphs.eager and not runner.graphs.recorded
+    assert [(b.rows, b.new, b.keys) for b in tries].count((2, 3, 256)) == 1
+
+
+def test_rotary_embeddings_that_update_on_the_host_are_never_recorded():
+    assert graphs_refused(served("llama", "paged").lean) is None
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                          "rope_theta": 10_000.0})
+    dynamic = serving_runner(LlamaForCausalLM(config).eval(), "paged", "paged",
+                             kv_cache_tokens=4096)
+    assert "dynamic" in graphs_refused(dynamic.lean)
+
+
+def test_the_scratch_block_is_out_of_the_pools_capacity():
+    runner = served("llama", "paged")
+    before = runner.pool.max_tokens
+    GraphedForward(runner.lean, capture=False)
+    assert runner.pool.max_tokens == before - runner.pool.block_size
+
+
+def test_the_zero_block_check_catches_padding_written_into_block_0():
+    """The mutant: padding's keys and values into block 0 instead of a scratch block."""
+    runner = bucketed("llama")
+    runner.graphs.scratch = 0
+    verify_rounds(runner, SessionStore(4), [[3, 1, 4], [2, 7, 1, 8], [5, 5]], [[[1], [2], []]])
+    assert not zero_block_is_zero(runner)
 
 
 def test_batches_outside_every_bucket_run_eager():
