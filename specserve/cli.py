@@ -230,10 +230,11 @@ def k_value(text: str) -> int | str:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    from speculative.options import MAX_PLAIN_STEPS, MAX_TREE_WIDTH
+    from speculative.options import MAX_PLAIN_STEPS, MAX_SPECULATIVE_TOKENS, MAX_TREE_WIDTH
 
-    if args.num_speculative_tokens != "auto" and args.num_speculative_tokens < 0:
-        parser.error("--num-speculative-tokens must be >= 0")
+    k = args.num_speculative_tokens
+    if k != "auto" and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        parser.error(f"--num-speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
     if args.n < 1:
         parser.error("--n must be >= 1")
     if not 1 <= args.plain_steps <= MAX_PLAIN_STEPS:
@@ -248,7 +249,6 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--tree-nodes must be in [1, 64]")
     if args.tree_nodes is not None and args.tree_width == 1:
         parser.error("--tree-nodes shapes a tree: give --tree-width > 1")
-    k = args.num_speculative_tokens
     if args.tree_nodes is not None and k != "auto" and args.tree_nodes <= k:
         parser.error(f"--tree-nodes ({args.tree_nodes}) must exceed -k ({k}), the tree's "
                      "main chain: a chain alone is -k without a tree")

@@ -140,8 +140,8 @@ def draft_beside(state: RequestState, k: int, fresh: bool) -> int | None:
     """
     if k <= 0 or state.draft_backoff.skipping:
         return None
-    if fresh and tests_predraft(state.request.sampling):
-        return min(k + 1, state.remaining - 1) or None
+    if fresh and tests_predraft(state.request.sampling):  # no call drafts more than the max
+        return min(k + 1, state.remaining - 1, MAX_SPECULATIVE_TOKENS) or None
     return None if state.drafter_called else 0
 
 
@@ -247,7 +247,7 @@ def start_predraft(state: RequestState, drafter: Drafter, policy: KPolicy, block
                                                    beside=True))
     tests_y1 = tests_predraft(state.request.sampling)  # then y1 is tested at the bonus
     next_k = min(policy.num_speculative_tokens() + tests_y1,
-                 state.remaining - len(block.token_ids) - 1)
+                 state.remaining - len(block.token_ids) - 1, MAX_SPECULATIVE_TOKENS)
     if not pipelined or not block.token_ids or next_k <= 0 or state.draft_backoff.skipping:
         return None
     return asyncio.ensure_future(

@@ -75,6 +75,7 @@ BAD_GENERATE_FLAGS = [
     (["--top-k", "-2"], "top_k"),
     (["--max-tokens", "0"], "max_tokens"),
     (["-k", "-1"], "num-speculative-tokens"),
+    (["-k", "65"], "num-speculative-tokens"),  # over the drafters' bound
     (["--n", "0"], "--n"),
     (["--plain-steps", "0"], "--plain-steps"),
     (["--drafter", "tree"], "invalid choice"),

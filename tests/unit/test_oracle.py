@@ -7,6 +7,7 @@ import pytest
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
+from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from tests.tiny import DraftsFirst, cutting_costs, hf_greedy, noisy_copy, run, tiny_llama
@@ -122,6 +123,20 @@ def test_pipelined_rounds_that_draft_first_equal_target_greedy(target, reference
     assert len(drafter.sessions) == 0 and len(verifier.sessions) == 0
     if kind == "self" or k < 4:
         assert pre_drafted > 0  # whole blocks were accepted and their pre-drafts carried
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_largest_k_pipelined_asks_the_drafter_for_no_more_than_its_bound(target,
+                                                                             temperature):
+    """K = MAX_SPECULATIVE_TOKENS, whole blocks accepted: a pre-draft of K + 1 tokens (y1
+    tested at the bonus position) would be over the drafter's bound, refused, and the request
+    lost; it asks for the bound."""
+    prompt, params = prompts()[1], SamplingParams(temperature=temperature, max_tokens=200, seed=1)
+    out, state = run(ModelDrafter(target), ModelVerifier(target), prompt, params,
+                     MAX_SPECULATIVE_TOKENS, pipelined=True)
+    assert len(out) == 200 and state.stats.pipelined_rounds > 0
+    if temperature == 0:
+        assert out == hf_greedy(target, prompt, 200)
 
 
 def test_stop_tokens_end_the_output_and_are_included(target, references):
