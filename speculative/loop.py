@@ -176,7 +176,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
     predraft = start_predraft(state, drafter, policy, block, beside, pipelined)
     steps = plain_steps(state, block, predraft)
-    scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft, steps))
+    scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft, steps,
+                                         bonus=beside != 0))
     greedy = state.request.sampling.greedy
     outcome, scores = accept(block, scores, greedy, state.generator)
     outcome, next_block = await settle_predraft(predraft, meter, outcome, block, scores, greedy,
@@ -255,15 +256,18 @@ def start_predraft(state: RequestState, drafter: Drafter, policy: KPolicy, block
 
 
 async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, seed: int,
-                 predraft: asyncio.Future | None, steps: int = 1) -> TargetScores:
+                 predraft: asyncio.Future | None, steps: int = 1, bonus: bool = True
+                 ) -> TargetScores:
     """The target's scores of the block (of `steps` tokens without one: plain_steps); a
-    failure cancels the pre-draft beside it."""
+    failure cancels the pre-draft beside it. bonus: whether the pre-draft can bring a token
+    to test at the bonus position (not the drafter's prefill of a first round, which drafts
+    nothing: p(K + 1) would be a dense row shipped for nothing)."""
     request = state.request
     score = lambda sync: verifier.score(ScoreCall(  # noqa: E731
         request.request_id, sync, block.token_ids, request.sampling, block.draft_probs, seed,
         len(request.prompt_token_ids),
         # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
-        return_bonus_probs=predraft is not None and not request.sampling.greedy
+        return_bonus_probs=predraft is not None and bonus and not request.sampling.greedy
         and request.sampling.logprobs is None, draft_parents=block.parents,
         placement=request.placement, steps=steps, stop_token_ids=request.stop_token_ids))
     try:
@@ -302,9 +306,11 @@ async def run_rounds(state: RequestState, drafter: Drafter, verifier: Verifier, 
                                                pipelined)
             yield committed
     finally:
-        if state.drafter_called:
-            observe = getattr(drafter, "observe", None)  # optional (types.Drafter)
-            if observe is not None:
-                observe(state.request.request_id, list(state.committed))
-            await drafter.release(state.request.request_id)
-        await verifier.release(state.request.request_id)
+        try:
+            if state.drafter_called:
+                observe = getattr(drafter, "observe", None)  # optional (types.Drafter)
+                if observe is not None:
+                    observe(state.request.request_id, list(state.committed))
+                await drafter.release(state.request.request_id)
+        finally:  # the verifier's cache is released whatever the drafter's release does
+            await verifier.release(state.request.request_id)

@@ -139,6 +139,44 @@ def test_the_largest_k_pipelined_asks_the_drafter_for_no_more_than_its_bound(tar
         assert out == hf_greedy(target, prompt, 200)
 
 
+class BonusAsked:
+    """A verifier that records, per call, whether it was asked for p(K + 1)."""
+
+    def __init__(self, verifier) -> None:
+        self.verifier, self.asked = verifier, []
+
+    async def score(self, call):
+        self.asked.append(call.return_bonus_probs)
+        return await self.verifier.score(call)
+
+    async def release(self, request_id: str) -> None:
+        await self.verifier.release(request_id)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_p_of_the_bonus_position_is_asked_for_only_where_a_predraft_can_test_it(target,
+                                                                               pipelined):
+    """Unpipelined, a sampled request's first round runs the drafter's prefill beside its
+    verify: it drafts nothing, so p(K + 1) (a dense row) would travel for nothing, and no
+    later round pre-drafts. Pipelined rounds pre-draft the next block and ask for it."""
+    verifier = BonusAsked(ModelVerifier(target))
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
+    run(ModelDrafter(target), verifier, prompts()[2], params, 3, pipelined=pipelined)
+    assert len(verifier.asked) > 1 and any(verifier.asked) == pipelined
+
+
+def test_a_drafter_release_that_fails_still_releases_the_verifiers_cache(target):
+    class FailingRelease(ModelDrafter):
+        async def release(self, request_id: str) -> None:
+            raise RuntimeError("the drafter's release failed")
+
+    verifier = ModelVerifier(target)
+    with pytest.raises(RuntimeError, match="release failed"):
+        run(FailingRelease(target), verifier, prompts()[1],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS), 3)
+    assert len(verifier.sessions) == 0
+
+
 def test_stop_tokens_end_the_output_and_are_included(target, references):
     prompt, expected = prompts()[2], references[2]
     stop = expected[5]
