@@ -214,6 +214,7 @@ class CompletionRequest(SamplingFields):
     # a prompt (text or token ids), or a batch of them: n choices each
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True  # extension (as vLLM): a text prompt gets BOS and the like
     # OpenAI's, not supported: refused rather than ignored, as each changes the answer
     echo: bool = False
     suffix: str | None = None
@@ -326,6 +327,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True
+    add_special_tokens: bool = False  # extension (as vLLM): the chat template has its own
 
     @field_validator("top_logprobs")
     @classmethod

@@ -102,10 +102,11 @@ class PromptReader:
         return stop_token_ids(self.end_ids, requested, body.ignore_eos and not constrained)
 
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
+        special = body.add_special_tokens  # vLLM's defaults: completions yes, chat no
         if chat:
-            ids = self.tokenizer(self.chat_text(body), add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(self.chat_text(body), add_special_tokens=special)["input_ids"]
         elif isinstance(body.prompt, str):
-            ids = self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(body.prompt, add_special_tokens=special)["input_ids"]
         else:
             ids = body.prompt
             if any(not 0 <= t < self.vocab_size for t in ids):

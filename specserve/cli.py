@@ -137,7 +137,8 @@ def generate(args) -> dict:
     from speculative.driver import Generation, text_decoder
 
     tokenizer = load_tokenizer(args.target)
-    prompt_ids = tuple(tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
+    # with the tokenizer's special tokens (a Llama checkpoint's BOS), as a completions prompt
+    prompt_ids = tuple(tokenizer(args.prompt)["input_ids"])
     if not prompt_ids:
         raise ValueError("the prompt tokenizes to nothing: give at least one character")
     drafter, verifier, _ = build_engines(args)

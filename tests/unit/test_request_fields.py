@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from deployments.ingress import BadRequest, parse
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.prompts import PromptReader
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -129,3 +130,28 @@ def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_all_read():
     assert refused.value.status == 413 and len(sent) == 67  # the head and 66 KiB: past it
     request, _ = chunked_request([head, b"x" * 1024, b'"}'])
     assert len(asyncio.run(parse(request, CompletionRequest, 1024)).prompt) == 1024
+
+
+class MarksSpecials:
+    """A tokenizer that puts a BOS (id 1) first when asked for special tokens, as Llama's."""
+
+    def __call__(self, text: str, add_special_tokens: bool) -> dict:
+        return {"input_ids": [1] * add_special_tokens + [2 + len(word) for word in text.split()]}
+
+    chat_template = "the messages' contents, spaced"
+
+    def apply_chat_template(self, messages, **options) -> str:
+        return " ".join(message["content"] for message in messages)
+
+
+@pytest.mark.parametrize("body, chat, first", [
+    ({"prompt": "one two"}, False, 1),  # vLLM's defaults: a completions prompt gets BOS
+    ({"prompt": "one two", "add_special_tokens": False}, False, 5),
+    ({"messages": [{"role": "user", "content": "one two"}]}, True, 5),  # the template's own
+    ({"messages": [{"role": "user", "content": "one"}], "add_special_tokens": True}, True, 1),
+])
+def test_special_tokens_are_added_as_vllm_adds_them(body, chat, first):
+    reader = PromptReader.__new__(PromptReader)  # its tokenizing alone
+    reader.tokenizer, reader.vocab_size, reader.context_limit = MarksSpecials(), 100, 1000
+    parsed = (ChatCompletionRequest if chat else CompletionRequest)(model="m", **body)
+    assert reader.token_ids(parsed, chat)[0] == first
