@@ -58,12 +58,13 @@ class Choices:
         return self.plan.request_id
 
     async def run_choice(self, index: int, on_text) -> Generation:
+        """Choice `index` decoded, on_text(generation, delta) awaited at each text delta."""
         choice = self.plan.choices[index]
         generation = Generation(choice.request, self.decode, self.stop_token_ids)
         try:
             async for delta in generation.stream(*self.pools, choice.policy,
                                                  self.plan.pipelined):
-                await on_text(index, delta)
+                await on_text(generation, delta)
         finally:  # a failed or cancelled choice's rounds count too (retries, fallbacks)
             self.metrics.record(generation.state)
         return generation
@@ -73,7 +74,7 @@ class Choices:
         return all_or_none(run(index) for index in range(len(self.plan.choices)))
 
     async def complete(self) -> dict:
-        async def ignore(index, delta):
+        async def ignore(generation, delta):
             pass
 
         done = await self.all_choices(lambda index: self.run_choice(index, ignore))
@@ -123,19 +124,23 @@ class Choices:
         yield "data: [DONE]\n\n"
 
     async def stream_choice(self, index: int, queue: asyncio.Queue) -> Generation:
-        """One choice's chunks into the queue: the role (chat), its text deltas, its end (with
-        tools: what may be a call is held to the end, then sent as content or as calls)."""
+        """One choice's chunks into the queue: the role (chat), its text deltas, each with the
+        logprobs of the tokens committed since the last chunk when asked for (as OpenAI and
+        vLLM stream them), its end (with tools: what may be a call is held to the end, then
+        sent as content or as calls)."""
         def chunk(text, finish_reason=None, **fields) -> str:
             return json.dumps(chunk_body(self.request_id, self.model, index, text,
                                          finish_reason, self.chat, **fields))
 
         delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat)
         held = HeldContent() if self.tools else None
+        logged = self.streamed_logprobs(index)
 
-        async def push(_, delta):
+        async def push(generation, delta):
             if held is not None and not (delta := held.feed(delta)):
-                return
-            await queue.put(delta_chunk(delta))
+                return  # its tokens' logprobs go with the next chunk
+            await queue.put(chunk(delta, logprobs=logged(generation)) if logged else
+                            delta_chunk(delta))
 
         if self.chat:
             await queue.put(chunk("", role="assistant"))
@@ -144,14 +149,36 @@ class Choices:
         if held is not None:
             content, calls = self.tools.read_calls(generation.text)
             if rest := held.rest(content):
-                await queue.put(delta_chunk(rest))
+                await push(generation, rest)
             if calls:
                 await queue.put(chunk(None, tool_calls=call_deltas(calls)))
             finish_reason = self.tools.finish_reason(calls, finish_reason)
         await queue.put(chunk(None, finish_reason, stop_reason=generation.stop_reason,
                               token_ids=generation.token_ids if self.return_token_ids else None,
-                              logprobs=self.logprobs(generation)))
+                              logprobs=logged(generation, last=True) if logged else None))
         return generation
+
+    def streamed_logprobs(self, index: int):
+        """None without logprobs; else (generation, last=False) -> the logprobs of the choice's
+        tokens not yet sent, in its API's shape (a completion's text offsets running on
+        across chunks; the last chunk's None when nothing is left)."""
+        if self.plan.choices[index].request.sampling.logprobs is None:
+            return None
+        sent, offset = 0, 0
+
+        def since(generation: Generation, last: bool = False) -> dict | None:
+            nonlocal sent, offset
+            entries = generation.state.logprobs[sent:]
+            sent += len(entries)
+            if last and not entries:
+                return None
+            if self.chat:
+                return chat_logprobs(entries, self.decode)
+            shaped = completion_logprobs(entries, self.decode, offset)
+            offset += sum(len(token) for token in shaped["tokens"])
+            return shaped
+
+        return since
 
     def logprobs(self, generation: Generation) -> dict | None:
         """The choice's logprobs in its API's shape, when the request asked for them."""

@@ -5,11 +5,11 @@ from speculative.driver import Decode
 from speculative.types import TokenLogprob
 
 
-def completion_logprobs(entries: list[TokenLogprob], decode: Decode) -> dict:
+def completion_logprobs(entries: list[TokenLogprob], decode: Decode, start: int = 0) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset}; offsets count characters from
-    the start of the completion's text."""
+    the start of the completion's text (`start`: the first entry's, in a stream)."""
     tokens = [decode([entry.token_id]) for entry in entries]
-    offsets, offset = [], 0
+    offsets, offset = [], start
     for token in tokens:
         offsets.append(offset)
         offset += len(token)

@@ -426,7 +426,7 @@ def chunk_body(request_id: str, model: str, index: int, text: str | None,
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
-    if logprobs is not None:  # the whole choice's, on its final chunk
+    if logprobs is not None:  # its tokens' (deployments.choices: stream_choice)
         choice["logprobs"] = logprobs
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason

@@ -245,15 +245,19 @@ def test_constraints_that_cannot_compile_get_400_naming_the_field(cluster, body,
     assert response.json()["error"]["param"] == field
 
 
-def test_streamed_logprobs_arrive_on_the_final_chunk(client):
+def test_streamed_logprobs_arrive_with_their_chunks(client):
+    """As OpenAI and vLLM stream them: each chunk carries its tokens' logprobs, and together
+    they are the plain response's."""
     fields = dict(model="specserve-demo", prompt="import os\n", max_tokens=16, temperature=0,
                   logprobs=2)
     plain = client.completions.create(**fields).choices[0].logprobs
     chunks = [chunk.choices[0] for chunk in client.completions.create(stream=True, **fields)
               if chunk.choices and chunk.choices[0].logprobs is not None]
-    assert len(chunks) == 1 and chunks[0].finish_reason is not None
-    assert chunks[0].logprobs.tokens == plain.tokens
-    assert chunks[0].logprobs.token_logprobs == pytest.approx(plain.token_logprobs, abs=1e-3)
+    assert len(chunks) > 1
+    assert [t for c in chunks for t in c.logprobs.tokens] == plain.tokens
+    assert [o for c in chunks for o in c.logprobs.text_offset] == plain.text_offset
+    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == \
+        pytest.approx(plain.token_logprobs, abs=1e-3)
 
 
 FORECAST = {"type": "object",

@@ -117,3 +117,42 @@ def test_stop_tokens_cut_the_logprobs_with_the_tokens(target):
     out, state = run(drafter, verifier, PROMPTS[1], params, 3, request_id="cut", stop=(stop,))
     assert out[-1] == stop and len(state.logprobs) == len(out) < len(full)
     assert all(entry.top == () for entry in state.logprobs)
+
+
+def choices_of(target, chat: bool, stop: tuple[str, ...] = ()):
+    """A request of the tiny target through the router's fan-out (deployments.choices): one
+    choice, logprobs with the top 3, each token decoding to a letter."""
+    from deployments.admission import Admission
+    from deployments.choices import Choices
+    from speculative.frontend import RequestFrontEnd
+
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=9, logprobs=TOP_N, stop=stop)
+    plan = RequestFrontEnd().plan("r", tuple(PROMPTS[1]), params, n=1)
+    pools = (ModelDrafter(noisy_copy(target, 0.01, seed=1)), ModelVerifier(target))
+    decode = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731
+    return Choices(plan, pools, decode, type("M", (), {"record": lambda s, state: None})(),
+                   Admission(4).admit(1), model="m", chat=chat, return_token_ids=False)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_stream_carries_each_chunks_logprobs_and_together_the_whole_choices(target, chat):
+    """As OpenAI and vLLM stream them: each chunk the logprobs of the tokens committed since
+    the last one (a completion's text offsets running on), together the non-streamed
+    choice's, with a stop string cutting the output mid-block."""
+    import asyncio
+    import json
+
+    whole = asyncio.run(choices_of(target, chat, stop=("q",)).complete())["choices"][0]
+    assert whole["finish_reason"] == "stop"
+
+    async def collect():
+        return [e async for e in choices_of(target, chat, stop=("q",)).events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"][0] for e in asyncio.run(collect())[:-1]]
+    carried = [c["logprobs"] for c in chunks if c.get("logprobs")]
+    assert len(carried) > 1  # not all on the last chunk
+    if chat:
+        assert [e for c in carried for e in c["content"]] == whole["logprobs"]["content"]
+    else:
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [e for c in carried for e in c[field]] == whole["logprobs"][field]
