@@ -62,10 +62,23 @@ def fuse(linears: list[torch.nn.Linear], transposed: bool = False
     return weight, bias
 
 
-# rows up to which x @ W beats oneDNN's packed weights on a CPU (measured, demo shapes, one
-# thread, weights out of cache, 40 x [1536, 256]: 1 row 3.1 against 4.5 ms, 2 rows 4.7
-# against 5.9; 5 rows 9.7 against 4.2, 9 rows 11.9 against 5.4, 32 rows 20 against 14)
-SMALL_MATMUL_ROWS = 2
+def small_matmul_rows() -> int:
+    """Rows up to which x @ W beats oneDNN's packed weights on this CPU, by the two machine
+    kinds measured (demo shapes, one thread). On 2-core AMD EPYC VMs with AVX-512 and no AMX,
+    the packed copy won from 3 rows (40 x [1536, 256] out of cache: 1 row 3.1 against 4.5 ms,
+    2 rows 4.7 against 5.9; 5 rows 9.7 against 4.2, 9 rows 11.9 against 5.4, 32 rows 20
+    against 14). On 2-core Intel Xeon VMs with AVX-512 and AMX, in the demo target's whole
+    forward x @ W was 10-20 % faster up to 9 rows (1 x 5: 3.8-4.2 against 4.7 ms) and the
+    draft's 15-20 % at every batch up to 32 rows; the forward timed each way at start-up
+    chose x @ W up to 33 rows in 3 of 3 quiet starts of the target and 14 of 15 of the draft
+    (2026-11-29). A fixed rule, not a timing at start-up: timed, two replicas starting
+    together chose differently, and the choice moves logits by reassociation. AMX tells the
+    two kinds apart; a machine of neither kind keeps the first rule."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return 33 if amx is not None and amx() else 2
+
+
+SMALL_MATMUL_ROWS = small_matmul_rows()
 # weights (in x out entries) below which oneDNN's packed matmul never pays: its call costs
 # 30-45 us whatever the size, x @ W 4-10 us on a [32, 64] weight (measured, 2-core AVX2 VM,
 # one thread, 3 to 150 rows); from [256, 768] up the two are within 10 % there and packing
@@ -79,9 +92,9 @@ class Projection:
     On a CPU the weight is kept [in, out] and applied as x @ W up to `small_rows` rows:
     a one-token matmul streams it from memory about twice as fast as F.linear's [out, in]
     (3.3 against 7.5 ms for 63 MB). For more rows (a verify's K + 1, a batch) oneDNN's
-    packed copy of the weight can be 1.4-2.3x faster than either; where the two cross is
-    measured per machine at start-up (engine.calibrate; SMALL_MATMUL_ROWS until then). The
-    copy doubles the weights' memory on a CPU. A weight under MIN_PACKED_WEIGHT entries
+    packed copy of the weight can be 1.4-2.3x faster than either; where the two cross
+    depends on the machine (small_matmul_rows). The copy doubles the weights' memory on a
+    CPU. A weight under MIN_PACKED_WEIGHT entries
     has no packed copy: x @ W serves it at every size. On a GPU the weight stays
     [out, in], cuBLAS's own layout. See docs/engine.md."""
 
@@ -94,7 +107,7 @@ class Projection:
         else:
             self.weight, self.bias = fuse(linears, self.transposed)
         self.packed = packed_for_onednn(self.weight.t()) if self.transposed else None
-        self.small_rows = SMALL_MATMUL_ROWS  # this machine's, once measured (engine.calibrate)
+        self.small_rows = SMALL_MATMUL_ROWS  # this machine's (small_matmul_rows)
 
     def __getstate__(self) -> dict:  # a copied model (deepcopy) packs its own copy
         return {**self.__dict__, "packed": None}
@@ -178,6 +191,7 @@ class LeanForward:
         self.attention = attention
 
     def projections(self) -> list[Projection]:
+        """Every projection of the forward (the LM head first)."""
         return [self.lm_head] + [p for layer in self.layers
                                  for p in (layer.qkv, layer.o_proj, layer.gate_up,
                                            layer.down_proj)]

@@ -4,8 +4,9 @@ A pool is sized once, at start-up, from what the device has left after the weigh
 loaded: on a GPU its free memory less GPU_MEMORY_LEFT of the total (activations, the
 attention plan's buffers and the CUDA graphs' live in that margin); on a CPU
 CPU_MEMORY_FOR_KV of the memory available (Linux's MemAvailable, which already excludes the
-loaded weights), less what one forward's activations and gather buffers take. A budget that cannot hold one request at the
-model's context is a start-up error saying how much is missing, never an allocator crash.
+loaded weights), less what one forward's activations and gather buffers take. A budget
+that cannot hold one request at the model's context is a start-up error saying how much is
+missing, never an allocator crash.
 """
 
 import os

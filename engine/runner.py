@@ -19,7 +19,6 @@ from transformers import DynamicCache
 
 from engine.batch import forward_packed, use_packed_attention
 from engine.cache import BLOCK_SIZE
-from engine.calibrate import calibrate_small_matmuls
 from engine.checkpoint import sliding_window
 from engine.graphs import GraphedForward, GraphFailed, graphs_refused
 from engine.lean import LeanForward, lean_supported
@@ -176,7 +175,4 @@ def serving_runner(model, engine: str = "auto", attention: str = "auto",
     logger.info("engine: lean, attention %s%s, %d %s in the KV pool", chosen.name,
                 ", CUDA graphs" if graphs else "", chosen.pool.free_units,
                 chosen.pool.unit_name)
-    runner = ModelRunner(model, lean, graphs)
-    if chosen.pool.keys.device.type == "cpu":
-        calibrate_small_matmuls(runner)  # x @ W or oneDNN's packed weights, by the rows
-    return runner
+    return ModelRunner(model, lean, graphs)
