@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from engine.graphs import recorded
 from engine.kv import SessionStore
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from engine.runner import serving_runner
@@ -32,21 +33,6 @@ from specserve.check_gpu import FULL, SMALL, build, guarded, no_math_attention, 
     prompts, sync_device, timed_ms
 
 CASES = [(1, 0), (1, 4), (8, 0), (8, 4), (32, 0), (32, 4)]  # (requests, K)
-
-
-def recorded(work):
-    """work() recorded as a CUDA graph after warm-ups on a side stream (CUDA's rule: the
-    allocations and lazy initialisations happen before the capture); (graph, its output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            work()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = work()
-    return graph, output
 
 
 def case(runner, batch: int, k: int, context: int, repeats: int, graphs: bool) -> dict:
@@ -74,7 +60,8 @@ def case(runner, batch: int, k: int, context: int, repeats: int, graphs: bool) -
         row["device_ms"] = timed_ms(work, model.device, repeats)
         if graphs:
             expected = work().clone()
-            graph, output = recorded(work)
+            output = torch.empty_like(expected)
+            graph = recorded(lambda: output.copy_(work()), model.device)
             row["graph_ms"] = timed_ms(graph.replay, model.device, repeats)
             row["graph_difference"] = float((output.float() - expected.float()).abs().max())
             del graph, output

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import Queries, longs
+from engine.paged import reserve
 
 MAX_ROWS = 64  # cluster/gpu.yaml's max_batch_size
 MAX_NEW = 9
@@ -137,21 +138,9 @@ class Recorded:
         return output[self.wanted[:kept]]
 
     def record(self, output: torch.Tensor):
-        """The graph of `work`, writing into `output`, after warm-ups on a side stream
-        (CUDA's rule: allocations and lazy initialisations happen before the capture)."""
-        device = self.inputs.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.work()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of the replica's other threads (sampling on its event
-        # loop) do not void the capture
-        with torch.cuda.graph(graph, pool=self.owner.pool, capture_error_mode="thread_local"):
-            output.copy_(self.work())  # the graph's own logits die inside the capture
-        return graph  # only once recorded: a failed capture leaves nothing to replay
+        """The graph of `work`, writing into `output` (the graph's own logits die inside the
+        capture)."""
+        return recorded(lambda: output.copy_(self.work()), self.inputs.device, self.owner.pool)
 
 
 class GraphedForward:
@@ -232,6 +221,23 @@ class GraphedForward:
         return longs(ids + starts + lengths + tables + padded), len(wanted)
 
 
+def recorded(work, device, pool=None):
+    """work() recorded as a CUDA graph, after warm-ups on a side stream (CUDA's rule:
+    allocations and lazy initialisations happen before the capture); returned only once
+    recorded, so a failed capture leaves nothing to replay. thread_local: CUDA calls of the
+    replica's other threads (sampling on its event loop) do not void the capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            work()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        work()
+    return graph
+
+
 def graphs_refused(lean) -> str | None:
     """Why this model's forward cannot be recorded, or None. transformers' dynamic and
     LongRoPE rotary embeddings decide on the host, from the positions' values, whether to
@@ -246,9 +252,3 @@ def graphs_refused(lean) -> str | None:
 class GraphFailed(RuntimeError):
     """A bucket's capture failed: the batch runs eager (engine.runner), the bucket too."""
 
-
-def reserve(segments) -> None:
-    """Blocks for every segment's feed before any write: a full pool fails the batch
-    untouched (KVCacheFull), as engine.paged's plan does."""
-    for segment in segments:
-        segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)

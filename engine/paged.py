@@ -131,8 +131,7 @@ class PagedAttention:
         return PagedCache(self.pool)
 
     def plan(self, segments) -> PagedPlan:
-        for segment in segments:  # before any write: a full pool fails the batch untouched
-            segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)
+        reserve(segments)
         plan = PagedPlan(segments, self.pool, self.windows, self.group, self.pool.keys.device)
         plan.gathered = self.buffers(plan.gather.numel())
         return plan
@@ -162,6 +161,13 @@ class PagedAttention:
         picked = torch.index_select(cache, 0, plan.gather, out=buffer)
         return picked.view(plan.queries.rows, plan.queries.max_len,
                            *cache.shape[1:]).transpose(1, 2)
+
+
+def reserve(segments) -> None:
+    """Blocks for every segment's feed before any write: a full pool fails the batch
+    untouched (KVCacheFull)."""
+    for segment in segments:
+        segment.cache.reserve(segment.start + len(segment.token_ids), segment.start)
 
 
 def blocks_for(tokens: int, sequences: int, extra_per_sequence: int,
