@@ -172,10 +172,9 @@ class Choices:
             sent += len(entries)
             if last and not entries:
                 return None
-            if self.chat:
-                return chat_logprobs(entries, self.decode)
-            shaped = completion_logprobs(entries, self.decode, offset)
-            offset += sum(len(token) for token in shaped["tokens"])
+            shaped = self.shaped_logprobs(entries, offset)
+            if not self.chat:
+                offset += sum(len(token) for token in shaped["tokens"])
             return shaped
 
         return since
@@ -184,5 +183,10 @@ class Choices:
         """The choice's logprobs in its API's shape, when the request asked for them."""
         if generation.state.request.sampling.logprobs is None:
             return None
-        shape = chat_logprobs if self.chat else completion_logprobs
-        return shape(generation.state.logprobs, self.decode)
+        return self.shaped_logprobs(generation.state.logprobs)
+
+    def shaped_logprobs(self, entries: list, offset: int = 0) -> dict:
+        """Entries in this API's shape (a completion's text offsets from `offset`)."""
+        if self.chat:
+            return chat_logprobs(entries, self.decode)
+        return completion_logprobs(entries, self.decode, offset)

@@ -3,7 +3,8 @@ kept off its event loop where their work is long.
 
 Their work is Python over the request's tokens: a suffix drafter indexes a whole prompt on a
 request's first call (about 170 us a token: 2.4 s for 16k tokens), and its release indexes
-the output for every later request; prompt lookup scans the context each round. On the
+the output for every later request; prompt lookup converts the whole context on a first call
+(its search each round is C: drafter.ngram). On the
 event loop that stalls every stream of the replica. A call that brings more than
 OFF_LOOP_NEW_TOKENS new tokens (a first call, a rebuild) or a context over OFF_LOOP_TOKENS,
 and every release, runs on a worker thread instead (the loop then runs between the

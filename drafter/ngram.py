@@ -46,12 +46,12 @@ class TokenBytes:
     extended as they commit; dropped with the session or on a full-prefix rebuild."""
 
     def __init__(self) -> None:
-        self.data, self.length = bytearray(), 0
+        self.data = bytearray()  # 4 bytes a committed id
 
     def extended(self, committed: list[int]) -> "TokenBytes":
-        if len(committed) > self.length:
-            self.data += array("i", committed[self.length:]).tobytes()
-            self.length = len(committed)
+        held = len(self.data) // 4
+        if len(committed) > held:
+            self.data += array("i", committed[held:]).tobytes()
         return self
 
     def close(self, committed: list[int]) -> None:

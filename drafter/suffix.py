@@ -227,8 +227,7 @@ class SuffixDrafter(NgramDrafter):
         """A finished request's output (as far as this drafter saw it committed; its last
         max_global_tokens) joins the global index; the oldest leave while the outputs or
         their tokens are over their bounds."""
-        output = output[len(output) - self.max_global_tokens:] \
-            if len(output) > self.max_global_tokens else output
+        output = output[max(0, len(output) - self.max_global_tokens):]
         if not self.max_global_outputs or not output:
             return
         self.global_index.add(output)

@@ -20,9 +20,9 @@ work recorded as a CUDA graph and replayed 2.0 ms (`bench.graphs`, docs/engine.m
 A batch outside every bucket (a prefill chunk, a draft tree, more rows, a longer context)
 runs eager, as does everything off a GPU, a bucket whose capture failed, and a model whose
 rotary embedding updates on the host (`graphs_refused`). Each bucket's graph is recorded at
-its first batch, after warm-ups on a side stream (CUDA's rule); all graphs share one memory pool, one
-output buffer and the backend's gather buffers. `capture=False` runs the same bucketed
-forward eagerly: the suite checks it against fresh forwards on a CPU.
+its first batch, after warm-ups on a side stream (CUDA's rule); all graphs share one memory
+pool, one output buffer and the backend's gather buffers. `capture=False` runs the same
+bucketed forward eagerly: the suite checks it against fresh forwards on a CPU.
 """
 
 import logging

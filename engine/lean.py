@@ -94,9 +94,9 @@ class Projection:
     (3.3 against 7.5 ms for 63 MB). For more rows (a verify's K + 1, a batch) oneDNN's
     packed copy of the weight can be 1.4-2.3x faster than either; where the two cross
     depends on the machine (small_matmul_rows). The copy doubles the weights' memory on a
-    CPU. A weight under MIN_PACKED_WEIGHT entries
-    has no packed copy: x @ W serves it at every size. On a GPU the weight stays
-    [out, in], cuBLAS's own layout. See docs/engine.md."""
+    CPU. A weight under MIN_PACKED_WEIGHT entries has no packed copy: x @ W serves it at
+    every size. On a GPU the weight stays [out, in], cuBLAS's own layout. See
+    docs/engine.md."""
 
     def __init__(self, linears: list[torch.nn.Linear], copy: bool = False) -> None:
         weight = linears[0].weight
