@@ -136,11 +136,14 @@ class Choices:
         held = HeldContent() if self.tools else None
         logged = self.streamed_logprobs(index)
 
+        async def send(generation, delta):
+            await queue.put(chunk(delta, logprobs=logged(generation)) if logged else
+                            delta_chunk(delta))
+
         async def push(generation, delta):
             if held is not None and not (delta := held.feed(delta)):
                 return  # its tokens' logprobs go with the next chunk
-            await queue.put(chunk(delta, logprobs=logged(generation)) if logged else
-                            delta_chunk(delta))
+            await send(generation, delta)
 
         if self.chat:
             await queue.put(chunk("", role="assistant"))
@@ -148,8 +151,8 @@ class Choices:
         finish_reason = generation.finish_reason
         if held is not None:
             content, calls = self.tools.read_calls(generation.text)
-            if rest := held.rest(content):
-                await push(generation, rest)
+            if rest := held.rest(content):  # held back, and content after all
+                await send(generation, rest)
             if calls:
                 await queue.put(chunk(None, tool_calls=call_deltas(calls)))
             finish_reason = self.tools.finish_reason(calls, finish_reason)

@@ -24,7 +24,7 @@ from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.frontend import RequestFrontEnd
 from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
 from speculative.sampling import SamplingParams
-from tests.tiny import Agreeing
+from speculative.types import DraftBlock, TargetScores
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 16},
@@ -207,21 +207,54 @@ def test_held_content_sends_what_the_whole_response_has_as_content(text):
         assert sent + held.rest(content) == (content or ""), (text, size)
 
 
+class Scripted:
+    """A drafter and a verifier whose output's token j is 10 + j: every draft is accepted."""
+
+    PROMPT = (2, 3)
+
+    @staticmethod
+    def ids(start: int, count: int) -> tuple[int, ...]:
+        return tuple(10 + j for j in range(start - len(Scripted.PROMPT), count + start
+                                           - len(Scripted.PROMPT)))
+
+    async def propose(self, call):
+        start = call.sync.committed_len + len(call.assumed_token_ids)
+        return DraftBlock(self.ids(start, call.num_speculative_tokens), None)
+
+    async def score(self, call):
+        drafted = len(call.draft_token_ids)
+        return TargetScores(target_token_ids=self.ids(call.sync.committed_len, drafted + 1))
+
+    async def release(self, request_id):
+        pass
+
+
 def fan_out(text: str, tools: dict):
-    """A request whose output is `text` (each token decodes to 5 more of its characters)."""
+    """A request whose output is `text`, five characters a token (token 10 + j decodes to
+    the text's j-th five)."""
     width = 5
-    plan = RequestFrontEnd().plan("chatcmpl-t", (2, 3), SamplingParams(
+    plan = RequestFrontEnd().plan("chatcmpl-t", Scripted.PROMPT, SamplingParams(
         temperature=0.0, max_tokens=-(-len(text) // width)), n=1)
-    engine = Agreeing()
-    return Choices(plan, (engine, engine), lambda ids: text[:width * len(ids)],
+    engine = Scripted()
+
+    def decode(ids):
+        return "".join(text[width * (i - 10):width * (i - 9)] for i in ids if i >= 10)
+
+    return Choices(plan, (engine, engine), decode,
                    type("Metrics", (), {"record": lambda self, state: None})(),
                    Admission(4).admit(1), model="m", chat=True, return_token_ids=False,
                    tools=request(**tools).tool_use())
 
 
-@pytest.mark.parametrize("text", ["Checking. " + CALL, "no call <tool_call>{oops}"])
+@pytest.mark.parametrize("text", [
+    "Checking. " + CALL, "no call <tool_call>{oops}",
+    'The weather: <tool_call>{"name": "get_weather", "argu',  # cut short
+    'Sure <tool_call>{"name": "nope", "arguments": {}}</tool_call>'])  # no such tool
 def test_a_streamed_choice_carries_the_calls_and_content_of_the_whole_one(text):
     whole = asyncio.run(fan_out(text, {"tools": TOOLS}).complete())["choices"][0]
+    # the whole output is the text: a call, or content held back in the stream and sent
+    assert (whole["message"]["content"] or "") + CALL * ("tool_calls" in whole["message"]) \
+        == text
 
     async def collect():
         return [e async for e in fan_out(text, {"tools": TOOLS}).events()]
