@@ -70,9 +70,10 @@ class Detokenizer:
         return text[len(prefix) :] if len(text) > len(prefix) else ""
 
 
-def find_stop(text: str, stop: Sequence[str], start: int = 0) -> tuple[int, str] | None:
-    """(index, stop string) of the earliest stop string in text[start:], or None."""
-    hits = [(i, s) for s in stop if (i := text.find(s, start)) >= 0]
+def find_stop(text: str, stop: Sequence[str], new_from: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string that ends in text[new_from:] (each
+    searched from where it could first overlap that new text, as vLLM does), or None."""
+    hits = [(i, s) for s in stop if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
     return min(hits) if hits else None
 
 
@@ -97,7 +98,6 @@ class Generation:
             raise ValueError("stop strings need a tokenizer to decode with")
         self.detokenizer = Detokenizer(decode, request.prompt_token_ids) if decode else None
         self.text = ""
-        self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.stop_reason: int | str | None = None
         self._sent = 0  # characters of text already yielded
 
@@ -149,10 +149,10 @@ class Generation:
         min_tokens = self.state.request.sampling.min_tokens  # no stop string before (as vLLM)
         for offset, token in enumerate(added[:-1] if at_stop_id else added):
             delta = self.detokenizer.add(token)
-            start = max(0, len(self.text) - self.longest_stop + 1)
+            new_from = len(self.text)
             self.text += delta
             checked = delta and self.stop and first_output + offset + 1 >= min_tokens
-            hit = find_stop(self.text, self.stop, start) if checked else None
+            hit = find_stop(self.text, self.stop, new_from) if checked else None
             if hit is not None:
                 self.text = self.text[: hit[0]]
                 self.state.stop_after(first_output + offset + 1)

@@ -46,8 +46,10 @@ class Scripted:
         pass
 
 
-def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3, reported=None):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens or len(output), stop=stop)
+def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3, reported=None,
+             min_tokens=0):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens or len(output), stop=stop,
+                            min_tokens=min_tokens)
     generation = Generation(Request("r", PROMPT, params, tuple(stop_ids)), decode, reported)
     engine = Scripted(output, miss)
 
@@ -77,6 +79,24 @@ def test_stop_strings_cut_text_and_ids_where_the_stop_completes(output, stop, k,
     assert text == decode(ids)[:cut]
     assert generation.finish_reason == "stop" and generation.stop_reason in stop
     assert decode(ids)[cut:].startswith(generation.stop_reason)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=20),
+       st.lists(st.text(ALPHABET, min_size=1, max_size=3), min_size=1, max_size=3),
+       st.integers(0, 6), st.integers(0, 4))
+def test_a_stop_string_counts_from_min_tokens_on(output, stop, min_tokens, k):
+    """As vLLM: before min_tokens no stop string is looked for, and afterwards each is looked
+    for where it ends in a token's new text, so one seen earlier does not stop the output
+    later (a token here is one character)."""
+    min_tokens = min(min_tokens, len(output))
+    generation, deltas = generate(output, tuple(stop), k=k, min_tokens=min_tokens)
+    end = next((n for n in range(max(min_tokens, 1), len(output) + 1)
+                if any(decode(output[:n]).endswith(s) for s in stop)), None)
+    assert generation.token_ids == output[:end or len(output)]
+    assert "".join(deltas) == generation.text
+    if end is not None:
+        assert generation.text == decode(output[:end])[:end - len(generation.stop_reason)]
 
 
 def test_a_stop_token_ends_the_output_and_stays_in_its_ids_not_its_text():
