@@ -6,14 +6,19 @@ import pytest
 
 def pytest_configure(config):
     """One torch thread in every process that runs tests: tiny models gain nothing from
-    threads, and two test workers must not fight over cores. The xdist controller runs none,
+    threads, and two test workers must not fight over cores; hypothesis seeded. The xdist controller runs none,
     so it imports neither torch nor the models: this file is imported before the workers
     start, and its imports held them back by about 6 s (measured, AVX-512)."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     import torch
+    from hypothesis import settings
 
     torch.set_num_threads(1)
+    # property tests draw the same examples every run (seeded by the test), none replayed
+    # from a local database: a run does not depend on the runs before it
+    settings.register_profile("seeded", derandomize=True, database=None)
+    settings.load_profile("seeded")
 
 
 def pytest_collection_finish(session):
