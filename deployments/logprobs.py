@@ -20,10 +20,11 @@ def completion_logprobs(entries: list[TokenLogprob], decode: Decode, start: int 
 
 
 def top_dict(entry: TokenLogprob, decode: Decode) -> dict[str, float]:
-    """The position's top n as {token text: logprob} (two ids with one text keep the more
-    likely, as a dict must)."""
+    """The position's top n and the chosen token, as the completions API returns them
+    (OpenAI: up to logprobs + 1 entries; vLLM), as {token text: logprob} (two ids with one
+    text keep the more likely, as a dict must)."""
     top: dict[str, float] = {}
-    for token_id, logprob in entry.top:
+    for token_id, logprob in (*entry.top, (entry.token_id, entry.logprob)):
         top.setdefault(decode([token_id]), logprob)
     return top
 

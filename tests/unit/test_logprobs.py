@@ -101,7 +101,10 @@ def test_the_two_api_shapes():
 
     assert completion_logprobs(entries, text) == {
         "tokens": ["ab", "c"], "token_logprobs": [-0.5, -0.25],
-        "top_logprobs": [{"ab": -0.5, "c": -1.5}, {}], "text_offset": [0, 2]}
+        "top_logprobs": [{"ab": -0.5, "c": -1.5}, {"c": -0.25}], "text_offset": [0, 2]}
+    # the chosen token beside the top n, as OpenAI's completions return it (logprobs + 1)
+    beside = [TokenLogprob(2, -1.5, ((1, -0.5),))]
+    assert completion_logprobs(beside, text)["top_logprobs"] == [{"ab": -0.5, "c": -1.5}]
     content = chat_logprobs(entries, text)["content"]
     assert content[0] == {"token": "ab", "logprob": -0.5, "bytes": [97, 98], "top_logprobs": [
         {"token": "ab", "logprob": -0.5, "bytes": [97, 98]},
