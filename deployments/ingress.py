@@ -106,8 +106,12 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise BadRequest("the request body is not valid JSON") from None
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise BadRequest(f"{param}: {first['msg']}", param=param) from None
+        # the fields and indices of its place, without pydantic's names of union members
+        # (`constrained-int`, `function-after[...]`)
+        param = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or
+                         str(p).replace("_", "").isalnum()) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"{param}: {message}" if param else message, param=param) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
 

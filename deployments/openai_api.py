@@ -71,10 +71,14 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's extension: exactly one of a JSON schema, a regex, a list of choices or a Lark
-    grammar (llguidance's dialect)."""
+    """vLLM's extension: exactly one of a JSON schema, any JSON object, a regex, a list of
+    choices or a Lark grammar (llguidance's dialect). A field it does not know is refused:
+    ignored, it would leave the output unconstrained."""
+
+    model_config = ConfigDict(extra="forbid")
 
     json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -95,13 +99,14 @@ class SamplingFields(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # extension (as vLLM); <= vocabulary
+    # extension (as vLLM; 0 or -1: every token); <= vocabulary
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extension (as vLLM, Hugging Face semantics): > 1 discourages the prompt's and output's
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY,
                                       le=MAX_REPETITION_PENALTY)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)  # int64, as vLLM
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
@@ -135,6 +140,9 @@ class SamplingFields(BaseModel):
         """OpenAI's fields are nullable (temperature, n, stream, ...): null means the default,
         as in vLLM."""
         if isinstance(data, dict):
+            if guided := sorted(key for key in data if key.startswith("guided_")):
+                raise ValueError(f"{guided[0]} is vLLM's earlier field, not served here: give "
+                                 "the constraint as structured_outputs or response_format")
             return {key: value for key, value in data.items() if value is not None}
         return data
 
@@ -171,8 +179,10 @@ class SamplingFields(BaseModel):
         from it: speculative.frontend)."""
         max_tokens = self.max_tokens_or(default_max_tokens)
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
-        return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
-                              seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
+        seed = None if self.seed is None else self.seed % 2**64  # int64 -> its bits, unsigned
+        return SamplingParams(temperature=temperature, top_k=max(self.top_k, 0),
+                              top_p=self.top_p, seed=seed, max_tokens=max_tokens,
+                              stop=tuple(self.stop or ()),
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
@@ -200,6 +210,8 @@ class SamplingFields(BaseModel):
                                 "a response_format of type json_schema needs it")
             found.append(("response_format.json_schema", "json", form.json_schema.schema_))
         given = self.structured_outputs
+        if given is not None and given.json_object:
+            found.append(("structured_outputs.json_object", "json", {"type": "object"}))
         for kind in ("json", "regex", "choice", "grammar"):
             spec = None if given is None else getattr(given, "json_" if kind == "json" else kind)
             if spec is not None:
@@ -352,7 +364,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 ERROR_TYPES = {401: ("invalid_request_error", "invalid_api_key"),
-               404: ("not_found_error", None),
+               404: ("invalid_request_error", "model_not_found"),  # a model (as OpenAI)
                413: ("invalid_request_error", "request_too_large"),
                429: ("requests", "rate_limit_exceeded")}
 

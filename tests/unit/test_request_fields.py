@@ -48,6 +48,43 @@ def test_what_changes_nothing_passes():
     assert CompletionRequest(prompt="x", echo=False, suffix=None, best_of=2, n=2).n == 2
 
 
+@pytest.mark.parametrize("fields", [{"structured_outputs": {"json_objct": True}},
+                                    {"guided_json": {"type": "object"}}, {"guided_regex": "a"}])
+def test_a_constraint_this_server_does_not_know_is_refused_not_ignored(fields):
+    body = json.dumps({"prompt": "x", **fields}).encode()
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(request_with(body), CompletionRequest, 1 << 20))
+    assert refused.value.status == 400
+    assert "structured_outputs" in str(refused.value) and "Value error" not in str(refused.value)
+
+
+def test_vllms_json_object_is_any_json_object():
+    body = CompletionRequest(prompt="x", structured_outputs={"json_object": True})
+    assert body.constraint() == ("structured_outputs.json_object", "json", {"type": "object"})
+    assert CompletionRequest(prompt="x", structured_outputs={"json_object": False}) \
+        .constraint() is None
+
+
+def test_vllms_top_k_of_minus_one_and_an_int64_seed_are_taken():
+    assert CompletionRequest(prompt="x", top_k=-1).sampling(16).top_k == 0
+    seeds = {CompletionRequest(prompt="x", seed=seed).sampling(16).seed
+             for seed in (-2**63, -1, 0, 2**63 - 1)}
+    assert len(seeds) == 4 and all(0 <= seed < 2**64 for seed in seeds)
+    for bad in ({"top_k": -2}, {"seed": 2**63}, {"seed": -2**63 - 1}):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt="x", **bad)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
+    ({"n": 0}, "n"), ({"logit_bias": {"5": 200}}, "logit_bias.5")])
+def test_a_refusal_names_the_field_without_pydantics_own_names(fields, param):
+    body = json.dumps({"prompt": "x", **fields}).encode()
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(request_with(body), CompletionRequest, 1 << 20))
+    assert refused.value.param == param and str(refused.value).startswith(f"{param}: ")
+
+
 def request_with(body: bytes) -> Request:
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}

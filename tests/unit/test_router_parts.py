@@ -41,6 +41,9 @@ def test_error_bodies_have_openais_types():
     assert error_body("slow down", 429)["error"]["code"] == "rate_limit_exceeded"
     assert error_body("who", 401)["error"]["code"] == "invalid_api_key"
     assert error_body("down", 503)["error"]["type"] == "server_error"
+    assert error_body("no such model", 404)["error"] == {  # the router's only 404
+        "message": "no such model", "type": "invalid_request_error", "param": None,
+        "code": "model_not_found"}
 
 
 def test_admission_refuses_beyond_its_running_choices_and_a_ticket_returns_once():
