@@ -93,15 +93,17 @@ class ModelVerifier:
         """Every call's TargetScores, or the ValueError / StaleBase that refused it; a call
         of several steps runs its next step (verifier.steps) and answers UNFINISHED until
         its last."""
+        steps = [self.steps.current(call) for call in calls]
         try:
-            results = run_batch([self.steps.current(call) for call in calls], self.prepare,
-                                self.runner, self.finish, self.sessions, self.max_batch_tokens)
+            results = run_batch([step for step, _ in steps], self.prepare, self.runner,
+                                self.finish, self.sessions, self.max_batch_tokens)
         except Exception:  # a failed forward leaves the batch's caches unknown: rebuild them
             for call in calls:
                 self.steps.forget(call.request_id)
                 self.sessions.drop(call.request_id)
             raise
-        return [self.steps.advance(call, result) for call, result in zip(calls, results)]
+        return [self.steps.advance(call, result, progress)
+                for call, result, (_, progress) in zip(calls, results, steps)]
 
     def prepare(self, call: ScoreCall, limit: int | None = None):
         """Check the call and bring its sequence to the committed prefix: (segment,

@@ -75,25 +75,30 @@ class Steps:
         self.sessions = sessions
         self.running: dict[str, Progress] = {}
 
-    def current(self, call: ScoreCall) -> ScoreCall:
-        """The step of `call` to run now (the call itself for its first)."""
+    def current(self, call: ScoreCall) -> tuple[ScoreCall, "Progress | None"]:
+        """The step of `call` to run now (the call itself for its first) and its progress
+        (None for a first step). A new call of the request ends the old one's steps."""
         progress = self.running.get(call.request_id)
         if progress is None:
-            return call
+            return call, None
         if progress.call is call:
-            return progress.current
+            return progress.current, progress
         del self.running[call.request_id]  # a new call of the request: the old one is gone
-        return call
+        return call, None
 
     def forget(self, request_id: str) -> None:
         self.running.pop(request_id, None)
 
-    def advance(self, call: ScoreCall, result):
-        """The call's answer after the step just run (its result): UNFINISHED while steps
-        remain, else the scores of them all; a refusal ends the call."""
+    def advance(self, call: ScoreCall, result, progress: "Progress | None"):
+        """The call's answer after the step just run (its result; progress as `current`
+        gave it): UNFINISHED while steps remain, else the scores of them all; a refusal
+        ends the call, and so does a newer call of the request in the same batch (the
+        answer then has the steps run so far: each followed the one before)."""
         if call.steps <= 1 or result is UNFINISHED:
             return result
-        progress = self.running.pop(call.request_id, None)
+        latest = self.running.get(call.request_id) is progress  # no other call took over
+        if latest and progress is not None:
+            del self.running[call.request_id]
         if isinstance(result, Exception):
             return result
         if progress is None:
@@ -106,7 +111,8 @@ class Steps:
         progress.fed += load.batch_tokens
         steps = len(progress.tokens)
         sequence = self.sessions.get(call.request_id)
-        if steps < call.steps and token not in call.stop_token_ids and sequence is not None:
+        if steps < call.steps and token not in call.stop_token_ids and sequence is not None \
+                and latest:
             progress.current = replace(
                 call, sync=PrefixSync(len(sequence.committed), sequence.committed_hash,
                                       (token,)),

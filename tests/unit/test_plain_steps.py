@@ -173,3 +173,23 @@ def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured()
     assert alone(1, 0.5, 16).choose(None) >= 1  # one step: 182 against 170, within margin
     assert alone(4, 0.85, 16).choose(None) >= 3  # a good draft still pays: 261 against 250
     assert alone(4, 0.5, 16).explore(0) == 1
+
+
+def test_a_newer_call_of_the_request_in_the_batch_ends_the_steps_of_the_one_before(
+        target, references):
+    """A call of four steps between two of them, and another call of its request in the
+    same batch (a retry): the first answers the steps it ran, each the target's own (its
+    progress was dropped before, and its next step taken for its first: tokens lost)."""
+    prompt, expected = prompts()[3], references[3]
+    verifier = ModelVerifier(target)
+    start = PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt))
+    first = verifier.score_now(ScoreCall("r", start, (), GREEDY)).target_token_ids[0]
+    committed = PrefixSync(0, EMPTY_PREFIX_HASH, (*prompt, first))
+    stepped = ScoreCall("r", committed, (), GREEDY, steps=4)
+    assert verifier.score_batch([stepped]) == [UNFINISHED]  # its first step run
+    answer, retried = verifier.score_batch([stepped, ScoreCall("r", committed, (), GREEDY)])
+    tokens = [first, answer.target_token_ids[0], *answer.continued_token_ids]
+    assert tokens == expected[:len(tokens)] and len(tokens) == 3  # its two steps
+    assert retried.target_token_ids == (expected[1],)
+    assert not verifier.steps.running
+
