@@ -114,6 +114,9 @@ class ModelVerifier:
         check_call(call.sync.new_token_ids + call.draft_token_ids + call.sampling.shaping_ids,
                    vocab_size, len(call.draft_token_ids))
         check_steps(call, vocab_size)
+        if (call.sampling.logprobs or 0) > vocab_size:  # else its topk fails the batch
+            raise ValueError(f"logprobs asks for the top {call.sampling.logprobs} tokens of a "
+                             f"vocabulary of {vocab_size}")
         drafted = list(call.draft_token_ids)
         if call.draft_parents is not None:
             check_tree_call(call)

@@ -10,7 +10,14 @@ from deployments.wire import scores_from_proto, scores_to_proto
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from speculative.sampling import SamplingParams
-from speculative.types import PositionLogprobs, TargetScores, TokenLogprob
+from speculative.types import (
+    EMPTY_PREFIX_HASH,
+    PositionLogprobs,
+    PrefixSync,
+    ScoreCall,
+    TargetScores,
+    TokenLogprob,
+)
 from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -90,6 +97,16 @@ def test_logprobs_travel_the_wire_and_zero_top_is_the_token_only():
     assert [[t for t, _ in row] for row in back.top] == [[3, 4], [1, 3]]
     bare = PositionLogprobs((), (-0.25,), ((),))
     assert scores_from_proto(scores_to_proto(TargetScores((7,), logprobs=bare))).logprobs == bare
+
+
+def test_more_logprobs_than_the_vocabulary_refuse_their_call_not_its_batch():
+    verifier = ModelVerifier(tiny_llama(3, vocab_size=16))
+    sync = PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3))
+    good, bad = (ScoreCall(name, sync, (), SamplingParams(temperature=0, logprobs=n))
+                 for name, n in (("good", 16), ("bad", 17)))
+    scores, refusal = verifier.score_batch([good, bad])
+    assert len(scores.logprobs.top[0]) == 16 and "vocabulary of 16" in str(refusal)
+    assert isinstance(refusal, ValueError) and "good" in verifier.sessions
 
 
 def test_the_two_api_shapes():
