@@ -11,7 +11,7 @@ from deployments.clients import PoolError
 from deployments.ingress import pool_failure
 from deployments.logprobs import chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
-from deployments.openai_api import (
+from deployments.responses import (
     DeltaChunks,
     choice_body,
     chunk_body,

@@ -20,6 +20,7 @@ import logging
 import grpc
 
 from deployments import auth, wire
+from deployments.limits import in_messages, message_size_options
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import (
@@ -42,7 +43,7 @@ RETRY_PAUSE_S, MAX_RETRY_PAUSE_S = 0.05, 0.8  # a GONE answer from the proxy, tr
 # the largest answer a pool sends is a q (drafter) or a few ids (verifier): 64 MB covers a
 # dense float32 q over 33 positions of a 256k vocabulary
 MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = wire.message_size_options(MAX_MESSAGE_BYTES)
+CHANNEL_OPTIONS = message_size_options(MAX_MESSAGE_BYTES)
 
 
 class PoolError(PoolUnavailable):
@@ -124,7 +125,7 @@ class ReplicaStream:
                 await self.wake.wait()
                 self.wake.clear()
                 if self.outbox or self.cancelled:
-                    runs, cancelled = wire.in_messages(self.outbox), self.cancelled
+                    runs, cancelled = in_messages(self.outbox), self.cancelled
                     self.outbox, self.cancelled = [], []
                     for run in runs[:-1]:
                         await self.stream.write(self.batch_type(entries=run))

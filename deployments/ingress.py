@@ -16,7 +16,8 @@ from pydantic.json_schema import models_json_schema
 from ray.exceptions import TaskCancelledError
 
 from deployments.clients import PoolError
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, error_body
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.responses import error_body
 from speculative.types import PoolBusy
 
 log = logging.getLogger("ray.serve")

@@ -1,7 +1,7 @@
-"""OpenAI-compatible request and response shapes (completions, chat completions, errors)."""
+"""OpenAI-compatible request bodies (completions, chat completions): what they accept and
+refuse, and the sampling parameters and constraint they ask for (the responses:
+deployments.responses)."""
 
-import json
-import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,7 +26,6 @@ from speculative.sampling import (
     MIN_TEMPERATURE,
     SamplingParams,
 )
-from speculative.stats import SpecStats
 
 
 # bounds on what a request may ask, checked before any work (the prompt's own size is
@@ -361,93 +360,3 @@ class ChatCompletionRequest(SamplingFields):
             raise ToolError("tool_choice", f"give one constraint: {found[0]} or a forced "
                                            "tool call, not both")
         return found or forced
-
-
-ERROR_TYPES = {401: ("invalid_request_error", "invalid_api_key"),
-               404: ("invalid_request_error", "model_not_found"),  # a model (as OpenAI)
-               413: ("invalid_request_error", "request_too_large"),
-               429: ("requests", "rate_limit_exceeded")}
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    """OpenAI's error shape; type and code as OpenAI sends them for that status."""
-    default = "invalid_request_error" if status < 500 else "server_error"
-    kind, code = ERROR_TYPES.get(status, (default, None))
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def completion_body(request_id: str, model: str, choices: list[dict], usage: dict,
-                    stats: SpecStats, chat: bool) -> dict:
-    """The response: OpenAI's fields, specserve's `speculative` block and vLLM's per-request
-    speculative metrics (`metrics.speculative_decoding`)."""
-    return {
-        "id": request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-        "speculative": stats.as_dict(),
-        "metrics": stats.vllm_metrics(),
-    }
-
-
-def choice_body(index: int, text: str | None, finish_reason: str | None, stop_reason,
-                chat: bool, token_ids: list[int] | None = None, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
-    """One choice; stop_reason (as vLLM) is the stop token id or string, None at length."""
-    if chat:
-        body = {"index": index, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason, "logprobs": logprobs}
-        if tool_calls:
-            body["message"]["tool_calls"] = tool_calls
-    else:
-        body = {"index": index, "text": text, "finish_reason": finish_reason,
-                "logprobs": logprobs}
-    body["stop_reason"] = stop_reason
-    if token_ids is not None:
-        body["token_ids"] = token_ids
-    return body
-
-
-class DeltaChunks:
-    """One streamed choice's text-delta chunks, serialised: the JSON around the text is built
-    once per stream (every chunk of a stream has the same id, created and model, as
-    OpenAI's) and a delta costs one string's encoding."""
-
-    HOLE = "\x00delta\x00"
-
-    def __init__(self, request_id: str, model: str, index: int, chat: bool) -> None:
-        whole = json.dumps(chunk_body(request_id, model, index, self.HOLE, None, chat))
-        self.head, self.tail = whole.split(json.dumps(self.HOLE))
-
-    def __call__(self, text: str) -> str:
-        return self.head + json.dumps(text) + self.tail
-
-
-def chunk_body(request_id: str, model: str, index: int, text: str | None,
-               finish_reason: str | None, chat: bool, *, role: str | None = None,
-               stop_reason=None, token_ids: list[int] | None = None,
-               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
-    if chat:
-        delta = {"role": role} if role else {}
-        if text is not None:
-            delta["content"] = text
-        if tool_calls:  # each whole, with its index (deployments.tools.call_deltas)
-            delta["tool_calls"] = tool_calls
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
-    else:
-        choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
-    if logprobs is not None:  # its tokens' (deployments.choices: stream_choice)
-        choice["logprobs"] = logprobs
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }

@@ -20,6 +20,7 @@ from ray import serve
 
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
+from deployments.limits import Limits, check_propose, check_score, in_messages
 from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
@@ -103,7 +104,7 @@ class PoolReplica:
     engine: PoolEngine  # set by the subclass before start()
 
     async def start(self, add_to_server, run_batch, args: PoolArgs, pool: str,
-                    limits: wire.Limits) -> None:
+                    limits: Limits) -> None:
         """run_batch: the engine's list of calls -> list of answers (or their refusals);
         limits: what a call may ask (checked before it is decoded or queued)."""
         max_batch_size = args.max_batch_size
@@ -274,7 +275,7 @@ class PoolReplica:
                            lambda result: self.respond(result, to_proto, response_type),
                            answer_type)
         async for answers in calls.serve(batches):
-            for run in wire.in_messages(answers):  # many calls' q: within the message bound
+            for run in in_messages(answers):  # many calls' q: within the message bound
                 yield answers_type(answers=run)
 
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
@@ -320,7 +321,7 @@ class DrafterPool(PoolReplica):
         torch.set_num_threads(args.torch_threads)
         self.engine = build_drafter(args.spec())
         target = Checkpoint.load(args.target)
-        limits = wire.Limits(target.vocab_size, target.max_position_embeddings)
+        limits = Limits(target.vocab_size, target.max_position_embeddings)
         await self.start(pb_grpc.add_DrafterServicer_to_server, self.engine.propose_batch,
                          args, "drafter", limits)
 
@@ -333,11 +334,11 @@ class DrafterPool(PoolReplica):
             call.num_speculative_tokens * max(1, call.tree_width)
 
     async def Propose(self, request: pb.ProposeRequest, grpc_context=None) -> pb.ProposeResponse:
-        return await self.answer(wire.check_propose, wire.propose_from_proto, request,
+        return await self.answer(check_propose, wire.propose_from_proto, request,
                                  wire.block_to_proto, pb.ProposeResponse, grpc_context)
 
     async def ProposeStream(self, batches, grpc_context):
-        async for answers in self.stream(batches, grpc_context, wire.check_propose,
+        async for answers in self.stream(batches, grpc_context, check_propose,
                                          wire.propose_from_proto, wire.block_to_proto,
                                          pb.ProposeResponse, pb.ProposeAnswer,
                                          pb.ProposeAnswers):
@@ -359,7 +360,7 @@ class VerifierPool(PoolReplica):
                                     grammar_tokenizer=grammar_tokenizer_at(
                                         args.model, model.config.vocab_size))
         config = self.engine.model.config
-        limits = wire.Limits(config.vocab_size, self.engine.max_positions)
+        limits = Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,
                          args, "verifier", limits)
 
@@ -379,11 +380,11 @@ class VerifierPool(PoolReplica):
         return len(call.sync.new_token_ids) + len(call.draft_token_ids) + 1
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:
-        return await self.answer(wire.check_score, wire.score_from_proto, request,
+        return await self.answer(check_score, wire.score_from_proto, request,
                                  wire.scores_to_proto, pb.ScoreResponse, grpc_context)
 
     async def ScoreStream(self, batches, grpc_context):
-        async for answers in self.stream(batches, grpc_context, wire.check_score,
+        async for answers in self.stream(batches, grpc_context, check_score,
                                          wire.score_from_proto, wire.scores_to_proto,
                                          pb.ScoreResponse, pb.ScoreAnswer, pb.ScoreAnswers):
             yield answers

@@ -11,7 +11,7 @@ import functools
 import grpc
 from ray.serve.grpc_util import RayServegRPCContext
 
-from deployments import wire
+from deployments.limits import message_size_options
 from protos import specserve_pb2 as pb
 
 
@@ -98,7 +98,7 @@ async def serve_directly(servicer, add_to_server, host: str = "loopback",
 
     host = ray.util.get_node_ip_address() if host == "node" and ray.is_initialized() \
         else "127.0.0.1"
-    options = wire.message_size_options(max_message_bytes) if max_message_bytes else []
+    options = message_size_options(max_message_bytes) if max_message_bytes else []
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
     add_to_server(servicer, server)
     port = server.add_insecure_port(f"{host}:0")

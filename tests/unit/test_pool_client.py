@@ -166,9 +166,9 @@ class Recording:
 
 def test_calls_that_wait_together_go_in_messages_within_the_pools_bound():
     """Twenty sampled calls of 900 KB of q each (a large vocabulary at K = 8) wait together:
-    they go in messages of at most wire.STREAM_MESSAGE_BYTES, which a pool's port takes (one
+    they go in messages of at most STREAM_MESSAGE_BYTES, which a pool's port takes (one
     message of them all was refused and broke the stream, failing every call on it)."""
-    from deployments import wire
+    from deployments.limits import STREAM_MESSAGE_BYTES, Limits
     from protos import specserve_pb2 as pb
 
     big = pb.ScoreRequest(request_id="r " + "x" * 900_000)  # the size of a large q
@@ -188,17 +188,17 @@ def test_calls_that_wait_together_go_in_messages_within_the_pools_bound():
     asyncio.run(main())
     sizes = [message.ByteSize() for message in stub.written]
     assert sum(len(message.entries) for message in stub.written) == 20
-    assert len(sizes) > 1 and max(sizes) <= wire.STREAM_MESSAGE_BYTES + 1024
-    limits = wire.Limits(vocab_size=4096, context=2048)
+    assert len(sizes) > 1 and max(sizes) <= STREAM_MESSAGE_BYTES + 1024
+    limits = Limits(vocab_size=4096, context=2048)
     assert limits.stream_message_bytes() >= max(sizes + [limits.message_bytes()])
 
 
 def test_in_messages_keeps_the_order_and_sends_an_oversized_item_alone():
-    from deployments import wire
+    from deployments.limits import in_messages
     from protos import specserve_pb2 as pb
 
     items = [pb.ReleaseRequest(request_id="x" * n) for n in (10, 10, 50, 10, 10)]
-    runs = wire.in_messages(items, budget=30)
+    runs = in_messages(items, budget=30)
     assert [item for run in runs for item in run] == items
     assert [len(run) for run in runs] == [2, 1, 2]
-    assert wire.in_messages([], budget=30) == [[]]
+    assert in_messages([], budget=30) == [[]]

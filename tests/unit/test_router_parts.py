@@ -9,7 +9,7 @@ import pytest
 from deployments.admission import Admission
 from deployments.choices import Choices, all_or_none
 from deployments.ingress import BadRequest
-from deployments.openai_api import DeltaChunks, chunk_body, error_body
+from deployments.responses import DeltaChunks, chunk_body, error_body
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
 from tests.tiny import Agreeing
