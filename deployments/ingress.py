@@ -10,7 +10,7 @@ import os
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from ray.exceptions import TaskCancelledError
@@ -115,6 +115,22 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise BadRequest(f"{param}: {message}" if param else message, param=param) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
+
+
+class ReleasingStream(StreamingResponse):
+    """Server-sent events that give the request's admission back however they end: when the
+    client has gone before the first chunk, Starlette skips a background task and a
+    generator never started runs no `finally`."""
+
+    def __init__(self, events, ticket) -> None:  # an admission Ticket
+        super().__init__(events, media_type="text/event-stream")
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
 
 
 def openapi_document(app: FastAPI) -> dict:

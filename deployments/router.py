@@ -12,15 +12,14 @@ import uuid
 
 import grpc
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 from ray import serve
-from starlette.background import BackgroundTask
 
 from deployments.admission import Admission
 from deployments.choices import Choices
 from deployments.clients import CHANNEL_OPTIONS, GrpcDrafter, GrpcVerifier, PoolError
 from deployments.ingress import (
     BadRequest,
+    ReleasingStream,
     api_key,
     error_response,
     ingress_app,
@@ -38,6 +37,7 @@ from engine.checkpoint import Checkpoint, check_vocabularies
 from engine.models import load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd, RequestPlan, joined
+
 
 app = ingress_app("specserve")
 
@@ -121,8 +121,7 @@ class Router:
                           include_usage=body.include_usage,
                           stop_token_ids=tuple(body.stop_token_ids or ()))
         if body.stream:
-            return StreamingResponse(choices.events(), media_type="text/event-stream",
-                                     background=BackgroundTask(ticket.release))
+            return ReleasingStream(choices.events(), ticket)
         try:
             return await choices.complete()
         except PoolError as error:

@@ -8,7 +8,7 @@ import pytest
 
 from deployments.admission import Admission
 from deployments.choices import Choices, all_or_none
-from deployments.ingress import BadRequest
+from deployments.ingress import BadRequest, ReleasingStream
 from deployments.responses import DeltaChunks, chunk_body, error_body
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
@@ -148,3 +148,28 @@ def test_a_delta_chunk_built_once_is_the_chunk_body_of_its_text(chat):
                                                           None, chat)
         assert built.pop("created") <= body.pop("created")
         assert built == body
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_a_stream_whose_client_is_gone_before_its_first_chunk_gives_its_admission_back(spec):
+    """Starlette skips a background task when the send fails, and the events' generator,
+    never started, runs no finally."""
+    admission = Admission(4)
+    ticket = admission.admit(3)
+
+    async def events():
+        yield "data: x\n\n"
+
+    async def gone(message):
+        raise OSError("the client has gone")
+
+    async def disconnect():
+        return {"type": "http.disconnect"}
+
+    async def main():
+        response = ReleasingStream(events(), ticket)
+        with pytest.raises(Exception):
+            await response({"type": "http", "asgi": {"spec_version": spec}}, disconnect, gone)
+
+    asyncio.run(main())
+    assert admission.running == 0
