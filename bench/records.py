@@ -132,13 +132,20 @@ def record(pair: str, mode: str, k: int | str, temperature: float, concurrency: 
 
 
 def add_speedups(records: list[dict]) -> None:
+    """speedup: over the target alone, one stream (of a cell of several requests at once,
+    its aggregate's: batching's gain and speculation's together); speedup_vs_off, of such a
+    cell and of the sweep's: over serve_off's at the same load, speculation's own."""
     base = {(r["pair"], r["temperature"]): r["tokens_per_s"] for r in records
             if r["mode"] == "target_only"}
-    off = {(r["pair"], r["concurrency"]): r["tokens_per_s"] for r in records
-           if r["stream"] and r["mode"] == "serve_off"}
+
+    def load(r: dict) -> tuple:
+        return r["pair"], r["temperature"], r["concurrency"], bool(r["stream"])
+
+    off = {load(r): r["tokens_per_s"] for r in records
+           if r["mode"] == "serve_off" and (r["stream"] or r["concurrency"] > 1)}
     for r in records:
-        if r["stream"] and (r["pair"], r["concurrency"]) in off:
-            r["speedup_vs_off"] = round(r["tokens_per_s"] / off[(r["pair"], r["concurrency"])], 3)
+        if (r["stream"] or r["concurrency"] > 1) and load(r) in off:
+            r["speedup_vs_off"] = round(r["tokens_per_s"] / off[load(r)], 3)
     for r in records:
         anchor = base.get((r["pair"], r["temperature"]))
         if anchor:

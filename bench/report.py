@@ -16,6 +16,11 @@ def fmt(value, digits: int = 2, suffix: str = "") -> str:
     return f"{value}{suffix}"
 
 
+def vs_off(r: dict) -> str:
+    """ (0.99x of off): a cell of several requests at once against serve_off's at that load."""
+    return "" if r["speedup_vs_off"] is None else f" ({r['speedup_vs_off']:.2f}x of off)"
+
+
 def same_tokens(r: dict) -> str:
     """yes / NO / – of a record's comparison; greedy, with its departures at ties."""
     if r["greedy_matches_target"] is None:
@@ -49,7 +54,7 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {r['temperature']:g} | {r['mode']} | {r['k']} | {fmt(r['draft_q'])} "
                 f"| {r['concurrency']} | {fmt(r['tokens_per_s'], 1)} "
-                f"| {fmt(r['speedup'], 2, 'x')} "
+                f"| {fmt(r['speedup'], 2, 'x')}{vs_off(r)} "
                 f"| {fmt(r['predicted_speedup'], 2, 'x')} | {fmt(r['speedup_vs_predicted'])} "
                 f"| {fmt(r['acceptance_rate'])} | {fmt(r['mean_acceptance_length'])} "
                 f"| {fmt(r['predicted_tokens_per_round'])} | {fmt(r['mean_k'])} | {split} "
@@ -57,7 +62,9 @@ def markdown(results: dict) -> str:
                 f"| {fmt(r['wire_bytes_per_round'], 0)} "
                 f"| {same_tokens(r)} |")
         lines.append("")
-    lines += ["speedup: tokens/s over `target_only` of the same pair and temperature. formula: "
+    lines += ["speedup: tokens/s over `target_only` of the same pair and temperature (one "
+              "stream; at conc. > 1 the aggregate's, batching's gain with speculation's, and in "
+              "brackets over `serve_off`'s at the same conc., speculation's alone). formula: "
               "E[N] / (t(K+1)/t(1) + K c) with E[N] = (1 - α^(K+1)) / (1 - α) from the measured "
               "α and the target's measured cost curve. q: the draft distribution as shipped "
               "(sampled records). mean K: tokens drafted per round (serve_adaptive: as chosen). "

@@ -164,6 +164,8 @@ def stats_from_http(spec: dict) -> SpecStats:
         rounds=rounds, num_drafts=spec["num_drafts"], num_draft_tokens=spec["num_draft_tokens"],
         num_accepted_tokens=spec["num_accepted_tokens"],
         num_emitted_tokens=spec["num_emitted_tokens"],
+        plain_step_tokens=spec.get("plain_step_tokens", 0),  # no speculation's (tokens/round)
+        draft_fallback_rounds=spec.get("draft_fallback_rounds", 0),
         accepted_per_position=list(spec["accepted_per_position"]),
         draft_compute_seconds=seconds("draft"), verify_compute_seconds=seconds("verify"),
         draft_seconds=seconds("draft") + seconds("transport"), verify_seconds=seconds("verify"),

@@ -52,11 +52,15 @@ def test_a_speculative_record_has_the_formula_and_the_measured_ratio():
     assert rec["wire_bytes_per_round"] == 250 and rec["overhead_ms_p50"] == 2.0
     assert rec["greedy_matches_target"] is True and rec["sampled_matches_inprocess"] is None
     assert anchor["acceptance_rate"] is None and anchor["predicted_speedup"] is None
-    # four streams at once: throughput against one stream, no one-stream formula beside it
+    # four streams at once: throughput against one stream, no one-stream formula beside it,
+    # and against speculation off at the same load
     batched = record("demo", "serve_sync", 2, 0.0, 4, tally, {"c": 0.25})
-    add_speedups([batched, anchor])
+    batched_off = record("demo", "serve_off", 0, 0.0, 4, Tally(4, 50, 0.1), {"c": 0.25})
+    add_speedups([batched, batched_off, anchor])
     assert batched["speedup"] == 2.0 and batched["predicted_tokens_per_round"] == 1.75
     assert batched["predicted_speedup"] is None and batched["speedup_vs_predicted"] is None
+    assert (batched["speedup_vs_off"], batched_off["speedup_vs_off"]) == (0.4, 1.0)
+    assert rec["speedup_vs_off"] is None  # one stream: the target alone is its baseline
 
 
 def test_a_departure_at_a_tie_is_counted_apart_from_mismatches():
@@ -120,8 +124,9 @@ def test_a_sweep_cell_has_latencies_batch_sizes_and_the_ratio_to_speculation_off
     add_speedups([off, on, single])
     assert set(on) == set(FIELDS) and single["stream"] is None
     assert (off["tokens_per_s"], on["tokens_per_s"]) == (64.0, 80.0)
+    # the cell of four requests at once (not streamed) has its own serve_off: itself
     assert (off["speedup_vs_off"], on["speedup_vs_off"], single["speedup_vs_off"]) == \
-        (1.0, 1.25, None)
+        (1.0, 1.25, 1.0)
     assert on["ttft_ms_p50"] == 250.0  # sent -> first chunk: 100, 200, 300, 400 ms
     assert on["tpot_ms_p50"] == on["tpot_ms_p99"] == 10.0  # 70 ms over 7 tokens after the first
     assert (on["batch_mean_verifier"], on["batch_mean_drafter"]) == (3.0, 2.0)
@@ -202,3 +207,13 @@ def test_a_soak_with_no_completed_request_still_reports():
               "latency_s_p99": None, "tokens_per_s": 0.0, "sessions_left": {},
               "rss": {"router": {"after_warmup_mb": 1.0, "max_mb": 2.0, "end_mb": 2.0}}}
     assert "p50 -, p99 -" in soak_report(result)
+
+
+def test_a_served_records_tokens_per_round_leave_out_the_plain_steps():
+    """A round without a draft that asked the verifier for 4 tokens is one round of one
+    speculation token, as the server's own stats count it."""
+    stats = SpecStats(rounds=3, num_drafts=2, num_draft_tokens=8, num_accepted_tokens=4,
+                      num_emitted_tokens=13, plain_step_tokens=3, draft_fallback_rounds=1)
+    back = stats_from_http(stats.as_dict())
+    assert back.mean_acceptance_length == stats.mean_acceptance_length == 10 / 3
+    assert back.draft_fallback_rounds == 1
