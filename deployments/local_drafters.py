@@ -22,14 +22,42 @@ OFF_LOOP_NEW_TOKENS, OFF_LOOP_TOKENS = 64, 1024
 class OffLoop:
     def __init__(self, drafter) -> None:
         self.drafter, self.lock = drafter, asyncio.Lock()
+        self.observed: dict[str, list[int]] = {}  # a request's committed tokens at its end
 
     async def propose(self, call: ProposeCall):
         new = len(call.sync.new_token_ids) + len(call.assumed_token_ids)
-        async with self.lock:
-            if new <= OFF_LOOP_NEW_TOKENS and call.sync.committed_len + new <= OFF_LOOP_TOKENS:
+        if new <= OFF_LOOP_NEW_TOKENS and call.sync.committed_len + new <= OFF_LOOP_TOKENS:
+            async with self.lock:
                 return timed(self.drafter.propose_now, call)
-            return await asyncio.to_thread(timed, self.drafter.propose_now, call)
+        return await self.on_thread(timed, self.drafter.propose_now, call)
+
+    def observe(self, request_id: str, token_ids: list[int]) -> None:
+        """types.Drafter's: handed to the drafter with the release, under the lock."""
+        if hasattr(self.drafter, "observe"):
+            self.observed[request_id] = token_ids
 
     async def release(self, request_id: str) -> None:
-        async with self.lock:
-            await asyncio.to_thread(self.drafter.release_now, request_id)
+        await self.on_thread(self.release_now, request_id, self.observed.pop(request_id, None))
+
+    def release_now(self, request_id: str, observed: list[int] | None) -> None:
+        if observed is not None:
+            self.drafter.observe(request_id, observed)
+        self.drafter.release_now(request_id)
+
+    async def on_thread(self, work, *args):
+        """work(*args) on a worker thread, holding the lock until the work ends, even when
+        the caller is cancelled meanwhile (the thread runs on: a release after it must not
+        overtake it, and no other call may share the drafter with it)."""
+        await self.lock.acquire()
+        try:
+            done = asyncio.ensure_future(asyncio.to_thread(work, *args))
+        except BaseException:
+            self.lock.release()
+            raise
+        done.add_done_callback(self.after_thread)
+        return await asyncio.shield(done)
+
+    def after_thread(self, done: asyncio.Future) -> None:
+        self.lock.release()
+        if not done.cancelled():
+            done.exception()  # retrieved: a cancelled caller's refusal is nobody's to raise

@@ -122,10 +122,13 @@ class NgramDrafter:
                    call.num_speculative_tokens)
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         check_confidence(call.draft_confidence)  # checked, then unused: no draft law
+        wants_tree = call.tree_width > 1 and not call.assumed_token_ids and \
+            call.sampling.grammar is None  # else a chain
+        if wants_tree:
+            check_tree_width(call)  # before the session moves
         sequence = self.sessions.apply(call.request_id, call.sync)
         context = sequence.committed + list(call.assumed_token_ids)
-        if call.tree_width > 1 and not call.assumed_token_ids and call.sampling.grammar is None:
-            check_tree_width(call)
+        if wants_tree:
             tree = self.lookup_tree(call, sequence, context)
             if tree is not None:  # deterministic: verified by matching the target's draws
                 return DraftBlock(tree[0], None, parents=tree[1])

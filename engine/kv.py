@@ -85,8 +85,6 @@ class Sequence:
             )
         self.committed.extend(sync.new_token_ids)
         self._hasher.of(self.committed)
-        if not self.committed:
-            raise ValueError("the committed prefix is empty: a prompt needs at least one token")
         self.publish()
 
     @property
@@ -223,7 +221,10 @@ class SessionStore:
         return sum(len(s.committed) for s in self._sequences.values())
 
     def apply(self, request_id: str, sync: PrefixSync) -> Sequence:
-        """The request's sequence advanced to `sync`; raises StaleBase when it cannot be."""
+        """The request's sequence advanced to `sync`; raises StaleBase when it cannot be, and
+        ValueError for an empty prefix, before any session is made or evicted."""
+        if sync.known_len == 0 and not sync.new_token_ids:
+            raise ValueError("the committed prefix is empty: a prompt needs at least one token")
         sequence = self._sequences.get(request_id)
         if sequence is None:
             if sync.known_len != 0:

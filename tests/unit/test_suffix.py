@@ -240,3 +240,59 @@ def test_the_router_runs_a_long_call_and_every_release_off_its_event_loop():
     assert where == [False, True, False, True, False]
     assert long_block.token_ids == (1, 2, 3, 1) and short_block.token_ids == (9, 7, 8)
     assert list(drafter.outputs) == [long_prompt]
+
+
+def test_the_routers_own_drafter_indexes_the_whole_output_and_a_cancelled_call_blocks_it():
+    """Through the router's wrapper (deployments.local_drafters.OffLoop): observe() reaches
+    the drafter with the release, so the global index gets the last rounds' tokens too; a
+    call on a thread whose caller is cancelled holds the drafter until its thread ends, so
+    the request's release after it runs after it and leaves no session behind."""
+    import threading
+
+    from deployments.local_drafters import OFF_LOOP_TOKENS, OffLoop
+
+    drafter = SuffixDrafter(16, max_spec_factor=2)
+    routed = OffLoop(drafter)
+    asyncio.run(routed.propose(call("a", [], [9, 7], prompt_len=2)))
+    routed.observe("a", [9, 7, 1, 2])
+    asyncio.run(routed.release("a"))
+    assert list(drafter.outputs) == [[1, 2]] and not routed.observed
+
+    started, finish, order = threading.Event(), threading.Event(), []
+    propose_now = drafter.propose_now
+
+    def slow(one):
+        started.set()
+        finish.wait(10)
+        order.append("propose")
+        return propose_now(one)
+
+    drafter.propose_now = slow
+    release_now = drafter.release_now
+    drafter.release_now = lambda request_id: (order.append("release"),
+                                               release_now(request_id))
+
+    async def main():
+        long = asyncio.ensure_future(routed.propose(call("b", [], [1, 2, 3] * OFF_LOOP_TOKENS)))
+        await asyncio.to_thread(started.wait, 10)  # its thread runs
+        long.cancel()
+        released = asyncio.ensure_future(routed.release("b"))
+        await asyncio.sleep(0.05)
+        assert not released.done()  # held back by the thread still running
+        finish.set()
+        await released
+        return long.cancelled()
+
+    assert asyncio.run(main())
+    assert order == ["propose", "release"] and drafter.sessions.get("b") is None
+
+
+def test_a_refused_call_leaves_the_drafters_sessions_alone():
+    drafter = SuffixDrafter(16, max_cached_requests=1)
+    drafter.propose_now(call("kept", [], [1, 2, 3]))
+    wide = ProposeCall("w", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2)), 2,
+                       SamplingParams(temperature=0), 0, tree_width=99)
+    for refused in (call("empty", [], []), wide):
+        with pytest.raises(ValueError):
+            drafter.propose_now(refused)
+    assert drafter.sessions.get("kept") is not None and len(drafter.sessions) == 1
