@@ -75,7 +75,7 @@ class Steps:
         self.sessions = sessions
         self.running: dict[str, Progress] = {}
 
-    def current(self, call: ScoreCall) -> tuple[ScoreCall, "Progress | None"]:
+    def current(self, call: ScoreCall) -> tuple[ScoreCall, Progress | None]:
         """The step of `call` to run now (the call itself for its first) and its progress
         (None for a first step). A new call of the request ends the old one's steps."""
         progress = self.running.get(call.request_id)
@@ -89,7 +89,7 @@ class Steps:
     def forget(self, request_id: str) -> None:
         self.running.pop(request_id, None)
 
-    def advance(self, call: ScoreCall, result, progress: "Progress | None"):
+    def advance(self, call: ScoreCall, result, progress: Progress | None):
         """The call's answer after the step just run (its result; progress as `current`
         gave it): UNFINISHED while steps remain, else the scores of them all; a refusal
         ends the call, and so does a newer call of the request in the same batch (the
