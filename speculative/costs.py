@@ -241,8 +241,9 @@ class CostModel:
             if ratio is not None:
                 self.warned = True
                 log.warning("a draft step costs %.2fx a verify on these pools: speculation "
-                            "cannot pay (adaptive K will stay at 0); pair a cheaper drafter "
-                            "or a faster drafter class", ratio)
+                            "cannot pay (an adaptive K runs K = 0 where its bounds and load "
+                            "allow it); pair a cheaper drafter or a faster drafter class",
+                            ratio)
         bucket = load_bucket(cost.batch_size)
         if cost.steps <= 1:  # (a round of several steps also waits between its steps)
             add_to(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,

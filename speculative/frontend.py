@@ -90,6 +90,9 @@ class RequestFrontEnd:
         running: the choices of other requests running now (an adaptive K starts at the
         load they and the n choices make)."""
         steps = plain_steps or self.defaults.plain_steps
+        # what a round without a draft really makes (speculative.loop.plain_steps: one token
+        # with logprobs), for the K policy's rate of K = 0
+        policy_steps = 1 if sampling.logprobs is not None else steps
         k = self.num_speculative_tokens(num_speculative_tokens, sampling)
         pipelined = self.pipelined(pipelined, sampling)
         width, k, nodes = self.tree(tree, sampling, k, num_speculative_tokens)
@@ -103,7 +106,7 @@ class RequestFrontEnd:
                            self.defaults.busy_wait_s, width, nodes, context_limit,
                            placement=request_id, plain_steps=steps),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees,
-                                 running + n, steps))
+                                 running + n, policy_steps))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind, n)
 

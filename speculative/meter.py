@@ -14,7 +14,8 @@ class RoundMeter:
     def __init__(self, state, carried: bool) -> None:
         self.stats = state.stats
         self.carried = carried  # the candidates were pre-drafted during the previous round
-        self.first = not state.drafter_called  # a request's first round: prefills
+        self.first = not state.drafter_called  # the drafter's first call: its prefill
+        self.prefill = not state.num_output_tokens  # the verifier's prompt prefill
         self.fell_back = False  # the round asked for a draft and ran without one
         self.predraft: DraftBlock | None = None  # the draft that ran beside the verify
         self.misses = state.stats.cache_misses
@@ -95,7 +96,7 @@ class RoundMeter:
         load = scores.load
         hop = 0.0 if self.carried or not block.token_ids \
             else self.drafted_at - self.started - block.compute_seconds
-        comparable = not (self.first and drafted_beside) and \
+        comparable = not self.prefill and not (self.first and drafted_beside) and \
             self.stats.cache_misses == self.misses and \
             self.stats.busy_seconds == self.busy_seconds
         # a call of several steps (verifier.steps) ran one forward a token: the verify line

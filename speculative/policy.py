@@ -313,7 +313,8 @@ class AdaptiveK:
         return self.load >= self.zero_load or useless or measured and self.plain_steps > 1
 
     def choose(self, current: int | None = None) -> int:
-        """The best K, where K = 0 must win by `margin` to be entered or kept."""
+        """The best K, where K = 0 must win by `margin` to be entered, and is kept until
+        drafting wins by `margin`."""
         low = max(1, self.bounds.min)
         if low > self.bounds.max:
             return 0

@@ -197,6 +197,36 @@ def test_cold_and_incomparable_rounds_are_not_costs():
     assert costs.overhead_seconds(1) == pytest.approx(0.001)
 
 
+@pytest.mark.parametrize("initial", [0, 2])
+def test_a_requests_first_round_is_no_cost_whatever_its_k(initial):
+    """The first round's verify is the prompt's prefill, with or without a draft beside it
+    (an adaptive K may start at 0 under load): the verify line never learns it."""
+    from speculative.types import BatchLoad, DraftBlock, TargetScores
+    from tests.tiny import run
+
+    class Prefilling:
+        calls = 0
+
+        async def propose(self, call):
+            return DraftBlock((1,) * call.num_speculative_tokens, None, compute_seconds=0.001)
+
+        async def score(self, call):
+            self.calls += 1
+            n = len(call.draft_token_ids) + 1
+            return TargetScores(target_token_ids=(1,) * n, load=BatchLoad(1, n),
+                                compute_seconds=0.5 if self.calls == 1 else 0.01)
+
+        async def release(self, request_id):
+            pass
+
+    costs, pair = CostModel(), Prefilling()
+    policy = AdaptiveK(KBounds(0, 8, initial=initial), costs, pipelined=False, greedy=True)
+    run(pair, pair, [5, 6, 7], SamplingParams(temperature=0, max_tokens=6), "auto",
+        policy=policy)
+    learnt = [v for point in costs.verify.points.values() for v in point.values]
+    assert learnt and max(learnt) < 0.1  # the prefill's 0.5 s left out
+
+
 def test_the_verify_line_weights_sizes_by_how_often_they_are_seen():
     costs = CostModel()
     for _ in range(40):
