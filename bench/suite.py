@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -353,7 +354,21 @@ def client_counts(text: str) -> tuple[int, ...]:
     return values
 
 
+SUITE_FLAGS, SOAK_FLAGS = ("--quick", "--pair", "--concurrency", "--draft-timeout-s"), \
+    ("--soak-seconds", "--soak-streams", "--seed")
+
+
+def given(argv: list[str], flags) -> list[str]:
+    return [flag for flag in flags if any(a == flag or a.startswith(flag + "=") for a in argv)]
+
+
 def main(args, argv: list[str]) -> int:
+    wrong = given(argv, SUITE_FLAGS) if args.soak else given(argv, SOAK_FLAGS)
+    if wrong:
+        print(f"specserve bench: error: {', '.join(wrong)} "
+              f"{'does' if len(wrong) == 1 else 'do'} not apply "
+              f"{'to --soak' if args.soak else 'without --soak'}", file=sys.stderr)
+        return 2
     if args.soak:
         from bench import soak
 
@@ -370,6 +385,4 @@ def main(args, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(build_parser(argparse.ArgumentParser()).parse_args(), sys.argv[1:]))

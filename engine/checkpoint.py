@@ -23,6 +23,9 @@ class Checkpoint:
     def load(cls, path: str) -> "Checkpoint":
         from transformers import AutoConfig
 
+        from engine.models import check_model_path
+
+        check_model_path(path)
         return cls.of(path, AutoConfig.from_pretrained(path))
 
     @classmethod

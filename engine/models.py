@@ -11,6 +11,16 @@ DEMO_DRAFT = str(DEMO_DIR / "draft")
 DTYPES = ("float32", "bfloat16", "float16")  # torch's dtypes of those names
 
 
+def check_model_path(name_or_path: str) -> None:
+    """ValueError naming it for a model that is written as a local path (absolute, or
+    relative from "." or "..", or with more than one "/") and is not there: transformers
+    would take it for a hub id and say the id is malformed."""
+    text = str(name_or_path)
+    local = text.startswith(("/", "./", "../", "~")) or text.count("/") > 1
+    if local and not Path(text).expanduser().exists():
+        raise ValueError(f"no model at {text!r}: that folder does not exist")
+
+
 def load_causal_lm(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
     """Any causal LM `AutoModelForCausalLM` can load (a local folder or a hub id), in eval mode."""
     import torch
@@ -18,6 +28,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", device: str = "cpu
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_model_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
@@ -25,4 +36,5 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", device: str = "cpu
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
+    check_model_path(name_or_path)
     return AutoTokenizer.from_pretrained(name_or_path)

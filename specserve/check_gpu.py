@@ -24,6 +24,7 @@ It prints one JSON report (and writes it with --out); `ok` is false when a check
 import argparse
 import asyncio
 import json
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -337,6 +338,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        print(f"specserve check-gpu: --device {args.device!r} is no torch device (cuda, "
+              "cuda:N or cpu)", file=sys.stderr)
+        return 2
+    if args.out is not None and not args.out.parent.is_dir():
+        print(f"specserve check-gpu: --out {args.out}: its folder does not exist",
+              file=sys.stderr)
+        return 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("specserve check-gpu: no CUDA device here (use --device cpu --small)")
         return 2

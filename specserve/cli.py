@@ -250,9 +250,13 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--tree-nodes must be in [1, 64]")
     if args.tree_nodes is not None and args.tree_width == 1:
         parser.error("--tree-nodes shapes a tree: give --tree-width > 1")
-    if args.tree_nodes is not None and k != "auto" and args.tree_nodes <= k:
-        parser.error(f"--tree-nodes ({args.tree_nodes}) must exceed -k ({k}), the tree's "
-                     "main chain: a chain alone is -k without a tree")
+    from speculative.options import SpeculationDefaults
+
+    chain = k if k != "auto" else SpeculationDefaults().seeded_num_speculative_tokens
+    if args.tree_nodes is not None and args.tree_nodes <= chain:
+        parser.error(f"--tree-nodes ({args.tree_nodes}) must exceed the tree's main chain "
+                     f"({chain} tokens{' under -k auto' if k == 'auto' else ''}): a chain "
+                     "alone is -k without a tree")
     if args.draft_confidence == "auto" and (k != "auto" or args.pipelined):
         parser.error("--draft-confidence auto is learnt for -k auto without --pipelined; "
                      "give a number in [0, 1) instead")
@@ -276,6 +280,13 @@ def build_demo(parser: argparse.ArgumentParser, args) -> int:
     recipe = DemoRecipe(target_steps=4, draft_steps=4, distill_steps=4) if args.quick \
         else DemoRecipe()
     out = args.out or Path(DEMO_TARGET).parent
+    try:  # before the training, not after its hour
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".specserve-write-check"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        parser.error(f"--out {out}: cannot write there ({error.strerror})")
     print(json.dumps(build_demo_models(out, recipe), indent=2))
     return 0
 

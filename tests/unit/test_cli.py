@@ -84,7 +84,8 @@ BAD_GENERATE_FLAGS = [
     (["-k", "4", "--draft-confidence", "auto"], "--draft-confidence auto"),
     (["-k", "auto", "--pipelined", "--draft-confidence", "auto"], "--draft-confidence auto"),
     (["--tree-nodes", "5"], "--tree-width > 1"),
-    (["-k", "4", "--tree-width", "3", "--tree-nodes", "3"], "must exceed -k"),
+    (["-k", "4", "--tree-width", "3", "--tree-nodes", "3"], "must exceed the tree's main"),
+    (["-k", "auto", "--tree-width", "3", "--tree-nodes", "4"], "(4 tokens under -k auto)"),
 ]
 BAD_OTHER_FLAGS = [
     (["bench", "--threads", "0"], "--threads"),
@@ -112,5 +113,25 @@ def test_max_tokens_past_the_context_is_refused_before_generating(capsys, tiny_p
 
 
 def test_a_missing_model_is_a_clear_error(capsys, tmp_path):
-    code = main(["generate", "--target", str(tmp_path / "nothing"), "--max-tokens", "2"])
-    assert code == 2 and "error" in capsys.readouterr().err
+    missing = str(tmp_path / "nothing")
+    code = main(["generate", "--target", missing, "--max-tokens", "2"])
+    assert code == 2 and f"no model at {missing!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check-gpu", "--device", "gpu"], "--device 'gpu'"),
+    (["check-gpu", "--device", "cpu", "--small", "--out", "/nonexistent/x.json"],
+     "its folder does not exist"),
+    (["bench", "--soak", "--quick", "--pair", "demo"], "--quick, --pair do not apply to --soak"),
+    (["bench", "--soak-seconds", "5"], "--soak-seconds does not apply without --soak"),
+])
+def test_commands_refuse_what_they_cannot_use_before_they_run(capsys, argv, message):
+    assert main(argv) == 2 and message in capsys.readouterr().err
+
+
+def test_build_demo_models_refuses_an_out_it_cannot_write_before_training(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["build-demo-models", "--quick", "--out", str(blocker / "pair")])
+    assert exit_info.value.code == 2 and "cannot write there" in capsys.readouterr().err
