@@ -148,6 +148,8 @@ class SamplingFields(BaseModel):
     @field_validator("stream_options")
     @classmethod
     def only_when_streaming(cls, value, info):
+        if value is not None and not value.model_fields_set:
+            return None  # an empty {}, which vLLM takes without a stream too
         return needing(value, info, "stream", "stream_options is only allowed when stream "
                                               "is true")
 

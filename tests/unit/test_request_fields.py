@@ -33,6 +33,7 @@ def test_stream_options_come_with_a_stream():
     assert not CompletionRequest(prompt="x", stream=True).include_usage
     with pytest.raises(ValidationError, match="only allowed when stream is true"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True})
+    assert CompletionRequest(prompt="x", stream_options={}).stream_options is None  # as vLLM
 
 
 @pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"suffix": "}"}, "suffix"),
