@@ -385,4 +385,5 @@ def main(args, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(build_parser(argparse.ArgumentParser()).parse_args(), sys.argv[1:]))
+    sys.exit(main(build_parser(argparse.ArgumentParser(allow_abbrev=False)).parse_args(),
+                  sys.argv[1:]))

@@ -107,20 +107,25 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise BadRequest("the request body is not valid JSON") from None
     except ValidationError as error:
         first = error.errors()[0]
-        # the fields and indices of its place, without pydantic's names of union members
-        # (`constrained-int`, `function-after[...]`)
-        param = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or
-                         str(p).replace("_", "").isalnum()) or None
+        param = ".".join(str(p) for p in first["loc"] if not union_member(p)) or None
         message = first["msg"].removeprefix("Value error, ")
         raise BadRequest(f"{param}: {message}" if param else message, param=param) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
 
 
+def union_member(part) -> bool:
+    """Whether a part of a validation error's place is pydantic's name of a union's member
+    (`str`, `constrained-int`, `function-after[...]`), not a field, key or index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or
+                                      any(mark in part for mark in "[]()-'"))
+
+
 class ReleasingStream(StreamingResponse):
-    """Server-sent events that give the request's admission back however they end: when the
-    client has gone before the first chunk, Starlette skips a background task and a
-    generator never started runs no `finally`."""
+    """Server-sent events that end their generator and give the request's admission back
+    however the response ends: when the client has gone before the first chunk, Starlette
+    skips a background task and a generator never started runs no `finally`; one paused at
+    a chunk would run it only when collected."""
 
     def __init__(self, events, ticket) -> None:  # an admission Ticket
         super().__init__(events, media_type="text/event-stream")
@@ -129,7 +134,8 @@ class ReleasingStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:
+        finally:  # the events' own end (their choices' tasks cancelled), then the slot
+            await self.body_iterator.aclose()
             self.ticket.release()
 
 

@@ -34,6 +34,8 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 
 
@@ -139,7 +141,7 @@ class SamplingFields(BaseModel):
         """OpenAI's fields are nullable (temperature, n, stream, ...): null means the default,
         as in vLLM."""
         if isinstance(data, dict):
-            if guided := sorted(key for key in data if key.startswith("guided_")):
+            if guided := sorted(key for key in GUIDED if data.get(key) is not None):
                 raise ValueError(f"{guided[0]} is vLLM's earlier field, not served here: give "
                                  "the constraint as structured_outputs or response_format")
             return {key: value for key, value in data.items() if value is not None}

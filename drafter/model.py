@@ -258,6 +258,8 @@ class ModelDrafter:
                    self.vocab_size, call.num_speculative_tokens)
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         check_confidence(call.draft_confidence)
+        if call.tree_width > 1:
+            check_tree_width(call)  # before the session moves
         sequence = self.sessions.apply(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
@@ -273,7 +275,6 @@ class ModelDrafter:
                 num_tokens = 0
         width = call.tree_width
         if width > 1:
-            check_tree_width(call)
             if self.max_positions is not None and len(sequence.committed) + \
                     (call.tree_nodes or width * num_tokens) > self.max_positions:
                 width = 1  # the nodes would pass the context's end: a chain fits

@@ -93,7 +93,7 @@ class ModelVerifier:
         """Every call's TargetScores, or the ValueError / StaleBase that refused it; a call
         of several steps runs its next step (verifier.steps) and answers UNFINISHED until
         its last."""
-        steps = [self.steps.current(call) for call in calls]
+        steps = self.steps.current(calls)
         try:
             results = run_batch([step for step, _ in steps], self.prepare, self.runner,
                                 self.finish, self.sessions, self.max_batch_tokens)

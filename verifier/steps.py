@@ -75,16 +75,24 @@ class Steps:
         self.sessions = sessions
         self.running: dict[str, Progress] = {}
 
-    def current(self, call: ScoreCall) -> tuple[ScoreCall, Progress | None]:
-        """The step of `call` to run now (the call itself for its first) and its progress
-        (None for a first step). A new call of the request ends the old one's steps."""
-        progress = self.running.get(call.request_id)
-        if progress is None:
-            return call, None
-        if progress.call is call:
-            return progress.current, progress
-        del self.running[call.request_id]  # a new call of the request: the old one is gone
-        return call, None
+    def current(self, calls: list[ScoreCall]) -> list[tuple[ScoreCall, Progress | None]]:
+        """Each call's step to run now (the call itself for its first) and its progress
+        (None for a first step). A call of several steps between two of them goes on
+        wherever it stands in the batch; another call of its request (newer) ends its
+        steps (verifier.engine: advance answers the steps it ran)."""
+        going_on = {id(call): progress for call in calls
+                    if (progress := self.running.get(call.request_id)) is not None
+                    and progress.call is call}
+        steps = []
+        for call in calls:
+            progress = going_on.get(id(call))
+            if progress is not None:
+                steps.append((progress.current, progress))
+                continue
+            if call.request_id in self.running:
+                del self.running[call.request_id]  # a new call of the request
+            steps.append((call, None))
+        return steps
 
     def forget(self, request_id: str) -> None:
         self.running.pop(request_id, None)

@@ -92,6 +92,7 @@ BAD_OTHER_FLAGS = [
     (["bench", "--soak-streams", "0"], "--soak-streams"),
     (["bench", "--soak-seconds", "-5"], "--soak-seconds"),
     (["bench", "--draft-timeout-s", "nan"], "--draft-timeout-s"),
+    (["bench", "--soak-sec", "5"], "unrecognized arguments"),  # no abbreviations past its check
     (["build-demo-models", "--quick"], "give --out"),  # not over the bundled pair
     (["build-demo-models", "--threads", "-1"], "--threads"),
 ]

@@ -175,11 +175,13 @@ def test_alone_the_steps_may_turn_drafting_off_once_the_acceptance_is_measured()
     assert alone(4, 0.5, 16).explore(0) == 1
 
 
+@pytest.mark.parametrize("newer_first", [False, True])
 def test_a_newer_call_of_the_request_in_the_batch_ends_the_steps_of_the_one_before(
-        target, references):
+        target, references, newer_first):
     """A call of four steps between two of them, and another call of its request in the
     same batch (a retry): the first answers the steps it ran, each the target's own (its
-    progress was dropped before, and its next step taken for its first: tokens lost)."""
+    progress was dropped before, and its next step taken for its first: tokens lost; or,
+    behind the newer call in the batch, it restarted its steps)."""
     prompt, expected = prompts()[3], references[3]
     verifier = ModelVerifier(target)
     start = PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt))
@@ -187,7 +189,9 @@ def test_a_newer_call_of_the_request_in_the_batch_ends_the_steps_of_the_one_befo
     committed = PrefixSync(0, EMPTY_PREFIX_HASH, (*prompt, first))
     stepped = ScoreCall("r", committed, (), GREEDY, steps=4)
     assert verifier.score_batch([stepped]) == [UNFINISHED]  # its first step run
-    answer, retried = verifier.score_batch([stepped, ScoreCall("r", committed, (), GREEDY)])
+    batch = [stepped, ScoreCall("r", committed, (), GREEDY)]
+    answers = verifier.score_batch(batch[::-1] if newer_first else batch)
+    answer, retried = answers[::-1] if newer_first else answers
     tokens = [first, answer.target_token_ids[0], *answer.continued_token_ids]
     assert tokens == expected[:len(tokens)] and len(tokens) == 3  # its two steps
     assert retried.target_token_ids == (expected[1],)

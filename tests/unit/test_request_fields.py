@@ -59,6 +59,10 @@ def test_a_constraint_this_server_does_not_know_is_refused_not_ignored(fields):
     assert "structured_outputs" in str(refused.value) and "Value error" not in str(refused.value)
 
 
+def test_vllms_earlier_fields_that_constrain_nothing_pass():
+    assert CompletionRequest(prompt="x", guided_json=None, guided_decoding_backend="xgrammar")
+
+
 def test_vllms_json_object_is_any_json_object():
     body = CompletionRequest(prompt="x", structured_outputs={"json_object": True})
     assert body.constraint() == ("structured_outputs.json_object", "json", {"type": "object"})
@@ -78,12 +82,14 @@ def test_vllms_top_k_of_minus_one_and_an_int64_seed_are_taken():
 
 @pytest.mark.parametrize("fields, param", [
     ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
-    ({"n": 0}, "n"), ({"logit_bias": {"5": 200}}, "logit_bias.5")])
+    ({"n": 0}, "n"), ({"logit_bias": {"5": 200}}, "logit_bias.5"), ({"stop": 5}, "stop"),
+    ({"prompt": 5.5}, "prompt")])
 def test_a_refusal_names_the_field_without_pydantics_own_names(fields, param):
     body = json.dumps({"prompt": "x", **fields}).encode()
     with pytest.raises(BadRequest) as refused:
         asyncio.run(parse(request_with(body), CompletionRequest, 1 << 20))
     assert refused.value.param == param and str(refused.value).startswith(f"{param}: ")
+    assert f"{param}.str" not in str(refused.value)
 
 
 def request_with(body: bytes) -> Request:

@@ -173,3 +173,32 @@ def test_a_stream_whose_client_is_gone_before_its_first_chunk_gives_its_admissio
 
     asyncio.run(main())
     assert admission.running == 0
+
+
+def test_a_stream_whose_client_goes_mid_stream_ends_its_events_before_its_admission():
+    """The events' generator, paused at a chunk the send failed on, runs its finally (where
+    Choices.events cancels its choices) before the slot is given back."""
+    admission = Admission(4)
+    ticket, order = admission.admit(2), []
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+        finally:
+            order.append(("events ended", admission.running))
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("the client has gone")
+
+    async def receive():
+        await asyncio.sleep(10)
+
+    async def main():
+        with pytest.raises(Exception):
+            await ReleasingStream(events(), ticket)(
+                {"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(main())
+    assert order == [("events ended", 2)] and admission.running == 0

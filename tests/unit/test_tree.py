@@ -120,6 +120,20 @@ def test_a_drafted_tree_keeps_its_budget_and_its_main_chain(greedy):
             assert torch.equal(tree.draft_probs.weights[node], tree.draft_probs.weights[main])
 
 
+def test_a_tree_too_wide_is_refused_before_the_drafters_sessions_move():
+    from drafter.model import ModelDrafter
+    from speculative.sampling import SamplingParams
+    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from tests.tiny import tiny_llama
+
+    drafter = ModelDrafter(tiny_llama(8, layers=1), max_cached_requests=1)
+    sync, greedy = PrefixSync(0, EMPTY_PREFIX_HASH, (3, 1, 4)), SamplingParams(temperature=0)
+    drafter.propose_now(ProposeCall("kept", sync, 2, greedy, 0))
+    with pytest.raises(ValueError, match="tree_width"):
+        drafter.propose_now(ProposeCall("wide", sync, 2, greedy, 0, tree_width=99))
+    assert drafter.sessions.get("kept") is not None and drafter.sessions.get("wide") is None
+
+
 def test_a_tree_never_outgrows_the_outputs_room():
     """The verifier's slots hold committed + nodes: a tree keeps to the output's room less
     one (within the context whenever the output is), and becomes a chain at the end."""
