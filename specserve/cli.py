@@ -20,8 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from bench.suite import build_parser as bench_parser
 
-    bench_parser(commands.add_parser("bench", allow_abbrev=False, help="every mode side by side: tokens/s, "
-                                     "acceptance, overhead, bytes (results.json/.md, plots)"))
+    bench_parser(commands.add_parser(
+        "bench", allow_abbrev=False, help="every mode side by side: tokens/s, acceptance, "
+        "overhead, bytes (results.json/.md, plots)"))
 
     from specserve.check_gpu import add_arguments as check_gpu_parser
 

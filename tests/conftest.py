@@ -5,10 +5,11 @@ import pytest
 
 
 def pytest_configure(config):
-    """One torch thread in every process that runs tests: tiny models gain nothing from
-    threads, and two test workers must not fight over cores; hypothesis seeded. The xdist controller runs none,
-    so it imports neither torch nor the models: this file is imported before the workers
-    start, and its imports held them back by about 6 s (measured, AVX-512)."""
+    """One torch thread in every process that runs tests (tiny models gain nothing from
+    threads, and two test workers must not fight over cores), and hypothesis seeded. The
+    xdist controller runs none, so it imports neither torch nor the models: this file is
+    imported before the workers start, and its imports held them back by about 6 s
+    (measured, AVX-512)."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     import torch
