@@ -17,7 +17,7 @@ from deployments.tools import (
 )
 from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
-from speculative.options import MAX_PLAIN_STEPS
+from speculative.options import MAX_PLAIN_STEPS, MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -113,7 +113,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # extension: K, or "auto" for the router's adaptive K (default: the router's setting)
-    num_speculative_tokens: Annotated[int, Field(ge=0, le=32)] | Literal["auto"] | None = None
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | \
+        Literal["auto"] | None = None
     pipelined: bool | None = None  # extension: draft during verification (router default)
     # extension: the tokens a round without a draft asks the verifier for (router default)
     plain_steps: int | None = Field(default=None, ge=1, le=MAX_PLAIN_STEPS)

@@ -101,6 +101,13 @@ class PromptReader:
                              param="stop_token_ids")
         return stop_token_ids(self.end_ids, requested, body.ignore_eos and not constrained)
 
+    def reported_stop_ids(self, body) -> tuple[int, ...]:
+        """The stop ids a stop_reason names: the request's own, less the model's end tokens
+        unless ignore_eos (as vLLM, which checks the end token first and names none)."""
+        requested = tuple(body.stop_token_ids or ())
+        return requested if body.ignore_eos else \
+            tuple(t for t in requested if t not in self.end_ids)
+
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
         special = body.add_special_tokens  # vLLM's defaults: completions yes, chat no
         if chat:

@@ -119,7 +119,7 @@ class Router:
                           ticket, model=self.args.served_model_name, chat=chat,
                           return_token_ids=body.return_token_ids, tools=tools,
                           include_usage=body.include_usage,
-                          stop_token_ids=tuple(body.stop_token_ids or ()))
+                          stop_token_ids=self.prompts.reported_stop_ids(body))
         if body.stream:
             return ReleasingStream(choices.events(), ticket)
         try:

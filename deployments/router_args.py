@@ -56,13 +56,13 @@ def tree_shape(tree: TreeArg | None) -> TreeShape | None:
 class AdaptiveKArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min: int = Field(default=0, ge=0, le=32)  # 0: speculation off when it does not pay
-    max: int = Field(default=8, ge=0, le=32)
+    min: int = Field(default=0, ge=0, le=MAX_SPECULATIVE_TOKENS)  # 0: off when it cannot pay
+    max: int = Field(default=8, ge=0, le=MAX_SPECULATIVE_TOKENS)
     # the first round's K (default: the best under the prior and the costs measured so far)
-    initial: int | None = Field(default=None, ge=0, le=32)  # within [min, max]
+    initial: int | None = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS)  # in [min, max]
     # the K of a seeded sampled request: an adaptive K follows timings and load, and the same
     # seed must give the same tokens (greedy output is the same whatever the K)
-    seeded: int = Field(default=4, ge=0, le=32)
+    seeded: int = Field(default=4, ge=0, le=MAX_SPECULATIVE_TOKENS)
 
     def bounds(self) -> KBounds:
         return KBounds(self.min, self.max, self.initial)
@@ -89,7 +89,8 @@ class RouterArgs(BaseModel):
     # K drafted per round, or "auto": per request, the K in adaptive_k's bounds that the
     # request's acceptance and the measured costs (the verifier's load among them) say is
     # fastest (a request may say either; a fixed K is kept whatever the load)
-    num_speculative_tokens: Annotated[int, Field(ge=0, le=32)] | Literal["auto"] = "auto"
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | \
+        Literal["auto"] = "auto"
     adaptive_k: AdaptiveKArgs = AdaptiveKArgs()
     # draft the next block while the verifier scores this one, and a fresh one beside the
     # verify after a rejection: "on" (measured, it pays greedy and sampled), "greedy"

@@ -70,6 +70,18 @@ def test_vllms_json_object_is_any_json_object():
         .constraint() is None
 
 
+def test_k_is_bounded_as_the_pools_bound_it():
+    """Up to the pools' MAX_SPECULATIVE_TOKENS, as the CLI's -k (HTTP stopped at 32)."""
+    from deployments.router_args import RouterArgs
+    from speculative.options import MAX_SPECULATIVE_TOKENS as most
+
+    assert CompletionRequest(prompt="x", num_speculative_tokens=most).num_speculative_tokens \
+        == most
+    assert RouterArgs(num_speculative_tokens=most, adaptive_k={"max": most})
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", num_speculative_tokens=most + 1)
+
+
 def test_vllms_top_k_of_minus_one_and_an_int64_seed_are_taken():
     assert CompletionRequest(prompt="x", top_k=-1).sampling(16).top_k == 0
     seeds = {CompletionRequest(prompt="x", seed=seed).sampling(16).seed
@@ -199,3 +211,13 @@ def test_special_tokens_are_added_as_vllm_adds_them(body, chat, first):
     reader.tokenizer, reader.vocab_size, reader.context_limit = MarksSpecials(), 100, 1000
     parsed = (ChatCompletionRequest if chat else CompletionRequest)(model="m", **body)
     assert reader.token_ids(parsed, chat)[0] == first
+
+
+def test_an_end_token_asked_as_a_stop_id_is_named_only_under_ignore_eos():
+    """As vLLM: the model's end token ends the output first, with no stop_reason."""
+    reader = PromptReader.__new__(PromptReader)  # its stop ids alone
+    reader.end_ids = (2,)
+    for ignore_eos, reported in ((False, (7,)), (True, (2, 7))):
+        body = CompletionRequest(prompt="x", stop_token_ids=[2, 7], ignore_eos=ignore_eos)
+        assert reader.reported_stop_ids(body) == reported
+
