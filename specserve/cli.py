@@ -254,6 +254,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     from speculative.options import SpeculationDefaults
 
     chain = k if k != "auto" else SpeculationDefaults().seeded_num_speculative_tokens
+    if args.tree_width not in (1, "auto") and args.tree_nodes is None and chain >= 64:
+        parser.error(f"a tree's 64 nodes leave no room beside a main chain of {chain}: "
+                     "give -k below 64")
     if args.tree_nodes is not None and args.tree_nodes <= chain:
         parser.error(f"--tree-nodes ({args.tree_nodes}) must exceed the tree's main chain "
                      f"({chain} tokens{' under -k auto' if k == 'auto' else ''}): a chain "

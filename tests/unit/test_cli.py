@@ -86,6 +86,7 @@ BAD_GENERATE_FLAGS = [
     (["--tree-nodes", "5"], "--tree-width > 1"),
     (["-k", "4", "--tree-width", "3", "--tree-nodes", "3"], "must exceed the tree's main"),
     (["-k", "auto", "--tree-width", "3", "--tree-nodes", "4"], "(4 tokens under -k auto)"),
+    (["-k", "64", "--tree-width", "2"], "no room beside a main chain of 64"),
 ]
 BAD_OTHER_FLAGS = [
     (["bench", "--threads", "0"], "--threads"),
