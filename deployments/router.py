@@ -38,7 +38,6 @@ from engine.models import load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd, RequestPlan, joined
 
-
 app = ingress_app("specserve")
 
 

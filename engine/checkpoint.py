@@ -9,6 +9,8 @@ at the first round of the first request.
 
 from dataclasses import dataclass
 
+from engine.models import check_model_path
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -22,8 +24,6 @@ class Checkpoint:
     @classmethod
     def load(cls, path: str) -> "Checkpoint":
         from transformers import AutoConfig
-
-        from engine.models import check_model_path
 
         check_model_path(path)
         return cls.of(path, AutoConfig.from_pretrained(path))

@@ -89,7 +89,7 @@ MIN_PACKED_WEIGHT = 65536
 class Projection:
     """x -> x W^T + b of one Linear, or of several over the same input fused into one matmul.
 
-    On a CPU the weight is kept [in, out] and applied as x @ W up to `small_rows` rows:
+    On a CPU the weight is kept [in, out] and applied as x @ W up to SMALL_MATMUL_ROWS rows:
     a one-token matmul streams it from memory about twice as fast as F.linear's [out, in]
     (3.3 against 7.5 ms for 63 MB). For more rows (a verify's K + 1, a batch) oneDNN's
     packed copy of the weight can be 1.4-2.3x faster than either; where the two cross
@@ -107,7 +107,6 @@ class Projection:
         else:
             self.weight, self.bias = fuse(linears, self.transposed)
         self.packed = packed_for_onednn(self.weight.t()) if self.transposed else None
-        self.small_rows = SMALL_MATMUL_ROWS  # this machine's (small_matmul_rows)
 
     def __getstate__(self) -> dict:  # a copied model (deepcopy) packs its own copy
         return {**self.__dict__, "packed": None}
@@ -120,7 +119,7 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
-        if self.packed is not None and x.shape[0] > self.small_rows:
+        if self.packed is not None and x.shape[0] > SMALL_MATMUL_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return x @ self.weight
@@ -189,12 +188,6 @@ class LeanForward:
         self.lm_head = Projection([model.lm_head], copy=tied)
         self.layers = [LeanLayer(layer, config) for layer in model.model.layers]
         self.attention = attention
-
-    def projections(self) -> list[Projection]:
-        """Every projection of the forward (the LM head first)."""
-        return [self.lm_head] + [p for layer in self.layers
-                                 for p in (layer.qkv, layer.o_proj, layer.gate_up,
-                                           layer.down_proj)]
 
     def __call__(self, segments) -> list[torch.Tensor]:
         """Each segment's logits [num_logits, V]; segment caches are the backend's."""

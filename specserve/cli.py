@@ -232,7 +232,12 @@ def k_value(text: str) -> int | str:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    from speculative.options import MAX_PLAIN_STEPS, MAX_SPECULATIVE_TOKENS, MAX_TREE_WIDTH
+    from speculative.options import (
+        MAX_PLAIN_STEPS,
+        MAX_SPECULATIVE_TOKENS,
+        MAX_TREE_WIDTH,
+        SpeculationDefaults,
+    )
 
     k = args.num_speculative_tokens
     if k != "auto" and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -251,12 +256,11 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--tree-nodes must be in [1, 64]")
     if args.tree_nodes is not None and args.tree_width == 1:
         parser.error("--tree-nodes shapes a tree: give --tree-width > 1")
-    from speculative.options import SpeculationDefaults
-
     chain = k if k != "auto" else SpeculationDefaults().seeded_num_speculative_tokens
-    if args.tree_width not in (1, "auto") and args.tree_nodes is None and chain >= 64:
-        parser.error(f"a tree's 64 nodes leave no room beside a main chain of {chain}: "
-                     "give -k below 64")
+    if args.tree_width not in (1, "auto") and args.tree_nodes is None and \
+            chain >= MAX_SPECULATIVE_TOKENS:
+        parser.error(f"a tree's {MAX_SPECULATIVE_TOKENS} nodes leave no room beside a main "
+                     f"chain of {chain}: give -k below {MAX_SPECULATIVE_TOKENS}")
     if args.tree_nodes is not None and args.tree_nodes <= chain:
         parser.error(f"--tree-nodes ({args.tree_nodes}) must exceed the tree's main chain "
                      f"({chain} tokens{' under -k auto' if k == 'auto' else ''}): a chain "

@@ -92,6 +92,32 @@ class Agreeing:
         pass
 
 
+class Scripted:
+    """A drafter and a verifier that follow one fixed output (greedy): the drafter proposes
+    the script, wrong at every `miss`-th position, so rounds commit 1 to K + 1 tokens; after
+    the output, token 0. prompt_len: the prompt's tokens before the output."""
+
+    def __init__(self, output: list[int], miss: int = 3, prompt_len: int = 1) -> None:
+        self.output, self.miss, self.prompt_len = output, miss, prompt_len
+
+    def at(self, position: int) -> int:
+        return self.output[position] if position < len(self.output) else 0
+
+    async def propose(self, call):
+        start = call.sync.committed_len - self.prompt_len
+        ids = [self.at(p) if (p + 1) % self.miss else (self.at(p) + 1) % 3
+               for p in range(start, start + call.num_speculative_tokens)]
+        return DraftBlock(tuple(ids), None)
+
+    async def score(self, call):
+        start = call.sync.committed_len - self.prompt_len
+        ids = [self.at(p) for p in range(start, start + len(call.draft_token_ids) + 1)]
+        return TargetScores(target_token_ids=tuple(ids))
+
+    async def release(self, request_id):
+        pass
+
+
 def cutting_costs() -> CostModel:
     """A router's costs that learnt to cut a draft block below a confidence of 0.3
     (speculative.confidence): a drafted token costs 4 ms (draft and verify slopes of 2 ms),

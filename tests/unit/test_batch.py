@@ -10,7 +10,7 @@ import torch
 
 from drafter.model import ModelDrafter
 from engine import batch as packed
-from engine import paged, regions
+from engine import lean, paged, regions
 from engine.kv import SessionStore
 from engine.runner import serving_runner
 from speculative.sampling import SamplingParams
@@ -76,7 +76,8 @@ def test_a_packed_batch_equals_each_request_alone(name, engine):
 
 
 @pytest.mark.parametrize("small_rows", [2, 33])  # the rule of either machine kind
-def test_a_packed_batch_with_weights_large_enough_to_pack_equals_each_request_alone(small_rows):
+def test_a_packed_batch_with_weights_large_enough_to_pack_equals_each_request_alone(
+        monkeypatch, small_rows):
     """Hidden 256: the projections take oneDNN's packed matmul for a batch's rows past
     small_rows, x @ W below (the tiny models' weights are too small to pack:
     engine.lean.MIN_PACKED_WEIGHT)."""
@@ -84,15 +85,12 @@ def test_a_packed_batch_with_weights_large_enough_to_pack_equals_each_request_al
     layer = runner.lean.layers[0]
     assert all(p.packed is not None for p in (layer.qkv, layer.gate_up, layer.down_proj))
     assert runner.lean.lm_head.packed is None  # [256, 64]: below the size that gains
-    for projection in runner.lean.projections():
-        projection.small_rows = small_rows
+    monkeypatch.setattr(lean, "SMALL_MATMUL_ROWS", small_rows)
     assert batched_rounds_error(runner) < ATOL
 
 
 @pytest.mark.parametrize("amx, rows", [(True, 33), (False, 2), (None, 2)])
 def test_x_at_w_serves_up_to_the_rows_of_the_machine_kind(monkeypatch, amx, rows):
-    from engine import lean
-
     if amx is None:  # a torch without the probe
         monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     else:

@@ -10,8 +10,7 @@ from speculative.driver import Detokenizer, Generation, text_decoder
 from speculative.state import Request
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
-from speculative.types import DraftBlock, TargetScores
-from tests.tiny import Agreeing
+from tests.tiny import Agreeing, Scripted
 
 ALPHABET = "ab\n"
 PROMPT = (0,)
@@ -21,37 +20,12 @@ def decode(ids):
     return "".join(ALPHABET[i] for i in ids)
 
 
-class Scripted:
-    """A drafter and a verifier that follow one fixed output (greedy): the drafter proposes
-    the script, wrong at every `miss`-th position, so rounds commit 1 to K + 1 tokens."""
-
-    def __init__(self, output: list[int], miss: int = 3) -> None:
-        self.output, self.miss = output, miss
-
-    def at(self, position: int) -> int:
-        return self.output[position] if position < len(self.output) else 0
-
-    async def propose(self, call):
-        start = call.sync.committed_len - len(PROMPT)
-        ids = [self.at(p) if (p + 1) % self.miss else (self.at(p) + 1) % 3
-               for p in range(start, start + call.num_speculative_tokens)]
-        return DraftBlock(tuple(ids), None)
-
-    async def score(self, call):
-        start = call.sync.committed_len - len(PROMPT)
-        ids = [self.at(p) for p in range(start, start + len(call.draft_token_ids) + 1)]
-        return TargetScores(target_token_ids=tuple(ids))
-
-    async def release(self, request_id):
-        pass
-
-
 def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3, reported=None,
              min_tokens=0):
     params = SamplingParams(temperature=0, max_tokens=max_tokens or len(output), stop=stop,
                             min_tokens=min_tokens)
     generation = Generation(Request("r", PROMPT, params, tuple(stop_ids)), decode, reported)
-    engine = Scripted(output, miss)
+    engine = Scripted(output, miss, len(PROMPT))
 
     async def collect():
         return [d async for d in generation.stream(engine, engine, FixedK(k))]

@@ -24,7 +24,7 @@ from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.frontend import RequestFrontEnd
 from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
 from speculative.sampling import SamplingParams
-from speculative.types import DraftBlock, TargetScores
+from tests.tiny import Scripted
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 16},
@@ -207,35 +207,14 @@ def test_held_content_sends_what_the_whole_response_has_as_content(text):
         assert sent + held.rest(content) == (content or ""), (text, size)
 
 
-class Scripted:
-    """A drafter and a verifier whose output's token j is 10 + j: every draft is accepted."""
-
-    PROMPT = (2, 3)
-
-    @staticmethod
-    def ids(start: int, count: int) -> tuple[int, ...]:
-        return tuple(10 + j for j in range(start - len(Scripted.PROMPT), count + start
-                                           - len(Scripted.PROMPT)))
-
-    async def propose(self, call):
-        start = call.sync.committed_len + len(call.assumed_token_ids)
-        return DraftBlock(self.ids(start, call.num_speculative_tokens), None)
-
-    async def score(self, call):
-        drafted = len(call.draft_token_ids)
-        return TargetScores(target_token_ids=self.ids(call.sync.committed_len, drafted + 1))
-
-    async def release(self, request_id):
-        pass
-
-
 def fan_out(text: str, tools: dict):
     """A request whose output is `text`, five characters a token (token 10 + j decodes to
     the text's j-th five)."""
-    width = 5
-    plan = RequestFrontEnd().plan("chatcmpl-t", Scripted.PROMPT, SamplingParams(
-        temperature=0.0, max_tokens=-(-len(text) // width)), n=1)
-    engine = Scripted()
+    width, prompt = 5, (2, 3)
+    tokens = -(-len(text) // width)
+    plan = RequestFrontEnd().plan("chatcmpl-t", prompt, SamplingParams(
+        temperature=0.0, max_tokens=tokens), n=1)
+    engine = Scripted(list(range(10, 10 + tokens)), miss=tokens + 1, prompt_len=len(prompt))
 
     def decode(ids):
         return "".join(text[width * (i - 10):width * (i - 9)] for i in ids if i >= 10)
