@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from statistics import median_low
 
 from speculative.confidence import ConfidenceCut
+from speculative.overlap import Overlap
 from speculative.yields import BatchTrials, ShapeYields
 
 log = logging.getLogger(__name__)
@@ -200,9 +201,9 @@ class CostModel:
         self.trials: dict[int, BatchTrials] = {}
         self.confidence = ConfidenceCut()  # where a draft's block pays no more
         self.shapes = ShapeYields()  # chains against trees at one node budget
-        # λ: the share of a pipelined round's shorter part (verify or draft) that did not
-        # overlap the other, by load bucket
-        self.overlap: dict[int, Recent] = {}
+        # a pipelined round's time beyond its longer part (h + λ x: speculative.overlap),
+        # by load bucket
+        self.overlap: dict[int, Overlap] = {}
         self.warned = False
         self.draft_adds = 0  # draft costs observed (the warning is checked on some)
 
@@ -245,20 +246,31 @@ class CostModel:
                             "allow it); pair a cheaper drafter or a faster drafter class",
                             ratio)
         bucket = load_bucket(cost.batch_size)
-        if cost.steps <= 1:  # (a round of several steps also waits between its steps)
-            add_to(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
-                   max(0.0, cost.overhead_seconds))
         if cost.draft_hop_seconds > 0:
             add_to(self.draft_hop, draft_bucket, cost.draft_hop_seconds)
-        shorter = min(cost.verify_seconds, cost.draft_seconds)
-        if cost.kind in BESIDE and cost.wall_seconds > 0 and shorter > 0:
-            exposed = cost.wall_seconds - self.overhead_seconds(0, cost.batch_size) - \
-                max(cost.verify_seconds, cost.draft_seconds)
-            add_to(self.overlap, bucket, min(1.0, max(0.0, exposed / shorter)))
+        if cost.kind in BESIDE:  # its time beyond compute holds the part that did not overlap
+            shorter = min(cost.verify_seconds, cost.draft_seconds)
+            if cost.wall_seconds > 0 and shorter > 0:
+                overlap = self.overlap.get(bucket)
+                if overlap is None:
+                    overlap = self.overlap[bucket] = Overlap()
+                overlap.add((cost.kind, cost.verify_tokens, cost.draft_tokens), shorter,
+                            max(0.0, cost.overhead_seconds))
+        elif cost.steps <= 1:  # (a round of several steps also waits between its steps)
+            add_to(self.overhead_plain if cost.verify_tokens <= 1 else self.overhead, bucket,
+                   max(0.0, cost.overhead_seconds))
+
+    def beside(self, load: float) -> tuple[float, float | None] | None:
+        """(h, λ) of pipelined rounds at this load (speculative.overlap; the nearest load
+        with two rounds measured), or None before them."""
+        bucket = nearest_bucket([b for b, overlap in self.overlap.items() if len(overlap) > 1],
+                                load)
+        return None if bucket is None else self.overlap[bucket].fit()
 
     def exposed_share(self, load: float) -> float | None:
-        """λ at this load (the nearest load measured; None before any pipelined round)."""
-        return nearest(self.overlap, load, least=2)
+        """λ at this load (None before pipelined rounds that tell it)."""
+        fitted = self.beside(load)
+        return None if fitted is None else fitted[1]
 
     def round_seconds(self, kind: str, k: int, load: float) -> float:
         """A round of this kind at K = k when the verifier's batches hold `load` calls, each
@@ -270,10 +282,11 @@ class CostModel:
                 self.overhead_seconds(k, load)
         verify = self.forward_seconds(load * ((k if kind == "carried" else 0) + 1))
         draft = self.draft_seconds(k + 1, load)
-        share = self.exposed_share(load)
-        if share is None:  # nothing measured yet: the overlap is assumed whole
+        fitted = self.beside(load)
+        if fitted is None:  # nothing measured yet: the overlap is assumed whole
             return max(verify, draft) + self.overhead_seconds(k, load)
-        return max(verify, draft) + share * min(verify, draft) + self.overhead_seconds(0, load)
+        beyond, share = fitted  # (λ unknown: the rounds' own time beyond, λ x with it)
+        return max(verify, draft) + (share or 0.0) * min(verify, draft) + beyond
 
     def forward_seconds(self, batch_tokens: float) -> float:
         """The verifier's forward when its batch feeds batch_tokens tokens."""
@@ -318,14 +331,19 @@ class CostModel:
 
     def overhead_seconds(self, k: int = 1, load: float = 1.0) -> float:
         """A round's time beyond the pools' compute, with a draft call (k > 0) or without,
-        at the load measured nearest to `load`."""
-        drafting = nearest(self.overhead, load) or 0.0
-        if k > 0:
-            return drafting
+        at the load measured nearest to `load`; where that kind of round has not run, a
+        verify call's (plain rounds', else pipelined rounds' h) and a draft call's hop."""
+        drafting = nearest(self.overhead, load)
         plain = nearest(self.overhead_plain, load)
+        hop = nearest(self.draft_hop, load) or 0.0
+        if k > 0 and drafting is not None:
+            return drafting
+        if plain is None:  # a verify call's own: the pipelined rounds' h, where they ran
+            fitted = self.beside(load)
+            plain = None if fitted is None else fitted[0]
         if plain is not None:
-            return plain
-        return max(0.0, drafting - (nearest(self.draft_hop, load) or 0.0))
+            return plain + (hop if k > 0 else 0.0)
+        return max(0.0, (drafting or 0.0) - hop)
 
 
 def add_to(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:

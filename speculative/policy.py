@@ -13,11 +13,11 @@ d(n) = d0 + n d1 the drafter's time for an n-token call, h what a round spends b
 (hops, the router's work). A pipelined round after a rejection verifies no draft beside a
 fresh draft of K + 1 (AdaptiveK.pipelined_rate weighs the two kinds of round).
 
-"Beside" is measured, not assumed: a pipelined round takes max(t, d) + λ min(t, d) + h0,
-where λ is the share of the shorter part that did not overlap, as the pipelined rounds at
-about this load measure it (CostModel.overlap), and h0 a round's time beyond compute
-without a draft. On separate machines λ is near 0 (measured at one stream here: 0.02);
-where the pools share cores they take turns and λ nears 1.
+"Beside" is measured, not assumed: a pipelined round takes max(t, d) + λ min(t, d) + h,
+where λ is the share of the shorter part that did not overlap and h the round's time beyond
+compute, both fitted to the pipelined rounds at about this load, across the Ks they ran
+(speculative.overlap). On separate machines λ is near 0; where the pools share cores they
+take turns and λ nears 1.
 Costs stay those of a batch in which every request runs the K being weighed (t at B (K + 1)
 tokens): under load a request's own round lasts as long as the batch cycle whatever its K,
 so its own round times would make every K look free to it while its drafts slow everyone.
