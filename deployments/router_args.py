@@ -77,7 +77,8 @@ class AdaptiveKArgs(BaseModel):
 
 
 class RouterArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # (no infinite deadlines: nothing waits unbounded)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     # the target checkpoint: its end tokens, context length and vocabulary (no weights loaded)
     model: str = DEMO_TARGET

@@ -11,6 +11,7 @@ A drafter that fails is not waited for: the rounds go on without it a while (Dra
 """
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -22,21 +23,26 @@ T = TypeVar("T")
 
 
 async def retried_while_busy(wait_s: float, stats: SpecStats,
-                             call: Callable[[], Awaitable[T]]) -> T:
+                             call: Callable[[], Awaitable[T]],
+                             clock: Callable[[], float] = time.monotonic,
+                             sleep: Callable[[float], Awaitable] = asyncio.sleep) -> T:
     """await call(), again after pauses of 0.05 s doubling to 1 s while it raises PoolBusy,
-    for as long as the pauses fit in wait_s; counted in stats (busy_retries, busy_seconds,
-    which the round's meter leaves out of its timings)."""
-    waited, pause = 0.0, BUSY_PAUSE_S
+    while the next pause ends within wait_s of the first call (a pool answers a refusal
+    after its batch in hand: the refused calls' time counts, not only the pauses); counted
+    in stats (busy_retries, and busy_seconds, the refused calls and the pauses, which the
+    round's meter leaves out of its timings)."""
+    deadline, pause = clock() + wait_s, BUSY_PAUSE_S
     while True:
+        started = clock()
         try:
             return await call()
         except PoolBusy:
-            if waited + pause > wait_s:
+            if clock() + pause > deadline:
                 raise
         stats.busy_retries += 1
-        stats.busy_seconds += pause
-        await asyncio.sleep(pause)
-        waited, pause = waited + pause, min(2 * pause, MAX_BUSY_PAUSE_S)
+        await sleep(pause)
+        stats.busy_seconds += clock() - started
+        pause = min(2 * pause, MAX_BUSY_PAUSE_S)
 
 
 MAX_SKIPPED_DRAFTS = 32

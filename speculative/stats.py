@@ -29,7 +29,7 @@ class SpecStats:
     acceptance_histogram: list[int] = field(default_factory=list)
     cache_misses: int = 0
     busy_retries: int = 0  # verifier calls retried after a pause: its pool had no room
-    busy_seconds: float = 0.0  # the pauses (speculative.busy), left out of the round timings
+    busy_seconds: float = 0.0  # refused calls and pauses (speculative.busy): not round timings
     cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
     verify_seconds: float = 0.0  # waiting for the verifier

@@ -8,9 +8,11 @@ import asyncio
 import pytest
 
 from drafter.model import ModelDrafter
+from speculative.busy import retried_while_busy
 from speculative.driver import Generation
 from speculative.state import Request
 from speculative.sampling import SamplingParams
+from speculative.stats import SpecStats
 from speculative.types import PoolBusy
 from tests.tiny import decoded, noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
@@ -79,6 +81,28 @@ def test_a_full_pool_past_the_wait_ends_the_request_and_no_wait_fails_at_once(pa
         generate(pair, lambda v: full.setdefault("none", Full(v, lambda n: n == 0)), params,
                  busy_wait_s=0, request_id="c")
     assert full["none"].calls == 1
+
+
+def test_the_wait_counts_the_refused_calls_time_not_only_the_pauses():
+    """A pool answers a refusal after its batch in hand: refusals that each take 0.5 s, and
+    a wait of 1 s, give up once the next pause would end past it (a clock of the test's)."""
+    now = [0.0]
+
+    async def refused():
+        calls.append(now[0])
+        now[0] += 0.5
+        raise PoolBusy("verifier: RESOURCE_EXHAUSTED: injected")
+
+    async def pause(seconds):
+        now[0] += seconds
+
+    calls, stats = [], SpecStats()
+    with pytest.raises(PoolBusy):
+        asyncio.run(retried_while_busy(1.0, stats, refused, lambda: now[0], pause))
+    # 0.5 + 0.05 fits in 1 s, 1.05 + 0.1 does not (the pauses alone, 0.05 + 0.1 + 0.2 +
+    # 0.4, would have made five calls, the last at 3.25 s)
+    assert calls == [0.0, 0.55] and stats.busy_retries == 1
+    assert stats.busy_seconds == pytest.approx(0.55)  # the refused call and its pause
 
 
 def test_a_first_call_refused_waits_too(pair):

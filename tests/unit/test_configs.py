@@ -94,7 +94,9 @@ def test_unknown_args_are_errors():
     ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 100}, "num_speculative_tokens"),  # past the pools' bound
     ({"default_max_tokens": 0}, "default_max_tokens"),
-    ({"adaptive_k": {"min": 1, "max": 4, "initial": 6}}, "adaptive_k")])
+    ({"adaptive_k": {"min": 1, "max": 4, "initial": 6}}, "adaptive_k"),
+    ({"busy_wait_s": float("inf")}, "busy_wait_s"),  # nothing waits unbounded
+    ({"call_timeout_s": "inf"}, "call_timeout_s")])
 def test_router_args_that_would_fail_every_request_fail_at_deploy(args, field):
     """Refused when the app starts, naming the arg; before, each request got the 400."""
     with pytest.raises(ValidationError) as refused:
