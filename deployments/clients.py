@@ -159,12 +159,14 @@ class ReplicaStream:
         so a stream that ends in an error lost its transport, whatever the code says (a
         killed replica's stream may end UNKNOWN "Stream removed" or INTERNAL, where a unary
         call would end UNAVAILABLE): UNAVAILABLE, which sends the calls to Serve's routing;
-        but a refusal of the stream itself (no pool secret, too many streams) stands."""
+        but a refusal of the stream itself (no pool secret, ...) stands. A replica whose
+        port is at its concurrent rpcs (RESOURCE_EXHAUSTED: other routers' streams, a burst
+        of Releases) is busy: the calls wait and try again (speculative.busy), on a new
+        stream."""
         code = failure.code()
         if code not in STREAM_REFUSALS:
             code = grpc.StatusCode.UNAVAILABLE
-        # a refused stream is not busy: its calls go elsewhere, they do not wait for it
-        return PoolError(self.application, code, f"stream: {failure.code().name}: "
+        return pool_error(self.application, code, f"stream: {failure.code().name}: "
                                                   f"{failure.details()}")
 
     def _break(self, error: "PoolError") -> None:

@@ -185,6 +185,52 @@ def test_a_stream_without_the_secret_is_refused():
     asyncio.run(main())
 
 
+def test_a_stream_refused_for_a_full_port_is_busy_and_a_new_one_serves():
+    """A replica's port at its concurrent rpcs (here 2, held by two Releases waiting for its
+    worker) refuses the router's new stream: its call is busy (the request waits and tries
+    again, not a 503), and once the port has room a new stream serves it."""
+    from deployments.clients import BusyPoolError
+    from deployments.streams import serve_directly
+
+    class Replica(pb_grpc.VerifierServicer):
+
+        async def Release(self, request, context):
+            self.holding += 1
+            await self.gate.wait()
+            return pb.ReleaseResponse()
+
+        async def ScoreStream(self, batches, context):
+            async for batch in batches:
+                yield pb.ScoreAnswers(answers=[pb.ScoreAnswer(tag=entry.tag,
+                                                              response=pb.ScoreResponse())
+                                               for entry in batch.entries])
+
+    async def main():
+        replica = Replica()
+        replica.gate, replica.holding = asyncio.Event(), 0
+        server, address = await serve_directly(replica, pb_grpc.add_VerifierServicer_to_server,
+                                               max_concurrent_rpcs=2)
+        client = PoolClient(None, lambda channel: channel and pb_grpc.VerifierStub(channel),
+                            "verifier", 5.0, direct=True)
+        stub = client._stub(address)
+        releases = [asyncio.ensure_future(stub.Release(pb.ReleaseRequest(request_id=f"r{i}"),
+                                                       metadata=KEY())) for i in range(2)]
+        client.pins["a"] = client.pins["b"] = address
+        try:
+            await until(lambda: replica.holding == 2)
+            with pytest.raises(BusyPoolError):
+                await client.call("Score", pb.ScoreRequest(request_id="a"), "a")
+            replica.gate.set()
+            await asyncio.gather(*releases)
+            answer = await client.call("Score", pb.ScoreRequest(request_id="b"), "b")
+            assert isinstance(answer, pb.ScoreResponse)
+        finally:
+            replica.gate.set()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
 def test_the_client_pins_then_streams_and_falls_back_when_the_replica_is_gone():
     """PoolClient: the proxy places the request, later calls share the replica's stream
     (concurrent ones in one message), and a stopped replica fails them over to the proxy."""
