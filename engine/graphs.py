@@ -156,10 +156,13 @@ class GraphedForward:
         self.scratch = attention.pool.allocate(1)[0]
         attention.pool.max_tokens -= self.block_size
         # what every graph reads and writes outside its pool: a replay reaches its buffers by
-        # address. The gather buffers are the backend's own, grown to MAX_SLOTS now; an eager
-        # batch that grows them further voids the graphs (`bucket`)
-        self.gathered = attention.buffers(MAX_SLOTS)
+        # address. The gather buffers are made once, MAX_SLOTS long, and lent to the eager
+        # forwards that fit them; a longer eager batch grows buffers of its own, so no
+        # recorded graph is ever voided
         keys = attention.pool.keys
+        attention.gathered = None
+        self.gathered = attention.fixed = tuple(
+            keys.new_empty((MAX_SLOTS, *keys.shape[2:])) for _ in range(2))
         self.logits = keys.new_empty(MAX_ROWS * MAX_NEW, lean.model.lm_head.out_features,
                                      dtype=lean.embed.weight.dtype)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -168,11 +171,6 @@ class GraphedForward:
 
     def bucket(self, segments) -> Bucket | None:
         """The bucket this batch replays, or None: it runs eager."""
-        if self.lean.attention.gathered is not self.gathered:  # grown: recorded anew
-            self.gathered = self.lean.attention.gathered
-            self.recorded.clear()
-            # a fresh pool: the old one stays pinned by what its first capture allocated
-            self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         bucket = bucket_of(segments, self.block_size, self.gathered[0].shape[0])
         if bucket is None or (bucket.rows, bucket.new, bucket.keys) in self.eager:
             return None

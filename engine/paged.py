@@ -125,7 +125,10 @@ class PagedAttention:
 
     def __init__(self, pool: BlockPool, windows: set, group: int) -> None:
         self.pool, self.windows, self.group = pool, windows, group
-        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # eager forwards'
+        # buffers a CUDA graph reads by address (engine.graphs): used wherever they suffice,
+        # never replaced
+        self.fixed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def new_cache(self) -> PagedCache:
         return PagedCache(self.pool)
@@ -140,9 +143,16 @@ class PagedAttention:
         """Buffers for a forward's gathered keys and values, kept from one forward to the
         next and grown as needed: a fresh multi-MB tensor per layer is fresh pages from the
         OS on a CPU, and their faults cost more than the gather itself (measured: a
-        24 x 1 forward 49 against 16 ms)."""
+        24 x 1 forward 49 against 16 ms). Grown by a quarter at least, so that contexts
+        growing a token a step do not make new ones at every step; the graphs' own (`fixed`)
+        wherever they suffice."""
+        if self.fixed is not None and self.fixed[0].shape[0] >= slots:
+            return self.fixed
         if self.gathered is None or self.gathered[0].shape[0] < slots:
-            shape = (max(slots, 1024), *self.pool.keys.shape[2:])
+            held = max((both[0].shape[0] for both in (self.gathered, self.fixed)
+                        if both is not None), default=0)
+            shape = (max(slots, 1024, held * 5 // 4), *self.pool.keys.shape[2:])
+            self.gathered = None  # (the old ones freed before the new ones are made)
             self.gathered = tuple(self.pool.keys.new_empty(shape) for _ in range(2))
         return self.gathered
 

@@ -85,15 +85,20 @@ def test_a_full_bucket_returns_each_request_its_own_logits():
     assert (2, 4, 256) in runner.graphs.recorded
 
 
-def test_gather_buffers_grown_by_an_eager_batch_void_the_recorded_buckets():
-    """A replay reaches the gather buffers by address: once an eager batch grows them, every
-    bucket is recorded anew over the new ones."""
+def test_an_eager_batch_past_the_graphs_buffers_grows_its_own_and_voids_no_graph():
+    """A replay reaches the gather buffers by address: an eager batch longer than they hold
+    grows buffers of its own (by a quarter at least), and every bucket stays recorded."""
     runner, prompts, rounds = bucketed("llama"), [[3, 1, 4], [2, 7, 1, 8]], [[[1], [2, 2]]]
     assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
-    first = runner.graphs.recorded[(2, 3, 256)]
-    grown = runner.lean.attention.buffers(2 * MAX_SLOTS)  # as a long eager batch would
+    first, attention = runner.graphs.recorded[(2, 3, 256)], runner.lean.attention
+    assert attention.buffers(MAX_SLOTS) is runner.graphs.gathered  # lent where they suffice
+    grown = attention.buffers(MAX_SLOTS + 1)  # as a long eager batch would
+    assert grown is not runner.graphs.gathered
+    assert attention.buffers(MAX_SLOTS + 2) is grown  # a token longer: the same
+    assert attention.buffers(MAX_SLOTS * 5 // 4 + 2)[0].shape[0] >= (MAX_SLOTS + 1) * 5 // 4
     assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
-    assert runner.graphs.gathered is grown and runner.graphs.recorded[(2, 3, 256)] is not first
+    assert runner.graphs.recorded[(2, 3, 256)] is first and all(
+        a is b for a, b in zip(runner.graphs.gathered, attention.fixed))
 
 
 def test_a_bucket_pads_a_rows_keys_by_less_than_256_or_at_most_a_quarter():
