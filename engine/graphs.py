@@ -168,18 +168,21 @@ class GraphedForward:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.recorded: dict[tuple, Recorded] = {}
         self.eager: set[tuple] = set()  # buckets whose capture failed: they run eager
+        self.failed = False  # a capture failed otherwise than out of memory: no more graphs
 
     def bucket(self, segments) -> Bucket | None:
         """The bucket this batch replays, or None: it runs eager."""
         bucket = bucket_of(segments, self.block_size, self.gathered[0].shape[0])
-        if bucket is None or (bucket.rows, bucket.new, bucket.keys) in self.eager:
+        if bucket is None or self.failed or (bucket.rows, bucket.new, bucket.keys) in self.eager:
             return None
         return bucket
 
     def __call__(self, segments, bucket: Bucket) -> list[torch.Tensor]:
         """Each segment's logits, as LeanForward's, from the bucket's graph (recorded at its
         first batch). A capture that fails leaves the batch to the eager forward (raised as
-        GraphFailed) and its bucket eager from then on."""
+        GraphFailed) and its bucket eager from then on; one that failed otherwise than for
+        memory (a host sync: torch warns that a failed capture may leave the graph and its
+        allocator in any state) every bucket not yet recorded."""
         reserve(segments)
         key = (bucket.rows, bucket.new, bucket.keys)
         if key not in self.recorded:
@@ -192,7 +195,10 @@ class GraphedForward:
                 raise  # a replay's failure is the forward's
             del self.recorded[key]
             self.eager.add(key)
-            logger.warning("CUDA graph of bucket %s not recorded, it runs eager: %s", key, error)
+            self.failed = self.failed or not isinstance(error, torch.cuda.OutOfMemoryError)
+            logger.warning("CUDA graph of bucket %s not recorded, it runs eager%s: %s", key,
+                           " (and no bucket is recorded from now on)" if self.failed else "",
+                           error)
             raise GraphFailed from error
         for segment in segments:
             segment.cache.length = segment.start + len(segment.token_ids)
@@ -230,9 +236,15 @@ def recorded(work, device, pool=None):
         for _ in range(2):
             work()
     torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        work()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            work()
+    except BaseException:
+        # a capture whose end fails leaves this thread on the capture's stream: the graph's
+        # context restores the stream only after a clean end
+        torch.cuda.set_stream(stream)
+        raise
     return graph
 
 

@@ -6,6 +6,8 @@ write landing in the zero block or in a request's own blocks, a rolled-back cach
 later blocks overflow its bucket's table, and a sliding window lost in the device's masks.
 """
 
+import contextlib
+
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -115,22 +117,63 @@ def test_a_block_size_that_does_not_divide_256_keeps_whole_blocks_in_a_bucket():
     assert {keys % 48 for _, _, keys in runner.graphs.recorded} == {0}
 
 
-def test_a_failed_capture_leaves_its_batch_and_bucket_to_the_eager_forward(monkeypatch):
-    """What a GPU does when a bucket cannot be recorded (a host sync, the graph pool out of
-    memory): the batch still gets its logits, and the bucket is never tried again."""
+@pytest.mark.parametrize("error", ["host-sync", "out-of-memory"])
+def test_a_failed_capture_leaves_its_batch_and_bucket_to_the_eager_forward(monkeypatch, error):
+    """What a GPU does when a bucket cannot be recorded: the batch still gets its logits, and
+    the bucket is never tried again; after a failure other than for memory (a host sync),
+    no other bucket is tried either."""
+    import torch
+
     runner = bucketed("llama")
     tries = []
 
     def refused(self, output):
-        tries.append(self.bucket)
+        tries.append((self.bucket.rows, self.bucket.new, self.bucket.keys))
+        if error == "out-of-memory":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (graph pool)")
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(graphs.Recorded, "record", refused)
     runner.graphs.capture = True
-    prompts, rounds = [[3, 1, 4], [2, 7, 1, 8]], [[[1], [2, 2]], [[3], [4, 4]]]
+    prompts = [[3, 1, 4], [2, 7, 1, 8]]
+    rounds = [[[1], [2, 2]], [[3], [4, 4]], [[5, 5, 5, 5], [6]]]  # buckets (2, 3), (2, 5)
     assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
-    assert (2, 3, 256) in runner.graphs.eager and not runner.graphs.recorded
-    assert [(b.rows, b.new, b.keys) for b in tries].count((2, 3, 256)) == 1
+    assert not runner.graphs.recorded
+    if error == "out-of-memory":  # each bucket tried once, then eager
+        assert len(tries) == len(set(tries)) == len(runner.graphs.eager)
+        assert {(2, 3, 256), (2, 5, 256)} <= runner.graphs.eager
+    else:  # the first failure (the first prompt's bucket) ends the recording
+        assert tries == [(1, 3, 256)]
+
+
+def test_a_capture_that_fails_at_its_end_restores_the_threads_stream(monkeypatch):
+    """torch.cuda.graph restores the stream only after a clean end: recorded() puts it back
+    (CUDA's calls stood in for, on a CPU)."""
+    import torch
+
+    calls = []
+
+    class Capture:
+        def __init__(self, graph, pool, capture_error_mode):
+            pass
+
+        def __enter__(self):
+            calls.append("capture stream")
+
+        def __exit__(self, *failure):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: type(
+        "Side", (), {"wait_stream": lambda self, other: None})())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type(
+        "Main", (), {"wait_stream": lambda self, other: None})())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: calls.append(type(stream)))
+    with pytest.raises(RuntimeError, match="capturing"):
+        graphs.recorded(lambda: None, "cuda:0")
+    assert calls[0] == "capture stream" and calls[1].__name__ == "Main"
 
 
 def test_rotary_embeddings_that_update_on_the_host_are_never_recorded():
