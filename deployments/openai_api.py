@@ -36,6 +36,10 @@ MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
+# vLLM's fields not served here, each of which changes the answer or what it carries: refused
+# when set (null, false or empty: the default, passed)
+UNSERVED = ("allowed_token_ids", "bad_words", "include_stop_str_in_output", "prompt_logprobs",
+            "truncate_prompt_tokens", "use_beam_search")
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 
 
@@ -102,6 +106,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     # extension (as vLLM; 0 or -1: every token); <= vocabulary
     top_k: int = Field(default=0, ge=-1, le=2**31 - 1)
+    min_p: float = Field(default=0.0, ge=0, le=1)  # extension (as vLLM)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extension (as vLLM, Hugging Face semantics): > 1 discourages the prompt's and output's
@@ -145,6 +150,8 @@ class SamplingFields(BaseModel):
             if guided := sorted(key for key in GUIDED if data.get(key) is not None):
                 raise ValueError(f"{guided[0]} is vLLM's earlier field, not served here: give "
                                  "the constraint as structured_outputs or response_format")
+            if unserved := sorted(key for key in UNSERVED if data.get(key)):
+                raise ValueError(f"{unserved[0]} is not supported by this server")
             return {key: value for key, value in data.items() if value is not None}
         return data
 
@@ -185,7 +192,8 @@ class SamplingFields(BaseModel):
         temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
         seed = None if self.seed is None else self.seed % 2**64  # int64 -> its bits, unsigned
         return SamplingParams(temperature=temperature, top_k=max(self.top_k, 0),
-                              top_p=self.top_p, seed=seed, max_tokens=max_tokens,
+                              top_p=self.top_p, min_p=self.min_p, seed=seed,
+                              max_tokens=max_tokens,
                               stop=tuple(self.stop or ()),
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,

@@ -47,6 +47,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k truncation")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--presence-penalty", type=float, default=0.0)
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -174,7 +175,7 @@ def sampling(args):
     from speculative.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty)

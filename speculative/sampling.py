@@ -1,7 +1,7 @@
 """Sampling parameters and the one logits-to-probabilities function both pools use.
 
 Drafter and verifier must turn logits into distributions the same way (temperature, then
-top-k, then top-p, the order Hugging Face's logits processors apply them): the rejection
+min-p, top-k and top-p, the order vLLM's sampler applies them): the rejection
 sampler is exact for the distribution the verifier reports, so any mismatch here would change
 the output distribution, not just the speed.
 """
@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k truncation
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's: tokens below min_p x the likeliest one's probability dropped
     seed: int | None = None
     max_tokens: int = 64
     stop: tuple[str, ...] = field(default_factory=tuple)
@@ -49,6 +50,8 @@ class SamplingParams:
             errors.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            errors.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             errors.append(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -100,8 +103,9 @@ class SamplingParams:
 
     @property
     def law_key(self) -> tuple:
-        """What rows drawn together in one batch must share: temperature, top-k, top-p."""
-        return self.temperature, self.top_k, self.top_p
+        """What rows drawn together in one batch must share: temperature, min-p, top-k,
+        top-p."""
+        return self.temperature, self.min_p, self.top_k, self.top_p
 
     @property
     def shapes_logits(self) -> bool:
@@ -120,7 +124,8 @@ MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p.
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, min-p, top-k and
+    top-p.
 
     Greedy (temperature 0) gives the one-hot distribution of the argmax.
     """
@@ -128,6 +133,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        below = probs < params.min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(below, float("-inf"))  # the likeliest token stays
     if 0 < params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -122,12 +122,13 @@ PARAMS = [
     SamplingParams(temperature=0.6),
     SamplingParams(temperature=1.3, top_k=3),
     SamplingParams(temperature=1.0, top_p=0.8),
-    SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.05),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}"
+                         + (f"-min{p.min_p}" if p.min_p else ""))
 @pytest.mark.parametrize("k", [1, 3], ids=["K1", "K3"])
 def test_first_token_and_first_two_tokens_match_the_target(params, k):
     pair = MarkovPair(params, seed=11)

@@ -47,6 +47,24 @@ def test_fields_that_would_change_the_answer_are_refused(fields, param):
 
 def test_what_changes_nothing_passes():
     assert CompletionRequest(prompt="x", echo=False, suffix=None, best_of=2, n=2).n == 2
+    assert CompletionRequest(prompt="x", use_beam_search=False, bad_words=[],
+                             allowed_token_ids=None).n == 1
+
+
+@pytest.mark.parametrize("field, value", [("allowed_token_ids", [1, 2]), ("bad_words", ["a"]),
+                                          ("include_stop_str_in_output", True),
+                                          ("prompt_logprobs", 1), ("use_beam_search", True),
+                                          ("truncate_prompt_tokens", 8)])
+def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, value):
+    with pytest.raises(ValidationError, match=f"{field} is not supported"):
+        CompletionRequest(prompt="x", **{field: value})
+
+
+def test_min_p_reaches_the_sampling_parameters_as_vllm_takes_it():
+    assert CompletionRequest(prompt="x", min_p=0.05).sampling(16).min_p == 0.05
+    assert ChatCompletionRequest(messages=CHAT, min_p=None).sampling(16).min_p == 0.0
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", min_p=1.5)
 
 
 @pytest.mark.parametrize("fields", [{"structured_outputs": {"json_objct": True}},

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from speculative.sampling import (SamplingParams, draft_law, inverted, kept_entries,
                                   logits_to_probs, sample, sample_each, sample_rows,
@@ -21,6 +22,8 @@ from tests.stats.chisq import chi_square
         ({"top_k": 2.5}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
         ({"seed": -3}, "seed"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": "abc"}, "stop"),
@@ -41,6 +44,8 @@ def hf_probs(logits, params):
     scores = logits.clone()[None]
     if params.temperature != 1:
         scores = TemperatureLogitsWarper(params.temperature)(None, scores)
+    if params.min_p:  # vLLM's place for it (transformers' own puts it after top-p)
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
     if params.top_k:
         scores = TopKLogitsWarper(params.top_k)(None, scores)
     if params.top_p < 1:
@@ -59,6 +64,25 @@ def test_logits_to_probs_matches_hugging_face_processors(temperature, top_k, top
     for _ in range(5):
         logits = torch.randn(50, generator=generator) * 3
         torch.testing.assert_close(logits_to_probs(logits, params), hf_probs(logits, params))
+
+
+@pytest.mark.parametrize("temperature, min_p, top_k, top_p", [
+    (1.0, 0.1, 0, 1.0), (0.5, 0.3, 0, 1.0), (1.7, 0.05, 5, 0.9), (1.0, 0.2, 0, 0.5),
+    (1.0, 1.0, 0, 1.0)])
+def test_min_p_drops_what_is_below_its_share_of_the_likeliest_before_top_k_and_top_p(
+        temperature, min_p, top_k, top_p):
+    """vLLM's min-p: after temperature, before top-k and top-p (a top-p after it sums the
+    mass min-p left); min_p 1 keeps the likeliest alone."""
+    generator = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    for _ in range(5):
+        logits = torch.randn(50, generator=generator) * 3
+        probs = logits_to_probs(logits, params)
+        torch.testing.assert_close(probs, hf_probs(logits, params))
+        kept = (logits / temperature).softmax(-1)
+        assert not probs[kept < min_p * kept.max()].any()
+    if min_p == 1.0:
+        assert probs.max() == 1.0
 
 
 def test_greedy_is_one_hot_argmax():

@@ -112,7 +112,7 @@ def test_the_router_forwards_q_without_building_a_dense_one(monkeypatch):
 
 
 def test_calls_and_results_round_trip():
-    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05)
     sync = PrefixSync(3, 12345678901234567890, (4, 5))
     propose = ProposeCall("r1", sync, 4, sampling, seed=2**62)
     message = pb.ProposeRequest.FromString(wire.propose_to_proto(propose).SerializeToString())
