@@ -141,7 +141,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        # stable: tied logits keep one order whatever the batch's shape (a GPU's sort may
+        # otherwise order them by the tensor's shape, and a verify's rows and the target
+        # alone could keep different tokens at a tie)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False, stable=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # drop the low tail whose total mass is <= 1 - top_p; the top token always stays
         drop_sorted = cumulative <= 1 - params.top_p
