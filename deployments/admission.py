@@ -13,9 +13,9 @@ class Admission:
         """A ticket for the request's choices; 429 while others hold the slots it needs,
         400 when it asks for more than there are (it could never run)."""
         if num_choices > self.max_running:
-            raise BadRequest(f"n = {num_choices} exceeds the {self.max_running} choices this "
-                             "server runs at once (the router's max_running_requests)",
-                             param="n")
+            raise BadRequest(f"the request's {num_choices} choices (its prompts x n) exceed the "
+                             f"{self.max_running} this server runs at once (the router's "
+                             "max_running_requests)", param="n")
         if self.running + num_choices > self.max_running:
             raise retry_later(f"the server is at capacity ({self.max_running} running "
                               "choices); retry later", 429)

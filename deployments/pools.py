@@ -293,10 +293,12 @@ class PoolReplica:
         """On the worker: what the replica holds for a request that ended."""
         self.engine.sessions.release(request_id)
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         """Load Serve cannot see (polled when the deployment has an autoscaling_config; the
         policy deployments.autoscaling:direct_aware_policy adds it to Serve's own count), and
-        how full the replica's batches have been since the last poll."""
+        how full the replica's batches have been since the last poll. A coroutine: Serve runs
+        it on the replica's event loop, where the batches are counted (a plain method runs on
+        Serve's thread pool, and its take() could lose a batch counted meanwhile)."""
         return {DIRECT_IN_FLIGHT: float(self.direct_in_flight),
                 BATCH_OCCUPANCY: self.occupancy.take()}
 

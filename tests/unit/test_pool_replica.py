@@ -84,7 +84,7 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
             calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"), metadata=KEY()))
                      for i in range(3)]
             await until(lambda: replica.direct_in_flight == 3)
-            assert replica.record_autoscaling_stats()[DIRECT_IN_FLIGHT] == 3.0
+            assert (await replica.record_autoscaling_stats())[DIRECT_IN_FLIGHT] == 3.0
             gate.set()
             responses = await asyncio.gather(*calls)
             assert [len(r.token_ids) for r in responses] == [3, 3, 3]
@@ -92,7 +92,7 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
                        for r in responses)
             # the calls that waited for the busy model ran as one batch
             assert max(r.load.batch_size for r in responses) >= 2
-            assert replica.record_autoscaling_stats()[DIRECT_IN_FLIGHT] == 0.0
+            assert (await replica.record_autoscaling_stats())[DIRECT_IN_FLIGHT] == 0.0
             assert replica.direct_calls_served() == 3
 
     asyncio.run(main())

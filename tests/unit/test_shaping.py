@@ -187,6 +187,7 @@ def test_more_choices_than_the_router_runs_is_a_400_not_a_429():
     with pytest.raises(BadRequest) as refused:
         Admission(8).admit(9)
     assert refused.value.status == 400 and refused.value.param == "n"
+    assert "9 choices (its prompts x n)" in str(refused.value)  # n = 3 for 3 prompts: 9
 
 
 def test_a_bias_outside_the_vocabulary_is_refused_alone_before_the_forward():
