@@ -33,9 +33,10 @@ class PoolArgs(BaseModel):
     # on a GPU, small batches of the paged backend replay CUDA graphs, one per batch bucket
     # (engine.graphs); false runs every forward kernel by kernel (vLLM's enforce_eager)
     cuda_graphs: bool = True
-    # positions the paged KV pool holds (default: on a GPU its free memory less 10 %, on a
-    # CPU 30 % of the memory available at start, at most 262144 positions, backed by memory
-    # only as blocks are used; too little for one request at the model's context is an error)
+    # positions the paged KV pool holds, drafted ones included, in whole blocks (default: on
+    # a GPU its free memory less 10 %, on a CPU 30 % of the memory available at start, backed
+    # by memory only as blocks are used; too little for one request at the model's context
+    # is an error). The regions backend rounds it up to whole-context regions, two at least
     kv_cache_tokens: int | None = Field(default=None, ge=16)
     # calls that share one forward: those arriving while the model is busy join the next
     max_batch_size: int = Field(default=32, ge=1, le=1024)

@@ -189,13 +189,15 @@ def blocks_for(tokens: int, sequences: int, extra_per_sequence: int,
     return -(-tokens // block_size) + sequences * per_sequence + 1
 
 
-def kv_pool_blocks(model, configured_tokens: int | None, max_sequences: int,
-                   max_new_per_sequence: int, block_size: int = BLOCK_SIZE) -> int:
-    """How many blocks the pool holds: enough for `configured_tokens` when set; else what
-    the device's memory budget holds (engine.memory), never less than one request at the
-    model's full context (KVBudgetTooSmall, saying how much is missing)."""
+def kv_pool_blocks(model, configured_tokens: int | None, max_new_per_sequence: int,
+                   block_size: int = BLOCK_SIZE) -> int:
+    """How many blocks the pool holds: `configured_tokens` positions when set (whole blocks,
+    and the zero block: what a request drafts comes out of them too, as vLLM's
+    num_gpu_blocks_override); else what the device's memory budget holds (engine.memory),
+    never less than one request at the model's full context (KVBudgetTooSmall, saying how
+    much is missing)."""
     if configured_tokens is not None:
-        return blocks_for(configured_tokens, max_sequences, max_new_per_sequence, block_size)
+        return -(-configured_tokens // block_size) + 1
     block_bytes = kv_bytes_per_token(model) * block_size
     budget = kv_budget_bytes(model)
     blocks = budget // block_bytes

@@ -137,8 +137,7 @@ def backend(model, attention: str, kv_cache_tokens: int | None, max_sequences: i
         pool = RegionPool(layers, regions, kv_heads, context_length(model), head_dim,
                           weight.dtype, weight.device, block_size)
         return RegionAttention(pool, windows, group)
-    blocks = kv_pool_blocks(model, kv_cache_tokens, max_sequences, max_new_per_sequence,
-                            block_size)
+    blocks = kv_pool_blocks(model, kv_cache_tokens, max_new_per_sequence, block_size)
     pool = BlockPool(layers, blocks, kv_heads, head_dim, weight.dtype, weight.device,
                      block_size)
     return PagedAttention(pool, windows, group)

@@ -5,9 +5,8 @@ sessions give their blocks back before anyone is refused (and none is evicted wh
 would not be enough), and the calls admitted beside a refusal are answered exactly as
 alone.
 
-The pool here: kv_cache_tokens 16 and two cached requests give 14 blocks of 16 positions
-(engine.paged.blocks_for), 13 usable (block 0 is the zeros the padding reads): 208
-positions. A request of 100 positions takes 7 blocks: two do not fit together.
+The pool here: kv_cache_tokens 208 gives 14 blocks of 16 positions, 13 usable (block 0 is
+the zeros the padding reads): 208 positions. A request of 100 positions takes 7 blocks: two do not fit together.
 """
 
 import contextlib
@@ -32,7 +31,7 @@ USABLE_BLOCKS = 13
 
 def small_verifier() -> ModelVerifier:
     # a model of its own: a block pool belongs to the model it is attached to
-    return ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=16, max_cached_requests=2)
+    return ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=208, max_cached_requests=2)
 
 
 def prompt(length: int, offset: int = 0) -> tuple[int, ...]:
@@ -100,8 +99,8 @@ def test_released_requests_that_share_a_prefix_give_it_back_together():
 
 
 def test_no_idle_session_is_evicted_when_evicting_them_all_would_not_make_room():
-    # three cached requests: 20 blocks, 19 usable (and no eviction by count)
-    verifier = ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=16,
+    # 304 positions: 20 blocks, 19 usable (three cached requests: no eviction by count)
+    verifier = ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=304,
                              max_cached_requests=3)
     assert not isinstance(verifier.score_batch([first_call("idle", prompt(20))])[0], Exception)
     # 'idle' holds 2 blocks, a takes 7 (98 + 2 positions), b needs 13 (200 + 2): 10 free
@@ -113,7 +112,7 @@ def test_no_idle_session_is_evicted_when_evicting_them_all_would_not_make_room()
 
 
 def test_the_drafter_reserves_its_whole_block_or_is_refused_alone():
-    drafter = ModelDrafter(tiny_llama(4), engine="paged", kv_cache_tokens=16,
+    drafter = ModelDrafter(tiny_llama(4), engine="paged", kv_cache_tokens=208,
                            max_cached_requests=2)
     calls = [ProposeCall(name, PrefixSync(0, prefix_hash([]), prompt(length, i)), 8, GREEDY, 0)
              for i, (name, length) in enumerate([("a", 100), ("b", 90)])]
@@ -141,7 +140,7 @@ def batch_beyond_the_session_bound_matches_alone(attention: str) -> bool:
     """A replica that keeps two sessions, with a pool of 13 blocks (paged) or 3 regions: a
     and b hold theirs; then one batch runs a's and b's next calls beside two new requests.
     Whether every answer the batch gives equals its request's on a roomy replica."""
-    tokens = 16 if attention == "paged" else 1536
+    tokens = 208 if attention == "paged" else 1536
 
     def replica(cached: int, kv_tokens: int) -> ModelVerifier:
         return ModelVerifier(tiny_llama(1), engine="paged", attention=attention,

@@ -127,7 +127,7 @@ def test_requests_beside_each_other_in_a_full_kv_pool_all_finish_exactly():
                  params, 3)[0] for p in prompts]
 
     async def main():
-        verifier = Batched(ModelVerifier(target, engine="paged", kv_cache_tokens=16,
+        verifier = Batched(ModelVerifier(target, engine="paged", kv_cache_tokens=208,
                                          max_cached_requests=2))
         drafter = Batched(ModelDrafter(noisy_copy(target, 0.05, seed=2)))
         requests = [Request(f"r{i}", tuple(p), params, (), busy_wait_s=30)

@@ -27,7 +27,7 @@ def test_cpu_pool_is_a_share_of_available_memory_less_activations(monkeypatch):
     available = int((10 * minimum * block_bytes + activation_bytes(model))
                     / memory.CPU_MEMORY_FOR_KV)
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: available)
-    blocks = kv_pool_blocks(model, None, SEQUENCES, NEW)
+    blocks = kv_pool_blocks(model, None, NEW)
     assert blocks == budget(model, available) // block_bytes
     assert 10 * minimum - 1 <= blocks <= 10 * minimum
     assert blocks * block_bytes <= memory.CPU_MEMORY_FOR_KV * available
@@ -53,9 +53,15 @@ def test_auto_takes_regions_on_a_cpu_only_when_a_full_batch_fits(monkeypatch):
     assert serving_runner(model, max_sequences=64).attention == "paged"
 
 
-def test_configured_tokens_win(monkeypatch):
+def test_configured_tokens_win_and_are_the_pools_positions(monkeypatch):
+    """As vLLM's num_gpu_blocks_override: the positions asked for in whole blocks, and the
+    zero block (no room per cached request on top: 4,096 for an 8B model took 7x)."""
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 0)
-    assert kv_pool_blocks(tiny_llama(0), 64, SEQUENCES, NEW) == blocks_for(64, SEQUENCES, NEW)
+    assert kv_pool_blocks(tiny_llama(0), 64, NEW) == 64 // BLOCK_SIZE + 1
+    assert kv_pool_blocks(tiny_llama(0), 65, NEW) == 64 // BLOCK_SIZE + 2
+    runner = serving_runner(tiny_llama(0), "paged", "paged", kv_cache_tokens=4096,
+                            max_sequences=256)
+    assert runner.pool.free_units * BLOCK_SIZE == 4096
 
 
 @pytest.mark.parametrize("attention", ["paged", "regions"])

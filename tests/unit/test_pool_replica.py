@@ -279,7 +279,7 @@ def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
     served (the two calls may arrive in either order), the other refused with
     RESOURCE_EXHAUSTED (the router's 429), and served once the first is released."""
     async def main():
-        replica = await local_replica(VerifierPool, VerifierArgs(kv_cache_tokens=16,
+        replica = await local_replica(VerifierPool, VerifierArgs(kv_cache_tokens=208,
                                                                  max_cached_requests=2))
         async with direct(replica, pb_grpc.VerifierStub) as stub:
             gate = await hold_engine(replica)  # the model is busy until the gate opens
