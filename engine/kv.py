@@ -73,16 +73,21 @@ class Sequence:
         # drafter.ngram.TokenBytes): dropped on a full-prefix rebuild, closed with the session
         self.drafter_state = None
 
+    def check(self, sync: PrefixSync) -> None:
+        """Raise StaleBase unless the call builds on this committed prefix (or rebuilds)."""
+        if sync.known_len != 0 and (sync.known_len != len(self.committed)
+                                    or sync.known_hash != self.committed_hash):
+            raise StaleBase(
+                f"holds {len(self.committed)} committed tokens, call builds on {sync.known_len}"
+            )
+
     def apply(self, sync: PrefixSync) -> None:
         """Advance to the committed prefix the call names, or raise StaleBase."""
+        self.check(sync)
         if sync.known_len == 0:
             self.committed = []  # a full prefix: rebuild; the cache keeps what still matches
             self._hasher = GrowingPrefixHash()
             self.drafter_state = None
-        elif sync.known_len != len(self.committed) or sync.known_hash != self.committed_hash:
-            raise StaleBase(
-                f"holds {len(self.committed)} committed tokens, call builds on {sync.known_len}"
-            )
         self.committed.extend(sync.new_token_ids)
         self._hasher.of(self.committed)
         self.publish()
@@ -234,14 +239,16 @@ class SessionStore:
             self._sequences[request_id] = sequence
         else:
             self.stats.hits += 1
+            try:
+                sequence.check(sync)
+            except StaleBase:
+                self.stats.misses += 1
+                raise
             self._sequences.move_to_end(request_id)
         sequence.last_used = time.monotonic()
-        self._make_room(len(sync.new_token_ids))
-        try:
-            sequence.apply(sync)
-        except StaleBase:
-            self.stats.misses += 1
-            raise
+        # what the session grows by (a rebuild replaces what it held)
+        self._make_room(sync.known_len + len(sync.new_token_ids) - len(sequence.committed))
+        sequence.apply(sync)
         return sequence
 
     def get(self, request_id: str) -> "Sequence | None":

@@ -255,6 +255,18 @@ def test_the_store_is_bounded_in_tokens_least_recently_used_out():
     assert list(store._sequences) == ["big"]
 
 
+def test_a_refused_call_evicts_nothing_and_a_rebuild_counts_what_it_replaces():
+    """The store at its token bound: a call refused as stale evicts no other session first,
+    and a session rebuilt within the bound (its new prefix replacing what it held) neither."""
+    store = SessionStore(capacity=100, max_tokens=10)
+    store.apply("a", full([1, 2, 3, 4, 5]))
+    store.apply("b", full([1, 2, 3, 4, 5]))  # 10 tokens: at the bound
+    with pytest.raises(StaleBase):
+        store.apply("b", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (9,)))  # an older base
+    store.apply("b", full([1, 2, 3]))  # rebuilt to 3: 8 tokens
+    assert "a" in store and store.stats.evictions == 0 and store.tokens == 8
+
+
 def test_idle_sessions_are_swept_after_their_ttl(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr("engine.kv.time.monotonic", lambda: now[0])
