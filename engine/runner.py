@@ -110,6 +110,17 @@ class ModelRunner:
         return forward_packed(self.model, segments)
 
 
+def keep_attention_kernels(device: torch.device) -> None:
+    """On CUDA, SDPA without cuDNN's kernel (a process-wide switch: a pool replica runs one
+    model). torch puts cuDNN's attention first on Hopper and newer GPUs (with cuDNN 9.15 and
+    later), and cuDNN builds an execution plan per problem shape, keys' length included,
+    cached per thread: an eager batch, whose keys grow every step, would build one per
+    forward, each a build on the host. The flash and memory-efficient kernels take any
+    length; CUDA graphs' buckets repeat their shapes either way."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def regions_fit(model, max_sequences: int) -> bool:
     """Whether the memory budget holds a batch's worth of whole-context regions."""
     try:
@@ -165,6 +176,7 @@ def serving_runner(model, engine: str = "auto", attention: str = "auto",
     chosen = backend(model, attention, kv_cache_tokens, max_sequences, max_new_per_sequence,
                      block_size)
     lean, graphs = LeanForward(model, chosen), None
+    keep_attention_kernels(chosen.pool.keys.device)
     if cuda_graphs and chosen.name == "paged" and chosen.pool.keys.device.type == "cuda":
         refused = graphs_refused(lean)
         if refused is None:

@@ -218,5 +218,21 @@ def test_batches_outside_every_bucket_run_eager():
     assert bucket_of(segments(32, 1, start=4000), 16, slots=65_536) is None  # over the buffers
 
 
+def test_cudnns_attention_is_kept_out_on_cuda_only():
+    """Its plans are per shape (keys' length included): eager batches would build one per
+    forward (engine.runner.keep_attention_kernels)."""
+    import torch
+
+    from engine.runner import keep_attention_kernels
+
+    try:
+        keep_attention_kernels(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        keep_attention_kernels(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def test_a_runner_off_a_gpu_records_no_graphs():
     assert served("llama", "paged").graphs is None
