@@ -220,12 +220,13 @@ def any_attention():
 
 
 def no_math_attention(device: str):
-    """SDPA without its math kernel: a call that would fall back to it raises instead."""
+    """SDPA without its math kernel: a call that would fall back to it raises instead. On
+    CUDA the kernels a runner keeps (flash and memory-efficient, no cuDNN:
+    engine.runner.keep_attention_kernels), so the check times what serves."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if torch.device(device).type == "cuda":
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                            SDPBackend.CUDNN_ATTENTION])
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
