@@ -36,10 +36,13 @@ MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
-# vLLM's fields not served here, each of which changes the answer or what it carries: refused
-# when set (null, false or empty: the default, passed)
-UNSERVED = ("allowed_token_ids", "bad_words", "include_stop_str_in_output", "prompt_logprobs",
-            "truncate_prompt_tokens", "use_beam_search")
+# vLLM's fields not served here, each of which changes the answer or what it carries, and the
+# values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
+UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
+            "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
+            "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
+            "skip_special_tokens": (None, True), "continue_final_message": (None, False),
+            "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {})}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 
 
@@ -150,8 +153,10 @@ class SamplingFields(BaseModel):
             if guided := sorted(key for key in GUIDED if data.get(key) is not None):
                 raise ValueError(f"{guided[0]} is vLLM's earlier field, not served here: give "
                                  "the constraint as structured_outputs or response_format")
-            if unserved := sorted(key for key in UNSERVED if data.get(key)):
-                raise ValueError(f"{unserved[0]} is not supported by this server")
+            if unserved := sorted(key for key, served in UNSERVED.items()
+                                  if key in data and data[key] not in served):
+                raise ValueError(f"{unserved[0]}: {data[unserved[0]]!r} is not supported by "
+                                 "this server")
             return {key: value for key, value in data.items() if value is not None}
         return data
 

@@ -48,16 +48,22 @@ def test_fields_that_would_change_the_answer_are_refused(fields, param):
 def test_what_changes_nothing_passes():
     assert CompletionRequest(prompt="x", echo=False, suffix=None, best_of=2, n=2).n == 2
     assert CompletionRequest(prompt="x", use_beam_search=False, bad_words=[],
-                             allowed_token_ids=None).n == 1
+                             allowed_token_ids=None, skip_special_tokens=True).n == 1
+    assert ChatCompletionRequest(messages=CHAT, add_generation_prompt=True,
+                                 chat_template_kwargs={}, continue_final_message=False).n == 1
 
 
-@pytest.mark.parametrize("field, value", [("allowed_token_ids", [1, 2]), ("bad_words", ["a"]),
-                                          ("include_stop_str_in_output", True),
-                                          ("prompt_logprobs", 1), ("use_beam_search", True),
-                                          ("truncate_prompt_tokens", 8)])
+@pytest.mark.parametrize("field, value", [
+    ("allowed_token_ids", [1, 2]), ("allowed_token_ids", []), ("bad_words", ["a"]),
+    ("include_stop_str_in_output", True), ("prompt_logprobs", 0), ("use_beam_search", True),
+    ("truncate_prompt_tokens", 8), ("skip_special_tokens", False),
+    ("continue_final_message", True), ("add_generation_prompt", False),
+    ("chat_template_kwargs", {"enable_thinking": False})])
 def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, value):
-    with pytest.raises(ValidationError, match=f"{field} is not supported"):
-        CompletionRequest(prompt="x", **{field: value})
+    """Each changes the answer or what it carries (a prompt_logprobs of 0 asks for each
+    prompt token's logprob; vLLM refuses an empty allowed_token_ids)."""
+    with pytest.raises(ValidationError, match=f"{field}: .* is not supported"):
+        ChatCompletionRequest(messages=CHAT, **{field: value})
 
 
 def test_min_p_reaches_the_sampling_parameters_as_vllm_takes_it():
