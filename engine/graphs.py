@@ -173,7 +173,10 @@ class GraphedForward:
     def bucket(self, segments) -> Bucket | None:
         """The bucket this batch replays, or None: it runs eager."""
         bucket = bucket_of(segments, self.block_size, self.gathered[0].shape[0])
-        if bucket is None or self.failed or (bucket.rows, bucket.new, bucket.keys) in self.eager:
+        if bucket is None:
+            return None
+        key = (bucket.rows, bucket.new, bucket.keys)
+        if key in self.eager or self.failed and key not in self.recorded:
             return None
         return bucket
 
