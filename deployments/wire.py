@@ -94,8 +94,8 @@ def dists_from_proto(message: pb.Distributions) -> DraftDists:
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-        min_p=params.min_p, presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0,
         grammar=params.grammar or "", logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens, min_tokens_end_ids=params.min_tokens_end_ids,
@@ -106,7 +106,8 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Validated: a bad value raises ValueError (the servicer's INVALID_ARGUMENT)."""
     return SamplingParams(
         temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
-        min_p=message.min_p, presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
+        min_p=message.min_p, presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty or 1.0,
         logprobs=message.top_logprobs if message.logprobs else None,
         grammar=message.grammar or None,

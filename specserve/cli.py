@@ -175,7 +175,8 @@ def sampling(args):
     from speculative.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                          stop=tuple(args.stop),
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty)

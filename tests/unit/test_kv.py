@@ -263,6 +263,9 @@ def test_a_refused_call_evicts_nothing_and_a_rebuild_counts_what_it_replaces():
     store.apply("b", full([1, 2, 3, 4, 5]))  # 10 tokens: at the bound
     with pytest.raises(StaleBase):
         store.apply("b", PrefixSync(4, prefix_hash([1, 2, 3, 4]), (9,)))  # an older base
+    with pytest.raises(StaleBase):  # its length, another prefix: it would grow by one
+        store.apply("b", PrefixSync(5, prefix_hash([1, 2, 3, 4, 6]), (9,)))
+    assert "a" in store
     store.apply("b", full([1, 2, 3]))  # rebuilt to 3: 8 tokens
     assert "a" in store and store.stats.evictions == 0 and store.tokens == 8
 
