@@ -111,7 +111,8 @@ class ModelDrafter:
     def draft_blocks(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:
         started = time.perf_counter()
         results: list = [None] * len(calls)
-        drafts = self.start_drafts(calls, results)
+        drafts, prefills = self.start_drafts(calls, results)
+        self.prefill(prefills, calls, results)
         active = self.admit_first_feeds(drafts, calls, results)
         drafts = [(index, draft) for index, draft, _ in active]
         first_tokens = self.draft_steps(active)
@@ -129,11 +130,10 @@ class ModelDrafter:
                                         if draft.reports else None)
         return results
 
-    def start_drafts(self, calls: list[ProposeCall], results: list
-                     ) -> list[tuple[int, "Draft"]]:
-        """(call index, Draft) of each call that drafts; a refusal or an empty block goes
-        into `results`."""
-        drafts = []
+    def start_drafts(self, calls: list[ProposeCall], results: list) -> tuple[list, list]:
+        """(call index, Draft) of each call that drafts, and of each that drafts none (its
+        empty block goes into `results` now); a refusal goes into `results`."""
+        drafts, prefills = [], []
         for index, call in enumerate(calls):
             try:
                 draft = self.start_draft(call)
@@ -142,9 +142,24 @@ class ModelDrafter:
                 continue
             if draft.num_tokens == 0:
                 results[index] = DraftBlock((), None)
+                prefills.append((index, draft))
             else:
                 drafts.append((index, draft))
-        return drafts
+        return drafts, prefills
+
+    def prefill(self, prefills: list[tuple[int, "Draft"]], calls: list[ProposeCall],
+                results: list) -> None:
+        """Feed the committed prefix of each call that drafts none (a request's first call,
+        beside the target's first verify), so that its first draft finds it cached: the
+        drafter's prefill overlaps the target's instead of adding to the round that drafts
+        first. One forward for them all; its logits are not used."""
+        fed = self.admit_first_feeds(prefills, calls, results)
+        if fed:
+            started = time.perf_counter()
+            self.runner.forward([segment for _, _, segment in fed])
+            elapsed = time.perf_counter() - started
+            for index, _, _ in fed:
+                results[index] = DraftBlock((), None, elapsed)
 
     def admit_first_feeds(self, drafts: list[tuple[int, "Draft"]], calls: list[ProposeCall],
                           results: list) -> list[tuple]:
@@ -157,7 +172,7 @@ class ModelDrafter:
                   for index, draft in drafts]
         # blocks for the whole block up front (its last token is never fed), or a refusal
         return admitted(active, [segment for _, _, segment in active],
-                        [segment.start + len(segment.token_ids) + draft.num_tokens - 1
+                        [segment.start + len(segment.token_ids) + max(draft.num_tokens, 1) - 1
                          for _, draft, segment in active], calls, results, self.sessions)
 
     def draft_steps(self, active: list[tuple]) -> int:

@@ -206,6 +206,30 @@ def test_drafting_in_a_batch_equals_drafting_alone(temperature):
     assert together[0].load.batch_size == 4
 
 
+def test_a_call_of_no_tokens_prefills_and_the_first_draft_finds_the_prompt_cached():
+    """A request's first call asks for 0 tokens beside the target's first verify: the
+    drafter feeds the prompt then, and the draft after it feeds only what was committed
+    since, drafting the block a cold draft does."""
+    greedy = SamplingParams(temperature=0)
+    prompt = tuple((7 * i) % 60 + 1 for i in range(50))
+    blocks = {}
+    for prefilled in (False, True):
+        drafter, fed = ModelDrafter(tiny_llama(4)), []
+        forward = drafter.runner.forward
+        drafter.runner.forward = lambda segments: (
+            fed.append([len(s.token_ids) for s in segments]), forward(segments))[1]
+        if prefilled:
+            empty = drafter.propose_batch([ProposeCall("r", PrefixSync(0, prefix_hash([]),
+                                                                       prompt), 0, greedy, 0)])
+            assert empty[0].token_ids == () and fed == [[50]]
+            sync = PrefixSync(len(prompt), prefix_hash(list(prompt)), (5,))
+        else:
+            sync = PrefixSync(0, prefix_hash([]), prompt + (5,))
+        [blocks[prefilled]] = drafter.propose_batch([ProposeCall("r", sync, 3, greedy, 0)])
+        assert fed[-3][0] == (1 if prefilled else 51)  # the first draft step's feed
+    assert blocks[True].token_ids == blocks[False].token_ids
+
+
 @pytest.mark.parametrize("engine", ["auto", "transformers"])
 def test_greedy_drafts_are_the_draft_models_own_continuation_across_rollbacks(engine):
     """Each greedy block is what the draft model generates alone from the committed prefix,
