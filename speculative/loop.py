@@ -190,7 +190,9 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     if continued and state.finish_reason is None:
         state.confirm_fed(state.verifier_view, len(continued))
     cost = meter.finish(block, scores, outcome, beside=beside)
-    if not meter.fell_back:  # a failed call's wait says nothing about what a K costs
+    # a failed call's wait (a draft's, or a pre-draft's beside the verify) says nothing about
+    # what a K costs
+    if not (meter.fell_back or meter.predraft_failed):
         policy.update(depth(block) + outcome.predraft_tested,
                       outcome.num_accepted + outcome.predraft_accepted, cost)
     if block.confidences is not None and block.parents is None:

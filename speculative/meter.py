@@ -17,6 +17,7 @@ class RoundMeter:
         self.first = not state.drafter_called  # the drafter's first call: its prefill
         self.prefill = not state.num_output_tokens  # the verifier's prompt prefill
         self.fell_back = False  # the round asked for a draft and ran without one
+        self.predraft_failed = False  # the draft beside its verify failed (or was too late)
         self.predraft: DraftBlock | None = None  # the draft that ran beside the verify
         self.misses = state.stats.cache_misses
         self.busy_seconds = state.stats.busy_seconds  # pauses for a full verifier: not costs
@@ -29,7 +30,9 @@ class RoundMeter:
     async def settled(self, predraft) -> DraftBlock:
         """The pre-draft beside the verify, once in hand (the wait is the drafter's)."""
         since = time.perf_counter()
-        self.predraft = await predraft or NO_DRAFT
+        block = await predraft
+        self.predraft_failed = block is None
+        self.predraft = block or NO_DRAFT
         self.predraft_wait = time.perf_counter() - since
         return self.predraft
 

@@ -7,6 +7,7 @@ import pytest
 
 from drafter.model import ModelDrafter
 from speculative.busy import MAX_SKIPPED_DRAFTS, DraftBackoff
+from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import PoolUnavailable
 from tests.tiny import hf_greedy, noisy_copy, run, tiny_llama
@@ -99,3 +100,26 @@ def test_a_drafter_that_never_answers_still_gives_the_targets_output(pair):
     assert out == hf_greedy(target, PROMPT, 30)
     assert state.stats.num_drafts == 0 and state.stats.rounds == 30
     assert drafter.calls <= 5  # backoff: 1 + 2 + 4 + 8 + 16 rounds cover 30 after 5 calls
+
+
+def test_a_round_whose_draft_beside_the_verify_failed_is_no_cost_for_the_k_policy(pair):
+    """Its time holds the failed call's wait (a missed deadline: up to the router's
+    draft_timeout_s), which says nothing about what a K costs: the policy is not given it,
+    as it is not given a round whose own draft failed or was skipped (draft_fallback_rounds).
+    Pipelined rounds that restart fresh: every call runs beside a verify."""
+    target, draft = pair
+
+    class Recording(FixedK):
+        costs = []
+
+        def update(self, num_drafted, num_accepted, cost=None):
+            self.costs.append(cost)
+
+    failed = {3, 6}
+    drafter = Flaky(ModelDrafter(draft), failed.__contains__)
+    out, state = run(drafter, ModelVerifier(target), PROMPT,
+                     SamplingParams(temperature=0, max_tokens=40), k=3, pipelined=True,
+                     policy=Recording(3))
+    assert out == hf_greedy(target, PROMPT, 40)
+    stats = state.stats
+    assert len(Recording.costs) == stats.rounds - stats.draft_fallback_rounds - len(failed)
