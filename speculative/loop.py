@@ -115,9 +115,17 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
                         ) -> DraftBlock | None:
     """propose(), or None when the drafter failed: the round goes on without it. A failed
     call leaves the router's view of the drafter's prefix unconfirmed, so the next call
-    rebuilds it if the pool moved on (exact either way)."""
+    rebuilds it if the pool moved on (exact either way). A seeded sampled request's tokens
+    depend on its drafts: a drafter with no room for its call (PoolBusy) is waited for, as a
+    full verifier is, so that load does not change what a seed gives."""
+    sampling = state.request.sampling
     try:
-        block = await propose(state, drafter, k, seed, assumed, beside)
+        if sampling.seed is not None and not sampling.greedy:
+            block = await retried_while_busy(
+                state.request.busy_wait_s, state.stats,
+                lambda: propose(state, drafter, k, seed, assumed, beside))
+        else:
+            block = await propose(state, drafter, k, seed, assumed, beside)
     except PoolUnavailable:
         state.draft_backoff.failed()
         return None

@@ -25,6 +25,7 @@ class RoundMeter:
         self.catch_up = 0 if carried else len(state.committed) - state.drafter_view.known_len
         self.started = time.perf_counter()
         self.drafted_at = self.verified_at = self.started
+        self.busy_drafting = 0.0  # pauses for a full drafter before the verify
         self.predraft_wait = 0.0  # after the verify, for the pre-draft beside it
 
     async def settled(self, predraft) -> DraftBlock:
@@ -38,6 +39,7 @@ class RoundMeter:
 
     def drafted(self, block: DraftBlock) -> DraftBlock:
         self.drafted_at = time.perf_counter()
+        self.busy_drafting = self.stats.busy_seconds - self.busy_seconds  # (a seeded draft's)
         return block
 
     def verified(self, scores: TargetScores) -> TargetScores:
@@ -55,9 +57,10 @@ class RoundMeter:
         stats.pipelined_rounds += self.carried
         # waiting for a draft: before the verify, and for the pre-draft after it (the
         # router's own work after the verify, rejection sampling and the commit, is not)
-        stats.draft_seconds += self.drafted_at - self.started + self.predraft_wait
+        stats.draft_seconds += self.drafted_at - self.started - self.busy_drafting + \
+            self.predraft_wait
         paused = stats.busy_seconds - self.busy_seconds
-        stats.verify_seconds += self.verified_at - self.drafted_at - paused
+        stats.verify_seconds += self.verified_at - self.drafted_at - (paused - self.busy_drafting)
         waited_draft = 0.0 if self.carried else block.compute_seconds
         stats.draft_compute_seconds += waited_draft
         # (beside = 0: the drafter's prefill beside a first verify, no draft)

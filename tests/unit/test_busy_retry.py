@@ -105,6 +105,43 @@ def test_the_wait_counts_the_refused_calls_time_not_only_the_pauses():
     assert stats.busy_seconds == pytest.approx(0.55)  # the refused call and its pause
 
 
+class BusyDrafter:
+    """A drafter that refuses the calls busy(n) picks (n counts calls from 0) as a drafter
+    without room does (PoolBusy)."""
+
+    def __init__(self, drafter, busy) -> None:
+        self.drafter, self.busy, self.calls = drafter, busy, 0
+
+    async def propose(self, call):
+        n, self.calls = self.calls, self.calls + 1
+        if self.busy(n):
+            raise PoolBusy("drafter: RESOURCE_EXHAUSTED: injected")
+        return await self.drafter.propose(call)
+
+    async def release(self, request_id):
+        await self.drafter.release(request_id)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_a_seeded_request_waits_for_a_full_drafter_and_keeps_its_tokens(pair, pipelined):
+    """Its tokens depend on its drafts: a drafter without room is waited for (as a full
+    verifier is), not run without; an unseeded request runs those rounds without a draft."""
+    target, draft = pair
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
+    expected, _ = run(ModelDrafter(draft), ModelVerifier(target), PROMPT, seeded, 3,
+                      pipelined=pipelined)
+    for params in (seeded, SamplingParams(temperature=0, max_tokens=24)):
+        generation = Generation(Request("r", tuple(PROMPT), params, (), 30))
+        drafter = BusyDrafter(ModelDrafter(draft), lambda n: n in (2, 5))
+        asyncio.run(decoded(drafter, ModelVerifier(target), generation, 3, pipelined))
+        stats = generation.stats
+        if params is seeded:
+            assert generation.token_ids == expected
+            assert stats.busy_retries == 2 and stats.draft_fallback_rounds == 0
+        else:
+            assert stats.busy_retries == 0 and drafter.calls < 30
+
+
 def test_a_first_call_refused_waits_too(pair):
     """Not yet begun: a stream has already answered 200, so the request waits as well."""
     params = SamplingParams(temperature=0, max_tokens=24)
