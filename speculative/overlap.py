@@ -7,8 +7,10 @@ The two come apart across rounds of different x (a neighbouring K drafts a longe
 block): `Overlap` keeps the recent rounds and fits y against x through the median of each
 kind of round (its K and how it ran), weighted by how often that kind ran, so a stray round
 moves nothing. Rounds of one kind alone leave λ unknown: their y is then h and λ x together,
-right at their own x and nowhere else. (Filed as h, the y of the rounds at the K in force
-would make λ measure about 0 and a longer draft look free.)
+right at their own x; the cost model uses it at every K (λ taken as 0) until rounds at a
+neighbouring K spread x, which exploration brings within a few rounds. (Filed as h for
+good, the y of the rounds at the K in force would make λ measure about 0 and a longer draft
+look free.)
 """
 
 from collections import deque
