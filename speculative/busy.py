@@ -25,12 +25,14 @@ T = TypeVar("T")
 async def retried_while_busy(wait_s: float, stats: SpecStats,
                              call: Callable[[], Awaitable[T]],
                              clock: Callable[[], float] = time.monotonic,
-                             sleep: Callable[[float], Awaitable] = asyncio.sleep) -> T:
+                             sleep: Callable[[float], Awaitable] = asyncio.sleep,
+                             counted: str = "busy_seconds") -> T:
     """await call(), again after pauses of 0.05 s doubling to 1 s while it raises PoolBusy,
     while the next pause ends within wait_s of the first call (a pool answers a refusal
     after its batch in hand: the refused calls' time counts, not only the pauses); counted
     in stats (busy_retries, and busy_seconds, the refused calls and the pauses, which the
-    round's meter leaves out of its timings)."""
+    round's meter leaves out of its timings; counted: the stats' field that sums them, a
+    drafter's apart from the verifier's)."""
     deadline, pause = clock() + wait_s, BUSY_PAUSE_S
     while True:
         started = clock()
@@ -41,7 +43,7 @@ async def retried_while_busy(wait_s: float, stats: SpecStats,
                 raise
         stats.busy_retries += 1
         await sleep(pause)
-        stats.busy_seconds += clock() - started
+        setattr(stats, counted, getattr(stats, counted) + clock() - started)
         pause = min(2 * pause, MAX_BUSY_PAUSE_S)
 
 

@@ -120,10 +120,11 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
     full verifier is, so that load does not change what a seed gives."""
     sampling = state.request.sampling
     try:
-        if sampling.seed is not None and not sampling.greedy:
+        if k > 0 and sampling.seed is not None and not sampling.greedy:
             block = await retried_while_busy(
                 state.request.busy_wait_s, state.stats,
-                lambda: propose(state, drafter, k, seed, assumed, beside))
+                lambda: propose(state, drafter, k, seed, assumed, beside),
+                counted="draft_busy_seconds")
         else:
             block = await propose(state, drafter, k, seed, assumed, beside)
     except PoolUnavailable:

@@ -21,6 +21,7 @@ class RoundMeter:
         self.predraft: DraftBlock | None = None  # the draft that ran beside the verify
         self.misses = state.stats.cache_misses
         self.busy_seconds = state.stats.busy_seconds  # pauses for a full verifier: not costs
+        self.draft_busy = state.stats.draft_busy_seconds  # for a full drafter: neither
         # committed tokens the drafter had not seen when the round began
         self.catch_up = 0 if carried else len(state.committed) - state.drafter_view.known_len
         self.started = time.perf_counter()
@@ -39,7 +40,7 @@ class RoundMeter:
 
     def drafted(self, block: DraftBlock) -> DraftBlock:
         self.drafted_at = time.perf_counter()
-        self.busy_drafting = self.stats.busy_seconds - self.busy_seconds  # (a seeded draft's)
+        self.busy_drafting = self.stats.draft_busy_seconds - self.draft_busy
         return block
 
     def verified(self, scores: TargetScores) -> TargetScores:
@@ -57,10 +58,16 @@ class RoundMeter:
         stats.pipelined_rounds += self.carried
         # waiting for a draft: before the verify, and for the pre-draft after it (the
         # router's own work after the verify, rejection sampling and the commit, is not)
+        # (less the pauses for a full drafter: before the verify, and those of the pre-draft
+        # that its wait after the verify holds)
+        beside_paused = stats.draft_busy_seconds - self.draft_busy - self.busy_drafting
+        waited_beside = max(0.0, self.predraft_wait - beside_paused)
         stats.draft_seconds += self.drafted_at - self.started - self.busy_drafting + \
-            self.predraft_wait
-        paused = stats.busy_seconds - self.busy_seconds
-        stats.verify_seconds += self.verified_at - self.drafted_at - (paused - self.busy_drafting)
+            waited_beside
+        paused = stats.busy_seconds - self.busy_seconds + self.busy_drafting + \
+            self.predraft_wait - waited_beside
+        stats.verify_seconds += self.verified_at - self.drafted_at - \
+            (stats.busy_seconds - self.busy_seconds)
         waited_draft = 0.0 if self.carried else block.compute_seconds
         stats.draft_compute_seconds += waited_draft
         # (beside = 0: the drafter's prefill beside a first verify, no draft)
@@ -104,7 +111,8 @@ class RoundMeter:
             else self.drafted_at - self.started - block.compute_seconds
         comparable = not self.prefill and not (self.first and drafted_beside) and \
             self.stats.cache_misses == self.misses and \
-            self.stats.busy_seconds == self.busy_seconds
+            self.stats.busy_seconds == self.busy_seconds and \
+            self.stats.draft_busy_seconds == self.draft_busy
         # a call of several steps (verifier.steps) ran one forward a token: the verify line
         # learns one forward's time, the overhead is the call's once
         forwards = 1 + len(scores.continued_token_ids)

@@ -30,6 +30,7 @@ class SpecStats:
     cache_misses: int = 0
     busy_retries: int = 0  # verifier calls retried after a pause: its pool had no room
     busy_seconds: float = 0.0  # refused calls and pauses (speculative.busy): not round timings
+    draft_busy_seconds: float = 0.0  # the same, a seeded request's for a full drafter
     cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
     verify_seconds: float = 0.0  # waiting for the verifier
@@ -101,6 +102,7 @@ class SpecStats:
             self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "num_emitted_tokens", "cache_misses", "busy_retries", "busy_seconds",
+                     "draft_busy_seconds",
                      "draft_seconds", "verify_seconds", "round_seconds",
                      "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
                      "wire_bytes", "pipelined_rounds", "bonus_position_drafts",

@@ -138,8 +138,12 @@ def test_a_seeded_request_waits_for_a_full_drafter_and_keeps_its_tokens(pair, pi
         if params is seeded:
             assert generation.token_ids == expected
             assert stats.busy_retries == 2 and stats.draft_fallback_rounds == 0
+            assert stats.draft_busy_seconds > 0 and stats.busy_seconds == 0
         else:
             assert stats.busy_retries == 0 and drafter.calls < 30
+        # the pauses are left out of the draft's and the verify's times, never out of the
+        # wrong one (a drafter's pause beside a verify made the verify's negative)
+        assert stats.draft_seconds >= 0 and stats.verify_seconds >= 0
 
 
 def test_a_first_call_refused_waits_too(pair):

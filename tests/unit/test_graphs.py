@@ -244,5 +244,14 @@ def test_cudnns_attention_is_kept_out_on_cuda_only():
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
+def test_every_lean_runner_keeps_its_devices_attention_kernels(monkeypatch):
+    from engine import runner as module
+
+    devices = []
+    monkeypatch.setattr(module, "keep_attention_kernels", devices.append)
+    bucketed("llama")
+    assert [device.type for device in devices] == ["cpu"]
+
+
 def test_a_runner_off_a_gpu_records_no_graphs():
     assert served("llama", "paged").graphs is None
