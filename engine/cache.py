@@ -31,11 +31,12 @@ class KVCacheFull(PoolBusy):
 
 
 def block_name(previous: int, tokens: list[int]) -> int:
-    """A block's chain name: a keyed-free 64-bit BLAKE2b of the previous block's name and
-    its tokens (not Python's hash, whose collisions can be built: a collision would share
-    one request's keys with another)."""
-    data = previous.to_bytes(8, "little") + array.array("i", tokens).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    """A block's chain name: a 128-bit BLAKE2b of the previous block's name and its tokens
+    (not Python's hash, whose collisions can be built, nor 64 bits, where a collision costs
+    about 2^32 hashes: a collision would share one request's keys with another's, whose
+    prompt a client chose to match it)."""
+    data = previous.to_bytes(16, "little") + array.array("i", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
 
 def block_names(tokens: list[int], block_size: int = BLOCK_SIZE,

@@ -172,3 +172,12 @@ def test_greedy_verify_with_a_hit_equals_one_without(backend):
     hit, alone = verifier.score_now(second), fresh.score_now(second)
     assert hit.cached_tokens == 32 and alone.cached_tokens == 0
     assert hit.target_token_ids == alone.target_token_ids
+
+
+def test_block_names_are_128_bits():
+    """A collision shares one request's keys with another's: at 64 bits a client could
+    build one in about 2^32 hashes."""
+    from engine.cache import block_name
+
+    names = {block_name(previous, list(range(i, i + 16))) for previous in (0, 1) for i in range(8)}
+    assert len(names) == 16 and max(name.bit_length() for name in names) > 64
