@@ -263,9 +263,7 @@ class CostModel:
     def beside(self, load: float) -> tuple[float, float | None] | None:
         """(h, λ) of pipelined rounds at this load (speculative.overlap; the nearest load
         with two rounds measured), or None before them."""
-        bucket = nearest_bucket([b for b, overlap in self.overlap.items() if len(overlap) > 1],
-                                load)
-        return None if bucket is None else self.overlap[bucket].fit()
+        return nearest(self.overlap, load, least=2)
 
     def exposed_share(self, load: float) -> float | None:
         """λ at this load (None before pipelined rounds that tell it)."""
@@ -334,13 +332,13 @@ class CostModel:
         at the load measured nearest to `load`; where that kind of round has not run, a
         verify call's (plain rounds', else pipelined rounds' h) and a draft call's hop."""
         drafting = nearest(self.overhead, load)
-        plain = nearest(self.overhead_plain, load)
-        hop = nearest(self.draft_hop, load) or 0.0
         if k > 0 and drafting is not None:
             return drafting
+        plain = nearest(self.overhead_plain, load)
         if plain is None:  # a verify call's own: the pipelined rounds' h, where they ran
             fitted = self.beside(load)
             plain = None if fitted is None else fitted[0]
+        hop = nearest(self.draft_hop, load) or 0.0
         if plain is not None:
             return plain + (hop if k > 0 else 0.0)
         return max(0.0, (drafting or 0.0) - hop)
@@ -354,9 +352,10 @@ def add_to(by_bucket: dict[int, Recent], bucket: int, value: float) -> None:
     recent.add(value)
 
 
-def nearest(by_bucket: dict[int, Recent], load: float, least: int = 1) -> float | None:
+def nearest(by_bucket: dict, load: float, least: int = 1):
     """The value kept for the load bucket nearest to `load`'s among those with at least
-    `least` values (the lower on a tie); None when there is none."""
+    `least` values (the lower on a tie); None when there is none. (Of Recent medians, or
+    of anything with `values` and `value`: speculative.overlap.Overlap's fit.)"""
     recent = by_bucket.get(load_bucket(load))
     if recent is not None and len(recent.values) >= least:  # the load's own (a rate's
         return recent.value  # every K asks: no list built)

@@ -119,14 +119,16 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
     depend on its drafts: a drafter with no room for its call (PoolBusy) is waited for, as a
     full verifier is, so that load does not change what a seed gives."""
     sampling = state.request.sampling
+
+    def call():
+        return propose(state, drafter, k, seed, assumed, beside)
+
     try:
         if k > 0 and sampling.seed is not None and not sampling.greedy:
-            block = await retried_while_busy(
-                state.request.busy_wait_s, state.stats,
-                lambda: propose(state, drafter, k, seed, assumed, beside),
-                counted="draft_busy_seconds")
+            block = await retried_while_busy(state.request.busy_wait_s, state.stats, call,
+                                             counted="draft_busy_seconds")
         else:
-            block = await propose(state, drafter, k, seed, assumed, beside)
+            block = await call()
     except PoolUnavailable:
         state.draft_backoff.failed()
         return None

@@ -57,17 +57,15 @@ class RoundMeter:
         stats.draft_fallback_rounds += self.fell_back
         stats.pipelined_rounds += self.carried
         # waiting for a draft: before the verify, and for the pre-draft after it (the
-        # router's own work after the verify, rejection sampling and the commit, is not)
-        # (less the pauses for a full drafter: before the verify, and those of the pre-draft
-        # that its wait after the verify holds)
-        beside_paused = stats.draft_busy_seconds - self.draft_busy - self.busy_drafting
-        waited_beside = max(0.0, self.predraft_wait - beside_paused)
+        # router's own work after the verify, rejection sampling and the commit, is not),
+        # less the pauses for a full drafter in either wait; the verify less its own pauses
+        verify_paused = stats.busy_seconds - self.busy_seconds
+        predraft_paused = min(self.predraft_wait, stats.draft_busy_seconds - self.draft_busy
+                              - self.busy_drafting)
         stats.draft_seconds += self.drafted_at - self.started - self.busy_drafting + \
-            waited_beside
-        paused = stats.busy_seconds - self.busy_seconds + self.busy_drafting + \
-            self.predraft_wait - waited_beside
-        stats.verify_seconds += self.verified_at - self.drafted_at - \
-            (stats.busy_seconds - self.busy_seconds)
+            self.predraft_wait - predraft_paused
+        stats.verify_seconds += self.verified_at - self.drafted_at - verify_paused
+        paused = verify_paused + self.busy_drafting + predraft_paused
         waited_draft = 0.0 if self.carried else block.compute_seconds
         stats.draft_compute_seconds += waited_draft
         # (beside = 0: the drafter's prefill beside a first verify, no draft)

@@ -31,8 +31,13 @@ class Overlap:
         self.points.append((kind, shorter, beyond))
         self.fitted = None
 
-    def __len__(self) -> int:
-        return len(self.points)
+    @property
+    def values(self) -> deque:  # (as speculative.costs.Recent's, for costs.nearest)
+        return self.points
+
+    @property
+    def value(self) -> tuple[float, float | None]:
+        return self.fit()
 
     def fit(self) -> tuple[float, float | None]:
         """(h, λ): λ in [0, 1], or None where the rounds' x do not spread enough to tell."""
