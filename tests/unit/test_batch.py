@@ -12,6 +12,7 @@ from drafter.model import ModelDrafter
 from engine import batch as packed
 from engine import lean, paged, regions
 from engine.kv import SessionStore
+from engine.scheduler import KVCacheTooSmall
 from engine.runner import serving_runner
 from speculative.sampling import SamplingParams
 from speculative.types import DraftDists, PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
@@ -228,6 +229,21 @@ def test_a_call_of_no_tokens_prefills_and_the_first_draft_finds_the_prompt_cache
         [blocks[prefilled]] = drafter.propose_batch([ProposeCall("r", sync, 3, greedy, 0)])
         assert fed[-3][0] == (1 if prefilled else 51)  # the first draft step's feed
     assert blocks[True].token_ids == blocks[False].token_ids
+
+
+def test_a_call_of_no_tokens_reserves_its_whole_prompt_before_its_forward():
+    """A prefill's blocks are reserved for every position it feeds, so a prompt one position
+    past the pool is refused at admission (its call alone) and its batch-mate drafts,
+    instead of the pool running out inside the batch's forward."""
+    greedy = SamplingParams(temperature=0)
+    drafter = ModelDrafter(tiny_llama(4), kv_cache_tokens=64)  # four blocks of 16
+    too_long = tuple((7 * i) % 60 + 1 for i in range(65))
+    short = (3, 1, 4, 1, 5)
+    refused, block = drafter.propose_batch([
+        ProposeCall("long", PrefixSync(0, prefix_hash([]), too_long), 0, greedy, 0),
+        ProposeCall("short", PrefixSync(0, prefix_hash([]), short), 3, greedy, 0)])
+    assert isinstance(refused, KVCacheTooSmall) and "65 positions" in str(refused)
+    assert list(block.token_ids) == hf_greedy(drafter.model, list(short), 3)
 
 
 @pytest.mark.parametrize("engine", ["auto", "transformers"])
