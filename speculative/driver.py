@@ -20,6 +20,9 @@ Decode = Callable[[Sequence[int]], str]  # token ids -> text (special tokens ski
 # prompt tokens the detokenizer decodes before the first output token, so that the first
 # token's text is what it reads as a continuation (a SentencePiece leading space, say)
 CONTEXT_TOKENS = 6
+# a UTF-8 character has at most 4 bytes, each token at least one: text still ending in U+FFFD
+# after this many tokens held is no incomplete character but bytes that never form one
+MAX_HELD_TOKENS = 8
 
 
 def text_decoder(tokenizer) -> Decode:
@@ -39,7 +42,9 @@ class Detokenizer:
     A token's text is decode(window + token) minus decode(window), the window being the few
     tokens before it. Decoding a short window costs the same at every step, never drops text
     when a tokenizer's decode of a longer sequence rewrites earlier text, and holds back a
-    trailing U+FFFD (an incomplete UTF-8 character) until the bytes that complete it arrive.
+    trailing U+FFFD (an incomplete UTF-8 character) until the bytes that complete it arrive,
+    for at most MAX_HELD_TOKENS tokens (a run of bytes that form no character goes out as
+    U+FFFDs as it comes, and its decodes stay short).
     """
 
     def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
@@ -51,7 +56,8 @@ class Detokenizer:
         """The text that token_id adds (possibly "" while a character is incomplete)."""
         self.ids.append(token_id)
         delta = self._unread()
-        if delta and not delta.endswith("\ufffd"):
+        held = len(self.ids) - self.window
+        if delta and (not delta.endswith("\ufffd") or held >= MAX_HELD_TOKENS):
             del self.ids[: self.window]  # the next window: the tokens just read
             self.window = len(self.ids)
             return delta

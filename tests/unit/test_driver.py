@@ -180,3 +180,30 @@ def test_the_routers_own_work_after_the_verify_is_its_phase_not_transport(
     phases = generation.stats.ms_per_round()
     assert phases["router"] == phases["total"] == 10.0
     assert phases["transport"] == phases["draft"] == phases["verify"] == 0.0
+
+
+def test_bytes_that_never_form_a_character_stream_out_and_keep_decodes_short():
+    """A run of tokens whose bytes form no UTF-8 character (a model's garbage, or one forced
+    by logit_bias) ends in U+FFFD at every token: held back for good, it would stream
+    nothing and re-decode the whole held run at each token (quadratic, on the router's
+    event loop). Held no longer than a character can take, it goes out as it comes."""
+    from specserve.demo import train_tokenizer
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
+    lone = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd" and
+                tokenizer.convert_ids_to_tokens(i) == "Ģ")  # byte 0x80: a continuation
+    decode, longest = text_decoder(tokenizer), [0]
+
+    def measured(ids):
+        longest[0] = max(longest[0], len(ids))
+        return decode(ids)
+
+    detokenizer = Detokenizer(measured, [50])
+    pieces = [detokenizer.add(lone) for _ in range(200)]
+    assert sum(map(len, pieces)) >= 190 and longest[0] <= 2 * 8 + 1
+    assert "".join(pieces) + detokenizer.flush() == decode([lone] * 200)
+    # a character split over byte tokens still comes whole, never as U+FFFD
+    ids = tokenizer("x 🐍 日本 y", add_special_tokens=False)["input_ids"]
+    detokenizer = Detokenizer(decode, [50])
+    pieces = [detokenizer.add(i) for i in ids]
+    assert "\ufffd" not in "".join(pieces) and "".join(pieces) == "x 🐍 日本 y"
