@@ -9,7 +9,7 @@ import time
 from deployments.admission import Ticket
 from deployments.clients import PoolError
 from deployments.ingress import pool_failure
-from deployments.logprobs import chat_logprobs, completion_logprobs
+from deployments.logprobs import TokenBytes, chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
 from deployments.responses import (
     DeltaChunks,
@@ -45,13 +45,15 @@ class Choices:
     def __init__(self, plan: RequestPlan, pools: tuple[Drafter, Verifier], decode: Decode,
                  metrics: RouterMetrics, ticket: Ticket, *, model: str, chat: bool,
                  return_token_ids: bool, tools: ToolUse | None = None,
-                 include_usage: bool = False, stop_token_ids: tuple[int, ...] = ()) -> None:
+                 include_usage: bool = False, stop_token_ids: tuple[int, ...] = (),
+                 token_bytes: TokenBytes | None = None) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
         self.tools = tools  # the tools in effect: their calls are read out of each output
         self.include_usage = include_usage  # streamed: a last chunk with the usage
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
+        self.token_bytes = token_bytes  # chat logprobs' bytes (deployments.logprobs)
 
     @property
     def request_id(self) -> str:
@@ -191,5 +193,5 @@ class Choices:
     def shaped_logprobs(self, entries: list, offset: int = 0) -> dict:
         """Entries in this API's shape (a completion's text offsets from `offset`)."""
         if self.chat:
-            return chat_logprobs(entries, self.decode)
+            return chat_logprobs(entries, self.decode, self.token_bytes)
         return completion_logprobs(entries, self.decode, offset)

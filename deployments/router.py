@@ -28,6 +28,7 @@ from deployments.ingress import (
     unauthorized,
 )
 from deployments.local_drafters import OffLoop
+from deployments.logprobs import token_bytes_of
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.prompts import PromptReader
@@ -54,6 +55,7 @@ class Router:
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
         self.prompts = PromptReader(args, tokenizer, target)
+        self.token_bytes = token_bytes_of(self.prompts.grammar_tokenizer)
         self.local_drafters = {kind: OffLoop(build_drafter(DrafterSpec(kind=kind,
                                                                        target=args.model),
                                                            target))
@@ -118,7 +120,8 @@ class Router:
                           ticket, model=self.args.served_model_name, chat=chat,
                           return_token_ids=body.return_token_ids, tools=tools,
                           include_usage=body.include_usage,
-                          stop_token_ids=self.prompts.reported_stop_ids(body))
+                          stop_token_ids=self.prompts.reported_stop_ids(body),
+                          token_bytes=self.token_bytes)
         if body.stream:
             return ReleasingStream(choices.events(), ticket)
         try:

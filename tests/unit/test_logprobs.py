@@ -176,3 +176,25 @@ def test_a_stream_carries_each_chunks_logprobs_and_together_the_whole_choices(ta
     else:
         for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             assert [e for c in carried for e in c[field]] == whole["logprobs"][field]
+
+
+def test_chat_bytes_are_each_tokens_own_so_a_characters_tokens_join_into_it():
+    """As OpenAI's `bytes`: a character split over byte tokens decodes to U+FFFD token by
+    token, but the tokens' bytes, joined, are the character's (the router reads them from
+    llguidance's view of the tokenizer); special tokens have none, as their text."""
+    from deployments.logprobs import token_bytes_of
+    from specserve.demo import train_tokenizer
+    from speculative.driver import text_decoder
+    from speculative.grammar import grammar_tokenizer_or_none
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
+    token_bytes = token_bytes_of(grammar_tokenizer_or_none(tokenizer, 300))
+    ids = tokenizer("x 🐍 日本", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 6  # the rare characters are split into byte tokens
+    eos = tokenizer.eos_token_id
+    entries = [TokenLogprob(i, -0.1, ((i, -0.1), (eos, -3.0))) for i in [*ids, eos]]
+    content = chat_logprobs(entries, text_decoder(tokenizer), token_bytes)["content"]
+    assert bytes(b for c in content for b in c["bytes"]) == "x 🐍 日本".encode()
+    assert content[-1]["bytes"] == [] and content[0]["top_logprobs"][1]["bytes"] == []
+    assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+    assert token_bytes_of(None) is None  # a tokenizer llguidance cannot read: its text's
