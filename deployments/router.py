@@ -33,6 +33,7 @@ from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.prompts import PromptReader
 from deployments.router_args import RouterArgs, tree_shape
+from deployments.tools import CALL_CLOSE, CALL_OPEN
 from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
 from engine.checkpoint import Checkpoint, check_vocabularies
 from engine.models import load_tokenizer
@@ -52,6 +53,7 @@ class Router:
         self.args = args
         tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.decode = text_decoder(tokenizer)
+        self.tool_decode = text_decoder(tokenizer, keep=(CALL_OPEN, CALL_CLOSE))
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
         self.prompts = PromptReader(args, tokenizer, target)
@@ -116,7 +118,8 @@ class Router:
             return error_response(error)
         except ValueError as error:
             return error_response(BadRequest(str(error)))
-        choices = Choices(plan, self.pools(plan.drafter_kind), self.decode, self.metrics,
+        decode = self.tool_decode if tools else self.decode  # tags kept: calls read
+        choices = Choices(plan, self.pools(plan.drafter_kind), decode, self.metrics,
                           ticket, model=self.args.served_model_name, chat=chat,
                           return_token_ids=body.return_token_ids, tools=tools,
                           include_usage=body.include_usage,

@@ -201,21 +201,26 @@ SPACE = re.compile(r"\s*")
 
 def read_call(text: str, at: int) -> tuple[tuple[str, str], int] | None:
     """((name, arguments as the model wrote them), the end of `</tool_call>`) of the call
-    whose JSON object starts at `at` (after whitespace) and is followed by `</tool_call>`;
-    None when it is no such call. The object is decoded, not matched up to the first
-    `</tool_call>`, so an argument may hold that text."""
+    whose JSON object starts at `at` (after whitespace) and is followed by `</tool_call>`, or
+    by nothing but whitespace to the end of the text; None when it is no such call. The object
+    is decoded, not matched up to the first `</tool_call>`, so an argument may hold that
+    text."""
     try:
         begin = SPACE.match(text, at).end()
         call, end = DECODER.raw_decode(text, begin)
     except (ValueError, RecursionError):
         return None
     close = SPACE.match(text, end).end()
+    # the output's last call may end without `</tool_call>` (a stop string, or the model's
+    # end token, right after its object), as vLLM's Hermes parser reads it
+    closed = text.startswith(CALL_CLOSE, close)
     if not (isinstance(call, dict) and isinstance(call.get("name"), str)
             and isinstance(call.get("arguments"), dict)
-            and text.startswith(CALL_CLOSE, close)):
+            and (closed or close == len(text))):
         return None
     arguments = arguments_text(text[begin:end], call["arguments"])
-    return None if arguments is None else ((call["name"], arguments), close + len(CALL_CLOSE))
+    after = close + len(CALL_CLOSE) if closed else close
+    return None if arguments is None else ((call["name"], arguments), after)
 
 
 def arguments_text(call_text: str, arguments: dict) -> str | None:

@@ -4,6 +4,7 @@ back; calls read out of a free output; a streamed choice sends its calls as a wh
 completion does; the demo template renders tools, calls and tool results."""
 
 import asyncio
+import copy
 import json
 
 import jsonschema
@@ -14,6 +15,8 @@ from deployments.admission import Admission
 from deployments.choices import Choices
 from deployments.openai_api import ChatCompletionRequest, ChatMessage
 from deployments.tools import (
+    CALL_CLOSE,
+    CALL_OPEN,
     HeldContent,
     ToolError,
     call_grammar,
@@ -21,6 +24,7 @@ from deployments.tools import (
     check_tools,
 )
 from engine.models import DEMO_TARGET, load_tokenizer
+from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd
 from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
 from speculative.sampling import SamplingParams
@@ -163,6 +167,38 @@ def test_calls_are_read_out_of_a_free_output_only_when_all_are_well_formed():
                  "<tool_call>never closed", '<tool_call>{"name": "now", "arguments": '
                  '{"x": Infinity}}</tool_call>', "<tool_call>" + "[" * 5000]:
         assert use.read_calls(text) == (text, []), text
+
+
+def test_the_last_call_may_end_without_its_closing_tag():
+    """A stop string `</tool_call>`, or the model's end token right after the object, leaves
+    the last call unclosed: it is still a call (vLLM's Hermes parser reads it too), but a call
+    cut inside its object, or followed by other text, is not."""
+    use = request(tools=TOOLS).tool_use()
+    now = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    for text in ["Checking. " + CALL[:-len("</tool_call>")], "Checking. " + CALL[:-12] + "\n",
+                 "Checking. " + now + CALL[:-len("</tool_call>")]]:
+        content, calls = use.read_calls(text)
+        assert content == "Checking. " and calls[-1]["function"]["name"] == "get_weather", text
+        assert use.finish_reason(calls, "stop") == "tool_calls"
+    for text in [CALL[:-len("}</tool_call>")], CALL[:-len("</tool_call>")] + " more",
+                 CALL[:-len("</tool_call>")] + now]:
+        assert use.read_calls(text) == (text, []), text
+
+
+def test_calls_are_read_when_the_tags_are_special_tokens(tokenizer):
+    """Some checkpoints register <tool_call> and </tool_call> as special tokens: with tools in
+    effect the output's text keeps them (other special tokens are still skipped), so the call
+    is read; without, they are skipped as vLLM skips them."""
+    special = copy.deepcopy(tokenizer)
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    ids = special("Checking. " + CALL, add_special_tokens=False)["input_ids"]
+    assert special.convert_tokens_to_ids("<tool_call>") in ids
+    assert text_decoder(special)(ids) == "Checking. " + CALL.replace(CALL_OPEN, "").replace(
+        CALL_CLOSE, "")  # without tools in effect, skipped as every special token
+    decode = text_decoder(special, keep=(CALL_OPEN, CALL_CLOSE))
+    assert decode(ids + [special.eos_token_id]) == "Checking. " + CALL
+    content, calls = request(tools=TOOLS).tool_use().read_calls(decode(ids))
+    assert content == "Checking. " and calls[0]["function"]["name"] == "get_weather"
 
 
 def test_a_call_is_its_decoded_object_and_its_arguments_the_models_own_text():
