@@ -20,7 +20,7 @@ import logging
 import grpc
 
 from deployments import auth, wire
-from deployments.limits import in_messages, message_size_options
+from deployments.limits import Limits, in_messages, message_size_options
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import (
@@ -41,9 +41,18 @@ GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 RELEASE_TIMEOUT_S = 2.0
 RETRY_PAUSE_S, MAX_RETRY_PAUSE_S = 0.05, 0.8  # a GONE answer from the proxy, tried again
 # the largest answer a pool sends is a q (drafter) or a few ids (verifier): 64 MB covers a
-# dense float32 q over 33 positions of a 256k vocabulary
+# dense float32 q over 33 positions of a 256k vocabulary; a router sizes its channels for its
+# target's vocabulary (channel_options), as the pools size their ports (Limits)
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = message_size_options(MAX_MESSAGE_BYTES)
+
+
+def channel_options(vocab_size: int, context: int | None) -> list[tuple[str, int]]:
+    """A router's channel options for pools of this vocabulary and context: room for any
+    message their ports send or take (Limits.stream_message_bytes: a dense float32 q of
+    MAX_SPECULATIVE_TOKENS rows is 64 MiB at a 262,144-token vocabulary)."""
+    return message_size_options(max(MAX_MESSAGE_BYTES,
+                                    Limits(vocab_size, context).stream_message_bytes()))
 
 
 class PoolError(PoolUnavailable):
@@ -201,10 +210,13 @@ class PoolClient:
     stream per replica (ReplicaStream)."""
 
     def __init__(self, proxy_channel: grpc.aio.Channel, stub_class, application: str,
-                 timeout_s: float, direct: bool, streams: bool = True) -> None:
+                 timeout_s: float, direct: bool, streams: bool = True,
+                 options: list | None = None) -> None:
         """streams: direct calls over one stream per replica (else one unary call each,
-        kept for comparison: bench.serve_overhead)."""
+        kept for comparison: bench.serve_overhead); options: the direct channels'
+        (channel_options; default CHANNEL_OPTIONS)."""
         self.stub_class, self.application = stub_class, application
+        self.options = CHANNEL_OPTIONS if options is None else options
         self.timeout_s, self.direct, self.streams = timeout_s, direct, streams
         self.proxy = stub_class(proxy_channel)
         # request id -> address of the replica holding its cache
@@ -319,7 +331,7 @@ class PoolClient:
 
     def _stub(self, address: str):
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = grpc.aio.insecure_channel(address, options=self.options)
         return self.stub_class(self._channels[address])
 
     async def _direct(self, address: str, method: str, message, timeout_s: float):
@@ -375,9 +387,10 @@ class GrpcDrafter:
 
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
                  direct: bool = True, draft_timeout_s: float | None = None,
-                 streams: bool = True, prefix_tokens: int = ROUTE_PREFIX_TOKENS) -> None:
+                 streams: bool = True, prefix_tokens: int = ROUTE_PREFIX_TOKENS,
+                 options: list | None = None) -> None:
         self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct,
-                               streams)
+                               streams, options)
         self.draft_timeout_s = draft_timeout_s or timeout_s
         self.prefix_tokens = prefix_tokens
 
@@ -403,9 +416,9 @@ class GrpcDrafter:
 class GrpcVerifier:
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
                  direct: bool = True, streams: bool = True,
-                 prefix_tokens: int = ROUTE_PREFIX_TOKENS) -> None:
+                 prefix_tokens: int = ROUTE_PREFIX_TOKENS, options: list | None = None) -> None:
         self.pool = PoolClient(channel, pb_grpc.VerifierStub, application, timeout_s, direct,
-                               streams)
+                               streams, options)
         self.prefix_tokens = prefix_tokens
 
     async def score(self, call: ScoreCall) -> TargetScores:

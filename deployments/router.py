@@ -16,7 +16,7 @@ from ray import serve
 
 from deployments.admission import Admission
 from deployments.choices import Choices
-from deployments.clients import CHANNEL_OPTIONS, GrpcDrafter, GrpcVerifier, PoolError
+from deployments.clients import GrpcDrafter, GrpcVerifier, PoolError, channel_options
 from deployments.ingress import (
     BadRequest,
     ReleasingStream,
@@ -56,6 +56,8 @@ class Router:
         self.tool_decode = text_decoder(tokenizer, keep=(CALL_OPEN, CALL_CLOSE))
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
+        # room for any message the pools of this target send or take (a q of 64 rows)
+        self.channel_options = channel_options(target.vocab_size, target.max_position_embeddings)
         self.prompts = PromptReader(args, tokenizer, target)
         self.token_bytes = token_bytes_of(self.prompts.grammar_tokenizer)
         self.local_drafters = {kind: OffLoop(build_drafter(DrafterSpec(kind=kind,
@@ -72,14 +74,15 @@ class Router:
         """(drafter, verifier): the pools' gRPC clients, or a drafter run here by kind."""
         if self._channel is None:  # grpc.aio objects belong to the running event loop
             self._channel = grpc.aio.insecure_channel(self.args.grpc_address,
-                                                      options=CHANNEL_OPTIONS)
+                                                      options=self.channel_options)
             timeout = self.args.call_timeout_s
             direct, streams = self.args.direct_data_path, self.args.direct_streams
             placed_by = self.args.prefix_affinity_tokens
             self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct,
-                                        self.args.draft_timeout_s, streams, placed_by)
+                                        self.args.draft_timeout_s, streams, placed_by,
+                                        self.channel_options)
             self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout,
-                                          direct, streams, placed_by)
+                                          direct, streams, placed_by, self.channel_options)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 
     def memory(self) -> dict:

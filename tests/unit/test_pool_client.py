@@ -193,6 +193,22 @@ def test_calls_that_wait_together_go_in_messages_within_the_pools_bound():
     assert limits.stream_message_bytes() >= max(sizes + [limits.message_bytes()])
 
 
+@pytest.mark.parametrize("vocab_size", [4096, 151_936, 262_144])
+def test_a_routers_channels_take_every_message_its_pools_may_send(vocab_size):
+    """A dense float32 q of 64 rows over a 262,144-token vocabulary (Gemma 3's; HTTP allows
+    K = 64, the drafter's default q is dense float32) is 64 MiB and more with its framing: a
+    pool's port sends what Limits allows, so the router's channels are sized for its target
+    (a fixed 64 MiB broke the drafter stream, failing every call on it)."""
+    from deployments.limits import Limits
+
+    limits = Limits(vocab_size, 131_072)
+    options = dict(clients.channel_options(vocab_size, 131_072))
+    assert options["grpc.max_receive_message_length"] >= limits.stream_message_bytes()
+    assert options["grpc.max_send_message_length"] >= limits.stream_message_bytes()
+    assert dict(clients.CHANNEL_OPTIONS)["grpc.max_receive_message_length"] \
+        <= options["grpc.max_receive_message_length"]
+
+
 def test_in_messages_keeps_the_order_and_sends_an_oversized_item_alone():
     from deployments.limits import in_messages
     from protos import specserve_pb2 as pb
