@@ -153,8 +153,8 @@ class ReplicaStream:
                     if future is None or future.done():
                         continue  # its caller gave up
                     if answer.WhichOneof("result") == "error":
-                        future.set_exception(pool_error(self.application,
-                                                        STATUS_CODES[answer.error.code],
+                        code = STATUS_CODES.get(answer.error.code, grpc.StatusCode.UNKNOWN)
+                        future.set_exception(pool_error(self.application, code,
                                                         answer.error.details))
                     else:
                         future.set_result(answer.response)

@@ -209,6 +209,49 @@ def test_a_routers_channels_take_every_message_its_pools_may_send(vocab_size):
         <= options["grpc.max_receive_message_length"]
 
 
+def test_an_answer_with_a_status_code_grpc_lacks_fails_its_call_not_the_reader():
+    """A refusal whose code is none of gRPC's fails its call with UNKNOWN; the stream's reader
+    goes on, so the next call is answered (a KeyError there left every later call on the
+    stream waiting for its deadline)."""
+    from protos import specserve_pb2 as pb
+
+    class Answering(Recording):
+        def __init__(self) -> None:
+            super().__init__()
+            self.answers: asyncio.Queue = asyncio.Queue()
+
+        async def write(self, message):
+            for entry in message.entries:
+                answer = pb.ScoreAnswer(tag=entry.tag)
+                if entry.call.request_id == "odd":
+                    answer.error.code, answer.error.details = 99, "a code of no gRPC"
+                else:
+                    answer.response.CopyFrom(pb.ScoreResponse())
+                await self.answers.put(pb.ScoreAnswers(answers=[answer]))
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            return await self.answers.get()
+
+        def cancel(self) -> None:
+            pass
+
+    async def main():
+        stream = clients.ReplicaStream(Answering(), "ScoreStream", pb.ScoreBatch,
+                                       pb.ScoreEntry, "verifier")
+        odd = await asyncio.gather(stream.call(pb.ScoreRequest(request_id="odd"), 5.0),
+                                   return_exceptions=True)
+        fine = await stream.call(pb.ScoreRequest(request_id="fine"), 5.0)
+        stream.close()
+        return odd[0], fine
+
+    odd, fine = asyncio.run(main())
+    assert isinstance(odd, PoolError) and odd.code == grpc.StatusCode.UNKNOWN
+    assert isinstance(fine, pb.ScoreResponse)
+
+
 def test_in_messages_keeps_the_order_and_sends_an_oversized_item_alone():
     from deployments.limits import in_messages
     from protos import specserve_pb2 as pb
