@@ -84,11 +84,47 @@ class ToolCall(BaseModel):
 
 
 def arguments_schema(function: ToolFunction) -> dict:
-    """The function's schema as the grammar uses it: an object, laid out as JSON_LAYOUT."""
-    schema = dict(function.parameters or NO_PARAMETERS)
+    """The function's schema as the grammar uses it: an object, laid out as JSON_LAYOUT,
+    without its annotations (a tool set's descriptions constrain nothing, yet counted against
+    the grammar's size: 40 tools of 1.7 KB each could not be forced)."""
+    try:
+        schema = without_annotations(function.parameters or NO_PARAMETERS)
+    except RecursionError:  # nested past Python's limit: compiling it says so
+        schema = dict(function.parameters)
     schema.setdefault("type", "object")
     schema.setdefault("x-guidance", JSON_LAYOUT)
     return schema
+
+
+# JSON Schema's keywords that only annotate: a schema constrains the same without them
+ANNOTATIONS = frozenset({"title", "description", "examples", "$comment", "deprecated",
+                         "readOnly", "writeOnly"})
+# keywords whose value is a schema, a list of schemas, or names mapped to schemas
+SUBSCHEMA = frozenset({"additionalProperties", "additionalItems", "items", "contains", "not",
+                       "if", "then", "else", "propertyNames", "unevaluatedProperties",
+                       "unevaluatedItems"})
+SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                            "dependentSchemas"})
+
+
+def without_annotations(schema):
+    """The schema without ANNOTATIONS at any of its levels; a property's name stays whatever
+    it is ("description" included), and so do the values of enum, const and the like."""
+    if not isinstance(schema, dict):
+        return schema
+    kept = {}
+    for key, value in schema.items():
+        if key in ANNOTATIONS:
+            continue
+        if key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: without_annotations(sub) for name, sub in value.items()}
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [without_annotations(sub) for sub in value]
+        elif key in SUBSCHEMA:
+            value = without_annotations(value)
+        kept[key] = value
+    return kept
 
 
 def check_tools(tools: list[Tool] | None) -> None:

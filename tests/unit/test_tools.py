@@ -152,6 +152,32 @@ def test_the_forced_grammar_takes_a_valid_call_and_read_calls_reads_it_back(toke
         f'{calls[0]["function"]["arguments"]}}}</tool_call>'
 
 
+def test_a_large_tool_set_is_forced_without_its_annotations(tokenizer):
+    """Forty tools with long descriptions (an agent's) hold 68 KB of schema: their grammar
+    leaves out what only annotates (descriptions, titles, examples), so a forced call
+    compiles under the grammar's size bound and follows the same calls; a property named
+    "description" is still a property."""
+    described = {"type": "object", "description": "x" * 1500, "title": "Arguments",
+                 "properties": {"description": {"type": "string", "maxLength": 8,
+                                                "description": "y" * 200},
+                                "unit": {"enum": ["celsius", "fahrenheit"],
+                                         "examples": ["celsius"]}},
+                 "required": ["description", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": described}}
+             for i in range(40)]
+    assert len(json.dumps(tools)) > 64 * 1024
+    body = request(tools=tools, tool_choice="required")
+    check_forced(body.tools, body.tool_use().forced)
+    ll = ll_tokenizer(tokenizer, 4096)
+    grammar = compile_spec("grammar", call_grammar(body.tool_use().forced), ll)
+    call = '<tool_call>{"name": "f7", "arguments": {"description": "short", ' \
+           '"unit": "celsius"}}</tool_call>'
+    assert follows(ll, grammar, tokenizer, call)
+    for wrong in [call.replace("celsius", "kelvin"), call.replace("short", "far too long"),
+                  call.replace('"description": "short", ', "")]:
+        assert not follows(ll, grammar, tokenizer, wrong), wrong
+
+
 def test_calls_are_read_out_of_a_free_output_only_when_all_are_well_formed():
     use = request(tools=TOOLS).tool_use()
     now = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
