@@ -60,8 +60,9 @@ class RouterMetrics:
             "specserve_draft_fallback_rounds", description="Rounds run by the target alone "
             "because the drafter failed or missed its deadline (exact, slower).")
         self.busy_retries = Counter(
-            "specserve_busy_retries", description="Verifier calls tried again after a pause "
-            "because the verifier had no room for them (its KV cache or calls in flight full).")
+            "specserve_busy_retries", description="Pool calls tried again after a pause "
+            "because the pool had no room for them (its KV cache or calls in flight full): "
+            "the verifier's, and the drafter's for seeded sampled requests.")
         self.rounds_by_k = Counter(
             "spec_decode_rounds_by_num_speculative_tokens",
             description="Rounds by the number of tokens drafted (K, as the K policy chose it).",
