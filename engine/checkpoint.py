@@ -20,6 +20,8 @@ class Checkpoint:
     vocab_size: int  # rows of the output embedding: ids the model can score
     max_position_embeddings: int | None
     sliding_window: int | None  # None: every layer attends to the whole context
+    # LongRoPE's original_max_position_embeddings: the context it serves exactly (long_rope)
+    long_rope_from: int | None = None
 
     @classmethod
     def load(cls, path: str) -> "Checkpoint":
@@ -32,12 +34,31 @@ class Checkpoint:
     def of(cls, path: str, config) -> "Checkpoint":
         config = getattr(config, "text_config", None) or config  # multimodal wrappers
         return cls(path, config.vocab_size, getattr(config, "max_position_embeddings", None),
-                   sliding_window(config))
+                   sliding_window(config), long_rope(config))
+
+
+def long_rope(config) -> int | None:
+    """A LongRoPE model's original_max_position_embeddings, else None. Past it the rotary
+    takes its long factors for a whole forward (transformers' modeling and the lean forward
+    alike choose them by the largest position of the call), so a request's logits would
+    depend on its batch-mates', and the keys it cached below that position keep the short
+    factors' rotation: served exactly only within it."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    return params.get("original_max_position_embeddings") or \
+        getattr(config, "original_max_position_embeddings", None)
+
+
+# architectures whose transformers modeling never reads the config's sliding_window
+WINDOWLESS_MODEL_TYPES = {"llama"}
 
 
 def sliding_window(config) -> int | None:
     """The attention window of a config whose layers (some or all) slide, else None."""
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "model_type", None) in WINDOWLESS_MODEL_TYPES:
+        return None  # its modeling attends to the whole context whatever the config names
     if not window or getattr(config, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -89,8 +110,17 @@ def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str) -> 
 
 
 def context_limit(target: Checkpoint, max_context_tokens: int | None) -> int:
-    """max_context_tokens, defaulting to the target's max_position_embeddings, never above it."""
+    """max_context_tokens, defaulting to the target's max_position_embeddings, never above it
+    (nor above a LongRoPE target's original_max_position_embeddings: long_rope)."""
     limit = target.max_position_embeddings
+    if target.long_rope_from is not None:
+        if max_context_tokens is not None and max_context_tokens > target.long_rope_from:
+            raise ValueError(
+                f"max_context_tokens={max_context_tokens} exceeds the LongRoPE target's "
+                f"original_max_position_embeddings={target.long_rope_from} ({target.path!r}): "
+                "past it the rotary's long factors hold for a whole batch, so a request's "
+                "tokens would depend on the requests beside it")
+        limit = min(limit or target.long_rope_from, target.long_rope_from)
     if max_context_tokens is None:
         if limit is None:
             raise ValueError(f"the target {target.path!r} names no max_position_embeddings: "

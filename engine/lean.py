@@ -24,15 +24,33 @@ def lean_supported(model) -> str | None:
     config = model.config
     if config.model_type not in LEAN_MODEL_TYPES:
         return f"model_type {config.model_type!r} is not one of {sorted(LEAN_MODEL_TYPES)}"
-    layer = model.model.layers[0]
-    if not hasattr(layer.input_layernorm, "variance_epsilon"):
-        return "the norms are not Llama's RMSNorm"
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if not isinstance(getattr(layer.self_attn, name, None), torch.nn.Linear):
-            return f"attention has no plain {name}"
-    if not all(isinstance(getattr(layer.mlp, n, None), torch.nn.Linear)
-               for n in ("gate_proj", "up_proj", "down_proj")):
-        return "the MLP is not a gated gate/up/down"
+    # every layer (a quantized checkpoint can keep some dense), plain Linears only: a
+    # subclass (transformers' FP8Linear, bitsandbytes' Linear8bitLt, BitNet's AutoBitLinear)
+    # has a forward of its own (scales, quantization) that fusing its raw weight would skip
+    for layer in model.model.layers:
+        if not hasattr(layer.input_layernorm, "variance_epsilon") or \
+                not hasattr(layer.post_attention_layernorm, "variance_epsilon"):
+            return "the norms are not Llama's RMSNorm"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if type(getattr(layer.self_attn, name, None)) is not torch.nn.Linear:
+                return f"attention has no plain {name}"
+        if not all(type(getattr(layer.mlp, n, None)) is torch.nn.Linear
+                   for n in ("gate_proj", "up_proj", "down_proj")):
+            return "the MLP is not a gated gate/up/down of plain Linears"
+    if type(model.lm_head) is not torch.nn.Linear:
+        return "the LM head is not a plain Linear"
+    return None
+
+
+def layer_window(attention, config) -> int | None:
+    """The window this layer attends within, as transformers' modeling reads it: Qwen2's
+    layers carry their own (None on a full layer); Mistral's attention passes the config's
+    sliding_window on every layer; Llama's has none, whatever the config names (a config.json
+    of a Mistral-derived checkpoint relabelled "llama" can carry one its modeling ignores)."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None)
     return None
 
 
@@ -163,8 +181,7 @@ class LeanLayer:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.scaling = attention.scaling
-        self.window = getattr(attention, "sliding_window",
-                              getattr(config, "sliding_window", None))
+        self.window = layer_window(attention, config)
         self.qkv = Projection([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = Projection([attention.o_proj])
         self.gate_up = Projection([mlp.gate_proj, mlp.up_proj])

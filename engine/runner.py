@@ -12,6 +12,7 @@ kernel: the GQA group is folded into the query axis, so no call pairs a mask wit
 GPU the paged backend's small batches replay CUDA graphs (engine.graphs).
 """
 
+import copy
 import logging
 
 import torch
@@ -19,9 +20,9 @@ from transformers import DynamicCache
 
 from engine.batch import forward_packed, use_packed_attention
 from engine.cache import BLOCK_SIZE
-from engine.checkpoint import sliding_window
+from engine.checkpoint import WINDOWLESS_MODEL_TYPES, sliding_window
 from engine.graphs import GraphedForward, GraphFailed, graphs_refused
-from engine.lean import LeanForward, lean_supported
+from engine.lean import LeanForward, layer_window, lean_supported
 from engine.memory import KVBudgetTooSmall, context_length, kv_shape
 from engine.paged import BlockPool, PagedAttention, kv_pool_blocks
 from engine.regions import RegionAttention, RegionPool, region_count
@@ -41,7 +42,12 @@ class TransformersCache(DynamicCache):
     pool = None
 
     def __init__(self, config) -> None:
-        super().__init__(config=config)
+        text = config.get_text_config(decoder=True)
+        if text.model_type in WINDOWLESS_MODEL_TYPES and getattr(text, "sliding_window", None):
+            # transformers would keep a window of slots that its modeling never slides over
+            text = copy.copy(text)
+            text.sliding_window = None
+        super().__init__(config=text)
         self.activate_past_recording()
 
     def can_roll_back(self, num_tokens: int) -> bool:
@@ -135,9 +141,7 @@ def backend(model, attention: str, kv_cache_tokens: int | None, max_sequences: i
     layers, kv_heads, head_dim = kv_shape(model)
     weight = model.get_input_embeddings().weight
     group = model.config.num_attention_heads // kv_heads
-    windows = {getattr(layer.self_attn, "sliding_window",
-                       getattr(model.config, "sliding_window", None))
-               for layer in model.model.layers}
+    windows = {layer_window(layer.self_attn, model.config) for layer in model.model.layers}
     if attention == "auto":
         attention = "paged"
         if weight.device.type == "cpu" and kv_cache_tokens is None and \

@@ -410,3 +410,48 @@ def test_the_layout_places_each_query_as_its_definition_says(seed):
                 or queries.index.tolist() == index)
         assert (queries.rows, queries.max_new, queries.max_len) == (
             rows, width, max(s + n for s, n in zip(starts, lengths)))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_llama_config_naming_a_sliding_window_attends_to_the_whole_context(engine):
+    """transformers' Llama reads no sliding_window: a config.json that names one (a
+    Mistral-derived checkpoint relabelled "llama") must not make the served forward slide."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.checkpoint import sliding_window
+
+    torch.manual_seed(4)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, sliding_window=8)
+    model = LlamaForCausalLM(config).eval()
+    runner = serving_runner(model, "transformers") if engine == "transformers" else \
+        serving_runner(model, "paged", engine, kv_cache_tokens=4096)
+    ids = [(7 * i) % 64 for i in range(30)]
+    cache = runner.new_cache()
+    got = torch.cat([runner.forward([packed.Segment(cache, ids[:20], 0, 20)])[0],
+                     runner.forward([packed.Segment(cache, ids[20:], 20, 10)])[0]])
+    assert float((got - full_logits(model, ids)).abs().max()) < ATOL
+    assert sliding_window(config) is None and runner.scores_trees
+
+
+class Doubled(torch.nn.Linear):
+    """A Linear with a forward of its own, as transformers' quantized linears (FP8Linear,
+    bitsandbytes' Linear8bitLt, AutoBitLinear) subclass nn.Linear with their scales."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_linears_with_a_forward_of_their_own_keep_transformers_modeling():
+    model = tiny_llama(6)
+    attention = model.model.layers[1].self_attn
+    doubled = Doubled(attention.v_proj.in_features, attention.v_proj.out_features, bias=False)
+    doubled.weight = attention.v_proj.weight
+    attention.v_proj = doubled
+    assert "v_proj" in lean.lean_supported(model)
+    runner = serving_runner(model)  # auto: transformers' modeling
+    assert runner.lean is None
+    ids = [(5 * i) % 64 for i in range(12)]
+    [logits] = runner.forward([packed.Segment(runner.new_cache(), ids, 0, len(ids))])
+    assert float((logits - full_logits(model, ids)).abs().max()) < ATOL

@@ -103,6 +103,43 @@ def test_start_up_refuses_pairs_that_cannot_work(quirky_pair_dir, tiny_pair_dir)
         context_limit(target, 1024)
 
 
+def test_a_long_rope_target_serves_within_its_original_context():
+    """Past original_max_position_embeddings LongRoPE's long factors hold for a whole forward
+    (transformers' modeling and the lean forward alike): served beside a request past it, a
+    short request's logits move. So its context defaults to that bound and no larger one is
+    taken; within it a short request's logits are the same beside a long one."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.batch import Segment
+    from engine.runner import serving_runner
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256,
+                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                          "short_factor": [1.0] * 4, "long_factor": [8.0] * 4,
+                                          "original_max_position_embeddings": 64})
+    target = Checkpoint.of("phi-like", config)
+    assert target.long_rope_from == 64 and context_limit(target, None) == 64
+    assert context_limit(target, 48) == 48
+    with pytest.raises(ValueError, match="max_context_tokens=65 exceeds the LongRoPE target's "
+                                         "original_max_position_embeddings=64"):
+        context_limit(target, 65)
+    torch.manual_seed(0)
+    runner = serving_runner(LlamaForCausalLM(config).eval(), "paged", kv_cache_tokens=4096)
+    short = list(range(1, 11))
+    alone = runner.forward([Segment(runner.new_cache(), short, 0, 10)])[0]
+
+    def beside(length):
+        other = [i % 100 for i in range(3, 3 + length)]
+        return runner.forward([Segment(runner.new_cache(), short, 0, 10),
+                               Segment(runner.new_cache(), other, 0, length)])[0]
+
+    assert float((beside(64) - alone).abs().max()) < 1e-5  # within the served context
+    assert float((beside(80) - alone).abs().max()) > 1e-4  # what the bound keeps out
+
+
 def test_stop_token_ids_honour_ignore_eos():
     assert stop_token_ids((7, 8), (3,)) == (7, 8, 3)
     assert stop_token_ids((7, 8), (3,), ignore_eos=True) == (3,)
