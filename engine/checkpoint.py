@@ -109,6 +109,14 @@ def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str) -> 
                          "speculative decoding needs one vocabulary")
 
 
+def served_positions(config) -> int | None:
+    """The positions a target's config is served exactly within: its max_position_embeddings,
+    or a LongRoPE model's original one (long_rope); None when it names neither."""
+    bounds = [bound for bound in (getattr(config, "max_position_embeddings", None),
+                                  long_rope(config)) if bound]
+    return min(bounds) if bounds else None
+
+
 def context_limit(target: Checkpoint, max_context_tokens: int | None) -> int:
     """max_context_tokens, defaulting to the target's max_position_embeddings, never above it
     (nor above a LongRoPE target's original_max_position_embeddings: long_rope)."""

@@ -7,6 +7,7 @@ from itertools import accumulate
 import torch
 
 from engine.batch import UNFINISHED
+from engine.checkpoint import served_positions
 from verifier import host
 from verifier.steps import Steps, check_steps
 from engine.kv import SessionStore
@@ -61,7 +62,7 @@ class ModelVerifier:
         self.device = self.model.device  # transformers' property walks the parameters
         self.grammar_tokenizer = grammar_tokenizer
         self.max_batch_tokens = max_batch_tokens  # per forward; None: no chunked prefill
-        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_positions = served_positions(self.model.config)
         # read once: transformers' config answers an attribute through its own
         # __getattribute__, about 1 us a read, on every call of a batch
         self.vocab_size = self.model.config.vocab_size
@@ -135,7 +136,8 @@ class ModelVerifier:
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         if self.max_positions is not None and length > self.max_positions:
             raise ValueError(f"{length} tokens exceed the target's context of "
-                             f"{self.max_positions} (max_position_embeddings)")
+                             f"{self.max_positions} (max_position_embeddings, or LongRoPE's "
+                             "original one)")
         sequence = self.sessions.resume(call.request_id, call) or \
             self.sessions.apply(call.request_id, call.sync)
         allowed = self.allowed(call, sequence, drafted)  # before the cache is touched

@@ -113,6 +113,7 @@ def test_a_long_rope_target_serves_within_its_original_context():
 
     from engine.batch import Segment
     from engine.runner import serving_runner
+    from verifier.engine import ModelVerifier
 
     config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -127,7 +128,9 @@ def test_a_long_rope_target_serves_within_its_original_context():
                                          "original_max_position_embeddings=64"):
         context_limit(target, 65)
     torch.manual_seed(0)
-    runner = serving_runner(LlamaForCausalLM(config).eval(), "paged", kv_cache_tokens=4096)
+    model = LlamaForCausalLM(config).eval()
+    assert ModelVerifier(model).max_positions == 64  # the CLI's bound, and the pool's check
+    runner = serving_runner(model, "paged", kv_cache_tokens=4096)
     short = list(range(1, 11))
     alone = runner.forward([Segment(runner.new_cache(), short, 0, 10)])[0]
 
