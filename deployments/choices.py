@@ -45,13 +45,15 @@ class Choices:
     def __init__(self, plan: RequestPlan, pools: tuple[Drafter, Verifier], decode: Decode,
                  metrics: RouterMetrics, ticket: Ticket, *, model: str, chat: bool,
                  return_token_ids: bool, tools: ToolUse | None = None,
-                 include_usage: bool = False, stop_token_ids: tuple[int, ...] = (),
+                 include_usage: bool = False, continuous_usage: bool = False,
+                 stop_token_ids: tuple[int, ...] = (),
                  token_bytes: TokenBytes | None = None) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
         self.tools = tools  # the tools in effect: their calls are read out of each output
         self.include_usage = include_usage  # streamed: a last chunk with the usage
+        self.continuous_usage = continuous_usage  # and every chunk its choice's so far
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
         self.token_bytes = token_bytes  # chat logprobs' bytes (deployments.logprobs)
 
@@ -130,17 +132,27 @@ class Choices:
         logprobs of the tokens committed since the last chunk when asked for (as OpenAI and
         vLLM stream them), its end (with tools: what may be a call is held to the end, then
         sent as content or as calls)."""
-        def chunk(text, finish_reason=None, **fields) -> str:
-            return json.dumps(chunk_body(self.request_id, self.model, index, text,
-                                         finish_reason, self.chat, **fields))
+        prompt_tokens = len(self.plan.choices[index].request.prompt_token_ids)
+
+        def chunk(text, finish_reason=None, generation=None, **fields) -> str:
+            body = chunk_body(self.request_id, self.model, index, text, finish_reason,
+                              self.chat, **fields)
+            if self.continuous_usage:  # the choice's tokens so far (vLLM's continuous usage)
+                done = len(generation.token_ids) if generation is not None else 0
+                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                 "total_tokens": prompt_tokens + done}
+            return json.dumps(body)
 
         delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat)
         held = HeldContent() if self.tools else None
         logged = self.streamed_logprobs(index)
 
         async def send(generation, delta):
-            await queue.put(chunk(delta, logprobs=logged(generation)) if logged else
-                            delta_chunk(delta))
+            if logged or self.continuous_usage:
+                await queue.put(chunk(delta, generation=generation,
+                                      logprobs=logged(generation) if logged else None))
+            else:
+                await queue.put(delta_chunk(delta))
 
         async def push(generation, delta):
             if held is not None and not (delta := held.feed(delta)):
@@ -156,9 +168,10 @@ class Choices:
             if rest := held.rest(content):  # held back, and content after all
                 await send(generation, rest)
             if calls:
-                await queue.put(chunk(None, tool_calls=call_deltas(calls)))
+                await queue.put(chunk(None, generation=generation,
+                                      tool_calls=call_deltas(calls)))
             finish_reason = self.tools.finish_reason(calls, finish_reason)
-        await queue.put(chunk(None, finish_reason, stop_reason=generation.stop_reason,
+        await queue.put(chunk(None, finish_reason, generation, stop_reason=generation.stop_reason,
                               token_ids=generation.token_ids if self.return_token_ids else None,
                               logprobs=logged(generation, last=True) if logged else None))
         return generation

@@ -95,6 +95,8 @@ class StructuredOutputs(BaseModel):
 class StreamOptions(BaseModel):
     # a last chunk with no choices, the usage and the speculative counters (as OpenAI)
     include_usage: bool = False
+    # with include_usage, every chunk carries its choice's usage so far (vLLM's)
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -171,6 +173,11 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Each chunk with its choice's usage so far: asked with include_usage (as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @field_validator("drafter")
     @classmethod

@@ -126,6 +126,7 @@ class Router:
                           ticket, model=self.args.served_model_name, chat=chat,
                           return_token_ids=body.return_token_ids, tools=tools,
                           include_usage=body.include_usage,
+                          continuous_usage=body.continuous_usage,
                           stop_token_ids=self.prompts.reported_stop_ids(body),
                           token_bytes=self.token_bytes)
         if body.stream:

@@ -9,6 +9,7 @@ import pytest
 from deployments.admission import Admission
 from deployments.choices import Choices, all_or_none
 from deployments.ingress import BadRequest, ReleasingStream
+from deployments.openai_api import CompletionRequest
 from deployments.responses import DeltaChunks, chunk_body, error_body
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
@@ -66,14 +67,14 @@ class Recorded:
         self.states.append(state)
 
 
-def fan_out(chat: bool, include_usage: bool = False):
+def fan_out(chat: bool, include_usage: bool = False, continuous_usage: bool = False):
     admission = Admission(8)
     plan = RequestFrontEnd().plan("cmpl-x", (2, 3), SamplingParams(temperature=0.0,
                                                                     max_tokens=4), n=2)
     engine, metrics = Agreeing(), Recorded()
     choices = Choices(plan, (engine, engine), lambda ids: "a" * len(ids), metrics,
                       admission.admit(2), model="m", chat=chat, return_token_ids=True,
-                      include_usage=include_usage)
+                      include_usage=include_usage, continuous_usage=continuous_usage)
     return choices, admission, metrics
 
 
@@ -138,6 +139,36 @@ def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_b
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["delta"].get("content", "") for c in mine) == "aaaa"
         assert mine[-1]["finish_reason"] == "length" and mine[-1]["token_ids"] == [1] * 4
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_puts_each_choices_usage_so_far_on_its_chunks(chat):
+    """stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk of a
+    choice carries its usage so far, growing to its whole; the last chunk the request's."""
+    choices, _, _ = fan_out(chat=chat, include_usage=True, continuous_usage=True)
+
+    async def collect():
+        return [event async for event in choices.events()]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    assert chunks.pop()["usage"]["completion_tokens"] == 8
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"][0]["index"] == index]
+        used = [c["usage"]["completion_tokens"] for c in mine]
+        assert used == sorted(used) and used[-1] == 4 and used[0] == (0 if chat else used[0])
+        assert all(c["usage"]["prompt_tokens"] == 2 and c["usage"]["total_tokens"] ==
+                   2 + c["usage"]["completion_tokens"] for c in mine)
+        text = "".join(c["choices"][0]["delta"].get("content") or "" if chat else
+                       c["choices"][0]["text"] for c in mine)
+        assert text == "aaaa"
+
+
+def test_continuous_usage_is_asked_with_include_usage():
+    streamed = {"prompt": "x", "stream": True}
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert CompletionRequest(**streamed, stream_options=both).continuous_usage
+    assert not CompletionRequest(**streamed, stream_options={
+        "continuous_usage_stats": True}).continuous_usage  # as vLLM: with include_usage only
 
 
 @pytest.mark.parametrize("chat", [False, True])
