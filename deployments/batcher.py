@@ -74,6 +74,8 @@ class ContinuousBatcher:
                     break
                 await self._wait_for_returning()
                 live = self._drop_cancelled()
+                if not live:  # every caller left while the batch waited: no empty run
+                    break
                 batch, self.waiting = live[:self.max_batch_size], live[self.max_batch_size:]
                 started = time.perf_counter()
                 try:
@@ -93,8 +95,8 @@ class ContinuousBatcher:
                         future.set_result(answer)
                 if self.linger:  # (none while calls go again: they fill the next batch)
                     self.returning = set() if again else {
-                        self.key(call) for (call, _), answer in zip(batch, answers)
-                        if not self.unfinished(answer)}
+                        self.key(call) for (call, future), answer in zip(batch, answers)
+                        if not self.unfinished(answer) and not future.cancelled()}
                 first = max(1, self.max_batch_size // 2)
                 self.waiting = again[:first] + self.waiting + again[first:]
 
@@ -133,3 +135,5 @@ class ContinuousBatcher:
         still waiting stay: a release may also come for a request that runs on (an
         operator's, or a test's standing in for a lost replica), whose next calls rebuild."""
         self.returning.discard(key)
+        if self._wakeup is not None:  # a batch lingering for it stops waiting now
+            self._wakeup.set()

@@ -147,3 +147,47 @@ def test_a_lone_request_never_waits(monkeypatch):
         return model.batches
 
     assert asyncio.run(main()) == [["a0"], ["a1"], ["a2"]]
+
+
+def test_callers_that_all_leave_while_the_batch_lingers_run_no_empty_batch(monkeypatch):
+    """An empty run would count a batch of 0 calls (the occupancy the autoscaler reads) and
+    hop to the worker for nothing."""
+    monkeypatch.setattr(batcher_module, "MAX_LINGER_S", 0.05)
+
+    async def main():
+        model = Model()
+        batcher = ContinuousBatcher(model.run, 8, key=request_of, linger=1e9)
+        await first_batch(batcher, model, ["a1", "b1"])
+        c = asyncio.ensure_future(batcher.submit("c1"))  # lingers for a and b
+        for _ in range(3):
+            await asyncio.sleep(0)
+        c.cancel()
+        await asyncio.sleep(0.2)  # past the linger's deadline
+        assert await batcher.submit("a2") == "answer a2"
+        return model.batches
+
+    assert asyncio.run(main())[1:] == [["a2"]]
+
+
+def test_a_request_whose_caller_left_or_that_was_released_is_not_lingered_for(monkeypatch):
+    monkeypatch.setattr(batcher_module, "MAX_LINGER_S", 60.0)
+
+    async def main():
+        model = Model()
+        batcher = ContinuousBatcher(model.run, 8, key=request_of, linger=1e9)
+        model.release.clear()
+        a1, b1 = batcher.enqueue("a1"), batcher.enqueue("b1")
+        await asyncio.sleep(0)
+        b1.cancel()  # b's caller leaves while its call runs: b will not come back
+        model.release.set()
+        await a1
+        # a broken linger holds a2 for b until the 60 s linger ends
+        assert await asyncio.wait_for(batcher.submit("a2"), 30) == "answer a2"
+        await first_batch(batcher, model, ["a3", "d1"])
+        a4 = asyncio.ensure_future(batcher.submit("a4"))  # lingers for d
+        for _ in range(3):
+            await asyncio.sleep(0)
+        batcher.forget("d")  # d ended while the batch lingered for it
+        assert await asyncio.wait_for(a4, 30) == "answer a4"
+
+    asyncio.run(main())
