@@ -16,7 +16,7 @@ from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.policy import KPolicy
 from speculative.accept import accept, depth
 from speculative.rejection import RoundOutcome, accept_first_predrafted
-from speculative.sampling import SamplingParams
+from speculative.sampling import SEED_BLOCK, SEED_LOW_BITS, SamplingParams
 from speculative.state import RequestState
 from speculative.types import (
     NO_DRAFT,
@@ -35,7 +35,14 @@ def draw_seed(state: RequestState) -> int:
     whose calls draw nothing (a torch draw costs about 2 us, one to three a round)."""
     if state.request.sampling.greedy:
         return 0
-    return int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
+    drawn = int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
+    # low bits a block apart from the request's first call's (sampling.SEED_BLOCK): drawn
+    # alone, two of a long request's calls shared a CPU generator's stream within ~2**16
+    if state.seeds_drawn == 0:
+        state.seed_low = drawn & SEED_LOW_BITS
+    low = (state.seed_low + state.seeds_drawn * SEED_BLOCK) & SEED_LOW_BITS
+    state.seeds_drawn += 1
+    return (drawn & ~SEED_LOW_BITS) | low
 
 
 async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,

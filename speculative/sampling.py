@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from speculative.options import MAX_PLAIN_STEPS
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -258,6 +260,13 @@ def derive_seeds(seed: int | None, n: int) -> list[int | None]:
         return [None] * n
     states = np.random.SeedSequence(seed).spawn(n)
     return [int(state.generate_state(1, dtype=np.uint64)[0] >> 1) for state in states]
+
+
+# torch's CPU generator keys its stream by a seed's low 32 bits alone (CUDA's reads all 64):
+# the calls of one request take distinct low bits (speculative.loop.draw_seed), each a block
+# of SEED_BLOCK values, its steps the values after its own (verifier.steps.step_seed)
+SEED_LOW_BITS = (1 << 32) - 1
+SEED_BLOCK = MAX_PLAIN_STEPS
 
 
 def seeded_generator(seed: int, device) -> torch.Generator:

@@ -72,6 +72,7 @@ class RequestState:
             seed if seed is not None else secrets.randbits(63)
         )
         self.stats = SpecStats()
+        self.seeds_drawn, self.seed_low = 0, 0  # the calls' seeds so far (loop.draw_seed)
         self.drafter_view, self.verifier_view = PoolView(), PoolView()
         self.draft_backoff = DraftBackoff()
         self.drafter_called = False  # the drafter may hold a cache for it: release at the end

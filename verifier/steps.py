@@ -21,12 +21,12 @@ call's sync (speculative.loop). A refusal or failure at any step is the call's: 
 drawn so far are dropped, and the router's next call resends what the verifier lacks.
 """
 
-import hashlib
 from dataclasses import dataclass, field, replace
 
 from engine.batch import UNFINISHED
 from engine.kv import SessionStore
 from speculative.options import MAX_PLAIN_STEPS
+from speculative.sampling import SEED_LOW_BITS
 from speculative.types import BatchLoad, PrefixSync, ScoreCall, TargetScores
 
 
@@ -47,12 +47,10 @@ def check_steps(call: ScoreCall, vocab_size: int) -> None:
 
 
 def step_seed(seed: int, step: int) -> int:
-    """The seed of a call's step: the call's own for the first, then one derived from both
-    (a seeded request's steps draw the same tokens every time it runs)."""
-    if step == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # within a torch seed's 63 bits
+    """The seed of a call's step: the call's own for the first, then the next values of its
+    low 32 bits, which a CPU generator reads (sampling.SEED_BLOCK: a request's calls leave
+    room for their steps); a seeded request's steps draw the same tokens every time."""
+    return (seed & ~SEED_LOW_BITS) | ((seed + step) & SEED_LOW_BITS)
 
 
 @dataclass

@@ -197,3 +197,27 @@ def test_a_newer_call_of_the_request_in_the_batch_ends_the_steps_of_the_one_befo
     assert retried.target_token_ids == (expected[1],)
     assert not verifier.steps.running
 
+
+
+def test_no_two_draws_of_a_requests_calls_share_a_cpu_generators_stream():
+    """torch's CPU generator keys its stream by a seed's low 32 bits alone, so the seeds of a
+    request's calls, and of their steps, take distinct low bits: drawn at random, two of a
+    long request's calls shared a stream within ~2**16 calls (calls 65,487 and 92,022 of
+    seed 0's request drew the same tokens)."""
+    import torch
+
+    from speculative.loop import draw_seed
+    from speculative.options import MAX_PLAIN_STEPS
+    from speculative.state import Request, RequestState
+    from verifier.steps import step_seed
+
+    low = (1 << 32) - 1
+    same = [torch.rand(4, generator=torch.Generator().manual_seed(s)) for s in (5, 5 + 2**40)]
+    assert torch.equal(*same)  # the premise: the high bits change nothing on a CPU
+    state = RequestState(Request("r", (1,), SamplingParams(seed=0, max_tokens=10**9)))
+    seeds = [draw_seed(state) for _ in range(100_000)]
+    assert len({seed & low for seed in seeds}) == len(seeds)
+    assert len({seed >> 32 for seed in seeds}) > 99_000  # CUDA's bits still drawn
+    stepped = [step_seed(seed, step) & low for seed in seeds[:2_000]
+               for step in range(MAX_PLAIN_STEPS)]
+    assert len(set(stepped)) == len(stepped) and step_seed(seeds[0], 0) == seeds[0]
