@@ -3,13 +3,16 @@
 parameters with max_tokens settled, the stop token ids."""
 
 import asyncio
+import functools
 import json
+import re
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from deployments.ingress import BadRequest
 from deployments.router_args import RouterArgs
-from deployments.tools import ToolError, check_forced, check_tools
+from deployments.tools import CALL_CLOSE, CALL_OPEN, ToolError, check_forced, check_tools
 from engine.checkpoint import Checkpoint, context_limit, end_token_ids, stop_token_ids
 from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
@@ -111,7 +114,7 @@ class PromptReader:
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
         special = body.add_special_tokens  # vLLM's defaults: completions yes, chat no
         if chat:
-            ids = self.tokenizer(self.chat_text(body), add_special_tokens=special)["input_ids"]
+            ids = self.chat_ids(body, special)
         elif isinstance(body.prompt, str):
             ids = self.tokenizer(body.prompt, add_special_tokens=special)["input_ids"]
         else:
@@ -126,8 +129,50 @@ class PromptReader:
                              f"{self.context_limit - 1}", param="prompt")
         return tuple(ids)
 
-    def chat_text(self, body) -> str:
-        """The messages through the model's chat template, up to the assistant's turn."""
+    def chat_ids(self, body, special: bool) -> list[int]:
+        """The chat prompt's ids. A message whose content holds the text of one of the
+        model's special tokens (a pasted document, a tool's result) has it read as text, as
+        OpenAI reads it, not as the token (which would let that text end the turn and write
+        another): its content goes through the template as a marker, and its ids, tokenized
+        with the special tokens split, take the marker's place. The template's own special
+        tokens stay tokens; other messages tokenize with the whole text, as vLLM's."""
+        pattern = special_pattern(self.tokenizer)
+        messages = [m.for_template() for m in body.messages]
+        marked = {}
+        for message in messages:
+            content = message.get("content")
+            if pattern is not None and isinstance(content, str) and pattern.search(content):
+                marker = f"SPECSERVE{secrets.token_hex(8)}CONTENT"
+                marked[marker], message["content"] = content, marker
+        check_special_texts(body, pattern)
+        text = self.chat_text(body, messages)
+        if not marked:
+            return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        if any(text.count(marker) != 1 for marker in marked):
+            raise BadRequest("a message holds the text of one of the model's special tokens, "
+                             "which this model's chat template does not render as written",
+                             param="messages")
+        ids = []
+        for piece in re.split("(" + "|".join(marked) + ")", text):
+            if piece in marked:
+                ids += self.tokenizer(marked[piece], add_special_tokens=False,
+                                      split_special_tokens=True)["input_ids"]
+            elif piece:
+                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return self.with_special_tokens(ids) if special else ids
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """ids with what the tokenizer adds around a text (a BOS, say)."""
+        bare = self.tokenizer("x", add_special_tokens=False)["input_ids"]
+        full = self.tokenizer("x", add_special_tokens=True)["input_ids"]
+        at = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
+        return full[:at] + ids + full[at + len(bare):]
+
+    def chat_text(self, body, messages: list[dict]) -> str:
+        """The messages (for_template's) through the model's chat template, up to the
+        assistant's turn. A `developer` message (OpenAI's newer name for system) is a system
+        message to a template that does not name the role (Qwen2.5's would drop it, Llama 3's
+        write a header its model never saw), as vLLM and llama.cpp map it."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model has no chat template: use /v1/completions",
                              param="messages")
@@ -138,7 +183,9 @@ class PromptReader:
                 check_forced(body.tools, use.forced)
         except ToolError as error:
             raise BadRequest(str(error), param=error.param) from None
-        messages = [m.for_template() for m in body.messages]
+        if "developer" not in str(self.tokenizer.chat_template):
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m
+                        for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=use.template_tools() if use else None, tokenize=False,
@@ -155,3 +202,34 @@ def chat_texts(body) -> list[str]:
     if body.tools:
         texts.append(json.dumps([tool.model_dump() for tool in body.tools]))
     return texts
+
+
+@functools.lru_cache(maxsize=8)
+def special_pattern(tokenizer) -> re.Pattern | None:
+    """A pattern of the texts of the tokenizer's special tokens (longest first), but a tool
+    call's tags, which the output keeps and clients send back; None without any."""
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+    texts = sorted({token.content for token in added if token.special and token.content
+                    and token.content not in (CALL_OPEN, CALL_CLOSE)}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def check_special_texts(body, pattern: re.Pattern | None) -> None:
+    """BadRequest naming the field when a text the template renders outside a message's
+    content (a call's name or arguments, a tool's description or schema) holds a special
+    token's text: it would become the token."""
+    if pattern is None:
+        return
+    fields = []
+    for index, message in enumerate(body.messages):
+        fields.append((f"messages[{index}].tool_call_id", message.tool_call_id or ""))
+        for at, call in enumerate(message.tool_calls or ()):
+            fields.append((f"messages[{index}].tool_calls[{at}]",
+                           call.function.name + call.function.arguments))
+    for index, tool in enumerate(body.tools or ()):
+        fields.append((f"tools[{index}]", json.dumps(tool.model_dump(), ensure_ascii=False)))
+    for field, text in fields:
+        if found := pattern.search(text):
+            raise BadRequest(f"{field} contains {found.group()!r}, the text of one of the "
+                             "model's special tokens, which the chat template would render "
+                             "as the token itself", param=field)
