@@ -224,8 +224,12 @@ def check_special_texts(body, pattern: re.Pattern | None) -> None:
     for index, message in enumerate(body.messages):
         fields.append((f"messages[{index}].tool_call_id", message.tool_call_id or ""))
         for at, call in enumerate(message.tool_calls or ()):
+            # as the template gets them too: arguments parsed, so an escape (\u003c) in
+            # their JSON is the character that a template's tojson writes out
+            rendered = json.dumps(call.for_template()["function"]["arguments"],
+                                  ensure_ascii=False)
             fields.append((f"messages[{index}].tool_calls[{at}]",
-                           call.function.name + call.function.arguments))
+                           call.function.name + call.function.arguments + rendered))
     for index, tool in enumerate(body.tools or ()):
         fields.append((f"tools[{index}]", json.dumps(tool.model_dump(), ensure_ascii=False)))
     for field, text in fields:

@@ -23,6 +23,7 @@ CONTEXT_TOKENS = 6
 # a UTF-8 character has at most 4 bytes, each token at least one: text still ending in U+FFFD
 # after this many tokens held is no incomplete character but bytes that never form one
 MAX_HELD_TOKENS = 8
+CHARACTER_TOKENS = 3  # the tokens an incomplete character's bytes can span (4 bytes at most)
 
 
 def text_decoder(tokenizer, keep: tuple[str, ...] = ()) -> Decode:
@@ -38,19 +39,16 @@ def text_decoder(tokenizer, keep: tuple[str, ...] = ()) -> Decode:
     def decode(ids: Sequence[int]) -> str:
         return decoder.decode(ids, skip_special_tokens=True)
 
-    kept = {token_id: token.content for token_id, token in
-            (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
-            if token.special and token.content in keep}
-    if not kept:
+    special = {token_id: token.content for token_id, token in
+               (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if token.special}
+    if not set(special.values()) & set(keep):
         return decode
+    # the other special tokens dropped, the rest decoded as one text (decoded in pieces, a
+    # SentencePiece tokenizer dropped the leading space of the text after each kept tag)
+    skipped = frozenset(token_id for token_id, text in special.items() if text not in keep)
 
     def keeping(ids: Sequence[int]) -> str:
-        parts, start = [], 0
-        for at, token_id in enumerate(ids):
-            if token_id in kept:
-                parts += [decode(ids[start:at]), kept[token_id]]
-                start = at + 1
-        return "".join(parts) + decode(ids[start:])
+        return decoder.decode([i for i in ids if i not in skipped], skip_special_tokens=False)
 
     return keeping
 
@@ -75,12 +73,20 @@ class Detokenizer:
         """The text that token_id adds (possibly "" while a character is incomplete)."""
         self.ids.append(token_id)
         delta = self._unread()
-        held = len(self.ids) - self.window
-        if delta and (not delta.endswith("\ufffd") or held >= MAX_HELD_TOKENS):
+        if delta and not delta.endswith("\ufffd"):
             del self.ids[: self.window]  # the next window: the tokens just read
             self.window = len(self.ids)
             return delta
-        return ""
+        if len(self.ids) - self.window < MAX_HELD_TOKENS:
+            return ""
+        # bytes that form no character: read all but the last CHARACTER_TOKENS tokens, which
+        # may begin a character still (a character's bytes other than its last hold at most
+        # 3 tokens); read, they would give U+FFFD for good, its later bytes nothing
+        read = len(self.ids) - CHARACTER_TOKENS
+        delta = self._unread(read)
+        del self.ids[: self.window]
+        self.window = read - self.window
+        return delta
 
     def flush(self) -> str:
         """Text still held back at the end of a request (an incomplete character)."""
@@ -89,9 +95,9 @@ class Detokenizer:
         self.window = len(self.ids)
         return delta
 
-    def _unread(self) -> str:
+    def _unread(self, end: int | None = None) -> str:
         prefix = self.decode(self.ids[: self.window])
-        text = self.decode(self.ids)
+        text = self.decode(self.ids[:end])
         return text[len(prefix) :] if len(text) > len(prefix) else ""
 
 

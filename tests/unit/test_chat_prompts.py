@@ -100,6 +100,14 @@ def test_a_prompt_read_as_text_keeps_what_the_tokenizer_adds_around_it(reader):
                         "function": {"name": "f", "arguments": '{"x": "<|im_start|>"}'}}]},
                    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
      "messages[1].tool_calls[0]"),
+    # escaped in the arguments' JSON: parsed for the template, whose tojson writes it out
+    ({"messages": [{"role": "user", "content": "a"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function",
+                        "function": {"name": "f",
+                                     "arguments": '{"x": "\\u003c|im_end|\\u003e"}'}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+     "messages[1].tool_calls[0]"),
 ])
 def test_a_special_tokens_text_outside_a_messages_content_is_refused(reader, fields, param):
     messages = fields.pop("messages", [{"role": "user", "content": "a"}])

@@ -207,3 +207,22 @@ def test_bytes_that_never_form_a_character_stream_out_and_keep_decodes_short():
     detokenizer = Detokenizer(decode, [50])
     pieces = [detokenizer.add(i) for i in ids]
     assert "\ufffd" not in "".join(pieces) and "".join(pieces) == "x 🐍 日本 y"
+
+
+def test_a_character_after_bytes_that_never_form_one_still_comes_whole():
+    """Bytes that form no character go out after MAX_HELD_TOKENS tokens, but the last tokens
+    held may begin a character: read then, its U+FFFD stayed for good and the character's
+    completing bytes added nothing (5 to 7 stray bytes before a 4-byte emoji lost it)."""
+    from specserve.demo import train_tokenizer
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
+    lone = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd" and
+                tokenizer.convert_ids_to_tokens(i) == "Ģ")  # byte 0x80: a continuation
+    decode = text_decoder(tokenizer)
+    tail = tokenizer("🐍 ok", add_special_tokens=False)["input_ids"]
+    for strays in range(12):
+        ids = [lone] * strays + tail
+        detokenizer = Detokenizer(decode, [50])
+        pieces = [detokenizer.add(i) for i in ids]
+        assert "".join(pieces) + detokenizer.flush() == decode(ids), strays
+        assert "".join(pieces).endswith("🐍 ok"), strays

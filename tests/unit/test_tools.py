@@ -344,3 +344,17 @@ def test_the_demo_template_renders_tools_calls_and_results(tokenizer):
         "# assistant:\n")
     assert tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True) == \
         "# user: Weather in Paris?\n# assistant:\n"
+
+
+def test_kept_tags_leave_a_sentencepiece_texts_spaces_as_they_are():
+    """Decoded in pieces split at each kept tag, a SentencePiece tokenizer dropped the
+    leading space of the text after it (" again" after </tool_call> came back "again")."""
+    from tests.tiny import metaspace_tokenizer
+
+    special = metaspace_tokenizer()
+    special.add_special_tokens({"additional_special_tokens": [CALL_OPEN, CALL_CLOSE]})
+    opening, closing, hello, world, again = special.convert_tokens_to_ids(
+        [CALL_OPEN, CALL_CLOSE, "▁hello", "▁world", "▁again"])
+    ids = [hello, opening, world, closing, again, special.eos_token_id]
+    decode = text_decoder(special, keep=(CALL_OPEN, CALL_CLOSE))
+    assert decode(ids) == "hello<tool_call> world</tool_call> again"
