@@ -112,6 +112,7 @@ def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str) -> 
 def served_positions(config) -> int | None:
     """The positions a target's config is served exactly within: its max_position_embeddings,
     or a LongRoPE model's original one (long_rope); None when it names neither."""
+    config = getattr(config, "text_config", None) or config  # multimodal wrappers
     bounds = [bound for bound in (getattr(config, "max_position_embeddings", None),
                                   long_rope(config)) if bound]
     return min(bounds) if bounds else None
