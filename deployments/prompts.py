@@ -162,11 +162,12 @@ class PromptReader:
         return self.with_special_tokens(ids) if special else ids
 
     def with_special_tokens(self, ids: list[int]) -> list[int]:
-        """ids with what the tokenizer adds around a text (a BOS, say)."""
+        """ids with what the tokenizer adds around a text (a BOS, say); as they are when a
+        text's own ids do not show among those it adds to (no tokenizer seen does that)."""
         bare = self.tokenizer("x", add_special_tokens=False)["input_ids"]
         full = self.tokenizer("x", add_special_tokens=True)["input_ids"]
-        at = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
-        return full[:at] + ids + full[at + len(bare):]
+        at = next((i for i in range(len(full)) if full[i:i + len(bare)] == bare), None)
+        return ids if at is None else full[:at] + ids + full[at + len(bare):]
 
     def chat_text(self, body, messages: list[dict]) -> str:
         """The messages (for_template's) through the model's chat template, up to the
