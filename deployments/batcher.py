@@ -95,8 +95,8 @@ class ContinuousBatcher:
                         future.set_result(answer)
                 if self.linger:  # (none while calls go again: they fill the next batch)
                     self.returning = set() if again else {
-                        self.key(call) for (call, future), answer in zip(batch, answers)
-                        if not self.unfinished(answer) and not future.cancelled()}
+                        self.key(call) for (call, _), answer in zip(batch, answers)
+                        if not self.unfinished(answer)}
                 first = max(1, self.max_batch_size // 2)
                 self.waiting = again[:first] + self.waiting + again[first:]
 
