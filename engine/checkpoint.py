@@ -36,6 +36,14 @@ class Checkpoint:
         return cls(path, config.vocab_size, getattr(config, "max_position_embeddings", None),
                    sliding_window(config), long_rope(config))
 
+    @property
+    def served_positions(self) -> int | None:
+        """The positions it is served exactly within: max_position_embeddings, or a
+        LongRoPE model's original one (long_rope); None when it names neither."""
+        bounds = [bound for bound in (self.max_position_embeddings, self.long_rope_from)
+                  if bound]
+        return min(bounds) if bounds else None
+
 
 def long_rope(config) -> int | None:
     """A LongRoPE model's original_max_position_embeddings, else None. Past it the rotary
@@ -110,26 +118,14 @@ def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str) -> 
 
 
 def served_positions(config) -> int | None:
-    """The positions a target's config is served exactly within: its max_position_embeddings,
-    or a LongRoPE model's original one (long_rope); None when it names neither."""
-    config = getattr(config, "text_config", None) or config  # multimodal wrappers
-    bounds = [bound for bound in (getattr(config, "max_position_embeddings", None),
-                                  long_rope(config)) if bound]
-    return min(bounds) if bounds else None
+    """A loaded model's config's Checkpoint.served_positions."""
+    return Checkpoint.of("", config).served_positions
 
 
 def context_limit(target: Checkpoint, max_context_tokens: int | None) -> int:
     """max_context_tokens, defaulting to the target's max_position_embeddings, never above it
     (nor above a LongRoPE target's original_max_position_embeddings: long_rope)."""
-    limit = target.max_position_embeddings
-    if target.long_rope_from is not None:
-        if max_context_tokens is not None and max_context_tokens > target.long_rope_from:
-            raise ValueError(
-                f"max_context_tokens={max_context_tokens} exceeds the LongRoPE target's "
-                f"original_max_position_embeddings={target.long_rope_from} ({target.path!r}): "
-                "past it the rotary's long factors hold for a whole batch, so a request's "
-                "tokens would depend on the requests beside it")
-        limit = min(limit or target.long_rope_from, target.long_rope_from)
+    limit = target.served_positions
     if max_context_tokens is None:
         if limit is None:
             raise ValueError(f"the target {target.path!r} names no max_position_embeddings: "
@@ -138,6 +134,12 @@ def context_limit(target: Checkpoint, max_context_tokens: int | None) -> int:
     if max_context_tokens < 2:
         raise ValueError(f"max_context_tokens must be >= 2, got {max_context_tokens}")
     if limit is not None and max_context_tokens > limit:
+        if limit == target.long_rope_from:
+            raise ValueError(
+                f"max_context_tokens={max_context_tokens} exceeds the LongRoPE target's "
+                f"original_max_position_embeddings={limit} ({target.path!r}): past it the "
+                "rotary's long factors hold for a whole batch, so a request's tokens would "
+                "depend on the requests beside it")
         raise ValueError(f"max_context_tokens={max_context_tokens} exceeds the target's "
                          f"max_position_embeddings={limit} ({target.path!r})")
     return max_context_tokens

@@ -82,8 +82,8 @@ class Sequence:
             )
 
     def apply(self, sync: PrefixSync) -> None:
-        """Advance to the committed prefix the call names, or raise StaleBase."""
-        self.check(sync)
+        """Advance to the committed prefix the call names (SessionStore.apply has checked
+        that it builds on this one: check)."""
         if sync.known_len == 0:
             self.committed = []  # a full prefix: rebuild; the cache keeps what still matches
             self._hasher = GrowingPrefixHash()

@@ -28,7 +28,7 @@ class SpecStats:
     # acceptance_histogram; the bonus token is not counted)
     acceptance_histogram: list[int] = field(default_factory=list)
     cache_misses: int = 0
-    busy_retries: int = 0  # verifier calls retried after a pause: its pool had no room
+    busy_retries: int = 0  # pool calls retried after a pause: the pool had no room
     busy_seconds: float = 0.0  # refused calls and pauses (speculative.busy): not round timings
     draft_busy_seconds: float = 0.0  # the same, a seeded request's for a full drafter
     cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache
