@@ -1,11 +1,14 @@
 """`applications[].args` of the drafter and verifier pool apps (deployments.pools)."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
+                      model_validator)
 
-from drafter.registry import DrafterSpec
-from engine.models import DEMO_DRAFT, DEMO_TARGET
+from drafter.registry import DRAFTERS, DrafterSpec
+from engine.models import DEMO_DRAFT, DEMO_TARGET, expand_home
+
+ModelPath = Annotated[str, AfterValidator(expand_home)]  # a hub id or a folder ("~" expanded)
 
 
 class PoolArgs(BaseModel):
@@ -13,9 +16,11 @@ class PoolArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
+    model: ModelPath
+    # torch's dtypes of these names (engine.models.DTYPES): refused at deploy, not after a
+    # replica has fetched the weights
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")  # cpu, cuda, cuda:N
     torch_threads: int = Field(default=1, ge=1)  # match the replica's num_cpus
     max_cached_requests: int = Field(default=256, ge=1)
     # cached tokens over all sessions (prompt and output): least recently used sessions are
@@ -57,18 +62,32 @@ class PoolArgs(BaseModel):
 
 
 class DrafterArgs(PoolArgs):
-    model: str = DEMO_DRAFT
-    target: str = DEMO_TARGET  # the verifier's checkpoint: the vocabulary both pools agree on
+    model: ModelPath = DEMO_DRAFT
+    target: ModelPath = DEMO_TARGET  # the verifier's checkpoint: the vocabulary both pools agree on
     drafter: str = "model"  # a kind of drafter.registry.DRAFTERS
     # q as shipped (drafter.registry.DrafterSpec): top entries (0 = all), the fewest top
     # entries holding this mass (1 = all), precision
-    draft_top_k: int = DrafterSpec.draft_top_k
-    draft_q_mass: float = DrafterSpec.draft_q_mass
+    draft_top_k: int = Field(default=DrafterSpec.draft_top_k, ge=0)
+    draft_q_mass: float = Field(default=DrafterSpec.draft_q_mass, gt=0, le=1)
     draft_q_dtype: Literal["float32", "float16"] = DrafterSpec.draft_q_dtype
     # end a block once its drafted tokens' probabilities multiplied fall below this (0: off)
     draft_confidence: float = Field(default=DrafterSpec.draft_confidence, ge=0, lt=1)
-    ngram_min: int = 1
-    ngram_max: int = 4
+    ngram_min: int = Field(default=1, ge=1)
+    ngram_max: int = Field(default=4, ge=1)
+
+    @field_validator("drafter")
+    @classmethod
+    def known_drafter(cls, kind: str) -> str:
+        if kind not in DRAFTERS:
+            raise ValueError(f"must be one of {sorted(DRAFTERS)}, got {kind!r}")
+        return kind
+
+    @model_validator(mode="after")
+    def ngram_order(self):
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max "
+                             f"({self.ngram_max})")
+        return self
 
     def spec(self) -> DrafterSpec:
         return DrafterSpec(kind=self.drafter, model=self.model, target=self.target,
@@ -85,7 +104,7 @@ class DrafterArgs(PoolArgs):
 
 
 class VerifierArgs(PoolArgs):
-    model: str = DEMO_TARGET
+    model: ModelPath = DEMO_TARGET
     # tokens per forward: a longer prefill is fed in chunks over several forwards, each
     # shared with the decodes that arrive meanwhile (chunked prefill); none: no bound
     max_batch_tokens: int | None = Field(default=512, ge=16)

@@ -4,6 +4,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.pool_args import ModelPath
 from engine.models import DEMO_TARGET
 from speculative.options import (
     MAX_PLAIN_STEPS,
@@ -81,8 +82,8 @@ class RouterArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     # the target checkpoint: its end tokens, context length and vocabulary (no weights loaded)
-    model: str = DEMO_TARGET
-    tokenizer: str | None = None  # default: the model's (the pools only see token ids)
+    model: ModelPath = DEMO_TARGET
+    tokenizer: ModelPath | None = None  # default: the model's (the pools only see token ids)
     served_model_name: str = "specserve-demo"
     grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
     drafter_app: str = "drafter"
@@ -112,7 +113,8 @@ class RouterArgs(BaseModel):
     # completions without max_tokens (OpenAI's default); chat without max_tokens may use
     # the rest of the context, as vLLM's does
     default_max_tokens: int = Field(default=16, ge=1)
-    max_context_tokens: int | None = None  # default: the model's max_position_embeddings
+    # default: the model's max_position_embeddings (engine.checkpoint.context_limit)
+    max_context_tokens: int | None = Field(default=None, ge=2)
     # a pool call's deadline: the verifier's (and the drafter's for seeded sampled
     # requests, whose tokens depend on their drafts); past it the request answers 503
     call_timeout_s: float = Field(default=30.0, gt=0)

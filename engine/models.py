@@ -3,12 +3,19 @@
 torch and transformers are imported where a model is loaded, not here: the apps' args name
 the demo pair, and a Serve app build imports only its args (deployments.apps)."""
 
+import os
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
 DEMO_TARGET = str(DEMO_DIR / "target")
 DEMO_DRAFT = str(DEMO_DIR / "draft")
 DTYPES = ("float32", "bfloat16", "float16")  # torch's dtypes of those names
+
+
+def expand_home(name_or_path: str) -> str:
+    """A model written from the home folder ("~/..."), expanded: check_model_path reads it
+    so, and transformers would otherwise take it for a malformed hub id."""
+    return os.path.expanduser(name_or_path) if name_or_path.startswith("~") else name_or_path
 
 
 def check_model_path(name_or_path: str) -> None:
@@ -21,6 +28,28 @@ def check_model_path(name_or_path: str) -> None:
         raise ValueError(f"no model at {text!r}: that folder does not exist")
 
 
+def check_device(device: str) -> None:
+    """ValueError naming it for a device this process cannot use, before any weights load:
+    not a torch device, or a CUDA device where none is visible (a Serve replica whose
+    ray_actor_options ask for no GPU sees none) or past the visible ones."""
+    import torch
+
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if where.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"device {device!r}: no CUDA device is visible here "
+                         f"(CUDA_VISIBLE_DEVICES={visible!r}; a Serve replica needs num_gpus "
+                         "in its ray_actor_options)")
+    if where.index is not None and where.index >= count:
+        raise ValueError(f"device {device!r}: only {count} CUDA device(s) visible here")
+
+
 def load_causal_lm(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
     """Any causal LM `AutoModelForCausalLM` can load (a local folder or a hub id), in eval mode."""
     import torch
@@ -28,6 +57,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", device: str = "cpu
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_device(device)
     check_model_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype))
     return model.to(device).eval()

@@ -147,3 +147,10 @@ def test_stop_token_ids_honour_ignore_eos():
     assert stop_token_ids((7, 8), (3,)) == (7, 8, 3)
     assert stop_token_ids((7, 8), (3,), ignore_eos=True) == (3,)
     assert stop_token_ids((7,), (7,)) == (7,)
+
+
+def test_a_cuda_device_that_is_not_there_is_refused_before_the_weights_load(tmp_path):
+    from engine.models import load_causal_lm
+
+    with pytest.raises(ValueError, match="device 'cuda:99'"):
+        load_causal_lm(str(tmp_path / "not-loaded"), "float32", "cuda:99")

@@ -139,3 +139,36 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
     # or above it never scales the router up
     target = router_deployment.get("autoscaling_config", {}).get("target_ongoing_requests")
     assert target is None or target < router.max_running_requests
+
+
+@pytest.mark.parametrize("model, args, field", [
+    (VerifierArgs, {"dtype": "bf16"}, "dtype"),  # before: the replica's ValueError
+    (VerifierArgs, {"device": "gpu"}, "device"),  # before: torch's, after loading the weights
+    (DrafterArgs, {"drafter": "medusa"}, "drafter"),
+    (DrafterArgs, {"draft_top_k": -1}, "draft_top_k"),
+    (DrafterArgs, {"draft_q_mass": 1.5}, "draft_q_mass"),
+    (DrafterArgs, {"draft_q_mass": 0}, "draft_q_mass"),
+    (DrafterArgs, {"drafter": "ngram", "ngram_min": 0}, "ngram_min"),
+    (RouterArgs, {"max_context_tokens": -5}, "max_context_tokens")])
+def test_pool_and_router_args_a_replica_would_refuse_fail_at_deploy(model, args, field):
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate(args)
+    assert refused.value.errors()[0]["loc"][0] == field
+
+
+def test_ngram_bounds_in_order_at_deploy():
+    with pytest.raises(ValidationError, match="ngram_min"):
+        DrafterArgs.model_validate({"drafter": "ngram", "ngram_min": 5, "ngram_max": 2})
+    assert DrafterArgs.model_validate({"device": "cuda:1", "dtype": "bfloat16"}).device == "cuda:1"
+
+
+def test_a_model_under_the_home_folder_is_expanded(monkeypatch, tmp_path):
+    """check_model_path reads "~" as the home folder; transformers took the text for a
+    malformed hub id ("Repo id must use alphanumeric chars")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    expanded = str(tmp_path / "models" / "t")
+    assert VerifierArgs(model="~/models/t").model == expanded
+    assert DrafterArgs(target="~/models/t").target == expanded
+    assert RouterArgs(model="~/models/t", tokenizer="~/models/t").tokenizer == expanded
+    assert RouterArgs(model="meta-llama/Llama-3.1-8B-Instruct").model == \
+        "meta-llama/Llama-3.1-8B-Instruct"
