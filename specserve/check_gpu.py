@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import sys
 import time
 import traceback
@@ -122,7 +123,8 @@ def greedy_identity(runner, prompt: list[int], max_tokens: int, k: int, draft=No
     if output != expected:
         at = next(i for i, (a, b) in enumerate(zip(output, expected)) if a != b)
         top = reference.scores[at][0].float().topk(2).values
-        report.update(first_divergence=at, logit_gap_there=round(float(top[0] - top[1]), 6))
+        report.update(first_divergence=at, logit_gap_there=round(float(top[0] - top[1]), 6),
+                      top_logit_there=round(float(top[0]), 6))
     return report
 
 
@@ -138,7 +140,8 @@ def sampled_run(runner, prompt: list[int], max_tokens: int, k: int, draft=None) 
     started = time.perf_counter()
     output = run_request(drafter, verifier, prompt, SamplingParams(temperature=1.0, seed=7,
                          max_tokens=max_tokens), k)
-    return {"tokens": len(output), "in_vocabulary": all(0 <= t < vocab_size for t in output),
+    return {"tokens": len(output), "asked": max_tokens,
+            "in_vocabulary": all(0 <= t < vocab_size for t in output),
             "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -161,6 +164,7 @@ def alone_vs_batch(runner, batch: int, length: int) -> dict:
     together = runner.forward([s.segment(runner, draft, 5) for s in sequences])[0].float()
     store.clear()
     return {"batch": batch, "max_logit_difference": float((single - together).abs().max()),
+            "max_abs_logit": float(single.abs().max()),
             "argmax_flips": int((single.argmax(-1) != together.argmax(-1)).sum())}
 
 
@@ -275,29 +279,56 @@ def check_demo_pair(device: str, small: bool) -> dict:
         run_request(drafter, verifier, prompt, params, k)  # warm
         sync_device(device)
         started = time.perf_counter()
-        run_request(drafter, verifier, prompt, params, k)
+        made = run_request(drafter, verifier, prompt, params, k)
         sync_device(device)
-        report["tokens_per_s"][f"K={k}"] = round(tokens / (time.perf_counter() - started), 1)
+        report["tokens_per_s"][f"K={k}"] = round(len(made) / (time.perf_counter() - started), 1)
     return report
 
 
+# bfloat16 is not exact, but its rounding moves a logit by a small fraction of the logits'
+# scale. Measured clean: on an H200, the 8B shape's batch moved a logit by 1.75 (about 4 % of
+# its top logits' scale) and its greedy output departed where the top two were one bfloat16
+# unit apart; on a CPU, under 1 % at the small shapes, where a leak between requests moves
+# them by 6-140 %. The bounds leave clean runs room (a false failure sends an operator after
+# a defect that is not there): a gross leak or a divergence far from a near-tie fails.
+BF16_BATCH_TOLERANCE = 0.25  # of max_abs_logit
+BF16_GAP_UNITS = 16  # bfloat16 units (2**-7 of the top logit's power of two)
+
+
+def sampled_ok(sampled: dict) -> bool:
+    return sampled["in_vocabulary"] and sampled["tokens"] == sampled["asked"]
+
+
+def bf16_near_tie(greedy: dict) -> bool:
+    """A bfloat16 greedy divergence at a gap of at most BF16_GAP_UNITS of its top logit."""
+    if greedy["identical"]:
+        return True
+    top = abs(greedy["top_logit_there"])
+    unit = 2.0 ** (math.floor(math.log2(top)) - 7) if top > 0 else 2.0 ** -133
+    return greedy["logit_gap_there"] <= BF16_GAP_UNITS * unit
+
+
 def passed(report: dict) -> bool:
-    """fp32 greedy identical; a batch changes logits by reassociation only; the pool refuses
-    cleanly; sampling returned its tokens; the demo pair is exact."""
+    """fp32 greedy identical, a bf16 divergence only at a near-tie; a batch changes logits by
+    reassociation only; the pool refuses cleanly; sampling returned its tokens; the demo pair
+    is exact."""
     demo = report.get("demo_pair")
     entries = [*report["models"].values(), *([demo] if demo is not None else [])]
     if any("error" in entry for entry in entries):
         return False
-    if demo is not None and not (demo["greedy"]["identical"]
-                                 and demo["sampled"]["in_vocabulary"]):
+    if demo is not None and not (demo["greedy"]["identical"] and sampled_ok(demo["sampled"])):
         return False
     for entry in report["models"].values():
         exact = entry["dtype"] == "float32"
+        batched = entry["alone_vs_batch"]
         if exact and not entry["greedy"]["identical"]:
             return False
-        if exact and entry["alone_vs_batch"]["max_logit_difference"] > 1e-3:
+        if exact and batched["max_logit_difference"] > 1e-3:
             return False
-        if not entry["when_full"]["refused"] or not entry["sampled"]["in_vocabulary"]:
+        if not exact and (not bf16_near_tie(entry["greedy"]) or batched["max_logit_difference"]
+                          > BF16_BATCH_TOLERANCE * batched["max_abs_logit"]):
+            return False
+        if not entry["when_full"]["refused"] or not sampled_ok(entry["sampled"]):
             return False
     return True
 
@@ -351,8 +382,13 @@ def main(args) -> int:
         print(f"specserve check-gpu: --out {args.out}: its folder does not exist",
               file=sys.stderr)
         return 2
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("specserve check-gpu: no CUDA device here (use --device cpu --small)")
+    from engine.models import check_device
+
+    try:  # none visible, or cuda:N past the visible ones
+        check_device(args.device)
+    except ValueError as error:
+        print(f"specserve check-gpu: --{error} (on a CPU: --device cpu --small)",
+              file=sys.stderr)
         return 2
     report = run(args.device, args.small)
     text = json.dumps(report, indent=2)

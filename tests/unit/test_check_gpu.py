@@ -59,3 +59,42 @@ def test_a_check_that_raises_fails_the_run_and_keeps_the_others(monkeypatch):
     assert report["models"]["small-1b-like float32"]["greedy"]["identical"] is True
     assert report["models"]["small-8b-like float32"]["error"].startswith(
         "RuntimeError: No available kernel")
+
+
+def test_a_bfloat16_batch_that_leaks_fails_the_run(monkeypatch, report):
+    """Mutant (the masks dropped) in bfloat16, at the 8B-like shape: before, no bfloat16
+    measurement was gated (the mutant moves a logit by about 1.5x the logits' scale, a clean
+    batch by under 1 %)."""
+    import torch
+
+    shape = check_gpu.SMALL[1]
+    runner = check_gpu.serving_runner(check_gpu.build(shape, torch.bfloat16, "cpu"), "paged",
+                                      "auto", kv_cache_tokens=34 * 48 + 64, max_sequences=64)
+
+    def entry():
+        batched = check_gpu.alone_vs_batch(runner, 32, 32)
+        return dict(report["models"]["small-8b-like float32"], dtype="bfloat16",
+                    alone_vs_batch=batched)
+
+    assert check_gpu.passed({"models": {"clean": entry()}})
+    plan_init = paged.PagedPlan.__init__
+
+    def unmasked(self, *args):
+        plan_init(self, *args)
+        self.masks = dict.fromkeys(self.masks)
+
+    monkeypatch.setattr(paged.PagedPlan, "__init__", unmasked)
+    assert not check_gpu.passed({"models": {"leaky": entry()}})
+
+
+def test_a_short_sampled_run_fails(report):
+    entry = dict(report["models"]["small-1b-like float32"])
+    entry["sampled"] = dict(entry["sampled"], tokens=0)
+    assert not check_gpu.passed({"models": {"short": entry}})
+
+
+def test_bfloat16_greedy_divergence_only_at_a_near_tie():
+    assert check_gpu.bf16_near_tie({"identical": False, "logit_gap_there": 0.25,
+                                    "top_logit_there": 40.0})  # one unit (measured, 8B)
+    assert not check_gpu.bf16_near_tie({"identical": False, "logit_gap_there": 5.0,
+                                        "top_logit_there": 40.0})
