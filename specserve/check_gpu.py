@@ -117,8 +117,11 @@ def greedy_identity(runner, prompt: list[int], max_tokens: int, k: int, draft=No
     expected = reference.sequences[0, len(prompt):].tolist()
     drafter, verifier = (ModelDrafter(draft or runner, kv_cache_tokens=ENGINE_TOKENS),
                          ModelVerifier(runner, kv_cache_tokens=ENGINE_TOKENS))
-    output = run_request(drafter, verifier, prompt, SamplingParams(temperature=0.0,
-                         max_tokens=max_tokens), k)
+    # generate's min_new_tokens masks the end tokens at every position: the loop the same
+    ends = model.generation_config.eos_token_id
+    ends = () if ends is None else tuple(ends) if isinstance(ends, list) else (ends,)
+    output = run_request(drafter, verifier, prompt, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, min_tokens_end_ids=ends), k)
     report = {"tokens": max_tokens, "identical": output == expected}
     if output != expected:
         at = next(i for i, (a, b) in enumerate(zip(output, expected)) if a != b)

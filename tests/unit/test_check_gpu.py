@@ -98,3 +98,15 @@ def test_bfloat16_greedy_divergence_only_at_a_near_tie():
                                     "top_logit_there": 40.0})  # one unit (measured, 8B)
     assert not check_gpu.bf16_near_tie({"identical": False, "logit_gap_there": 5.0,
                                         "top_logit_there": 40.0})
+
+
+def test_greedy_identity_masks_the_end_tokens_as_generate_does():
+    """generate's min_new_tokens masks the end token at every position: a model whose greedy
+    choice is its end token diverged from the loop, which kept choosing it."""
+    from tests.tiny import hf_greedy, tiny_llama
+
+    model = tiny_llama(0)
+    model.generation_config.eos_token_id = hf_greedy(model, [1, 2, 3], 1)[0]  # its first pick
+    runner = check_gpu.serving_runner(model, "paged", "auto", kv_cache_tokens=256,
+                                      max_sequences=8)
+    assert check_gpu.greedy_identity(runner, [1, 2, 3], 8, 2) == {"tokens": 8, "identical": True}
