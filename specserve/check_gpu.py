@@ -393,6 +393,10 @@ def main(args) -> int:
         print(f"specserve check-gpu: --{error} (on a CPU: --device cpu --small)",
               file=sys.stderr)
         return 2
+    if args.device == "cpu" and not args.small:  # the 8B shape alone is 32 GB in float32
+        print("specserve check-gpu: --device cpu runs the small shapes only: add --small",
+              file=sys.stderr)
+        return 2
     report = run(args.device, args.small)
     text = json.dumps(report, indent=2)
     print(text)

@@ -123,6 +123,7 @@ def test_a_missing_model_is_a_clear_error(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["check-gpu", "--device", "gpu"], "--device 'gpu'"),
     (["check-gpu", "--device", "cuda:99"], "--device 'cuda:99'"),  # none, or too few, visible
+    (["check-gpu", "--device", "cpu"], "add --small"),  # not the 1B and 8B shapes on a CPU
     (["check-gpu", "--device", "cpu", "--small", "--out", "/nonexistent/x.json"],
      "its folder does not exist"),
     (["bench", "--soak", "--quick", "--pair", "demo"], "--quick, --pair do not apply to --soak"),
