@@ -133,6 +133,22 @@ def test_a_batch_of_prompts_is_one_plan_with_each_prompt_counted_once():
     assert plan.usage(done)["prompt_tokens"] == 5 and plan.usage(done)["completion_tokens"] == 20
 
 
+
+def test_cached_tokens_count_each_prompt_once_like_its_tokens():
+    """n choices of one prompt each hit the same cached prefix: usage's cached_tokens counts
+    it once per prompt (never above prompt_tokens), as prompt_tokens counts the prompt."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    front_end = RequestFrontEnd()
+    plan = joined("r", [front_end.plan(f"r-{i}", prompt, greedy, n=2)
+                        for i, prompt in enumerate([PROMPT, (7, 8)])])
+    engine = Agreeing()
+    done = [asyncio.run(Generation(c.request).run(engine, engine, c.policy)) for c in plan.choices]
+    for generation, cached in zip(done, (2, 2, 0, 1)):
+        generation.stats.cached_tokens = cached
+    usage = plan.usage(done)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 3 <= usage["prompt_tokens"]
+
+
 def test_vllms_per_request_metrics_count_the_rounds_that_drafted():
     """vLLM's shape: histogram[j] = rounds that tested drafts and accepted j; the mean
     acceptance length is 1 + accepted per such round; rounds without a draft stay out; two

@@ -139,6 +139,24 @@ def test_stop_tokens_cut_the_logprobs_with_the_tokens(target):
     assert all(entry.top == () for entry in state.logprobs)
 
 
+def test_a_cut_round_keeps_the_logprobs_of_the_tokens_it_keeps():
+    """A round's output cut by a stop token mid-block or by max_tokens, or later by a stop
+    string (stop_after), keeps one logprob per output token, each the token's own (the
+    test above leaves where its stop token falls in a round to the run)."""
+    from speculative.state import Request, RequestState
+
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=0)
+    block = (4, 7, 5, 6)
+    entries = [TokenLogprob(token, -0.5 * (i + 1)) for i, token in enumerate(block)]
+    stopped = RequestState(Request("r", (1,), params, stop_token_ids=(7,)))
+    assert stopped.commit(block, entries) == [4, 7] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == entries[:2]
+    full = RequestState(Request("r", (1,), params))
+    assert full.commit(block, entries) == [4, 7, 5] and full.logprobs == entries[:3]
+    full.stop_after(2)  # a stop string completed by the second token
+    assert full.output_token_ids == [4, 7] and full.logprobs == entries[:2]
+
+
 def choices_of(target, chat: bool, stop: tuple[str, ...] = ()):
     """A request of the tiny target through the router's fan-out (deployments.choices): one
     choice, logprobs with the top 3, each token decoding to a letter."""

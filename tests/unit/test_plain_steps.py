@@ -91,6 +91,20 @@ def test_a_stop_id_ends_the_steps(target, references):
     assert state.stats.rounds == 1 + -(-expected.index(stop) // 4)
 
 
+
+def test_a_call_of_several_steps_draws_nothing_past_its_stop_id(target, references):
+    """The verifier's own steps end at a stop id, however many more the call allows (the
+    router's cut keeps the output, and the test above its rounds, the same either way:
+    only the answer shows the forwards drawn for nothing)."""
+    prompt, expected = prompts()[2], references[2]
+    stop = expected[5]
+    end = expected.index(stop)
+    scores = ModelVerifier(target).score_now(ScoreCall(
+        "s", PrefixSync(0, EMPTY_PREFIX_HASH, tuple(prompt)), (), GREEDY, steps=end + 4,
+        stop_token_ids=(stop,)))
+    assert [scores.target_token_ids[0], *scores.continued_token_ids] == expected[:end + 1]
+
+
 def call(steps: int, **fields) -> ScoreCall:
     fields = {"draft_token_ids": (), "sampling": GREEDY, **fields}
     return ScoreCall("bad", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), steps=steps, **fields)

@@ -322,3 +322,28 @@ def test_a_broken_stream_ends_with_its_error_with_no_call_running(breaks):
 
     with pytest.raises(KeyError if breaks == "submit" else ConnectionResetError):
         asyncio.run(main())
+
+
+def test_a_port_takes_calls_up_to_its_bound_and_refuses_the_next():
+    """max_direct_calls in flight are taken; the next is RESOURCE_EXHAUSTED at once."""
+    from types import SimpleNamespace
+
+    from deployments.streams import CallStream
+
+    class Replica:
+        direct_in_flight, max_direct_calls = 0, 2
+
+        def submit(self, check, call_from_proto, call, direct):
+            self.direct_in_flight += 1
+            return asyncio.get_running_loop().create_future()
+
+    async def main():
+        stream = CallStream(Replica(), None, None, None, pb.ProposeAnswer)
+        stream.take(SimpleNamespace(entries=[SimpleNamespace(tag=tag, call=None)
+                                             for tag in range(3)], cancel=[]))
+        return stream
+
+    stream = asyncio.run(main())
+    assert sorted(stream.running) == [0, 1]
+    assert [(answer.tag, answer.error.code) for answer in stream.finished] == \
+        [(2, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]

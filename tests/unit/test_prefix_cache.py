@@ -181,3 +181,29 @@ def test_block_names_are_128_bits():
 
     names = {block_name(previous, list(range(i, i + 16))) for previous in (0, 1) for i in range(8)}
     assert len(names) == 16 and max(name.bit_length() for name in names) > 64
+
+
+def test_a_rebuild_into_shared_blocks_copies_them_and_withdraws_what_it_cuts():
+    """b took a's two prompt blocks and published them too; rebuilt with another prompt
+    that leaves the second block at position 20, b writes into a copy (a's keys stay), and
+    the name of the block it cut is withdrawn: once a is gone, a new request with a's
+    prompt finds only the first block, and its logits equal a fresh forward."""
+    runner = served("paged")
+    pool, size = runner.pool, runner.pool.block_size
+    store = SessionStore(8)
+    start(store, runner, "a", PROMPT)
+    store.apply("a", sync(PROMPT, [7]))
+    b, _ = start(store, runner, "b", PROMPT[:36])
+    store.apply("b", sync(PROMPT[:36], [3]))  # b publishes the blocks it shares
+    second = b.cache.units[1]
+    slots = slice(second * size, (second + 1) * size)
+    held = pool.keys[:, slots].clone()
+    b = store.apply("b", sync([], PROMPT[:20] + [9] * 20))  # a rebuild: 20 tokens kept
+    runner.forward([b.segment(runner, [], 1)])
+    assert b.cache.units[1] != second and pool.refs[second] == 1
+    assert torch.equal(pool.keys[:, slots], held)  # a's block untouched
+    store.drop("a")
+    c, logits = start(store, runner, "c", PROMPT[:34])
+    assert c.cached_tokens == size
+    torch.testing.assert_close(logits, full_logits(runner.model, PROMPT[:34])[-1:], atol=ATOL,
+                               rtol=0)

@@ -245,3 +245,37 @@ def test_an_end_token_asked_as_a_stop_id_is_named_only_under_ignore_eos():
         body = CompletionRequest(prompt="x", stop_token_ids=[2, 7], ignore_eos=ignore_eos)
         assert reader.reported_stop_ids(body) == reported
 
+
+def test_chat_logprobs_alone_ask_for_each_tokens_own_logprob():
+    """logprobs: true without top_logprobs (OpenAI's commonest form) returns each token's
+    logprob with an empty top list: 0 top entries, not no logprobs at all."""
+    assert ChatCompletionRequest(messages=CHAT, logprobs=True).sampling(16).logprobs == 0
+    assert ChatCompletionRequest(messages=CHAT, logprobs=True, top_logprobs=3) \
+        .sampling(16).logprobs == 3
+    assert ChatCompletionRequest(messages=CHAT).sampling(16).logprobs is None
+
+
+def test_max_completion_tokens_is_read_before_max_tokens():
+    """OpenAI's newer field (vLLM reads it first); the older one, else the default."""
+    def max_tokens(**fields):
+        return ChatCompletionRequest(messages=CHAT, **fields).sampling(16).max_tokens
+
+    assert max_tokens(max_completion_tokens=5) == 5
+    assert max_tokens(max_tokens=9, max_completion_tokens=5) == 5
+    assert max_tokens(max_tokens=9) == 9 and max_tokens() == 16
+
+
+def test_stop_takes_up_to_its_bounds_exactly():
+    """OpenAI's four stop strings, each up to MAX_STOP_CHARS, are taken; one more is not."""
+    from deployments.openai_api import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    stops = [chr(ord("a") + i) * MAX_STOP_CHARS for i in range(MAX_STOP_STRINGS)]
+    assert CompletionRequest(prompt="x", stop=stops).sampling(16).stop == tuple(stops)
+    for bad in (stops + ["e"], ["s" * (MAX_STOP_CHARS + 1)]):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt="x", stop=bad)
+
+
+def test_int64_seeds_of_opposite_signs_stay_apart():
+    seeds = {CompletionRequest(prompt="x", seed=seed).sampling(16).seed for seed in (1, -1)}
+    assert len(seeds) == 2

@@ -166,3 +166,14 @@ def test_an_output_the_grammar_refuses_is_a_dead_end_the_client_learns_of(demo):
     assert code == grpc.StatusCode.OUT_OF_RANGE
     answer = pool_failure(pool_error("verifier", code, str(dead.value)))
     assert answer.status == 400 and "grammar" in str(answer)
+
+
+def test_a_row_the_grammar_leaves_nothing_stays_whole_not_nan():
+    """speculative.grammar.masked: a row allowing no token is left as it was (a softmax of
+    all -inf would be NaN), the other rows masked."""
+    from speculative.grammar import masked
+
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    allowed = torch.tensor([[True, False, True], [False, False, False]])
+    out = masked(logits, allowed)
+    assert out[0].tolist() == [1.0, float("-inf"), 3.0] and torch.equal(out[1], logits[1])

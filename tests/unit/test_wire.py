@@ -112,7 +112,10 @@ def test_the_router_forwards_q_without_building_a_dense_one(monkeypatch):
 
 
 def test_calls_and_results_round_trip():
-    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05)
+    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,
+                              presence_penalty=0.5, frequency_penalty=-0.25,
+                              repetition_penalty=1.2, logit_bias=((2, -1.5), (7, 3.0)),
+                              min_tokens=3, min_tokens_end_ids=(0, 5))
     sync = PrefixSync(3, 12345678901234567890, (4, 5))
     propose = ProposeCall("r1", sync, 4, sampling, seed=2**62)
     message = pb.ProposeRequest.FromString(wire.propose_to_proto(propose).SerializeToString())
@@ -242,3 +245,20 @@ def test_calls_of_several_steps_round_trip():
                    TargetScores(recovered_token_ids=(), bonus_token_id=7,
                                 continued_token_ids=(1,))):
         assert wire.scores_from_proto(wire.scores_to_proto(scores)) == scores
+
+
+def test_a_pool_call_is_refused_exactly_past_its_context_and_k():
+    """deployments.limits: a prefix plus draft of the whole context and K at its bound are
+    taken; one token more, one draft token more or K one more are INVALID_ARGUMENT."""
+    from deployments.limits import Limits, check_request
+
+    limits = Limits(vocab_size=16, context=8, max_speculative_tokens=3)
+
+    def check(committed: int, drafted: int, k: int) -> None:
+        check_request("r", pb.PrefixSync(new_token_ids=[1] * committed), [2] * drafted, k,
+                      limits)
+
+    check(5, 3, 3)
+    for committed, drafted, k in ((6, 3, 3), (4, 4, 3), (4, 0, 4)):
+        with pytest.raises(ValueError):
+            check(committed, drafted, k)
