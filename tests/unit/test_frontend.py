@@ -133,7 +133,6 @@ def test_a_batch_of_prompts_is_one_plan_with_each_prompt_counted_once():
     assert plan.usage(done)["prompt_tokens"] == 5 and plan.usage(done)["completion_tokens"] == 20
 
 
-
 def test_cached_tokens_count_each_prompt_once_like_its_tokens():
     """n choices of one prompt each hit the same cached prefix: usage's cached_tokens counts
     it once per prompt (never above prompt_tokens), as prompt_tokens counts the prompt."""

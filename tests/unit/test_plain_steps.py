@@ -91,7 +91,6 @@ def test_a_stop_id_ends_the_steps(target, references):
     assert state.stats.rounds == 1 + -(-expected.index(stop) // 4)
 
 
-
 def test_a_call_of_several_steps_draws_nothing_past_its_stop_id(target, references):
     """The verifier's own steps end at a stop id, however many more the call allows (the
     router's cut keeps the output, and the test above its rounds, the same either way:
@@ -210,7 +209,6 @@ def test_a_newer_call_of_the_request_in_the_batch_ends_the_steps_of_the_one_befo
     assert tokens == expected[:len(tokens)] and len(tokens) == 3  # its two steps
     assert retried.target_token_ids == (expected[1],)
     assert not verifier.steps.running
-
 
 
 def test_no_two_draws_of_a_requests_calls_share_a_cpu_generators_stream():
