@@ -157,9 +157,10 @@ def test_response_shape_usage_and_speculative_stats(cluster, pipelined):
                     pipelined=pipelined)
     assert body["object"] == "text_completion" and body["model"] == "specserve-demo"
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
-    assert body["usage"]["completion_tokens"] <= 12
-    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 12 or \
-        body["choices"][0]["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["completion_tokens"] <= 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] == 12 or body["choices"][0]["finish_reason"] == "stop"
     spec = body["speculative"]
     assert set(spec) >= {"rounds", "num_draft_tokens", "num_accepted_tokens",
                          "acceptance_rate", "mean_acceptance_length", "accepted_per_position",
@@ -312,17 +313,20 @@ def test_ignore_eos_decodes_past_the_end_of_text(cluster):
 def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(cluster):
     """Two prompts sharing a 575-token prefix: the second takes its full blocks from the
     verifier's prefix cache (reported as OpenAI's cached_tokens) and decodes exactly as
-    without a hit."""
+    without a hit: the reference is decoded first, before anything is cached (a reference
+    decoded after the hit would read the same cached blocks, and share their errors)."""
     prefix = "".join(f"    total += values[{i}] * weights[{i}]\n" for i in range(40))
+    alone = complete(cluster, prefix + "    second", max_tokens=8, temperature=0,
+                     num_speculative_tokens=0)
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a miss
     first = complete(cluster, prefix + "    first", max_tokens=8, temperature=0,
                      num_speculative_tokens=0)
     assert first["usage"]["prompt_tokens"] >= 575
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 560  # the shared prefix
     second = complete(cluster, prefix + "    second", max_tokens=8, temperature=0,
                       num_speculative_tokens=3)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 560
     uncached = complete(cluster, "#\n" + prefix + "    second", max_tokens=8, temperature=0,
                         num_speculative_tokens=0)  # shifted: no full block in common
     assert uncached["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    alone = complete(cluster, prefix + "    second", max_tokens=8, temperature=0,
-                     num_speculative_tokens=0)
     assert second["choices"][0]["text"] == alone["choices"][0]["text"]

@@ -204,6 +204,10 @@ def test_constrained_greedy_follows_its_constraint_and_equals_the_target_alone(c
     text = alone.choices[0].message.content
     if name != "json_object":
         assert alone.choices[0].finish_reason == "stop" and follows(name, text), text
+    elif alone.choices[0].finish_reason == "stop":
+        assert follows(name, text), text
+    else:  # cut at max_tokens: at least an object begun (the demo target writes code)
+        assert alone.choices[0].finish_reason == "length" and text.lstrip().startswith("{"), text
     for label, speculation in SPECULATION.items():
         spec = constrained_chat(client, name, speculation, temperature=0)
         assert spec.choices[0].message.content == text, (name, label)

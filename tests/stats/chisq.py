@@ -13,13 +13,14 @@ def chi_square(counts, expected_probs, false_failure: float):
     """
     counts = np.asarray(counts, dtype=float).ravel()
     expected = np.asarray(expected_probs, dtype=float).ravel() * counts.sum()
+    # a sample in a cell of zero probability is an outright failure: looked for before the
+    # pooling, which would hide it among the small cells of positive probability
+    if np.any((expected == 0) & (counts > 0)):
+        return float("inf"), 0.0, len(counts) - 1
     small = expected < 5
     if small.any():
         counts = np.append(counts[~small], counts[small].sum())
         expected = np.append(expected[~small], expected[small].sum())
-    # a sample in a cell of zero probability is an outright failure
-    if np.any((expected == 0) & (counts > 0)):
-        return float("inf"), 0.0, len(counts) - 1
     keep = expected > 0
     statistic = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     df = int(keep.sum()) - 1
@@ -43,12 +44,12 @@ def conditional_chi_square(counts, conditional_probs, false_failure: float):
     expected = law * counts.sum(1, keepdims=True)
     observed_groups = int((counts.sum(1) > 0).sum())
     counts, expected = counts.ravel(), expected.ravel()
+    if np.any((expected == 0) & (counts > 0)):  # before pooling, as chi_square's
+        return float("inf"), 0.0, len(counts) - observed_groups
     small = expected < 5
     if small.any():
         counts = np.append(counts[~small], counts[small].sum())
         expected = np.append(expected[~small], expected[small].sum())
-    if np.any((expected == 0) & (counts > 0)):
-        return float("inf"), 0.0, len(counts) - observed_groups
     keep = expected > 0
     statistic = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     df = max(1, int(keep.sum()) - observed_groups)

@@ -6,7 +6,9 @@ next round drafts one token, so t2 is the accepted or recovered token and t3 the
 t1, target-only sampling draws t2 ~ p(.|prompt, t1), t3 ~ p(.|prompt, t1, t2) with the same
 temperature / top-k / top-p processing; with a vocabulary of 8 that law is computed exactly
 from the target's forwards, a sharper reference than a second sample. Chi-square conditioned
-on t1 at a false-failure rate of 1e-6 per case, samples seeded.
+on t1, and t1 itself against its own law (the verifier's draw in a round without a draft: the
+conditioned check cannot see it), each at half the false-failure rate of 1e-6 per case,
+samples seeded.
 """
 
 import numpy as np
@@ -18,9 +20,10 @@ from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
 from speculative import accept as accept_module
 from speculative.sampling import SamplingParams
-from tests.stats.chisq import conditional_chi_square
-from tests.stats.laws import law_after_first
+from tests.stats.chisq import chi_square, conditional_chi_square
+from tests.stats.laws import law_after_first, sequence_law
 from tests.tiny import Batched, noisy_copy, run_seeded, tiny_llama
+from verifier import engine as verifier_module
 from verifier.engine import ModelVerifier
 
 VOCAB = 8
@@ -28,6 +31,7 @@ PROMPT = [1, 5, 2, 1, 5]  # repeats: the n-gram drafter finds [1, 5] and propose
 SAMPLES = 6000
 CHUNK = 1000  # a mutant's counts are checked after every CHUNK samples
 FALSE_FAILURE = 1e-6
+CHECK_FAILURE = FALSE_FAILURE / 2  # two checks a case: the first token, the two after it
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +72,20 @@ CONTEXT = 512  # the tiny target's context, which a tree's nodes must stay withi
 @pytest.mark.parametrize("params, drafter_kind", CASES, ids=[
     f"{kind}-{'T1' if params is T1 else 'T0.7-k5-p0.9'}" for params, kind in CASES])
 def test_two_token_sequences_match_target_only_sampling(target, params, drafter_kind):
-    counts, accepted, siblings = sample_counts(target, params, drafter_kind)
+    counts, accepted, siblings, drafted = sample_counts(target, params, drafter_kind)
+    first = sequence_law(target, PROMPT, params, 1)
+    statistic, threshold, df = chi_square(counts.sum((1, 2)), first, CHECK_FAILURE)
+    assert statistic < threshold, (
+        f"first token: chi2 = {statistic:.1f} > {threshold:.1f} (df {df}); a correct "
+        f"implementation fails this with probability {CHECK_FAILURE}"
+    )
     law = law_after_first(target, PROMPT, params, 2)
-    statistic, threshold, df = conditional_chi_square(counts, law, FALSE_FAILURE)
+    statistic, threshold, df = conditional_chi_square(counts, law, CHECK_FAILURE)
     assert statistic < threshold, (
         f"chi2 = {statistic:.1f} > {threshold:.1f} (df {df}); a correct implementation "
-        f"fails this with probability {FALSE_FAILURE}"
+        f"fails this with probability {CHECK_FAILURE}"
     )
-    assert 0 < accepted < SAMPLES  # both the accepted and the recovered paths ran
+    assert 0 < accepted < drafted  # both the accepted and the recovered paths ran
     if drafter_kind in TREE_WIDTHS:
         assert siblings > SAMPLES / 20  # paths that took a continuation beside the main one
 
@@ -86,18 +96,19 @@ def sample_counts(target, params, drafter_kind, stop_law=None):
     drafter = Batched(make_drafter(target, drafter_kind))
     verifier = Batched(ModelVerifier(target))
     counts = np.zeros((VOCAB,) * 3)
-    accepted = siblings = 0
+    accepted = siblings = drafted = 0
     for i, (out, state) in enumerate(run_seeded(
             drafter, verifier, PROMPT, params, 1, SAMPLES,
             tree_width=TREE_WIDTHS.get(drafter_kind, 1), context_limit=CONTEXT)):
         counts[tuple(out)] += 1
         accepted += state.stats.num_accepted_tokens
         siblings += state.stats.sibling_rounds
+        drafted += state.stats.num_draft_tokens
         if stop_law is not None and (i + 1) % CHUNK == 0:
-            statistic, threshold, _ = conditional_chi_square(counts, stop_law, FALSE_FAILURE)
+            statistic, threshold, _ = conditional_chi_square(counts, stop_law, CHECK_FAILURE)
             if statistic > threshold:
                 break
-    return counts, accepted, siblings
+    return counts, accepted, siblings, drafted
 
 
 def main_child_taken_untested(tree, target_token_ids):
@@ -113,6 +124,29 @@ real_walk = accept_module.accept_tree_greedy
 def test_a_matched_tree_taken_untested_fails(target, monkeypatch):
     monkeypatch.setattr(accept_module, "accept_tree_greedy", main_child_taken_untested)
     law = law_after_first(target, PROMPT, T1, 2)
-    counts, _, _ = sample_counts(target, T1, "suffix-tree", stop_law=law)
-    statistic, threshold, _ = conditional_chi_square(counts, law, FALSE_FAILURE)
+    counts, *_ = sample_counts(target, T1, "suffix-tree", stop_law=law)
+    statistic, threshold, _ = conditional_chi_square(counts, law, CHECK_FAILURE)
     assert statistic > threshold, "the untested-main-child mutant passed"
+
+
+real_draw = verifier_module.draw_recovered_and_bonus
+
+
+def first_token_off_its_law(target_probs, drafted, draft_probs, seeds):
+    """Mutant of the verifier's draws: a round without a draft (a request's first) draws
+    uniformly over p's support, p's weights ignored."""
+    if target_probs.shape[1] == 1:
+        support = (target_probs > 0).to(target_probs.dtype)
+        target_probs = support / support.sum(-1, keepdim=True)
+    return real_draw(target_probs, drafted, draft_probs, seeds)
+
+
+@pytest.mark.slow
+def test_a_first_token_off_its_law_fails(target, monkeypatch):
+    """The conditioned check cannot see the first token's law (it passes this mutant): the
+    first-token check must."""
+    monkeypatch.setattr(verifier_module, "draw_recovered_and_bonus", first_token_off_its_law)
+    counts, *_ = sample_counts(target, NUCLEUS, "model")
+    first = sequence_law(target, PROMPT, NUCLEUS, 1)
+    statistic, threshold, _ = chi_square(counts.sum((1, 2)), first, CHECK_FAILURE)
+    assert statistic > threshold, "the first-token mutant passed"
