@@ -54,6 +54,16 @@ def test_a_call_the_pool_could_never_hold_is_refused_as_bad_input():
     [result] = verifier.score_batch([first_call("long", prompt(220))])
     assert isinstance(result, KVCacheTooSmall) and "KV cache" in str(result)
     assert free_blocks(verifier) == USABLE_BLOCKS  # nothing held for it
+    # the replica answers it OUT_OF_RANGE, which the router answers 400 (not a 503 to retry:
+    # it never fits, however long the client waits)
+    from deployments.pools import PoolReplica
+    from protos import specserve_pb2 as pb
+
+    replica = PoolReplica.__new__(PoolReplica)
+    replica.replica_id = "local"
+    _, code = replica.respond(result, None, pb.ScoreResponse)
+    assert code == grpc.StatusCode.OUT_OF_RANGE
+    assert pool_failure(pool_error("verifier", code, str(result))).status == 400
 
 
 def test_a_call_that_does_not_fit_beside_its_batch_is_refused_alone():

@@ -54,6 +54,13 @@ def test_full_batches_ask_for_more_replicas(occupancy, desired):
     assert direct_aware_policy(ctx)[0] == pytest.approx(desired)
 
 
+def test_the_batch_rule_reads_the_pools_mean_occupancy_where_it_decides_alone():
+    """No queue at all: the ask is the batches' alone, from the replicas' mean (one full,
+    one half full: 0.75 of max_batch_size, TARGET_OCCUPANCY's worth of two replicas)."""
+    assert direct_aware_policy(context(2, 0, [0, 0], [1.0, 0.5]))[0] == pytest.approx(
+        2 * 0.75 / TARGET_OCCUPANCY)
+
+
 def test_occupancy_is_the_mean_batch_over_the_cap_since_the_last_poll():
     occupancy = Occupancy(max_batch_size=8)
     for size in (8, 4, 2, 2):

@@ -114,3 +114,21 @@ def test_a_special_tokens_text_outside_a_messages_content_is_refused(reader, fie
     with pytest.raises(BadRequest) as refused:
         prompt_ids(reader, messages, **fields)
     assert refused.value.param == param and refused.value.status == 400
+
+
+def test_without_max_tokens_a_chat_may_use_the_rest_of_the_context_a_completion_16(reader):
+    """OpenAI's defaults: a chat completion runs to the end of its turn or of the context; a
+    completion stops at 16 tokens (the router's default_max_tokens)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.openai_api import CompletionRequest
+
+    reader = copy.copy(reader)
+    reader.max_prompt_bytes, reader.default_max_tokens, reader.end_ids = 1 << 16, 16, ()
+    reader.tokenizing, reader.grammar_tokenizer = ThreadPoolExecutor(1), None
+    chat = asyncio.run(reader.read(ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hello"}]), chat=True))
+    assert chat.sampling.max_tokens == reader.context_limit - len(chat.token_ids)
+    completion = asyncio.run(reader.read(CompletionRequest(prompt="hello"), chat=False))
+    assert completion.sampling.max_tokens == 16

@@ -165,3 +165,7 @@ def test_vllms_per_request_metrics_count_the_rounds_that_drafted():
     assert metrics["mean_acceptance_length"] == 1 + 9 / 4
     assert metrics["num_draft_tokens"] == 15 and metrics["num_spec_tokens"] == 4
     assert metrics["draft_acceptance_rate"] == 9 / 15
+    # the rounds that drafted (vLLM's num_drafts); a pre-drafted y1 accepted at the bonus
+    # position counts at that position (the round's third)
+    assert stats.as_dict()["num_drafts"] == 4
+    assert stats.as_dict()["accepted_per_position"] == [3, 3, 2, 1]

@@ -216,3 +216,27 @@ def test_chat_bytes_are_each_tokens_own_so_a_characters_tokens_join_into_it():
     assert content[-1]["bytes"] == [] and content[0]["top_logprobs"][1]["bytes"] == []
     assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
     assert token_bytes_of(None) is None  # a tokenizer llguidance cannot read: its text's
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_streams_tokens_without_text_bring_their_logprobs_on_its_last_chunk(target, chat):
+    """Tokens that decode to no text (special tokens, a character's first bytes) make no
+    delta chunk: their logprobs come with the last chunk, so the stream still carries the
+    whole choice's."""
+    import asyncio
+    import json
+
+    def silent(choices):
+        choices.decode = lambda ids: ""
+        return choices
+
+    whole = asyncio.run(silent(choices_of(target, chat)).complete())["choices"][0]
+
+    async def collect():
+        return [e async for e in silent(choices_of(target, chat)).events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"][0] for e in asyncio.run(collect())[:-1]]
+    carried = [c["logprobs"] for c in chunks if c.get("logprobs")]
+    key = "content" if chat else "token_logprobs"
+    assert len(whole["logprobs"][key]) == 24
+    assert [e for c in carried for e in c[key]] == whole["logprobs"][key]

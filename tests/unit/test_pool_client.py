@@ -261,3 +261,75 @@ def test_in_messages_keeps_the_order_and_sends_an_oversized_item_alone():
     assert [item for run in runs for item in run] == items
     assert [len(run) for run in runs] == [2, 1, 2]
     assert in_messages([], budget=30) == [[]]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT,
+                                  grpc.StatusCode.OUT_OF_RANGE,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.UNAUTHENTICATED])
+def test_only_a_gone_replica_is_tried_again_through_the_proxy(code):
+    """A pool's failure or refusal fails the call at once (the round loop decides: a busy
+    pool is waited out there); trying it again here would hold the request to its deadline."""
+    proxy = Proxy(failures=10**9, code=code)
+    with pytest.raises(PoolError) as error:
+        asyncio.run(client(proxy, 5.0).call("Propose", None, "r1"))
+    assert error.value.code == code and proxy.calls == 1
+
+
+class Releases:
+    """A stub class whose stubs record the Release calls they get, by channel (None: the
+    proxy's)."""
+
+    def __init__(self) -> None:
+        self.released = []
+
+    def __call__(self, channel):
+        outer = self
+
+        class Stub:
+            async def Release(self, message, metadata=None, timeout=None):
+                outer.released.append((channel, message.request_id))
+
+        return Stub()
+
+
+def test_a_release_goes_to_the_pinned_replica_and_forgets_the_pin(monkeypatch):
+    """The replica that holds the request's cache gets its Release (the proxy's routing may
+    pick another, which would leave the cache to the TTL); the pin goes at once (a router
+    serves requests for months: a pin kept per request is a leak)."""
+    stubs = Releases()
+    monkeypatch.setattr(clients.grpc.aio, "insecure_channel", lambda address, options: address)
+    pool = PoolClient("proxy", stubs, "verifier", 5.0, direct=True)
+    pool.pins.update({"pinned": "r:1"})
+
+    async def main():
+        pool.release("pinned")
+        pool.release("unpinned")
+        await asyncio.gather(*pool._releasing)
+
+    asyncio.run(main())
+    assert sorted(stubs.released) == [("proxy", "unpinned"), ("r:1", "pinned")]
+    assert not pool.pins and not pool.routes
+
+
+def test_a_seeded_sampled_draft_waits_as_long_as_a_verify(monkeypatch):
+    """Its tokens depend on the drafts it gets: a draft given up on would change them. Other
+    drafts wait draft_timeout_s (a round goes on without one)."""
+    from speculative.sampling import SamplingParams
+    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+
+    monkeypatch.setattr(clients.pb_grpc, "DrafterStub", lambda channel: None)
+    drafter = clients.GrpcDrafter(None, "drafter", timeout_s=30.0, draft_timeout_s=0.05)
+    deadlines = []
+
+    async def call(method, message, request_id, timeout_s=None, route_key=None):
+        deadlines.append(timeout_s or drafter.pool.timeout_s)  # as PoolClient.call reads it
+        raise PoolError("drafter", grpc.StatusCode.UNAVAILABLE, "gone")
+
+    monkeypatch.setattr(drafter.pool, "call", call)
+    sync = PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3))
+    for sampling in (SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0),
+                     SamplingParams(temperature=0.0, seed=7)):
+        with pytest.raises(PoolError):
+            asyncio.run(drafter.propose(ProposeCall("r", sync, 3, sampling, seed=0)))
+    assert deadlines == [30.0, 0.05, 0.05]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deployments import auth, wire
-from deployments.autoscaling import DIRECT_IN_FLIGHT
+from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
@@ -92,7 +92,9 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
                        for r in responses)
             # the calls that waited for the busy model ran as one batch
             assert max(r.load.batch_size for r in responses) >= 2
-            assert (await replica.record_autoscaling_stats())[DIRECT_IN_FLIGHT] == 0.0
+            stats = await replica.record_autoscaling_stats()
+            assert stats[DIRECT_IN_FLIGHT] == 0.0
+            assert stats[BATCH_OCCUPANCY] > 0  # the batches run since the last poll
             assert replica.direct_calls_served() == 3
 
     asyncio.run(main())
@@ -241,6 +243,8 @@ def test_a_stuck_model_worker_fails_the_health_check():
         gate.set()
         await call
         await replica.check_health()  # progressing again
+        await asyncio.sleep(0.3)  # idle past health_stall_s: nothing waits, so healthy
+        await replica.check_health()
         await replica.server.stop(None)
 
     asyncio.run(main())

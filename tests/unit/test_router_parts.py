@@ -56,6 +56,9 @@ def test_admission_refuses_beyond_its_running_choices_and_a_ticket_returns_once(
     ticket.release()
     ticket.release()
     assert admission.running == 0
+    with pytest.raises(BadRequest) as never:  # more than it ever runs: retrying never helps
+        admission.admit(5)
+    assert never.value.status == 400 and never.value.param == "n"
     admission.admit(4)
 
 
@@ -233,3 +236,66 @@ def test_a_stream_whose_client_goes_mid_stream_ends_its_events_before_its_admiss
 
     asyncio.run(main())
     assert order == [("events ended", 2)] and admission.running == 0
+
+
+def router_of(max_running: int):
+    """The Router's request path (Router.serve_request) without Ray or a model: stand-ins
+    for its prompt reading and planning plan each prompt of a body as two tokens, over
+    agreeing pools. Returns (serve(request, schema, chat), its admission)."""
+    from types import SimpleNamespace
+
+    from deployments.router import Router
+    from speculative.frontend import joined
+
+    async def plan(body, chat):
+        plans = [RequestFrontEnd().plan(f"cmpl-x-{i}", (2, 3), SamplingParams(
+            temperature=0.0, max_tokens=4), n=body.n) for i, _ in enumerate(body.prompts())]
+        return plans[0] if len(plans) == 1 else joined("cmpl-x", plans)
+
+    router = SimpleNamespace(  # not a Router: Serve's ingress wrapper wants its event loop
+        api_key=None, token_bytes=None, admission=Admission(max_running), metrics=Recorded(),
+        args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m"),
+        decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
+        prompts=SimpleNamespace(reported_stop_ids=lambda body: ()),
+        pools=lambda kind=None: (Agreeing(), Agreeing()), plan=plan)
+
+    def serve(request, schema, chat):
+        return Router.serve_request(router, request, schema, chat)
+
+    return serve, router.admission
+
+
+def posted(body: dict):
+    from starlette.requests import Request
+
+    raw = json.dumps(body).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                    "query_string": b"", "headers": [(b"content-length", str(len(raw)).encode())]},
+                   receive)
+
+
+def test_a_whole_answer_gives_its_admission_back_so_the_next_request_runs():
+    """A server that runs one choice at a time answers requests one after another (a slot
+    kept by a finished request would refuse every later one with 429)."""
+    serve, admission = router_of(max_running=1)
+
+    async def main():
+        return [await serve(posted({"prompt": "hi", "max_tokens": 4}), CompletionRequest,
+                            chat=False) for _ in range(3)]
+
+    answers = asyncio.run(main())
+    assert all(isinstance(a, dict) and a["choices"][0]["text"] == "aaaa" for a in answers)
+    assert admission.running == 0
+
+
+def test_a_completions_batch_is_admitted_as_its_prompts_times_n():
+    """Two prompts with n = 2 are four choices: beyond a bound of 3 they never run (400)."""
+    serve, admission = router_of(max_running=3)
+    refused = asyncio.run(serve(posted({"prompt": ["hi", "ho"], "n": 2, "max_tokens": 4}),
+                                CompletionRequest, chat=False))
+    assert refused.status_code == 400 and json.loads(refused.body)["error"]["param"] == "n"
+    assert admission.running == 0
