@@ -455,3 +455,81 @@ def test_linears_with_a_forward_of_their_own_keep_transformers_modeling():
     ids = [(5 * i) % 64 for i in range(12)]
     [logits] = runner.forward([packed.Segment(runner.new_cache(), ids, 0, len(ids))])
     assert float((logits - full_logits(model, ids)).abs().max()) < ATOL
+
+
+def test_greedy_and_sampled_drafts_of_several_laws_in_one_batch_each_draw_their_own():
+    """A step's tokens come back to the drafts they were drawn for when greedy and sampled
+    drafts (of two laws) interleave in the batch: each block is the one its call drafts
+    alone, its tokens drawn from the q it ships."""
+    draft = tiny_llama(4)
+    batch_drafter, alone = ModelDrafter(draft, draft_top_k=4), ModelDrafter(draft, draft_top_k=4)
+    laws = [SamplingParams(temperature=1.0), GREEDY, SamplingParams(temperature=0.7), GREEDY,
+            SamplingParams(temperature=1.0)]
+    calls = [ProposeCall(f"r{i}", sync([], [1 + i, 2 + 2 * i, 3]), 3, params, seed=50 + i)
+             for i, params in enumerate(laws)]
+    for call, block in zip(calls, batch_drafter.propose_batch(calls)):
+        single = alone.propose_now(call)
+        assert block.token_ids == single.token_ids, call.request_id
+        if block.draft_probs is not None:  # each token is one its own q can draw
+            dense = block.draft_probs.dense()
+            assert all(dense[i, token] > 0 for i, token in enumerate(block.token_ids))
+
+
+def test_sampled_chains_of_different_lengths_share_a_verify_batch():
+    """Requests at different K (an adaptive K, a request's end) in one batch: each answer is
+    the call's alone, none takes the batch down."""
+    target = tiny_llama(1)
+    vocab = target.config.vocab_size
+    sampled = SamplingParams(temperature=1.0)
+    calls = [ScoreCall(f"s{k}", sync([], [2 + k, 3, 5]), tuple(range(6, 6 + k)), sampled,
+                       seed=10 + k, draft_probs=DraftDists.from_dense(
+                           torch.full((k, vocab), 1.0 / vocab)) if k else None)
+             for k in (1, 3, 0, 2)]
+    together = ModelVerifier(target).score_batch(calls)
+    for call, answer in zip(calls, together):
+        assert not isinstance(answer, Exception), answer
+        alone = ModelVerifier(target).score_now(call)
+        assert (answer.recovered_token_ids, answer.bonus_token_id) == \
+            (alone.recovered_token_ids, alone.bonus_token_id)
+        assert answer.draft_target_probs == pytest.approx(alone.draft_target_probs, abs=1e-6)
+
+
+@pytest.mark.parametrize("backend", PLANS)
+def test_a_lone_decode_step_one_past_the_window_does_not_see_the_first_key(backend):
+    """One request fed one token at a time past its sliding window (8): at every length the
+    logits are a fresh forward's, the step whose query stands at position `window` (the one
+    that must stop seeing key 0) included."""
+    runner = served("mistral-sliding", backend)
+    store = SessionStore(2)
+    ids = [(5 * i + 3) % 60 for i in range(12)]
+    for length in range(6, 13):
+        known = ids[:length - 1] if length > 6 else []
+        sequence = store.apply("r", sync(known, ids[len(known):length]))
+        [logits] = runner.forward([sequence.segment(runner, [], 1)])
+        reference = full_logits(runner.model, ids[:length])[-1:]
+        assert (logits - reference).abs().max() < ATOL, length
+
+
+def test_the_bonus_law_returned_is_the_position_after_the_draft():
+    """return_bonus_probs gives p(K+1), the target's law after the drafted tokens (what a
+    pre-drafted y1 is tested against), not a drafted position's."""
+    target = tiny_llama(1)
+    vocab = target.config.vocab_size
+    prompt, drafted = [2, 3, 5], (6, 7)
+    call = ScoreCall("b", sync([], prompt), drafted, SamplingParams(temperature=1.0), seed=3,
+                     draft_probs=DraftDists.from_dense(torch.full((2, vocab), 1.0 / vocab)),
+                     return_bonus_probs=True)
+    scores = ModelVerifier(target).score_now(call)
+    expected = full_logits(target, prompt + list(drafted))[-1].softmax(-1)
+    torch.testing.assert_close(scores.bonus_probs.dense()[0], expected, atol=1e-5, rtol=0)
+
+
+def test_the_lean_rms_norm_rounds_as_transformers_in_half_precision():
+    """In bfloat16 the norm is taken in float32 and cast back before the weight multiplies,
+    as transformers' Llama RMSNorm does: bit for bit the module's own output."""
+    norm = tiny_llama(1).model.layers[0].input_layernorm.to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, norm.weight.numel()))
+        x = torch.randn(5, norm.weight.numel(), generator=torch.Generator().manual_seed(0)) \
+            .to(torch.bfloat16)
+        assert torch.equal(lean.RMSNorm(norm)(x), norm(x))

@@ -154,3 +154,24 @@ def test_a_cuda_device_that_is_not_there_is_refused_before_the_weights_load(tmp_
 
     with pytest.raises(ValueError, match="device 'cuda:99'"):
         load_causal_lm(str(tmp_path / "not-loaded"), "float32", "cuda:99")
+
+
+def test_a_window_the_config_turns_off_is_no_window():
+    """Qwen2 configs name a sliding_window with use_sliding_window false (Qwen2.5's), or
+    layer_types without a sliding layer: their layers attend to the whole context."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    from engine.checkpoint import sliding_window
+
+    shape = dict(num_hidden_layers=2, sliding_window=4096)
+    assert sliding_window(Qwen2Config(**shape, use_sliding_window=False)) is None
+    # a config without layer_types (an older transformers', or another Qwen architecture's)
+    assert sliding_window(SimpleNamespace(model_type="qwen2_moe", sliding_window=4096,
+                                          use_sliding_window=False)) is None
+    assert sliding_window(SimpleNamespace(model_type="mistral", sliding_window=4096)) == 4096
+    assert sliding_window(Qwen2Config(**shape, use_sliding_window=True,
+                                      layer_types=["full_attention"] * 2)) is None
+    assert sliding_window(Qwen2Config(**shape, use_sliding_window=True,
+                                      layer_types=["sliding_attention", "full_attention"])) == 4096

@@ -279,3 +279,12 @@ def test_idle_sessions_are_swept_after_their_ttl(monkeypatch):
     store.apply("new", full([1]))
     now[0] += 20  # old idle 70 s, new 20 s
     assert store.sweep() == 1 and "old" not in store and "new" in store
+
+
+def test_an_idle_eviction_spares_the_sessions_of_the_running_batch():
+    store = SessionStore(8)
+    for request_id in ("a", "b", "c"):
+        store.apply(request_id, PrefixSync(0, prefix_hash([]), (1, 2)))
+    with store.batch(["a", "c"]):
+        assert store.evict_idle() and list(store) == ["a", "c"]
+        assert not store.evict_idle() and list(store) == ["a", "c"]

@@ -207,3 +207,18 @@ def test_a_rebuild_into_shared_blocks_copies_them_and_withdraws_what_it_cuts():
     assert c.cached_tokens == size
     torch.testing.assert_close(logits, full_logits(runner.model, PROMPT[:34])[-1:], atol=ATOL,
                                rtol=0)
+
+
+def test_a_write_into_a_shared_block_is_counted_as_a_block_to_copy():
+    """missing() counts, beside the new blocks, each block it would write that another cache
+    also holds (its copy), so admission reserves what the feed's copy on write takes."""
+    from engine.paged import BlockPool, PagedCache
+
+    pool = BlockPool(1, 8, 1, 2, torch.float32, "cpu", block_size=4)
+    holder = PagedCache(pool)
+    holder.reserve(8)
+    taker = PagedCache(pool)
+    taker.adopt(holder, 8)  # both hold blocks 0 and 1 of the prefix
+    assert taker.missing(8, 8) == 0  # a feed after them writes nothing shared
+    assert taker.missing(10, 6) == 1 + 1  # block 1 copied, block 2 new
+    assert taker.missing(10, 2) == 2 + 1

@@ -182,3 +182,59 @@ def test_no_tree_passes_the_nodes_a_verifier_scores():
 
     request = Request("r", (1, 2), SamplingParams(max_tokens=1000), tree_width=8)
     assert tree_shape(RequestState(request), 16, False) == (8, 64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sampled_siblings_are_drawn_without_the_main_token_or_each_other(seed):
+    """Sampled siblings come from q with the main token (and the siblings before) removed:
+    with q cut to its top 2, each level has at most one sibling, never the main token."""
+    from drafter.model import ModelDrafter
+    from speculative.sampling import SamplingParams
+    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from tests.tiny import tiny_llama
+
+    drafter = ModelDrafter(tiny_llama(8, layers=1), draft_top_k=2)
+    sync = PrefixSync(0, EMPTY_PREFIX_HASH, (3, 1, 4))
+    tree = drafter.propose_now(ProposeCall("t", sync, 3, SamplingParams(temperature=1.0),
+                                           seed, tree_width=3, tree_nodes=6))
+    assert tree.parents is not None
+    for parent in set(tree.parents):
+        children = [tree.token_ids[n] for n, p in enumerate(tree.parents) if p == parent]
+        assert len(children) == len(set(children)) <= 2, (parent, children)
+
+
+def test_tree_scores_test_each_sibling_against_the_residual_of_those_before():
+    """tree_scores' acceptance probabilities and the rows it draws from, against the rule
+    worked through by hand: at a node, child x is accepted with min(1, r(x) / q(x)); a
+    rejection takes r <- norm(max(0, r - q)) and q <- q without x; the row a node's draw
+    comes from is what is left once all its children are rejected (p at a leaf)."""
+    import speculative.tree as tree_module
+    from speculative.rejection import residual
+    from speculative.tree import tree_scores, without
+
+    target = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1],
+                           [0.1, 0.1, 0.1, 0.7]])
+    q_root = torch.tensor([0.05, 0.6, 0.3, 0.05])
+    tree = DraftTree(token_ids=(1, 2, 0), parents=(ROOT, ROOT, 0))
+    q_node0 = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    draft = torch.stack([q_root, q_root, q_node0])
+    drawn_rows = []
+    real = tree_module.sample_rows
+    tree_module.sample_rows = lambda rows, generator: (drawn_rows.append(rows.clone()),
+                                                       real(rows, generator))[1]
+    try:
+        accept, _ = tree_scores(tree, draft, target, torch.Generator().manual_seed(0))
+    finally:
+        tree_module.sample_rows = real
+    r, q = target[0], q_root
+    expected = [min(1.0, float(r[1] / q[1]))]
+    r, q = residual(r, q), without(q, 1)
+    expected.append(min(1.0, float(r[2] / q[2])))
+    root_row = residual(r, q)
+    expected.append(min(1.0, float(target[1][0] / q_node0[0])))
+    node0_row = residual(target[1], q_node0)
+    assert accept.tolist() == pytest.approx(expected, abs=1e-6)
+    [rows] = drawn_rows
+    torch.testing.assert_close(rows[0], root_row, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rows[1], node0_row, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rows[2:], target[2:], atol=0, rtol=0)  # leaves: p

@@ -115,3 +115,20 @@ def test_a_tree_the_engine_cannot_score_is_refused_alone():
     chain_scores, refused = verifier.score_batch([chain, tree])
     assert isinstance(refused, ValueError) and "draft tree" in str(refused)
     assert len(chain_scores.target_token_ids) == 3 and "tree" not in verifier.sessions
+
+
+@pytest.mark.parametrize("engine", ["paged", "regions"])
+def test_the_first_sibling_slot_is_refed_when_a_later_token_is_committed_after_it(engine):
+    """A sibling of the root's first child sits in the slot after the main chain; when the
+    committed tokens run past that slot (it holds the same token as the committed one there,
+    at another position), the next call refeeds it rather than keeping its keys."""
+    runner = served("llama", engine)
+    store = SessionStore(4)
+    tree = DraftTree(token_ids=(10, 11), parents=(-1, -1))  # node 1 at slot 1 of the tree
+    sequence = store.apply("r", sync([], PROMPT))
+    runner.forward([sequence.segment(runner, [10, 11], 3, parents=tree.parents)])
+    sequence = store.apply("r", sync(PROMPT, [10, 11, 12]))  # 11 committed at depth 2
+    segment = sequence.segment(runner, [], 1)
+    assert segment.start == len(PROMPT) + 1 and segment.token_ids == [11, 12]
+    [logits] = runner.forward([segment])
+    assert (logits - full_logits(runner.model, PROMPT + [10, 11, 12])[-1:]).abs().max() < ATOL
