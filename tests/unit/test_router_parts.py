@@ -299,3 +299,45 @@ def test_a_completions_batch_is_admitted_as_its_prompts_times_n():
                                 CompletionRequest, chat=False))
     assert refused.status_code == 400 and json.loads(refused.body)["error"]["param"] == "n"
     assert admission.running == 0
+
+
+def test_router_metrics_record_a_requests_counts_by_position_and_its_mean_round_by_phase(
+        monkeypatch):
+    """RouterMetrics.record, with Ray's metric classes stood in for: acceptance by drafted
+    position (0-based, as vLLM's), rounds by K, and each phase's time per round."""
+    from deployments import metrics as metrics_module
+    from speculative.state import Request, RequestState
+
+    recorded = []
+
+    class Metric:
+        def __init__(self, name, **_):
+            self.name = name
+
+        def inc(self, value, tags=None):
+            recorded.append((self.name, "inc", value, tags))
+
+        def observe(self, value, tags=None):
+            recorded.append((self.name, "observe", value, tags))
+
+    for name in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics_module, name, Metric)
+    state = RequestState(Request("r", (1,), SamplingParams(temperature=0.0, min_tokens=2)))
+    stats = state.stats
+    stats.rounds, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = 2, 2, 6, 4
+    stats.accepted_per_position, stats.rounds_by_k = [2, 2, 0], {3: 2}
+    stats.draft_seconds, stats.verify_seconds, stats.round_seconds = 0.004, 0.010, 0.016
+    stats.draft_compute_seconds, stats.verify_compute_seconds = 0.002, 0.008
+    metrics_module.RouterMetrics().record(state)
+    by_name = {}
+    for name, kind, value, tags in recorded:
+        by_name.setdefault(name, []).append((value, tags))
+    assert by_name["spec_decode_num_accepted_tokens_per_pos"] == [
+        (2, {"position": "0"}), (2, {"position": "1"})]
+    assert by_name["spec_decode_rounds_by_num_speculative_tokens"] == [
+        (2, {"num_speculative_tokens": "3"})]
+    phases = {tags["phase"]: value for value, tags in by_name["spec_decode_round_seconds"]}
+    assert phases == pytest.approx({"draft": 0.001, "verify": 0.004, "transport": 0.002,
+                                    "router": 0.001})
+    assert by_name["specserve_feature_choices"] == [(1, {"feature": "min_tokens"})]
+    assert by_name["specserve_feature_accepted_tokens"] == [(4, {"feature": "min_tokens"})]
