@@ -87,6 +87,20 @@ def test_each_token_carries_the_targets_own_logprobs(target, mode, kind, k, pipe
     assert accepted > 0 or kind == "ngram" and mode != "greedy"
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_a_draft_trees_tokens_carry_the_targets_own_logprobs(target, mode):
+    """Tree rounds (width 3, 8 nodes, K = 4): the logprobs are taken along the accepted path,
+    each drafted node's at its parent's row, also where the path leaves the main chain."""
+    drafter, verifier = ModelDrafter(noisy_copy(target, 0.3, seed=2)), ModelVerifier(target)
+    siblings = 0
+    for i, prompt in enumerate(PROMPTS):
+        out, state = run(drafter, verifier, prompt, MODES[mode], 4, request_id=f"t{i}",
+                         tree_width=3, tree_nodes=8)
+        assert_close(state.logprobs, reference(target, prompt, out))
+        siblings += state.stats.sibling_rounds
+    assert siblings > 0  # a path off the main chain was taken, and its logprobs checked
+
+
 def test_logprobs_travel_the_wire_and_zero_top_is_the_token_only():
     logprobs = PositionLogprobs((-0.5,), (-0.1, -2.0), (((3, -0.1), (4, -0.2)),
                                                          ((1, -0.3), (3, -0.9))))
