@@ -6,7 +6,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_valida
                       model_validator)
 
 from drafter.registry import DRAFTERS, DrafterSpec
-from engine.models import DEMO_DRAFT, DEMO_TARGET, expand_home
+from engine.models import DEMO_DRAFT, DEMO_TARGET, DTYPES, expand_home
 
 ModelPath = Annotated[str, AfterValidator(expand_home)]  # a hub id or a folder ("~" expanded)
 
@@ -17,9 +17,9 @@ class PoolArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: ModelPath
-    # torch's dtypes of these names (engine.models.DTYPES): refused at deploy, not after a
-    # replica has fetched the weights
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # one of torch's dtypes the pools load: refused at deploy, not after a replica has
+    # fetched the weights
+    dtype: Literal[DTYPES] = "float32"
     device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")  # cpu, cuda, cuda:N
     torch_threads: int = Field(default=1, ge=1)  # match the replica's num_cpus
     max_cached_requests: int = Field(default=256, ge=1)

@@ -37,7 +37,8 @@ def check_device(device: str) -> None:
     try:
         where = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+        raise ValueError(f"device {device!r} is no torch device (cpu, cuda or cuda:N)") \
+            from None
     if where.type != "cuda":
         return
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -375,19 +375,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    try:
-        torch.device(args.device)
-    except RuntimeError:
-        print(f"specserve check-gpu: --device {args.device!r} is no torch device (cuda, "
-              "cuda:N or cpu)", file=sys.stderr)
-        return 2
     if args.out is not None and not args.out.parent.is_dir():
         print(f"specserve check-gpu: --out {args.out}: its folder does not exist",
               file=sys.stderr)
         return 2
     from engine.models import check_device
 
-    try:  # none visible, or cuda:N past the visible ones
+    try:  # no torch device, none visible, or cuda:N past the visible ones
         check_device(args.device)
     except ValueError as error:
         print(f"specserve check-gpu: --{error} (on a CPU: --device cpu --small)",
