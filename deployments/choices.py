@@ -56,6 +56,8 @@ class Choices:
         self.continuous_usage = continuous_usage  # and every chunk its choice's so far
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
         self.token_bytes = token_bytes  # chat logprobs' bytes (deployments.logprobs)
+        # OpenAI's `created`: when the completion was created, on each chunk of its stream
+        self.created = int(time.time())
 
     @property
     def request_id(self) -> str:
@@ -84,7 +86,14 @@ class Choices:
         done = await self.all_choices(lambda index: self.run_choice(index, ignore))
         choices = [self.whole_choice(i, g) for i, g in enumerate(done)]
         return completion_body(self.request_id, self.model, choices, self.plan.usage(done),
-                               self.plan.merged_stats(done), self.chat)
+                               self.plan.merged_stats(done), self.chat, self.created,
+                               self.prompt_ids(0) if self.chat else None)
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        """Choice `index`'s prompt ids when the request asked for token ids (vLLM's)."""
+        if not self.return_token_ids:
+            return None
+        return list(self.plan.choices[index].request.prompt_token_ids)
 
     def whole_choice(self, index: int, generation: Generation) -> dict:
         """A finished choice's body; with tools, its calls read out of its text."""
@@ -95,7 +104,7 @@ class Choices:
         return choice_body(index, content, finish_reason,
                            generation.stop_reason, self.chat,
                            generation.token_ids if self.return_token_ids else None,
-                           self.logprobs(generation), calls)
+                           self.logprobs(generation), calls, self.prompt_ids(index))
 
     async def events(self):
         """Server-sent events: a first chunk per choice (chat: the role, as OpenAI sends it),
@@ -112,7 +121,7 @@ class Choices:
             if self.include_usage:
                 kind = "chat.completion.chunk" if self.chat else "text_completion"
                 stats = self.plan.merged_stats(done)
-                final = {"id": self.request_id, "object": kind, "created": int(time.time()),
+                final = {"id": self.request_id, "object": kind, "created": self.created,
                          "model": self.model, "choices": [], "usage": self.plan.usage(done),
                          "speculative": stats.as_dict(), "metrics": stats.vllm_metrics()}
                 yield f"data: {json.dumps(final)}\n\n"
@@ -136,14 +145,14 @@ class Choices:
 
         def chunk(text, finish_reason=None, generation=None, **fields) -> str:
             body = chunk_body(self.request_id, self.model, index, text, finish_reason,
-                              self.chat, **fields)
+                              self.chat, created=self.created, **fields)
             if self.continuous_usage:  # the choice's tokens so far (vLLM's continuous usage)
                 done = len(generation.token_ids) if generation is not None else 0
                 body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                                  "total_tokens": prompt_tokens + done}
             return json.dumps(body)
 
-        delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat)
+        delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
         held = HeldContent() if self.tools else None
         logged = self.streamed_logprobs(index)
 
@@ -159,8 +168,11 @@ class Choices:
                 return  # its tokens' logprobs go with the next chunk
             await send(generation, delta)
 
+        # the prompt's ids (return_token_ids): a chat's on its first chunk, as vLLM's; a
+        # completion's beside its token_ids on its last (a first chunk is its first text)
+        prompt_ids = self.prompt_ids(index)
         if self.chat:
-            await queue.put(chunk("", role="assistant"))
+            await queue.put(chunk("", role="assistant", prompt_token_ids=prompt_ids))
         generation = await self.run_choice(index, push)
         finish_reason = generation.finish_reason
         if held is not None:
@@ -173,7 +185,8 @@ class Choices:
             finish_reason = self.tools.finish_reason(calls, finish_reason)
         await queue.put(chunk(None, finish_reason, generation, stop_reason=generation.stop_reason,
                               token_ids=generation.token_ids if self.return_token_ids else None,
-                              logprobs=logged(generation, last=True) if logged else None))
+                              logprobs=logged(generation, last=True) if logged else None,
+                              prompt_token_ids=None if self.chat else prompt_ids))
         return generation
 
     def streamed_logprobs(self, index: int):

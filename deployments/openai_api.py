@@ -36,13 +36,17 @@ MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
-# vLLM's fields not served here, each of which changes the answer or what it carries, and the
-# values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
+# vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace),
+# each of which changes the answer or what it carries, and the values that ask for nothing
+# (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
             "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
             "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
             "skip_special_tokens": (None, True), "continue_final_message": (None, False),
-            "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {})}
+            "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {}),
+            "chat_template": (None,), "documents": (None, []),
+            "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
+            "functions": (None, [])}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 
 
@@ -157,8 +161,9 @@ class SamplingFields(BaseModel):
                                  "the constraint as structured_outputs or response_format")
             if unserved := sorted(key for key, served in UNSERVED.items()
                                   if key in data and data[key] not in served):
-                raise ValueError(f"{unserved[0]}: {data[unserved[0]]!r} is not supported by "
-                                 "this server")
+                value = repr(data[unserved[0]])  # a template or functions may be long
+                value = value if len(value) <= 80 else value[:77] + "..."
+                raise ValueError(f"{unserved[0]}: {value} is not supported by this server")
             return {key: value for key, value in data.items() if value is not None}
         return data
 
@@ -258,6 +263,13 @@ class CompletionRequest(SamplingFields):
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def false_is_off(cls, value):
+        # a count, yet clients send chat's boolean: false (JSON's, an int to pydantic as 0)
+        # would ask for every token's logprob
+        return None if value is False else value
 
     @field_validator("echo", "suffix")
     @classmethod
@@ -368,7 +380,8 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def needs_logprobs(cls, value, info):
-        return needing(value, info, "logprobs", "top_logprobs needs logprobs: true")
+        # 0 alone asks for nothing: vLLM's default, sent by clients that send every field
+        return needing(value or None, info, "logprobs", "top_logprobs needs logprobs: true")
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -21,25 +21,32 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 
 def completion_body(request_id: str, model: str, choices: list[dict], usage: dict,
-                    stats: SpecStats, chat: bool) -> dict:
+                    stats: SpecStats, chat: bool, created: int | None = None,
+                    prompt_token_ids: list[int] | None = None) -> dict:
     """The response: OpenAI's fields, specserve's `speculative` block and vLLM's per-request
-    speculative metrics (`metrics.speculative_decoding`)."""
-    return {
+    speculative metrics (`metrics.speculative_decoding`); a chat's prompt_token_ids (vLLM's
+    return_token_ids) on the body."""
+    body = {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": choices,
         "usage": usage,
         "speculative": stats.as_dict(),
         "metrics": stats.vllm_metrics(),
     }
+    if prompt_token_ids is not None:
+        body["prompt_token_ids"] = prompt_token_ids
+    return body
 
 
 def choice_body(index: int, text: str | None, finish_reason: str | None, stop_reason,
                 chat: bool, token_ids: list[int] | None = None, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
-    """One choice; stop_reason (as vLLM) is the stop token id or string, None at length."""
+                tool_calls: list[dict] | None = None,
+                prompt_token_ids: list[int] | None = None) -> dict:
+    """One choice; stop_reason (as vLLM) is the stop token id or string, None at length; a
+    completion's prompt_token_ids (vLLM's return_token_ids) on its choice."""
     if chat:
         body = {"index": index, "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason, "logprobs": logprobs}
@@ -51,6 +58,8 @@ def choice_body(index: int, text: str | None, finish_reason: str | None, stop_re
     body["stop_reason"] = stop_reason
     if token_ids is not None:
         body["token_ids"] = token_ids
+    if prompt_token_ids is not None and not chat:
+        body["prompt_token_ids"] = prompt_token_ids
     return body
 
 
@@ -61,8 +70,10 @@ class DeltaChunks:
 
     HOLE = "\x00delta\x00"
 
-    def __init__(self, request_id: str, model: str, index: int, chat: bool) -> None:
-        whole = json.dumps(chunk_body(request_id, model, index, self.HOLE, None, chat))
+    def __init__(self, request_id: str, model: str, index: int, chat: bool,
+                 created: int | None = None) -> None:
+        whole = json.dumps(chunk_body(request_id, model, index, self.HOLE, None, chat,
+                                      created=created))
         self.head, self.tail = whole.split(json.dumps(self.HOLE))
 
     def __call__(self, text: str) -> str:
@@ -72,7 +83,10 @@ class DeltaChunks:
 def chunk_body(request_id: str, model: str, index: int, text: str | None,
                finish_reason: str | None, chat: bool, *, role: str | None = None,
                stop_reason=None, token_ids: list[int] | None = None,
-               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None,
+               created: int | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+    """One choice's chunk; created: the request's (OpenAI: the same on every chunk), else
+    now; prompt_token_ids where vLLM puts them (a chat's on the chunk, else on its choice)."""
     if chat:
         delta = {"role": role} if role else {}
         if text is not None:
@@ -88,10 +102,15 @@ def chunk_body(request_id: str, model: str, index: int, text: str | None,
         choice["stop_reason"] = stop_reason
         if token_ids is not None:
             choice["token_ids"] = token_ids
-    return {
+    if prompt_token_ids is not None and not chat:
+        choice["prompt_token_ids"] = prompt_token_ids
+    body = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": [choice],
     }
+    if prompt_token_ids is not None and chat:
+        body["prompt_token_ids"] = prompt_token_ids
+    return body

@@ -51,6 +51,8 @@ def test_what_changes_nothing_passes():
                              allowed_token_ids=None, skip_special_tokens=True).n == 1
     assert ChatCompletionRequest(messages=CHAT, add_generation_prompt=True,
                                  chat_template_kwargs={}, continue_final_message=False).n == 1
+    assert ChatCompletionRequest(messages=CHAT, return_tokens_as_token_ids=False, documents=[],
+                                 functions=[], chat_template=None).n == 1
 
 
 @pytest.mark.parametrize("field, value", [
@@ -58,10 +60,13 @@ def test_what_changes_nothing_passes():
     ("include_stop_str_in_output", True), ("prompt_logprobs", 0), ("use_beam_search", True),
     ("truncate_prompt_tokens", 8), ("skip_special_tokens", False),
     ("continue_final_message", True), ("add_generation_prompt", False),
-    ("chat_template_kwargs", {"enable_thinking": False})])
+    ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"),
+    ("documents", [{"title": "t", "text": "x"}]), ("return_tokens_as_token_ids", True),
+    ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}])])
 def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, value):
     """Each changes the answer or what it carries (a prompt_logprobs of 0 asks for each
-    prompt token's logprob; vLLM refuses an empty allowed_token_ids)."""
+    prompt token's logprob; vLLM refuses an empty allowed_token_ids; OpenAI's deprecated
+    `functions` ask for a function_call, which tools now give)."""
     with pytest.raises(ValidationError, match=f"{field}: .* is not supported"):
         ChatCompletionRequest(messages=CHAT, **{field: value})
 
@@ -253,6 +258,24 @@ def test_chat_logprobs_alone_ask_for_each_tokens_own_logprob():
     assert ChatCompletionRequest(messages=CHAT, logprobs=True, top_logprobs=3) \
         .sampling(16).logprobs == 3
     assert ChatCompletionRequest(messages=CHAT).sampling(16).logprobs is None
+
+
+def test_a_top_logprobs_of_zero_without_logprobs_asks_for_nothing():
+    """vLLM's default (top_logprobs 0, logprobs false, as a client that sends every field
+    sends them) asks for no logprobs and is taken, as vLLM takes it; a top n is not."""
+    for logprobs in (False, None):
+        chat = ChatCompletionRequest(messages=CHAT, logprobs=logprobs, top_logprobs=0)
+        assert chat.sampling(16).logprobs is None
+    with pytest.raises(ValidationError, match="needs logprobs"):
+        ChatCompletionRequest(messages=CHAT, top_logprobs=1)
+
+
+def test_completions_logprobs_false_asks_for_none():
+    """A completion's logprobs is a count, but a client may send chat's boolean: false is off
+    (JSON's false read as the count 0 returned every token's logprob, and ran each round
+    without a draft one step at a time)."""
+    assert CompletionRequest(prompt="x", logprobs=False).sampling(16).logprobs is None
+    assert CompletionRequest(prompt="x", logprobs=0).sampling(16).logprobs == 0
 
 
 def test_max_completion_tokens_is_read_before_max_tokens():

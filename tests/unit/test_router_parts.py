@@ -145,6 +145,51 @@ def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_b
 
 
 @pytest.mark.parametrize("chat", [False, True])
+def test_return_token_ids_brings_the_prompts_ids_where_vllm_puts_them(chat):
+    """vLLM's return_token_ids: the prompt's ids beside the output's (chat: on the body;
+    completions: on each choice); streamed once per choice, a chat's on its first chunk (as
+    vLLM), a completion's on its last, beside its token_ids (its first chunk is its first
+    text, which a client times)."""
+    choices, _, _ = fan_out(chat=chat)
+    body = asyncio.run(choices.complete())
+    carriers = [body] if chat else body["choices"]
+    assert [c.get("prompt_token_ids") for c in carriers] == [[2, 3]] * len(carriers)
+    choices, _, _ = fan_out(chat=chat)
+
+    async def collect():
+        return [event async for event in choices.events()]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"][0]["index"] == index]
+        sent = [(c if chat else c["choices"][0]).get("prompt_token_ids") for c in mine]
+        assert sent.count(None) == len(sent) - 1 and sent[0 if chat else -1] == [2, 3]
+        assert chat or mine[0]["choices"][0]["text"]  # no empty chunk before the first text
+        assert "".join(c["choices"][0]["delta"].get("content") or "" if chat else
+                       c["choices"][0]["text"] for c in mine) == "aaaa"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_chunk_of_a_stream_has_the_requests_created(chat, monkeypatch):
+    """OpenAI's `created`: when the completion was created, the same on each chunk of its
+    stream (the role, delta, final and usage chunks were stamped as each was built)."""
+    import time
+
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(time, "time", lambda: next(clock))  # a second per reading
+    choices, _, _ = fan_out(chat=chat, include_usage=True)
+
+    async def collect():
+        return [event async for event in choices.events()]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    assert len(chunks) > 4 and {c["created"] for c in chunks} == {1000}
+    whole, _, _ = fan_out(chat=chat)
+    later = next(clock)
+    assert asyncio.run(whole.complete())["created"] < later  # when it began, not ended
+
+
+@pytest.mark.parametrize("chat", [False, True])
 def test_continuous_usage_puts_each_choices_usage_so_far_on_its_chunks(chat):
     """stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk of a
     choice carries its usage so far, growing to its whole; the last chunk the request's."""
