@@ -46,13 +46,15 @@ class PromptReader:
         default = self.default_max_tokens if not chat else limit - len(prompt_ids)
         default = min(default, limit - len(prompt_ids))
         sampling = body.sampling(default)
+        # the field the client gave (OpenAI's newer one is read first)
+        named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         if body.min_tokens > sampling.max_tokens:
-            raise BadRequest(f"min_tokens ({body.min_tokens}) must be at most max_tokens "
+            raise BadRequest(f"min_tokens ({body.min_tokens}) must be at most {named} "
                              f"({sampling.max_tokens})", param="min_tokens")
         if len(prompt_ids) + sampling.max_tokens > limit:
-            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
+            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus {named} "
                              f"({sampling.max_tokens}) exceed the context limit of {limit}",
-                             param="max_tokens")
+                             param=named)
         constraint = self.constraint(body)
         if constraint is not None:  # compiled off the event loop too
             field, kind, spec = constraint

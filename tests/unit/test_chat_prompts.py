@@ -132,3 +132,19 @@ def test_without_max_tokens_a_chat_may_use_the_rest_of_the_context_a_completion_
     assert chat.sampling.max_tokens == reader.context_limit - len(chat.token_ids)
     completion = asyncio.run(reader.read(CompletionRequest(prompt="hello"), chat=False))
     assert completion.sampling.max_tokens == 16
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_length_past_the_context_is_refused_naming_the_field_given(reader, field):
+    """The 400 names the field the client sent (OpenAI's newer one too), as its param."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    reader = copy.copy(reader)
+    reader.max_prompt_bytes, reader.end_ids = 1 << 16, ()
+    reader.tokenizing, reader.grammar_tokenizer = ThreadPoolExecutor(1), None
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}],
+                                 **{field: reader.context_limit})
+    with pytest.raises(BadRequest, match=f"plus {field} ") as refused:
+        asyncio.run(reader.read(body, chat=True))
+    assert refused.value.param == field and refused.value.status == 400
