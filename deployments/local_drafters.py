@@ -23,6 +23,7 @@ class OffLoop:
     def __init__(self, drafter) -> None:
         self.drafter, self.lock = drafter, asyncio.Lock()
         self.observed: dict[str, list[int]] = {}  # a request's committed tokens at its end
+        self.releasing: set[asyncio.Task] = set()
 
     async def propose(self, call: ProposeCall):
         new = len(call.sync.new_token_ids) + len(call.assumed_token_ids)
@@ -37,7 +38,15 @@ class OffLoop:
             self.observed[request_id] = token_ids
 
     async def release(self, request_id: str) -> None:
-        await self.on_thread(self.release_now, request_id, self.observed.pop(request_id, None))
+        """Runs to its end even when its caller is cancelled meanwhile: the choices of a
+        request whose client went away are cancelled, then cancelled again while their
+        releases wait for the lock (choices.all_or_none, once the first has ended), which
+        left their sessions in the drafter and their outputs out of its index."""
+        task = asyncio.ensure_future(self.on_thread(self.release_now, request_id,
+                                                    self.observed.pop(request_id, None)))
+        self.releasing.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self.releasing.discard)
+        await asyncio.shield(task)
 
     def release_now(self, request_id: str, observed: list[int] | None) -> None:
         if observed is not None:

@@ -194,12 +194,17 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
     predraft = start_predraft(state, drafter, policy, block, beside, pipelined)
     steps = plain_steps(state, block, predraft)
-    scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft, steps,
-                                         bonus=beside != 0))
     greedy = state.request.sampling.greedy
-    outcome, scores = accept(block, scores, greedy, state.generator)
-    outcome, next_block = await settle_predraft(predraft, meter, outcome, block, scores, greedy,
-                                                state.generator)
+    try:
+        scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft,
+                                             steps, bonus=beside != 0))
+        outcome, scores = accept(block, scores, greedy, state.generator)
+        outcome, next_block = await settle_predraft(predraft, meter, outcome, block, scores,
+                                                    greedy, state.generator)
+    except BaseException:  # a failed verify, or an answer accept refuses: no pre-draft
+        if predraft is not None:  # runs on past the request's release
+            predraft.cancel()
+        raise
     continued = scores.continued_token_ids[:steps - 1]
     if continued:
         outcome = replace(outcome, output_token_ids=outcome.output_token_ids + continued)
@@ -278,10 +283,10 @@ def start_predraft(state: RequestState, drafter: Drafter, policy: KPolicy, block
 async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, seed: int,
                  predraft: asyncio.Future | None, steps: int = 1, bonus: bool = True
                  ) -> TargetScores:
-    """The target's scores of the block (of `steps` tokens without one: plain_steps); a
-    failure cancels the pre-draft beside it. bonus: whether the pre-draft can bring a token
-    to test at the bonus position (not the drafter's prefill of a first round, which drafts
-    nothing: p(K + 1) would be a dense row shipped for nothing)."""
+    """The target's scores of the block (of `steps` tokens without one: plain_steps).
+    bonus: whether the pre-draft can bring a token to test at the bonus position (not the
+    drafter's prefill of a first round, which drafts nothing: p(K + 1) would be a dense row
+    shipped for nothing)."""
     request = state.request
     score = lambda sync: verifier.score(ScoreCall(  # noqa: E731
         request.request_id, sync, block.token_ids, request.sampling, block.draft_probs, seed,
@@ -290,13 +295,8 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         return_bonus_probs=predraft is not None and bonus and not request.sampling.greedy
         and request.sampling.logprobs is None, draft_parents=block.parents,
         placement=request.placement, steps=steps, stop_token_ids=request.stop_token_ids))
-    try:
-        return await retried_while_busy(request.busy_wait_s, state.stats,
-                                        lambda: state.call_pool(state.verifier_view, score))
-    except BaseException:
-        if predraft is not None:
-            predraft.cancel()
-        raise
+    return await retried_while_busy(request.busy_wait_s, state.stats,
+                                    lambda: state.call_pool(state.verifier_view, score))
 
 
 async def settle_predraft(predraft: asyncio.Future | None, meter: RoundMeter,

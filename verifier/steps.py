@@ -78,6 +78,10 @@ class Steps:
         (None for a first step). A call of several steps between two of them goes on
         wherever it stands in the batch; another call of its request (newer) ends its
         steps (verifier.engine: advance answers the steps it ran)."""
+        # a call cut short between two steps whose release never came (its router gone)
+        # goes with its session (the store's bound, its TTL): nothing else would drop it
+        for request_id in [r for r in self.running if r not in self.sessions]:
+            del self.running[request_id]
         going_on = {id(call): progress for call in calls
                     if (progress := self.running.get(call.request_id)) is not None
                     and progress.call is call}

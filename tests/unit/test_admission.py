@@ -14,7 +14,7 @@ import contextlib
 import grpc
 import pytest
 
-from deployments.clients import pool_error
+from deployments.replica_stream import pool_error
 from deployments.ingress import pool_failure
 from drafter.model import ModelDrafter
 from engine.scheduler import KVCacheTooSmall

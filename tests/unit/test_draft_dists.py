@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import speculative.sampling as sampling
-from speculative.sampling import draft_law, fewest_holding_mass
+from speculative.sampling import fewest_holding_mass
 from speculative.types import DraftDists
 
 

@@ -137,6 +137,18 @@ def test_a_released_request_forgets_its_steps(target):
     assert len(scores.continued_token_ids) == 2 and not verifier.steps.running
 
 
+def test_the_steps_of_a_request_never_released_go_with_its_session(target):
+    """A request that ends between two steps and whose release never comes (its router
+    gone): its session goes by the store's bound (or its TTL), and the progress of its
+    steps with it at the next batch (it stayed for good: nothing else dropped it)."""
+    verifier = ModelVerifier(target, max_cached_requests=1)
+    assert verifier.score_batch([call(4)]) == [UNFINISHED]  # its first step of four
+    for other in ("a", "b"):  # a's call takes the store's one place, b's batch comes next
+        verifier.score_now(ScoreCall(other, PrefixSync(0, EMPTY_PREFIX_HASH, (5, 6)), (),
+                                     GREEDY))
+    assert "bad" not in verifier.sessions and not verifier.steps.running
+
+
 def test_rounds_of_several_steps_leave_a_pool_calls_overhead_alone():
     """A round of several steps teaches the verify line one forward's time, and its time
     beyond the forwards (which includes its waits between steps) is not taken for the

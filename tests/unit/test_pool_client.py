@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from deployments import auth, clients
+from deployments import auth, clients, replica_stream
 from deployments.clients import PoolClient, PoolError
 
 
@@ -86,7 +86,7 @@ def test_only_a_pools_refusal_for_want_of_room_is_busy():
     other code, is not."""
     import grpc
 
-    from deployments.clients import pool_error
+    from deployments.replica_stream import pool_error
     from speculative.types import PoolBusy
 
     exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -148,6 +148,29 @@ def test_when_the_placing_call_fails_the_others_are_placed_by_the_proxy(monkeypa
     assert pool.pins == {f"x-{i}": "r:1" for i in range(1, 4)} and not pool.placing
 
 
+def test_a_call_waiting_for_its_placement_when_its_request_is_cancelled_ends():
+    """A request's choices are cancelled together (its client went away): the placing call
+    ends, resolving the placement, in the same turn of the loop as the cancellation of a
+    call waiting for it. That call ends cancelled; it was going on through the proxy (with
+    asyncio.wait_for, which returned the placement), a pre-draft's leaving a session on the
+    pool and a pin in the router after the request's release."""
+    proxy = Placing()
+    pool = PoolClient(None, lambda channel: proxy, "verifier", 5.0, direct=True)
+
+    async def main():
+        placing = pool.placing["x"] = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(pool.call("Score", 1, "x-1", route_key="x"))
+        await asyncio.sleep(0.01)  # it waits for the placement
+        placing.set_result(None)  # the placing call ended (cancelled: no replica named)...
+        waiting.cancel()  # ...as this one was cancelled
+        await asyncio.gather(waiting, return_exceptions=True)
+        del pool.placing["x"]
+        return waiting.cancelled()
+
+    assert asyncio.run(main())
+    assert proxy.calls == 0 and not pool.pins
+
+
 class Recording:
     """A stream stub that keeps what is written to it and never answers."""
 
@@ -175,7 +198,7 @@ def test_calls_that_wait_together_go_in_messages_within_the_pools_bound():
     stub = Recording()
 
     async def main():
-        stream = clients.ReplicaStream(stub, "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
+        stream = replica_stream.ReplicaStream(stub, "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
                                        "verifier")
         calls = [asyncio.ensure_future(stream.call(big, 0.5)) for _ in range(20)]
         await asyncio.sleep(0.05)
@@ -239,7 +262,7 @@ def test_an_answer_with_a_status_code_grpc_lacks_fails_its_call_not_the_reader()
             pass
 
     async def main():
-        stream = clients.ReplicaStream(Answering(), "ScoreStream", pb.ScoreBatch,
+        stream = replica_stream.ReplicaStream(Answering(), "ScoreStream", pb.ScoreBatch,
                                        pb.ScoreEntry, "verifier")
         odd = await asyncio.gather(stream.call(pb.ScoreRequest(request_id="odd"), 5.0),
                                    return_exceptions=True)
@@ -333,3 +356,72 @@ def test_a_seeded_sampled_draft_waits_as_long_as_a_verify(monkeypatch):
         with pytest.raises(PoolError):
             asyncio.run(drafter.propose(ProposeCall("r", sync, 3, sampling, seed=0)))
     assert deadlines == [30.0, 0.05, 0.05]
+
+
+class Ending:
+    """A stream stub whose stream ends (its replica went away) with no call waiting."""
+
+    def ScoreStream(self, metadata):
+        return self
+
+    async def write(self, message):
+        pass
+
+    def cancel(self):
+        pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0.01)
+        raise StopAsyncIteration
+
+
+def test_a_stream_that_ends_with_no_call_waiting_leaves_nothing_behind():
+    """A replica scaled down while no call of this router waits on it: its stream ends, and
+    the client drops it, its channel and its writer (kept for good before: no call came to
+    fail over and forget the replica)."""
+    pool = PoolClient(None, lambda channel: Ending(), "verifier", 5.0, direct=True)
+
+    async def main():
+        stream = pool._stream("127.0.0.1:1", "Score")
+        while stream.broken is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        return stream, [task.done() for task in stream.tasks]
+
+    stream, done = asyncio.run(main())
+    assert stream.broken.code == grpc.StatusCode.UNAVAILABLE and done == [True, True]
+    assert not pool._streams and not pool._channels
+
+
+class Lasting(Ending):
+    """As Ending, but its Propose stream stays open."""
+
+    def ProposeStream(self, metadata):
+        return Open()
+
+
+class Open(Ending):
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+
+def test_a_stream_that_ends_leaves_the_replicas_other_stream_and_channel():
+    """Only the stream that ended goes (it may only have been refused, busy): the replica's
+    other stream keeps its calls, and the channel they share stays."""
+    pool = PoolClient(None, lambda channel: Lasting(), "verifier", 5.0, direct=True)
+
+    async def main():
+        proposing = pool._stream("127.0.0.1:1", "Propose")
+        scoring = pool._stream("127.0.0.1:1", "Score")
+        while scoring.broken is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        kept = dict(pool._streams), dict(pool._channels)
+        proposing.close()
+        return proposing, kept
+
+    proposing, (streams, channels) = asyncio.run(main())
+    assert streams == {("127.0.0.1:1", "Propose"): proposing} and list(channels) == ["127.0.0.1:1"]

@@ -189,7 +189,7 @@ def test_a_stream_refused_for_a_full_port_is_busy_and_a_new_one_serves():
     """A replica's port at its concurrent rpcs (here 2, held by two Releases waiting for its
     worker) refuses the router's new stream: its call is busy (the request waits and tries
     again, not a 503), and once the port has room a new stream serves it."""
-    from deployments.clients import BusyPoolError
+    from deployments.replica_stream import BusyPoolError
     from deployments.streams import serve_directly
 
     class Replica(pb_grpc.VerifierServicer):
@@ -246,7 +246,8 @@ def test_the_client_pins_then_streams_and_falls_back_when_the_replica_is_gone():
 
         client = PoolClient(None, lambda channel: Proxy() if channel is None else
                             pb_grpc.DrafterStub(channel), "drafter", 5.0, direct=True)
-        first = [await client.call("Propose", call, call.request_id) for call in CALLS]
+        for call in CALLS:
+            await client.call("Propose", call, call.request_id)
         assert Proxy.calls == len(CALLS) and set(client.pins.values()) == {replica.address}
         gate = await hold_engine(replica)
         again = [propose(c.request_id, c.num_speculative_tokens, []) for c in CALLS]

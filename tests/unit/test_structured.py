@@ -149,7 +149,7 @@ def test_an_output_the_grammar_refuses_is_a_dead_end_the_client_learns_of(demo):
     naming the grammar, not a 503 "retry later" that retrying never mends."""
     import grpc
 
-    from deployments.clients import pool_error
+    from deployments.replica_stream import pool_error
     from deployments.ingress import pool_failure
     from deployments.pools import PoolReplica
     from protos import specserve_pb2 as pb
