@@ -16,7 +16,6 @@ from pydantic.json_schema import models_json_schema
 from ray.exceptions import TaskCancelledError
 
 from deployments.clients import PoolError
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.responses import error_body
 from speculative.types import PoolBusy
 
@@ -139,27 +138,30 @@ class ReleasingStream(StreamingResponse):
             self.ticket.release()
 
 
-def openapi_document(app: FastAPI) -> dict:
+def openapi_document(app: FastAPI, bodies: dict) -> dict:
     """FastAPI's document, with the request bodies the endpoints parse themselves (so that
-    clients and schema-based fuzzers see them)."""
+    clients and schema-based fuzzers see them): bodies maps a POST path to its models (a
+    body that is any one of several: anyOf)."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version="1", routes=app.routes)
-        _, definitions = models_json_schema(
-            [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
-            ref_template="#/components/schemas/{model}")
+        models = list(dict.fromkeys(m for ms in bodies.values() for m in ms))
+        _, definitions = models_json_schema([(m, "validation") for m in models],
+                                            ref_template="#/components/schemas/{model}")
         document.setdefault("components", {}).setdefault("schemas", {}).update(
             definitions["$defs"])
-        for path, model in (("/v1/completions", "CompletionRequest"),
-                            ("/v1/chat/completions", "ChatCompletionRequest")):
+        for path, ms in bodies.items():
+            refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in ms]
+            schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
             document["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}
+                "application/json": {"schema": schema}}}
         app.openapi_schema = document
     return app.openapi_schema
 
 
-def ingress_app(title: str) -> FastAPI:
-    """A FastAPI app that answers bugs in OpenAI's shape and documents the request bodies."""
+def ingress_app(title: str, bodies: dict | None = None) -> FastAPI:
+    """A FastAPI app that answers bugs in OpenAI's shape and documents the request bodies
+    (openapi_document's bodies)."""
     app = FastAPI(title=title)
     app.add_exception_handler(Exception, unexpected)
-    app.openapi = functools.partial(openapi_document, app)
+    app.openapi = functools.partial(openapi_document, app, bodies or {})
     return app

@@ -83,6 +83,15 @@ class PromptReader:
     def check_sizes(self, body, chat: bool) -> None:
         """What must hold before tokenizing: the prompt's size in bytes, top_k, the ids of
         logit_bias."""
+        self.check_prompt_bytes(body, chat)
+        if body.top_k > self.vocab_size:
+            raise BadRequest(f"top_k must be at most the vocabulary size "
+                             f"({self.vocab_size}); 0 disables it", param="top_k")
+        if any(token >= self.vocab_size for token in body.logit_bias or {}):
+            raise BadRequest(f"logit_bias token ids must be in [0, {self.vocab_size})",
+                             param="logit_bias")
+
+    def check_prompt_bytes(self, body, chat: bool) -> None:
         text = chat_texts(body) if chat else \
             [body.prompt] if isinstance(body.prompt, str) else []
         size = sum(len(t.encode()) for t in text)
@@ -90,12 +99,6 @@ class PromptReader:
             raise BadRequest(f"the prompt has {size} bytes; the limit is "
                              f"{self.max_prompt_bytes}", param="messages" if chat
                              else "prompt")
-        if body.top_k > self.vocab_size:
-            raise BadRequest(f"top_k must be at most the vocabulary size "
-                             f"({self.vocab_size}); 0 disables it", param="top_k")
-        if any(token >= self.vocab_size for token in body.logit_bias or {}):
-            raise BadRequest(f"logit_bias token ids must be in [0, {self.vocab_size})",
-                             param="logit_bias")
 
     def stop_ids(self, body, constrained: bool = False) -> tuple[int, ...]:
         """The end tokens (unless ignore_eos: a constrained output always ends at them, when
@@ -114,6 +117,17 @@ class PromptReader:
             tuple(t for t in requested if t not in self.end_ids)
 
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
+        """The prompt's ids, refused when empty or with no room left in the context."""
+        ids = self.tokenized(body, chat)
+        if not ids:
+            raise BadRequest("the prompt is empty after tokenization", param="prompt")
+        if len(ids) >= self.context_limit:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is "
+                             f"{self.context_limit - 1}", param="prompt")
+        return ids
+
+    def tokenized(self, body, chat: bool) -> tuple[int, ...]:
+        """The prompt's ids as the model is fed them (/tokenize counts these)."""
         special = body.add_special_tokens  # vLLM's defaults: completions yes, chat no
         if chat:
             ids = self.chat_ids(body, special)
@@ -124,11 +138,6 @@ class PromptReader:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})",
                                  param="prompt")
-        if not ids:
-            raise BadRequest("the prompt is empty after tokenization", param="prompt")
-        if len(ids) >= self.context_limit:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is "
-                             f"{self.context_limit - 1}", param="prompt")
         return tuple(ids)
 
     def chat_ids(self, body, special: bool) -> list[int]:

@@ -5,9 +5,11 @@ verifier pools own the KV caches. Rejection sampling happens here; rollback ride
 call to each pool. What a request goes through, each in its own module: the ingress (API
 key, body, errors: deployments.ingress), the prompt (deployments.prompts), the request front
 end shared with the CLI (choices, seeds, K: speculative.frontend), admission
-(deployments.admission) and the fan-out of its choices (deployments.choices).
+(deployments.admission) and the fan-out of its choices (deployments.choices); vLLM's
+tokenizer endpoints read prompts as requests do (deployments.tokenize_api).
 """
 
+import importlib.metadata
 import uuid
 
 import grpc
@@ -33,6 +35,14 @@ from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.prompts import PromptReader
 from deployments.router_args import RouterArgs, tree_shape
+from deployments.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeChat,
+    TokenizeCompletion,
+    TokenizeRequest,
+    detokenized,
+    tokenized,
+)
 from deployments.tools import CALL_CLOSE, CALL_OPEN
 from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
 from engine.checkpoint import Checkpoint, check_vocabularies
@@ -40,7 +50,10 @@ from engine.models import load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd, RequestPlan, joined
 
-app = ingress_app("specserve")
+app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
+                                "/v1/chat/completions": [ChatCompletionRequest],
+                                "/tokenize": [TokenizeCompletion, TokenizeChat],
+                                "/detokenize": [DetokenizeRequest]})
 
 
 # Serve's ingress serialises the app when it decorates the class, so everything it uses must
@@ -101,6 +114,34 @@ class Router:
                  "owned_by": "specserve"}
         return {"object": "list", "data": [model]}
 
+    @app.get("/version")
+    async def version(self) -> dict:
+        return {"version": importlib.metadata.version("specserve")}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self.serve_tokenizer(request, TokenizeRequest, tokenized)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self.serve_tokenizer(request, DetokenizeRequest, detokenized)
+
+    async def serve_tokenizer(self, request: Request, schema, answer):
+        """vLLM's tokenizer endpoints (deployments.tokenize_api), behind the API key."""
+        if refused := unauthorized(request, self.api_key):
+            return refused
+        try:
+            body = await parse(request, schema, self.args.max_prompt_bytes)
+            self.check_model(body)
+            return await answer(self.prompts, body)
+        except BadRequest as error:
+            return error_response(error)
+
+    def check_model(self, body) -> None:
+        if body.model not in (None, self.args.served_model_name):
+            raise BadRequest(f"model {body.model!r} does not exist; this server serves "
+                             f"{self.args.served_model_name!r}", 404, "model")
+
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self.serve_request(request, CompletionRequest, chat=False)
@@ -141,9 +182,7 @@ class Router:
     async def plan(self, body, chat: bool) -> RequestPlan:
         """The body's prompt read (each of a completions batch's), its model checked, its
         choices planned."""
-        if body.model not in (None, self.args.served_model_name):
-            raise BadRequest(f"model {body.model!r} does not exist; this server serves "
-                             f"{self.args.served_model_name!r}", 404, "model")
+        self.check_model(body)
         # the request's own id, which also keys its pool sessions: never the client's
         # x-request-id (two requests sharing one would share caches), which Serve's proxy
         # logs and echoes

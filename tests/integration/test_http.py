@@ -23,6 +23,25 @@ def test_health_and_models(cluster):
     assert models["object"] == "list" and models["data"][0]["id"] == "specserve-demo"
 
 
+def test_tokenize_counts_what_a_request_is_fed_and_detokenize_reverses_it(cluster):
+    """vLLM's tokenizer endpoints: a prompt's count is the usage's prompt_tokens of the
+    request with the same fields (a completion's and a chat's), and /detokenize gives the
+    text back; /version answers."""
+    for fields, path in [({"prompt": "import os\n"}, "/v1/completions"),
+                         ({"messages": [{"role": "user", "content": "hi"}]},
+                          "/v1/chat/completions")]:
+        counted = cluster.post("/tokenize", fields)
+        assert counted.status_code == 200, counted.text
+        served = cluster.post(path, {**fields, "max_tokens": 1}).json()
+        assert counted.json()["count"] == served["usage"]["prompt_tokens"]
+        assert counted.json()["max_model_len"] == 2048
+    ids = cluster.post("/tokenize", {"prompt": "import os\n"}).json()["tokens"]
+    assert cluster.post("/detokenize", {"tokens": ids}).json() == {"prompt": "import os\n"}
+    assert cluster.post("/detokenize", {"tokens": [-1]}).status_code == 400
+    version = requests.get(cluster.base_url + "/version", timeout=10).json()["version"]
+    assert version.count(".") == 2
+
+
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_with_speculation_equals_target_alone(cluster, k):
     for prompt in PROMPTS:
