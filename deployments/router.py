@@ -111,7 +111,7 @@ class Router:
         if refused := unauthorized(request, self.api_key):
             return refused
         model = {"id": self.args.served_model_name, "object": "model", "created": 0,
-                 "owned_by": "specserve"}
+                 "owned_by": "specserve", "max_model_len": self.prompts.context_limit}
         return {"object": "list", "data": [model]}
 
     @app.get("/version")

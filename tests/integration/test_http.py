@@ -21,6 +21,7 @@ def test_health_and_models(cluster):
     assert requests.get(cluster.base_url + "/health", timeout=10).json() == {"status": "ok"}
     models = requests.get(cluster.base_url + "/v1/models", timeout=10).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "specserve-demo"
+    assert models["data"][0]["max_model_len"] == 2048  # the context, as vLLM's card gives it
 
 
 def test_tokenize_counts_what_a_request_is_fed_and_detokenize_reverses_it(cluster):
