@@ -43,6 +43,7 @@ class ContinuousBatcher:
         self.run, self.max_batch_size, self.unfinished = run, max_batch_size, unfinished
         self.key, self.linger = key, linger if key is not None else 0.0
         self.returning: set = set()  # requests answered by the last batch, not back yet
+        self.ended: set = set()  # released since the last batch, or calls of them still wait
         self.last_run_s = 0.0
         self.waiting: list[tuple[object, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
@@ -96,9 +97,13 @@ class ContinuousBatcher:
                 if self.linger:  # (none while calls go again: they fill the next batch)
                     self.returning = set() if again else {
                         self.key(call) for (call, _), answer in zip(batch, answers)
-                        if not self.unfinished(answer)}
+                        if not self.unfinished(answer)} - self.ended
                 first = max(1, self.max_batch_size // 2)
                 self.waiting = again[:first] + self.waiting + again[first:]
+                if again:  # the loop serves between two runs of a call (a lone call's steps
+                    await asyncio.sleep(0)  # run inline), and what arrives joins the next
+                if self.ended:  # kept while calls of theirs wait
+                    self.ended &= {self.key(call) for call, _ in self.waiting}
 
     def _drop_cancelled(self) -> list:
         """The waiting calls whose callers still wait (a client gone leaves its call)."""
@@ -135,5 +140,7 @@ class ContinuousBatcher:
         still waiting stay: a release may also come for a request that runs on (an
         operator's, or a test's standing in for a lost replica), whose next calls rebuild."""
         self.returning.discard(key)
+        if self.linger:  # nor once its calls queued or running now are answered
+            self.ended.add(key)
         if self._wakeup is not None:  # a batch lingering for it stops waiting now
             self._wakeup.set()

@@ -232,9 +232,11 @@ class PoolReplica:
             future = asyncio.get_running_loop().create_future()
             future.set_result(error)
         else:
-            if not self.waiting:
-                self.last_progress = time.monotonic()  # an idle worker is not a stalled one
             future = self.batcher.enqueue(call)
+        # an idle worker is not a stalled one; a refusal too counts as waiting until its done
+        # callback runs, and a health check may come first
+        if not self.waiting:
+            self.last_progress = time.monotonic()
         self.direct_calls += direct
         self.direct_in_flight += direct
         self.waiting += 1

@@ -186,3 +186,28 @@ def test_a_request_released_while_the_batch_lingers_for_it_is_not_waited_for(mon
         assert await asyncio.wait_for(a4, 30) == "answer a4"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_request_released_before_its_call_is_answered_is_not_waited_for(running,
+                                                                          monkeypatch):
+    """A release that comes while the request's call is queued or in the running batch (a
+    request that ended beside its pre-draft) holds for the batch after: its request is not
+    lingered for once that call is answered."""
+    monkeypatch.setattr(batcher_module, "MAX_LINGER_S", 60.0)
+
+    async def main():
+        model = Model()
+        model.release.clear()
+        batcher = ContinuousBatcher(model.run, 8, key=request_of, linger=1e9)
+        first = [asyncio.ensure_future(batcher.submit(c)) for c in ("a1", "d1")]
+        while running and not model.batches:
+            await asyncio.sleep(0)
+        batcher.forget("d")  # d ended
+        model.release.set()
+        await asyncio.gather(*first)
+        # a broken forget would hold a2 for d until the 60 s linger ends
+        assert await asyncio.wait_for(batcher.submit("a2"), 5) == "answer a2"
+        return model.batches
+
+    assert asyncio.run(main()) == [["a1", "d1"], ["a2"]]

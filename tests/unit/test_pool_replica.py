@@ -156,6 +156,32 @@ def test_a_lone_small_call_runs_on_the_event_loop_and_the_rest_on_the_worker(poo
     asyncio.run(main())
 
 
+def test_a_lone_call_of_several_steps_leaves_the_loop_free_between_them():
+    """A lone K = 0 call of 4 steps feeds one token a step, and runs a forward per step, each
+    straight after the one before: the loop gets a turn between two, so it serves (other
+    calls, health checks, releases) between them, never blocked for all of them in one go
+    (up to MAX_PLAIN_STEPS forwards, as a client's plain_steps asks)."""
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs())
+        await replica.Score(greedy_score("s", 20))
+        loop, ran, turns, engine_batch = asyncio.get_running_loop(), [], [], replica.engine_batch
+
+        def recording(run_batch, calls):  # and whether the loop has run since the last step
+            ran.append((threading.current_thread().name, len(turns)))
+            loop.call_soon_threadsafe(turns.append, None)
+            return engine_batch(run_batch, calls)
+
+        replica.engine_batch = recording
+        answer = await replica.Score(pb.ScoreRequest(
+            request_id="s", steps=4, sync=pb.PrefixSync(
+                known_len=20, known_hash=prefix_hash(range(1, 21)), new_token_ids=[7])))
+        assert len(answer.continued_token_ids) == 3
+        assert [loop_turns for _, loop_turns in ran] == [0, 1, 2, 3]
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
 def score(request_id: str, **fields) -> pb.ScoreRequest:
     fields = {"draft_token_ids": [8, 9], **fields}
     return pb.ScoreRequest(request_id=request_id, sync=pb.PrefixSync(new_token_ids=[5, 6, 7]),
@@ -245,6 +271,24 @@ def test_a_stuck_model_worker_fails_the_health_check():
         await replica.check_health()  # progressing again
         await asyncio.sleep(0.3)  # idle past health_stall_s: nothing waits, so healthy
         await replica.check_health()
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_call_refused_on_a_long_idle_replica_does_not_fail_the_health_check():
+    """A refused call counts as waiting until its future's done callback runs; a health
+    check scheduled before that callback must not take the idle time for a stall."""
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs(health_stall_s=0.2))
+        await asyncio.sleep(0.3)  # idle past health_stall_s
+        stale = propose("s")  # no sampling held for it: refused at once (REBUILD)
+        stale.ClearField("sampling")
+        stale.sync.known_len = 5
+        call = asyncio.ensure_future(replica.Propose(stale))
+        health = asyncio.ensure_future(replica.check_health())  # runs right after the call
+        assert (await call).status == pb.REBUILD
+        await health
         await replica.server.stop(None)
 
     asyncio.run(main())
