@@ -232,7 +232,9 @@ def recorded(work, device, pool=None):
     """work() recorded as a CUDA graph, after warm-ups on a side stream (CUDA's rule:
     allocations and lazy initialisations happen before the capture); returned only once
     recorded, so a failed capture leaves nothing to replay. thread_local: CUDA calls of the
-    replica's other threads (sampling on its event loop) do not void the capture."""
+    replica's other threads (sampling on its event loop) do not void the capture. The capture
+    runs on the side stream, of `device`: torch's default capture stream belongs to whichever
+    device was current when it was first made (cuda:0, for a pool on cuda:1)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -241,7 +243,7 @@ def recorded(work, device, pool=None):
     torch.cuda.current_stream(device).wait_stream(side)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream(device)
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             work()
     except BaseException:
         # a capture whose end fails leaves this thread on the capture's stream: the graph's

@@ -158,23 +158,24 @@ def test_a_failed_capture_leaves_its_batch_and_bucket_to_the_eager_forward(monke
 
 def test_a_capture_that_fails_at_its_end_restores_the_threads_stream(monkeypatch):
     """torch.cuda.graph restores the stream only after a clean end: recorded() puts it back
-    (CUDA's calls stood in for, on a CPU)."""
+    (CUDA's calls stood in for, on a CPU); the capture runs on a stream of the graph's own
+    device."""
     import torch
 
     calls = []
 
     class Capture:
-        def __init__(self, graph, pool, capture_error_mode):
-            pass
+        def __init__(self, graph, pool, stream, capture_error_mode):
+            self.stream = stream
 
         def __enter__(self):
-            calls.append("capture stream")
+            calls.append(f"capture stream on {self.stream.device}")
 
         def __exit__(self, *failure):
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: type(
-        "Side", (), {"wait_stream": lambda self, other: None})())
+        "Side", (), {"wait_stream": lambda self, other: None, "device": device})())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type(
         "Main", (), {"wait_stream": lambda self, other: None})())
@@ -182,8 +183,10 @@ def test_a_capture_that_fails_at_its_end_restores_the_threads_stream(monkeypatch
     monkeypatch.setattr(torch.cuda, "graph", Capture)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: calls.append(type(stream)))
     with pytest.raises(RuntimeError, match="capturing"):
-        graphs.recorded(lambda: None, "cuda:0")
-    assert calls[0] == "capture stream" and calls[1].__name__ == "Main"
+        graphs.recorded(lambda: None, "cuda:1")
+    # captured on a stream of the pool's device (torch's default capture stream is made on
+    # the device current when first asked for: cuda:0)
+    assert calls[0] == "capture stream on cuda:1" and calls[1].__name__ == "Main"
 
 
 def test_rotary_embeddings_that_update_on_the_host_are_never_recorded():
