@@ -208,14 +208,15 @@ class PoolClient:
         return stream
 
     def _ended(self, stream: ReplicaStream) -> None:
-        """A stream that broke is dropped, and its replica's channel once no stream of it is
-        left (one scaled down while no call was waiting on it was kept for good). The
-        replica's other stream stays: this one may only have been refused (busy), and its
-        next call opens a new one."""
+        """A stream that broke is dropped (one whose replica was scaled down while no call
+        was waiting on it was kept for good), and, when its replica is gone, the replica's
+        channel once no stream of it is left. A stream only refused (busy, say) keeps the
+        channel, and the replica's other stream stays: the next call opens a new one."""
+        gone = stream.broken is None or stream.broken.code == grpc.StatusCode.UNAVAILABLE
         for key, held in list(self._streams.items()):
             if held is stream:
                 del self._streams[key]
-                if not any(address == key[0] for address, _ in self._streams):
+                if gone and not any(address == key[0] for address, _ in self._streams):
                     self._channels.pop(key[0], None)
 
     def _forget(self, address: str) -> None:

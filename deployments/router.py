@@ -9,11 +9,13 @@ end shared with the CLI (choices, seeds, K: speculative.frontend), admission
 tokenizer endpoints read prompts as requests do (deployments.tokenize_api).
 """
 
+import asyncio
 import importlib.metadata
 import uuid
 
 import grpc
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from ray import serve
 
 from deployments.admission import Admission
@@ -133,7 +135,11 @@ class Router:
         try:
             body = await parse(request, schema, self.args.max_prompt_bytes)
             self.check_model(body)
-            return await answer(self.prompts, body)
+            answered = await answer(self.prompts, body)
+            # rendered off the event loop: FastAPI's encoder walks a returned dict on it, and
+            # a prompt past the context may bring a million ids (0.3 s for half a million)
+            return await asyncio.get_running_loop().run_in_executor(
+                self.prompts.tokenizing, JSONResponse, answered)
         except BadRequest as error:
             return error_response(error)
 

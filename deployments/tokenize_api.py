@@ -20,7 +20,9 @@ class TokenizeCompletion(BaseModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True  # as a completions request's default
-    return_token_strs: bool = False  # each id's token as the tokenizer writes it
+    # each id's token as the tokenizer writes it (null: vLLM's field is nullable, and a
+    # chat's body takes a null as its default too)
+    return_token_strs: bool | None = False
 
 
 class TokenizeChat(ChatCompletionRequest):
@@ -52,12 +54,17 @@ async def tokenized(prompts, body) -> dict:
     chat = isinstance(body, TokenizeChat)
     prompts.check_prompt_bytes(body, chat)
     loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(prompts.tokenizing, prompts.tokenized, body, chat)
-    strs = None
-    if body.return_token_strs:
-        strs = prompts.tokenizer.convert_ids_to_tokens(list(ids))
-    return {"count": len(ids), "max_model_len": prompts.context_limit, "tokens": list(ids),
+    ids, strs = await loop.run_in_executor(prompts.tokenizing, with_strings, prompts, body, chat)
+    return {"count": len(ids), "max_model_len": prompts.context_limit, "tokens": ids,
             "token_strs": strs}
+
+
+def with_strings(prompts, body, chat: bool) -> tuple[list[int], list[str] | None]:
+    """On the tokenizing thread: the ids, and with return_token_strs each one's token (a
+    prompt past the context may hold a million: a tenth of a second of the event loop's, and
+    the tokenizer is used by one thread at a time)."""
+    ids = list(prompts.tokenized(body, chat))
+    return ids, prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
 
 async def detokenized(prompts, body: DetokenizeRequest) -> dict:

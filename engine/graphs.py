@@ -233,8 +233,7 @@ def recorded(work, device, pool=None):
     allocations and lazy initialisations happen before the capture); returned only once
     recorded, so a failed capture leaves nothing to replay. thread_local: CUDA calls of the
     replica's other threads (sampling on its event loop) do not void the capture. The capture
-    runs on the side stream, of `device`: torch's default capture stream belongs to whichever
-    device was current when it was first made (cuda:0, for a pool on cuda:1)."""
+    runs on one stream of `device` for every graph (capture_stream)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -243,7 +242,8 @@ def recorded(work, device, pool=None):
     torch.cuda.current_stream(device).wait_stream(side)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream(device)
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
+                              capture_error_mode="thread_local"):
             work()
     except BaseException:
         # a capture whose end fails leaves this thread on the capture's stream: the graph's
@@ -251,6 +251,21 @@ def recorded(work, device, pool=None):
         torch.cuda.set_stream(stream)
         raise
     return graph
+
+
+CAPTURE_STREAMS: dict = {}  # torch.device -> its capture stream
+
+
+def capture_stream(device):
+    """The stream every graph of `device` is captured on. One, as torch's default capture
+    stream is one: the caching allocator reuses a block freed in a shared graph pool only
+    on the stream it was allocated on, so a stream per capture would keep each graph's peak
+    apart. Not torch's default itself, which belongs to whichever device was current when
+    it was first made (cuda:0, for a pool on cuda:1)."""
+    device = torch.device(device)
+    if device not in CAPTURE_STREAMS:
+        CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return CAPTURE_STREAMS[device]
 
 
 def graphs_refused(lean) -> str | None:

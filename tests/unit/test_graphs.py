@@ -182,11 +182,14 @@ def test_a_capture_that_fails_at_its_end_restores_the_threads_stream(monkeypatch
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
     monkeypatch.setattr(torch.cuda, "graph", Capture)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: calls.append(type(stream)))
+    monkeypatch.setattr(graphs, "CAPTURE_STREAMS", {})
     with pytest.raises(RuntimeError, match="capturing"):
         graphs.recorded(lambda: None, "cuda:1")
     # captured on a stream of the pool's device (torch's default capture stream is made on
-    # the device current when first asked for: cuda:0)
+    # the device current when first asked for: cuda:0), the same for every graph of it
     assert calls[0] == "capture stream on cuda:1" and calls[1].__name__ == "Main"
+    assert graphs.capture_stream("cuda:1") is graphs.capture_stream(torch.device("cuda:1"))
+    assert graphs.capture_stream("cuda:0") is not graphs.capture_stream("cuda:1")
 
 
 def test_rotary_embeddings_that_update_on_the_host_are_never_recorded():

@@ -425,3 +425,29 @@ def test_a_stream_that_ends_leaves_the_replicas_other_stream_and_channel():
 
     proposing, (streams, channels) = asyncio.run(main())
     assert streams == {("127.0.0.1:1", "Propose"): proposing} and list(channels) == ["127.0.0.1:1"]
+
+
+class Refusing(Ending):
+    """A stream stub refused by its replica (too many calls in flight), no call waiting."""
+
+    async def __anext__(self):
+        await asyncio.sleep(0.01)
+        raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(), details="busy")
+
+
+def test_a_stream_refused_by_a_live_replica_keeps_its_channel():
+    """The replica is there, only busy: the stream goes (the next call opens another) and
+    the channel stays, with its connection."""
+    pool = PoolClient(None, lambda channel: Refusing(), "verifier", 5.0, direct=True)
+
+    async def main():
+        stream = pool._stream("127.0.0.1:1", "Score")
+        while stream.broken is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        return stream
+
+    stream = asyncio.run(main())
+    assert stream.broken.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not pool._streams and list(pool._channels) == ["127.0.0.1:1"]

@@ -5,6 +5,7 @@ text), a prompt past the context is counted, and bad input is a 400 (a model not
 
 import asyncio
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -120,3 +121,42 @@ def test_the_openapi_document_describes_every_body_the_router_parses():
                      "/detokenize": ["DetokenizeRequest"]}
     assert all(name in schemas for names in named.values() for name in names)
     assert "return_token_strs" in schemas["TokenizeChat"]["properties"]
+
+
+def test_an_answer_is_made_and_rendered_off_the_event_loop(reader, monkeypatch):
+    """A prompt past the context is counted, up to max_prompt_bytes: about a million ids. Its
+    token strings and its JSON are made on the tokenizing thread (the event loop made them,
+    and FastAPI's encoder walked the returned dict there: 0.3 to 0.8 s for half a million ids,
+    every stream of the router held meanwhile; and the tokenizer is one thread's)."""
+    from starlette.responses import JSONResponse
+
+    loop_thread, threads = threading.current_thread(), []
+    convert, render = reader.tokenizer.convert_ids_to_tokens, JSONResponse.render
+
+    def converting(ids):
+        threads.append(("strs", threading.current_thread()))
+        return convert(ids)
+
+    def rendering(self, content):
+        threads.append(("json", threading.current_thread()))
+        return render(self, content)
+
+    monkeypatch.setattr(reader.tokenizer, "convert_ids_to_tokens", converting)
+    monkeypatch.setattr(JSONResponse, "render", rendering)
+    router = SimpleNamespace(api_key=None, prompts=reader, check_model=lambda body: None,
+                             args=SimpleNamespace(max_prompt_bytes=1 << 16))
+    response = asyncio.run(Router.serve_tokenizer(
+        router, posted({"prompt": "hello world", "return_token_strs": True}), TokenizeRequest,
+        tokenized))
+    got = json.loads(response.body)
+    assert response.status_code == 200 and got["token_strs"] == convert(got["tokens"])
+    assert [kind for kind, _ in threads] == ["strs", "json"]
+    assert all(thread is not loop_thread for _, thread in threads)
+
+
+@pytest.mark.parametrize("messages", [False, True])
+def test_a_null_return_token_strs_is_its_default(reader, messages):
+    """vLLM's field is nullable (`bool | None`): a null asks for no strings, in either body."""
+    body = {"messages": CHAT} if messages else {"prompt": "hello world"}
+    got = answer(reader, {**body, "return_token_strs": None})
+    assert got["token_strs"] is None and got["count"] == len(got["tokens"]) > 0
