@@ -6,10 +6,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.chat_messages import ChatMessage, encodable
 from deployments.tools import (
     MAX_TOOLS,
     Tool,
-    ToolCall,
     ToolChoice,
     ToolError,
     ToolUse,
@@ -42,22 +42,11 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
             "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
             "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
-            "skip_special_tokens": (None, True), "continue_final_message": (None, False),
-            "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {}),
+            "skip_special_tokens": (None, True), "chat_template_kwargs": (None, {}),
             "chat_template": (None,), "documents": (None, []),
             "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
             "functions": (None, [])}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
-
-
-def encodable(text: str, field: str) -> str:
-    """Text that UTF-8 can encode (JSON may carry lone surrogates, which tokenizers reject)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{field} contains text that is not valid Unicode (a lone "
-                         "surrogate?)") from None
-    return text
 
 
 def needing(value, info, field: str, message: str):
@@ -313,61 +302,6 @@ def prompt_list(prompt) -> list:
     return [prompt] if one else list(prompt)
 
 
-def joined_parts(content):
-    """OpenAI's array form of a message's content as one text: its text parts joined by
-    newlines, as vLLM joins them (ValueError for any other kind of part)."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"content part {index} is not a text part ({{'type': 'text', "
-                             f"'text': ...}}): this server takes no images, audio or files")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | None = None  # None only beside an assistant's tool_calls
-    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool result's call
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def text_parts(cls, value):
-        return joined_parts(value)
-
-    @field_validator("content")
-    @classmethod
-    def valid_text(cls, value):
-        return None if value is None else encodable(value, "content")
-
-    @model_validator(mode="after")
-    def tool_fields(self):
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only an assistant message carries tool_calls")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (it may be null only beside tool_calls)")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        texts = [self.tool_call_id or ""]
-        for call in self.tool_calls or ():
-            texts += [call.function.name, call.function.arguments]
-        for text in texts:
-            encodable(text, "tool_calls and tool_call_id")
-        return self
-
-    def for_template(self) -> dict:
-        message = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
@@ -376,6 +310,20 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True
     add_special_tokens: bool = False  # extension (as vLLM): the chat template has its own
+    # extensions (as vLLM): the template's opening of the assistant's turn, or instead the
+    # last message continued (a reply the client has begun: the output carries on from it)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def one_ending(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the "
+                             "template would open a new turn after the message)")
+        if self.continue_final_message and not (self.messages[-1].content or "").strip():
+            raise ValueError("continue_final_message needs a last message with text to "
+                             "continue")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod

@@ -149,6 +149,9 @@ class PromptReader:
         tokens stay tokens; other messages tokenize with the whole text, as vLLM's."""
         pattern = special_pattern(self.tokenizer)
         messages = [m.for_template() for m in body.messages]
+        if body.continue_final_message:  # continued from its last non-space character, as
+            # transformers' template continues it (a marked content included)
+            messages[-1]["content"] = messages[-1]["content"].rstrip()
         marked = {}
         for message in messages:
             content = message.get("content")
@@ -201,7 +204,8 @@ class PromptReader:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=use.template_tools() if use else None, tokenize=False,
-                add_generation_prompt=True)
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message)
         except Exception as error:  # a template may raise on roles or order it rejects
             raise BadRequest(f"the model's chat template rejected the messages: "
                              f"{str(error)[:200]}", param="messages") from None

@@ -43,6 +43,20 @@ def test_tokenize_counts_what_a_request_is_fed_and_detokenize_reverses_it(cluste
     assert version.count(".") == 2
 
 
+def test_a_begun_reply_is_continued_as_a_completion_of_its_prompt(cluster):
+    """continue_final_message: the chat's greedy output is the completion of the prompt
+    /tokenize reads for it (its ids, through /v1/completions), speculating both."""
+    chat = {"messages": [{"role": "user", "content": "write a loop"},
+                         {"role": "assistant", "content": "for i in range("}],
+            "add_generation_prompt": False, "continue_final_message": True}
+    ids = cluster.post("/tokenize", chat).json()["tokens"]
+    reply = cluster.post("/v1/chat/completions", {**chat, "max_tokens": 24, "temperature": 0,
+                                                  "ignore_eos": True}).json()
+    alone = complete(cluster, ids, max_tokens=24, temperature=0, ignore_eos=True)
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply["choices"][0]["message"]["content"] == alone["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_with_speculation_equals_target_alone(cluster, k):
     for prompt in PROMPTS:

@@ -148,3 +148,40 @@ def test_a_length_past_the_context_is_refused_naming_the_field_given(reader, fie
     with pytest.raises(BadRequest, match=f"plus {field} ") as refused:
         asyncio.run(reader.read(body, chat=True))
     assert refused.value.param == field and refused.value.status == 400
+
+
+def test_a_reply_the_client_began_is_continued_not_answered(reader):
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends at
+    the last message's text, trailing spaces cut as transformers' template cuts them, with
+    no end of turn; a special token's text in it still read as text."""
+    tokenizer = reader.tokenizer
+    for begun in ["Bonjour, ", "Bonjour <|im_end|>"]:
+        ids = prompt_ids(reader, [{"role": "user", "content": "hello"},
+                                  {"role": "assistant", "content": begun}],
+                         add_generation_prompt=False, continue_final_message=True)
+        head = tokenizer("<|im_start|>system\ndefault<|im_end|>\n<|im_start|>user\nhello"
+                         "<|im_end|>\n<|im_start|>assistant\n",
+                         add_special_tokens=False)["input_ids"]
+        tail = tokenizer(begun.rstrip(), add_special_tokens=False,
+                         split_special_tokens=True)["input_ids"]
+        assert ids == head + tail, begun
+
+
+def test_without_the_generation_prompt_the_prompt_ends_at_the_last_turn(reader):
+    ids = prompt_ids(reader, [{"role": "user", "content": "hello"}],
+                     add_generation_prompt=False)
+    assert reader.tokenizer.decode(ids).endswith("hello<|im_end|>\n")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"continue_final_message": True}, "needs add_generation_prompt: false"),
+    ({"continue_final_message": True, "add_generation_prompt": False,
+      "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]},
+     "needs a last message with text"),
+])
+def test_a_continuation_that_cannot_be_is_refused(fields, message):
+    from pydantic import ValidationError
+
+    fields.setdefault("messages", [{"role": "user", "content": "a"}])
+    with pytest.raises(ValidationError, match=message):
+        ChatCompletionRequest(**fields)

@@ -59,7 +59,6 @@ def test_what_changes_nothing_passes():
     ("allowed_token_ids", [1, 2]), ("allowed_token_ids", []), ("bad_words", ["a"]),
     ("include_stop_str_in_output", True), ("prompt_logprobs", 0), ("use_beam_search", True),
     ("truncate_prompt_tokens", 8), ("skip_special_tokens", False),
-    ("continue_final_message", True), ("add_generation_prompt", False),
     ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"),
     ("documents", [{"title": "t", "text": "x"}]), ("return_tokens_as_token_ids", True),
     ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}])])

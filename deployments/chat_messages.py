@@ -1,0 +1,74 @@
+"""A chat request's messages: their fields, OpenAI's array form of a content, and what the
+chat template is given of each."""
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from deployments.tools import MAX_TOOLS, ToolCall
+
+
+def encodable(text: str, field: str) -> str:
+    """Text that UTF-8 can encode (JSON may carry lone surrogates, which tokenizers reject)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} contains text that is not valid Unicode (a lone "
+                         "surrogate?)") from None
+    return text
+
+
+
+def joined_parts(content):
+    """OpenAI's array form of a message's content as one text: its text parts joined by
+    newlines, as vLLM joins them (ValueError for any other kind of part)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {index} is not a text part ({{'type': 'text', "
+                             f"'text': ...}}): this server takes no images, audio or files")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | None = None  # None only beside an assistant's tool_calls
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool result's call
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_parts(cls, value):
+        return joined_parts(value)
+
+    @field_validator("content")
+    @classmethod
+    def valid_text(cls, value):
+        return None if value is None else encodable(value, "content")
+
+    @model_validator(mode="after")
+    def tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only beside tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        texts = [self.tool_call_id or ""]
+        for call in self.tool_calls or ():
+            texts += [call.function.name, call.function.arguments]
+        for text in texts:
+            encodable(text, "tool_calls and tool_call_id")
+        return self
+
+    def for_template(self) -> dict:
+        message = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
