@@ -9,7 +9,7 @@ import time
 from deployments.admission import Ticket
 from deployments.clients import PoolError
 from deployments.ingress import pool_failure
-from deployments.logprobs import TokenBytes, chat_logprobs, completion_logprobs
+from deployments.logprobs import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
 from deployments.responses import (
     DeltaChunks,
@@ -193,9 +193,11 @@ class Choices:
         """None without logprobs; else (generation, last=False) -> the logprobs of the choice's
         tokens not yet sent, in its API's shape (a completion's text offsets running on
         across chunks; the last chunk's None when nothing is left)."""
-        if self.plan.choices[index].request.sampling.logprobs is None:
+        request = self.plan.choices[index].request
+        if request.sampling.logprobs is None:
             return None
         sent, offset = 0, 0
+        texts = TokenTexts(self.decode, request.prompt_token_ids)  # read across the chunks
 
         def since(generation: Generation, last: bool = False) -> dict | None:
             nonlocal sent, offset
@@ -203,7 +205,7 @@ class Choices:
             sent += len(entries)
             if last and not entries:
                 return None
-            shaped = self.shaped_logprobs(entries, offset)
+            shaped = self.shaped_logprobs(entries, texts, offset)
             if not self.chat:
                 offset += sum(len(token) for token in shaped["tokens"])
             return shaped
@@ -214,10 +216,12 @@ class Choices:
         """The choice's logprobs in its API's shape, when the request asked for them."""
         if generation.state.request.sampling.logprobs is None:
             return None
-        return self.shaped_logprobs(generation.state.logprobs)
+        texts = TokenTexts(self.decode, generation.state.request.prompt_token_ids)
+        return self.shaped_logprobs(generation.state.logprobs, texts)
 
-    def shaped_logprobs(self, entries: list, offset: int = 0) -> dict:
-        """Entries in this API's shape (a completion's text offsets from `offset`)."""
+    def shaped_logprobs(self, entries: list, texts: TokenTexts, offset: int = 0) -> dict:
+        """Entries in this API's shape (a completion's text offsets from `offset`), their
+        texts read on from the last entries `texts` read."""
         if self.chat:
-            return chat_logprobs(entries, self.decode, self.token_bytes)
-        return completion_logprobs(entries, self.decode, offset)
+            return chat_logprobs(entries, texts, self.token_bytes)
+        return completion_logprobs(entries, texts, offset)

@@ -1,9 +1,11 @@
 """Logprobs in OpenAI's two shapes: the completions API's parallel lists and the chat API's
-per-token entries. Each token's text is its own decoding (special tokens decode to "")."""
+per-token entries. Each token's text is the text it adds to the output where it stands
+(`TokenTexts`), so that a completion's tokens join into its text and its offsets point into
+it (special tokens add "")."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from speculative.driver import Decode
+from speculative.driver import Decode, Detokenizer
 from speculative.types import TokenLogprob
 
 TokenBytes = Callable[[int], bytes | None]  # a token id -> its own bytes (None: its text's)
@@ -12,49 +14,71 @@ TokenBytes = Callable[[int], bytes | None]  # a token id -> its own bytes (None:
 def token_bytes_of(ll_tokenizer) -> TokenBytes | None:
     """Each token's own bytes, read from llguidance's view of the tokenizer (byte-level BPE
     and SentencePiece byte fallback alike), or None without one. A token that holds part of
-    a UTF-8 character decodes to U+FFFD, but its bytes are its part (as OpenAI's `bytes`:
-    joined, a character's tokens give the character). A special token's (llguidance marks
-    them, and ids the tokenizer lacks): None, its text's bytes."""
+    a UTF-8 character adds no text, or the whole character, but its bytes are its part (as
+    OpenAI's `bytes`: joined, a character's tokens give the character). A special token's
+    (llguidance marks them, and ids the tokenizer lacks): None, its text's bytes."""
     if ll_tokenizer is None:
         return None
     return lambda token_id: None if ll_tokenizer.is_special_token(token_id) else \
         ll_tokenizer.decode_bytes([token_id])
 
 
-def completion_logprobs(entries: list[TokenLogprob], decode: Decode, start: int = 0) -> dict:
+class TokenTexts:
+    """The texts of a choice's logprob positions, read in order: at each, the text its chosen
+    token adds to the output and the text each top token would have added there, as the
+    choice's own text is detokenized (speculative.driver.Detokenizer, from the same prompt).
+    A token decoded alone says otherwise under SentencePiece (its leading space dropped) and
+    where a character spans tokens (a U+FFFD each): offsets counted from those drift off the
+    text. Here a character's last token carries it, the tokens before it ""."""
+
+    def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
+        self.detokenizer = Detokenizer(decode, context_ids)
+
+    def position(self, entry: TokenLogprob) -> dict[int, str]:
+        """{token id: text} of the entry's top tokens and its chosen one, which it reads."""
+        texts = {token_id: self.detokenizer.peek(token_id) for token_id, _ in entry.top}
+        texts[entry.token_id] = self.detokenizer.add(entry.token_id)
+        return texts
+
+
+def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, start: int = 0) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset}; offsets count characters from
     the start of the completion's text (`start`: the first entry's, in a stream)."""
-    tokens = [decode([entry.token_id]) for entry in entries]
+    positions = [texts.position(entry) for entry in entries]
+    tokens = [position[entry.token_id] for entry, position in zip(entries, positions)]
     offsets, offset = [], start
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens,
             "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [top_dict(entry, decode) for entry in entries],
+            "top_logprobs": [top_dict(entry, position)
+                             for entry, position in zip(entries, positions)],
             "text_offset": offsets}
 
 
-def top_dict(entry: TokenLogprob, decode: Decode) -> dict[str, float]:
+def top_dict(entry: TokenLogprob, texts: dict[int, str]) -> dict[str, float]:
     """The position's top n and the chosen token, as the completions API returns them
     (OpenAI: up to logprobs + 1 entries; vLLM), as {token text: logprob} (two ids with one
     text keep the more likely, as a dict must)."""
     top: dict[str, float] = {}
     for token_id, logprob in (*entry.top, (entry.token_id, entry.logprob)):
-        top.setdefault(decode([token_id]), logprob)
+        top.setdefault(texts[token_id], logprob)
     return top
 
 
-def chat_logprobs(entries: list[TokenLogprob], decode: Decode,
+def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts,
                   token_bytes: TokenBytes | None = None) -> dict:
     """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]};
     bytes: the token's own (token_bytes), else its text's."""
-    def item(token_id: int, logprob: float) -> dict:
-        text = decode([token_id])
+    def item(token_id: int, logprob: float, text: str) -> dict:
         raw = token_bytes(token_id) if token_bytes else None
         return {"token": text, "logprob": logprob,
                 "bytes": list(text.encode("utf-8") if raw is None else raw)}
 
-    return {"content": [{**item(entry.token_id, entry.logprob),
-                         "top_logprobs": [item(t, lp) for t, lp in entry.top]}
-                        for entry in entries]}
+    content = []
+    for entry in entries:
+        position = texts.position(entry)
+        content.append({**item(entry.token_id, entry.logprob, position[entry.token_id]),
+                        "top_logprobs": [item(t, lp, position[t]) for t, lp in entry.top]})
+    return {"content": content}

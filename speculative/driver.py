@@ -24,6 +24,10 @@ CONTEXT_TOKENS = 6
 # after this many tokens held is no incomplete character but bytes that never form one
 MAX_HELD_TOKENS = 8
 CHARACTER_TOKENS = 3  # the tokens an incomplete character's bytes can span (4 bytes at most)
+# tokens that each end inside a character are held whole up to this many (then their decodes
+# would grow with every token)
+HELD_RUN_TOKENS = 32
+REPLACEMENT = "\ufffd"  # what a decode makes of bytes that form no (complete) character
 
 
 def text_decoder(tokenizer, keep: tuple[str, ...] = ()) -> Decode:
@@ -59,46 +63,83 @@ class Detokenizer:
     A token's text is decode(window + token) minus decode(window), the window being the few
     tokens before it. Decoding a short window costs the same at every step, never drops text
     when a tokenizer's decode of a longer sequence rewrites earlier text, and holds back a
-    trailing U+FFFD (an incomplete UTF-8 character) until the bytes that complete it arrive,
-    for at most MAX_HELD_TOKENS tokens (a run of bytes that form no character goes out as
-    U+FFFDs as it comes, and its decodes stay short).
+    trailing U+FFFD (an incomplete UTF-8 character) until the bytes that complete it arrive;
+    the text before it goes out at once (a stop string there ends the output at its own
+    token). Bytes that form no character go out as U+FFFDs after MAX_HELD_TOKENS tokens, so
+    the decodes stay short.
     """
 
     def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
         self.decode = decode
-        self.ids = list(context_ids[-CONTEXT_TOKENS:])  # the window, then tokens not yet read
+        context = list(context_ids[-CONTEXT_TOKENS:])
+        # a window that starts inside a character decodes to U+FFFD there, and under
+        # SentencePiece's byte fallback so does its whole run of byte tokens, the output's
+        # bytes that continue the run included: the window starts after such bytes
+        while context and decode(context).startswith(REPLACEMENT):
+            del context[0]
+        self.ids = context  # the window, then tokens not yet read
         self.window = len(self.ids)
+        self.sent = 0  # characters of the unread tokens' text already returned
+        self._window, self._prefix = None, ""  # the window's ids and text, last decoded
 
     def add(self, token_id: int) -> str:
         """The text that token_id adds (possibly "" while a character is incomplete)."""
         self.ids.append(token_id)
-        delta = self._unread()
-        if delta and not delta.endswith("\ufffd"):
-            del self.ids[: self.window]  # the next window: the tokens just read
-            self.window = len(self.ids)
-            return delta
-        if len(self.ids) - self.window < MAX_HELD_TOKENS:
-            return ""
-        # bytes that form no character: read all but the last CHARACTER_TOKENS tokens, which
-        # may begin a character still (a character's bytes other than its last hold at most
-        # 3 tokens); read, they would give U+FFFD for good, its later bytes nothing
-        read = len(self.ids) - CHARACTER_TOKENS
-        delta = self._unread(read)
-        del self.ids[: self.window]
-        self.window = read - self.window
+        text = self._unread()
+        if text and not text.endswith(REPLACEMENT):
+            return self._read(len(self.ids), text)
+        delta = ""
+        if len(self.ids) - self.window >= MAX_HELD_TOKENS:
+            delta, text = self._read_held(text)
+        final = text.rstrip(REPLACEMENT)  # what precedes the incomplete character
+        delta += final[self.sent :]
+        self.sent = max(self.sent, len(final))
         return delta
+
+    def peek(self, token_id: int) -> str:
+        """What add(token_id) would return, the state left as it is (the text of a token the
+        output could have had in its place)."""
+        ids, window, sent = list(self.ids), self.window, self.sent
+        try:
+            return self.add(token_id)
+        finally:
+            self.ids, self.window, self.sent = ids, window, sent
 
     def flush(self) -> str:
         """Text still held back at the end of a request (an incomplete character)."""
-        delta = self._unread()
+        return self._read(len(self.ids), self._unread())
+
+    def _read_held(self, text: str) -> tuple[str, str]:
+        """Bytes that form no character: read the held tokens up to the last cut that leaves
+        their text (`text`) as it is; returns (what that reads, the text after the cut).
+        The cut leaves CHARACTER_TOKENS tokens, 3 bytes or more, so that a character begun
+        before it is complete or broken: complete, the cut would change the text. Tokens
+        that each end inside a character (a byte-level token may hold the end of one and
+        the start of the next) leave no such cut; past HELD_RUN_TOKENS they are cut anyway."""
+        last = len(self.ids) - CHARACTER_TOKENS
+        if len(self.ids) - self.window < HELD_RUN_TOKENS:
+            for end in range(last, self.window, -1):
+                head = self._unread(end)
+                if text.startswith(head):
+                    return self._read(end, head), text[len(head) :]
+            return "", text
+        return self._read(last, self._unread(last)), self._unread()
+
+    def _read(self, end: int, text: str) -> str:
+        """Move the window to ids[:end], `text` being their text after the old window; returns
+        what of it was not yet sent."""
+        delta = text[self.sent :]
+        self.sent = max(0, self.sent - len(text))
         del self.ids[: self.window]
-        self.window = len(self.ids)
+        self.window = end - self.window
         return delta
 
     def _unread(self, end: int | None = None) -> str:
-        prefix = self.decode(self.ids[: self.window])
+        window = tuple(self.ids[: self.window])
+        if window != self._window:  # decoded once while tokens are held or peeked at
+            self._window, self._prefix = window, self.decode(self.ids[: self.window])
         text = self.decode(self.ids[:end])
-        return text[len(prefix) :] if len(text) > len(prefix) else ""
+        return text[len(self._prefix) :] if len(text) > len(self._prefix) else ""
 
 
 def find_stop(text: str, stop: Sequence[str], new_from: int = 0) -> tuple[int, str] | None:

@@ -211,6 +211,45 @@ def metaspace_tokenizer():
                           decoders.Metaspace())
 
 
+def byte_level_tokenizer(pieces: list[bytes]):
+    """GPT-2 / Qwen-style byte-level BPE for token sequences picked by id: <eos> 0, byte b
+    1 + b, then `pieces` from 257 on (tokens of several bytes, which may end inside a
+    character or hold the end of one and the start of the next, as trained vocabularies do)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    shown = {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+    vocab = {"<eos>": 0, **{shown[b]: 1 + b for b in range(256)}}
+    for piece in pieces:
+        vocab["".join(shown[b] for b in piece)] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
+def byte_fallback_tokenizer(pieces: list[str]):
+    """Llama-2-style SentencePiece: "▁" stands for a space, a character the vocabulary lacks
+    falls back to its UTF-8 bytes (<0xF0> tokens), and decoding drops the text's leading
+    space. <s> 0, </s> 1, <unk> 2, byte b 3 + b, then `pieces` from 259 on."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in pieces:
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+
+
 class Batched:
     """An engine behind the pools' continuous batcher, in-process: the rounds of all requests
     decoding concurrently on one event loop share forwards (tests of batching exactness)."""

@@ -10,7 +10,12 @@ from speculative.driver import Detokenizer, Generation, text_decoder
 from speculative.state import Request
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
-from tests.tiny import Agreeing, Scripted
+from tests.tiny import (
+    Agreeing,
+    Scripted,
+    byte_fallback_tokenizer,
+    byte_level_tokenizer,
+)
 
 ALPHABET = "ab\n"
 PROMPT = (0,)
@@ -21,11 +26,11 @@ def decode(ids):
 
 
 def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3, reported=None,
-             min_tokens=0):
+             min_tokens=0, decode=decode, prompt=PROMPT):
     params = SamplingParams(temperature=0, max_tokens=max_tokens or len(output), stop=stop,
                             min_tokens=min_tokens)
-    generation = Generation(Request("r", PROMPT, params, tuple(stop_ids)), decode, reported)
-    engine = Scripted(output, miss, len(PROMPT))
+    generation = Generation(Request("r", prompt, params, tuple(stop_ids)), decode, reported)
+    engine = Scripted(output, miss, len(prompt))
 
     async def collect():
         return [d async for d in generation.stream(engine, engine, FixedK(k))]
@@ -226,3 +231,52 @@ def test_a_character_after_bytes_that_never_form_one_still_comes_whole():
         pieces = [detokenizer.add(i) for i in ids]
         assert "".join(pieces) + detokenizer.flush() == decode(ids), strays
         assert "".join(pieces).endswith("🐍 ok"), strays
+
+
+def test_a_window_that_starts_inside_a_character_spoils_no_byte_fallback_output():
+    """The window's first tokens may be the last bytes of one of the prompt's characters.
+    Under SentencePiece's byte fallback a run of byte tokens that is no UTF-8 decodes to a
+    U+FFFD per byte, the output's bytes that continue the run included: three emoji after a
+    prompt that ended in two came back as twelve U+FFFD."""
+    tokenizer = byte_fallback_tokenizer(["▁Say", "▁ok"])
+    say, ok = tokenizer.convert_tokens_to_ids(["▁Say", "▁ok"])
+    emoji = [3 + b for b in "🐍".encode()]  # <0xF0> <0x9F> <0x90> <0x8D>
+    prompt, output = [say, *emoji * 2], [*emoji * 3, ok]
+    assert tokenizer.decode(output) == "🐍🐍🐍 ok"
+    for k in (0, 2, 5):  # a character's bytes committed together, or a round each
+        generation, deltas = generate(output, decode=text_decoder(tokenizer), k=k,
+                                      prompt=tuple(prompt))
+        assert generation.text == "".join(deltas) == "🐍🐍🐍 ok"
+
+
+# byte-level tokens of 日 (E6 97 A5): its first two bytes, and its last with the next's first
+FIRST, SPANNING, MIDDLE, LAST = 257, 258, 1 + 0x97, 1 + 0xA5
+
+
+def test_tokens_that_each_end_inside_a_character_come_whole():
+    """A byte-level token may hold the end of one character and the start of the next: a
+    run of them ends inside a character at every token. Read after MAX_HELD_TOKENS at a cut
+    inside a character, a 日 went out as U+FFFD (and the text lost it)."""
+    tokenizer = byte_level_tokenizer([b"\xe6\x97", b"\xa5\xe6", b" ok"])
+    output = [FIRST, *[SPANNING, MIDDLE] * 6, LAST, 259]
+    assert tokenizer.decode(output) == "日" * 7 + " ok"
+    detokenizer = Detokenizer(text_decoder(tokenizer), [1 + ord("x")])
+    pieces = [detokenizer.add(i) for i in output]
+    assert "".join(pieces) == "日" * 7 + " ok" and "\ufffd" not in "".join(pieces)
+    assert detokenizer.flush() == ""
+
+
+@pytest.mark.parametrize("max_tokens", [3, 5])
+def test_a_stop_string_before_an_incomplete_character_stops_at_its_token(max_tokens):
+    """The text before a character a token only begins is final: held back with it, a stop
+    string there was found tokens late (the ids ran on past its token) or, when the output
+    ended inside that character, never, and went out in the text flushed at the end."""
+    tokenizer = byte_level_tokenizer([b"\xe6\x97", b"\xa5\xe6"])
+    x = 1 + ord("x")
+    output = [x, FIRST, SPANNING, MIDDLE, LAST]  # "x日日": SPANNING completes the first
+    for k in (0, 3):
+        generation, deltas = generate(output, stop=("日",), k=k, max_tokens=max_tokens,
+                                      decode=text_decoder(tokenizer), prompt=(x,))
+        assert generation.token_ids == output[:3]
+        assert generation.text == "".join(deltas) == "x"
+        assert (generation.finish_reason, generation.stop_reason) == ("stop", "日")

@@ -2,10 +2,12 @@
 are the target's own (raw: before temperature and penalties), whichever K, drafter or
 pipelining produced the token, and equal K = 0's."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from deployments.logprobs import chat_logprobs, completion_logprobs
+from deployments.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from deployments.wire import scores_from_proto, scores_to_proto
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
@@ -18,7 +20,14 @@ from speculative.types import (
     TargetScores,
     TokenLogprob,
 )
-from tests.tiny import noisy_copy, run, tiny_llama
+from tests.tiny import (
+    Scripted,
+    byte_fallback_tokenizer,
+    byte_level_tokenizer,
+    noisy_copy,
+    run,
+    tiny_llama,
+)
 from verifier.engine import ModelVerifier
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [3, 9, 3], [11]]
@@ -130,13 +139,14 @@ def test_the_two_api_shapes():
     def text(ids):
         return "".join(decode(i) for i in ids)
 
-    assert completion_logprobs(entries, text) == {
+    assert completion_logprobs(entries, TokenTexts(text)) == {
         "tokens": ["ab", "c"], "token_logprobs": [-0.5, -0.25],
         "top_logprobs": [{"ab": -0.5, "c": -1.5}, {"c": -0.25}], "text_offset": [0, 2]}
     # the chosen token beside the top n, as OpenAI's completions return it (logprobs + 1)
     beside = [TokenLogprob(2, -1.5, ((1, -0.5),))]
-    assert completion_logprobs(beside, text)["top_logprobs"] == [{"ab": -0.5, "c": -1.5}]
-    content = chat_logprobs(entries, text)["content"]
+    assert completion_logprobs(beside, TokenTexts(text))["top_logprobs"] == \
+        [{"ab": -0.5, "c": -1.5}]
+    content = chat_logprobs(entries, TokenTexts(text))["content"]
     assert content[0] == {"token": "ab", "logprob": -0.5, "bytes": [97, 98], "top_logprobs": [
         {"token": "ab", "logprob": -0.5, "bytes": [97, 98]},
         {"token": "c", "logprob": -1.5, "bytes": [99]}]}
@@ -225,7 +235,7 @@ def test_chat_bytes_are_each_tokens_own_so_a_characters_tokens_join_into_it():
     assert len(ids) > 6  # the rare characters are split into byte tokens
     eos = tokenizer.eos_token_id
     entries = [TokenLogprob(i, -0.1, ((i, -0.1), (eos, -3.0))) for i in [*ids, eos]]
-    content = chat_logprobs(entries, text_decoder(tokenizer), token_bytes)["content"]
+    content = chat_logprobs(entries, TokenTexts(text_decoder(tokenizer)), token_bytes)["content"]
     assert bytes(b for c in content for b in c["bytes"]) == "x 🐍 日本".encode()
     assert content[-1]["bytes"] == [] and content[0]["top_logprobs"][1]["bytes"] == []
     assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
@@ -254,3 +264,88 @@ def test_a_streams_tokens_without_text_bring_their_logprobs_on_its_last_chunk(ta
     key = "content" if chat else "token_logprobs"
     assert len(whole["logprobs"][key]) == 24
     assert [e for c in carried for e in c[key]] == whole["logprobs"][key]
+
+
+class LoggedScript(Scripted):
+    """Scripted, with each position's logprobs: its token's -0.5 and, beside it in its top,
+    `other` at -2.0."""
+
+    def __init__(self, output: list[int], other: int, prompt_len: int) -> None:
+        super().__init__(output, miss=3, prompt_len=prompt_len)
+        self.other = other
+
+    async def score(self, call):
+        scores = await super().score(call)
+        ids = scores.target_token_ids
+        return dataclasses.replace(scores, logprobs=PositionLogprobs(
+            (-0.5,) * len(call.draft_token_ids), (-0.5,) * len(ids),
+            tuple(((token, -0.5), (self.other, -2.0)) for token in ids)))
+
+
+def split_characters_choices(kind: str, chat: bool):
+    """A choice whose output splits characters over tokens, through the router's fan-out,
+    and its text decoded as a whole: a byte-level BPE's (a token of 日's first two bytes,
+    one of its last and the next's first) or a SentencePiece byte fallback's (an emoji as 4
+    byte tokens, words that begin with "▁")."""
+    from deployments.admission import Admission
+    from deployments.choices import Choices
+    from speculative.driver import text_decoder
+    from speculative.frontend import RequestFrontEnd
+
+    if kind == "byte-level":
+        tokenizer = byte_level_tokenizer([b"\xe6\x97", b"\xa5\xe6", b" hello", b" ok"])
+        prompt, output = [1 + ord("x")], [259, 257, 258, 1 + 0x97, 1 + 0xA5, 260]
+    else:
+        tokenizer = byte_fallback_tokenizer(["▁Say", "▁hello", "▁ok"])
+        prompt, output = [259], [260, *(3 + b for b in "🐍".encode()), 261]
+    params = SamplingParams(temperature=0, max_tokens=len(output), logprobs=1)
+    plan = RequestFrontEnd().plan("r", tuple(prompt), params, n=1, num_speculative_tokens=3)
+    engine = LoggedScript(output, output[-1], len(prompt))
+    decode = text_decoder(tokenizer)
+    choices = Choices(plan, (engine, engine), decode,
+                      type("M", (), {"record": lambda s, state: None})(),
+                      Admission(4).admit(1), model="m", chat=chat, return_token_ids=False)
+    whole = decode(prompt + output)[len(decode(prompt)):]
+    return choices, whole
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
+def test_logprob_tokens_are_the_text_each_adds_so_they_join_into_the_text(kind, chat):
+    """A token decoded alone is not the text it adds: SentencePiece drops its leading space
+    and each token of a character split over several decodes to U+FFFD. A completion's
+    tokens did not join into its text and its text_offset, counted from them, drifted off it
+    (a character per word and per byte token); a chat token had no space where its bytes
+    did. Now the tokens are the text's pieces, whole or streamed, with chat bytes alike."""
+    import asyncio
+    import json
+
+    choices, whole = split_characters_choices(kind, chat)
+    body = asyncio.run(choices.complete())["choices"][0]
+    logprobs = body["logprobs"]
+    if chat:
+        content = logprobs["content"]
+        assert body["message"]["content"] == whole
+        assert "".join(entry["token"] for entry in content) == whole
+        assert bytes(b for entry in content for b in entry["bytes"]) == whole.encode()
+        assert [entry["top_logprobs"][0]["token"] for entry in content] == \
+            [entry["token"] for entry in content]
+    else:
+        tokens = logprobs["tokens"]
+        assert body["text"] == "".join(tokens) == whole
+        assert logprobs["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+        assert [top[token] for top, token in zip(logprobs["top_logprobs"], tokens)] == \
+            logprobs["token_logprobs"]
+
+    async def collect():
+        return [e async for e in split_characters_choices(kind, chat)[0].events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"][0] for e in asyncio.run(collect())[:-1]]
+    streamed = [(c["delta"].get("content") if chat else c["text"]) or "" for c in chunks]
+    assert "".join(streamed) == whole
+    key = "content" if chat else "tokens"
+    assert [e for c in chunks if c.get("logprobs") for e in c["logprobs"][key]] == \
+        logprobs[key]
+    if not chat:
+        assert [o for c in chunks if c.get("logprobs") for o in c["logprobs"]["text_offset"]] \
+            == logprobs["text_offset"]
