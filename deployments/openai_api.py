@@ -40,9 +40,9 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 # each of which changes the answer or what it carries, and the values that ask for nothing
 # (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
-            "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
+            "prompt_logprobs": (None,),
             "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
-            "skip_special_tokens": (None, True), "chat_template_kwargs": (None, {}),
+            "chat_template_kwargs": (None, {}),
             "chat_template": (None,), "documents": (None, []),
             "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
             "functions": (None, [])}
@@ -112,6 +112,8 @@ class SamplingFields(BaseModel):
                                       le=MAX_REPETITION_PENALTY)
     seed: int | None = Field(default=None, ge=-2**63, lt=2**63)  # int64, as vLLM
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # extension (as vLLM): the stop kept in the text
+    skip_special_tokens: bool = True  # extension (as vLLM): false writes special tokens out
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -201,6 +203,7 @@ class SamplingFields(BaseModel):
                               top_p=self.top_p, min_p=self.min_p, seed=seed,
                               max_tokens=max_tokens,
                               stop=tuple(self.stop or ()),
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,

@@ -69,6 +69,7 @@ class Router:
         tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.decode = text_decoder(tokenizer)
         self.tool_decode = text_decoder(tokenizer, keep=(CALL_OPEN, CALL_CLOSE))
+        self.special_decode = text_decoder(tokenizer, skip_special=False)  # every token's text
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
         # room for any message the pools of this target send or take (a q of 64 rows)
@@ -168,7 +169,8 @@ class Router:
             return error_response(error)
         except ValueError as error:
             return error_response(BadRequest(str(error)))
-        decode = self.tool_decode if tools else self.decode  # tags kept: calls read
+        decode = self.special_decode if not body.skip_special_tokens else \
+            self.tool_decode if tools else self.decode  # tags kept: calls read
         choices = Choices(plan, self.pools(plan.drafter_kind), decode, self.metrics,
                           ticket, model=self.args.served_model_name, chat=chat,
                           return_token_ids=body.return_token_ids, tools=tools,

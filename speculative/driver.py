@@ -15,7 +15,7 @@ from speculative.state import Request, RequestState
 from speculative.policy import KPolicy
 from speculative.types import Drafter, Verifier
 
-Decode = Callable[[Sequence[int]], str]  # token ids -> text (special tokens skipped)
+Decode = Callable[[Sequence[int]], str]  # token ids -> text (special tokens skipped, as asked)
 
 # prompt tokens the detokenizer decodes before the first output token, so that the first
 # token's text is what it reads as a continuation (a SentencePiece leading space, say)
@@ -30,10 +30,11 @@ HELD_RUN_TOKENS = 32
 REPLACEMENT = "\ufffd"  # what a decode makes of bytes that form no (complete) character
 
 
-def text_decoder(tokenizer, keep: tuple[str, ...] = ()) -> Decode:
+def text_decoder(tokenizer, keep: tuple[str, ...] = (),
+                 skip_special: bool = True) -> Decode:
     """The tokenizer's decode, special tokens skipped but those whose text is in `keep` (a
     tool call's tags, which some checkpoints register as special, while a request's tools
-    are read out of its text). A fast tokenizer that cleans up no spaces decodes through its
+    are read out of its text), or none skipped (skip_special false). A fast tokenizer that cleans up no spaces decodes through its
     Rust backend directly: the same text, without transformers' argument handling around it
     (the detokenizer on the demo tokenizer: 8.0 -> 3.3 us a token, two decodes each)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -41,11 +42,11 @@ def text_decoder(tokenizer, keep: tuple[str, ...] = ()) -> Decode:
         getattr(tokenizer, "clean_up_tokenization_spaces", None) is False else tokenizer
 
     def decode(ids: Sequence[int]) -> str:
-        return decoder.decode(ids, skip_special_tokens=True)
+        return decoder.decode(ids, skip_special_tokens=skip_special)
 
     special = {token_id: token.content for token_id, token in
                (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if token.special}
-    if not set(special.values()) & set(keep):
+    if not skip_special or not set(special.values()) & set(keep):
         return decode
     # the other special tokens dropped, the rest decoded as one text (decoded in pieces, a
     # SentencePiece tokenizer dropped the leading space of the text after each kept tag)
@@ -157,8 +158,9 @@ class Generation:
     `finish_reason` ("stop" or "length") and `stop_reason` describe the output. As in vLLM,
     stop_reason is the stop string or the stop token id that ended it, None at max_tokens
     and at the model's own end tokens (those not in `reported_stop_ids`; None: every stop id
-    is reported), and a stop token's text is not part of `text`. Without a decode function
-    it produces ids only.
+    is reported), and a stop token's text is not part of `text`, nor a stop string, unless the
+    request includes them (include_stop_str_in_output: the text then ends with it). Without
+    a decode function it produces ids only.
     """
 
     def __init__(self, request: Request, decode: Decode | None = None,
@@ -166,6 +168,7 @@ class Generation:
         self.state = RequestState(request)
         self.reported_stop_ids = reported_stop_ids
         self.stop = request.sampling.stop
+        self.include_stop = request.sampling.include_stop_str_in_output
         if self.stop and decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
         self.detokenizer = Detokenizer(decode, request.prompt_token_ids) if decode else None
@@ -219,14 +222,15 @@ class Generation:
             return
         first_output = self.state.num_output_tokens - len(added)
         min_tokens = self.state.request.sampling.min_tokens  # no stop string before (as vLLM)
-        for offset, token in enumerate(added[:-1] if at_stop_id else added):
+        read = added[:-1] if at_stop_id and not self.include_stop else added
+        for offset, token in enumerate(read):
             delta = self.detokenizer.add(token)
             new_from = len(self.text)
             self.text += delta
             checked = delta and self.stop and first_output + offset + 1 >= min_tokens
             hit = find_stop(self.text, self.stop, new_from) if checked else None
             if hit is not None:
-                self.text = self.text[: hit[0]]
+                self.text = self.text[: hit[0] + (len(hit[1]) if self.include_stop else 0)]
                 self.state.stop_after(first_output + offset + 1)
                 self.stop_reason = hit[1]
                 return
@@ -234,8 +238,8 @@ class Generation:
     def _ready(self) -> str:
         """Text not yet yielded that no stop string can still claim."""
         end = len(self.text)
-        if self.finish_reason is None and self.stop:
-            # a tail that is a prefix of a stop string may still become one
+        if self.finish_reason is None and self.stop and not self.include_stop:
+            # a tail that is a prefix of a stop string may still become one (and be cut)
             end -= max((n for s in self.stop for n in range(1, min(len(s), end + 1))
                         if self.text.endswith(s[:n])), default=0)
         delta = self.text[self._sent : end]

@@ -26,6 +26,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 64
     stop: tuple[str, ...] = field(default_factory=tuple)
+    # vLLM's: the stop string (or stop token) that ends the output is kept in its text
+    include_stop_str_in_output: bool = False
     # penalties (0, 0, 1: none): OpenAI's on the output's tokens, vLLM's repetition penalty
     # (Hugging Face semantics) on the prompt's and the output's
     presence_penalty: float = 0.0

@@ -253,6 +253,9 @@ def test_stop_strings_are_not_returned(cluster):
     cut = complete(cluster, "def main():\n", max_tokens=30, temperature=0, stop=stop)
     assert cut["choices"][0]["text"] == full[: full.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
+    kept = complete(cluster, "def main():\n", max_tokens=30, temperature=0, stop=stop,
+                    include_stop_str_in_output=True, stream=False)
+    assert kept["choices"][0]["text"] == full[: full.index(stop) + len(stop)]
 
 
 @pytest.mark.parametrize("body, status, param", [

@@ -26,9 +26,9 @@ def decode(ids):
 
 
 def generate(output, stop=(), stop_ids=(), k=3, max_tokens=None, miss=3, reported=None,
-             min_tokens=0, decode=decode, prompt=PROMPT):
+             min_tokens=0, decode=decode, prompt=PROMPT, include=False):
     params = SamplingParams(temperature=0, max_tokens=max_tokens or len(output), stop=stop,
-                            min_tokens=min_tokens)
+                            min_tokens=min_tokens, include_stop_str_in_output=include)
     generation = Generation(Request("r", prompt, params, tuple(stop_ids)), decode, reported)
     engine = Scripted(output, miss, len(prompt))
 
@@ -101,6 +101,34 @@ def test_the_earlier_of_a_stop_string_and_a_stop_token_wins():
     assert generation.text == "a"
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=30),
+       st.lists(st.text(ALPHABET, min_size=1, max_size=3), min_size=1, max_size=3),
+       st.integers(0, 5))
+def test_an_included_stop_string_ends_the_text(output, stop, k):
+    """vLLM's include_stop_str_in_output: the same tokens, the text cut after the stop string
+    instead of before it, streamed as it comes (nothing held back: nothing will be cut)."""
+    cut, _ = generate(output, tuple(stop), k=k)
+    kept, deltas = generate(output, tuple(stop), k=k, include=True)
+    assert kept.token_ids == cut.token_ids and "".join(deltas) == kept.text
+    assert kept.text == cut.text + (kept.stop_reason or "")
+    assert kept.stop_reason == cut.stop_reason
+
+
+def test_an_included_stop_string_holds_nothing_back():
+    """A tail that may grow into the stop string goes out at once (it is not cut): a token a
+    round, a delta a round ("b" of "bb" held, without it)."""
+    held = generate([0, 1, 0, 1, 1, 0], stop=("bb",), k=0)[1]
+    sent = generate([0, 1, 0, 1, 1, 0], stop=("bb",), k=0, include=True)[1]
+    assert (held, sent) == (["a", "ba"], ["a", "b", "a", "b", "b"])
+
+
+def test_an_included_stop_token_keeps_its_text():
+    generation, deltas = generate([0, 1, 2, 1, 0], stop_ids=(2,), k=4, include=True)
+    assert generation.token_ids == [0, 1, 2] and generation.stop_reason == 2
+    assert generation.text == "".join(deltas) == "ab\n"
+
+
 def test_max_tokens_is_length():
     generation, _ = generate([0, 1, 0, 1, 0, 1], max_tokens=4, k=5)
     assert generation.token_ids == [0, 1, 0, 1] and generation.finish_reason == "length"
@@ -120,6 +148,20 @@ def test_byte_level_text_equals_the_decoded_ids_with_multibyte_characters():
     ids = tokenizer("x): é 日本 🐍 return x\n", add_special_tokens=False)["input_ids"]
     assert len(ids) > 12  # the rare characters are split into byte tokens
     assert detokenized(tokenizer, prompt, ids) == tokenizer.decode(ids)
+
+
+def test_a_decoder_that_skips_no_special_token_writes_each_out():
+    """skip_special_tokens false (vLLM's): special tokens' texts are part of the text, the
+    tool tags' decoder's kept ones and the others alike."""
+    from specserve.demo import train_tokenizer
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "<|im_end|>"]})
+    ids = tokenizer("return <tool_call>x<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert text_decoder(tokenizer)(ids) == "return x"
+    assert text_decoder(tokenizer, keep=("<tool_call>",))(ids) == "return <tool_call>x"
+    assert text_decoder(tokenizer, keep=("<tool_call>",), skip_special=False)(ids) == \
+        text_decoder(tokenizer, skip_special=False)(ids) == "return <tool_call>x<|im_end|>"
 
 
 def test_the_decoder_gives_transformers_text_with_or_without_its_backend():

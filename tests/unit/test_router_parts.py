@@ -301,6 +301,7 @@ def router_of(max_running: int):
         api_key=None, token_bytes=None, admission=Admission(max_running), metrics=Recorded(),
         args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m"),
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
+        special_decode=lambda ids: "s" * len(ids),  # skip_special_tokens: false
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()),
         pools=lambda kind=None: (Agreeing(), Agreeing()), plan=plan)
 
@@ -321,6 +322,17 @@ def posted(body: dict):
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
                     "query_string": b"", "headers": [(b"content-length", str(len(raw)).encode())]},
                    receive)
+
+
+def test_skip_special_tokens_false_decodes_with_every_tokens_text():
+    serve, _ = router_of(max_running=1)
+
+    async def main():
+        return [(await serve(posted({"prompt": "hi", "max_tokens": 4, **fields}),
+                             CompletionRequest, chat=False))["choices"][0]["text"]
+                for fields in ({}, {"skip_special_tokens": False})]
+
+    assert asyncio.run(main()) == ["aaaa", "ssss"]
 
 
 def test_a_whole_answer_gives_its_admission_back_so_the_next_request_runs():
