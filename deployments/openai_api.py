@@ -41,7 +41,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 # (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
             "prompt_logprobs": (None,),
-            "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
+            "use_beam_search": (None, False),
             "chat_template_kwargs": (None, {}),
             "chat_template": (None,), "documents": (None, []),
             "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
@@ -114,6 +114,8 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # extension (as vLLM): the stop kept in the text
     skip_special_tokens: bool = True  # extension (as vLLM): false writes special tokens out
+    # extension (as vLLM): the prompt's last k tokens only (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -157,6 +159,13 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"{unserved[0]}: {value} is not supported by this server")
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def keeps_a_token(cls, value):
+        if value == 0:
+            raise ValueError("keeps no prompt token: give -1 (the context) or k >= 1")
+        return value
 
     @field_validator("stream_options")
     @classmethod

@@ -117,8 +117,12 @@ class PromptReader:
             tuple(t for t in requested if t not in self.end_ids)
 
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
-        """The prompt's ids, refused when empty or with no room left in the context."""
+        """The prompt's ids (its last truncate_prompt_tokens, as vLLM's: -1 leaves room for
+        one output token), refused when empty or with no room left in the context."""
         ids = self.tokenized(body, chat)
+        keep = body.truncate_prompt_tokens
+        if keep is not None:
+            ids = ids[-(self.context_limit - 1 if keep == -1 else keep):]
         if not ids:
             raise BadRequest("the prompt is empty after tokenization", param="prompt")
         if len(ids) >= self.context_limit:

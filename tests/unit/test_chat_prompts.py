@@ -185,3 +185,27 @@ def test_a_continuation_that_cannot_be_is_refused(fields, message):
     fields.setdefault("messages", [{"role": "user", "content": "a"}])
     with pytest.raises(ValidationError, match=message):
         ChatCompletionRequest(**fields)
+
+
+@pytest.mark.parametrize("keep", [3, -1])
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(reader, keep):
+    """vLLM's truncate_prompt_tokens: the last k (-1: as many as leave room for one output
+    token); /tokenize counts the whole prompt."""
+    from deployments.openai_api import CompletionRequest
+
+    text = "hello world " * (600 if keep == -1 else 3)
+    whole = reader.token_ids(CompletionRequest(prompt="hello world " * 3), chat=False) \
+        if keep != -1 else reader.tokenized(CompletionRequest(prompt=text), chat=False)
+    body = CompletionRequest(prompt=text, truncate_prompt_tokens=keep)
+    kept = reader.token_ids(body, chat=False)
+    assert kept == whole[-(reader.context_limit - 1 if keep == -1 else keep):]
+    assert len(kept) == (reader.context_limit - 1 if keep == -1 else 3)
+
+
+def test_truncate_prompt_tokens_of_zero_is_refused():
+    from pydantic import ValidationError
+
+    from deployments.openai_api import CompletionRequest
+
+    with pytest.raises(ValidationError, match="keeps no prompt token"):
+        CompletionRequest(prompt="x", truncate_prompt_tokens=0)
