@@ -378,11 +378,11 @@ class Ending:
         raise StopAsyncIteration
 
 
-def test_a_stream_that_ends_with_no_call_waiting_leaves_nothing_behind():
-    """A replica scaled down while no call of this router waits on it: its stream ends, and
-    the client drops it, its channel and its writer (kept for good before: no call came to
-    fail over and forget the replica)."""
-    pool = PoolClient(None, lambda channel: Ending(), "verifier", 5.0, direct=True)
+def ended_stream(stub) -> tuple:
+    """(the client, its Score stream to one replica, whether each of the stream's tasks had
+    ended while the loop ran) once the stream has ended by itself and the client has seen
+    it end (asyncio.run cancels whatever is left when it returns)."""
+    pool = PoolClient(None, lambda channel: stub, "verifier", 5.0, direct=True)
 
     async def main():
         stream = pool._stream("127.0.0.1:1", "Score")
@@ -391,7 +391,14 @@ def test_a_stream_that_ends_with_no_call_waiting_leaves_nothing_behind():
         await asyncio.sleep(0.01)
         return stream, [task.done() for task in stream.tasks]
 
-    stream, done = asyncio.run(main())
+    return pool, *asyncio.run(main())
+
+
+def test_a_stream_that_ends_with_no_call_waiting_leaves_nothing_behind():
+    """A replica scaled down while no call of this router waits on it: its stream ends, and
+    the client drops it, its channel and its writer (kept for good before: no call came to
+    fail over and forget the replica)."""
+    pool, stream, done = ended_stream(Ending())
     assert stream.broken.code == grpc.StatusCode.UNAVAILABLE and done == [True, True]
     assert not pool._streams and not pool._channels
 
@@ -439,15 +446,6 @@ class Refusing(Ending):
 def test_a_stream_refused_by_a_live_replica_keeps_its_channel():
     """The replica is there, only busy: the stream goes (the next call opens another) and
     the channel stays, with its connection."""
-    pool = PoolClient(None, lambda channel: Refusing(), "verifier", 5.0, direct=True)
-
-    async def main():
-        stream = pool._stream("127.0.0.1:1", "Score")
-        while stream.broken is None:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.01)
-        return stream
-
-    stream = asyncio.run(main())
+    pool, stream, _ = ended_stream(Refusing())
     assert stream.broken.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not pool._streams and list(pool._channels) == ["127.0.0.1:1"]
