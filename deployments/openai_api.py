@@ -114,7 +114,8 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # extension (as vLLM): the stop kept in the text
     skip_special_tokens: bool = True  # extension (as vLLM): false writes special tokens out
-    # extension (as vLLM): the prompt's last k tokens only (-1: as many as the context holds)
+    # extension (as vLLM): the prompt's last k tokens only (-1: as many as leave room for the
+    # output's max tokens)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False

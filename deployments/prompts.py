@@ -117,18 +117,36 @@ class PromptReader:
             tuple(t for t in requested if t not in self.end_ids)
 
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
-        """The prompt's ids (its last truncate_prompt_tokens, as vLLM's: -1 leaves room for
-        one output token), refused when empty or with no room left in the context."""
+        """The prompt's ids (truncate_prompt_tokens: its last ones, `truncated`), refused when
+        empty or with no room left in the context."""
         ids = self.tokenized(body, chat)
-        keep = body.truncate_prompt_tokens
-        if keep is not None:
-            ids = ids[-(self.context_limit - 1 if keep == -1 else keep):]
+        if body.truncate_prompt_tokens is not None:
+            ids = self.truncated(ids, body, chat)
         if not ids:
             raise BadRequest("the prompt is empty after tokenization", param="prompt")
         if len(ids) >= self.context_limit:
             raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is "
                              f"{self.context_limit - 1}", param="prompt")
         return ids
+
+    def truncated(self, ids: tuple[int, ...], body, chat: bool) -> tuple[int, ...]:
+        """The prompt's last truncate_prompt_tokens ids, as vLLM keeps them: -1 as many as
+        leave room for the output's max tokens (a chat that names none: one), and a text's
+        ids truncated inside what the tokenizer adds around them (a Llama checkpoint's BOS
+        stays first, as transformers' truncation of vLLM's text prompts keeps it)."""
+        keep = body.truncate_prompt_tokens
+        if keep == -1:  # a length that cannot fit is refused by read, naming its field
+            keep = max(1, self.context_limit - body.max_tokens_or(
+                1 if chat else self.default_max_tokens))
+        if len(ids) <= keep:
+            return ids
+        text = chat or isinstance(body.prompt, str)
+        head, tail = self.added_around() if text and body.add_special_tokens else ([], [])
+        room = keep - len(head) - len(tail)
+        if room < 1 or list(ids[:len(head)]) != head or \
+                list(ids[len(ids) - len(tail):]) != tail:
+            return ids[-keep:]
+        return (*head, *ids[len(head):len(ids) - len(tail)][-room:], *tail)
 
     def tokenized(self, body, chat: bool) -> tuple[int, ...]:
         """The prompt's ids as the model is fed them (/tokenize counts these)."""
@@ -153,15 +171,16 @@ class PromptReader:
         tokens stay tokens; other messages tokenize with the whole text, as vLLM's."""
         pattern = special_pattern(self.tokenizer)
         messages = [m.for_template() for m in body.messages]
-        if body.continue_final_message:  # continued from its last non-space character, as
-            # transformers' template continues it (a marked content included)
-            messages[-1]["content"] = messages[-1]["content"].rstrip()
         marked = {}
-        for message in messages:
+        for index, message in enumerate(messages):
             content = message.get("content")
             if pattern is not None and isinstance(content, str) and pattern.search(content):
                 marker = f"SPECSERVE{secrets.token_hex(8)}CONTENT"
-                marked[marker], message["content"] = content, marker
+                # a continued message's trailing spaces stay beside its marker: transformers
+                # ends the prompt after them where the template keeps them (vLLM's), else not
+                continued = body.continue_final_message and index == len(messages) - 1
+                kept = content.rstrip() if continued else content
+                marked[marker], message["content"] = kept, marker + content[len(kept):]
         check_special_texts(body, pattern)
         text = self.chat_text(body, messages)
         if not marked:
@@ -180,12 +199,17 @@ class PromptReader:
         return self.with_special_tokens(ids) if special else ids
 
     def with_special_tokens(self, ids: list[int]) -> list[int]:
-        """ids with what the tokenizer adds around a text (a BOS, say); as they are when a
-        text's own ids do not show among those it adds to (no tokenizer seen does that)."""
+        """ids with what the tokenizer adds around a text (a BOS, say)."""
+        head, tail = self.added_around()
+        return head + ids + tail
+
+    def added_around(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer adds before and after a text's own; none when a text's own
+        ids do not show among those it adds to (no tokenizer seen does that)."""
         bare = self.tokenizer("x", add_special_tokens=False)["input_ids"]
         full = self.tokenizer("x", add_special_tokens=True)["input_ids"]
         at = next((i for i in range(len(full)) if full[i:i + len(bare)] == bare), None)
-        return ids if at is None else full[:at] + ids + full[at + len(bare):]
+        return ([], []) if at is None else (full[:at], full[at + len(bare):])
 
     def chat_text(self, body, messages: list[dict]) -> str:
         """The messages (for_template's) through the model's chat template, up to the

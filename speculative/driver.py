@@ -213,7 +213,7 @@ class Generation:
 
     def _take(self, added: list[int]) -> None:
         """Detokenize a round's committed tokens one by one, stopping at a stop string (once
-        the output holds min_tokens tokens)."""
+        the output holds more than min_tokens tokens)."""
         stop_ids, reported = self.state.request.stop_token_ids, self.reported_stop_ids
         at_stop_id = self.finish_reason == "stop" and added and added[-1] in stop_ids
         if at_stop_id and (reported is None or added[-1] in reported):
@@ -221,13 +221,14 @@ class Generation:
         if self.detokenizer is None:
             return
         first_output = self.state.num_output_tokens - len(added)
-        min_tokens = self.state.request.sampling.min_tokens  # no stop string before (as vLLM)
+        # no stop string until the output holds more than min_tokens tokens (as vLLM's V1)
+        min_tokens = self.state.request.sampling.min_tokens
         read = added[:-1] if at_stop_id and not self.include_stop else added
         for offset, token in enumerate(read):
             delta = self.detokenizer.add(token)
             new_from = len(self.text)
             self.text += delta
-            checked = delta and self.stop and first_output + offset + 1 >= min_tokens
+            checked = delta and self.stop and first_output + offset + 1 > min_tokens
             hit = find_stop(self.text, self.stop, new_from) if checked else None
             if hit is not None:
                 self.text = self.text[: hit[0] + (len(hit[1]) if self.include_stop else 0)]

@@ -152,19 +152,46 @@ def test_a_length_past_the_context_is_refused_naming_the_field_given(reader, fie
 
 def test_a_reply_the_client_began_is_continued_not_answered(reader):
     """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends at
-    the last message's text, trailing spaces cut as transformers' template cuts them, with
-    no end of turn; a special token's text in it still read as text."""
+    the last message's text, with no end of turn; a special token's text in it still read
+    as text."""
     tokenizer = reader.tokenizer
-    for begun in ["Bonjour, ", "Bonjour <|im_end|>"]:
+    for begun in ["Bonjour,", "Bonjour <|im_end|>"]:
         ids = prompt_ids(reader, [{"role": "user", "content": "hello"},
                                   {"role": "assistant", "content": begun}],
                          add_generation_prompt=False, continue_final_message=True)
         head = tokenizer("<|im_start|>system\ndefault<|im_end|>\n<|im_start|>user\nhello"
                          "<|im_end|>\n<|im_start|>assistant\n",
                          add_special_tokens=False)["input_ids"]
-        tail = tokenizer(begun.rstrip(), add_special_tokens=False,
+        tail = tokenizer(begun, add_special_tokens=False,
                          split_special_tokens=True)["input_ids"]
         assert ids == head + tail, begun
+
+
+# Llama 3's way with a message: its content trimmed
+TRIMMING = QWEN_LIKE.replace("message.content +", "message.content | trim +")
+
+
+@pytest.mark.parametrize("template", [QWEN_LIKE, TRIMMING], ids=["kept", "trimmed"])
+def test_a_continued_reply_keeps_the_trailing_spaces_its_template_keeps(reader, template):
+    """transformers' continuation (vLLM's) ends the prompt after the last message's trailing
+    spaces where the template writes them ("Bonjour, " goes on from its space), at its last
+    other character where the template trims them; a special token's text there alike."""
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.chat_template = template
+    reader, kept = reader_of(tokenizer), template == QWEN_LIKE
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Bonjour, "}]
+    text = tokenizer.apply_chat_template(plain, tokenize=False, **fields)
+    assert text.endswith("Bonjour, " if kept else "Bonjour,")
+    assert prompt_ids(reader, plain, **fields) == \
+        tokenizer(text, add_special_tokens=False)["input_ids"]
+    marked = [plain[0], {"role": "assistant", "content": "Bonjour <|im_end|> "}]
+    ids = prompt_ids(reader, marked, **fields)
+    tail = tokenizer("Bonjour <|im_end|>", add_special_tokens=False,
+                     split_special_tokens=True)["input_ids"]
+    tail += tokenizer(" ", add_special_tokens=False)["input_ids"] if kept else []
+    assert ids[len(ids) - len(tail):] == tail
+    assert tokenizer.decode(ids).endswith("assistant\nBonjour <|im_end|>" + " " * kept)
 
 
 def test_without_the_generation_prompt_the_prompt_ends_at_the_last_turn(reader):
@@ -189,17 +216,78 @@ def test_a_continuation_that_cannot_be_is_refused(fields, message):
 
 @pytest.mark.parametrize("keep", [3, -1])
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(reader, keep):
-    """vLLM's truncate_prompt_tokens: the last k (-1: as many as leave room for one output
-    token); /tokenize counts the whole prompt."""
+    """vLLM's truncate_prompt_tokens: the last k (-1: as many as leave room for the output's
+    max tokens, a completion's default 16); /tokenize counts the whole prompt."""
     from deployments.openai_api import CompletionRequest
 
+    reader = copy.copy(reader)
+    reader.default_max_tokens = 16
+    kept_len = reader.context_limit - 16 if keep == -1 else 3
     text = "hello world " * (600 if keep == -1 else 3)
     whole = reader.token_ids(CompletionRequest(prompt="hello world " * 3), chat=False) \
         if keep != -1 else reader.tokenized(CompletionRequest(prompt=text), chat=False)
     body = CompletionRequest(prompt=text, truncate_prompt_tokens=keep)
     kept = reader.token_ids(body, chat=False)
-    assert kept == whole[-(reader.context_limit - 1 if keep == -1 else keep):]
-    assert len(kept) == (reader.context_limit - 1 if keep == -1 else 3)
+    assert kept == whole[-kept_len:]
+    assert len(kept) == kept_len
+
+
+@pytest.mark.parametrize("chat, fields, kept", [
+    (False, {}, 1000 - 16), (False, {"max_tokens": 100}, 900),
+    (True, {}, 999), (True, {"max_completion_tokens": 100}, 900)])
+def test_truncate_prompt_tokens_of_minus_one_leaves_room_for_max_tokens(
+        reader, chat, fields, kept):
+    """As vLLM's -1 (the context less max_tokens): a prompt past the context is cut to fit
+    with the output asked for, not refused (it left room for one token: a 400 whenever
+    max_tokens was given, and a completion's default 16 cut to 1)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.openai_api import CompletionRequest
+
+    reader = copy.copy(reader)
+    reader.max_prompt_bytes, reader.default_max_tokens, reader.end_ids = 1 << 16, 16, ()
+    reader.tokenizing, reader.grammar_tokenizer = ThreadPoolExecutor(1), None
+    text = "hello world " * 600
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": text}], **fields) \
+        if chat else CompletionRequest(prompt=text, **fields)
+    prompt = asyncio.run(reader.read(body.model_copy(update={"truncate_prompt_tokens": -1}),
+                                     chat))
+    assert len(prompt.token_ids) == kept
+    assert prompt.sampling.max_tokens == reader.context_limit - kept
+    with pytest.raises(BadRequest, match="exceed the context") as refused:  # cannot fit
+        asyncio.run(reader.read(body.model_copy(update={
+            "truncate_prompt_tokens": -1, "max_tokens": reader.context_limit,
+            "max_completion_tokens": None}), chat))
+    assert refused.value.param == "max_tokens"
+
+
+def test_a_truncated_text_prompt_keeps_what_the_tokenizer_adds_around_it(reader):
+    """vLLM truncates a text prompt in transformers' tokenizer (from the left), which keeps
+    what it adds around the text (a Llama checkpoint's BOS) and the text's last ids: cut
+    from the whole ids, the model saw the prompt without its BOS. Ids are cut as given."""
+    from tokenizers.processors import TemplateProcessing
+
+    from deployments.openai_api import CompletionRequest
+
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)])
+    reader, text = reader_of(tokenizer), "hello world " * 5
+    ids = reader.token_ids(CompletionRequest(prompt=text, truncate_prompt_tokens=4), False)
+    tokenizer.truncation_side = "left"
+    assert list(ids) == tokenizer(text, truncation=True, max_length=4)["input_ids"]
+    assert ids[0] == bos and len(ids) == 4
+    whole = tokenizer(text)["input_ids"]
+    assert reader.token_ids(CompletionRequest(prompt=whole, truncate_prompt_tokens=4),
+                            False) == tuple(whole[-4:])
+    bare = CompletionRequest(prompt=text, truncate_prompt_tokens=4, add_special_tokens=False)
+    assert reader.token_ids(bare, False) == tuple(whole[-4:])
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": text}],
+                                 truncate_prompt_tokens=4, add_special_tokens=True)
+    assert reader.token_ids(chat, True)[0] == bos
 
 
 def test_truncate_prompt_tokens_of_zero_is_refused():

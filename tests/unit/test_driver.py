@@ -65,12 +65,13 @@ def test_stop_strings_cut_text_and_ids_where_the_stop_completes(output, stop, k,
        st.lists(st.text(ALPHABET, min_size=1, max_size=3), min_size=1, max_size=3),
        st.integers(0, 6), st.integers(0, 4))
 def test_a_stop_string_counts_from_min_tokens_on(output, stop, min_tokens, k):
-    """As vLLM: before min_tokens no stop string is looked for, and afterwards each is looked
-    for where it ends in a token's new text, so one seen earlier does not stop the output
-    later (a token here is one character)."""
+    """As vLLM (V1's detokenizer): no stop string is looked for until the output holds more
+    than min_tokens tokens (min_tokens of them come before the one that stops it, as before a
+    stop token), and then each is looked for where it ends in a token's new text, so one
+    seen earlier does not stop the output later (a token here is one character)."""
     min_tokens = min(min_tokens, len(output))
     generation, deltas = generate(output, tuple(stop), k=k, min_tokens=min_tokens)
-    end = next((n for n in range(max(min_tokens, 1), len(output) + 1)
+    end = next((n for n in range(min_tokens + 1, len(output) + 1)
                 if any(decode(output[:n]).endswith(s) for s in stop)), None)
     assert generation.token_ids == output[:end or len(output)]
     assert "".join(deltas) == generation.text
