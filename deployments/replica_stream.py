@@ -101,9 +101,15 @@ class ReplicaStream:
                     # cancels last: a cancel may name an entry written just before it
                     await self.stream.write(self.batch_type(entries=runs[-1], cancel=cancelled))
         except grpc.aio.AioRpcError as error:
-            self._break(self._broken_by(error))
+            self._break(self._broken_by(error.code(), error.details()))
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:  # closed under us
-            self._break(PoolError(self.application, grpc.StatusCode.UNAVAILABLE, repr(error)))
+            if self.stream.done():  # ended before this write (refused, say): as the reader
+                # would say (first come, first kept: its status, not the write's error)
+                self._break(self._broken_by(await self.stream.code(),
+                                            await self.stream.details()))
+            else:
+                self._break(PoolError(self.application, grpc.StatusCode.UNAVAILABLE,
+                                      repr(error)))
 
     async def _read(self) -> None:
         try:
@@ -120,13 +126,13 @@ class ReplicaStream:
                         future.set_result(answer.response)
             error = PoolError(self.application, grpc.StatusCode.UNAVAILABLE, "stream ended")
         except grpc.aio.AioRpcError as failure:
-            error = self._broken_by(failure)
+            error = self._broken_by(failure.code(), failure.details())
         self._break(error)
         self.tasks[0].cancel()  # else a stream broken with no call waiting kept its writer
         if self.on_end is not None:
             self.on_end(self)
 
-    def _broken_by(self, failure: grpc.aio.AioRpcError) -> "PoolError":
+    def _broken_by(self, failure_code: grpc.StatusCode, details: str | None) -> "PoolError":
         """What a broken stream's calls fail with. A call's own refusal comes in its answer,
         so a stream that ends in an error lost its transport, whatever the code says (a
         killed replica's stream may end UNKNOWN "Stream removed" or INTERNAL, where a unary
@@ -135,11 +141,8 @@ class ReplicaStream:
         port is at its concurrent rpcs (RESOURCE_EXHAUSTED: other routers' streams, a burst
         of Releases) is busy: the calls wait and try again (speculative.busy), on a new
         stream."""
-        code = failure.code()
-        if code not in STREAM_REFUSALS:
-            code = grpc.StatusCode.UNAVAILABLE
-        return pool_error(self.application, code, f"stream: {failure.code().name}: "
-                                                  f"{failure.details()}")
+        code = failure_code if failure_code in STREAM_REFUSALS else grpc.StatusCode.UNAVAILABLE
+        return pool_error(self.application, code, f"stream: {failure_code.name}: {details}")
 
     def _break(self, error: "PoolError") -> None:
         self.broken = self.broken or error

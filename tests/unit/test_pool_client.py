@@ -449,3 +449,43 @@ def test_a_stream_refused_by_a_live_replica_keeps_its_channel():
     pool, stream, _ = ended_stream(Refusing())
     assert stream.broken.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not pool._streams and list(pool._channels) == ["127.0.0.1:1"]
+
+
+class RefusedBeforeTheWrite(Ending):
+    """A stream the replica refused (its port full) before the client's first write, whose
+    reader has not yet read that status: grpc's write then raises InvalidStateError."""
+
+    async def write(self, message):
+        raise asyncio.InvalidStateError("RPC already finished.")
+
+    def done(self):
+        return True
+
+    async def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    async def details(self):
+        return "Concurrent RPC limit exceeded!"
+
+    async def __anext__(self):
+        await asyncio.Event().wait()  # the reader comes second
+
+
+def test_a_stream_refused_before_its_first_write_is_busy_not_gone():
+    """Whichever task sees the refusal first, the call learns the replica's status: busy
+    (it waits and tries again), not UNAVAILABLE (which sent it to Serve's routing, a new
+    placement, while its replica was only full: a test flaked on it under load)."""
+    from deployments.replica_stream import BusyPoolError, ReplicaStream
+    from protos import specserve_pb2 as pb
+
+    async def main():
+        stream = ReplicaStream(RefusedBeforeTheWrite(), "ScoreStream", pb.ScoreBatch,
+                               pb.ScoreEntry, "verifier")
+        try:
+            await stream.call(pb.ScoreRequest(request_id="a"), 5.0)
+        except BusyPoolError as error:
+            return error.code
+        finally:
+            stream.close()
+
+    assert asyncio.run(main()) == grpc.StatusCode.RESOURCE_EXHAUSTED
