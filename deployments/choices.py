@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import Executor
 
 from deployments.admission import Ticket
 from deployments.clients import PoolError
@@ -17,6 +18,7 @@ from deployments.responses import (
     chunk_body,
     completion_body,
     error_body,
+    json_text,
 )
 from deployments.tools import HeldContent, ToolUse, call_deltas
 from speculative.driver import Decode, Generation
@@ -47,7 +49,8 @@ class Choices:
                  return_token_ids: bool, tools: ToolUse | None = None,
                  include_usage: bool = False, continuous_usage: bool = False,
                  stop_token_ids: tuple[int, ...] = (),
-                 token_bytes: TokenBytes | None = None) -> None:
+                 token_bytes: TokenBytes | None = None,
+                 render: Executor | None = None) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
@@ -56,6 +59,8 @@ class Choices:
         self.continuous_usage = continuous_usage  # and every chunk its choice's so far
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
         self.token_bytes = token_bytes  # chat logprobs' bytes (deployments.logprobs)
+        # where a finished choice is read into its body (None: the loop's default executor)
+        self.render = render
         # OpenAI's `created`: when the completion was created, on each chunk of its stream
         self.created = int(time.time())
 
@@ -84,6 +89,15 @@ class Choices:
             pass
 
         done = await self.all_choices(lambda index: self.run_choice(index, ignore))
+        return await self.off_loop(self.whole_body, done)
+
+    def off_loop(self, work, *args):
+        """work(*args) on the render executor: reading a finished output's calls and its
+        logprobs' texts is Python over every token (a chat's 2,048 with their top 20: 0.35 s
+        that the event loop held every other stream for)."""
+        return asyncio.get_running_loop().run_in_executor(self.render, work, *args)
+
+    def whole_body(self, done: list[Generation]) -> dict:
         choices = [self.whole_choice(i, g) for i, g in enumerate(done)]
         return completion_body(self.request_id, self.model, choices, self.plan.usage(done),
                                self.plan.merged_stats(done), self.chat, self.created,
@@ -143,30 +157,47 @@ class Choices:
         sent as content or as calls)."""
         prompt_tokens = len(self.plan.choices[index].request.prompt_token_ids)
 
-        def chunk(text, finish_reason=None, generation=None, **fields) -> str:
+        def chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):
             body = chunk_body(self.request_id, self.model, index, text, finish_reason,
                               self.chat, created=self.created, **fields)
-            if self.continuous_usage:  # the choice's tokens so far (vLLM's continuous usage)
-                done = len(generation.token_ids) if generation is not None else 0
+            if self.continuous_usage:  # the choice's tokens so far (vLLM's continuous usage),
+                # counted without copying them (a copy a chunk: 4 s over 128k tokens)
+                done = generation.state.num_output_tokens if generation is not None else 0
                 body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                                  "total_tokens": prompt_tokens + done}
-            return json.dumps(body)
+            return encode(body)
 
         delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
         held = HeldContent() if self.tools else None
         logged = self.streamed_logprobs(index)
 
-        async def send(generation, delta):
+        def delta_text(generation, delta, encode=json.dumps) -> str:
             if logged or self.continuous_usage:
-                await queue.put(chunk(delta, generation=generation,
-                                      logprobs=logged(generation) if logged else None))
-            else:
-                await queue.put(delta_chunk(delta))
+                return chunk(delta, generation=generation, encode=encode,
+                             logprobs=logged(generation) if logged else None)
+            return delta_chunk(delta)
 
         async def push(generation, delta):
             if held is not None and not (delta := held.feed(delta)):
                 return  # its tokens' logprobs go with the next chunk
-            await send(generation, delta)
+            await queue.put(delta_text(generation, delta))
+
+        def ending(generation) -> list[str]:  # the last chunks, encoded a piece at a time
+            chunks, finish_reason = [], generation.finish_reason
+            if held is not None:
+                content, calls = self.tools.read_calls(generation.text)
+                if rest := held.rest(content):  # held back, and content after all
+                    chunks.append(delta_text(generation, rest, json_text))
+                if calls:
+                    chunks.append(chunk(None, generation=generation, encode=json_text,
+                                        tool_calls=call_deltas(calls)))
+                finish_reason = self.tools.finish_reason(calls, finish_reason)
+            ids = generation.token_ids if self.return_token_ids else None
+            chunks.append(chunk(None, finish_reason, generation, json_text, token_ids=ids,
+                                stop_reason=generation.stop_reason,
+                                logprobs=logged(generation, last=True) if logged else None,
+                                prompt_token_ids=None if self.chat else prompt_ids))
+            return chunks
 
         # the prompt's ids (return_token_ids): a chat's on its first chunk, as vLLM's; a
         # completion's beside its token_ids on its last (a first chunk is its first text)
@@ -174,19 +205,9 @@ class Choices:
         if self.chat:
             await queue.put(chunk("", role="assistant", prompt_token_ids=prompt_ids))
         generation = await self.run_choice(index, push)
-        finish_reason = generation.finish_reason
-        if held is not None:
-            content, calls = self.tools.read_calls(generation.text)
-            if rest := held.rest(content):  # held back, and content after all
-                await send(generation, rest)
-            if calls:
-                await queue.put(chunk(None, generation=generation,
-                                      tool_calls=call_deltas(calls)))
-            finish_reason = self.tools.finish_reason(calls, finish_reason)
-        await queue.put(chunk(None, finish_reason, generation, stop_reason=generation.stop_reason,
-                              token_ids=generation.token_ids if self.return_token_ids else None,
-                              logprobs=logged(generation, last=True) if logged else None,
-                              prompt_token_ids=None if self.chat else prompt_ids))
+        # off the event loop: all from a `<tool_call>` on was held, its tokens' logprobs too
+        for text in await self.off_loop(ending, generation):
+            await queue.put(text)
         return generation
 
     def streamed_logprobs(self, index: int):

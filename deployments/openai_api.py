@@ -2,6 +2,7 @@
 refuse, and the sampling parameters and constraint they ask for (the responses:
 deployments.responses)."""
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -33,6 +34,10 @@ from speculative.sampling import (
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
+# tool calls in all of a chat's messages: each is answered by a tool message, so a
+# conversation within MAX_MESSAGES holds fewer (without a bound, 2 MiB of calls, 44k, took
+# 0.17 s of the event loop to validate)
+MAX_TOOL_CALLS = MAX_MESSAGES
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
@@ -83,6 +88,18 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+
+    @field_validator("json_")
+    @classmethod
+    def schema_read(cls, value):
+        """A schema given as text, read with the body (with the cycle collector held off:
+        deployments.ingress.parse), not where it is compiled."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except RecursionError:
+            raise ValueError("the schema is nested too deeply") from None
 
 
 class StreamOptions(BaseModel):
@@ -287,6 +304,16 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of is not supported beyond n (each choice is returned)")
         return value
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def batch_in_bounds(cls, value):
+        """A batch beyond MAX_CHOICES prompts refused before each is read (540k one-letter
+        prompts in 2 MiB took 0.25 s of the event loop to validate, then were refused)."""
+        batch = isinstance(value, list) and value and not isinstance(value[0], int)
+        if batch and len(value) > MAX_CHOICES:
+            raise ValueError(f"a batch takes up to {MAX_CHOICES} prompts, not {len(value)}")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def non_empty(cls, value):
@@ -327,6 +354,18 @@ class ChatCompletionRequest(SamplingFields):
     # last message continued (a reply the client has begun: the output carries on from it)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def tool_calls_in_bounds(cls, value):
+        """At most MAX_TOOL_CALLS tool calls in all, counted before any is validated."""
+        if isinstance(value, list) and len(value) <= MAX_MESSAGES:
+            calls = sum(len(m["tool_calls"]) for m in value if isinstance(m, dict) and
+                        isinstance(m.get("tool_calls"), list))
+            if calls > MAX_TOOL_CALLS:
+                raise ValueError(f"the messages hold {calls} tool calls; the limit is "
+                                 f"{MAX_TOOL_CALLS}")
+        return value
 
     @model_validator(mode="after")
     def one_ending(self):

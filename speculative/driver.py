@@ -143,6 +143,52 @@ class Detokenizer:
         return text[len(self._prefix) :] if len(text) > len(self._prefix) else ""
 
 
+# the characters an output's text keeps in one string at its end (GrowingText): room for the
+# longest stop string (256) and a round's text beyond it
+TAIL_CHARS = 4096
+
+
+class GrowingText:
+    """An output's text, grown a token's text at a time and read near its end (where a stop
+    string can end, what can go out). A str grown by += is copied whole at every token: 1.3
+    s of the event loop over a 128k-token output. Here the last TAIL_CHARS or more
+    characters are one string and the rest pieces of TAIL_CHARS or more, so that reading
+    text[start:] costs what it reads and a piece, and the whole is joined once, at the end."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []  # the text before the tail
+        self.before = 0  # their characters
+        self.tail = ""
+
+    def __len__(self) -> int:
+        return self.before + len(self.tail)
+
+    def __str__(self) -> str:
+        return "".join(self.pieces) + self.tail
+
+    def append(self, delta: str) -> None:
+        self.tail += delta
+        if len(self.tail) > 2 * TAIL_CHARS:  # each character moves out once
+            cut = len(self.tail) - TAIL_CHARS
+            self.pieces.append(self.tail[:cut])
+            self.before, self.tail = self.before + cut, self.tail[cut:]
+
+    def since(self, start: int) -> str:
+        """text[start:]"""
+        start, at, first = max(0, start), len(self.pieces), self.before
+        while first > start:  # back to the piece that holds start (a round's text: seldom)
+            at -= 1
+            first -= len(self.pieces[at])
+        return ("".join(self.pieces[at:]) + self.tail)[start - first :]
+
+    def cut(self, end: int) -> None:
+        """Keep text[:end] (a stop string's cut: once, near the end)."""
+        if end < self.before:
+            self.tail, self.pieces, self.before = str(self)[:end], [], 0
+        else:
+            self.tail = self.tail[: end - self.before]
+
+
 def find_stop(text: str, stop: Sequence[str], new_from: int = 0) -> tuple[int, str] | None:
     """(index, stop string) of the earliest stop string that ends in text[new_from:] (each
     searched from where it could first overlap that new text, as vLLM does), or None."""
@@ -172,9 +218,13 @@ class Generation:
         if self.stop and decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
         self.detokenizer = Detokenizer(decode, request.prompt_token_ids) if decode else None
-        self.text = ""
+        self._text = GrowingText()
         self.stop_reason: int | str | None = None
         self._sent = 0  # characters of text already yielded
+
+    @property
+    def text(self) -> str:
+        return str(self._text)
 
     @property
     def token_ids(self) -> list[int]:
@@ -200,9 +250,9 @@ class Generation:
                 if self.finish_reason is not None:
                     break
         if self.detokenizer is not None and self.stop_reason not in self.stop:
-            self.text += self.detokenizer.flush()
-        if tail := self.text[self._sent :]:
-            self._sent = len(self.text)
+            self._text.append(self.detokenizer.flush())
+        if tail := self._text.since(self._sent):
+            self._sent = len(self._text)
             yield tail
 
     async def run(self, drafter: Drafter, verifier: Verifier, policy: KPolicy,
@@ -226,23 +276,31 @@ class Generation:
         read = added[:-1] if at_stop_id and not self.include_stop else added
         for offset, token in enumerate(read):
             delta = self.detokenizer.add(token)
-            new_from = len(self.text)
-            self.text += delta
+            new_from = len(self._text)
+            self._text.append(delta)
             checked = delta and self.stop and first_output + offset + 1 > min_tokens
-            hit = find_stop(self.text, self.stop, new_from) if checked else None
+            hit = self._find_stop(new_from) if checked else None
             if hit is not None:
-                self.text = self.text[: hit[0] + (len(hit[1]) if self.include_stop else 0)]
+                self._text.cut(hit[0] + (len(hit[1]) if self.include_stop else 0))
                 self.state.stop_after(first_output + offset + 1)
                 self.stop_reason = hit[1]
                 return
 
+    def _find_stop(self, new_from: int) -> tuple[int, str] | None:
+        """find_stop over the end of the text, where a stop string that ends after new_from
+        starts."""
+        start = max(0, new_from - max(map(len, self.stop)) + 1)
+        hit = find_stop(self._text.since(start), self.stop, new_from - start)
+        return None if hit is None else (start + hit[0], hit[1])
+
     def _ready(self) -> str:
         """Text not yet yielded that no stop string can still claim."""
-        end = len(self.text)
+        end = len(self._text)
         if self.finish_reason is None and self.stop and not self.include_stop:
             # a tail that is a prefix of a stop string may still become one (and be cut)
+            tail = self._text.since(end - max(map(len, self.stop)))
             end -= max((n for s in self.stop for n in range(1, min(len(s), end + 1))
-                        if self.text.endswith(s[:n])), default=0)
-        delta = self.text[self._sent : end]
+                        if tail.endswith(s[:n])), default=0)
+        delta = self._text.since(self._sent)[: max(0, end - self._sent)]
         self._sent = max(self._sent, end)
         return delta

@@ -20,6 +20,11 @@ import numpy as np
 import torch
 
 MAX_GRAMMAR_CHARS = 64 * 1024
+# llguidance's symbols in a grammar (its default bound is 500,000): what a compile costs
+# grows with them, and a schema's allOf and anyOf multiply them, so that a 1.2 KB schema
+# expanded to 240k and took 2 s to compile (then broke the matcher, whose bound is 65,525);
+# 32k compile within 0.4 s, a 1 MiB prompt's tokenizing time (a 900-property object has 7k)
+MAX_GRAMMAR_SYMBOLS = 32 * 1024
 # JSON laid out on one line with single spaces: with whitespace left free (llguidance's
 # default), a small model spends its max_tokens on newlines inside the object; a schema's own
 # "x-guidance" options override this
@@ -53,6 +58,11 @@ def grammar_text(kind: str, spec) -> str:
     try:
         if kind == "json":
             schema = json.loads(spec) if isinstance(spec, str) else spec
+            # llguidance reads a schema holding the GIL (a 2 MiB one: 0.5 s of the event
+            # loop, then refused as too long): one whose own text is far past the bound is
+            # refused first (its grammar holds that text)
+            if len(json.dumps(schema, ensure_ascii=False)) > 2 * MAX_GRAMMAR_CHARS:
+                raise GrammarError(kind, f"compiles to more than {MAX_GRAMMAR_CHARS} characters")
             return matcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         if kind == "regex" and isinstance(spec, str):
             return matcher.grammar_from_regex(spec)
@@ -61,6 +71,8 @@ def grammar_text(kind: str, spec) -> str:
             return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
         if kind == "grammar" and isinstance(spec, str):
             return matcher.grammar_from_lark(spec)
+    except GrammarError:
+        raise
     except UnicodeError:  # a lone surrogate, which no grammar can hold
         raise GrammarError(kind, "contains text that is not valid Unicode (a lone "
                                  "surrogate?)") from None
@@ -76,9 +88,13 @@ def compile_spec(kind: str, spec, tokenizer) -> str:
     text = grammar_text(kind, spec)
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(kind, f"compiles to more than {MAX_GRAMMAR_CHARS} characters")
-    problem = llguidance().LLMatcher.validate_grammar(text, tokenizer)
+    limits = llguidance().LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS)
+    problem = llguidance().LLMatcher.validate_grammar(text, tokenizer, limits=limits)
     if not problem and tokenizer is not None:
-        problem = dead_end(tokenizer, text)
+        try:
+            problem = dead_end(tokenizer, text)
+        except ValueError as error:  # the matcher refused what validation passed
+            problem = str(error)
     if problem:
         raise GrammarError(kind, problem.strip().splitlines()[0])
     return text

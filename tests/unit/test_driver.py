@@ -1,12 +1,15 @@
 """The request driver: stop ids, stop strings, incremental text, exact output ids."""
 
 import asyncio
+import tracemalloc
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.driver import Detokenizer, Generation, text_decoder
+from speculative import driver
+from speculative.driver import Detokenizer, Generation, GrowingText, text_decoder
 from speculative.state import Request
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
@@ -58,6 +61,63 @@ def test_stop_strings_cut_text_and_ids_where_the_stop_completes(output, stop, k,
     assert text == decode(ids)[:cut]
     assert generation.finish_reason == "stop" and generation.stop_reason in stop
     assert decode(ids)[cut:].startswith(generation.stop_reason)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(ALPHABET, max_size=5), st.integers(0, 12)), max_size=12))
+def test_a_text_kept_in_pieces_reads_as_one_string(steps):
+    """GrowingText with a tail of 2 characters (so most of it is in pieces): appended,
+    read from any point and cut anywhere, it is the string grown by +=."""
+    with mock.patch.object(driver, "TAIL_CHARS", 2):
+        grown, text = GrowingText(), ""
+        for delta, at in steps:
+            grown.append(delta)
+            text += delta
+            assert (len(grown), grown.since(at), str(grown)) == (len(text), text[at:], text)
+            if at % 3 == 0:
+                grown.cut(at)
+                text = text[:at]
+        assert str(grown) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=30),
+       st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
+       st.integers(0, 5), st.integers(2, 8), st.booleans())
+def test_a_text_mostly_in_pieces_streams_and_stops_as_one_string(output, stop, k, miss,
+                                                                 include):
+    """The driver over a GrowingText whose tail is 2 characters (a round's text reaches
+    into its pieces): the same text, deltas, ids and stop as over one string."""
+    whole = generate(output, tuple(stop), k=k, miss=miss, include=include)
+    with mock.patch.object(driver, "TAIL_CHARS", 2):
+        pieces = generate(output, tuple(stop), k=k, miss=miss, include=include)
+    assert [(g.text, deltas, g.token_ids, g.stop_reason) for g, deltas in (whole, pieces)] \
+        == [(whole[0].text, whole[1], whole[0].token_ids, whole[0].stop_reason)] * 2
+
+
+def test_each_token_costs_the_output_text_its_own_length():
+    """The text grown by += was copied whole at each token: quadratic (1.3 s of the event
+    loop over a 128k-token output). Counted in bytes allocated, a token after 200k characters
+    of text, with the longest stop strings searched, copies none of them."""
+    def long_decode(ids):
+        return "".join("words in a line, fifty characters of text each ok." for _ in ids)
+
+    params = SamplingParams(temperature=0, max_tokens=10_000, stop=("z" * 256, "#"))
+    generation = Generation(Request("r", PROMPT, params), long_decode)
+
+    def one_token():
+        generation._take(generation.state.commit((1,)))
+        return generation._ready()
+
+    text = "".join(one_token() for _ in range(4_000))
+    tracemalloc.start()
+    try:
+        last = one_token()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(text) > 80_000 and peak < 20_000
+    assert text + last == generation.text == long_decode([1] * 4_001)
 
 
 @settings(max_examples=200, deadline=None)

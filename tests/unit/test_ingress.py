@@ -1,12 +1,17 @@
 """The router's ingress answers a bug with a logged 500, and a request Serve cancelled (its
-client went away) with a quiet 499."""
+client went away) with a quiet 499; it parses a body without the cycle collector."""
 
+import asyncio
+import gc
+import json
 import logging
 
 from fastapi.testclient import TestClient
 from ray.exceptions import TaskCancelledError
 
-from deployments.ingress import CLIENT_CLOSED, ingress_app, log
+from deployments.ingress import CLIENT_CLOSED, ingress_app, log, parse
+from deployments.openai_api import CompletionRequest
+from tests.unit.test_router_parts import posted
 
 
 class Records(logging.Handler):
@@ -50,3 +55,43 @@ def test_a_request_serve_cancelled_is_not_a_bug():
         response = app_raising(TaskCancelledError()).get("/v1/x")
     assert response.status_code == CLIENT_CLOSED == 499
     assert [r.levelno for r in records] == [logging.INFO] and not records[0].exc_info
+
+
+def collections_while(work) -> tuple[object, list[int]]:
+    """(work()'s value, the generations of the collections that began while it ran)."""
+    started = []
+
+    def count(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    async def main():
+        gc.collect()
+        gc.callbacks.append(count)
+        try:
+            return await work()
+        finally:
+            gc.callbacks.remove(count)
+
+    return asyncio.run(main()), started
+
+
+def test_a_body_of_small_arrays_is_parsed_without_the_cycle_collector():
+    """A body's JSON (here 200,000 empty arrays, in a field the schema ignores) made with
+    the collector on set off a collection every 700 containers (10,000 under these tests'
+    conftest), and a full one over the whole heap now and then: 0.8 s of the event loop for
+    2 MiB in the router's process. Counted: none while it is parsed (19 without the
+    pause)."""
+    request = posted({"prompt": "x", "ignored": [[]] * 200_000})
+    parsed, started = collections_while(lambda: parse(request, CompletionRequest, 1 << 20))
+    assert parsed.prompt == "x" and len(started) <= 1 and gc.isenabled()
+
+
+def test_a_schema_given_as_text_is_read_with_the_body():
+    """structured_outputs.json as a JSON text was read where it compiles, with the collector
+    on (2 MiB of arrays: 0.9 s of the event loop, the tokenizing thread holding the GIL):
+    it is read with the body."""
+    schema = json.dumps({"type": "object", "x": [[]] * 200_000})
+    request = posted({"prompt": "x", "structured_outputs": {"json": schema}})
+    parsed, started = collections_while(lambda: parse(request, CompletionRequest, 1 << 20))
+    assert parsed.structured_outputs.json_ == json.loads(schema) and len(started) <= 1

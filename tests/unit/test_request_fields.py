@@ -9,8 +9,9 @@ import pytest
 from pydantic import ValidationError
 from starlette.requests import Request
 
+from deployments import chat_messages, openai_api
 from deployments.ingress import BadRequest, parse
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.openai_api import MAX_TOOL_CALLS, ChatCompletionRequest, CompletionRequest
 from deployments.prompts import PromptReader
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -164,6 +165,30 @@ def test_a_completions_prompt_is_one_or_a_batch(prompt, prompts):
 def test_a_bad_batch_is_refused(fields):
     with pytest.raises(ValidationError):
         CompletionRequest(**fields)
+
+
+def test_a_batch_past_the_choices_is_refused_before_its_prompts_are_read(monkeypatch):
+    """2 MiB of one-letter prompts (540k) were each validated, 0.25 s of the event loop,
+    then refused as too many choices: the batch's length is checked first."""
+    read = []
+    monkeypatch.setattr(openai_api, "encodable", lambda text, field: read.append(text) or text)
+    with pytest.raises(ValidationError) as refused:
+        CompletionRequest.model_validate({"prompt": ["a"] * 100_000})
+    assert refused.value.errors()[0]["loc"] == ("prompt",) and read == []
+    assert len(CompletionRequest(prompt=["a"] * 128).prompts()) == 128
+
+
+def test_tool_calls_past_their_bound_are_refused_before_they_are_read(monkeypatch):
+    """Each of 44k tool calls in 2 MiB was validated (0.17 s of the event loop); a
+    conversation within the messages' bound answers fewer calls than MAX_TOOL_CALLS."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    calls = [{"role": "assistant", "content": None, "tool_calls": [call] * 64}]
+    ChatCompletionRequest(messages=calls * (MAX_TOOL_CALLS // 64))
+    read = []
+    monkeypatch.setattr(chat_messages, "encodable", lambda text, field: read.append(text) or text)
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate({"messages": calls * (MAX_TOOL_CALLS // 64 + 1)})
+    assert refused.value.errors()[0]["loc"] == ("messages",) and read == []
 
 
 def test_text_content_parts_are_joined_as_vllm_joins_them():

@@ -1,16 +1,22 @@
 """Router parts that need no Ray: n > 1 choices fail together; error bodies; admission;
-the fan-out of a request's choices, whole and streamed."""
+the fan-out of a request's choices, whole and streamed, read and encoded off the event loop."""
 
 import asyncio
+import gc
 import json
+import threading
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from deployments import responses
 from deployments.admission import Admission
 from deployments.choices import Choices, all_or_none
 from deployments.ingress import BadRequest, ReleasingStream
 from deployments.openai_api import CompletionRequest
-from deployments.responses import DeltaChunks, chunk_body, error_body
+from deployments.responses import WHOLE, DeltaChunks, chunk_body, error_body, json_text
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
 from tests.tiny import Agreeing
@@ -211,6 +217,36 @@ def test_continuous_usage_puts_each_choices_usage_so_far_on_its_chunks(chat):
         assert text == "aaaa"
 
 
+def test_continuous_usage_counts_a_choices_tokens_without_copying_them(monkeypatch):
+    """Each chunk's usage so far read the choice's output ids, a copy of them all: a stream
+    quadratic in its length (4 s of the event loop over 128k tokens). Counted: the copies
+    do not grow with the chunks."""
+    from speculative.state import RequestState
+
+    copies, output_ids = [], RequestState.output_token_ids
+    monkeypatch.setattr(RequestState, "output_token_ids",
+                        property(lambda state: copies.append(state) or output_ids.fget(state)))
+
+    def copied(max_tokens: int) -> tuple[int, int]:
+        """(copies of the output ids, chunks) of a stream of max_tokens, two a round."""
+        plan = RequestFrontEnd().plan("cmpl-x", (2, 3), SamplingParams(
+            temperature=0.0, max_tokens=max_tokens), n=1, num_speculative_tokens=1)
+        choices = Choices(plan, (Agreeing(), Agreeing()), lambda ids: "a" * len(ids),
+                          Recorded(), Admission(1).admit(1), model="m", chat=True,
+                          return_token_ids=True, include_usage=True, continuous_usage=True)
+
+        async def collect():
+            return [event async for event in choices.events()]
+
+        copies.clear()
+        chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+        assert chunks[-2]["usage"]["completion_tokens"] == max_tokens
+        return len(copies), len(chunks)
+
+    (few, short), (many, long) = copied(4), copied(40)
+    assert long > short + 10 and many == few
+
+
 def test_continuous_usage_is_asked_with_include_usage():
     streamed = {"prompt": "x", "stream": True}
     both = {"include_usage": True, "continuous_usage_stats": True}
@@ -302,7 +338,7 @@ def router_of(max_running: int):
         args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m"),
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
         special_decode=lambda ids: "s" * len(ids),  # skip_special_tokens: false
-        prompts=SimpleNamespace(reported_stop_ids=lambda body: ()),
+        prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
         pools=lambda kind=None: (Agreeing(), Agreeing()), plan=plan)
 
     def serve(request, schema, chat):
@@ -328,9 +364,10 @@ def test_skip_special_tokens_false_decodes_with_every_tokens_text():
     serve, _ = router_of(max_running=1)
 
     async def main():
-        return [(await serve(posted({"prompt": "hi", "max_tokens": 4, **fields}),
-                             CompletionRequest, chat=False))["choices"][0]["text"]
-                for fields in ({}, {"skip_special_tokens": False})]
+        answers = [await serve(posted({"prompt": "hi", "max_tokens": 4, **fields}),
+                               CompletionRequest, chat=False)
+                   for fields in ({}, {"skip_special_tokens": False})]
+        return [json.loads(answer.body)["choices"][0]["text"] for answer in answers]
 
     assert asyncio.run(main()) == ["aaaa", "ssss"]
 
@@ -344,9 +381,68 @@ def test_a_whole_answer_gives_its_admission_back_so_the_next_request_runs():
         return [await serve(posted({"prompt": "hi", "max_tokens": 4}), CompletionRequest,
                             chat=False) for _ in range(3)]
 
-    answers = asyncio.run(main())
-    assert all(isinstance(a, dict) and a["choices"][0]["text"] == "aaaa" for a in answers)
+    answers = [json.loads(answer.body) for answer in asyncio.run(main())]
+    assert all(a["choices"][0]["text"] == "aaaa" for a in answers)
     assert admission.running == 0
+
+
+def test_a_whole_answer_is_read_and_encoded_off_the_event_loop(monkeypatch):
+    """A finished answer's reading (its calls, its logprobs' texts: Python over every token)
+    and its encoding (FastAPI's encoder walked the returned dict) ran on the event loop: 1 s
+    of it for a chat's 2,048 tokens with their top 20, every other stream held meanwhile."""
+    from deployments import ingress
+
+    threads, read, encode = [], Choices.whole_choice, ingress.json_text
+
+    def reading(self, *args):
+        threads.append(("read", threading.current_thread()))
+        return read(self, *args)
+
+    def encoding(body, **options):
+        threads.append(("encode", threading.current_thread()))
+        return encode(body, **options)
+
+    monkeypatch.setattr(Choices, "whole_choice", reading)
+    monkeypatch.setattr(ingress, "json_text", encoding)  # the router's json_answer's
+    serve, _ = router_of(max_running=2)
+    answer = asyncio.run(serve(posted({"prompt": "hi", "max_tokens": 4, "n": 2}),
+                               CompletionRequest, chat=False))
+    assert [c["text"] for c in json.loads(answer.body)["choices"]] == ["aaaa", "aaaa"]
+    assert answer.media_type == "application/json"
+    assert [kind for kind, _ in threads] == ["read", "read", "encode"]
+    assert all(thread is not threading.main_thread() for _, thread in threads)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=3) |
+                    st.floats(allow_nan=False, allow_infinity=False),
+                    lambda inner: st.lists(inner, max_size=6) |
+                    st.dictionaries(st.text(max_size=3), inner, max_size=4), max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON)
+def test_an_answer_encoded_a_piece_at_a_time_is_json_dumps_text(value):
+    """json_text with slices of 2 items (a response's are 256): the text of json.dumps, as
+    a whole answer (JSONResponse's options) and as a stream's chunk (json.dumps' own)."""
+    with mock.patch.object(responses, "PIECE_ITEMS", 2):
+        assert json_text(value, **WHOLE) == json.dumps(value, **WHOLE)
+        assert json_text(value) == json.dumps(value)
+
+
+def test_a_routers_start_up_objects_are_kept_out_of_full_collections():
+    """A full collection walked all that start-up built (some 400k objects: 0.22 s of the
+    event loop), and a request's objects set one off (a 2 MiB body, the logprobs of an
+    answer, even read on another thread): the router freezes them once it has started."""
+    from deployments.router import Router
+    from deployments.router_args import RouterArgs
+
+    own = Router.__bases__[0]  # the class Serve's ingress wraps
+    gc.unfreeze()
+    try:
+        own.__init__(object.__new__(own), RouterArgs())
+        assert gc.get_freeze_count() > 100_000
+    finally:
+        gc.freeze()  # as the tests' conftest leaves it
 
 
 def test_a_completions_batch_is_admitted_as_its_prompts_times_n():

@@ -116,6 +116,53 @@ def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
     assert refused.value.field == field
 
 
+def expanding_schema(depth: int, properties: int) -> dict:
+    """An object whose property is `depth` levels of allOf with an anyOf of the level below:
+    a kilobyte or so that llguidance multiplies into as many symbols as the levels
+    allow (depth 4, 16 properties: 240k)."""
+    levels = {"d0": {"type": "object", "properties": {f"x{j}": {"type": "integer"}
+                                                      for j in range(properties)}}}
+    for i in range(1, depth + 1):
+        below = {"$ref": f"#/$defs/d{i - 1}"}
+        levels[f"d{i}"] = {"allOf": [below, {"anyOf": [below, {
+            "type": "object", "properties": {f"y{i}": {"type": "string"}}}]}]}
+    return {"type": "object", "$defs": levels, "required": ["a"],
+            "properties": {"a": {"$ref": f"#/$defs/d{depth}"}}}
+
+
+def test_a_schema_that_expands_past_the_symbols_bound_is_refused_as_it_compiles(demo):
+    """1.2 KB of schema that llguidance expanded to 240k symbols took 2 s of the tokenizing
+    thread and then broke the matcher (a ValueError carrying Rust's backtrace, no field):
+    compiling stops at MAX_GRAMMAR_SYMBOLS and names the field and the bound."""
+    schema = expanding_schema(4, 16)
+    assert len(json.dumps(schema)) < 1500
+    with pytest.raises(GrammarError, match="symbols") as refused:
+        compile_spec("json", schema, demo[3])
+    assert refused.value.field == "json"
+
+
+def test_a_schema_far_past_the_size_bound_is_refused_before_llguidance_reads_it(monkeypatch):
+    """llguidance reads a schema holding the GIL (a 2 MiB one: 0.5 s of the event loop),
+    and the grammar it made was then refused as too long: a schema whose own text is past
+    twice the bound is refused unread."""
+    from types import SimpleNamespace
+
+    from speculative import grammar
+
+    read, real = [], grammar.llguidance().LLMatcher
+
+    def reading(*args, **options):
+        read.append(args)
+        return real.grammar_from_json_schema(*args, **options)
+
+    monkeypatch.setattr(grammar, "llguidance", lambda: SimpleNamespace(
+        LLMatcher=SimpleNamespace(grammar_from_json_schema=reading)))
+    schema = {"type": "object", "properties": {f"p{i}": {} for i in range(20_000)}}
+    with pytest.raises(GrammarError, match="characters"):
+        grammar.grammar_text("json", schema)
+    assert read == []
+
+
 def test_grammars_survive_rebuilds_and_drafter_failures(demo):
     """Both pools lose the request's cache (and its matcher) before half their calls, and
     the drafter fails a third of its calls after advancing: the output still equals the
