@@ -34,9 +34,10 @@ def text_decoder(tokenizer, keep: tuple[str, ...] = (),
                  skip_special: bool = True) -> Decode:
     """The tokenizer's decode, special tokens skipped but those whose text is in `keep` (a
     tool call's tags, which some checkpoints register as special, while a request's tools
-    are read out of its text), or none skipped (skip_special false). A fast tokenizer that cleans up no spaces decodes through its
-    Rust backend directly: the same text, without transformers' argument handling around it
-    (the detokenizer on the demo tokenizer: 8.0 -> 3.3 us a token, two decodes each)."""
+    are read out of its text), or none skipped (skip_special false). A fast tokenizer that
+    cleans up no spaces decodes through its Rust backend directly: the same text, without
+    transformers' argument handling around it (the detokenizer on the demo tokenizer: 8.0 ->
+    3.3 us a token, two decodes each)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = backend if backend is not None and \
         getattr(tokenizer, "clean_up_tokenization_spaces", None) is False else tokenizer
