@@ -44,10 +44,8 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace),
 # each of which changes the answer or what it carries, and the values that ask for nothing
 # (vLLM's defaults, as this server behaves): any other is refused
-UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
-            "prompt_logprobs": (None,),
-            "use_beam_search": (None, False),
-            "chat_template_kwargs": (None, {}),
+UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+            "use_beam_search": (None, False), "chat_template_kwargs": (None, {}),
             "chat_template": (None,), "documents": (None, []),
             "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
             "functions": (None, [])}

@@ -141,7 +141,7 @@ class PromptReader:
         if len(ids) <= keep:
             return ids
         text = chat or isinstance(body.prompt, str)
-        head, tail = self.added_around() if text and body.add_special_tokens else ([], [])
+        head, tail = self.added_around if text and body.add_special_tokens else ([], [])
         room = keep - len(head) - len(tail)
         if room < 1 or list(ids[:len(head)]) != head or \
                 list(ids[len(ids) - len(tail):]) != tail:
@@ -200,12 +200,14 @@ class PromptReader:
 
     def with_special_tokens(self, ids: list[int]) -> list[int]:
         """ids with what the tokenizer adds around a text (a BOS, say)."""
-        head, tail = self.added_around()
+        head, tail = self.added_around
         return head + ids + tail
 
+    @functools.cached_property
     def added_around(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer adds before and after a text's own; none when a text's own
-        ids do not show among those it adds to (no tokenizer seen does that)."""
+        ids do not show among those it adds to (no tokenizer seen does that). The tokenizer's
+        own: probed once (twice a request, before, on every marked chat and truncated text)."""
         bare = self.tokenizer("x", add_special_tokens=False)["input_ids"]
         full = self.tokenizer("x", add_special_tokens=True)["input_ids"]
         at = next((i for i in range(len(full)) if full[i:i + len(bare)] == bare), None)
