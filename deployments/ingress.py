@@ -158,6 +158,10 @@ class ReleasingStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except TaskCancelledError:  # Serve's receive telling of a client gone mid-stream:
+            # raised on, it reached Serve's call as an error nobody reads, and the replica
+            # logged "Future exception was never retrieved" with its traceback every time
+            log.info("the client of %s went away mid-stream", scope.get("path"))
         finally:  # the events' own end (their choices' tasks cancelled), then the slot
             await self.body_iterator.aclose()
             self.ticket.release()

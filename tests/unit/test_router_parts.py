@@ -319,6 +319,41 @@ def test_a_stream_whose_client_goes_mid_stream_ends_its_events_before_its_admiss
     assert order == [("events ended", 2)] and admission.running == 0
 
 
+def test_a_client_gone_as_serves_cancellation_ends_the_stream_quietly():
+    """Serve's receive raises TaskCancelledError when the proxy cancels the request (its
+    client gone): the stream ends as for a disconnect, events closed and the slot given
+    back, and nothing is raised into Serve's call (which logged it as never retrieved).
+    Serve's scope is below ASGI 2.4, so Starlette listens for the disconnect."""
+    from ray.exceptions import TaskCancelledError
+
+    admission = Admission(4)
+    ticket, sent, order = admission.admit(1), [], []
+
+    async def events():
+        try:
+            while True:
+                yield "data: x\n\n"
+                await asyncio.sleep(0)
+        finally:
+            order.append("events ended")
+
+    async def send(message):
+        sent.append(message["type"])
+
+    async def receive():
+        await asyncio.sleep(0.01)
+        raise TaskCancelledError()
+
+    async def main():
+        await ReleasingStream(events(), ticket)(
+            {"type": "http", "path": "/v1/completions", "asgi": {"spec_version": "2.3"}},
+            receive, send)
+
+    asyncio.run(main())
+    assert sent[0] == "http.response.start" and order == ["events ended"]
+    assert admission.running == 0
+
+
 def router_of(max_running: int):
     """The Router's request path (Router.serve_request) without Ray or a model: stand-ins
     for its prompt reading and planning plan each prompt of a body as two tokens, over
