@@ -14,7 +14,9 @@ ModelPath = Annotated[str, AfterValidator(expand_home)]  # a hub id or a folder 
 class PoolArgs(BaseModel):
     """`applications[].args` of a pool app; unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # no infinite durations (as the router's): an idle session that never expires holds its
+    # KV until evicted, and a stall never noticed leaves calls waiting on a dead worker
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     model: ModelPath
     # one of torch's dtypes the pools load: refused at deploy, not after a replica has

@@ -149,7 +149,10 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
     (DrafterArgs, {"draft_q_mass": 1.5}, "draft_q_mass"),
     (DrafterArgs, {"draft_q_mass": 0}, "draft_q_mass"),
     (DrafterArgs, {"drafter": "ngram", "ngram_min": 0}, "ngram_min"),
-    (RouterArgs, {"max_context_tokens": -5}, "max_context_tokens")])
+    (RouterArgs, {"max_context_tokens": -5}, "max_context_tokens"),
+    (VerifierArgs, {"session_ttl_s": float("inf")}, "session_ttl_s"),  # as the router's
+    (DrafterArgs, {"health_stall_s": "inf"}, "health_stall_s"),
+    (VerifierArgs, {"batch_linger": float("nan")}, "batch_linger")])
 def test_pool_and_router_args_a_replica_would_refuse_fail_at_deploy(model, args, field):
     with pytest.raises(ValidationError) as refused:
         model.model_validate(args)
