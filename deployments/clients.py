@@ -179,6 +179,16 @@ class PoolClient:
                                          timeout=RELEASE_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             log.debug("release of %s on %s: %s", request_id, self.application, error.code())
+            if address is not None and error.code() in GONE:
+                self._drop_unused_channel(address)
+
+    def _drop_unused_channel(self, address: str) -> None:
+        """Forget the channel to a replica a release found gone, unless a stream still uses
+        it. Its streams had ended (_ended dropped the channel), and the release's _stub made
+        a new one: kept, a router held one more channel for every replica that went away
+        while a request pinned to it was ending."""
+        if not any(key[0] == address for key in self._streams):
+            self._channels.pop(address, None)
 
     def _stub(self, address: str):
         if address not in self._channels:

@@ -71,6 +71,13 @@ class PrefixIndex:
                 if not held:
                     del self.holders[names[number]]
 
+    def held_elsewhere(self, cache, names: list[int]) -> bool:
+        """Whether a cache other than `cache` publishes the whole chain `names` (a holder of
+        its last block holds them all)."""
+        last = len(names) - 1
+        return any(other is not cache and number == last
+                   for other, number in self.holders.get(names[-1], {}).values())
+
     def longest(self, names: list[int]) -> tuple[object, int]:
         """(a cache holding the first n blocks, n) for the longest n found, else (None, 0): a
         cache publishes its blocks from the first on, so a holder of block n holds 0..n."""
@@ -204,8 +211,12 @@ class PoolCache:
 
     def retire(self) -> None:
         """Keep the units while the prompt blocks may serve a later request; freed when an
-        allocation needs them. A cache with nothing published is freed at once."""
-        if self.names:
+        allocation needs them. A cache with nothing published is freed at once, and so is
+        one whose whole chain another cache publishes (it adopted that cache's prefix and
+        added no full block: requests with one prompt and short outputs). Kept, such caches
+        added no prefix, and in engine.paged held only blocks shared with the other, so no
+        allocation ever needed them gone: one retired cache per request, without end."""
+        if self.names and not self.pool.prefixes.held_elsewhere(self, self.names):
             self.pool.retire(self)
         else:
             self.free()

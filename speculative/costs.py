@@ -106,10 +106,17 @@ class Recent:
         return self.median
 
 
+# sizes a Curve keeps. The verify line's sizes are its batches' fed tokens, which a prompt's
+# prefill chunk sets to any value: kept all, a router's line grew by a size per new value
+# for good (20,000 rounds of varied prompts: 12,673 sizes, and a fit, run after every add,
+# took 36 ms); past the bound the size seen least lately goes, which the fit weighs least
+MAX_SIZES = 256
+
+
 class Curve:
     """Times by size (tokens): a median per size and how often each size was seen lately,
     fitted with a weighted line a + b (n - 1); b >= 0 (noise must not make more tokens look
-    cheaper)."""
+    cheaper). At most MAX_SIZES sizes are kept."""
 
     def __init__(self, decay: float = 0.02) -> None:
         self.points: dict[int, Recent] = {}
@@ -122,6 +129,9 @@ class Curve:
         self.fitted: dict[float, tuple[float, float]] = {}  # by prior slope, until an add
 
     def add(self, size: int, seconds: float) -> None:
+        if size not in self.points and len(self.points) >= MAX_SIZES:
+            rarest = min(self.seen, key=self.seen.get)
+            del self.points[rarest], self.seen[rarest]
         add_to(self.points, size, seconds)
         self.seen[size] = self.seen.get(size, 0.0) + self.weight
         self.weight /= 1 - self.decay

@@ -95,10 +95,12 @@ def test_released_requests_that_share_a_prefix_give_it_back_together():
     """A request rebuilt from its own released prefix shares those blocks with it; released
     again, both retired caches hold them (reference counts of 2), neither alone frees one,
     and together they do: a request that needs them is served, not refused for as long as
-    it waits (a rebuilt request in a full pool met that refusal)."""
+    it waits (a rebuilt request in a full pool met that refusal). Rebuilt mid-output, its
+    chain is longer than the first's (a cache that adds no block to another's chain is not
+    kept: engine.cache.PoolCache.retire)."""
     verifier = small_verifier()
-    for name in ("a", "a rebuilt"):
-        [scores] = verifier.score_batch([first_call(name, prompt(98))])
+    for name, ids in (("a", prompt(98)), ("a rebuilt", prompt(98) + (5,) * 14)):
+        [scores] = verifier.score_batch([first_call(name, ids)])
         verifier.sessions.release(name)
     assert scores.cached_tokens == 96  # the second took the first's six full blocks
     pool = verifier.runner.pool

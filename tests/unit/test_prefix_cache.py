@@ -222,3 +222,24 @@ def test_a_write_into_a_shared_block_is_counted_as_a_block_to_copy():
     assert taker.missing(8, 8) == 0  # a feed after them writes nothing shared
     assert taker.missing(10, 6) == 1 + 1  # block 1 copied, block 2 new
     assert taker.missing(10, 2) == 2 + 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requests_with_one_prompt_leave_one_retired_cache_not_one_each(backend):
+    """Requests of one prompt whose outputs fill no block of their own (a classifier's, a
+    health check's) adopt the first one's blocks and publish that same chain. Each was kept
+    retired at its release: in engine.paged it held only shared blocks, so no allocation ever
+    needed it gone, and the retired caches and the prefix index grew by one a request
+    (3,000 requests: 3,000 of each, with 254 of 256 blocks free). A later request still
+    finds the prefix."""
+    runner = served(backend)
+    pool, store = runner.pool, SessionStore(8)
+    for i in range(20):
+        sequence, _ = start(store, runner, f"r{i}", PROMPT)
+        assert sequence.cached_tokens == (0 if i == 0 else 32)
+        store.apply(f"r{i}", sync(PROMPT, [7]))
+        store.release(f"r{i}")
+    assert len(pool.retired) == 1
+    assert [len(held) for held in pool.prefixes.holders.values()] == [1, 1]
+    later, _ = start(store, runner, "later", PROMPT[:36])
+    assert later.cached_tokens == 32
