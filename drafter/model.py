@@ -187,7 +187,8 @@ class ModelDrafter:
             lines = processed(drafts, fit_vocab(torch.stack([rows[0] for rows in logits]),
                                                 self.vocab_size))  # [drafts, V]
             tokens = self.next_tokens(drafts, lines)
-            self.note_probs(drafts, lines, tokens)
+            active, lines, tokens = self.without_lawless(active, lines, tokens)
+            self.note_probs([draft for _, draft, _ in active], lines, tokens)
             still = []
             for (index, draft, _), token in zip(active, tokens):
                 draft.took(token)
@@ -199,6 +200,18 @@ class ModelDrafter:
                         self.runner, token)))
             active = still
         return first_tokens
+
+    def without_lawless(self, active: list[tuple], lines: torch.Tensor, tokens: list[int]
+                        ) -> tuple[list[tuple], torch.Tensor, list[int]]:
+        """(active, lines, tokens) less the drafts whose step drew id V: a law holding NaN
+        (the draft's logits NaN or inf: sampling.inverted) has no token to draw, so the
+        block ends before the step, its q row dropped (shipped, id V failed the verify)."""
+        kept = [row for row, token in enumerate(tokens) if token < self.vocab_size]
+        if len(kept) == len(tokens):
+            return active, lines, tokens
+        for row in set(range(len(tokens))) - set(kept):
+            active[row][1].q_rows.pop()
+        return [active[row] for row in kept], lines[kept], [tokens[row] for row in kept]
 
     def note_probs(self, drafts: list["Draft"], lines: torch.Tensor, tokens: list[int]) -> None:
         """What a step's drafts whose block length follows their confidence (or that report
@@ -336,6 +349,8 @@ class ModelDrafter:
             return probs.to(self.draft_q_dtype), None
         if len(probs) == 1:
             values, ids = kept_entries(probs[0], self.draft_top_k, self.draft_q_mass)
+            if not len(values):  # a NaN row keeps nothing: dense, it draws id V (refused)
+                return probs.to(self.draft_q_dtype), None
             return (values / values.sum()).to(self.draft_q_dtype)[None], ids[None]
         if self.draft_q_mass < 1 or not 0 < self.draft_top_k < probs.shape[-1]:
             return None, None

@@ -6,7 +6,6 @@ sampler is exact for the distribution the verifier reports, so any mismatch here
 the output distribution, not just the speed.
 """
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,9 +46,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         errors = []
         if not isinstance(self.temperature, (int, float)) or not (
-                self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            errors.append(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), "
-                          f"got {self.temperature!r}")
+                self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            errors.append(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+                          f"{MAX_TEMPERATURE}], got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             errors.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -123,6 +122,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # below it a positive temperature is no law a float can hold (logits / 1e-30 overflow): the
 # router serves it greedy, as vLLM; a call (or the CLI) asking for it is refused
 MIN_TEMPERATURE = 1e-5
+# above float32's largest (3.4e38) a temperature divides as inf, and a logit masked before
+# it (min_tokens, a grammar: -inf) is NaN; long before, every law is uniform to float32
+MAX_TEMPERATURE = 1e30
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 
@@ -304,7 +306,9 @@ def sample_each(weights: torch.Tensor, generators: list[torch.Generator],
 
 def inverted(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[R] index of each row of [R, m] weights at which its cumulative sum passes the row's
-    uniform [R, 1] times its total."""
+    uniform [R, 1] times its total; m for a row holding a NaN (a model's NaN or inf logits),
+    whose NaN total torch's searchsorted places past every entry, on any device: the
+    callers refuse that index (drafter.model, verifier.host.refusing_lawless)."""
     cumulative = weights.double().cumsum(-1)
     total = cumulative[:, -1:].contiguous()
     index = torch.searchsorted(cumulative, uniform * total, right=True)

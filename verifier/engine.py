@@ -91,9 +91,9 @@ class ModelVerifier:
 
     @torch.inference_mode()  # no autograd bookkeeping on the batch's many small operations
     def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
-        """Every call's TargetScores, or the ValueError / StaleBase that refused it; a call
-        of several steps runs its next step (verifier.steps) and answers UNFINISHED until
-        its last."""
+        """Every call's TargetScores, or the ValueError / StaleBase that refused it (a
+        RuntimeError: a sampled position without a law); a call of several steps runs its
+        next step (verifier.steps) and answers UNFINISHED until its last."""
         steps = self.steps.current(calls)
         try:
             results = run_batch([step for step, _ in steps], self.prepare, self.runner,
@@ -103,6 +103,7 @@ class ModelVerifier:
                 self.steps.forget(call.request_id)
                 self.sessions.drop(call.request_id)
             raise
+        results = host.refusing_lawless(results, self.vocab_size)
         return [self.steps.advance(call, result, progress)
                 for call, result, (_, progress) in zip(calls, results, steps)]
 

@@ -88,3 +88,20 @@ def to_host(results: list, common=None) -> list:
     for index, fields in changes.items():
         out[index] = replace(out[index], **fields)
     return out
+
+
+def refusing_lawless(results: list, vocab_size: int) -> list:
+    """`results` (on the host) with each TargetScores that holds an id past the vocabulary
+    replaced by the error that fails its call: a draw from a row whose probabilities are NaN
+    (the target's logits NaN or inf) is index V (torch's searchsorted puts a NaN past every
+    entry: speculative.sampling.inverted), and an output must not hold it."""
+    out = list(results)
+    for index, result in enumerate(results):
+        if not isinstance(result, TargetScores):
+            continue
+        bonus = result.bonus_token_id
+        if max((*result.target_token_ids, *result.recovered_token_ids,
+                -1 if bonus is None else bonus)) >= vocab_size:
+            out[index] = RuntimeError("verifier: the target's probabilities at a sampled "
+                                      "position are not finite (NaN or inf logits)")
+    return out

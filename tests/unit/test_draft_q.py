@@ -1,5 +1,7 @@
 """The drafter samples from exactly the q it ships, whatever the wire makes of q."""
 
+import copy
+
 import pytest
 import torch
 
@@ -86,3 +88,42 @@ def test_drafts_drawn_together_equal_each_drafted_alone(options, law):
             assert row.keys() == other_row.keys()
             assert list(row.values()) == pytest.approx(list(other_row.values()), abs=1e-6)
     assert len({block.token_ids for block in together}) > 1  # each its own generator
+
+
+def nan_logits(model, token: int):
+    """`model` whose embedding of `token` is NaN: a sequence holding it gets NaN logits (as a
+    model whose activations overflow does), one without it is untouched."""
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[token] = float("nan")
+    return broken
+
+
+@pytest.mark.parametrize("options", [{}, {"draft_top_k": 5}, {"draft_q_mass": 0.9},
+                                     {"draft_q_dtype": "float16"},
+                                     {"draft_top_k": 5, "draft_q_mass": 0.9}])
+def test_a_draft_whose_logits_are_nan_ends_its_block_and_spares_its_batch(options):
+    """A draft step whose law is NaN draws no token (it drew id V, past the vocabulary,
+    which failed the verify; a truncated q failed the drafter's whole batch): the block
+    ends before it, and the calls drafted beside it draft as they would alone."""
+    model = nan_logits(tiny_llama(2), 7)
+    params = SamplingParams(temperature=1.0)
+    broken, sound = (ProposeCall(f"r{i}", PrefixSync(0, prefix_hash([]), prompt), 4, params,
+                                 seed=3) for i, prompt in enumerate([(1, 7, 3), (1, 2, 3)]))
+    blocks = ModelDrafter(model, **options).propose_batch([broken, sound])
+    assert blocks[0].token_ids == () and blocks[0].draft_probs is None
+    alone = ModelDrafter(model, **options).propose_now(sound)
+    assert blocks[1].token_ids == alone.token_ids and len(alone.token_ids) == 4
+
+
+def test_a_target_whose_logits_are_nan_fails_a_sampled_call_clearly():
+    """A sampled position whose law is NaN has no token to draw: the call fails (a server
+    fault), rather than answer id V, which the client would get as an output token."""
+    verifier = ModelVerifier(nan_logits(tiny_llama(1), 7))
+    call = ScoreCall("r", PrefixSync(0, prefix_hash([]), (1, 7, 3)), (), SamplingParams(),
+                     seed=1)
+    with pytest.raises(RuntimeError, match="not finite"):
+        verifier.score_now(call)
+    sound = ScoreCall("s", PrefixSync(0, prefix_hash([]), (1, 2, 3)), (), SamplingParams(),
+                      seed=1)
+    assert verifier.score_now(sound).bonus_token_id < verifier.vocab_size

@@ -3,9 +3,9 @@ import torch
 from transformers import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from speculative.sampling import (SamplingParams, draft_law, inverted, kept_entries,
-                                  logits_to_probs, sample, sample_each, sample_rows,
-                                  seeded_generator)
+from speculative.sampling import (MAX_TEMPERATURE, SamplingParams, draft_law, inverted,
+                                  kept_entries, logits_to_probs, sample, sample_each,
+                                  sample_rows, seeded_generator)
 from tests.stats.chisq import chi_square
 
 
@@ -18,6 +18,7 @@ from tests.stats.chisq import chi_square
         # greedy, a pool's call or the CLI is refused
         ({"temperature": 1e-30}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),  # inf in float32: a masked logit NaN
         ({"top_k": -1}, "top_k"),
         ({"top_k": 2.5}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
@@ -153,6 +154,22 @@ def test_a_uniform_that_rounds_up_to_the_total_picks_the_last_positive_weight(mo
     assert inverted(weights, ones).tolist() == [1, 3, 4, 1]
     assert inverted(weights, ones * 0.6).tolist() == [1, 3, 4, 1]
     assert inverted(weights, ones * 0.0).tolist() == [0, 0, 4, 1]
+
+
+def test_the_largest_temperature_keeps_a_masked_logit_out_and_the_rest_uniform():
+    logits = torch.tensor([[3.0, -2.0, float("-inf"), 0.5]])  # -inf: min_tokens' mask
+    probs = logits_to_probs(logits, SamplingParams(temperature=MAX_TEMPERATURE))
+    assert probs.tolist() == [[pytest.approx(1 / 3), pytest.approx(1 / 3), 0.0,
+                               pytest.approx(1 / 3)]]
+
+
+def test_a_row_holding_a_nan_draws_the_index_past_its_entries():
+    """A model's NaN logits make a law of NaN: its draw is m, which the pools refuse
+    (drafter.model.without_lawless, verifier.host.refusing_lawless), never a token."""
+    weights = torch.tensor([[0.25, 0.75, 0.0], [float("nan")] * 3, [0.5, 0.5, 0.0]])
+    for uniform in (0.0, 0.5, 1.0):
+        drawn = inverted(weights, torch.full((3, 1), uniform, dtype=torch.float64))
+        assert drawn[1] == 3 and drawn[0] < 2 and drawn[2] < 2
 
 
 def test_sample_each_draws_each_row_as_its_generator_would_alone():
