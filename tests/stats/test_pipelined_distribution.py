@@ -93,8 +93,10 @@ def test_three_tokens_follow_the_target_law(target, draft, exact_law, pipelined,
     assert passes, f"{message}: a correct implementation fails with probability {FALSE_FAILURE}"
     assert 0 < totals["accepted"] < totals["drafted"]
     # pre-drafted tokens tested at a bonus position: after fresh rounds and carried ones, or
-    # (drafting first) after the drafted block, within the window
-    assert (totals["bonus_position_drafts"] > SAMPLES / 10) == pipelined
+    # (drafting first) after the drafted block, within the window. Drafting first, 11% of
+    # requests have one (a group of 100 holds 11.2, sd 3.0): SAMPLES / 10 failed 1.7% of
+    # other seed sets, SAMPLES / 20 lies 11 sd below
+    assert (totals["bonus_position_drafts"] > SAMPLES / 20) == pipelined
     assert (totals["pipelined_rounds"] > SAMPLES / 10) == (pipelined and policy is None)
 
 

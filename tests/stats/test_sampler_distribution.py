@@ -23,9 +23,9 @@ from tests.stats.chisq import chi_square
 VOCAB = 6
 # Sized by power, not count: at 8,000 samples the checks fail, with probability 1 - 1e-6,
 # any law whose chi-square divergence from the target's, sum((p' - p)^2 / p), is at least
-# 0.014 (the first token, 5 df) or 0.021 (the first two, 35 df) (noncentral chi-square;
-# 30,000 samples bought 0.004 and 0.006 at 3.75 times the cost). Measured: the mutants
-# below fail by 250-750 samples.
+# 0.015 (the first token, 5 df) or 0.022 (the first two, 35 df) (noncentral chi-square, at
+# chisq's threshold; 30,000 samples bought 0.004 and 0.006 at 3.75 times the cost).
+# Measured: the mutants below fail by 250-750 samples.
 SAMPLES = 8_000
 CHUNK = 500  # a mutant's counts are checked after every CHUNK samples
 FALSE_FAILURE = 5e-7

@@ -23,7 +23,6 @@ from tests.stats.laws import law_after_first, sequence_law
 from tests.tiny import tiny_llama
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     PROMPT,
-    SAMPLES,
     chi2_passes,
     draft,
     sample_counts,
@@ -32,6 +31,9 @@ from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
 from verifier import engine as verifier_engine
 
 BANNED, FAVOURED, END = 6, 3, 2
+# Sized by its mutants: at 1,500 samples the committed-only one fails at 2.5 times the
+# threshold, the others outright (samples where p has none); 3,000 cost twice the time
+SAMPLES = 1500
 PARAMS = SamplingParams(temperature=1.0, max_tokens=5, presence_penalty=1.0,
                         frequency_penalty=0.5, repetition_penalty=1.3,
                         logit_bias=((FAVOURED, 1.5), (BANNED, -100.0)), min_tokens=3,
@@ -58,7 +60,7 @@ def test_the_shaped_law_bans_and_holds_back():
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
 def test_shaped_tokens_follow_the_shaped_law(target, draft, shaped_law, pipelined):
-    counts, totals = sample_counts(target, draft, pipelined, params=PARAMS)
+    counts, totals = sample_counts(target, draft, pipelined, SAMPLES, params=PARAMS)
     passes, message = chi2_passes(counts, shaped_law)
     assert passes, f"{message}: a correct implementation fails with probability 1e-6"
     assert 0 < totals["accepted"] < totals["drafted"]
@@ -93,6 +95,7 @@ def shaped_without_min_tokens(logits, shapings, in_place=False):
                          ids=["committed-only", "bias-left-out", "min-tokens-left-out"])
 def test_the_check_catches_wrong_shaping(target, draft, shaped_law, monkeypatch, mutant):
     monkeypatch.setattr(verifier_engine, "shape_batch", mutant)
-    counts, _ = sample_counts(target, draft, False, stop_law=shaped_law, params=PARAMS)
+    counts, _ = sample_counts(target, draft, False, SAMPLES, stop_law=shaped_law,
+                              params=PARAMS)
     passes, message = chi2_passes(counts, shaped_law)
     assert not passes, f"the {mutant.__name__} mutant passed: {message}"

@@ -14,12 +14,11 @@ from drafter.model import ModelDrafter
 from tests.stats.laws import law_after_first, sequence_law
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     PROMPT,
-    SAMPLES,
     VOCAB,
     chi2_passes,
     target,
 )
-from tests.stats.test_shaping_law import PARAMS
+from tests.stats.test_shaping_law import PARAMS, SAMPLES  # the mutant here fails by 23x
 from tests.tiny import Batched, run_seeded
 from verifier import steps as verifier_steps
 from verifier.engine import ModelVerifier

@@ -1,8 +1,9 @@
 """The law tests' chi-square helpers against published values (scipy 1.17.1's, quoted)."""
 
+import numpy as np
 import pytest
 
-from tests.stats.chisq import chi2_isf, two_sample_chi_square
+from tests.stats.chisq import TAIL_MARGIN, chi2_isf, two_sample_chi_square
 
 
 @pytest.mark.parametrize("tail, df, quantile", [
@@ -16,8 +17,9 @@ def test_the_upper_tail_quantile_is_chi_squares(tail, df, quantile):
 def test_the_two_sample_statistic_is_the_contingency_tables():
     statistic, threshold, df = two_sample_chi_square({0: 10, 1: 20, 2: 30}, {0: 20, 1: 20, 2: 20},
                                                      1e-6)
-    assert (statistic, df) == (pytest.approx(16 / 3), 2)  # chi2_contingency, no correction
-    assert threshold == pytest.approx(chi2_isf(1e-6, 2))
+    # chi2_contingency(correction=False, lambda_="cressie-read"); Pearson's (lambda_ 1): 16 / 3
+    assert (statistic, df) == (pytest.approx(5.350459346561102), 2)
+    assert threshold == pytest.approx(chi2_isf(1e-6 / TAIL_MARGIN, 2))
 
 
 def test_a_sample_where_the_law_has_none_fails_even_beside_small_cells():
@@ -31,3 +33,34 @@ def test_a_sample_where_the_law_has_none_fails_even_beside_small_cells():
     assert statistic > threshold
     statistic, threshold, _ = conditional_chi_square([counts, counts], [law, law], 1e-6)
     assert statistic > threshold
+
+
+def rejections(check, draws) -> int:
+    return sum(statistic > threshold for statistic, threshold, _ in map(check, draws))
+
+
+def test_a_correct_sampler_fails_no_more_often_than_asked_beside_a_tiny_cell():
+    """The first token's law of a sampler case (temperature 0.6) at 8,000 samples: one cell
+    expects 2.25 samples, pooled alone it made Pearson's tail 47 times chi-square's at 5e-7
+    (2.25 times at 1e-3); the pool now takes the next smallest cell, and the threshold a
+    tenth of the rate (TAIL_MARGIN)."""
+    from tests.stats.chisq import chi_square
+
+    law = np.array([0.04616, 0.946545, 0.00127, 0.00028125, 0.0020238, 0.00372])
+    law /= law.sum()
+    draws = np.random.default_rng(5).multinomial(8000, law, size=20_000)
+    assert rejections(lambda counts: chi_square(counts, law, 1e-3), draws) <= 20
+
+
+def test_groups_pooled_whole_keep_their_degrees_of_freedom():
+    """Six first tokens seen 4 times each (every cell of theirs pooled) beside one seen 400
+    times: their pool's count is fixed by their totals, so the statistic is chi-square with
+    the big group's 3 df. Counting one df off per group left max(1, 5 - 7) = 1: a correct
+    sampler failed 8.5% of the checks at 1%."""
+    from tests.stats.chisq import conditional_chi_square
+
+    law = np.array([[0.25] * 4] + [[0.5, 0.5, 0.0, 0.0]] * 6)
+    rng = np.random.default_rng(6)
+    draws = [np.vstack([rng.multinomial(400, law[0])]
+                       + [rng.multinomial(4, row) for row in law[1:]]) for _ in range(2000)]
+    assert rejections(lambda counts: conditional_chi_square(counts, law, 1e-2), draws) <= 20
