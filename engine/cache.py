@@ -71,11 +71,13 @@ class PrefixIndex:
                 if not held:
                     del self.holders[names[number]]
 
-    def held_elsewhere(self, cache, names: list[int]) -> bool:
-        """Whether a cache other than `cache` publishes the whole chain `names` (a holder of
-        its last block holds them all)."""
+    def held_elsewhere(self, cache, names: list[int], retired) -> bool:
+        """Whether a retired cache other than `cache` publishes the whole chain `names` (a
+        holder of its last block holds them all). `retired`: the pool's, by id. A running
+        holder does not count: it may yet be freed (a failed call) or cut back, and the
+        prefix would go with it."""
         last = len(names) - 1
-        return any(other is not cache and number == last
+        return any(other is not cache and number == last and id(other) in retired
                    for other, number in self.holders.get(names[-1], {}).values())
 
     def longest(self, names: list[int]) -> tuple[object, int]:
@@ -212,11 +214,12 @@ class PoolCache:
     def retire(self) -> None:
         """Keep the units while the prompt blocks may serve a later request; freed when an
         allocation needs them. A cache with nothing published is freed at once, and so is
-        one whose whole chain another cache publishes (it adopted that cache's prefix and
+        one whose whole chain a retired cache publishes (it adopted that cache's prefix and
         added no full block: requests with one prompt and short outputs). Kept, such caches
         added no prefix, and in engine.paged held only blocks shared with the other, so no
         allocation ever needed them gone: one retired cache per request, without end."""
-        if self.names and not self.pool.prefixes.held_elsewhere(self, self.names):
+        if self.names and not self.pool.prefixes.held_elsewhere(self, self.names,
+                                                                self.pool.retired):
             self.pool.retire(self)
         else:
             self.free()

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from speculative.rejection import RoundOutcome, accept_drawn, accept_greedy
 from speculative.tree import DraftTree, accept_tree_drawn, accept_tree_greedy, tree_depths
-from speculative.types import DraftBlock, PoolUnavailable, TargetScores
+from speculative.types import LAWLESS, DraftBlock, PoolUnavailable, TargetScores
 
 
 def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator
@@ -19,7 +19,7 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator
     """The round's outcome, and the scores whose logprobs are a chain's (a tree's taken along
     the accepted path)."""
     if block.parents is None:
-        return accept_chain(block, scores, greedy, generator), scores
+        return lawful(accept_chain(block, scores, greedy, generator)), scores
     rows = len(scores.target_token_ids) if greedy or block.draft_probs is None else \
         len(scores.recovered_token_ids)
     if scores.tree_nodes != len(block.token_ids) or rows != len(block.token_ids) + 1:
@@ -33,7 +33,17 @@ def accept(block: DraftBlock, scores: TargetScores, greedy: bool, generator
                                     generator)
     if scores.logprobs is not None:
         scores = replace(scores, logprobs=scores.logprobs.along(outcome.accepted_nodes))
-    return outcome.round, scores
+    return lawful(outcome.round), scores
+
+
+def lawful(outcome: RoundOutcome) -> RoundOutcome:
+    """The outcome, unless it takes a draw the verifier marked LAWLESS: the target's law at
+    a row this round reached holds NaN, and no token stands for it. A row past the round's
+    end may hold one (its drafts made the target's logits overflow) and fails nothing."""
+    if LAWLESS in outcome.output_token_ids:
+        raise PoolUnavailable("verifier: the target's probabilities at a sampled position "
+                              "are not finite (NaN or inf logits)")
+    return outcome
 
 
 def accept_chain(block: DraftBlock, scores: TargetScores, greedy: bool, generator

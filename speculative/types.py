@@ -242,6 +242,11 @@ class ScoreCall:
     stop_token_ids: tuple[int, ...] = ()
 
 
+# a verifier's draw from a row whose law holds NaN (the target's logits NaN or inf there),
+# which no token stands for: the router fails the round that reaches it (speculative.accept)
+LAWLESS = -1
+
+
 @dataclass(frozen=True)
 class TargetScores:
     """The target's verdict on x1..xK plus the position after them (K + 1 positions).

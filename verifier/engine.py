@@ -310,7 +310,12 @@ def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int
     k, device = len(drafted), logprobs.device
     rows = torch.arange(len(chosen), device=device)
     at = rows[:k] if drafted_rows is None else torch.tensor(drafted_rows, device=device)
-    tokens = torch.tensor(drafted + chosen, dtype=torch.long, device=device)
+    # a draw from a NaN row is id V (speculative.sampling.inverted), past the row's end: its
+    # logprob is read at the last id (NaN either way), not out of bounds, which failed the
+    # whole batch (on a GPU, a device-side assert); the call's answer never outputs it
+    last = logprobs.shape[-1] - 1
+    tokens = torch.tensor(drafted + [min(token, last) for token in chosen], dtype=torch.long,
+                          device=device)
     values, ids = torch.topk(logprobs, top_n, dim=-1)  # [K + 1, n]
     host = torch.cat([logprobs[torch.cat([at, rows]), tokens].double(),
                       values.double().flatten(), ids.double().flatten()]).tolist()

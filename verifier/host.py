@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from speculative.types import TargetScores
+from speculative.types import LAWLESS, TargetScores
 
 IDS = ("target_token_ids", "recovered_token_ids", "bonus_token_id")
 FIELDS = (*IDS, "draft_target_probs", "accept_probs")
@@ -91,17 +91,34 @@ def to_host(results: list, common=None) -> list:
 
 
 def refusing_lawless(results: list, vocab_size: int) -> list:
-    """`results` (on the host) with each TargetScores that holds an id past the vocabulary
-    replaced by the error that fails its call: a draw from a row whose probabilities are NaN
-    (the target's logits NaN or inf) is index V (torch's searchsorted puts a NaN past every
-    entry: speculative.sampling.inverted), and an output must not hold it."""
+    """`results` (on the host) with each TargetScores' draws from a row whose probabilities
+    are NaN (the target's logits NaN or inf there) made LAWLESS, or the call failed: such a
+    draw is index V (torch's searchsorted puts a NaN past every entry:
+    speculative.sampling.inverted), and an output must not hold it. The first row's is
+    output for sure (its drafted tokens' p is NaN, which the router's test rejects, and a
+    call without a draft outputs it): the call fails (a RuntimeError). A later row's is
+    output only when the router's coins accept every drafted token before it: marked, it
+    fails the round that reaches it (speculative.accept.lawful), and no other."""
     out = list(results)
     for index, result in enumerate(results):
         if not isinstance(result, TargetScores):
             continue
-        bonus = result.bonus_token_id
-        if max((*result.target_token_ids, *result.recovered_token_ids,
-                -1 if bonus is None else bonus)) >= vocab_size:
-            out[index] = RuntimeError("verifier: the target's probabilities at a sampled "
-                                      "position are not finite (NaN or inf logits)")
+        bonus = () if result.bonus_token_id is None else (result.bonus_token_id,)
+        rows = result.target_token_ids or (*result.recovered_token_ids, *bonus)
+        if not rows or max(rows) < vocab_size:
+            continue
+        out[index] = marked_lawless(result, vocab_size) if rows[0] < vocab_size else \
+            RuntimeError("verifier: the target's probabilities at a sampled position are "
+                         "not finite (NaN or inf logits)")
     return out
+
+
+def marked_lawless(result: TargetScores, vocab_size: int) -> TargetScores:
+    def marked(ids: tuple) -> tuple:
+        return tuple(LAWLESS if token >= vocab_size else token for token in ids)
+
+    bonus = result.bonus_token_id
+    return replace(result, target_token_ids=marked(result.target_token_ids),
+                   recovered_token_ids=marked(result.recovered_token_ids),
+                   bonus_token_id=LAWLESS if bonus is not None and bonus >= vocab_size
+                   else bonus)

@@ -21,15 +21,67 @@ SMALL = 5  # cells expecting fewer samples are pooled
 
 def pooled_cells(expected: np.ndarray) -> np.ndarray:
     """[cells] bool: the cells of positive expectation pooled into one, those expecting fewer
-    than SMALL and, while the pool itself expects fewer, the smallest of the others."""
+    than SMALL and, while the pool itself expects fewer, the smallest of the others, but
+    never the last of them: pooled too, one cell would hold the whole sample, and the check
+    could not fail (lone_cell_threshold tests that cell beside a pool of fewer)."""
     pool = (expected > 0) & (expected < SMALL)
+    kept = int(((expected > 0) & ~pool).sum())
     if pool.any():
         for cell in np.argsort(expected, kind="stable"):
-            if expected[pool].sum() >= SMALL:
+            if expected[pool].sum() >= SMALL or kept == 1:
                 break
             if expected[cell] > 0 and not pool[cell]:
-                pool[cell] = True
+                pool[cell], kept = True, kept - 1
     return pool
+
+
+def lone_cell(expected: np.ndarray, pool: np.ndarray) -> int | None:
+    """The one cell kept beside a pool that expects fewer than SMALL samples (all the others
+    together: chi-square's tail is far off there), else None."""
+    kept = np.flatnonzero(~pool & (expected > 0))
+    return int(kept[0]) if len(kept) == 1 and 0 < expected[pool].sum() < SMALL else None
+
+
+def lone_cell_threshold(statistics: np.ndarray, log_probs: np.ndarray, tail: float) -> float:
+    """A t that the statistic reaches with probability `tail` or less, when it is
+    statistics[x] with probability exp(log_probs[x]) (x: the lone cell's count): exact, the
+    largest values while their mass stays within the tail, t halfway between them and the
+    rest (the statistic takes few values: `>` and `>=` then agree, rounding aside)."""
+    order = np.argsort(-statistics, kind="stable")
+    reached = np.cumsum(np.exp(log_probs[order]))  # P(statistic >= each), largest first
+    kept = statistics[order[min(int(np.searchsorted(reached, tail, side="right")),
+                                len(order) - 1)]]  # the largest value not rejected
+    rejected = statistics[statistics > kept]
+    return float((kept + rejected.min()) / 2) if rejected.size else float("inf")
+
+
+def log_choose(n, k) -> np.ndarray:
+    n, k = (torch.as_tensor(np.asarray(v, dtype=float)) for v in (n, k))
+    return (torch.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)).numpy()
+
+
+def log_binomial(n: int, p: float) -> np.ndarray:
+    """log P(X = x) for x = 0..n, X ~ Binomial(n, p)."""
+    x = torch.arange(n + 1, dtype=torch.float64)
+    p = torch.tensor(p, dtype=torch.float64)
+    return log_choose(n, x.numpy()) + (torch.special.xlogy(x, p)
+                                       + torch.special.xlog1py(n - x, -p)).numpy()
+
+
+def power_terms(observed, expected):
+    """Each cell's term of the power divergence, 2 / (l (l + 1)) [O ((O / E)^l - 1) -
+    l (O - E)], non-negative (the last part sums to 0 over a sample)."""
+    return 2 / (LAMBDA * (LAMBDA + 1)) * (
+        observed * ((observed / expected) ** LAMBDA - 1) - LAMBDA * (observed - expected))
+
+
+@functools.lru_cache(maxsize=1024)  # a mutant's run asks for the same threshold each chunk
+def binomial_threshold(total: float, expected: float, n: int, p: float, tail: float) -> float:
+    """lone_cell_threshold of a cell expecting `expected` of `total` samples beside the
+    pool (the rest), its count Binomial(n, p)."""
+    x = np.arange(n + 1, dtype=float)
+    statistics = power_terms(x, expected) + power_terms(total - x, total - expected)
+    return lone_cell_threshold(statistics, log_binomial(n, p), tail)
 
 
 def divergence(counts: np.ndarray, expected: np.ndarray, pool: np.ndarray) -> float:
@@ -42,8 +94,7 @@ def divergence(counts: np.ndarray, expected: np.ndarray, pool: np.ndarray) -> fl
     if pool.any():
         observed = np.append(observed, counts[pool].sum())
         expecting = np.append(expecting, expected[pool].sum())
-    terms = observed * ((observed / expecting) ** LAMBDA - 1) - LAMBDA * (observed - expecting)
-    return float(2 / (LAMBDA * (LAMBDA + 1)) * terms.sum())
+    return float(power_terms(observed, expecting).sum())
 
 
 def chi_square(counts, expected_probs, false_failure: float):
@@ -60,6 +111,10 @@ def chi_square(counts, expected_probs, false_failure: float):
     if np.any((expected == 0) & (counts > 0)):
         return float("inf"), 0.0, len(counts) - 1
     pool = pooled_cells(expected)
+    total, lone = counts.sum(), lone_cell(expected, pool)
+    if lone is not None:  # its count is Binomial(total, its probability)
+        return (divergence(counts, expected, pool), binomial_threshold(
+            total, expected[lone], int(total), expected[lone] / total, false_failure), 1)
     df = int((~pool & (expected > 0)).sum()) + int(pool.any()) - 1
     return divergence(counts, expected, pool), chi2_isf(false_failure / TAIL_MARGIN, df), df
 
@@ -86,6 +141,12 @@ def conditional_chi_square(counts, conditional_probs, false_failure: float):
     if np.any((expected == 0) & (counts > 0)):  # before pooling, as chi_square's
         return float("inf"), 0.0, len(counts) - int((totals > 0).sum())
     pool = pooled_cells(expected)
+    lone = lone_cell(expected, pool)
+    if lone is not None:  # its count is Binomial(its group's total, its probability there)
+        group = lone // law.shape[1]
+        return (divergence(counts, expected, pool), binomial_threshold(
+            counts.sum(), expected[lone], int(totals[group]), law.ravel()[lone],
+            false_failure), 1)
     kept = ~pool & (expected > 0)
     # each kept cell's variance over its expectation is 1 - p; the pool's, the groups' own
     # n q (1 - q) (q: a group's probability in the pool) over its expectation
@@ -106,6 +167,7 @@ def two_sample_chi_square(first: dict, second: dict, false_failure: float):
                      dtype=float)
     expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
     small = pooled_cells(expected.min(0))
+    lone = lone_cell(expected.min(0), small)
     if small.any():
         table = np.column_stack([table[:, ~small], table[:, small].sum(1)])
     table = table[:, table.sum(0) > 0]
@@ -113,6 +175,15 @@ def two_sample_chi_square(first: dict, second: dict, false_failure: float):
         return 0.0, float("inf"), 0
     expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
     statistic = divergence(table.ravel(), expected.ravel(), np.zeros(table.size, bool))
+    if lone is not None:  # the lone outcome's count in the first sample, given the margins:
+        # hypergeometric (Fisher's exact test, with this statistic)
+        (first_total, second_total), column = table.sum(1), table[:, 0].sum()
+        x = np.arange(max(0, column - second_total), min(first_total, column) + 1)
+        cells = np.stack([x, first_total - x, column - x, second_total - column + x])
+        law = log_choose(column, x) + log_choose(table.sum() - column, first_total - x) - \
+            log_choose(table.sum(), first_total)
+        return statistic, lone_cell_threshold(
+            power_terms(cells, expected.ravel()[:, None]).sum(0), law, false_failure), 1
     df = table.shape[1] - 1  # (2 - 1) x (C - 1)
     return statistic, chi2_isf(false_failure / TAIL_MARGIN, df), df
 

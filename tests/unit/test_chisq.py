@@ -64,3 +64,27 @@ def test_groups_pooled_whole_keep_their_degrees_of_freedom():
     draws = [np.vstack([rng.multinomial(400, law[0])]
                        + [rng.multinomial(4, row) for row in law[1:]]) for _ in range(2000)]
     assert rejections(lambda counts: conditional_chi_square(counts, law, 1e-2), draws) <= 20
+
+
+def test_a_law_whose_other_cells_expect_fewer_than_five_in_all_is_still_tested():
+    """One token expects 2.4 of 8,000 samples and the other 7,997.6: the pool's top-up took
+    the likeliest cell too, and the one cell left held the whole sample (df 0, statistic
+    0), so the check passed whatever the counts. That cell stays, tested exactly beside the
+    pool (its count is binomial; two samples: hypergeometric), at no more than the rate."""
+    from tests.stats.chisq import chi_square, conditional_chi_square
+
+    law = np.array([0.9997, 0.0003])
+    for check in (lambda counts: chi_square(counts, law, 1e-6),
+                  lambda counts: conditional_chi_square(np.array([counts]), law[None], 1e-6)):
+        statistic, threshold, _ = check([4000, 4000])
+        assert statistic > threshold
+        statistic, threshold, _ = check([7998, 2])
+        assert statistic < threshold
+    rng = np.random.default_rng(7)
+    draws = rng.multinomial(8000, law, size=20_000)
+    assert rejections(lambda counts: chi_square(counts, law, 1e-2), draws) <= 200
+    statistic, threshold, df = two_sample_chi_square({0: 10_000}, {0: 91, 1: 9}, 1e-6)
+    assert statistic > threshold and df == 1  # Fisher's: p = C(100, 9) / C(10109, 9)
+    pairs = zip(rng.multinomial(3000, law, size=1000), rng.multinomial(1000, law, size=1000))
+    assert rejections(lambda pair: two_sample_chi_square(
+        *({0: counts[0], 1: counts[1]} for counts in pair), 1e-1), pairs) <= 100

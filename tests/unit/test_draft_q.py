@@ -1,14 +1,17 @@
 """The drafter samples from exactly the q it ships, whatever the wire makes of q."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 import drafter.model
 from drafter.model import ModelDrafter
+from speculative.accept import accept
 from speculative.sampling import SamplingParams, draft_law
-from speculative.types import DraftDists, PrefixSync, ProposeCall, ScoreCall, prefix_hash
+from speculative.types import (LAWLESS, DraftBlock, DraftDists, PoolUnavailable, PrefixSync,
+                               ProposeCall, ScoreCall, prefix_hash)
 from tests.tiny import tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -127,3 +130,61 @@ def test_a_target_whose_logits_are_nan_fails_a_sampled_call_clearly():
     sound = ScoreCall("s", PrefixSync(0, prefix_hash([]), (1, 2, 3)), (), SamplingParams(),
                       seed=1)
     assert verifier.score_now(sound).bonus_token_id < verifier.vocab_size
+
+
+def head_overflow(model, token: int):
+    """`model` whose logits overflow to inf at the positions holding `token` alone (a head
+    that overflows there, as a float16 head can), every hidden state, key and value finite:
+    hidden dimension 0, which no layer reads or writes, holds 1 at `token`'s embedding only,
+    and the head reads it x 1e38 into id 0's logit."""
+    broken = copy.deepcopy(model)
+    hidden = broken.config.hidden_size
+    with torch.no_grad():
+        for name, weight in broken.named_parameters():
+            if weight.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                if weight.shape[1] == hidden:
+                    weight[:, 0] = 0
+                if weight.shape[0] == hidden:
+                    weight[0, :] = 0
+        broken.model.embed_tokens.weight[:, 0] = 0
+        broken.model.embed_tokens.weight[token, 0] = 1.0
+        broken.lm_head.weight[:, 0] = 0
+        broken.lm_head.weight[0, 0] = 1e38
+    return broken
+
+
+def test_a_nan_law_past_the_rounds_end_fails_only_a_round_that_reaches_it():
+    """Drafts 3, 7: the target's law after 7 (the bonus row) is NaN, the rows before it
+    sound. A round whose coins reject 3 or 7 outputs a sound residual draw (a call failed
+    for it: every such round failed, where the target alone fails only when it draws 7); a
+    round that accepts both would output the bonus draw, and fails."""
+    model = head_overflow(tiny_llama(1), 7)
+    vocab = model.config.vocab_size
+    q = torch.zeros(2, vocab)
+    q[0, 3] = q[1, 7] = 1.0
+    block = DraftBlock((3, 7), DraftDists.from_dense(q))
+    for seed in range(20):
+        call = ScoreCall("r", PrefixSync(0, prefix_hash([]), (1, 2, 3)), (3, 7),
+                         SamplingParams(temperature=1.0), draft_probs=block.draft_probs,
+                         seed=seed)
+        scores = ModelVerifier(model).score_now(call)
+        assert scores.bonus_token_id == LAWLESS and max(scores.recovered_token_ids) < vocab
+        outcome, _ = accept(block, scores, False, torch.Generator().manual_seed(seed))
+        assert outcome.num_accepted < 2 and 0 <= outcome.output_token_ids[-1] < vocab
+    certain = replace(scores, draft_target_probs=(1.0, 1.0))  # coins that accept both
+    with pytest.raises(PoolUnavailable, match="not finite"):
+        accept(block, certain, False, torch.Generator().manual_seed(0))
+
+
+def test_a_nan_law_beside_logprobs_fails_its_call_and_spares_its_batch():
+    """A call asking for logprobs whose drawn row is NaN: its draw (id V) was read from the
+    logprobs past the row's end, an IndexError that failed every call of the batch (on a
+    GPU, a device-side assert)."""
+    params = SamplingParams(temperature=1.0, logprobs=1)
+    lawless, sound = (ScoreCall(name, PrefixSync(0, prefix_hash([]), prompt), (), params,
+                                seed=1)
+                      for name, prompt in (("lawless", (1, 2, 7)), ("sound", (1, 2, 3))))
+    verifier = ModelVerifier(head_overflow(tiny_llama(1), 7))
+    failed, scores = verifier.score_batch([lawless, sound])
+    assert isinstance(failed, RuntimeError) and "not finite" in str(failed)
+    assert scores.bonus_token_id < verifier.vocab_size and scores.logprobs is not None

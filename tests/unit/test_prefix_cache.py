@@ -243,3 +243,21 @@ def test_requests_with_one_prompt_leave_one_retired_cache_not_one_each(backend):
     assert [len(held) for held in pool.prefixes.holders.values()] == [1, 1]
     later, _ = start(store, runner, "later", PROMPT[:36])
     assert later.cached_tokens == 32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prefix_held_by_a_running_request_outlives_its_failure(backend):
+    """A request released while another of its prompt is still running keeps its retired
+    cache: the running one holds the same chain, but its call may yet fail (its cache freed
+    at once) and the prefix would go with it (freed beside a running holder, a later request
+    of that prompt prefilled it all again)."""
+    runner = served(backend)
+    store = SessionStore(8)
+    start(store, runner, "a", PROMPT)
+    store.apply("a", sync(PROMPT, [7]))  # a publishes its two blocks
+    start(store, runner, "b", PROMPT)  # b takes them, and publishes the same chain
+    store.apply("b", sync(PROMPT, [7]))
+    store.release("a")
+    store.drop("b")  # b's next call fails
+    later, _ = start(store, runner, "later", PROMPT)
+    assert later.cached_tokens == 32
