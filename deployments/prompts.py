@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from deployments.ingress import BadRequest
 from deployments.router_args import RouterArgs
 from deployments.tools import CALL_CLOSE, CALL_OPEN, ToolError, check_forced, check_tools
-from engine.checkpoint import Checkpoint, context_limit, end_token_ids, stop_token_ids
+from engine.checkpoint import (Checkpoint, context_limit, end_token_ids, reported_stop_ids,
+                               stop_token_ids)
 from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
 
@@ -110,11 +111,8 @@ class PromptReader:
         return stop_token_ids(self.end_ids, requested, body.ignore_eos and not constrained)
 
     def reported_stop_ids(self, body) -> tuple[int, ...]:
-        """The stop ids a stop_reason names: the request's own, less the model's end tokens
-        unless ignore_eos (as vLLM, which checks the end token first and names none)."""
-        requested = tuple(body.stop_token_ids or ())
-        return requested if body.ignore_eos else \
-            tuple(t for t in requested if t not in self.end_ids)
+        """The stop ids a stop_reason names (engine.checkpoint.reported_stop_ids)."""
+        return reported_stop_ids(self.end_ids, body.stop_token_ids or (), body.ignore_eos)
 
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
         """The prompt's ids (truncate_prompt_tokens: its last ones, `truncated`), refused when

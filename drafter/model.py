@@ -141,10 +141,19 @@ class ModelDrafter:
                 continue
             if draft.num_tokens == 0:
                 results[index] = DraftBlock((), None)
-                prefills.append((index, draft))
+                if self.within_context(draft):
+                    prefills.append((index, draft))
             else:
                 drafts.append((index, draft))
         return drafts, prefills
+
+    def within_context(self, draft: "Draft") -> bool:
+        """Whether the draft's prefix fits the draft model's own context: past it (a target
+        with a longer one) the call drafts nothing and feeds nothing, since a pool sized to
+        that context (regions) would refuse the feed, and the request's later calls only
+        grow it."""
+        length = len(draft.sequence.committed) + len(draft.assumed)
+        return self.max_positions is None or length <= self.max_positions
 
     def prefill(self, prefills: list[tuple[int, "Draft"]], calls: list[ProposeCall],
                 results: list) -> None:

@@ -96,6 +96,12 @@ def stop_token_ids(end_ids, requested=(), ignore_eos: bool = False) -> tuple[int
     return tuple(dict.fromkeys((() if ignore_eos else tuple(end_ids)) + tuple(requested)))
 
 
+def reported_stop_ids(end_ids, requested=(), ignore_eos: bool = False) -> tuple[int, ...]:
+    """The stop ids a stop_reason names: the request's own, less the checkpoint's end
+    tokens unless ignore_eos (as vLLM, which checks the end token first and names none)."""
+    return tuple(requested) if ignore_eos else tuple(t for t in requested if t not in end_ids)
+
+
 def check_vocabularies(draft: Checkpoint, target: Checkpoint, num_tokens: int) -> None:
     """The draft can serve the target when both embeddings cover the tokenizer's tokens.
 

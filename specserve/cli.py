@@ -134,7 +134,7 @@ def build_engines(args):
 def generate(args) -> dict:
     """The same request the router serves, in-process: choices with text, token ids, finish
     and stop reasons; usage; the speculative stats."""
-    from engine.checkpoint import end_token_ids, stop_token_ids
+    from engine.checkpoint import end_token_ids, reported_stop_ids, stop_token_ids
     from engine.models import load_tokenizer
     from speculative.driver import Generation, text_decoder
 
@@ -149,15 +149,17 @@ def generate(args) -> dict:
         raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens "
                          f"({args.max_tokens}) exceed the target's context of "
                          f"{verifier.max_positions}")
-    stop_ids = stop_token_ids(end_token_ids(args.target, tokenizer), args.stop_token_id,
-                              args.ignore_eos)
+    end_ids = end_token_ids(args.target, tokenizer)
+    stop_ids = stop_token_ids(end_ids, args.stop_token_id, args.ignore_eos)
+    # the stop ids a stop_reason names, as the router's (an end token's is none)
+    reported = reported_stop_ids(end_ids, args.stop_token_id, args.ignore_eos)
     plan = request_front_end(args).plan(uuid.uuid4().hex, prompt_ids, sampling(args), args.n,
                                         stop_ids, drafter_kind=args.drafter,
                                         context_limit=verifier.max_positions)
     decode, done = text_decoder(tokenizer), []
     started = time.perf_counter()
     for choice in plan.choices:
-        generation = Generation(choice.request, decode, args.stop_token_id)
+        generation = Generation(choice.request, decode, reported)
         asyncio.run(generation.run(drafter, verifier, choice.policy, plan.pipelined))
         done.append(generation)
     seconds = time.perf_counter() - started

@@ -66,6 +66,20 @@ def test_any_of_the_checkpoints_end_tokens_stops_the_request(capsys, quirky_pair
     assert choice["text"] == tokenizer.decode(choice["token_ids"][:-1], skip_special_tokens=True)
 
 
+def test_an_end_token_requested_as_a_stop_token_id_is_no_stop_reason(capsys, quirky_pair_dir):
+    """The CLI names the stop reason as the router does (PromptReader.reported_stop_ids): a
+    checkpoint's own end token in --stop-token-id is none unless --ignore-eos (it named the
+    id, where the router answers null for the same request)."""
+    expected = report(quirky_pair_dir)
+    end = expected["greedy"][expected["end_at"]]
+    choice = cli(capsys, quirky_pair_dir, "-k", "4", "--stop-token-id", str(end))["choices"][0]
+    assert choice["token_ids"] == expected["greedy"][: expected["end_at"] + 1]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+    named = cli(capsys, quirky_pair_dir, "-k", "4", "--stop-token-id", str(end),
+                "--ignore-eos")["choices"][0]
+    assert (named["finish_reason"], named["stop_reason"]) == ("stop", end)
+
+
 def test_a_requested_stop_token_id_stops_too(capsys, quirky_pair_dir):
     greedy = report(quirky_pair_dir)["greedy"]
     choice = cli(capsys, quirky_pair_dir, "--ignore-eos", "--stop-token-id", str(greedy[2]),

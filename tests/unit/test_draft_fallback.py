@@ -123,3 +123,24 @@ def test_a_round_whose_draft_beside_the_verify_failed_is_no_cost_for_the_k_polic
     assert out == hf_greedy(target, PROMPT, 40)
     stats = state.stats
     assert len(Recording.costs) == stats.rounds - stats.draft_fallback_rounds - len(failed)
+
+
+def test_a_draft_with_a_shorter_context_drafts_nothing_past_it():
+    """A draft model whose context ends before the target's drafts nothing once the prefix
+    passes it (the target runs those rounds alone): its KV pool, sized to its own context on
+    the CPU's default attention (regions), refused the call's feed instead (KVCacheTooSmall:
+    a failed draft each round served, a failed request in-process)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = tiny_llama(0)
+    torch.manual_seed(1)
+    short = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    prompt = list(range(1, 18))
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    ids, state = run(ModelDrafter(short), ModelVerifier(target), prompt, params, k=3)
+    assert ids == hf_greedy(target, prompt, 16)
+    assert state.stats.num_draft_tokens > 0 and state.stats.draft_fallback_rounds == 0
