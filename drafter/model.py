@@ -141,19 +141,21 @@ class ModelDrafter:
                 continue
             if draft.num_tokens == 0:
                 results[index] = DraftBlock((), None)
-                if self.within_context(draft):
+                if self.room(draft.sequence, draft.assumed) != 0:
                     prefills.append((index, draft))
             else:
                 drafts.append((index, draft))
         return drafts, prefills
 
-    def within_context(self, draft: "Draft") -> bool:
-        """Whether the draft's prefix fits the draft model's own context: past it (a target
-        with a longer one) the call drafts nothing and feeds nothing, since a pool sized to
-        that context (regions) would refuse the feed, and the request's later calls only
-        grow it."""
-        length = len(draft.sequence.committed) + len(draft.assumed)
-        return self.max_positions is None or length <= self.max_positions
+    def room(self, sequence, assumed: list[int]) -> int | None:
+        """Tokens the draft model's own context leaves to draft after the sequence and the
+        assumed tokens (the last drafted token is never fed), None without a bound. None
+        left (a target with a longer context): the call drafts nothing and feeds nothing,
+        since a pool sized to that context (regions) would refuse the feed, and the
+        request's later calls only grow it."""
+        if self.max_positions is None:
+            return None
+        return max(0, self.max_positions + 1 - len(sequence.committed) - len(assumed))
 
     def prefill(self, prefills: list[tuple[int, "Draft"]], calls: list[ProposeCall],
                 results: list) -> None:
@@ -299,9 +301,8 @@ class ModelDrafter:
         sequence = self.sessions.apply(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
-        if self.max_positions is not None:  # the last drafted token is never fed
-            room = self.max_positions + 1 - len(sequence.committed) - len(assumed)
-            num_tokens = max(0, min(num_tokens, room))
+        if (room := self.room(sequence, assumed)) is not None:
+            num_tokens = min(num_tokens, room)
         matcher = None
         if call.sampling.grammar is not None:  # follows the output and the assumed tokens
             if self.grammar_tokenizer is not None:

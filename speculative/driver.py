@@ -215,6 +215,7 @@ class Generation:
         self.state = RequestState(request)
         self.reported_stop_ids = reported_stop_ids
         self.stop = request.sampling.stop
+        self._longest_stop = max(map(len, self.stop), default=0)  # how far back one can start
         self.include_stop = request.sampling.include_stop_str_in_output
         if self.stop and decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
@@ -290,7 +291,7 @@ class Generation:
     def _find_stop(self, new_from: int) -> tuple[int, str] | None:
         """find_stop over the end of the text, where a stop string that ends after new_from
         starts."""
-        start = max(0, new_from - max(map(len, self.stop)) + 1)
+        start = max(0, new_from - self._longest_stop + 1)
         hit = find_stop(self._text.since(start), self.stop, new_from - start)
         return None if hit is None else (start + hit[0], hit[1])
 
@@ -299,7 +300,7 @@ class Generation:
         end = len(self._text)
         if self.finish_reason is None and self.stop and not self.include_stop:
             # a tail that is a prefix of a stop string may still become one (and be cut)
-            tail = self._text.since(end - max(map(len, self.stop)))
+            tail = self._text.since(end - self._longest_stop)
             end -= max((n for s in self.stop for n in range(1, min(len(s), end + 1))
                         if tail.endswith(s[:n])), default=0)
         delta = self._text.since(self._sent)[: max(0, end - self._sent)]
