@@ -10,6 +10,14 @@ from speculative.types import TokenLogprob
 
 TokenBytes = Callable[[int], bytes | None]  # a token id -> its own bytes (None: its text's)
 
+# the least logprob an answer shows, as vLLM's: a model whose raw logits hold -inf (a masked
+# token) would otherwise give -inf, which JSON cannot carry (a 500 for the whole answer)
+LEAST_LOGPROB = -9999.0
+
+
+def shown(logprob: float) -> float:
+    return max(logprob, LEAST_LOGPROB)
+
 
 def token_bytes_of(ll_tokenizer) -> TokenBytes | None:
     """Each token's own bytes, read from llguidance's view of the tokenizer (byte-level BPE
@@ -51,7 +59,7 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, start: i
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens,
-            "token_logprobs": [entry.logprob for entry in entries],
+            "token_logprobs": [shown(entry.logprob) for entry in entries],
             "top_logprobs": [top_dict(entry, position)
                              for entry, position in zip(entries, positions)],
             "text_offset": offsets}
@@ -63,7 +71,7 @@ def top_dict(entry: TokenLogprob, texts: dict[int, str]) -> dict[str, float]:
     text keep the more likely, as a dict must)."""
     top: dict[str, float] = {}
     for token_id, logprob in (*entry.top, (entry.token_id, entry.logprob)):
-        top.setdefault(texts[token_id], logprob)
+        top.setdefault(texts[token_id], shown(logprob))
     return top
 
 
@@ -73,7 +81,7 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts,
     bytes: the token's own (token_bytes), else its text's."""
     def item(token_id: int, logprob: float, text: str) -> dict:
         raw = token_bytes(token_id) if token_bytes else None
-        return {"token": text, "logprob": logprob,
+        return {"token": text, "logprob": shown(logprob),
                 "bytes": list(text.encode("utf-8") if raw is None else raw)}
 
     content = []

@@ -3,11 +3,13 @@ are the target's own (raw: before temperature and penalties), whichever K, draft
 pipelining produced the token, and equal K = 0's."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from deployments.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from deployments.logprobs import (
+    LEAST_LOGPROB, TokenTexts, chat_logprobs, completion_logprobs)
 from deployments.wire import scores_from_proto, scores_to_proto
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
@@ -151,6 +153,20 @@ def test_the_two_api_shapes():
         {"token": "ab", "logprob": -0.5, "bytes": [97, 98]},
         {"token": "c", "logprob": -1.5, "bytes": [99]}]}
     assert content[1]["top_logprobs"] == []
+
+
+def test_a_minus_infinite_logprob_shows_as_vllm_floor_not_as_invalid_json():
+    # a masked token's raw logprob is -inf: JSON has no such number (the router's responses
+    # refuse NaN and inf), so an answer showed it failed whole; vLLM's floor instead
+    entries = [TokenLogprob(1, float("-inf"), ((1, float("-inf")), (2, -1.5)))]
+    decode = {1: "ab", 2: "c"}.__getitem__
+    texts = lambda: TokenTexts(lambda ids: "".join(decode(i) for i in ids))  # noqa: E731
+    completion = completion_logprobs(entries, texts())
+    chat = chat_logprobs(entries, texts())["content"][0]
+    assert completion["token_logprobs"] == [LEAST_LOGPROB] and \
+        completion["top_logprobs"] == [{"ab": LEAST_LOGPROB, "c": -1.5}]
+    assert chat["logprob"] == chat["top_logprobs"][0]["logprob"] == LEAST_LOGPROB
+    json.dumps([completion, chat], allow_nan=False)
 
 
 def test_stop_tokens_cut_the_logprobs_with_the_tokens(target):
