@@ -83,7 +83,7 @@ class PromptReader:
 
     def check_sizes(self, body, chat: bool) -> None:
         """What must hold before tokenizing: the prompt's size in bytes, top_k, the ids of
-        logit_bias."""
+        logit_bias, the top logprobs asked."""
         self.check_prompt_bytes(body, chat)
         if body.top_k > self.vocab_size:
             raise BadRequest(f"top_k must be at most the vocabulary size "
@@ -91,6 +91,10 @@ class PromptReader:
         if any(token >= self.vocab_size for token in body.logit_bias or {}):
             raise BadRequest(f"logit_bias token ids must be in [0, {self.vocab_size})",
                              param="logit_bias")
+        if (body.top_logprobs_asked() or 0) > self.vocab_size:  # the pools' refusal: a 503
+            field = "top_logprobs" if chat else "logprobs"
+            raise BadRequest(f"{field} must be at most the vocabulary size "
+                             f"({self.vocab_size})", param=field)
 
     def check_prompt_bytes(self, body, chat: bool) -> None:
         text = chat_texts(body) if chat else \

@@ -325,3 +325,20 @@ def test_stop_takes_up_to_its_bounds_exactly():
 def test_int64_seeds_of_opposite_signs_stay_apart():
     seeds = {CompletionRequest(prompt="x", seed=seed).sampling(16).seed for seed in (1, -1)}
     assert len(seeds) == 2
+
+
+@pytest.mark.parametrize("chat, fields, param", [
+    (False, {"logprobs": 17}, "logprobs"),
+    (True, {"logprobs": True, "top_logprobs": 17}, "top_logprobs")])
+def test_more_top_logprobs_than_the_vocabulary_are_a_400_naming_the_field(chat, fields, param):
+    """The pools refuse them (a 503: their INVALID_ARGUMENT is the router's fault); the
+    router knows the vocabulary and refuses first, as it does top_k."""
+    reader = PromptReader.__new__(PromptReader)  # its checks of sizes alone
+    reader.vocab_size, reader.max_prompt_bytes = 16, 1 << 20
+    schema = ChatCompletionRequest if chat else CompletionRequest
+    prompt = {"messages": CHAT} if chat else {"prompt": "x"}
+    with pytest.raises(BadRequest) as refused:
+        reader.check_sizes(schema(**prompt, **fields), chat)
+    assert refused.value.param == param and "vocabulary size (16)" in str(refused.value)
+    at_most = {**fields, param: 16} if chat else {"logprobs": 16}
+    reader.check_sizes(schema(**prompt, **at_most), chat)
