@@ -72,7 +72,10 @@ class RoundMeter:
         stats.predrafts += predraft is not None and beside != 0
         stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
         stats.verify_compute_seconds += scores.compute_seconds
-        stats.cached_tokens = max(stats.cached_tokens, scores.cached_tokens)
+        if self.prefill:  # the prompt's prefill only, its chunks' largest (vLLM sets it
+            # once, at the first schedule): a later rebuild may take the prompt back from the
+            # prefix cache, but the request had computed it already
+            stats.cached_tokens = max(stats.cached_tokens, scores.cached_tokens)
         # the drafter's batch: of the draft the round waited for, else of its pre-draft
         waited = not self.carried and block.token_ids
         stats.record_batches(scores.load, block.load if waited else

@@ -27,6 +27,12 @@ class SpecStats:
     # [j]: the rounds that tested drafted tokens and accepted exactly j (vLLM's per-request
     # acceptance_histogram; the bonus token is not counted)
     acceptance_histogram: list[int] = field(default_factory=list)
+    # the most drafted tokens one round tested: a pre-drafted y1 at the bonus position
+    # adds one to its block (a fresh round's alone is one), which rounds_by_k does not count
+    longest_tested: int = 0
+    # the tokens that the rounds which tested drafts output (a pipelined round's accepted
+    # y1 stands in for its bonus: it outputs its accepted tokens alone)
+    spec_step_tokens: int = 0
     cache_misses: int = 0
     busy_retries: int = 0  # pool calls retried after a pause: the pool had no room
     busy_seconds: float = 0.0  # refused calls and pauses (speculative.busy): not round timings
@@ -78,6 +84,7 @@ class SpecStats:
         self.rounds += 1
         self.num_drafts += tested > 0
         self.num_draft_tokens += tested
+        self.longest_tested = max(self.longest_tested, tested)
         self.num_accepted_tokens += outcome.num_accepted + outcome.predraft_accepted
         self.num_emitted_tokens += len(outcome.output_token_ids)
         self.rounds_by_k[num_drafted] = self.rounds_by_k.get(num_drafted, 0) + 1
@@ -91,6 +98,7 @@ class SpecStats:
         if outcome.predraft_accepted:
             self.accepted_per_position[num_drafted] += 1
         if tested:
+            self.spec_step_tokens += len(outcome.output_token_ids)
             accepted = outcome.num_accepted + outcome.predraft_accepted
             add_counts(self.acceptance_histogram, [0] * accepted + [1])
 
@@ -98,9 +106,11 @@ class SpecStats:
         """Accumulate another request's counters."""
         add_counts(self.accepted_per_position, other.accepted_per_position)
         add_counts(self.acceptance_histogram, other.acceptance_histogram)
+        self.longest_tested = max(self.longest_tested, other.longest_tested)
         for k, count in other.rounds_by_k.items():
             self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                     "spec_step_tokens",
                      "num_emitted_tokens", "cache_misses", "busy_retries", "busy_seconds",
                      "draft_busy_seconds",
                      "draft_seconds", "verify_seconds", "round_seconds",
@@ -164,16 +174,20 @@ class SpecStats:
 
     def vllm_metrics(self) -> dict:
         """vLLM's per-request speculative metrics (`metrics.speculative_decoding` of its
-        responses with --per-request-spec-decode-metrics): there mean_acceptance_length is
-        1 + accepted drafts per round that drafted, the histogram indexed by accepted drafts."""
+        responses with --per-request-spec-decode-metrics): mean_acceptance_length is the
+        tokens per round that drafted, the recovered or bonus token included (vLLM's 1 +
+        accepted per step, where every step outputs its accepted drafts and one more; a
+        pipelined round whose pre-drafted y1 is accepted outputs its accepted alone), the
+        histogram indexed by accepted drafts."""
         steps = sum(self.acceptance_histogram)
-        # the longest block tested (a pre-drafted y1 at the bonus position makes it K + 1)
+        # the longest block tested (a pre-drafted y1 at the bonus position makes it K + 1,
+        # accepted or not), so that no round tested more than num_spec_tokens
         num_spec_tokens = max(len(self.acceptance_histogram) - 1,
-                              max(self.rounds_by_k, default=0))
+                              max(self.rounds_by_k, default=0), self.longest_tested)
         histogram = self.acceptance_histogram + [0] * (
             num_spec_tokens + 1 - len(self.acceptance_histogram))
         return {"speculative_decoding": {
-            "mean_acceptance_length": 1 + self.num_accepted_tokens / steps if steps else 1.0,
+            "mean_acceptance_length": self.spec_step_tokens / steps if steps else 1.0,
             "draft_acceptance_rate": self.acceptance_rate or 0.0,
             "acceptance_histogram": histogram,
             "num_spec_steps": steps,

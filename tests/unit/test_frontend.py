@@ -150,7 +150,9 @@ def test_cached_tokens_count_each_prompt_once_like_its_tokens():
 
 def test_vllms_per_request_metrics_count_the_rounds_that_drafted():
     """vLLM's shape: histogram[j] = rounds that tested drafts and accepted j; the mean
-    acceptance length is 1 + accepted per such round; rounds without a draft stay out; two
+    acceptance length is the tokens per such round (vLLM's 1 + accepted a step, but a round
+    whose pre-drafted y1 is accepted outputs its accepted tokens alone: 1 + accepted / steps,
+    9 / 4 here, said 3.25 where the steps output 3); rounds without a draft stay out; two
     choices' histograms add up."""
     stats, other = SpecStats(), SpecStats()
     stats.record(0, RoundOutcome((5,), 0))  # the target alone: not a speculation step
@@ -162,10 +164,27 @@ def test_vllms_per_request_metrics_count_the_rounds_that_drafted():
     metrics = stats.vllm_metrics()["speculative_decoding"]
     assert metrics["acceptance_histogram"] == [1, 0, 1, 1, 1]
     assert metrics["num_spec_steps"] == 4 and metrics["num_accepted_draft_tokens"] == 9
-    assert metrics["mean_acceptance_length"] == 1 + 9 / 4
+    assert metrics["mean_acceptance_length"] == (3 + 5 + 3 + 1) / 4
     assert metrics["num_draft_tokens"] == 15 and metrics["num_spec_tokens"] == 4
     assert metrics["draft_acceptance_rate"] == 9 / 15
     # the rounds that drafted (vLLM's num_drafts); a pre-drafted y1 accepted at the bonus
     # position counts at that position (the round's third)
     assert stats.as_dict()["num_drafts"] == 4
     assert stats.as_dict()["accepted_per_position"] == [3, 3, 2, 1]
+
+
+def test_vllms_num_spec_tokens_covers_a_rejected_predrafted_token():
+    """A pre-drafted y1 tested at a round's bonus position makes its block K + 1 long,
+    accepted or not (a fresh round's y1 is a block of one beside a verify of none): no round
+    tests more than num_spec_tokens, and the histogram has its K + 1 buckets. It was K (or 0
+    when every round was fresh), so num_draft_tokens exceeded steps x num_spec_tokens."""
+    chained, fresh, merged = SpecStats(), SpecStats(), SpecStats()
+    chained.record(2, RoundOutcome((1, 2, 9), 2, predraft_tested=1, predraft_accepted=0))
+    fresh.record(0, RoundOutcome((9,), 0, predraft_tested=1, predraft_accepted=0))
+    merged.add(chained)
+    merged.add(fresh)
+    for stats, longest in ((chained, 3), (fresh, 1), (merged, 3)):
+        metrics = stats.vllm_metrics()["speculative_decoding"]
+        assert metrics["num_spec_tokens"] == longest
+        assert len(metrics["acceptance_histogram"]) == longest + 1
+        assert metrics["num_draft_tokens"] <= metrics["num_spec_steps"] * longest

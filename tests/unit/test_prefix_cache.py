@@ -3,12 +3,16 @@ its full blocks from the pool (shared in engine.paged, copied in engine.regions)
 only the rest, with logits equal to a fresh forward; a hit never sees the other request's
 rejected drafts; shared blocks return to the free list when the last reference goes."""
 
+import asyncio
+
 import pytest
 import torch
 
 from engine import cache as kv_cache
 from engine.kv import Sequence, SessionStore
 from engine.runner import serving_runner
+from speculative.driver import Generation
+from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ScoreCall, prefix_hash
 from tests.tiny import tiny_llama, tiny_sliding
@@ -261,3 +265,42 @@ def test_a_prefix_held_by_a_running_request_outlives_its_failure(backend):
     store.drop("b")  # b's next call fails
     later, _ = start(store, runner, "later", PROMPT)
     assert later.cached_tokens == 32
+
+
+class EvictingAfter:
+    """The verifier, whose request's session goes (as a full pool evicts it) before its
+    `calls`-th call: that call answers REBUILD, and the rebuild takes its blocks back."""
+
+    def __init__(self, verifier: ModelVerifier, calls: int) -> None:
+        self.verifier, self.left = verifier, calls
+
+    async def score(self, call):
+        self.left -= 1
+        if self.left == 0:
+            self.verifier.sessions.release(call.request_id)
+        return await self.verifier.score(call)
+
+    async def release(self, request_id):
+        await self.verifier.release(request_id)
+
+
+def test_usage_counts_the_prompts_cached_tokens_of_its_prefill_not_of_a_rebuild():
+    """A request whose prompt missed the prefix cache computed it whole: its session
+    evicted mid-output and rebuilt from its own retired blocks, usage still reports no
+    cached prompt token (vLLM sets it once, at the first schedule); a prompt that hit the
+    cache at its prefill reports what it took."""
+    verifier = ModelVerifier(served("paged"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+
+    def usage(request_id: str, scored) -> dict:
+        plan = RequestFrontEnd().plan(request_id, PROMPT, greedy, num_speculative_tokens=0,
+                                      plain_steps=1)
+        choice = plan.choices[0]
+        generation = Generation(choice.request)
+        asyncio.run(generation.run(None, scored, choice.policy))  # K = 0: no drafter
+        return plan.usage([generation]) | {"misses": generation.stats.cache_misses}
+
+    missed = usage("a", EvictingAfter(verifier, 5))
+    assert missed["misses"] == 1 and missed["prompt_tokens_details"]["cached_tokens"] == 0
+    hit = usage("b", verifier)  # a's blocks are published now
+    assert hit["prompt_tokens_details"]["cached_tokens"] == 32
