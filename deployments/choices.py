@@ -133,22 +133,33 @@ class Choices:
                 yield f"data: {chunk}\n\n"
             done = await task
             if self.include_usage:
-                kind = "chat.completion.chunk" if self.chat else "text_completion"
-                stats = self.plan.merged_stats(done)
-                final = {"id": self.request_id, "object": kind, "created": self.created,
-                         "model": self.model, "choices": [], "usage": self.plan.usage(done),
-                         "speculative": stats.as_dict(), "metrics": stats.vllm_metrics()}
-                yield f"data: {json.dumps(final)}\n\n"
+                yield await self.off_loop(self.usage_event, done)
         except PoolError as error:  # the stream ends with an error event, then [DONE]
             failure = pool_failure(error)
             yield f"data: {json.dumps(error_body(str(failure), failure.status))}\n\n"
         except Exception:
             log.exception("unexpected error in a stream")
             yield f"data: {json.dumps(error_body('internal error', 500))}\n\n"
-        finally:
+        finally:  # the slots go back once the choices have ended, as a whole answer's do
+            # (all_or_none): given back at the cancel, they admitted another request while
+            # these were still ending (releasing their pools, a router-side drafter's work)
             task.cancel()
-            self.ticket.release()
+            try:
+                await asyncio.gather(task, return_exceptions=True)
+            finally:
+                self.ticket.release()
         yield "data: [DONE]\n\n"
+
+    def usage_event(self, done: list[Generation]) -> str:
+        """The stream's last chunk: the usage and the choices' merged statistics. Off the
+        event loop, as a whole answer's body: merging sorts every round's timings (128
+        choices of 8,000 rounds: 0.4 s that every other stream waited for)."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        stats = self.plan.merged_stats(done)
+        final = {"id": self.request_id, "object": kind, "created": self.created,
+                 "model": self.model, "choices": [], "usage": self.plan.usage(done),
+                 "speculative": stats.as_dict(), "metrics": stats.vllm_metrics()}
+        return f"data: {json.dumps(final)}\n\n"
 
     async def stream_choice(self, index: int, queue: asyncio.Queue) -> Generation:
         """One choice's chunks into the queue: the role (chat), its text deltas, each with the

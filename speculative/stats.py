@@ -109,16 +109,20 @@ class SpecStats:
         self.longest_tested = max(self.longest_tested, other.longest_tested)
         for k, count in other.rounds_by_k.items():
             self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
+        # the per-round timings grow in place: a new list at each add copied every round
+        # added so far (128 choices of 8,000 rounds merged: 0.95 s against 0.02)
+        self.overhead_seconds.extend(other.overhead_seconds)
+        self.exposed_seconds.extend(other.exposed_seconds)
         for name in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "spec_step_tokens",
                      "num_emitted_tokens", "cache_misses", "busy_retries", "busy_seconds",
                      "draft_busy_seconds",
                      "draft_seconds", "verify_seconds", "round_seconds",
-                     "draft_compute_seconds", "verify_compute_seconds", "overhead_seconds",
+                     "draft_compute_seconds", "verify_compute_seconds",
                      "wire_bytes", "pipelined_rounds", "bonus_position_drafts",
                      "tree_rounds", "sibling_rounds", "plain_step_tokens",
                      "predrafts", "predraft_compute_seconds",
-                     "exposed_seconds", "verifier_batch_calls", "verifier_batches",
+                     "verifier_batch_calls", "verifier_batches",
                      "drafter_batch_calls", "drafter_batches", "draft_fallback_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 

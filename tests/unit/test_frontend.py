@@ -188,3 +188,18 @@ def test_vllms_num_spec_tokens_covers_a_rejected_predrafted_token():
         assert metrics["num_spec_tokens"] == longest
         assert len(metrics["acceptance_histogram"]) == longest + 1
         assert metrics["num_draft_tokens"] <= metrics["num_spec_steps"] * longest
+
+
+def test_merged_stats_grow_the_per_round_timings_in_place():
+    """A request's choices merged: each choice's per-round timings are added to one list.
+    A new list at each add copied every round merged so far, quadratic in the choices (128
+    choices of 8,000 rounds: 0.95 s, on the event loop for a stream's usage chunk)."""
+    total, first, second = SpecStats(), SpecStats(), SpecStats()
+    first.overhead_seconds, first.exposed_seconds = [0.1, 0.2], [0.3]
+    second.overhead_seconds, second.exposed_seconds = [0.4], [0.5, 0.6]
+    overhead, exposed = total.overhead_seconds, total.exposed_seconds
+    total.add(first)
+    total.add(second)
+    assert total.overhead_seconds is overhead and total.exposed_seconds is exposed
+    assert overhead == [0.1, 0.2, 0.4] and exposed == [0.3, 0.5, 0.6]
+    assert first.overhead_seconds == [0.1, 0.2] and second.exposed_seconds == [0.5, 0.6]

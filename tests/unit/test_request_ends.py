@@ -122,3 +122,41 @@ def test_a_round_that_fails_after_its_verify_ends_its_pre_draft():
 
     asyncio.run(main())
     assert drafter.sessions == set()
+
+
+class Silent:
+    """A verifier that never answers; its release notes the choices the router then counts
+    as running (the admission's)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission, self.running_at_release = admission, []
+
+    async def score(self, call):
+        await asyncio.sleep(60)
+
+    async def release(self, request_id):
+        self.running_at_release.append(self.admission.running)
+
+
+def test_a_stream_whose_client_goes_away_keeps_its_slots_until_its_choices_have_ended():
+    """As a whole answer's (all_or_none waits for its cancelled choices): the events asked
+    their choices to cancel and gave the slots back at once, so a request admitted in their
+    place ran beside choices still ending (releasing their pools, a drafter the router runs
+    working on their releases)."""
+    admission = Admission(2)
+    verifier = Silent(admission)
+
+    async def main():
+        plan = RequestFrontEnd().plan("chatcmpl-x", [5, 6, 7], SamplingParams(
+            temperature=0.0, max_tokens=50), n=2, num_speculative_tokens=2)
+        choices = Choices(plan, (Holding(), verifier), lambda ids: "a" * len(ids),
+                          Ignored(), admission.admit(2), model="m", chat=True,
+                          return_token_ids=False)
+        events = choices.events()
+        await events.__anext__()  # the role's chunk
+        await asyncio.sleep(0.05)  # both choices wait for their verify
+        await events.aclose()  # the client has gone
+        return admission.running
+
+    assert asyncio.run(main()) == 0
+    assert verifier.running_at_release == [2, 2]
