@@ -135,10 +135,10 @@ class Choices:
             if self.include_usage:
                 yield await self.off_loop(self.usage_event, done)
         except PoolError as error:  # the stream ends with an error event, then [DONE]
-            failure = pool_failure(error)
+            failure = pool_failure(error, self.request_id)
             yield f"data: {json.dumps(error_body(str(failure), failure.status))}\n\n"
         except Exception:
-            log.exception("unexpected error in a stream")
+            log.exception("unexpected error in the stream of %s", self.request_id)
             yield f"data: {json.dumps(error_body('internal error', 500))}\n\n"
         finally:  # the slots go back once the choices have ended, as a whole answer's do
             # (all_or_none): given back at the cancel, they admitted another request while

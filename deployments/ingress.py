@@ -48,14 +48,15 @@ def retry_later(message: str, status: int) -> BadRequest:
     return BadRequest(message, status, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def pool_failure(error: PoolError) -> BadRequest:
+def pool_failure(error: PoolError, request_id: str | None = None) -> BadRequest:
     """What a client learns of a failed pool call: 429 when the pool had no room for the
     request now (its KV cache, or its calls in flight: RESOURCE_EXHAUSTED, a PoolBusy; a
     message too large for the channel never fits, so it is not one), 400 with the pool's
     reason when the request can never fit its KV cache or its grammar cannot go on
     (OUT_OF_RANGE), else 503 (an INVALID_ARGUMENT from a pool is the router's fault, not
-    the client's); the details go to the log."""
-    log.warning("pool call failed: %s", error)
+    the client's); the details go to the log, with the request's id (its pool sessions',
+    which a pool's own log of a failed batch names: deployments.health)."""
+    log.warning("pool call failed for %s: %s", request_id, error)
     if isinstance(error, PoolBusy):  # not a message too large, which never fits
         return retry_later(f"the {error.pool} pool has no room for this request now (its KV "
                            "cache or its calls in flight are full); retry later", 429)

@@ -59,7 +59,8 @@ class PoolArgs(BaseModel):
     # call must carry the pool secret (deployments.auth)
     direct_host: Literal["loopback", "node"] = "loopback"
     # a replica whose model worker has not finished a batch for this long while calls wait
-    # fails its health check, and Serve replaces it
+    # (or has run one batch this long), or whose engine has failed every batch this long,
+    # fails its health check, and Serve replaces it (deployments.health)
     health_stall_s: float = Field(default=60.0, gt=0)
 
 

@@ -11,7 +11,6 @@ router resends the whole prefix).
 import asyncio
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,6 +19,7 @@ from ray import serve
 
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
+from deployments.health import BatchHealth
 from deployments.limits import Limits, check_propose, check_score, in_messages
 from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics, rss_mb
@@ -108,7 +108,7 @@ class PoolReplica:
         """run_batch: the engine's list of calls -> list of answers (or their refusals);
         limits: what a call may ask (checked before it is decoded or queued)."""
         max_batch_size = args.max_batch_size
-        self.limits, self.health_stall_s = limits, args.health_stall_s
+        self.limits = limits
         self.secret = auth.pool_secret()  # resolved now: a missing Ray KV fails the start
         self.replica_id = replica_id()
         # each session's sampling parameters, sent once (wire.SessionSampling)
@@ -123,15 +123,14 @@ class PoolReplica:
         self.metrics = PoolMetrics(pool)
 
         self.waiting = 0  # calls submitted and not answered
-        self.last_progress = time.monotonic()  # when the worker last finished a batch
+        self.health = BatchHealth(args.health_stall_s,
+                                  tuple(kind for kind, _ in REFUSALS) + (StaleBase,))
 
         async def in_batch(calls: list) -> list:
             self.occupancy.observe(len(calls))
             self.metrics.record_batch(len(calls), max_batch_size)
-            try:
+            with self.health.batch([call.request_id for call in calls]):
                 return await self.run_engine(run_batch, calls)
-            finally:
-                self.last_progress = time.monotonic()
 
         self.batcher = ContinuousBatcher(in_batch, max_batch_size,
                                          lambda answer: answer is UNFINISHED,
@@ -165,12 +164,9 @@ class PoolReplica:
         return run_batch(calls)
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: fail (Serve then replaces the replica) when calls
-        wait and the model worker has not finished a batch for health_stall_s."""
-        stalled = time.monotonic() - self.last_progress
-        if self.waiting and stalled > self.health_stall_s:
-            raise RuntimeError(f"{self.waiting} calls wait and the model worker has not "
-                               f"finished a batch for {stalled:.0f} s")
+        """Serve's periodic health check: fail (Serve then replaces the replica) when the
+        model worker is stuck or its engine dead (deployments.health)."""
+        self.health.check(self.waiting)
 
     async def run_engine(self, run_batch, calls: list) -> list:
         """The batch's answers: on the event loop when it runs inline and the engine is
@@ -236,7 +232,7 @@ class PoolReplica:
         # an idle worker is not a stalled one; a refusal too counts as waiting until its done
         # callback runs, and a health check may come first
         if not self.waiting:
-            self.last_progress = time.monotonic()
+            self.health.idle()
         self.direct_calls += direct
         self.direct_in_flight += direct
         self.waiting += 1

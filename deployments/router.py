@@ -199,7 +199,7 @@ class Router:
             return await asyncio.get_running_loop().run_in_executor(
                 self.rendering, json_answer, answer)
         except PoolError as error:
-            return error_response(pool_failure(error))
+            return error_response(pool_failure(error, plan.request_id))
         finally:
             ticket.release()
 

@@ -9,9 +9,13 @@ import logging
 from fastapi.testclient import TestClient
 from ray.exceptions import TaskCancelledError
 
+import grpc
+
 from deployments.ingress import CLIENT_CLOSED, ingress_app, log, parse
 from deployments.openai_api import CompletionRequest
-from tests.unit.test_router_parts import posted
+from deployments.replica_stream import pool_error
+from tests.tiny import Agreeing
+from tests.unit.test_router_parts import posted, router_of
 
 
 class Records(logging.Handler):
@@ -55,6 +59,31 @@ def test_a_request_serve_cancelled_is_not_a_bug():
         response = app_raising(TaskCancelledError()).get("/v1/x")
     assert response.status_code == CLIENT_CLOSED == 499
     assert [r.levelno for r in records] == [logging.INFO] and not records[0].exc_info
+
+
+class Unavailable(Agreeing):
+    async def score(self, call):
+        raise pool_error("verifier", grpc.StatusCode.UNAVAILABLE, "replica gone")
+
+
+def test_a_failed_pool_call_is_logged_with_the_requests_id():
+    """The id that keys the request's pool sessions (a pool logs a failed batch by them):
+    the warning named only the pool's error, and Serve's own request id is another."""
+    serve, admission = router_of(max_running=2, verifier=Unavailable())
+
+    async def main():
+        whole = await serve(posted({"prompt": "hi", "max_tokens": 4}), CompletionRequest,
+                            chat=False)
+        stream = await serve(posted({"prompt": "hi", "max_tokens": 4, "stream": True}),
+                             CompletionRequest, chat=False)
+        return whole, [chunk async for chunk in stream.body_iterator]
+
+    with Records() as records:
+        whole, chunks = asyncio.run(main())
+    assert whole.status_code == 503 and "unavailable" in chunks[0]  # the stream's error event
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert warnings == ["pool call failed for cmpl-x-0: verifier: UNAVAILABLE: replica gone"] * 2
+    assert admission.running == 0
 
 
 def collections_while(work) -> tuple[object, list[int]]:

@@ -354,10 +354,11 @@ def test_a_client_gone_as_serves_cancellation_ends_the_stream_quietly():
     assert admission.running == 0
 
 
-def router_of(max_running: int):
+def router_of(max_running: int, verifier=None):
     """The Router's request path (Router.serve_request) without Ray or a model: stand-ins
     for its prompt reading and planning plan each prompt of a body as two tokens, over
-    agreeing pools. Returns (serve(request, schema, chat), its admission)."""
+    agreeing pools (or this verifier). Returns (serve(request, schema, chat), its
+    admission)."""
     from types import SimpleNamespace
 
     from deployments.router import Router
@@ -374,7 +375,7 @@ def router_of(max_running: int):
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
         special_decode=lambda ids: "s" * len(ids),  # skip_special_tokens: false
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
-        pools=lambda kind=None: (Agreeing(), Agreeing()), plan=plan)
+        pools=lambda kind=None: (Agreeing(), verifier or Agreeing()), plan=plan)
 
     def serve(request, schema, chat):
         return Router.serve_request(router, request, schema, chat)

@@ -1,0 +1,140 @@
+"""A pool replica's health check (deployments.health): a stuck worker or a dead engine fails
+it, whatever its callers do; a busy or refusing one does not."""
+
+import asyncio
+import threading
+
+import pytest
+
+from deployments import auth
+from deployments.health import FAILED_BATCHES
+from deployments.pool_args import DrafterArgs, VerifierArgs
+from deployments.pools import DrafterPool, VerifierPool
+from engine.runner import ModelRunner
+from protos import specserve_pb2 as pb
+from tests.unit.test_ingress import Records
+
+
+@pytest.fixture(autouse=True)
+def pool_secret(monkeypatch):
+    monkeypatch.setenv(auth.ENV, "test-secret")
+    monkeypatch.setattr(auth, "_secret", None)
+
+
+async def local_replica(cls, args):
+    replica = cls.__new__(cls)
+    await cls.__init__(replica, args)
+    return replica
+
+
+def propose(request_id: str) -> pb.ProposeRequest:
+    return pb.ProposeRequest(request_id=request_id, num_speculative_tokens=3,
+                             sync=pb.PrefixSync(new_token_ids=range(5, 8)),
+                             sampling=pb.SamplingParams(temperature=0))
+
+
+def score(request_id: str) -> pb.ScoreRequest:
+    return pb.ScoreRequest(request_id=request_id, sampling=pb.SamplingParams(),
+                           sync=pb.PrefixSync(new_token_ids=range(1, 9)))
+
+
+def test_a_stuck_worker_fails_the_check_though_each_caller_gives_up_before_the_stall():
+    """The router waits 1 s for a draft (30 s for a verify), far less than health_stall_s:
+    each call times out and the next finds no call waiting. Before, that next call restarted
+    the stall clock, and a replica whose worker hung for good stayed healthy."""
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs(health_stall_s=0.3))
+        gate = threading.Event()
+        replica.worker.submit(replica.owning, gate.wait)  # the worker hangs from now on
+        while not replica.engine_lock.locked():  # (else a lone call runs on the loop)
+            await asyncio.sleep(0.01)
+        try:
+            for index in range(4):  # callers that give up after 0.1 s, 0.05 s apart
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(replica.Propose(propose(f"r{index}")), 0.1)
+                await asyncio.sleep(0.05)
+            assert replica.waiting == 0
+            call = asyncio.ensure_future(replica.Propose(propose("late")))
+            await asyncio.sleep(0.01)
+            with pytest.raises(RuntimeError, match="has not finished a batch"):
+                await replica.check_health()
+            call.cancel()
+        finally:
+            gate.set()
+            await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_fails_every_batch_fails_the_check_and_logs_its_requests(monkeypatch):
+    """A sticky device error fails every forward at once: nothing stalls, and a drafter's
+    failures only make rounds the target's alone, so nobody saw it. Failing every batch
+    for health_stall_s now fails the check, and each failure is logged naming its requests."""
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs(health_stall_s=0.5))
+
+        def dead(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(ModelRunner, "forward", dead)
+        try:
+            for index in range(FAILED_BATCHES + 1):
+                with pytest.raises(RuntimeError, match="illegal memory access"):
+                    await replica.Propose(propose(f"req-{index}"))
+                # not before the failures span health_stall_s: a client's retries of a
+                # request that fails the engine must not restart the replica
+                await replica.check_health()
+            await asyncio.sleep(0.55)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                await replica.Propose(propose("req-last"))
+            with pytest.raises(RuntimeError, match=f"failed the last {FAILED_BATCHES + 2} "):
+                await replica.check_health()
+        finally:
+            await replica.server.stop(None)
+
+    with Records() as records:  # Serve's logger, as the ingress's
+        asyncio.run(main())
+    failed = [r for r in records if "the engine failed a batch" in r.getMessage()]
+    assert [r.getMessage().split("(")[1].split(")")[0] for r in failed] == \
+        [f"req-{index}" for index in range(FAILED_BATCHES + 1)] + ["req-last"]
+    assert failed[0].exc_info is not None  # the traceback once per streak
+
+
+def test_an_answered_batch_ends_a_failure_streak_and_refusals_are_not_failures(monkeypatch):
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs(health_stall_s=0.01))
+        forward = ModelRunner.forward
+        broken = True
+
+        def flaky(runner, segments):
+            if broken:
+                raise RuntimeError("out of memory")
+            return forward(runner, segments)
+
+        monkeypatch.setattr(ModelRunner, "forward", flaky)
+        try:
+            for index in range(FAILED_BATCHES - 1):  # failures spanning health_stall_s
+                with pytest.raises(RuntimeError):
+                    await replica.Score(score(f"a{index}"))
+                await asyncio.sleep(0.02)
+            broken = False
+            await replica.Score(score("ok"))
+            broken = True
+            for index in range(FAILED_BATCHES - 1):
+                with pytest.raises(RuntimeError):
+                    await replica.Score(score(f"b{index}"))
+                await asyncio.sleep(0.02)
+            await replica.check_health()  # never FAILED_BATCHES in a row
+
+            def refusing(runner, segments):  # a batch refused for its input is an answer
+                raise ValueError("draft trees need a model without sliding windows")
+
+            monkeypatch.setattr(ModelRunner, "forward", refusing)
+            for index in range(2 * FAILED_BATCHES):
+                await replica.Score(score(f"bad{index}"))
+                await asyncio.sleep(0.02)
+            await replica.check_health()
+        finally:
+            await replica.server.stop(None)
+
+    asyncio.run(main())
