@@ -15,6 +15,7 @@ long as for the verifier. Releases are sent in the background and never delay an
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -34,6 +35,7 @@ from speculative.types import (
 )
 
 log = logging.getLogger(__name__)
+serve_log = logging.getLogger("ray.serve")
 
 # codes meaning "that replica is not there any more": try Serve's routing instead
 GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
@@ -255,6 +257,29 @@ def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS,
     return f"prefix-{prefix_hash(list(sync.new_token_ids[:tokens])):x}"
 
 
+# a drafter whose calls keep failing (its app down or misnamed, its pool full, its drafts
+# late) turns rounds into the target's alone, which only a counter showed: the router says
+# so in its log, at most this often
+DRAFT_FAILURES_LOGGED_EVERY_S = 60.0
+
+
+class FailureLog:
+    """A warning for calls that fail, at most once every `every_s` seconds, with how many
+    failed since the one before."""
+
+    def __init__(self, what: str, every_s: float, clock=time.monotonic) -> None:
+        self.what, self.every_s, self.clock = what, every_s, clock
+        self.failed, self.logged_at = 0, None
+
+    def failure(self, error: Exception) -> None:
+        self.failed += 1
+        now = self.clock()
+        if self.logged_at is None or now - self.logged_at >= self.every_s:
+            serve_log.warning("%s: %d failed since the last warning; the latest: %s",
+                              self.what, self.failed, error)
+            self.failed, self.logged_at = 0, now
+
+
 class GrpcDrafter:
     """timeout_s: a seeded sampled request's deadline; draft_timeout_s: everyone else's."""
 
@@ -266,8 +291,17 @@ class GrpcDrafter:
                                streams, options)
         self.draft_timeout_s = draft_timeout_s or timeout_s
         self.prefix_tokens = prefix_tokens
+        self.failures = FailureLog(f"calls to the drafter app {application!r} (their rounds "
+                                   "ran the target alone)", DRAFT_FAILURES_LOGGED_EVERY_S)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
+        try:
+            return await self.proposed(call)
+        except PoolUnavailable as error:
+            self.failures.failure(error)
+            raise
+
+    async def proposed(self, call: ProposeCall) -> DraftBlock:
         message = wire.propose_to_proto(call)
         sampling = call.sampling
         seeded = sampling.seed is not None and not sampling.greedy

@@ -2,6 +2,7 @@
 the first calls of one placement (the choices of a request) cross the proxy once."""
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import grpc
@@ -356,6 +357,34 @@ def test_a_seeded_sampled_draft_waits_as_long_as_a_verify(monkeypatch):
         with pytest.raises(PoolError):
             asyncio.run(drafter.propose(ProposeCall("r", sync, 3, sampling, seed=0)))
     assert deadlines == [30.0, 0.05, 0.05]
+
+
+def test_a_drafter_whose_calls_keep_failing_is_said_in_the_log_at_most_once_a_minute(
+        monkeypatch, caplog):
+    """Each failure turns a round into the target's alone (speculative.loop), which only a
+    counter showed: a misnamed or dead drafter app switched speculation off silently."""
+    from speculative.sampling import SamplingParams
+    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+
+    monkeypatch.setattr(clients.pb_grpc, "DrafterStub", lambda channel: None)
+    drafter = clients.GrpcDrafter(None, "drafterr", timeout_s=30.0, draft_timeout_s=0.05)
+    now = [100.0]
+    drafter.failures.clock = lambda: now[0]
+
+    async def call(method, message, request_id, timeout_s=None, route_key=None):
+        raise PoolError("drafter", grpc.StatusCode.NOT_FOUND, "no application 'drafterr'")
+
+    monkeypatch.setattr(drafter.pool, "call", call)
+    propose = ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 3,
+                          SamplingParams(temperature=0.0), seed=0)
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        for seconds in (0, 1, 30, 59, 61, 62):
+            now[0] = 100.0 + seconds
+            with pytest.raises(PoolError):
+                asyncio.run(drafter.propose(propose))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ray.serve"]
+    assert len(warnings) == 2 and all("'drafterr'" in w for w in warnings)
+    assert "1 failed" in warnings[0] and "4 failed" in warnings[1]
 
 
 class Ending:
