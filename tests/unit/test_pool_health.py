@@ -3,10 +3,11 @@ it, whatever its callers do; a busy or refusing one does not."""
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from deployments import auth
+from deployments import auth, health
 from deployments.health import FAILED_BATCHES
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
@@ -70,6 +71,9 @@ def test_an_engine_that_fails_every_batch_fails_the_check_and_logs_its_requests(
     """A sticky device error fails every forward at once: nothing stalls, and a drafter's
     failures only make rounds the target's alone, so nobody saw it. Failing every batch
     for health_stall_s now fails the check, and each failure is logged naming its requests."""
+    now = [1000.0]  # the health's clock, moved by hand: no test of wall-clock time
+    monkeypatch.setattr(health, "time", SimpleNamespace(monotonic=lambda: now[0]))
+
     async def main():
         replica = await local_replica(DrafterPool, DrafterArgs(health_stall_s=0.5))
 
@@ -84,7 +88,8 @@ def test_an_engine_that_fails_every_batch_fails_the_check_and_logs_its_requests(
                 # not before the failures span health_stall_s: a client's retries of a
                 # request that fails the engine must not restart the replica
                 await replica.check_health()
-            await asyncio.sleep(0.55)
+                now[0] += 0.1
+            now[0] += 0.5
             with pytest.raises(RuntimeError, match="illegal memory access"):
                 await replica.Propose(propose("req-last"))
             with pytest.raises(RuntimeError, match=f"failed the last {FAILED_BATCHES + 2} "):
