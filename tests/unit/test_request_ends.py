@@ -130,8 +130,12 @@ class Silent:
 
     def __init__(self, admission: Admission) -> None:
         self.admission, self.running_at_release = admission, []
+        self.scoring, self.both_scoring = 0, asyncio.Event()
 
     async def score(self, call):
+        self.scoring += 1
+        if self.scoring == 2:
+            self.both_scoring.set()
         await asyncio.sleep(60)
 
     async def release(self, request_id):
@@ -143,10 +147,8 @@ def test_a_stream_whose_client_goes_away_keeps_its_slots_until_its_choices_have_
     their choices to cancel and gave the slots back at once, so a request admitted in their
     place ran beside choices still ending (releasing their pools, a drafter the router runs
     working on their releases)."""
-    admission = Admission(2)
-    verifier = Silent(admission)
-
     async def main():
+        verifier = Silent(admission)
         plan = RequestFrontEnd().plan("chatcmpl-x", [5, 6, 7], SamplingParams(
             temperature=0.0, max_tokens=50), n=2, num_speculative_tokens=2)
         choices = Choices(plan, (Holding(), verifier), lambda ids: "a" * len(ids),
@@ -154,9 +156,10 @@ def test_a_stream_whose_client_goes_away_keeps_its_slots_until_its_choices_have_
                           return_token_ids=False)
         events = choices.events()
         await events.__anext__()  # the role's chunk
-        await asyncio.sleep(0.05)  # both choices wait for their verify
+        await verifier.both_scoring.wait()  # both choices wait for their verify
         await events.aclose()  # the client has gone
-        return admission.running
+        return verifier.running_at_release
 
-    assert asyncio.run(main()) == 0
-    assert verifier.running_at_release == [2, 2]
+    admission = Admission(2)
+    assert asyncio.run(main()) == [2, 2]
+    assert admission.running == 0
