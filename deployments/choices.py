@@ -140,9 +140,9 @@ class Choices:
         except Exception:
             log.exception("unexpected error in the stream of %s", self.request_id)
             yield f"data: {json.dumps(error_body('internal error', 500))}\n\n"
-        finally:  # the slots go back once the choices have ended, as a whole answer's do
-            # (all_or_none): given back at the cancel, they admitted another request while
-            # these were still ending (releasing their pools, a router-side drafter's work)
+        finally:  # the slots go back once the choices' task has ended, as a whole answer's
+            # do (all_or_none): given back at the cancel, they admitted another request while
+            # these still ran (a release that a repeated cancel cuts short goes on behind)
             task.cancel()
             try:
                 await asyncio.gather(task, return_exceptions=True)

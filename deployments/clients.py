@@ -291,8 +291,9 @@ class GrpcDrafter:
                                streams, options)
         self.draft_timeout_s = draft_timeout_s or timeout_s
         self.prefix_tokens = prefix_tokens
-        self.failures = FailureLog(f"calls to the drafter app {application!r} (their rounds "
-                                   "ran the target alone)", DRAFT_FAILURES_LOGGED_EVERY_S)
+        self.failures = FailureLog(f"calls to the drafter app {application!r} failed or "
+                                   "were refused (a round without its draft runs the target "
+                                   "alone)", DRAFT_FAILURES_LOGGED_EVERY_S)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         try:

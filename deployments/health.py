@@ -22,6 +22,9 @@ log = logging.getLogger("ray.serve")
 
 FAILED_BATCHES = 3  # engine failures in a row (over health_stall_s) that make it unhealthy
 LOGGED_REQUEST_IDS = 8  # a failed batch's log line names at most this many of its requests
+# a streak's first failure is logged with its traceback, later ones at most this often (a
+# dead engine under load fails a batch every few milliseconds until Serve replaces it)
+FAILURES_LOGGED_EVERY_S = 5.0
 
 
 class BatchHealth:
@@ -33,6 +36,7 @@ class BatchHealth:
         self.failed = 0  # batches in a row the engine failed
         self.failing = (0.0, 0.0)  # when the first and the last of them failed
         self.failure: Exception | None = None  # the last of them
+        self.logged_at = 0.0  # when a failure was last logged
 
     def idle(self) -> None:
         """Calls arrive at a replica where none waited: an idle worker is not a stalled one,
@@ -53,11 +57,13 @@ class BatchHealth:
             now = time.monotonic()
             self.failing = (self.failing[0] if self.failed else now, now)
             self.failed, self.failure = self.failed + 1, error
-            shown = ", ".join(request_ids[:LOGGED_REQUEST_IDS])
-            more = len(request_ids) - LOGGED_REQUEST_IDS
-            log.error("the engine failed a batch of %d calls (%s%s); %d in a row",
-                      len(request_ids), shown, f" and {more} more" if more > 0 else "",
-                      self.failed, exc_info=self.failed == 1)  # the traceback once a streak
+            if self.failed == 1 or now - self.logged_at >= FAILURES_LOGGED_EVERY_S:
+                self.logged_at = now
+                shown = ", ".join(request_ids[:LOGGED_REQUEST_IDS])
+                more = len(request_ids) - LOGGED_REQUEST_IDS
+                log.error("the engine failed a batch of %d calls (%s%s); %d in a row",
+                          len(request_ids), shown, f" and {more} more" if more > 0 else "",
+                          self.failed, exc_info=self.failed == 1)  # a streak's traceback
             raise
         else:
             self.failed, self.failure = 0, None
