@@ -69,7 +69,7 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
     except (OSError, ValueError):  # a draft folder without a tokenizer uses the target's
         draft_tokenizer = None
     if draft_tokenizer is not None:
-        check_same_tokenizer(draft_tokenizer, target_tokenizer, spec.model)
+        check_same_tokenizer(draft_tokenizer, target_tokenizer, spec.model, spec.target)
     model = load_causal_lm(spec.model, spec.dtype, spec.device)
     return ModelDrafter(model, vocab_size=target.vocab_size, draft_top_k=spec.draft_top_k,
                         draft_q_mass=spec.draft_q_mass, draft_q_dtype=spec.draft_q_dtype,

@@ -112,15 +112,17 @@ def check_vocabularies(draft: Checkpoint, target: Checkpoint, num_tokens: int) -
         if checkpoint.vocab_size < num_tokens:
             raise ValueError(
                 f"the {name} {checkpoint.path!r} has {checkpoint.vocab_size} embedding rows but "
-                f"the target's tokenizer has {num_tokens} tokens: draft and target must share "
-                "the target's tokenizer")
+                f"the tokenizer of the target {target.path!r} has {num_tokens} tokens: draft and "
+                "target must share the target's tokenizer")
 
 
-def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str) -> None:
-    """A draft that ships its own tokenizer must map text to the same ids as the target's."""
+def check_same_tokenizer(draft_tokenizer, target_tokenizer, draft_path: str,
+                         target_path: str) -> None:
+    """A draft that ships its own tokenizer must map text to the same ids as the target's.
+    Both paths are named: a target left at its default (the demo's) is the usual cause."""
     if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError(f"the draft {draft_path!r} has a different tokenizer from the target's: "
-                         "speculative decoding needs one vocabulary")
+        raise ValueError(f"the draft {draft_path!r} has a different tokenizer from the target "
+                         f"{target_path!r}: speculative decoding needs one vocabulary")
 
 
 def served_positions(config) -> int | None:

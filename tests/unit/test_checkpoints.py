@@ -3,6 +3,7 @@ vocabularies that differ between draft and target, sliding-window attention; and
 start-up checks that refuse a pair that cannot work, naming the setting."""
 
 import json
+import re
 
 import pytest
 
@@ -99,6 +100,24 @@ def test_sampling_with_padded_vocabularies_runs_for_both_drafters(capsys, quirky
         assert len(result["choices"][0]["token_ids"]) == 40
 
 
+def test_a_refused_draft_names_the_target_it_was_checked_against(tiny_pair_dir):
+    """A drafter given its `model` but whose `target` was left out (config.yaml's drafter names
+    none) is checked against the demo target: the refusal names that target, so the user sees
+    the setting to add, not only their draft (which matches their own target)."""
+    from deployments.pool_args import DrafterArgs
+    from drafter.registry import build_drafter
+    from engine.models import DEMO_TARGET
+    from specserve.demo import train_tokenizer
+
+    args = DrafterArgs(model=str(tiny_pair_dir / "draft"))
+    with pytest.raises(ValueError, match=re.escape(repr(DEMO_TARGET))):
+        build_drafter(args.spec(), Checkpoint.load(args.target))
+    other = load_tokenizer(str(tiny_pair_dir / "target"))
+    with pytest.raises(ValueError, match="from the target 'my/target'"):
+        check_same_tokenizer(train_tokenizer(["x = [1, 2]\n"] * 30, vocab_size=280), other, "d",
+                             "my/target")
+
+
 def test_start_up_refuses_pairs_that_cannot_work(quirky_pair_dir, tiny_pair_dir):
     target = Checkpoint.load(str(quirky_pair_dir / "target"))
     small = Checkpoint("small-draft", 200, 512, None)
@@ -109,7 +128,8 @@ def test_start_up_refuses_pairs_that_cannot_work(quirky_pair_dir, tiny_pair_dir)
     from specserve.demo import train_tokenizer
 
     with pytest.raises(ValueError, match="different tokenizer"):
-        check_same_tokenizer(train_tokenizer(["x = [1, 2]\n"] * 30, vocab_size=280), other, "d")
+        check_same_tokenizer(train_tokenizer(["x = [1, 2]\n"] * 30, vocab_size=280), other, "d",
+                             "t")
     assert context_limit(target, None) == 512
     assert context_limit(target, 256) == 256
     with pytest.raises(ValueError, match="max_context_tokens=1024 exceeds the target's "
