@@ -33,6 +33,7 @@ from engine.models import load_causal_lm
 from engine.batch import UNFINISHED
 from engine.kv import PoolEngine
 from engine.scheduler import KVCacheTooSmall
+from engine.runner import TreesUnsupported
 from engine.cache import KVCacheFull
 from speculative.grammar import GrammarDeadEnd, grammar_tokenizer_at
 from speculative.sampling import SamplingParams
@@ -86,6 +87,7 @@ def unauthenticated(grpc_context, response):
 # a refused call's status, by its error (the first that matches)
 REFUSALS = ((KVCacheTooSmall, grpc.StatusCode.OUT_OF_RANGE),  # the request never fits here
             (GrammarDeadEnd, grpc.StatusCode.OUT_OF_RANGE),  # nor can its grammar go on
+            (TreesUnsupported, grpc.StatusCode.OUT_OF_RANGE),  # nor its trees be scored here
             (KVCacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),  # other requests hold the blocks
             (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
 

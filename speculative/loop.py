@@ -22,6 +22,7 @@ from speculative.types import (
     NO_DRAFT,
     DraftBlock,
     Drafter,
+    PoolBusy,
     PoolUnavailable,
     ProposeCall,
     ScoreCall,
@@ -136,8 +137,12 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
                                              counted="draft_busy_seconds")
         else:
             block = await call()
-    except PoolUnavailable:
-        state.draft_backoff.failed()
+    except PoolUnavailable as error:
+        # a call of 0 tokens (the drafter's prefill beside a first verify) refused for want
+        # of room drafted nothing and says nothing of the drafter's health: the next round
+        # drafts as it would have (skipped, a seeded request's tokens changed with load)
+        if k > 0 or not isinstance(error, PoolBusy):
+            state.draft_backoff.failed()
         return None
     state.draft_backoff.succeeded()
     return block

@@ -11,7 +11,7 @@ from engine.checkpoint import served_positions
 from verifier import host
 from verifier.steps import Steps, check_steps
 from engine.kv import SessionStore
-from engine.runner import ModelRunner, serving_runner
+from engine.runner import ModelRunner, TreesUnsupported, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
@@ -123,8 +123,9 @@ class ModelVerifier:
         if call.draft_parents is not None:
             check_tree_call(call)
             if not self.runner.scores_trees:
-                raise ValueError("this verifier's engine (transformers' modeling with sliding "
-                                 "windows) cannot score a draft tree: draft a chain")
+                raise TreesUnsupported("this verifier's engine (transformers' modeling with "
+                                       "sliding windows) cannot score a draft tree: draft a "
+                                       "chain")
         draft_probs = None
         if not call.sampling.greedy and drafted and not matched(call):
             shape = None if call.draft_probs is None else call.draft_probs.shape

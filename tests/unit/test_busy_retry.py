@@ -111,9 +111,11 @@ class BusyDrafter:
 
     def __init__(self, drafter, busy) -> None:
         self.drafter, self.busy, self.calls = drafter, busy, 0
+        self.asked: list[int] = []  # each call's K
 
     async def propose(self, call):
         n, self.calls = self.calls, self.calls + 1
+        self.asked.append(call.num_speculative_tokens)
         if self.busy(n):
             raise PoolBusy("drafter: RESOURCE_EXHAUSTED: injected")
         return await self.drafter.propose(call)
@@ -144,6 +146,20 @@ def test_a_seeded_request_waits_for_a_full_drafter_and_keeps_its_tokens(pair, pi
         # the pauses are left out of the draft's and the verify's times, never out of the
         # wrong one (a drafter's pause beside a verify made the verify's negative)
         assert stats.draft_seconds >= 0 and stats.verify_seconds >= 0
+
+
+def test_a_refused_prefill_changes_no_seeded_token(pair):
+    """The drafter's prefill beside the first verify (a call of 0 tokens) is not waited for,
+    but its refusal for want of room drafted nothing: the next round drafts as it would have
+    (it was skipped, as after a failure, and the seeded request's tokens changed with load)."""
+    target, draft = pair
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
+    expected, _ = run(ModelDrafter(draft), ModelVerifier(target), PROMPT, seeded, 3)
+    generation = Generation(Request("r", tuple(PROMPT), seeded, (), 30))
+    drafter = BusyDrafter(ModelDrafter(draft), lambda n: n == 0)
+    asyncio.run(decoded(drafter, ModelVerifier(target), generation, 3))
+    assert drafter.asked[:2] == [0, 3] and generation.stats.busy_retries == 0
+    assert generation.token_ids == expected
 
 
 def test_a_first_call_refused_waits_too(pair):

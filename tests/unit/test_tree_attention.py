@@ -117,6 +117,31 @@ def test_a_tree_the_engine_cannot_score_is_refused_alone():
     assert len(chain_scores.target_token_ids) == 3 and "tree" not in verifier.sessions
 
 
+def test_a_tree_the_engine_cannot_score_is_a_400_with_the_reason_not_a_503_to_retry():
+    """No wait mends the engine: the replica answers OUT_OF_RANGE, the router a 400 naming
+    the reason (INVALID_ARGUMENT was a 503 "retry later", retried without end)."""
+    import grpc
+
+    from deployments.ingress import pool_failure
+    from deployments.pools import PoolReplica
+    from deployments.replica_stream import pool_error
+    from protos import specserve_pb2 as pb
+    from speculative.sampling import SamplingParams
+    from speculative.types import ScoreCall
+    from verifier.engine import ModelVerifier
+
+    verifier = ModelVerifier(served("qwen2-mixed", "transformers"))
+    tree = ScoreCall("tree", sync([], PROMPT), TREE.token_ids, SamplingParams(temperature=0.0),
+                     draft_parents=TREE.parents)
+    [refused] = verifier.score_batch([tree])
+    replica = PoolReplica.__new__(PoolReplica)
+    replica.replica_id = "v"
+    _, code = replica.respond(refused, None, pb.ScoreResponse)
+    assert code == grpc.StatusCode.OUT_OF_RANGE
+    answer = pool_failure(pool_error("verifier", code, str(refused)))
+    assert answer.status == 400 and "draft tree" in str(answer)
+
+
 @pytest.mark.parametrize("engine", ["paged", "regions"])
 def test_the_first_sibling_slot_is_refed_when_a_later_token_is_committed_after_it(engine):
     """A sibling of the root's first child sits in the slot after the main chain; when the
