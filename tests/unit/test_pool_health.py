@@ -7,25 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments import auth, health
+from deployments import health
 from deployments.health import FAILED_BATCHES, FAILURES_LOGGED_EVERY_S
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from engine.runner import ModelRunner
 from protos import specserve_pb2 as pb
 from tests.unit.test_ingress import Records
-
-
-@pytest.fixture(autouse=True)
-def pool_secret(monkeypatch):
-    monkeypatch.setenv(auth.ENV, "test-secret")
-    monkeypatch.setattr(auth, "_secret", None)
-
-
-async def local_replica(cls, args):
-    replica = cls.__new__(cls)
-    await cls.__init__(replica, args)
-    return replica
+from tests.unit.test_pool_replica import local_replica, pool_secret  # noqa: F401
 
 
 def propose(request_id: str) -> pb.ProposeRequest:
