@@ -20,6 +20,7 @@ import time
 import grpc
 
 from deployments import auth, wire
+from deployments.health import Throttle
 from deployments.limits import Limits, message_size_options
 from deployments.replica_stream import STREAMS, PoolError, ReplicaStream
 from protos import specserve_pb2 as pb
@@ -268,16 +269,15 @@ class FailureLog:
     failed since the one before."""
 
     def __init__(self, what: str, every_s: float, clock=time.monotonic) -> None:
-        self.what, self.every_s, self.clock = what, every_s, clock
-        self.failed, self.logged_at = 0, None
+        self.what, self.logged, self.clock = what, Throttle(every_s), clock
+        self.failed = 0
 
     def failure(self, error: Exception) -> None:
         self.failed += 1
-        now = self.clock()
-        if self.logged_at is None or now - self.logged_at >= self.every_s:
+        if self.logged.due(self.clock()):
             serve_log.warning("%s: %d failed since the last warning; the latest: %s",
                               self.what, self.failed, error)
-            self.failed, self.logged_at = 0, now
+            self.failed = 0
 
 
 class GrpcDrafter:
@@ -296,26 +296,25 @@ class GrpcDrafter:
                                    "alone)", DRAFT_FAILURES_LOGGED_EVERY_S)
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
-        try:
-            return await self.proposed(call)
-        except PoolUnavailable as error:
-            self.failures.failure(error)
-            raise
-
-    async def proposed(self, call: ProposeCall) -> DraftBlock:
         message = wire.propose_to_proto(call)
         sampling = call.sampling
         seeded = sampling.seed is not None and not sampling.greedy
-        response = await self.pool.call("Propose", message, call.request_id,
-                                        None if seeded else self.draft_timeout_s,
-                                        prefix_route_key(call.request_id, call.sync,
-                                                         self.prefix_tokens, call.placement))
+        try:
+            response = await self.pool.call("Propose", message, call.request_id,
+                                            None if seeded else self.draft_timeout_s,
+                                            prefix_route_key(call.request_id, call.sync,
+                                                             self.prefix_tokens, call.placement))
+        except PoolUnavailable as error:
+            self.failures.failure(error)
+            raise
         if response.status == pb.REBUILD:
             raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
         try:
             return wire.block_from_proto(response, message.ByteSize() + response.ByteSize())
         except ValueError as error:  # a drafter's bad answer costs its draft, not the request
-            raise PoolUnavailable(f"drafter: malformed answer: {error}") from None
+            failure = PoolUnavailable(f"drafter: malformed answer: {error}")
+            self.failures.failure(failure)
+            raise failure from None
 
     async def release(self, request_id: str) -> None:
         self.pool.release(request_id)

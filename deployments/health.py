@@ -27,6 +27,21 @@ LOGGED_REQUEST_IDS = 8  # a failed batch's log line names at most this many of i
 FAILURES_LOGGED_EVERY_S = 5.0
 
 
+class Throttle:
+    """Whether a repeated event is said in the log now: the first time, then at most once
+    every `every_s` seconds (a dead engine, a drafter app that is down: a line each time
+    would flood the log)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s, self.last = every_s, None
+
+    def due(self, now: float, first: bool = False) -> bool:
+        if first or self.last is None or now - self.last >= self.every_s:
+            self.last = now
+            return True
+        return False
+
+
 class BatchHealth:
     def __init__(self, stall_s: float, refusals: tuple[type, ...]) -> None:
         """refusals: what a batch may raise that refuses its calls (an answer, not a fault)."""
@@ -36,7 +51,7 @@ class BatchHealth:
         self.failed = 0  # batches in a row the engine failed
         self.failing = (0.0, 0.0)  # when the first and the last of them failed
         self.failure: Exception | None = None  # the last of them
-        self.logged_at = 0.0  # when a failure was last logged
+        self.logged = Throttle(FAILURES_LOGGED_EVERY_S)
 
     def idle(self) -> None:
         """Calls arrive at a replica where none waited: an idle worker is not a stalled one,
@@ -45,9 +60,10 @@ class BatchHealth:
             self.last_progress = time.monotonic()
 
     @contextlib.contextmanager
-    def batch(self, request_ids: list[str]):
+    def batch(self, calls: list):
         """Around one batch's run: timed, and a failure (not a refusal) logged with the
-        requests it failed, and counted until a batch is answered."""
+        requests it failed (their ids read then, not on every batch), and counted until a
+        batch is answered."""
         self.running_since = time.monotonic()
         try:
             yield
@@ -57,12 +73,11 @@ class BatchHealth:
             now = time.monotonic()
             self.failing = (self.failing[0] if self.failed else now, now)
             self.failed, self.failure = self.failed + 1, error
-            if self.failed == 1 or now - self.logged_at >= FAILURES_LOGGED_EVERY_S:
-                self.logged_at = now
-                shown = ", ".join(request_ids[:LOGGED_REQUEST_IDS])
-                more = len(request_ids) - LOGGED_REQUEST_IDS
+            if self.logged.due(now, first=self.failed == 1):
+                shown = ", ".join(call.request_id for call in calls[:LOGGED_REQUEST_IDS])
+                more = len(calls) - LOGGED_REQUEST_IDS
                 log.error("the engine failed a batch of %d calls (%s%s); %d in a row",
-                          len(request_ids), shown, f" and {more} more" if more > 0 else "",
+                          len(calls), shown, f" and {more} more" if more > 0 else "",
                           self.failed, exc_info=self.failed == 1)  # a streak's traceback
             raise
         else:

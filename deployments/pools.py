@@ -131,7 +131,7 @@ class PoolReplica:
         async def in_batch(calls: list) -> list:
             self.occupancy.observe(len(calls))
             self.metrics.record_batch(len(calls), max_batch_size)
-            with self.health.batch([call.request_id for call in calls]):
+            with self.health.batch(calls):
                 return await self.run_engine(run_batch, calls)
 
         self.batcher = ContinuousBatcher(in_batch, max_batch_size,

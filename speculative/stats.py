@@ -185,9 +185,9 @@ class SpecStats:
         histogram indexed by accepted drafts."""
         steps = sum(self.acceptance_histogram)
         # the longest block tested (a pre-drafted y1 at the bonus position makes it K + 1,
-        # accepted or not), so that no round tested more than num_spec_tokens
-        num_spec_tokens = max(len(self.acceptance_histogram) - 1,
-                              max(self.rounds_by_k, default=0), self.longest_tested)
+        # accepted or not), so that no round tested more than num_spec_tokens: at least any
+        # round's K and its accepted drafts
+        num_spec_tokens = self.longest_tested
         histogram = self.acceptance_histogram + [0] * (
             num_spec_tokens + 1 - len(self.acceptance_histogram))
         return {"speculative_decoding": {
