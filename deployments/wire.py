@@ -200,7 +200,8 @@ def propose_from_proto(message: pb.ProposeRequest,
 def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
     response = pb.ProposeResponse(token_ids=block.token_ids, parents=block.parents or (),
                                   compute_us=round(block.compute_seconds * 1e6),
-                                  confidences=block.confidences or ())
+                                  confidences=block.confidences or (),
+                                  context_full=block.context_full)
     if block.draft_probs is not None:
         response.draft_probs.CopyFrom(dists_to_proto(block.draft_probs))
     if block.load is not None:
@@ -218,7 +219,8 @@ def block_from_proto(message: pb.ProposeResponse, wire_bytes: int = 0) -> DraftB
     check_confidences(confidences, parents, len(message.token_ids))
     return DraftBlock(tuple(message.token_ids), probs, message.compute_us / 1e6,
                       load=load_from_proto(message), parents=parents,
-                      confidences=confidences, wire_bytes=wire_bytes)
+                      confidences=confidences, wire_bytes=wire_bytes,
+                      context_full=message.context_full)
 
 
 

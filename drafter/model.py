@@ -140,7 +140,8 @@ class ModelDrafter:
                 results[index] = error.with_traceback(None)  # keeps no frame alive
                 continue
             if draft.num_tokens == 0:
-                results[index] = DraftBlock((), None)
+                results[index] = DraftBlock((), None,
+                                            context_full=self.room(draft.sequence, []) == 0)
                 if self.room(draft.sequence, draft.assumed) != 0:
                     prefills.append((index, draft))
             else:

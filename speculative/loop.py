@@ -145,6 +145,7 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
             state.draft_backoff.failed()
         return None
     state.draft_backoff.succeeded()
+    state.draft_context_full |= block.context_full
     return block
 
 
@@ -188,8 +189,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     wanted = policy.num_speculative_tokens()
     k = min(wanted, state.remaining - 1)
     state.draft_confidence = policy.draft_confidence()
-    k, state.round_tree = round_tree(state, policy, k,
-                                     block is None and not pipelined and k == wanted)
+    k, state.round_tree = (0, 0) if state.draft_context_full else \
+        round_tree(state, policy, k, block is None and not pipelined and k == wanted)
     beside = None if meter.carried else \
         draft_beside(state, k, pipelined and policy.restarts_fresh())
     if block is None and beside is None:
@@ -219,8 +220,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
         state.confirm_fed(state.verifier_view, len(continued))
     cost = meter.finish(block, scores, outcome, beside=beside)
     # a failed call's wait (a draft's, or a pre-draft's beside the verify) says nothing about
-    # what a K costs
-    if not (meter.fell_back or meter.predraft_failed):
+    # what a K costs, nor does a round that the draft's full context holds to K = 0
+    if not (meter.fell_back or meter.predraft_failed or state.draft_context_full):
         policy.update(depth(block) + outcome.predraft_tested,
                       outcome.num_accepted + outcome.predraft_accepted, cost)
     if block.confidences is not None and block.parents is None:

@@ -76,6 +76,9 @@ class RequestState:
         self.drafter_view, self.verifier_view = PoolView(), PoolView()
         self.draft_backoff = DraftBackoff()
         self.drafter_called = False  # the drafter may hold a cache for it: release at the end
+        # the draft model's context is full (DraftBlock.context_full): the rounds left are
+        # the target's alone, of plain_steps tokens, without a call to the drafter
+        self.draft_context_full = False
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
         self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)

@@ -217,6 +217,9 @@ class DraftBlock:
     # the main chain's confidence after each of its tokens (the call's draft_confidence was
     # set); None: not reported
     confidences: tuple[float, ...] | None = None
+    # the draft model's context holds no token after the call's committed prefix: this
+    # request's later calls would draft nothing (a target with a longer context)
+    context_full: bool = False
 
 
 NO_DRAFT = DraftBlock((), None)  # a round without candidates

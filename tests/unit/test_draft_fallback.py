@@ -144,3 +144,44 @@ def test_a_draft_with_a_shorter_context_drafts_nothing_past_it():
     ids, state = run(ModelDrafter(short), ModelVerifier(target), prompt, params, k=3)
     assert ids == hf_greedy(target, prompt, 16)
     assert state.stats.num_draft_tokens > 0 and state.stats.draft_fallback_rounds == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_full_draft_context_ends_the_drafter_calls(pipelined):
+    """Once the draft model's context is full, the drafter says so (context_full) and the
+    request's later rounds are the target's alone, of plain_steps tokens each, with no
+    call to the drafter: a pipelined request went on asking for a fresh draft beside each
+    verify, so each of its rounds made one token, and a sequential one paid a drafter call
+    for nothing every round."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = tiny_llama(0)
+    torch.manual_seed(1)
+    short = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    prompt = list(range(1, 18))
+    full = []
+
+    class Counting:
+        def __init__(self, drafter):
+            self.drafter = drafter
+
+        async def propose(self, call):
+            block = await self.drafter.propose(call)
+            full.append(block.context_full)
+            return block
+
+        async def release(self, request_id):
+            await self.drafter.release(request_id)
+
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    ids, state = run(Counting(ModelDrafter(short)), ModelVerifier(target), prompt, params, k=3,
+                     pipelined=pipelined, plain_steps=4)
+    assert ids == hf_greedy(target, prompt, 40)
+    assert full.count(True) == 1 and full[-1]  # said once; then no call
+    assert state.stats.num_draft_tokens > 0
+    # past the draft's context (24 positions), the 16 or more tokens left came 4 a round
+    assert state.stats.plain_step_tokens >= 12

@@ -223,6 +223,15 @@ def test_a_draft_confidence_and_the_reported_confidences_round_trip(cut):
     assert wire.block_from_proto(wire.block_to_proto(DraftBlock((1,), None))).confidences is None
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_a_full_draft_context_is_said_on_the_wire(full):
+    """The drafter's word that its context is full reaches the router (which then stops
+    calling it for the request: test_draft_fallback)."""
+    back = wire.block_from_proto(pb.ProposeResponse.FromString(
+        wire.block_to_proto(DraftBlock((), None, context_full=full)).SerializeToString()))
+    assert back.context_full is full
+
+
 @pytest.mark.parametrize("bad", [(0.5,), (0.5, 0.25, 0.1, 0.05), (0.5, float("nan"), 0.1),
                                  (0.5, 1.5, 0.1)])
 def test_reported_confidences_that_do_not_fit_the_chain_are_refused(bad):
