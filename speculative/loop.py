@@ -26,6 +26,7 @@ from speculative.types import (
     PoolUnavailable,
     ProposeCall,
     ScoreCall,
+    StaleBase,
     TargetScores,
     Verifier,
 )
@@ -143,6 +144,9 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
         # drafts as it would have (skipped, a seeded request's tokens changed with load)
         if k > 0 or not isinstance(error, PoolBusy):
             state.draft_backoff.failed()
+        return None
+    except StaleBase:  # asked again for the whole prefix it was just sent: a broken drafter
+        state.draft_backoff.failed()
         return None
     state.draft_backoff.succeeded()
     state.draft_context_full |= block.context_full

@@ -9,7 +9,7 @@ from drafter.model import ModelDrafter
 from speculative.busy import MAX_SKIPPED_DRAFTS, DraftBackoff
 from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
-from speculative.types import PoolUnavailable
+from speculative.types import PoolUnavailable, StaleBase
 from tests.tiny import hf_greedy, noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -100,6 +100,35 @@ def test_a_drafter_that_never_answers_still_gives_the_targets_output(pair):
     assert out == hf_greedy(target, PROMPT, 30)
     assert state.stats.num_drafts == 0 and state.stats.rounds == 30
     assert drafter.calls <= 5  # backoff: 1 + 2 + 4 + 8 + 16 rounds cover 30 after 5 calls
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_a_drafter_that_asks_for_the_whole_prefix_it_was_sent_fails_its_draft_only(pair,
+                                                                                  pipelined):
+    """A drafter that answers REBUILD even to a call carrying the whole prefix (a broken
+    pool) costs the round its draft, as any failed draft does, not the request (the
+    router's second StaleBase ended it)."""
+    target, draft = pair
+
+    class Rebuilding(Flaky):
+        stale = False  # the last call was answered REBUILD: its resend gets the same
+
+        async def propose(self, call):
+            self.calls += 1
+            if self.calls % 4 == 0 or self.stale:
+                self.stale = not self.stale
+                self.resends += call.sync.known_len == 0
+                raise StaleBase("injected: asks for the full prefix")
+            return await self.drafter.propose(call)
+
+    drafter = Rebuilding(ModelDrafter(draft), None)
+    drafter.resends = 0
+    out, state = run(drafter, ModelVerifier(target), PROMPT,
+                     SamplingParams(temperature=0, max_tokens=40), k=3, pipelined=pipelined)
+    assert out == hf_greedy(target, PROMPT, 40)
+    assert drafter.resends > 0 and state.stats.cache_misses == drafter.resends
+    assert state.stats.draft_fallback_rounds > 0 and state.stats.num_drafts > 0
+    assert drafter.released == ["r"]
 
 
 def test_a_round_whose_draft_beside_the_verify_failed_is_no_cost_for_the_k_policy(pair):
