@@ -47,6 +47,10 @@ class PoolArgs(BaseModel):
     kv_cache_tokens: int | None = Field(default=None, ge=16)
     # calls that share one forward: those arriving while the model is busy join the next
     max_batch_size: int = Field(default=32, ge=1, le=1024)
+    # tokens per forward: a longer prefill is fed in chunks over several forwards, each
+    # shared with the decodes (verifier) or drafts (drafter) that arrive meanwhile (chunked
+    # prefill); none: no bound. A drafter without a model ignores it
+    max_batch_tokens: int | None = Field(default=512, ge=16)
     # under load, a batch may wait for the requests of the previous batch to come back, up
     # to this fraction of the previous forward's time (at most 10 ms; 0: never waits), so
     # that the requests do not split into groups that take turns (deployments.batcher)
@@ -102,12 +106,10 @@ class DrafterArgs(PoolArgs):
                            kv_cache_tokens=self.kv_cache_tokens,
                            draft_top_k=self.draft_top_k, draft_q_mass=self.draft_q_mass,
                            draft_q_dtype=self.draft_q_dtype,
-                           draft_confidence=self.draft_confidence, ngram_min=self.ngram_min,
+                           draft_confidence=self.draft_confidence,
+                           max_batch_tokens=self.max_batch_tokens, ngram_min=self.ngram_min,
                            ngram_max=self.ngram_max)
 
 
 class VerifierArgs(PoolArgs):
     model: ModelPath = DEMO_TARGET
-    # tokens per forward: a longer prefill is fed in chunks over several forwards, each
-    # shared with the decodes that arrive meanwhile (chunked prefill); none: no bound
-    max_batch_tokens: int | None = Field(default=512, ge=16)

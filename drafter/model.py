@@ -7,7 +7,8 @@ import torch
 from drafter.draft import Draft, processed
 from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
-from engine.scheduler import admitted, in_turns
+from engine.batch import UNFINISHED
+from engine.scheduler import MIN_CHUNK, admitted, in_turns
 from speculative.grammar import matcher_after
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
@@ -56,9 +57,12 @@ class ModelDrafter:
                  draft_q_dtype: str = "float32", max_cached_tokens: int | None = None,
                  session_ttl_s: float | None = None, engine: str = "auto", attention: str = "auto",
                  kv_cache_tokens: int | None = None, grammar_tokenizer=None,
-                 draft_confidence: float = 0.0, cuda_graphs: bool = True) -> None:
+                 draft_confidence: float = 0.0, cuda_graphs: bool = True,
+                 max_batch_tokens: int | None = None) -> None:
         """grammar_tokenizer: llguidance's tokenizer over `vocab_size` (the target's), for
-        structured outputs; without it a request with a grammar gets no draft."""
+        structured outputs; without it a request with a grammar gets no draft.
+        max_batch_tokens: the tokens a batch's first forward feeds; a longer feed (a long
+        prompt's prefill) is fed in chunks over several batches (None: no bound)."""
         # a runner already built (a check sharing one model between engines) or a model
         self.runner = model if isinstance(model, ModelRunner) else \
             serving_runner(model, engine, attention, kv_cache_tokens, max_cached_requests,
@@ -74,6 +78,7 @@ class ModelDrafter:
         self.sessions = SessionStore(max_cached_requests, max_cached_tokens, session_ttl_s)
         check_confidence(draft_confidence)
         self.draft_confidence = draft_confidence
+        self.max_batch_tokens = max_batch_tokens
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         return self.propose_now(call)
@@ -82,7 +87,9 @@ class ModelDrafter:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
-        result = self.propose_batch([call])[0]
+        result = UNFINISHED
+        while result is UNFINISHED:  # a feed cut to the token budget goes on
+            result = self.propose_batch([call])[0]
         if isinstance(result, Exception):
             raise result
         return result
@@ -111,8 +118,8 @@ class ModelDrafter:
         started = time.perf_counter()
         results: list = [None] * len(calls)
         drafts, prefills = self.start_drafts(calls, results)
-        self.prefill(prefills, calls, results)
-        active = self.admit_first_feeds(drafts, calls, results)
+        active, fed = self.first_feeds(drafts + prefills, calls, results)
+        self.feed_only(fed, results)
         drafts = [(index, draft) for index, draft, _ in active]
         first_tokens = self.draft_steps(active)
         load = BatchLoad(len(drafts), first_tokens)
@@ -130,8 +137,9 @@ class ModelDrafter:
         return results
 
     def start_drafts(self, calls: list[ProposeCall], results: list) -> tuple[list, list]:
-        """(call index, Draft) of each call that drafts, and of each that drafts none (its
-        empty block goes into `results` now); a refusal goes into `results`."""
+        """(call index, Draft) of each call that drafts, and of each that drafts none but
+        feeds its prefix (its empty block goes into `results` now); a refusal goes into
+        `results`."""
         drafts, prefills = [], []
         for index, call in enumerate(calls):
             try:
@@ -158,33 +166,52 @@ class ModelDrafter:
             return None
         return max(0, self.max_positions + 1 - len(sequence.committed) - len(assumed))
 
-    def prefill(self, prefills: list[tuple[int, "Draft"]], calls: list[ProposeCall],
-                results: list) -> None:
-        """Feed the committed prefix of each call that drafts none (a request's first call,
-        beside the target's first verify), so that its first draft finds it cached: the
-        drafter's prefill overlaps the target's instead of adding to the round that drafts
-        first. One forward for them all; its logits are not used."""
-        fed = self.admit_first_feeds(prefills, calls, results)
-        if fed:
-            started = time.perf_counter()
-            self.runner.forward([segment for _, _, segment in fed])
-            elapsed = time.perf_counter() - started
-            for index, _, _ in fed:
-                results[index] = DraftBlock((), None, elapsed)
-
-    def admit_first_feeds(self, drafts: list[tuple[int, "Draft"]], calls: list[ProposeCall],
-                          results: list) -> list[tuple]:
-        """(call index, Draft, its first Segment) of each draft whose cache could reserve
-        blocks for its whole block; a refusal goes into `results` (engine.scheduler.admitted)."""
+    def first_feeds(self, drafts: list[tuple[int, "Draft"]], calls: list[ProposeCall],
+                    results: list) -> tuple[list[tuple], list[tuple]]:
+        """(call index, Draft, its first Segment) of each call that drafts now, and of each
+        whose segment only feeds: a call that drafts none (a request's first, beside the
+        target's first verify: its prefill overlaps the target's instead of adding to the
+        round that drafts first), or one whose feed the batch's token budget cut (chunked
+        prefill, as the verifier's: engine.scheduler; it answers UNFINISHED and the same
+        call goes on from its cache in the next batch). The budget goes to the shortest
+        feeds first; each call's cache reserves blocks for its whole block up front, in the
+        order the calls came, or the call is refused in `results` (engine.scheduler.admitted).
+        """
         # Feeding the committed tail also covers the "all K accepted" case: the drafter never
         # fed its own last token x_K, so it is fed now together with the bonus token (or, for
         # a pre-draft, together with the assumed block under verification).
-        active = [(index, draft, draft.sequence.segment(self.runner, draft.assumed, 1))
-                  for index, draft in drafts]
-        # blocks for the whole block up front (its last token is never fed), or a refusal
-        return admitted(active, [segment for _, _, segment in active],
-                        [segment.start + len(segment.token_ids) + max(draft.num_tokens, 1) - 1
-                         for _, draft, segment in active], calls, results, self.sessions)
+        entries, budget = [], self.max_batch_tokens
+        for index, draft in sorted(drafts, key=lambda entry: len(
+                entry[1].call.sync.new_token_ids) + len(entry[1].assumed)):
+            limit = None if budget is None else max(budget, MIN_CHUNK)
+            segment = draft.sequence.segment(self.runner, draft.assumed, 1, limit)
+            if budget is not None:
+                budget -= len(segment.token_ids)
+            draft.sequence.unfinished = draft.call if segment.num_logits == 0 else None
+            entries.append((index, draft, segment))
+        entries.sort(key=lambda entry: entry[0])  # admitted in the order the calls came
+        # the block's last token is never fed
+        ends = [segment.start + len(segment.token_ids) +
+                (max(draft.num_tokens, 1) - 1 if segment.num_logits else 0)
+                for _, draft, segment in entries]
+        entries = admitted(entries, [segment for _, _, segment in entries], ends, calls,
+                           results, self.sessions)
+        drafting, feeds = [], []
+        for entry in entries:
+            (drafting if entry[1].num_tokens and entry[2].num_logits else feeds).append(entry)
+        return drafting, feeds
+
+    def feed_only(self, fed: list[tuple], results: list) -> None:
+        """One forward for the segments that only feed (first_feeds); their logits are not
+        used. A cut feed answers UNFINISHED, a call that drafts none its empty block."""
+        if not fed:
+            return
+        started = time.perf_counter()
+        self.runner.forward([segment for _, _, segment in fed])
+        elapsed = time.perf_counter() - started
+        for index, _, segment in fed:
+            results[index] = UNFINISHED if segment.num_logits == 0 else \
+                DraftBlock((), None, elapsed)
 
     def draft_steps(self, active: list[tuple]) -> int:
         """Draft each (call index, Draft, Segment) to its full block: step i is one forward
@@ -299,7 +326,8 @@ class ModelDrafter:
         check_confidence(call.draft_confidence)
         if call.tree_width > 1:
             check_tree_width(call)  # before the session moves
-        sequence = self.sessions.apply(call.request_id, call.sync)
+        sequence = self.sessions.resume(call.request_id, call) or \
+            self.sessions.apply(call.request_id, call.sync)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
         if (room := self.room(sequence, assumed)) is not None:

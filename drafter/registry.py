@@ -39,6 +39,9 @@ class DrafterSpec:
     # model: end a block once its drafted tokens' probabilities multiplied fall below this
     # (0: every block K tokens); drafter.model.ModelDrafter
     draft_confidence: float = 0.0
+    # model: the tokens a batch's first forward feeds; a longer feed goes on in the next
+    # batches (chunked prefill, as the verifier's); None: no bound (in process)
+    max_batch_tokens: int | None = None
     ngram_min: int = 1  # ngram: shortest suffix looked up
     ngram_max: int = 4  # ngram: longest suffix looked up
 
@@ -79,7 +82,8 @@ def build_model_drafter(spec: DrafterSpec, target: Checkpoint):
                         attention=spec.attention, cuda_graphs=spec.cuda_graphs,
                         kv_cache_tokens=spec.kv_cache_tokens,
                         grammar_tokenizer=grammar_tokenizer(spec, target),
-                        draft_confidence=spec.draft_confidence)
+                        draft_confidence=spec.draft_confidence,
+                        max_batch_tokens=spec.max_batch_tokens)
 
 
 def build_ngram_drafter(spec: DrafterSpec, target: Checkpoint):

@@ -114,3 +114,89 @@ def test_the_batcher_runs_an_unfinished_call_again_first_in_line():
 
     assert asyncio.run(main()) == ["long done", "a done", "b done"]
     assert runs == [["long", "a"], ["long", "b"], ["long"]]
+
+
+def drafter(budget: int | None):
+    from drafter.model import ModelDrafter
+
+    return ModelDrafter(tiny_llama(2), engine="paged", max_batch_tokens=budget)
+
+
+def propose(request_id: str, known: tuple[int, ...], new: tuple[int, ...], k: int = 3,
+            sampling: SamplingParams = GREEDY, assumed: tuple[int, ...] = ()):
+    from speculative.types import ProposeCall
+
+    return ProposeCall(request_id, PrefixSync(len(known), prefix_hash(list(known)), new), k,
+                       sampling, 5, assumed)
+
+
+def until_drafted(engine, pending) -> tuple[object, int]:
+    """(the drafter's answer, how many batches it took)."""
+    batches, answer = 0, UNFINISHED
+    while answer is UNFINISHED:
+        assert batches < 100, "a cut feed that never finishes"
+        answer, batches = engine.propose_batch([pending])[0], batches + 1
+    return answer, batches
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_drafter_cuts_a_long_feed_beside_a_draft_and_resumes_to_the_same_block(k):
+    """The drafter's batches are bounded as the verifier's: a long prompt's first call (its
+    prefill beside the target's first verify, k = 0, or a draft) is fed in chunks, and a
+    short request's draft runs in the first batch instead of waiting for the whole
+    prefill."""
+    chunked, whole = drafter(32), drafter(None)
+    short_prompt = prompt(6, 1)
+    for engine in (chunked, whole):
+        engine.propose_now(propose("short", (), short_prompt))
+    drafting = propose("short", short_prompt, (9,))
+    long = propose("long", (), prompt(100), k)
+    cut, drafted = chunked.propose_batch([long, drafting])
+    assert cut is UNFINISHED and drafted.load.batch_tokens == 1  # the new token, fed...
+    assert len(chunked.sessions.get("long").cached_ids) == 31  # ...beside 31 of long's
+    assert drafted.token_ids == whole.propose_now(drafting).token_ids
+    answer, batches = until_drafted(chunked, long)
+    assert batches == 3  # 32 + 32 more fed, then the last 5 (with the draft's logits)
+    assert answer.token_ids == whole.propose_now(long).token_ids and len(answer.token_ids) == k
+    following = propose("long", prompt(100), (5,), 3, assumed=(7, 8))
+    assert chunked.propose_now(following).token_ids == whole.propose_now(following).token_ids
+
+
+def test_a_sampled_draft_after_a_chunked_feed_draws_the_same_block_and_q():
+    """Seeded: the same tokens, and q equal to float32 rounding (the chunks' forwards sum
+    in another order)."""
+    import torch
+
+    sampled = SamplingParams(temperature=1.0)
+    chunked, whole = drafter(MIN_CHUNK), drafter(None)
+    long = propose("r", (), prompt(60, 2), 4, sampled)
+    answer, batches = until_drafted(chunked, long)
+    assert batches == 4  # 16 + 16 + 16, then the last 12 with the draft
+    expected = whole.propose_now(long)
+    assert answer.token_ids == expected.token_ids
+    torch.testing.assert_close(answer.draft_probs.dense("cpu"),
+                               expected.draft_probs.dense("cpu"))
+
+
+@pytest.mark.parametrize("budget", [MIN_CHUNK, 32])
+def test_greedy_through_a_chunking_drafter_equals_the_target_alone(budget):
+    target = tiny_llama(1)
+    reference = hf_greedy(target, list(prompt(70)), 12)
+    for pipelined in (False, True):
+        tokens, state = run(drafter(budget), verifier(None), prompt(70),
+                            SamplingParams(temperature=0.0, max_tokens=12), k=3,
+                            pipelined=pipelined)
+        assert tokens == reference and state.stats.num_draft_tokens > 0
+
+
+def test_a_drafters_cut_feed_on_a_cached_prefix_resumes_without_syncing_twice():
+    """As the verifier's: re-syncing the call's new tokens in its second batch would be
+    refused as stale (the session already holds them)."""
+    chunked, whole = drafter(MIN_CHUNK), drafter(None)
+    head = prompt(10)
+    for engine in (chunked, whole):
+        engine.propose_now(propose("r", (), head))
+    catch_up = propose("r", head, prompt(50, 3))
+    answer, batches = until_drafted(chunked, catch_up)
+    assert batches == 4  # 16 + 16 + 16, then the last 2 with the draft
+    assert answer.token_ids == whole.propose_now(catch_up).token_ids
