@@ -7,7 +7,8 @@ for all layers (`plan`), and each layer's attention over that plan (`__call__`: 
 keys and values, attend, return [N, heads * head_dim] in packed order).
 
 What they share lives here: the queries of a batch laid out in rows (`Queries`: each row a
-request, padded to the batch's longest feed), one boolean mask per window built once
+request, padded to the batch's longest feed; `feed_groups` splits a batch whose feeds differ
+widely into two layouts), one boolean mask per window built once
 (causal, the request's own length, the sliding window), and `attend`, which folds the GQA
 group into the query axis: [R, H, m, D] queries become [R, H_kv, G * m, D] against
 [R, H_kv, L, D] keys, so no call ever combines a mask with `enable_gqa` (on CUDA that pair
@@ -182,3 +183,28 @@ def device_of(queries: Queries, device) -> Queries:
     index = None if queries.index is None else queries.index.to(device)
     return Queries(queries.rows, queries.max_new, queries.max_len, index, queries.query_pos,
                    queries.positions.to(device), queries.row_of_token)  # slots: host only
+
+
+def feed_groups(segments) -> list[list[int]] | None:
+    """The segments' indices in two groups laid out apart (short feeds, long feeds), or
+    None for one layout. One layout pads every row to the longest feed and every row's keys
+    to the longest request: a prompt's prefill in a batch of decodes made each decode attend
+    as many queries as the prompt has (15 decodes of 5 tokens beside a 200-token prompt took
+    136 ms against 56 for the two apart). Two groups are laid out when that halves the
+    queries times keys the rows attend at least; the split keeps the feeds sorted by length."""
+    if len(segments) < 2:
+        return None
+    order = sorted(range(len(segments)), key=lambda i: len(segments[i].token_ids))
+    lengths = [len(segments[i].token_ids) for i in order]
+    ends = [segments[i].start + len(segments[i].token_ids) for i in order]
+
+    def work(lo: int, hi: int) -> int:
+        return (hi - lo) * lengths[hi - 1] * max(ends[lo:hi])
+
+    cuts = [cut for cut in range(1, len(order)) if lengths[cut] != lengths[cut - 1]]
+    if not cuts:
+        return None
+    cut = min(cuts, key=lambda c: work(0, c) + work(c, len(order)))
+    if 2 * (work(0, cut) + work(cut, len(order))) > work(0, len(order)):
+        return None
+    return [sorted(order[:cut]), sorted(order[cut:])]

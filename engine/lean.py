@@ -6,14 +6,19 @@ original weights become views of the fused ones: no second copy). All requests' 
 are packed into one row [N, hidden]; only attention is per request, and each layer makes it
 one backend call for the whole batch (engine.attention: the backend writes the new keys and
 values into its pool and attends each request's queries over its own keys, under masks
-built once per forward).
+built once per forward), or one per group where the feeds differ widely in length (a
+prompt's prefill beside decodes: `GroupedPlan`, engine.attention.feed_groups).
 
 Architectures outside the family (or with features the lean path does not implement) keep
 transformers' own modeling through `engine.batch`; engine.runner picks one at start-up.
 """
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
+
+from engine.attention import feed_groups
 
 
 LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -209,7 +214,10 @@ class LeanForward:
     def __call__(self, segments) -> list[torch.Tensor]:
         """Each segment's logits [num_logits, V]; segment caches are the backend's."""
         device = self.embed.weight.device
-        plan = self.attention.plan(segments)  # reserves first: a full pool fails untouched
+        groups = feed_groups(segments)
+        # the backend reserves first: a full pool fails untouched
+        plan = self.attention.plan(segments) if groups is None else \
+            GroupedPlan(self.attention, segments, groups, device)
         ids = torch.tensor([t for s in segments for t in s.token_ids], device=device)
         ids.clamp_(max=self.embed.num_embeddings - 1)  # a padded draft: as engine.batch
         keep, offset = [], 0
@@ -237,11 +245,41 @@ class LeanForward:
             qk = rotate(qkv[:, :layer.heads + layer.kv_heads], cos, sin)
             q, k = qk[:, :layer.heads], qk[:, layer.heads:]
             v = qkv[:, layer.heads + layer.kv_heads:]
-            attended = self.attention(index, plan, q, k, v, layer.window, layer.scaling)
+            attended = plan(index, q, k, v, layer.window, layer.scaling) \
+                if isinstance(plan, GroupedPlan) else \
+                self.attention(index, plan, q, k, v, layer.window, layer.scaling)
             hidden = hidden + layer.o_proj(attended)
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, -1)
             hidden = hidden + layer.down_proj(layer.act(gate) * up)
         return self.lm_head(self.norm(hidden[keep]))
+
+
+class GroupedPlan:
+    """A forward whose segments are laid out in groups (engine.attention.feed_groups), each
+    group's plan the backend's own, its attention one backend call over the group's packed
+    tokens; `queries.positions` (rotary) are every packed token's, in packed order."""
+
+    def __init__(self, backend, segments, groups: list[list[int]], device) -> None:
+        offsets, offset = [], 0
+        for segment in segments:
+            offsets.append(offset)
+            offset += len(segment.token_ids)
+        self.backend, self.parts = backend, []
+        positions = torch.empty(offset, dtype=torch.long, device=device)
+        for group in groups:
+            tokens = torch.tensor([offsets[i] + j for i in group
+                                   for j in range(len(segments[i].token_ids))], device=device)
+            plan = backend.plan([segments[i] for i in group])
+            positions[tokens] = plan.queries.positions
+            self.parts.append((tokens, plan))
+        self.queries = SimpleNamespace(positions=positions)
+
+    def __call__(self, layer: int, q, k, v, window, scale) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for tokens, plan in self.parts:
+            out[tokens] = self.backend(layer, plan, q[tokens], k[tokens], v[tokens], window,
+                                       scale)
+        return out
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
