@@ -128,12 +128,13 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
     depend on its drafts: a drafter with no room for its call (PoolBusy) is waited for, as a
     full verifier is, so that load does not change what a seed gives."""
     sampling = state.request.sampling
+    seeded = sampling.seed is not None and not sampling.greedy
 
     def call():
         return propose(state, drafter, k, seed, assumed, beside)
 
     try:
-        if k > 0 and sampling.seed is not None and not sampling.greedy:
+        if k > 0 and seeded:
             block = await retried_while_busy(state.request.busy_wait_s, state.stats, call,
                                              counted="draft_busy_seconds")
         else:
@@ -149,7 +150,11 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
         state.draft_backoff.failed()
         return None
     state.draft_backoff.succeeded()
-    state.draft_context_full |= block.context_full
+    # a call of 0 tokens is not waited for when the pool is busy: had its word that the
+    # context is full steered a seeded request, load would change its seeds (the next
+    # round drafts none, drawing no draft seed); that round's draft says it instead
+    if k > 0 or not seeded:
+        state.draft_context_full |= block.context_full
     return block
 
 

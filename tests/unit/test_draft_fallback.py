@@ -214,3 +214,37 @@ def test_a_full_draft_context_ends_the_drafter_calls(pipelined):
     assert state.stats.num_draft_tokens > 0
     # past the draft's context (24 positions), the 16 or more tokens left came 4 a round
     assert state.stats.plain_step_tokens >= 12
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined-drafts-first"])
+def test_a_seeded_request_past_the_draft_context_does_not_depend_on_a_refused_prefill(
+        pipelined):
+    """The drafter's prefill beside a first verify (a call of 0 tokens) is not waited for
+    when its pool is busy; had its word that the draft's context is full been taken, a
+    seeded request whose prefill the pool refused (load) would draw a draft seed its
+    unrefused twin does not, and sample other tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speculative.types import PoolBusy
+    from tests.tiny import DraftsFirst
+
+    target = tiny_llama(0)
+    torch.manual_seed(1)
+    short = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    prompt = list(range(1, 30))  # past the draft's 24 positions
+
+    class BusyPrefill(Flaky):
+        async def propose(self, call):
+            if self.fails(call.num_speculative_tokens):
+                raise PoolBusy("injected: no room now")
+            return await self.drafter.propose(call)
+
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    outputs = [run(BusyPrefill(ModelDrafter(short), lambda k, busy=busy: busy and k == 0),
+                   ModelVerifier(target), prompt, params, k=3, pipelined=pipelined,
+                   policy=DraftsFirst(3))[0] for busy in (False, True)]
+    assert outputs[0] == outputs[1]
