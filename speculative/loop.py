@@ -230,7 +230,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     cost = meter.finish(block, scores, outcome, beside=beside)
     # a failed call's wait (a draft's, or a pre-draft's beside the verify) says nothing about
     # what a K costs, nor does a round that the draft's full context holds to K = 0
-    if not (meter.fell_back or meter.predraft_failed or state.draft_context_full):
+    held = state.draft_context_full and not block.token_ids
+    if not (meter.fell_back or meter.predraft_failed or held):
         policy.update(depth(block) + outcome.predraft_tested,
                       outcome.num_accepted + outcome.predraft_accepted, cost)
     if block.confidences is not None and block.parents is None:
