@@ -190,10 +190,10 @@ class ModelDrafter:
             draft.sequence.unfinished = draft.call if segment.num_logits == 0 else None
             entries.append((index, draft, segment))
         entries.sort(key=lambda entry: entry[0])  # admitted in the order the calls came
-        # the block's last token is never fed
-        ends = [segment.start + len(segment.token_ids) +
-                (max(draft.num_tokens, 1) - 1 if segment.num_logits else 0)
-                for _, draft, segment in entries]
+        # the whole block's positions (its last token is never fed), a cut feed's too: as
+        # the verifier's (engine.run_batch), a call is refused before its first chunk or not
+        ends = [len(draft.sequence.committed) + len(draft.assumed) + max(draft.num_tokens, 1)
+                - 1 for _, draft, _ in entries]
         entries = admitted(entries, [segment for _, _, segment in entries], ends, calls,
                            results, self.sessions)
         drafting, feeds = [], []

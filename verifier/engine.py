@@ -353,9 +353,14 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
         results: list = [None] * len(turn)
         ready = prepare_within_budget(turn, prepare, results, max_tokens, lambda call: len(
             call.sync.new_token_ids) + len(call.draft_token_ids))
-        ready = admitted(ready, [segment for _, segment, _ in ready],
-                         [segment.start + len(segment.token_ids) for _, segment, _ in ready],
-                         turn, results, sessions)
+        # a cut feed (chunked prefill) reserves its call's whole feed at its first chunk:
+        # refused, it is refused before any chunk is computed; admitted, no later chunk
+        # is refused for want of units (its progress lost with its session)
+        ends = [segment.start + len(segment.token_ids) if segment.num_logits else
+                turn[index].sync.committed_len + len(turn[index].draft_token_ids)
+                for index, segment, _ in ready]
+        ready = admitted(ready, [segment for _, segment, _ in ready], ends, turn, results,
+                         sessions)
         if not ready:
             return results
         logits = runner.forward([segment for _, segment, _ in ready])

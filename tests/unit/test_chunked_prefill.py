@@ -200,3 +200,48 @@ def test_a_drafters_cut_feed_on_a_cached_prefix_resumes_without_syncing_twice():
     answer, batches = until_drafted(chunked, catch_up)
     assert batches == 4  # 16 + 16 + 16, then the last 2 with the draft
     assert answer.token_ids == whole.propose_now(catch_up).token_ids
+
+
+@pytest.mark.parametrize("pool", ["verifier", "drafter"])
+def test_a_cut_feed_that_cannot_have_its_whole_feed_is_refused_before_its_first_chunk(pool):
+    """A paged pool of 13 usable blocks (208 positions), a batch-mate holding 7 (100
+    positions, in the batch: not evictable), and a 100-token prompt cut into 16-token
+    chunks: it is refused at once, with no chunk computed. Reserved chunk by chunk, it was
+    admitted, fed chunks, and was refused at a later one, its chunks lost with its
+    session."""
+    from drafter.model import ModelDrafter
+    from engine.cache import KVCacheFull
+    from speculative.types import ProposeCall
+
+    def make():
+        if pool == "verifier":
+            return ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=208,
+                                 max_batch_tokens=MIN_CHUNK)
+        return ModelDrafter(tiny_llama(2), engine="paged", kv_cache_tokens=208,
+                            max_batch_tokens=MIN_CHUNK)
+
+    def first(request_id, ids):
+        sync = PrefixSync(0, prefix_hash([]), ids)
+        return ScoreCall(request_id, sync, (3,), GREEDY) if pool == "verifier" else \
+            ProposeCall(request_id, sync, 1, GREEDY, 0)
+
+    def next_call(request_id, ids):
+        sync = PrefixSync(len(ids), prefix_hash(list(ids)), (5,))
+        return ScoreCall(request_id, sync, (3,), GREEDY) if pool == "verifier" else \
+            ProposeCall(request_id, sync, 1, GREEDY, 0)
+
+    engine = make()
+    batch = engine.score_batch if pool == "verifier" else engine.propose_batch
+    held = prompt(99, 2)
+    while batch([first("held", held)])[0] is UNFINISHED:
+        pass
+    free = engine.runner.pool.free_units
+    long = first("long", prompt(100))
+    forwards = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda segments: forwards.append(len(segments)) or \
+        forward(segments)
+    decoded, refused = batch([next_call("held", held), long])
+    assert isinstance(refused, KVCacheFull)  # at its first chunk...
+    assert not isinstance(decoded, Exception) and forwards == [1]  # ...only held's fed
+    assert engine.runner.pool.free_units <= free  # and nothing kept for the long one
