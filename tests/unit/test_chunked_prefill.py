@@ -31,12 +31,13 @@ def call(request_id: str, known: tuple[int, ...], new: tuple[int, ...], draft=(3
                      draft, GREEDY)
 
 
-def until_answered(engine: ModelVerifier, pending: ScoreCall) -> tuple[object, int]:
-    """(the answer, how many batches it took)."""
+def until_answered(engine, pending) -> tuple[object, int]:
+    """(the answer of a verifier's or a drafter's engine, how many batches it took)."""
+    batch = engine.score_batch if isinstance(engine, ModelVerifier) else engine.propose_batch
     batches, answer = 0, UNFINISHED
     while answer is UNFINISHED:
         assert batches < 100, "a cut feed that never finishes"
-        answer, batches = engine.score_batch([pending])[0], batches + 1
+        answer, batches = batch([pending])[0], batches + 1
     return answer, batches
 
 
@@ -57,19 +58,6 @@ def test_a_long_prefill_is_cut_beside_a_decode_and_resumed_to_the_same_answer():
     following = call("long", prompt(100), (5,))
     assert chunked.score_now(following).target_token_ids == \
         whole.score_now(following).target_token_ids
-
-
-def test_a_cut_feed_that_builds_on_a_cached_prefix_resumes_without_syncing_twice():
-    """A call with known_len > 0 and a long catch-up: re-syncing its new tokens on the
-    second batch would be refused as stale; the same call must resume instead."""
-    chunked, whole = verifier(MIN_CHUNK), verifier(None)
-    head = prompt(10)
-    for engine in (chunked, whole):
-        engine.score_now(call("r", (), head))
-    catch_up = call("r", head, prompt(50, 3))
-    answer, batches = until_answered(chunked, catch_up)
-    assert batches == 4  # 16 + 16 + 16, then the last 2 + 2 drafts with the logits
-    assert answer.target_token_ids == whole.score_now(catch_up).target_token_ids
 
 
 def test_a_cut_never_reaches_into_the_positions_whose_logits_are_asked_for():
@@ -130,15 +118,6 @@ def propose(request_id: str, known: tuple[int, ...], new: tuple[int, ...], k: in
                        sampling, 5, assumed)
 
 
-def until_drafted(engine, pending) -> tuple[object, int]:
-    """(the drafter's answer, how many batches it took)."""
-    batches, answer = 0, UNFINISHED
-    while answer is UNFINISHED:
-        assert batches < 100, "a cut feed that never finishes"
-        answer, batches = engine.propose_batch([pending])[0], batches + 1
-    return answer, batches
-
-
 @pytest.mark.parametrize("k", [0, 3])
 def test_the_drafter_cuts_a_long_feed_beside_a_draft_and_resumes_to_the_same_block(k):
     """The drafter's batches are bounded as the verifier's: a long prompt's first call (its
@@ -155,7 +134,7 @@ def test_the_drafter_cuts_a_long_feed_beside_a_draft_and_resumes_to_the_same_blo
     assert cut is UNFINISHED and drafted.load.batch_tokens == 1  # the new token, fed...
     assert len(chunked.sessions.get("long").cached_ids) == 31  # ...beside 31 of long's
     assert drafted.token_ids == whole.propose_now(drafting).token_ids
-    answer, batches = until_drafted(chunked, long)
+    answer, batches = until_answered(chunked, long)
     assert batches == 3  # 32 + 32 more fed, then the last 5 (with the draft's logits)
     assert answer.token_ids == whole.propose_now(long).token_ids and len(answer.token_ids) == k
     following = propose("long", prompt(100), (5,), 3, assumed=(7, 8))
@@ -170,7 +149,7 @@ def test_a_sampled_draft_after_a_chunked_feed_draws_the_same_block_and_q():
     sampled = SamplingParams(temperature=1.0)
     chunked, whole = drafter(MIN_CHUNK), drafter(None)
     long = propose("r", (), prompt(60, 2), 4, sampled)
-    answer, batches = until_drafted(chunked, long)
+    answer, batches = until_answered(chunked, long)
     assert batches == 4  # 16 + 16 + 16, then the last 12 with the draft
     expected = whole.propose_now(long)
     assert answer.token_ids == expected.token_ids
@@ -189,17 +168,24 @@ def test_greedy_through_a_chunking_drafter_equals_the_target_alone(budget):
         assert tokens == reference and state.stats.num_draft_tokens > 0
 
 
-def test_a_drafters_cut_feed_on_a_cached_prefix_resumes_without_syncing_twice():
-    """As the verifier's: re-syncing the call's new tokens in its second batch would be
-    refused as stale (the session already holds them)."""
-    chunked, whole = drafter(MIN_CHUNK), drafter(None)
+@pytest.mark.parametrize("pool", ["verifier", "drafter"])
+def test_a_cut_feed_that_builds_on_a_cached_prefix_resumes_without_syncing_twice(pool):
+    """A call with known_len > 0 and a long catch-up: re-syncing its new tokens on the
+    second batch would be refused as stale; the same call must resume instead."""
+    make, first = (verifier, call) if pool == "verifier" else (drafter, propose)
+    chunked, whole = make(MIN_CHUNK), make(None)
     head = prompt(10)
     for engine in (chunked, whole):
-        engine.propose_now(propose("r", (), head))
-    catch_up = propose("r", head, prompt(50, 3))
-    answer, batches = until_drafted(chunked, catch_up)
-    assert batches == 4  # 16 + 16 + 16, then the last 2 with the draft
-    assert answer.token_ids == whole.propose_now(catch_up).token_ids
+        until_answered(engine, first("r", (), head))
+    catch_up = first("r", head, prompt(50, 3))
+    answer, batches = until_answered(chunked, catch_up)
+    assert batches == 4  # 16 + 16 + 16, then the last 2 (+ 2 drafts) with the logits
+    assert tokens_of(answer) == tokens_of(until_answered(whole, catch_up)[0])
+
+
+def tokens_of(answer) -> tuple[int, ...]:
+    """A verifier's answer's target tokens, a drafter's drafted ones."""
+    return tuple(getattr(answer, "target_token_ids", None) or answer.token_ids)
 
 
 @pytest.mark.parametrize("pool", ["verifier", "drafter"])

@@ -154,20 +154,24 @@ def test_a_round_whose_draft_beside_the_verify_failed_is_no_cost_for_the_k_polic
     assert len(Recording.costs) == stats.rounds - stats.draft_fallback_rounds - len(failed)
 
 
+def short_draft():
+    """A draft model whose context (24 positions) ends before the target's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+
+
 def test_a_draft_with_a_shorter_context_drafts_nothing_past_it():
     """A draft model whose context ends before the target's drafts nothing once the prefix
     passes it (the target runs those rounds alone): its KV pool, sized to its own context on
     the CPU's default attention (regions), refused the call's feed instead (KVCacheTooSmall:
     a failed draft each round served, a failed request in-process)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    target = tiny_llama(0)
-    torch.manual_seed(1)
-    short = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    target, short = tiny_llama(0), short_draft()
     prompt = list(range(1, 18))
     params = SamplingParams(temperature=0.0, max_tokens=16)
     ids, state = run(ModelDrafter(short), ModelVerifier(target), prompt, params, k=3)
@@ -182,15 +186,7 @@ def test_a_full_draft_context_ends_the_drafter_calls(pipelined):
     call to the drafter: a pipelined request went on asking for a fresh draft beside each
     verify, so each of its rounds made one token, and a sequential one paid a drafter call
     for nothing every round."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    target = tiny_llama(0)
-    torch.manual_seed(1)
-    short = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    target, short = tiny_llama(0), short_draft()
     prompt = list(range(1, 18))
     full = []
 
@@ -223,18 +219,10 @@ def test_a_seeded_request_past_the_draft_context_does_not_depend_on_a_refused_pr
     when its pool is busy; had its word that the draft's context is full been taken, a
     seeded request whose prefill the pool refused (load) would draw a draft seed its
     unrefused twin does not, and sample other tokens."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from speculative.types import PoolBusy
     from tests.tiny import DraftsFirst
 
-    target = tiny_llama(0)
-    torch.manual_seed(1)
-    short = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    target, short = tiny_llama(0), short_draft()
     prompt = list(range(1, 30))  # past the draft's 24 positions
 
     class BusyPrefill(Flaky):
