@@ -156,17 +156,28 @@ def prefill(runner, store: SessionStore, request_id: str, prompt: list[int]):
 
 def alone_vs_batch(runner, batch: int, length: int) -> dict:
     """Request 0's logits over K + 1 = 5 new tokens, alone and beside batch - 1 others,
-    each longer than it by i tokens (its keys padded in the batch's layout)."""
-    store = SessionStore(2 * batch + 2)
+    each longer than it by i tokens (its keys padded in the batch's layout), and a new
+    prompt of `length` tokens, whose prefill puts the batch in two layouts
+    (engine.attention.feed_groups: `groups`)."""
+    from engine.attention import feed_groups
+
+    store = SessionStore(2 * batch + 3)
+    vocab = runner.model.config.vocab_size
     texts = [text[:length - batch + 1 + i] for i, text in
-             enumerate(prompts(batch, length, runner.model.config.vocab_size, seed=1))]
+             enumerate(prompts(batch, length, vocab, seed=1))]
     draft = [3, 1, 4, 1]
     alone = prefill(runner, store, "alone", texts[0])
     single = runner.forward([alone.segment(runner, draft, 5)])[0].float()
     sequences = [prefill(runner, store, f"b{i}", text) for i, text in enumerate(texts)]
-    together = runner.forward([s.segment(runner, draft, 5) for s in sequences])[0].float()
+    fresh = store.apply("prompt", PrefixSync(0, EMPTY_PREFIX_HASH,
+                                             tuple(prompts(1, length, vocab, seed=2)[0])))
+    segments = [s.segment(runner, draft, 5) for s in sequences] + \
+        [fresh.segment(runner, [], 1)]
+    groups = feed_groups(segments)
+    together = runner.forward(segments)[0].float()
     store.clear()
-    return {"batch": batch, "max_logit_difference": float((single - together).abs().max()),
+    return {"batch": batch, "groups": 1 if groups is None else len(groups),
+            "max_logit_difference": float((single - together).abs().max()),
             "max_abs_logit": float(single.abs().max()),
             "argmax_flips": int((single.argmax(-1) != together.argmax(-1)).sum())}
 

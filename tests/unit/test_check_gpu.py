@@ -18,6 +18,7 @@ def test_the_small_run_passes_and_reports_every_measure(report):
         assert entry["greedy"]["identical"] is True
         assert entry["sampled"]["tokens"] == 16
         assert entry["alone_vs_batch"]["argmax_flips"] == 0
+        assert entry["alone_vs_batch"]["groups"] == 2  # the batch beside a prompt's prefill
         times = dict(entry["forward_ms"])
         assert times.pop("bandwidth_gb_s") > 0
         assert set(times) == {f"batch {b} x K {k}" for b in (1, 8, 32) for k in (0, 4, 8)}
