@@ -367,3 +367,16 @@ def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(cluster):
                         num_speculative_tokens=0)  # shifted: no full block in common
     assert uncached["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_a_prompt_longer_than_a_forwards_budget_is_exact_through_both_pools(cluster):
+    """A prompt of over 1,024 tokens is fed in chunks of max_batch_tokens (512): by the
+    verifier alone first, then by the drafter, whose cut calls answer UNFINISHED and run
+    again in its next batches through the pool's batcher; the drafts go on after it, and
+    the output is the target's alone."""
+    prompt = "".join(f"    total -= values[{i}] * scale[{i}] + {i}\n" for i in range(90))
+    alone = complete(cluster, prompt, max_tokens=16, temperature=0, num_speculative_tokens=0)
+    assert alone["usage"]["prompt_tokens"] > 1024
+    spec = complete(cluster, prompt, max_tokens=16, temperature=0, num_speculative_tokens=4)
+    assert spec["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert spec["speculative"]["num_draft_tokens"] > 0
