@@ -51,19 +51,20 @@ def completion(url: str, prompt: str, max_tokens: int, fields: dict) -> int:
     return response.json()["usage"]["completion_tokens"]
 
 
-def context(tokens: int, streams: int, index: int) -> str:
-    """About `tokens` tokens of code (the demo tokenizer: 17 a line), its own for each
-    stream count and request: no two requests share a prefix cache block."""
-    return "".join(f"    total -= values[{streams}][{index}] * scale[{line}] + {line}\n"
-                   for line in range(round(tokens / 17)))
+def context(tokens: int, cell: str, index: int) -> str:
+    """About `tokens` tokens of code (the demo tokenizer: 18 a line), its own for each cell
+    (row and stream count) and request: no request finds another's prefix cached, as the
+    first row's would be for the rows after it."""
+    return "".join(f"    total -= values[{cell}][{index}] * scale[{line}] + {line}\n"
+                   for line in range(round(tokens / 18)))
 
 
 def tokens_per_second(url: str, streams: int, max_tokens: int, fields: dict,
-                      context_tokens: int = 0) -> float:
+                      context_tokens: int = 0, cell: str = "") -> float:
     """Output tokens/s of max(8, 2 x streams) requests over the held-out prompts, `streams`
     at a time, each after `context_tokens` tokens of its own context (0: none)."""
     count = max(len(HELD_OUT), 2 * streams)
-    prompts = [context(context_tokens, streams, i) + HELD_OUT[i % len(HELD_OUT)]
+    prompts = [context(context_tokens, cell, i) + HELD_OUT[i % len(HELD_OUT)]
                for i in range(count + streams)]
     prompts, warm = prompts[:count], prompts[count:]
     with ThreadPoolExecutor(streams) as pool:
@@ -75,8 +76,12 @@ def tokens_per_second(url: str, streams: int, max_tokens: int, fields: dict,
 
 def measure(url: str, rows: dict, stream_counts, max_tokens: int,
             context_tokens: int = 0) -> dict:
-    return {name: {s: tokens_per_second(url, s, max_tokens, fields, context_tokens)
-                   for s in stream_counts} for name, fields in rows.items()}
+    # each cell's contexts its own: its row (a server's rows apart from another's by the
+    # first row's name) and its stream count
+    first = sum(map(ord, next(iter(rows), ""))) % 100
+    return {name: {s: tokens_per_second(url, s, max_tokens, fields, context_tokens,
+                                        f"{first}{row}{s}")
+                   for s in stream_counts} for row, (name, fields) in enumerate(rows.items())}
 
 
 def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4), default_runs: int = 1,
