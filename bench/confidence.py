@@ -34,7 +34,7 @@ def rows_of(pair: Pair, shapes, prompt_texts: list[str], max_tokens: int) -> lis
         front_end = RequestFrontEnd(SpeculationDefaults(
             num_speculative_tokens=k, pipelined_drafting="off", draft_confidence=cut))
         for _ in range(2):  # the first pass learns, the second is measured
-            tokens, seconds, rounds, drafted, accepted = [], 0.0, 0, 0, 0
+            tokens, seconds, rounds, drafted, accepted, plain = [], 0.0, 0, 0, 0, 0
             for i, prompt in enumerate(prompts):
                 out, took, stats = run_loop(drafter if k else None, verifier, prompt,
                                             max_tokens, 0.0, i, k, front_end=front_end)
@@ -43,10 +43,12 @@ def rows_of(pair: Pair, shapes, prompt_texts: list[str], max_tokens: int) -> lis
                 rounds += stats.rounds
                 drafted += stats.num_draft_tokens
                 accepted += stats.num_accepted_tokens
+                plain += stats.plain_step_tokens  # a draftless round's later steps
         count = sum(len(t) for t in tokens)
         alone = alone or (tokens, count / seconds)
         rows.append({"method": name, "drafted": drafted, "accepted": accepted,
-                     "tokens_per_round": count / rounds, "tokens_per_s": count / seconds,
+                     "tokens_per_round": (count - plain) / rounds,
+                     "tokens_per_s": count / seconds,
                      "speedup": count / seconds / alone[1], "same_tokens": tokens == alone[0]})
     return rows
 

@@ -133,8 +133,9 @@ def record(pair: str, mode: str, k: int | str, temperature: float, concurrency: 
 
 def add_speedups(records: list[dict]) -> None:
     """speedup: over the target alone, one stream (of a cell of several requests at once,
-    its aggregate's: batching's gain and speculation's together); speedup_vs_off, of such a
-    cell and of the sweep's: over serve_off's at the same load, speculation's own."""
+    its aggregate's: batching's gain and speculation's together; none for the sweep's, whose
+    requests are others); speedup_vs_off, of such a cell and of the sweep's: over
+    serve_off's at the same load, speculation's own."""
     base = {(r["pair"], r["temperature"]): r["tokens_per_s"] for r in records
             if r["mode"] == "target_only"}
 
@@ -147,7 +148,8 @@ def add_speedups(records: list[dict]) -> None:
         if (r["stream"] or r["concurrency"] > 1) and load(r) in off:
             r["speedup_vs_off"] = round(r["tokens_per_s"] / off[load(r)], 3)
     for r in records:
-        anchor = base.get((r["pair"], r["temperature"]))
+        # not the sweep's: its cells run other prompts and lengths than the anchor's
+        anchor = None if r["stream"] else base.get((r["pair"], r["temperature"]))
         if anchor:
             r["speedup"] = round(r["tokens_per_s"] / anchor, 3)
         if r["speedup"] is not None and r["predicted_speedup"]:

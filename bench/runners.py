@@ -25,9 +25,13 @@ def hf_generate(model, prompt_ids, max_tokens: int, temperature: float, seed: in
     ids = torch.tensor([prompt_ids])
     extra = {}
     if assistant is not None:
-        extra = {"assistant_model": assistant, "num_assistant_tokens": k,
-                 "num_assistant_tokens_schedule": "constant",
-                 "assistant_confidence_threshold": 0.0}
+        # transformers takes the block's length and its confidence cut from the assistant's
+        # own generation_config: passed to generate(), every K ran the defaults (blocks of
+        # up to 20 tokens, cut where the draft's confidence fell below 0.4)
+        assistant.generation_config.update(num_assistant_tokens=k,
+                                           num_assistant_tokens_schedule="constant",
+                                           assistant_confidence_threshold=0.0)
+        extra = {"assistant_model": assistant}
     torch.manual_seed(seed)
     started = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,

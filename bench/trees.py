@@ -80,9 +80,11 @@ def rows_of(pair: Pair, shapes: list[tuple], prompt_texts: list[str], max_tokens
             tokens.append(out)
             seconds += took
             rounds += stats.rounds
-            emitted += stats.num_emitted_tokens
+            # a round without a draft asks for several tokens (plain_steps): its later ones
+            # are no speculation's (SpecStats.mean_acceptance_length)
+            emitted += stats.num_emitted_tokens - stats.plain_step_tokens
             verified += stats.num_draft_tokens
-            per_request.append(stats.num_emitted_tokens / stats.rounds)
+            per_request.append(stats.mean_acceptance_length)
         count = sum(len(t) for t in tokens)
         alone = alone or (tokens, count / seconds)
         rows.append({"method": name, "nodes_per_round": verified / rounds,
