@@ -19,6 +19,7 @@ import torch
 import engine.lean
 from engine.attention import feed_groups
 from engine.models import DEMO_TARGET, load_causal_lm
+from specserve.check_gpu import prompts
 from speculative.sampling import SamplingParams
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall, prefix_hash
 from verifier.engine import ModelVerifier
@@ -27,16 +28,14 @@ GREEDY = SamplingParams(temperature=0.0)
 LAYOUTS = {"one": lambda segments: None, "groups": feed_groups}
 
 
-def tokens(count: int, seed: int) -> tuple[int, ...]:
-    return tuple((7 * i + 13 * seed) % 900 + 5 for i in range(count))
-
-
 class Batches:
     """Decoding requests kept in a verifier, and fresh prompts beside them."""
 
     def __init__(self, verifier: ModelVerifier, decodes: int, context: int) -> None:
         self.verifier, self.prompts = verifier, 0
-        self.committed = {f"d{j}": list(tokens(context, j)) for j in range(decodes)}
+        self.vocab = verifier.model.config.vocab_size
+        self.committed = {f"d{j}": prompts(1, context, self.vocab, seed=j)[0]
+                          for j in range(decodes)}
         for request_id, ids in self.committed.items():
             verifier.score_now(ScoreCall(request_id, PrefixSync(0, EMPTY_PREFIX_HASH,
                                                                 tuple(ids)), (), GREEDY))
@@ -50,8 +49,8 @@ class Batches:
             ids.append(5)
         self.prompts += 1
         new = f"p{self.prompts}"
-        calls.append(ScoreCall(new, PrefixSync(0, EMPTY_PREFIX_HASH,
-                                               tokens(prompt, 100 + self.prompts)), (), GREEDY))
+        fed = tuple(prompts(1, prompt, self.vocab, seed=100 + self.prompts)[0])
+        calls.append(ScoreCall(new, PrefixSync(0, EMPTY_PREFIX_HASH, fed), (), GREEDY))
         started = time.perf_counter()
         self.verifier.score_batch(calls)
         elapsed = time.perf_counter() - started

@@ -297,11 +297,10 @@ class GrpcDrafter:
 
     async def propose(self, call: ProposeCall) -> DraftBlock:
         message = wire.propose_to_proto(call)
-        sampling = call.sampling
-        seeded = sampling.seed is not None and not sampling.greedy
         try:
             response = await self.pool.call("Propose", message, call.request_id,
-                                            None if seeded else self.draft_timeout_s,
+                                            None if call.sampling.seeded else
+                                            self.draft_timeout_s,
                                             prefix_route_key(call.request_id, call.sync,
                                                              self.prefix_tokens, call.placement))
         except PoolUnavailable as error:

@@ -8,7 +8,7 @@ from drafter.draft import Draft, processed
 from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
 from engine.batch import UNFINISHED
-from engine.scheduler import MIN_CHUNK, admitted, in_turns
+from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.grammar import matcher_after
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
@@ -180,16 +180,18 @@ class ModelDrafter:
         # Feeding the committed tail also covers the "all K accepted" case: the drafter never
         # fed its own last token x_K, so it is fed now together with the bonus token (or, for
         # a pre-draft, together with the assumed block under verification).
-        entries, budget = [], self.max_batch_tokens
-        for index, draft in sorted(drafts, key=lambda entry: len(
-                entry[1].call.sync.new_token_ids) + len(entry[1].assumed)):
-            limit = None if budget is None else max(budget, MIN_CHUNK)
-            segment = draft.sequence.segment(self.runner, draft.assumed, 1, limit)
-            if budget is not None:
-                budget -= len(segment.token_ids)
-            draft.sequence.unfinished = draft.call if segment.num_logits == 0 else None
-            entries.append((index, draft, segment))
+        refused: list = [None] * len(drafts)  # the budget's order and cuts: the verifier's
+        ready = prepare_within_budget(
+            [draft for _, draft in drafts], lambda draft, limit: (draft.sequence.segment(
+                self.runner, draft.assumed, 1, limit), None), refused, self.max_batch_tokens,
+            lambda draft: len(draft.call.sync.new_token_ids) + len(draft.assumed))
+        for (index, _), refusal in zip(drafts, refused):
+            if refusal is not None:
+                results[index] = refusal
+        entries = [(*drafts[position], segment) for position, segment, _ in ready]
         entries.sort(key=lambda entry: entry[0])  # admitted in the order the calls came
+        for _, draft, segment in entries:
+            draft.sequence.unfinished = draft.call if segment.num_logits == 0 else None
         # the whole block's positions (its last token is never fed), a cut feed's too: as
         # the verifier's (engine.run_batch), a call is refused before its first chunk or not
         ends = [len(draft.sequence.committed) + len(draft.assumed) + max(draft.num_tokens, 1)

@@ -113,7 +113,7 @@ class RequestFrontEnd:
     def num_speculative_tokens(self, requested: NumSpeculativeTokens | None,
                                sampling: SamplingParams) -> NumSpeculativeTokens:
         k = self.defaults.num_speculative_tokens if requested is None else requested
-        if k == "auto" and not sampling.greedy and sampling.seed is not None:
+        if k == "auto" and sampling.seeded:
             return self.defaults.seeded_num_speculative_tokens  # reproducible: not from timings
         return k
 

@@ -127,8 +127,7 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
     rebuilds it if the pool moved on (exact either way). A seeded sampled request's tokens
     depend on its drafts: a drafter with no room for its call (PoolBusy) is waited for, as a
     full verifier is, so that load does not change what a seed gives."""
-    sampling = state.request.sampling
-    seeded = sampling.seed is not None and not sampling.greedy
+    seeded = state.request.sampling.seeded
 
     def call():
         return propose(state, drafter, k, seed, assumed, beside)
@@ -139,15 +138,12 @@ async def draft_or_none(state: RequestState, drafter: Drafter, k: int, seed: int
                                              counted="draft_busy_seconds")
         else:
             block = await call()
-    except PoolUnavailable as error:
+    except (PoolUnavailable, StaleBase) as error:  # StaleBase: the whole prefix refused too
         # a call of 0 tokens (the drafter's prefill beside a first verify) refused for want
         # of room drafted nothing and says nothing of the drafter's health: the next round
         # drafts as it would have (skipped, a seeded request's tokens changed with load)
         if k > 0 or not isinstance(error, PoolBusy):
             state.draft_backoff.failed()
-        return None
-    except StaleBase:  # asked again for the whole prefix it was just sent: a broken drafter
-        state.draft_backoff.failed()
         return None
     state.draft_backoff.succeeded()
     # a call of 0 tokens is not waited for when the pool is busy: had its word that the

@@ -94,6 +94,12 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def seeded(self) -> bool:
+        """A sampled request with a seed: its tokens depend on its draws alone, never on
+        load or timings (its pool calls are waited for; its K is not learnt)."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def penalized(self) -> bool:
         return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != \
             (0, 0, 1)

@@ -197,7 +197,6 @@ def test_a_cut_feed_that_cannot_have_its_whole_feed_is_refused_before_its_first_
     session."""
     from drafter.model import ModelDrafter
     from engine.cache import KVCacheFull
-    from speculative.types import ProposeCall
 
     def make():
         if pool == "verifier":
@@ -206,28 +205,21 @@ def test_a_cut_feed_that_cannot_have_its_whole_feed_is_refused_before_its_first_
         return ModelDrafter(tiny_llama(2), engine="paged", kv_cache_tokens=208,
                             max_batch_tokens=MIN_CHUNK)
 
-    def first(request_id, ids):
-        sync = PrefixSync(0, prefix_hash([]), ids)
-        return ScoreCall(request_id, sync, (3,), GREEDY) if pool == "verifier" else \
-            ProposeCall(request_id, sync, 1, GREEDY, 0)
-
-    def next_call(request_id, ids):
-        sync = PrefixSync(len(ids), prefix_hash(list(ids)), (5,))
-        return ScoreCall(request_id, sync, (3,), GREEDY) if pool == "verifier" else \
-            ProposeCall(request_id, sync, 1, GREEDY, 0)
+    def one(request_id, known, new):  # a call of one drafted token, or drafting one
+        return call(request_id, known, new, draft=(3,)) if pool == "verifier" else \
+            propose(request_id, known, new, k=1)
 
     engine = make()
     batch = engine.score_batch if pool == "verifier" else engine.propose_batch
     held = prompt(99, 2)
-    while batch([first("held", held)])[0] is UNFINISHED:
-        pass
+    until_answered(engine, one("held", (), held))
     free = engine.runner.pool.free_units
-    long = first("long", prompt(100))
+    long = one("long", (), prompt(100))
     forwards = []
     forward = engine.runner.forward
     engine.runner.forward = lambda segments: forwards.append(len(segments)) or \
         forward(segments)
-    decoded, refused = batch([next_call("held", held), long])
+    decoded, refused = batch([one("held", held, (5,)), long])
     assert isinstance(refused, KVCacheFull)  # at its first chunk...
     assert not isinstance(decoded, Exception) and forwards == [1]  # ...only held's fed
     assert engine.runner.pool.free_units <= free  # and nothing kept for the long one
