@@ -32,15 +32,17 @@ class ContinuousBatcher:
     slot while decodes wait)."""
 
     def __init__(self, run, max_batch_size: int, unfinished=lambda answer: False,
-                 key=None, linger: float = 0.0) -> None:
+                 key=None, linger: float = 0.0, idle=None) -> None:
         """key(call): the request a call belongs to (lingering needs it); linger: the
         fraction of the previous run's duration a batch may wait for the requests of the
-        previous batch to come back (0: never waits)."""
+        previous batch to come back (0: never waits); idle(): called when no call is left
+        to run (a gauge of the running batch reads 0 then, not the last batch for good)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if linger < 0:
             raise ValueError(f"linger must be >= 0, got {linger}")
         self.run, self.max_batch_size, self.unfinished = run, max_batch_size, unfinished
+        self.idle = idle
         self.key, self.linger = key, linger if key is not None else 0.0
         self.returning: set = set()  # requests answered by the last batch, not back yet
         self.ended: set = set()  # released since the last batch, or calls of them still wait
@@ -70,6 +72,7 @@ class ContinuousBatcher:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
+            ran = False
             while True:
                 if not self._drop_cancelled():
                     break
@@ -78,7 +81,7 @@ class ContinuousBatcher:
                 if not live:  # every caller left while the batch waited: no empty run
                     break
                 batch, self.waiting = live[:self.max_batch_size], live[self.max_batch_size:]
-                started = time.perf_counter()
+                started, ran = time.perf_counter(), True
                 try:
                     answers = await self.run([call for call, _ in batch])
                 except Exception as error:  # the whole batch failed: every caller learns why
@@ -104,6 +107,8 @@ class ContinuousBatcher:
                     await asyncio.sleep(0)  # run inline), and what arrives joins the next
                 if self.ended:  # kept while calls of theirs wait
                     self.ended &= {self.key(call) for call, _ in self.waiting}
+            if ran and self.idle is not None:  # the loop above ends when no call waits
+                self.idle()
 
     def _drop_cancelled(self) -> list:
         """The waiting calls whose callers still wait (a client gone leaves its call)."""

@@ -27,12 +27,18 @@ class PoolMetrics:
             "one forward (a step, for the drafter).", boundaries=BATCH_BOUNDARIES,
             tag_keys=("pool",))
         self.occupancy = Gauge(
-            "specserve_pool_batch_occupancy", description="The last batch's size over "
-            "max_batch_size (1: full batches, the pool is saturated).", tag_keys=("pool",))
+            "specserve_pool_batch_occupancy", description="The running batch's size over "
+            "max_batch_size (1: full batches, the pool is saturated; 0: no call to run).",
+            tag_keys=("pool",))
 
     def record_batch(self, batch_size: int, max_batch_size: int) -> None:
         self.batch_size.observe(batch_size, tags=self.tags)
         self.occupancy.set(batch_size / max_batch_size, tags=self.tags)
+
+    def record_idle(self) -> None:
+        """No call left to run: the gauge says so (it held the last batch's value for good,
+        an idle pool reading as busy as when it stopped)."""
+        self.occupancy.set(0.0, tags=self.tags)
 
 
 def features(sampling) -> list[str]:

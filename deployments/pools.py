@@ -137,7 +137,8 @@ class PoolReplica:
         self.batcher = ContinuousBatcher(in_batch, max_batch_size,
                                          lambda answer: answer is UNFINISHED,
                                          key=lambda call: call.request_id,
-                                         linger=args.batch_linger)
+                                         linger=args.batch_linger,
+                                         idle=self.metrics.record_idle)
         # before the replica reports ready: no request pays the model's first forwards
         await self.on_worker(self.warm_up, run_batch, limits.vocab_size)
         self.max_direct_calls = args.max_concurrent_rpcs or 2 * max_batch_size

@@ -211,3 +211,23 @@ def test_a_request_released_before_its_call_is_answered_is_not_waited_for(runnin
         return model.batches
 
     assert asyncio.run(main()) == [["a1", "d1"], ["a2"]]
+
+
+def test_the_batcher_says_when_no_call_is_left_to_run_and_not_between_runs():
+    """idle() once the queue runs dry (a gauge of the running batch then reads 0), not
+    between two runs while calls wait."""
+    async def main():
+        model, idled = Model(), []
+        batcher = ContinuousBatcher(model.run, 2, idle=lambda: idled.append(
+            [len(batch) for batch in model.batches]))
+        model.release.clear()
+        first = asyncio.ensure_future(batcher.submit("a"))
+        await asyncio.sleep(0)
+        rest = [asyncio.ensure_future(batcher.submit(c)) for c in "bcd"]  # while it runs
+        await asyncio.sleep(0)
+        model.release.set()
+        await asyncio.gather(first, *rest)
+        await asyncio.sleep(0)
+        return idled
+
+    assert asyncio.run(main()) == [[1, 2, 1]]  # after the last run only

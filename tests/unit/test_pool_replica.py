@@ -100,6 +100,37 @@ def test_direct_calls_waiting_for_the_model_are_reported_as_load():
     asyncio.run(main())
 
 
+def test_an_idle_replicas_occupancy_gauge_reads_0_not_its_last_batch(monkeypatch):
+    """The batch occupancy gauge (Prometheus) of a replica with no call to run reads 0; it
+    held the last batch's value for good, a pool gone idle reading as busy as it was."""
+    from deployments import metrics as metrics_module
+
+    occupancy = []
+
+    class Metric:
+        def __init__(self, name, **_):
+            self.name = name
+
+        def set(self, value, tags=None):
+            occupancy.append(value)
+
+        def observe(self, value, tags=None):
+            pass
+
+    monkeypatch.setattr(metrics_module, "Gauge", Metric)
+    monkeypatch.setattr(metrics_module, "Histogram", Metric)
+
+    async def main():
+        replica = await local_drafter()
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            await asyncio.gather(*(stub.Propose(propose(f"r{i}"), metadata=KEY())
+                                   for i in range(3)))
+            await until(lambda: not replica.waiting)
+
+    asyncio.run(main())
+    assert max(occupancy) > 0 and occupancy[-1] == 0.0
+
+
 def test_a_bad_direct_call_is_invalid_argument_and_not_left_in_flight():
     async def main():
         replica = await local_drafter()
