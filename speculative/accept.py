@@ -48,12 +48,32 @@ def lawful(outcome: RoundOutcome) -> RoundOutcome:
 
 def accept_chain(block: DraftBlock, scores: TargetScores, greedy: bool, generator
                  ) -> RoundOutcome:
+    check_chain_scores(len(block.token_ids), scores, greedy)
     if greedy:
         return accept_greedy(block.token_ids, scores.target_token_ids)
     drafted = block.token_ids
     draft_at_draft = block.draft_probs.at(drafted) if drafted else ()  # q_i(x_i), gathered
     return accept_drawn(drafted, draft_at_draft, scores.draft_target_probs,
                         scores.recovered_token_ids, scores.bonus_token_id, generator)
+
+
+def check_chain_scores(k: int, scores: TargetScores, greedy: bool) -> None:
+    """ValueError unless the scores of a chain of k drafted tokens hold an entry per position:
+    greedy, k + 1 argmaxes; sampled, k values of p_i(x_i) and k residual draws, and the bonus
+    draw. Read as they came, more were cut to k (rows of another block taken for this one's)
+    and fewer decided the round until the coins reached a missing one (then an IndexError),
+    a missing bonus committed as the token None."""
+    if greedy:
+        counts, wanted = {"argmaxes": len(scores.target_token_ids)}, k + 1
+    else:
+        counts, wanted = {"target probabilities": len(scores.draft_target_probs),
+                          "residual draws": len(scores.recovered_token_ids)}, k
+        if scores.bonus_token_id is None:
+            raise ValueError("verifier: sampled scores without their bonus draw")
+    for what, count in counts.items():
+        if count != wanted:
+            raise ValueError(f"verifier: {count} {what} for a chain of {k} drafted tokens "
+                             f"(want {wanted})")
 
 
 def depth(block: DraftBlock) -> int:

@@ -124,3 +124,36 @@ def test_residual_rows_are_each_rows_residual():
     for i in range(4):
         assert torch.allclose(rows[i], residual(target[i], draft[i]))
     assert torch.equal(rows[2], target[2])
+
+
+def test_a_chain_is_refused_scores_without_one_entry_per_drafted_position():
+    """accept read a verifier's chain scores as they came: more rows than drafted tokens
+    were cut to them (another block's rows taken for this one's), fewer decided the round
+    until a coin reached a missing one, a missing bonus draw was committed as None, and a
+    greedy answer's count was an assert (gone under python -O)."""
+    import pytest
+
+    from speculative.accept import accept
+    from speculative.types import DraftBlock, DraftDists, TargetScores
+
+    block = DraftBlock((1, 2), DraftDists.from_dense(torch.full((2, 4), 0.25)))
+    refused = [
+        (False, TargetScores(draft_target_probs=(0.25,) * 3, recovered_token_ids=(3,) * 3,
+                             bonus_token_id=0), "3 target probabilities"),
+        (False, TargetScores(draft_target_probs=(0.01,), recovered_token_ids=(3,),
+                             bonus_token_id=0), "1 target probabilities"),
+        (False, TargetScores(draft_target_probs=(1.0, 1.0), recovered_token_ids=(3,),
+                             bonus_token_id=0), "1 residual draws"),
+        (False, TargetScores(draft_target_probs=(1.0, 1.0), recovered_token_ids=(3, 3)),
+         "bonus"),
+        (True, TargetScores(target_token_ids=(1, 2, 3, 0)), "4 argmaxes"),
+        (True, TargetScores(target_token_ids=(1,)), "1 argmaxes"),
+    ]
+    for greedy, scores, message in refused:
+        with pytest.raises(ValueError, match=message):
+            accept(block, scores, greedy, gen())
+    exact = TargetScores(draft_target_probs=(1.0, 1.0), recovered_token_ids=(3, 3),
+                         bonus_token_id=0)
+    assert accept(block, exact, False, gen())[0].output_token_ids == (1, 2, 0)
+    assert accept(DraftBlock((), None), TargetScores(target_token_ids=(5,)), True,
+                  gen())[0].output_token_ids == (5,)
