@@ -24,6 +24,7 @@ from speculative.options import (
 from speculative.policy import KPolicy, k_policy
 from speculative.sampling import SamplingParams, derive_seeds
 from speculative.stats import SpecStats
+from speculative.types import GrowingPrefixHash
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,16 @@ class RequestFrontEnd:
         # prompt lookup proposes chains only (suffix decoding and the model draft trees)
         trees = (tree or self.defaults.tree).auto and tree_allowed(sampling) and \
             drafter_kind != "ngram"
+        # the prompt copied and hashed once for all the choices, which share both
+        # (RequestState, PoolView.prefix_sync): not once a choice on the router's loop
+        prompt = tuple(prompt_token_ids)
+        hashed = GrowingPrefixHash()
+        hashed.of(prompt)
         choices = tuple(
-            Choice(Request(f"{request_id}-{index}", tuple(prompt_token_ids),
+            Choice(Request(f"{request_id}-{index}", prompt,
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
                            self.defaults.busy_wait_s, width, nodes, context_limit,
-                           placement=request_id, plain_steps=steps),
+                           placement=request_id, plain_steps=steps, prompt_hash=hashed),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees,
                                  running + n, policy_steps))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))

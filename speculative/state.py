@@ -3,7 +3,7 @@ between rounds (`RequestState`: committed ids, the sampling generator, counters)
 router believes each pool knows of its committed prefix (`PoolView`)."""
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,10 +38,16 @@ class Request:
     # it draws and feeds them itself, one forward each, and the round's call and turn are
     # paid once for them all
     plain_steps: int = 1
+    # the prompt hashed (its fingerprint's state), shared by the choices of one HTTP request:
+    # each choice's state grows a copy (None: it hashes its prompt itself)
+    prompt_hash: GrowingPrefixHash | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
+        if self.prompt_hash is not None and \
+                self.prompt_hash.length != len(self.prompt_token_ids):
+            raise ValueError("prompt_hash must be the hash of the prompt")
 
 
 class PoolView:
@@ -51,7 +57,13 @@ class PoolView:
         self.known_len = 0
         self.known_hash = EMPTY_PREFIX_HASH
 
-    def prefix_sync(self, committed: list[int]) -> PrefixSync:
+    def prefix_sync(self, committed: list[int], prompt: tuple[int, ...] = ()) -> PrefixSync:
+        """The sync to `committed`. A pool that knows nothing of a committed prefix that is
+        the prompt (committed starts with it) gets the prompt's own tuple: the choices of one
+        request share it, and with it the message made of it (deployments.wire), instead of
+        a copy each (128 choices of a 128k-token prompt: 0.33 s of copies)."""
+        if self.known_len == 0 and prompt and len(committed) == len(prompt):
+            return PrefixSync(0, self.known_hash, prompt)
         return PrefixSync(self.known_len, self.known_hash, tuple(committed[self.known_len :]))
 
     def confirm(self, committed_len: int, committed_hash: int) -> None:
@@ -83,7 +95,11 @@ class RequestState:
         self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
         self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
         self.round_tree = 0  # nodes of the tree the policy chose for this round (0: none)
-        self._hasher = GrowingPrefixHash()
+        self._hasher = self._prompt_hasher()
+
+    def _prompt_hasher(self) -> GrowingPrefixHash:
+        shared = self.request.prompt_hash
+        return GrowingPrefixHash() if shared is None else shared.copy()
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -117,7 +133,7 @@ class RequestState:
     def stop_after(self, num_output_tokens: int) -> None:
         """End the request after its first num_output_tokens (a stop string ended there)."""
         del self.committed[len(self.request.prompt_token_ids) + num_output_tokens :]
-        self._hasher = GrowingPrefixHash()
+        self._hasher = self._prompt_hasher()
         del self.logprobs[num_output_tokens:]
         self.finish_reason = "stop"
 
@@ -128,12 +144,13 @@ class RequestState:
         beside the verifier (a pre-draft) must not confuse with what is committed when it ends.
         """
         length, fingerprint = len(self.committed), self._hasher.of(self.committed)
+        prompt = self.request.prompt_token_ids
         try:
-            result = await call(view.prefix_sync(self.committed))
+            result = await call(view.prefix_sync(self.committed, prompt))
         except StaleBase:
             self.stats.cache_misses += 1
             view.forget()
-            result = await call(view.prefix_sync(self.committed[:length]))
+            result = await call(view.prefix_sync(self.committed[:length], prompt))
         view.confirm(length, fingerprint)
         return result
 

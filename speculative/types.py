@@ -39,6 +39,13 @@ class GrowingPrefixHash:
         self._state = hashlib.blake2b(digest_size=8)
         self.length, self.value = 0, EMPTY_PREFIX_HASH
 
+    def copy(self) -> "GrowingPrefixHash":
+        """A hasher at this one's state that grows on its own (the choices of one request
+        start from their prompt's, hashed once: 2.8 ms a choice at 128k tokens)."""
+        other = GrowingPrefixHash.__new__(GrowingPrefixHash)
+        other._state, other.length, other.value = self._state.copy(), self.length, self.value
+        return other
+
     def of(self, token_ids: list[int]) -> int:
         """prefix_hash(token_ids), where token_ids extends (or cuts) the list last passed."""
         if len(token_ids) < self.length:

@@ -271,3 +271,50 @@ def test_a_pool_call_is_refused_exactly_past_its_context_and_k():
     for committed, drafted, k in ((6, 3, 3), (4, 4, 3), (4, 0, 4)):
         with pytest.raises(ValueError):
             check(committed, drafted, k)
+
+
+def test_the_first_calls_of_choices_sharing_a_prompt_make_its_message_once(monkeypatch):
+    """Calls whose whole-prefix syncs share one tuple (a request's choices: their prompt)
+    copy one message of its ids, made once, instead of making it each (128 choices of a
+    128k-token prompt, two calls each: 1.1 s of the router's loop); every message is the
+    one made from scratch, byte for byte. A tuple of equal ids, or a sync that builds on a
+    known prefix, gets its own."""
+    made = []
+    real = pb.PrefixSync
+
+    def counting(*args, **fields):
+        made.append(len(fields.get("new_token_ids", ())))
+        return real(*args, **fields)
+
+    monkeypatch.setattr(wire, "SHARED_SYNCS", wire.SharedSyncs())
+    prompt = tuple(range(1, 5001))
+    sync = PrefixSync(0, EMPTY_PREFIX_HASH, prompt)
+    monkeypatch.setattr(pb, "PrefixSync", counting)
+    messages = []
+    for index in range(4):
+        greedy = SamplingParams(temperature=0.0)
+        messages.append(wire.propose_to_proto(ProposeCall(f"r-{index}", sync, 0, greedy, 0)))
+        messages.append(wire.score_to_proto(ScoreCall(f"r-{index}", sync, (), greedy, None, 0,
+                                                      len(prompt))))
+    assert sum(n for n in made if n == len(prompt)) == len(prompt)  # once, not 8 times
+    monkeypatch.setattr(pb, "PrefixSync", real)
+    whole = real(known_len=0, known_hash=EMPTY_PREFIX_HASH, new_token_ids=prompt)
+    for message in messages:
+        assert message.sync.SerializeToString() == whole.SerializeToString()
+    assert wire.sync_from_proto(messages[-1].sync) == sync
+    built_on = PrefixSync(5, 123, prompt)
+    assert wire.sync_to_proto(built_on) == real(known_len=5, known_hash=123,
+                                                new_token_ids=prompt)
+    assert wire.SHARED_SYNCS.ids(tuple(prompt[:-1]) + prompt[-1:]) is not \
+        wire.SHARED_SYNCS.ids(prompt)
+
+
+def test_shared_syncs_hold_the_last_few_long_prompts_only():
+    shared = wire.SharedSyncs(capacity=2, min_tokens=3)
+    assert shared.ids((1, 2)) is None  # short: made in place
+    prompts = [(i, 2, 3) for i in range(3)]
+    first = shared.ids(prompts[0])
+    assert shared.ids(prompts[0]) is first
+    shared.ids(prompts[1]), shared.ids(prompts[2])
+    assert len(shared.held) == 2 and shared.ids(prompts[0]) is not first
+    assert list(shared.ids(prompts[2]).new_token_ids) == [2, 2, 3]
