@@ -46,6 +46,7 @@ class ContinuousBatcher:
         self.key, self.linger = key, linger if key is not None else 0.0
         self.returning: set = set()  # requests answered by the last batch, not back yet
         self.ended: set = set()  # released since the last batch, or calls of them still wait
+        self.withdrawn: dict = {}  # request -> the answer its calls in the running batch get
         self.last_run_s = 0.0
         self.waiting: list[tuple[object, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
@@ -82,6 +83,7 @@ class ContinuousBatcher:
                     break
                 batch, self.waiting = live[:self.max_batch_size], live[self.max_batch_size:]
                 started, ran = time.perf_counter(), True
+                self.withdrawn = {}  # (what withdraw() says while this batch runs)
                 try:
                     answers = await self.run([call for call, _ in batch])
                 except Exception as error:  # the whole batch failed: every caller learns why
@@ -91,9 +93,12 @@ class ContinuousBatcher:
                     continue
                 finally:
                     self.last_run_s = time.perf_counter() - started
-                again = []
+                again, withdrawn, self.withdrawn = [], self.withdrawn, {}
                 for (call, future), answer in zip(batch, answers):
-                    if self.unfinished(answer):
+                    if self.unfinished(answer) and withdrawn and self.key(call) in withdrawn:
+                        if not future.done():  # cut short and withdrawn: it goes no further
+                            future.set_result(withdrawn[self.key(call)])
+                    elif self.unfinished(answer):
                         again.append((call, future))
                     elif not future.done():
                         future.set_result(answer)
@@ -140,10 +145,19 @@ class ContinuousBatcher:
             return set()
         return self.returning - {self.key(call) for call, _ in self.waiting}
 
+    def withdraw(self, key, answer) -> None:
+        """Answer `answer` to the calls of request `key` that wait (and to those of the
+        running batch that come back unfinished: a prefill cut short, a call of several
+        steps), so that none of them runs on (a request released before the cancels of its
+        calls came)."""
+        for call, future in self.waiting:
+            if self.key(call) == key and not future.done():
+                future.set_result(answer)
+        self.withdrawn[key] = answer
+
     def forget(self, key) -> None:
         """A request that ended (released) will not come back: never wait for it. Its calls
-        still waiting stay: a release may also come for a request that runs on (an
-        operator's, or a test's standing in for a lost replica), whose next calls rebuild."""
+        still waiting stay (withdraw answers them)."""
         self.returning.discard(key)
         if self.linger:  # nor once its calls queued or running now are answered
             self.ended.add(key)

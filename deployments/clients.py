@@ -22,7 +22,7 @@ import grpc
 from deployments import auth, wire
 from deployments.health import Throttle
 from deployments.limits import Limits, message_size_options
-from deployments.replica_stream import STREAMS, PoolError, ReplicaStream
+from deployments.replica_stream import STREAMS, BusyPoolError, PoolError, ReplicaStream
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import (
@@ -41,6 +41,8 @@ serve_log = logging.getLogger("ray.serve")
 # codes meaning "that replica is not there any more": try Serve's routing instead
 GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 RELEASE_TIMEOUT_S = 2.0
+# a release refused for want of room is tried again for as long as a busy call (busy_wait_s)
+RELEASE_BUSY_WAIT_S = 30.0
 RETRY_PAUSE_S, MAX_RETRY_PAUSE_S = 0.05, 0.8  # a GONE answer from the proxy, tried again
 # the largest answer a pool sends is a q (drafter) or a few ids (verifier): 64 MB covers a
 # dense float32 q over 33 positions of a 256k vocabulary; a router sizes its channels for its
@@ -164,7 +166,9 @@ class PoolClient:
     def release(self, request_id: str) -> None:
         """Send a Release in the background (bounded by RELEASE_TIMEOUT_S) and forget the
         pin at once; best effort: a lost release leaves a cache entry for the pool's LRU
-        and TTL to evict."""
+        and TTL to evict. One the pool refuses for want of room (its port at its concurrent
+        rpcs: a burst of Releases waiting for its worker) is tried again, after 50 ms
+        doubling to 0.8 s, for up to RELEASE_BUSY_WAIT_S."""
         address = self.pins.pop(request_id, None)
         route_key = self.routes.pop(request_id, request_id)
         task = asyncio.create_task(self._release(request_id, address, route_key))
@@ -173,17 +177,27 @@ class PoolClient:
 
     async def _release(self, request_id: str, address: str | None, route_key: str) -> None:
         message = pb.ReleaseRequest(request_id=request_id)
-        try:
-            if address is not None:
-                await self._stub(address).Release(message, timeout=RELEASE_TIMEOUT_S,
-                                                  metadata=auth.metadata())
-            else:
-                await self.proxy.Release(message, metadata=self.metadata(route_key),
-                                         timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as error:
-            log.debug("release of %s on %s: %s", request_id, self.application, error.code())
-            if address is not None and error.code() in GONE:
-                self._drop_unused_channel(address)
+        loop, pause = asyncio.get_running_loop(), RETRY_PAUSE_S
+        deadline = loop.time() + RELEASE_BUSY_WAIT_S
+        while True:
+            try:
+                if address is not None:
+                    await self._stub(address).Release(message, timeout=RELEASE_TIMEOUT_S,
+                                                      metadata=auth.metadata())
+                else:
+                    await self.proxy.Release(message, metadata=self.metadata(route_key),
+                                             timeout=RELEASE_TIMEOUT_S)
+                return
+            except grpc.aio.AioRpcError as error:
+                log.debug("release of %s on %s: %s", request_id, self.application,
+                          error.code())
+                if address is not None and error.code() in GONE:
+                    self._drop_unused_channel(address)
+                busy = isinstance(PoolError.of(self.application, error), BusyPoolError)
+                if not busy or loop.time() + pause > deadline:
+                    return
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, MAX_RETRY_PAUSE_S)
 
     def _drop_unused_channel(self, address: str) -> None:
         """Forget the channel to a replica a release found gone, unless a stream still uses

@@ -173,10 +173,13 @@ class PoolReplica:
 
     async def run_engine(self, run_batch, calls: list) -> list:
         """The batch's answers: on the event loop when it runs inline and the engine is
-        free, else on the worker."""
+        free, else on the worker, as is one that may close sessions (a TTL sweep due, an
+        eviction: a suffix drafter indexes each closed output, about 170 us a token)."""
         if self.runs_inline(calls) and self.engine_lock.acquire(blocking=False):
             try:
-                return self.engine_batch(run_batch, calls)
+                if not self.engine.sessions.may_close(calls[0].request_id,
+                                                      INLINE_MAX_TOKENS):
+                    return self.engine_batch(run_batch, calls)
             finally:
                 self.engine_lock.release()
         return await self.on_worker(self.engine_batch, run_batch, calls)
@@ -283,6 +286,10 @@ class PoolReplica:
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
+        # its calls still queued were given up, their cancels overtaken: run, a first call
+        # made the session again (held until the TTL sweep); a live caller rebuilds (exact)
+        self.batcher.withdraw(request.request_id,
+                              StaleBase(f"request {request.request_id!r} was released"))
         self.batcher.forget(request.request_id)
         self.sampling.forget(request.request_id)
         # shielded: a router past its release deadline (the worker busy with a long batch)

@@ -283,6 +283,18 @@ class SessionStore:
             tokens -= len(evicted.committed)
             self.stats.evictions += 1
 
+    def may_close(self, request_id: str, incoming: int) -> bool:
+        """Whether a call of the request that adds up to `incoming` committed tokens may
+        close sessions (a sweep due, or an eviction to keep the bounds): closing can cost
+        (a suffix drafter indexes the closed session's output)."""
+        sequences = self._sequences
+        if self.ttl_s is not None and sequences and \
+                next(iter(sequences.values())).last_used <= time.monotonic() - self.ttl_s:
+            return True
+        if request_id not in sequences and len(sequences) >= self.capacity:
+            return True
+        return self.max_tokens is not None and self.tokens + incoming > self.max_tokens
+
     def sweep(self) -> int:
         """Drop sessions idle longer than ttl_s (a release that never came); how many."""
         if self.ttl_s is None:

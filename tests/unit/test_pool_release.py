@@ -1,15 +1,19 @@
 """A released request leaves nothing on a pool replica: not when the router's release
 deadline passed while the worker was busy, not a call of several steps cut short between
-two of them."""
+two of them, not a call whose cancel the release overtook, not a burst of releases
+beyond the port's concurrent rpcs."""
 
 import asyncio
 import threading
 
-from deployments.pool_args import VerifierArgs
-from deployments.pools import VerifierPool
+from deployments.pool_args import DrafterArgs, VerifierArgs
+from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import prefix_hash
 from tests.unit.test_pool_replica import (  # noqa: F401
+    KEY,
+    direct,
     greedy_score,
     hold_engine,
     local_drafter,
@@ -72,6 +76,98 @@ def test_a_call_of_several_steps_cut_short_leaves_nothing_once_released():
         await replica.Release(release("s"))
         await until(lambda: replica.waiting == 0)
         assert not replica.engine.steps.running and replica.session_ids() == []
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_release_before_the_cancel_of_a_queued_call_leaves_no_session():
+    """The router gives a request up: its Release can reach the replica before the cancel
+    of its call still queued for the batcher (a pre-draft is cancelled after the release
+    is sent). That call, a first one, ran after the release and made the session again,
+    held until the TTL sweep; it is answered REBUILD instead and never runs."""
+    from tests.unit.test_pool_stream import CALLS
+
+    async def main():
+        replica = await local_drafter()
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            gate = await hold_engine(replica)
+            stream = stub.ProposeStream(metadata=KEY())
+            await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=1, call=CALLS[0])]))
+            await until(lambda: replica.waiting == 1)  # its batch waits for the worker
+            await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=2, call=CALLS[1])]))
+            await until(lambda: replica.waiting == 2)  # r2 waits in the batcher
+            releasing = asyncio.ensure_future(stub.Release(release("r2"), metadata=KEY()))
+            await asyncio.sleep(0.05)  # served: its own release waits for the worker
+            gate.set()
+            await releasing
+            await until(lambda: replica.waiting == 0)
+            await stream.write(pb.ProposeBatch(cancel=[2]))  # the cancel, too late
+            answers = {}
+            while len(answers) < 2:
+                answers.update({a.tag: a for a in (await stream.read()).answers})
+            stream.cancel()
+            assert answers[2].response.status == pb.REBUILD
+            assert replica.session_ids() == ["r1"]
+
+    asyncio.run(main())
+
+
+def test_a_release_during_a_cut_prefill_ends_it():
+    """A long prompt's prefill cut to the forward's token budget, its request released
+    between two chunks (the cancel of its call not there yet): the call went on, from an
+    empty session, prefilled the whole prompt again and kept the session made for it."""
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs(max_batch_tokens=64))
+        replica.runs_inline = lambda calls: False  # every batch on the worker
+        gate, cut, inner = threading.Event(), threading.Event(), replica.engine_batch
+
+        def engine_batch(run_batch, calls):  # the worker waits after the first chunk
+            answers = inner(run_batch, calls)
+            if not cut.is_set():
+                cut.set()
+                gate.wait()
+            return answers
+
+        replica.engine_batch = engine_batch
+        call = asyncio.ensure_future(replica.Score(greedy_score("p", 200)))
+        await until(cut.is_set)
+        releasing = asyncio.ensure_future(replica.Release(release("p")))
+        await asyncio.sleep(0.05)  # served: its own release waits for the worker
+        gate.set()
+        answer = await call
+        await releasing
+        await until(lambda: replica.waiting == 0)
+        assert answer.status == pb.REBUILD
+        assert replica.session_ids() == []
+        await replica.server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_releases_beyond_the_ports_concurrent_rpcs_are_tried_again():
+    """max_concurrent_rpcs bounds the port's rpcs, Releases among them: a burst of them
+    waiting for a busy worker (the choices of one request end together, placed on one
+    replica) filled it, and the rest were refused RESOURCE_EXHAUSTED and lost, their
+    sessions held until the TTL sweep (at the defaults: 64 of a burst of 100 landed)."""
+    from deployments.clients import PoolClient
+
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs(drafter="ngram",
+                                                               max_concurrent_rpcs=2))
+        ids = [f"r{i}" for i in range(6)]
+        for request_id in ids:
+            await replica.Propose(propose(request_id))
+        client = PoolClient(None, lambda channel: channel and pb_grpc.DrafterStub(channel),
+                            "drafter", 5.0, direct=True)
+        gate = await hold_engine(replica)  # a long batch: the releases wait for the worker
+        for request_id in ids:
+            client.pins[request_id] = replica.address
+            client.release(request_id)
+        await asyncio.sleep(0.2)  # two hold the port; the others were refused
+        gate.set()
+        await asyncio.gather(*client._releasing)
+        assert replica.session_ids() == []
         await replica.server.stop(None)
 
     asyncio.run(main())
