@@ -98,12 +98,21 @@ def test_a_release_before_the_cancel_of_a_queued_call_leaves_no_session():
             await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=2, call=CALLS[1])]))
             await until(lambda: replica.waiting == 2)  # r2 waits in the batcher
             releasing = asyncio.ensure_future(stub.Release(release("r2"), metadata=KEY()))
-            await asyncio.sleep(0.05)  # served: its own release waits for the worker
-            gate.set()
+            answers = {}
+
+            async def answered(tag):
+                while tag not in answers:
+                    answers.update({a.tag: a for a in (await stream.read()).answers})
+
+            # r2 answered by the release while the worker is held (without it, never: the
+            # bound only ends the wait, it decides nothing a correct pool could miss)
+            try:
+                await asyncio.wait_for(answered(2), 60)
+            finally:  # a failed wait leaves no worker held (the run would not end)
+                gate.set()
             await releasing
             await until(lambda: replica.waiting == 0)
             await stream.write(pb.ProposeBatch(cancel=[2]))  # the cancel, too late
-            answers = {}
             while len(answers) < 2:
                 answers.update({a.tag: a for a in (await stream.read()).answers})
             stream.cancel()
