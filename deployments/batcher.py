@@ -93,7 +93,7 @@ class ContinuousBatcher:
                     continue
                 finally:
                     self.last_run_s = time.perf_counter() - started
-                again, withdrawn, self.withdrawn = [], self.withdrawn, {}
+                again, withdrawn = [], self.withdrawn
                 for (call, future), answer in zip(batch, answers):
                     if self.unfinished(answer) and withdrawn and self.key(call) in withdrawn:
                         if not future.done():  # cut short and withdrawn: it goes no further

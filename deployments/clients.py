@@ -22,9 +22,11 @@ import grpc
 from deployments import auth, wire
 from deployments.health import Throttle
 from deployments.limits import Limits, message_size_options
-from deployments.replica_stream import STREAMS, BusyPoolError, PoolError, ReplicaStream
+from deployments.replica_stream import STREAMS, PoolError, ReplicaStream
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from speculative.busy import retried_while_busy
+from speculative.stats import SpecStats
 from speculative.types import (
     DraftBlock,
     PoolUnavailable,
@@ -167,8 +169,8 @@ class PoolClient:
         """Send a Release in the background (bounded by RELEASE_TIMEOUT_S) and forget the
         pin at once; best effort: a lost release leaves a cache entry for the pool's LRU
         and TTL to evict. One the pool refuses for want of room (its port at its concurrent
-        rpcs: a burst of Releases waiting for its worker) is tried again, after 50 ms
-        doubling to 0.8 s, for up to RELEASE_BUSY_WAIT_S."""
+        rpcs: a burst of Releases waiting for its worker) is tried again, as a busy call is
+        (speculative.busy), for up to RELEASE_BUSY_WAIT_S."""
         address = self.pins.pop(request_id, None)
         route_key = self.routes.pop(request_id, request_id)
         task = asyncio.create_task(self._release(request_id, address, route_key))
@@ -177,9 +179,8 @@ class PoolClient:
 
     async def _release(self, request_id: str, address: str | None, route_key: str) -> None:
         message = pb.ReleaseRequest(request_id=request_id)
-        loop, pause = asyncio.get_running_loop(), RETRY_PAUSE_S
-        deadline = loop.time() + RELEASE_BUSY_WAIT_S
-        while True:
+
+        async def once() -> None:
             try:
                 if address is not None:
                     await self._stub(address).Release(message, timeout=RELEASE_TIMEOUT_S,
@@ -187,17 +188,17 @@ class PoolClient:
                 else:
                     await self.proxy.Release(message, metadata=self.metadata(route_key),
                                              timeout=RELEASE_TIMEOUT_S)
-                return
             except grpc.aio.AioRpcError as error:
                 log.debug("release of %s on %s: %s", request_id, self.application,
                           error.code())
                 if address is not None and error.code() in GONE:
                     self._drop_unused_channel(address)
-                busy = isinstance(PoolError.of(self.application, error), BusyPoolError)
-                if not busy or loop.time() + pause > deadline:
-                    return
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, MAX_RETRY_PAUSE_S)
+                raise PoolError.of(self.application, error) from None
+
+        try:  # a refusal for want of room (BusyPoolError) is waited out, as a busy call's
+            await retried_while_busy(RELEASE_BUSY_WAIT_S, SpecStats(), once)
+        except PoolError:
+            pass
 
     def _drop_unused_channel(self, address: str) -> None:
         """Forget the channel to a replica a release found gone, unless a stream still uses

@@ -288,8 +288,7 @@ class SessionStore:
         close sessions (a sweep due, or an eviction to keep the bounds): closing can cost
         (a suffix drafter indexes the closed session's output)."""
         sequences = self._sequences
-        if self.ttl_s is not None and sequences and \
-                next(iter(sequences.values())).last_used <= time.monotonic() - self.ttl_s:
+        if self._expired(time.monotonic()):
             return True
         if request_id not in sequences and len(sequences) >= self.capacity:
             return True
@@ -297,14 +296,16 @@ class SessionStore:
 
     def sweep(self) -> int:
         """Drop sessions idle longer than ttl_s (a release that never came); how many."""
-        if self.ttl_s is None:
-            return 0
-        expired = time.monotonic() - self.ttl_s
-        dropped = 0
-        while self._sequences and next(iter(self._sequences.values())).last_used <= expired:
+        now, dropped = time.monotonic(), 0
+        while self._expired(now):
             self._sequences.popitem(last=False)[1].close()
             dropped += 1
         return dropped
+
+    def _expired(self, now: float) -> bool:
+        """Whether the least recently used session has idled past ttl_s (sweep's next)."""
+        return self.ttl_s is not None and bool(self._sequences) and \
+            next(iter(self._sequences.values())).last_used <= now - self.ttl_s
 
     def release(self, request_id: str) -> None:
         """Forget the request; its cache's units are kept for its prefix until needed."""
