@@ -38,7 +38,7 @@ def served(name: str, engine: str):
 
 def full_logits(model, ids):
     with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0]
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0]
 
 
 def sync(known, new):

@@ -1,5 +1,7 @@
 """engine.graphs on a CPU: the bucketed forward that a GPU records as CUDA graphs, run eagerly
-(capture=False), against fresh forwards of each request's own tokens.
+(capture=False), against fresh forwards of each request's own tokens. Where CUDA is there
+(`pytest tests/unit/test_graphs.py` on a GPU machine), the `cuda` cases run the same checks
+with the graphs recorded and replayed, and captures that really fail.
 
 The bugs to catch: padding (rows, tokens, keys) leaking into a request's logits, a padding
 write landing in the zero block or in a request's own blocks, a rolled-back cache whose
@@ -9,6 +11,7 @@ later blocks overflow its bucket's table, and a sliding window lost in the devic
 import contextlib
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import graphs
@@ -20,10 +23,18 @@ from engine.runner import serving_runner
 from tests.unit.test_batch import ATOL, MODELS, batched_rounds_error, full_logits, served, sync
 
 
-def bucketed(name: str, block_size: int = 16):
-    runner = serving_runner(MODELS[name](), "paged", "paged", kv_cache_tokens=4096,
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a real capture: CUDA only")
+
+
+def bucketed(name: str, block_size: int = 16, device: str = "cpu"):
+    """The named tiny model's paged runner with its bucketed forward: run eagerly on a CPU,
+    recorded and replayed on CUDA (as a pool there)."""
+    runner = serving_runner(MODELS[name]().to(device), "paged", "paged", kv_cache_tokens=4096,
                             block_size=block_size)
-    runner.graphs = GraphedForward(runner.lean, capture=False)
+    if device == "cpu":
+        runner.graphs = GraphedForward(runner.lean, capture=False)
+    assert runner.graphs.capture == (device != "cpu")
     return runner
 
 
@@ -32,11 +43,12 @@ def zero_block_is_zero(runner) -> bool:
     return not pool.keys[:, :size].any() and not pool.values[:, :size].any()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
-def test_the_bucketed_forward_equals_each_request_alone(name):
+def test_the_bucketed_forward_equals_each_request_alone(name, device):
     """Four requests of 1-4 drafts each (tokens padded to the longest), the sliding-window
     models' keys past their window; the prompts' forwards are too long for a bucket."""
-    runner = bucketed(name)
+    runner = bucketed(name, device=device)
     assert batched_rounds_error(runner) < ATOL
     assert runner.graphs.recorded, "no round ran bucketed"
     assert zero_block_is_zero(runner)
@@ -62,10 +74,11 @@ def verify_rounds(runner, store, prompts, rounds) -> float:
     return worst
 
 
-def test_padding_rows_and_a_rolled_back_cache_keep_every_request_exact():
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_rows_and_a_rolled_back_cache_keep_every_request_exact(device):
     """Three requests (a fourth row of padding); one of them holds 17 blocks after a 9-token
     verify, then rolls back to 251 positions: its bucket's table has room for 16."""
-    runner, store = bucketed("llama"), SessionStore(8)
+    runner, store = bucketed("llama", device=device), SessionStore(8)
     prompts = [[(5 * i) % 60 + 1 for i in range(250)], [3, 1, 4], [2, 7, 1, 8]]
     rounds = [[[7] * 8, [5], [6, 6]],  # r0: 9 new tokens, its cache to 259 positions
               [[9], [4, 4, 4], []]]  # r0 rolled back to 251 positions: 2 new tokens
@@ -78,19 +91,22 @@ def test_padding_rows_and_a_rolled_back_cache_keep_every_request_exact():
         runner.pool.refs[runner.graphs.scratch] == 1  # never handed out
 
 
-def test_a_full_bucket_returns_each_request_its_own_logits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_full_bucket_returns_each_request_its_own_logits(device):
     """Two requests of three drafts each: every row and token of the bucket is wanted."""
-    runner = bucketed("mistral-sliding")
+    runner = bucketed("mistral-sliding", device=device)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
     rounds = [[[1, 2, 3], [4, 5, 6]], [[7, 7, 7], [8, 8, 8]]]
     assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
     assert (2, 4, 256) in runner.graphs.recorded
 
 
-def test_an_eager_batch_past_the_graphs_buffers_grows_its_own_and_voids_no_graph():
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_eager_batch_past_the_graphs_buffers_grows_its_own_and_voids_no_graph(device):
     """A replay reaches the gather buffers by address: an eager batch longer than they hold
     grows buffers of its own (by a quarter at least), and every bucket stays recorded."""
-    runner, prompts, rounds = bucketed("llama"), [[3, 1, 4], [2, 7, 1, 8]], [[[1], [2, 2]]]
+    runner, prompts, rounds = bucketed("llama", device=device), [[3, 1, 4], [2, 7, 1, 8]], \
+        [[[1], [2, 2]]]
     assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
     first, attention = runner.graphs.recorded[(2, 3, 256)], runner.lean.attention
     assert attention.buffers(MAX_SLOTS) is runner.graphs.gathered  # lent where they suffice
@@ -110,8 +126,9 @@ def test_a_bucket_pads_a_rows_keys_by_less_than_256_or_at_most_a_quarter():
                for k in range(1, 9000))
 
 
-def test_a_block_size_that_does_not_divide_256_keeps_whole_blocks_in_a_bucket():
-    runner = bucketed("llama", block_size=48)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_block_size_that_does_not_divide_256_keeps_whole_blocks_in_a_bucket(device):
+    runner = bucketed("llama", block_size=48, device=device)
     prompts = [[(5 * i) % 60 + 1 for i in range(250)], [3, 1, 4]]
     assert verify_rounds(runner, SessionStore(4), prompts, [[[7] * 8, [5]], [[9], [4]]]) < ATOL
     assert {keys % 48 for _, _, keys in runner.graphs.recorded} == {0}
@@ -123,8 +140,6 @@ def test_a_failed_capture_leaves_its_batch_and_bucket_to_the_eager_forward(monke
     the bucket is never tried again; after a failure other than for memory (a host sync),
     no bucket not yet recorded is tried either, and those recorded keep replaying. The
     first bucket's capture succeeds (a stand-in graph that runs the bucket's work)."""
-    import torch
-
     runner = bucketed("llama")
     tries, replays = [], []
 
@@ -156,12 +171,41 @@ def test_a_failed_capture_leaves_its_batch_and_bucket_to_the_eager_forward(monke
         assert tries == [(1, 3, 256), (1, 4, 256)]
 
 
+@ON_CUDA
+@pytest.mark.parametrize("error", ["host-sync", "out-of-memory"])
+def test_a_capture_that_really_fails_leaves_its_batch_to_the_eager_forward(monkeypatch, error):
+    """The same with real captures: the bucket of 4 new tokens reads a logit back to the host
+    inside its capture (CUDA invalidates the capture) or asks for 32 TiB there (torch's
+    OutOfMemoryError). Every batch still gets its logits, then again from the graphs that
+    were recorded, and the thread is back on its own stream."""
+    work = graphs.Recorded.work
+
+    def failing(self):
+        logits = work(self)
+        if torch.cuda.is_current_stream_capturing() and self.bucket.new == 4:
+            if error == "host-sync":
+                float(logits.sum())
+            else:
+                torch.empty(1 << 45, dtype=torch.uint8, device=logits.device)
+        return logits
+
+    monkeypatch.setattr(graphs.Recorded, "work", failing)
+    runner, stream = bucketed("llama", device="cuda"), torch.cuda.current_stream()
+    prompts = [[3, 1, 4], [2, 7, 1, 8], [5, 9, 2]]  # alone: buckets (1, 3), (1, 4), (1, 3)
+    rounds = [[[1], [2, 2], [3]], [[5, 5, 5, 5], [6], [7]]]  # (4, 3), then (4, 5)
+    for _ in range(2):  # the second time from the graphs the first recorded
+        assert verify_rounds(runner, SessionStore(4), prompts, rounds) < ATOL
+    assert torch.cuda.current_stream() == stream
+    assert runner.graphs.eager == {(1, 4, 256)}
+    assert runner.graphs.failed == (error == "host-sync")  # a host sync: no more recording
+    assert set(runner.graphs.recorded) == ({(1, 3, 256)} if error == "host-sync" else
+                                           {(1, 3, 256), (4, 3, 256), (4, 5, 256)})
+
+
 def test_a_capture_that_fails_at_its_end_restores_the_threads_stream(monkeypatch):
     """torch.cuda.graph restores the stream only after a clean end: recorded() puts it back
     (CUDA's calls stood in for, on a CPU); the capture runs on a stream of the graph's own
     device."""
-    import torch
-
     calls = []
 
     class Capture:
@@ -210,9 +254,10 @@ def test_the_scratch_block_is_out_of_the_pools_capacity():
     assert runner.pool.max_tokens == before - runner.pool.block_size
 
 
-def test_the_zero_block_check_catches_padding_written_into_block_0():
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_zero_block_check_catches_padding_written_into_block_0(device):
     """The mutant: padding's keys and values into block 0 instead of a scratch block."""
-    runner = bucketed("llama")
+    runner = bucketed("llama", device=device)
     runner.graphs.scratch = 0
     verify_rounds(runner, SessionStore(4), [[3, 1, 4], [2, 7, 1, 8], [5, 5]], [[[1], [2], []]])
     assert not zero_block_is_zero(runner)
@@ -237,17 +282,17 @@ def test_batches_outside_every_bucket_run_eager():
 def test_cudnns_attention_is_kept_out_on_cuda_only():
     """Its plans are per shape (keys' length included): eager batches would build one per
     forward (engine.runner.keep_attention_kernels)."""
-    import torch
-
     from engine.runner import keep_attention_kernels
 
+    before = torch.backends.cuda.cudnn_sdp_enabled()  # off where a CUDA runner was made
     try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
         keep_attention_kernels(torch.device("cpu"))
         assert torch.backends.cuda.cudnn_sdp_enabled()
         keep_attention_kernels(torch.device("cuda", 0))
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def test_every_lean_runner_keeps_its_devices_attention_kernels(monkeypatch):
