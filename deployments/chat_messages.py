@@ -39,6 +39,8 @@ class ChatMessage(BaseModel):
     content: str | None = None  # None only beside an assistant's tool_calls
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=256)  # a tool result's call
+    # OpenAI's participant's name, handed to the template as vLLM hands it (it may write it)
+    name: str | None = Field(default=None, max_length=256)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -58,11 +60,11 @@ class ChatMessage(BaseModel):
             raise ValueError("content is required (it may be null only beside tool_calls)")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        texts = [self.tool_call_id or ""]
+        texts = [self.tool_call_id or "", self.name or ""]
         for call in self.tool_calls or ():
             texts += [call.function.name, call.function.arguments]
         for text in texts:
-            encodable(text, "tool_calls and tool_call_id")
+            encodable(text, "name, tool_calls and tool_call_id")
         return self
 
     def for_template(self) -> dict:
@@ -71,4 +73,6 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message

@@ -197,7 +197,9 @@ class Choices:
             chunks, finish_reason = [], generation.finish_reason
             if held is not None:
                 content, calls = self.tools.read_calls(generation.text)
-                if rest := held.rest(content):  # held back, and content after all
+                # held back, and content after all (an empty output's "" too: the role's
+                # chunk carried none)
+                if (rest := held.rest(content)) or content == "":
                     chunks.append(delta_text(generation, rest, json_text))
                 if calls:
                     chunks.append(chunk(None, generation=generation, encode=json_text,
@@ -213,8 +215,9 @@ class Choices:
         # the prompt's ids (return_token_ids): a chat's on its first chunk, as vLLM's; a
         # completion's beside its token_ids on its last (a first chunk is its first text)
         prompt_ids = self.prompt_ids(index)
-        if self.chat:
-            await queue.put(chunk("", role="assistant", prompt_token_ids=prompt_ids))
+        if self.chat:  # with tools, no content yet: a message of calls has none (null)
+            await queue.put(chunk("" if held is None else None, role="assistant",
+                                  prompt_token_ids=prompt_ids))
         generation = await self.run_choice(index, push)
         # off the event loop: all from a `<tool_call>` on was held, its tokens' logprobs too
         for text in await self.off_loop(ending, generation):

@@ -41,14 +41,16 @@ MAX_TOOL_CALLS = MAX_MESSAGES
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
-# vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace),
-# each of which changes the answer or what it carries, and the values that ask for nothing
-# (vLLM's defaults, as this server behaves): any other is refused
+# vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
+# and its audio output), each of which changes the answer or what it carries, and the
+# values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
             "use_beam_search": (None, False), "chat_template_kwargs": (None, {}),
             "chat_template": (None,), "documents": (None, []),
             "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
-            "functions": (None, [])}
+            "functions": (None, []), "logits_processors": (None, []),
+            "prompt_embeds": (None,), "structural_tag": (None,),
+            "modalities": (None, ["text"]), "audio": (None,)}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 
 
@@ -158,6 +160,11 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
+    # OpenAI's completions' echo (the prompt before the output; vLLM's chat's: the last
+    # message's text, if the assistant's) and best_of beyond n (vLLM's chat's too): refused
+    # rather than ignored, as each changes the answer
+    echo: bool = False
+    best_of: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -175,6 +182,20 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"{unserved[0]}: {value} is not supported by this server")
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("echo", "suffix", check_fields=False)  # suffix: completions'
+    @classmethod
+    def unsupported(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def best_of_n(cls, value, info):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of is not supported beyond n (each choice is returned)")
+        return value
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -273,10 +294,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True  # extension (as vLLM): a text prompt gets BOS and the like
-    # OpenAI's, not supported: refused rather than ignored, as each changes the answer
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: str | None = None  # OpenAI's, refused rather than ignored (as echo: above)
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
@@ -287,20 +305,6 @@ class CompletionRequest(SamplingFields):
         # a count, yet clients send chat's boolean: false (JSON's, an int to pydantic as 0)
         # would ask for every token's logprob
         return None if value is False else value
-
-    @field_validator("echo", "suffix")
-    @classmethod
-    def unsupported(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is not supported")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def best_of_n(cls, value, info):
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("best_of is not supported beyond n (each choice is returned)")
-        return value
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -245,10 +245,13 @@ class PromptReader:
 
 def chat_texts(body) -> list[str]:
     """The texts a chat request brings into its prompt: contents, calls' arguments, tools."""
-    texts = [m.content or "" for m in body.messages]
+    texts = [(m.content or "") + (m.name or "") for m in body.messages]
     texts += [call.function.arguments for m in body.messages for call in m.tool_calls or ()]
     if body.tools:
-        texts.append(json.dumps([tool.model_dump() for tool in body.tools]))
+        try:
+            texts.append(json.dumps([tool.model_dump() for tool in body.tools]))
+        except RecursionError:  # a schema the body's parser read, a few frames shallower
+            raise BadRequest("tools: a schema is nested too deeply", param="tools") from None
     return texts
 
 
@@ -264,13 +267,14 @@ def special_pattern(tokenizer) -> re.Pattern | None:
 
 def check_special_texts(body, pattern: re.Pattern | None) -> None:
     """BadRequest naming the field when a text the template renders outside a message's
-    content (a call's name or arguments, a tool's description or schema) holds a special
-    token's text: it would become the token."""
+    content (its name, a call's name or arguments, a tool's description or schema) holds a
+    special token's text: it would become the token."""
     if pattern is None:
         return
     fields = []
     for index, message in enumerate(body.messages):
         fields.append((f"messages[{index}].tool_call_id", message.tool_call_id or ""))
+        fields.append((f"messages[{index}].name", message.name or ""))
         for at, call in enumerate(message.tool_calls or ()):
             # as the template gets them too: arguments parsed, so an escape (\u003c) in
             # their JSON is the character that a template's tojson writes out

@@ -116,6 +116,28 @@ def test_a_special_tokens_text_outside_a_messages_content_is_refused(reader, fie
     assert refused.value.param == param and refused.value.status == 400
 
 
+NAMED = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + "
+         "(' ' + message.name if message.name else '') + '\\n' + message.content + "
+         "'<|im_end|>\\n' }}{%- endfor %}")
+
+
+def test_a_messages_name_reaches_the_template_as_vllm_passes_it(reader):
+    """OpenAI's `name` of a participant: vLLM hands it to the chat template, which may write
+    it (dropped, two speakers of one role would read as one)."""
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.chat_template = NAMED
+    named = reader_of(tokenizer)
+    messages = [{"role": "user", "content": "hello", "name": "answer"},
+                {"role": "user", "content": "world"}]
+    text = tokenizer.decode(prompt_ids(named, messages))
+    assert text.startswith("<|im_start|>user answer\nhello") and "user\nworld" in text
+    body = ChatCompletionRequest(messages=messages)
+    assert body.messages[1].for_template() == {"role": "user", "content": "world"}
+    with pytest.raises(BadRequest) as refused:  # written outside the content: the token
+        prompt_ids(named, [{"role": "user", "content": "a", "name": "x<|im_end|>"}])
+    assert refused.value.param == "messages[0].name"
+
+
 def test_without_max_tokens_a_chat_may_use_the_rest_of_the_context_a_completion_16(reader):
     """OpenAI's defaults: a chat completion runs to the end of its turn or of the context; a
     completion stops at 16 tokens (the router's default_max_tokens)."""

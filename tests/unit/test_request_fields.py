@@ -61,13 +61,38 @@ def test_what_changes_nothing_passes():
     ("prompt_logprobs", 0), ("use_beam_search", True),
     ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"),
     ("documents", [{"title": "t", "text": "x"}]), ("return_tokens_as_token_ids", True),
-    ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}])])
+    ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}]),
+    ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),
+    ("structural_tag", '{"structures": []}'), ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"})])
 def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, value):
     """Each changes the answer or what it carries (a prompt_logprobs of 0 asks for each
     prompt token's logprob; vLLM refuses an empty allowed_token_ids; OpenAI's deprecated
-    `functions` ask for a function_call, which tools now give)."""
+    `functions` ask for a function_call, which tools now give; vLLM refuses
+    logits_processors and prompt_embeds unless its server enables them; OpenAI's audio
+    output comes with the text)."""
     with pytest.raises(ValidationError, match=f"{field}: .* is not supported"):
         ChatCompletionRequest(messages=CHAT, **{field: value})
+    with pytest.raises(ValidationError, match=f"{field}: .* is not supported"):
+        CompletionRequest(prompt="x", **{field: value})
+
+
+def test_the_defaults_of_the_fields_refused_pass():
+    assert ChatCompletionRequest(messages=CHAT, logits_processors=[], modalities=["text"],
+                                 audio=None, structural_tag=None, echo=False).n == 1
+    assert CompletionRequest(prompt="x", logits_processors=None, prompt_embeds=None).n == 1
+
+
+@pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+                                           ({"best_of": 3, "n": 2}, "best_of")])
+def test_chats_echo_and_best_of_are_refused_as_a_completions_are(fields, param):
+    """vLLM's chat echo puts the last message's text (the assistant's, when the client began
+    the reply) before the output, and returns the prompt's logprobs; its chat's best_of
+    returned the likeliest n of best_of: ignored, the client would get another answer."""
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest(messages=CHAT, **fields)
+    assert refused.value.errors()[0]["loc"] == (param,)
+    assert ChatCompletionRequest(messages=CHAT, echo=False, best_of=2, n=2).n == 2
 
 
 def test_min_p_reaches_the_sampling_parameters_as_vllm_takes_it():
@@ -150,6 +175,23 @@ def test_a_body_nested_too_deeply_is_a_400(depth):
         assert depth == 2000 and error.status == 400 and "nested" in str(error)
     else:
         assert depth == 100 and parsed.prompt == "x"
+
+
+def test_a_tool_schema_nested_past_the_encoders_depth_is_a_400_naming_tools():
+    """The parser reads a body a few frames shallower than the prompt's size check encodes
+    its tools: a schema nested within that margin (977 deep, where the parser stops at 979)
+    passed the one and exhausted the other, a 500. Here nested past the encoder's depth."""
+    deep = {}
+    for _ in range(1200):  # a body's parser stops short of this: built, then validated
+        deep = {"a": deep}
+    body = ChatCompletionRequest.model_validate({"messages": CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": deep}}}}]})
+    reader = PromptReader.__new__(PromptReader)  # its checks of sizes alone
+    reader.vocab_size, reader.max_prompt_bytes = 16, 1 << 20
+    with pytest.raises(BadRequest) as refused:
+        reader.check_prompt_bytes(body, chat=True)
+    assert refused.value.status == 400 and refused.value.param == "tools"
 
 
 @pytest.mark.parametrize("prompt, prompts", [

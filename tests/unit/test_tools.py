@@ -322,11 +322,11 @@ def test_held_content_costs_each_delta_its_own_length():
 
 def fan_out(text: str, tools: dict):
     """A request whose output is `text`, five characters a token (token 10 + j decodes to
-    the text's j-th five)."""
+    the text's j-th five; an empty text is token 0, a stop id)."""
     width, prompt = 5, (2, 3)
     tokens = -(-len(text) // width)
     plan = RequestFrontEnd().plan("chatcmpl-t", prompt, SamplingParams(
-        temperature=0.0, max_tokens=tokens), n=1)
+        temperature=0.0, max_tokens=max(tokens, 1)), n=1, stop_token_ids=(0,))
     engine = Scripted(list(range(10, 10 + tokens)), miss=tokens + 1, prompt_len=len(prompt))
 
     def decode(ids):
@@ -361,6 +361,33 @@ def test_a_streamed_choice_carries_the_calls_and_content_of_the_whole_one(text):
     assert all(c["index"] == i and c["id"].startswith("call_") for i, c in enumerate(calls))
     assert deltas[-1]["finish_reason"] == whole["finish_reason"]
     assert whole["finish_reason"] == ("tool_calls" if calls else "length")
+
+
+@pytest.mark.parametrize("text", [CALL, "Checking. " + CALL, "no call <tool_call>{oops}",
+                                  "plain", ""])
+def test_the_openai_clients_accumulated_stream_is_the_whole_message(text):
+    """The openai package rebuilds a stream's message from its deltas: a message of calls
+    alone had content "" there (the role's chunk carried "") and null in the whole answer,
+    as OpenAI sends it; an empty output is "" in both."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    whole = ChatCompletion.model_validate(
+        asyncio.run(fan_out(text, {"tools": TOOLS}).complete())).choices[0]
+
+    async def collect():
+        return [e async for e in fan_out(text, {"tools": TOOLS}).events()]
+
+    state = ChatCompletionStreamState()
+    for event in asyncio.run(collect())[:-1]:
+        state.handle_chunk(ChatCompletionChunk.model_validate_json(event[len("data: "):]))
+    streamed = state.current_completion_snapshot.choices[0]
+    assert streamed.message.content == whole.message.content
+    assert [(c.id[:5], c.function.name, c.function.arguments)
+            for c in streamed.message.tool_calls or []] == \
+        [(c.id[:5], c.function.name, c.function.arguments)
+         for c in whole.message.tool_calls or []]
+    assert streamed.finish_reason == whole.finish_reason
 
 
 def test_a_streamed_choices_held_end_is_read_off_the_event_loop(monkeypatch):
