@@ -239,20 +239,26 @@ class SamplingFields(BaseModel):
                              f"most {MAX_STOP_CHARS} characters")
         return [encodable(s, "stop") for s in stops]
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, defaults: dict | None = None
+                 ) -> SamplingParams:
         """The request's sampling parameters, with its own seed (each choice's is derived
-        from it: speculative.frontend)."""
+        from it: speculative.frontend); `defaults`: the values of the fields it left unset
+        (or null) where the target's generation_config.json recommends them."""
+        given = {name: getattr(self, name) for name in ("temperature", "top_k", "top_p",
+                                                        "min_p", "repetition_penalty")}
+        given.update({name: value for name, value in (defaults or {}).items()
+                      if name not in self.model_fields_set})
         max_tokens = self.max_tokens_or(default_max_tokens)
-        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        temperature = given["temperature"] if given["temperature"] >= MIN_TEMPERATURE else 0.0
         seed = None if self.seed is None else self.seed % 2**64  # int64 -> its bits, unsigned
-        return SamplingParams(temperature=temperature, top_k=max(self.top_k, 0),
-                              top_p=self.top_p, min_p=self.min_p, seed=seed,
+        return SamplingParams(temperature=temperature, top_k=max(given["top_k"], 0),
+                              top_p=given["top_p"], min_p=given["min_p"], seed=seed,
                               max_tokens=max_tokens,
                               stop=tuple(self.stop or ()),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty,
+                              repetition_penalty=given["repetition_penalty"],
                               logprobs=self.top_logprobs_asked(),
                               logit_bias=tuple(sorted((self.logit_bias or {}).items())),
                               min_tokens=self.min_tokens)

@@ -5,18 +5,24 @@ parameters with max_tokens settled, the stop token ids."""
 import asyncio
 import functools
 import json
+import logging
 import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from pydantic import ValidationError
+
 from deployments.ingress import BadRequest
+from deployments.openai_api import SamplingFields
 from deployments.router_args import RouterArgs
 from deployments.tools import CALL_CLOSE, CALL_OPEN, ToolError, check_forced, check_tools
-from engine.checkpoint import (Checkpoint, context_limit, end_token_ids, reported_stop_ids,
-                               stop_token_ids)
+from engine.checkpoint import (Checkpoint, context_limit, end_token_ids, recommended_sampling,
+                               reported_stop_ids, stop_token_ids)
 from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
+
+log = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ class PromptReader:
         self.end_ids = end_token_ids(args.model, tokenizer)
         self.max_prompt_bytes = args.max_prompt_bytes
         self.default_max_tokens = args.default_max_tokens
+        self.sampling_defaults = {} if args.generation_config == "vllm" else \
+            recommended_defaults(args.model, target.vocab_size)
         # tokenizing is CPU work: off the event loop, one at a time (a fast tokenizer is not
         # safe to share between threads)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -46,7 +54,7 @@ class PromptReader:
         # completions default to OpenAI's 16 tokens; chat may use the rest of the context
         default = self.default_max_tokens if not chat else limit - len(prompt_ids)
         default = min(default, limit - len(prompt_ids))
-        sampling = body.sampling(default)
+        sampling = body.sampling(default, self.sampling_defaults)
         # the field the client gave (OpenAI's newer one is read first)
         named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         if body.min_tokens > sampling.max_tokens:
@@ -241,6 +249,28 @@ class PromptReader:
         except Exception as error:  # a template may raise on roles or order it rejects
             raise BadRequest(f"the model's chat template rejected the messages: "
                              f"{str(error)[:200]}", param="messages") from None
+
+
+def recommended_defaults(model: str, vocab_size: int) -> dict:
+    """The target's generation_config.json's sampling settings (vLLM's defaults for a
+    request that leaves them unset), checked as a request's fields are: a checkpoint whose
+    settings no request could give fails at start, naming them."""
+    defaults = recommended_sampling(model)
+    try:
+        SamplingFields.model_validate(defaults)
+        problems = [] if defaults.get("top_k", 0) <= vocab_size else \
+            [f"top_k: above the vocabulary size ({vocab_size})"]
+    except ValidationError as error:
+        problems = [f"{e['loc'][0]}: {e['msg']}" for e in error.errors()]
+    if problems:
+        raise ValueError(f"{model}'s generation_config.json recommends sampling settings a "
+                         f"request could not give ({'; '.join(problems)}); set the router's "
+                         "generation_config to \"vllm\" to leave them unused")
+    if defaults:
+        log.warning("requests that leave them unset sample with the target's "
+                    "generation_config.json's %s (generation_config: vllm for OpenAI's "
+                    "defaults)", defaults)
+    return defaults
 
 
 def chat_texts(body) -> list[str]:

@@ -110,6 +110,10 @@ class RouterArgs(BaseModel):
     # `draft_confidence`, 0 = off, by default). At most 0.999: the wire's float32 rounds
     # what is closer to 1 up to 1, which a drafter refuses
     draft_confidence: Annotated[float, Field(ge=0, le=0.999)] | Literal["auto"] | None = None
+    # "auto" (as vLLM's --generation-config): a request that leaves temperature, top_p,
+    # top_k, min_p or repetition_penalty unset gets the target's generation_config.json's
+    # (checked at start); "vllm": OpenAI's neutral defaults whatever the checkpoint says
+    generation_config: Literal["auto", "vllm"] = "auto"
     # completions without max_tokens (OpenAI's default); chat without max_tokens may use
     # the rest of the context, as vLLM's does
     default_max_tokens: int = Field(default=16, ge=1)

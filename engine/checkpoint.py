@@ -91,6 +91,24 @@ def end_token_ids(path: str, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
+# the sampling settings a checkpoint's generation_config.json may recommend, as vLLM reads
+# them (its --generation-config auto); its max_new_tokens is left out: a request's length
+# is the request's (or the router's default_max_tokens)
+RECOMMENDED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def recommended_sampling(path: str) -> dict:
+    """The sampling settings the checkpoint's generation_config.json sets, {} without one
+    (Llama-3.1-Instruct's: temperature 0.6, top_p 0.9)."""
+    from transformers import GenerationConfig
+
+    try:
+        given = GenerationConfig.from_pretrained(path).to_diff_dict()
+    except OSError:  # no generation_config.json
+        return {}
+    return {name: given[name] for name in RECOMMENDED_SAMPLING if given.get(name) is not None}
+
+
 def stop_token_ids(end_ids, requested=(), ignore_eos: bool = False) -> tuple[int, ...]:
     """A request's stop ids: the checkpoint's end tokens unless ignore_eos, plus its own."""
     return tuple(dict.fromkeys((() if ignore_eos else tuple(end_ids)) + tuple(requested)))

@@ -27,6 +27,7 @@ SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 def reader_of(tokenizer) -> PromptReader:
     reader = PromptReader.__new__(PromptReader)  # its tokenizing alone
     reader.tokenizer, reader.vocab_size, reader.context_limit = tokenizer, 400, 1000
+    reader.sampling_defaults = {}  # a target without recommended sampling settings
     return reader
 
 
