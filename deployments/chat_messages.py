@@ -19,6 +19,11 @@ def encodable(text: str, field: str) -> str:
 
 
 
+# the kinds of content part that carry text, and where: OpenAI's text part, and the
+# refusal part of an assistant's earlier answer sent back (vLLM reads its text too)
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 def joined_parts(content):
     """OpenAI's array form of a message's content as one text: its text parts joined by
     newlines, as vLLM joins them (ValueError for any other kind of part)."""
@@ -27,10 +32,12 @@ def joined_parts(content):
     texts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        text = part.get(TEXT_PARTS[kind]) if kind in TEXT_PARTS else None
+        if not isinstance(text, str):
             raise ValueError(f"content part {index} is not a text part ({{'type': 'text', "
-                             f"'text': ...}}): this server takes no images, audio or files")
-        texts.append(part["text"])
+                             f"'text': ...}}, or a refusal's {{'type': 'refusal', 'refusal': "
+                             f"...}}): this server takes no images, audio or files")
+        texts.append(text)
     return "\n".join(texts)
 
 

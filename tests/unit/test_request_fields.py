@@ -241,10 +241,17 @@ def test_text_content_parts_are_joined_as_vllm_joins_them():
     assert [m.content for m in chat.messages] == ["be brief", "line one\nline two"]
     assert chat.messages[1].for_template() == {"role": "user",
                                                "content": "line one\nline two"}
+    # an assistant's earlier answer sent back as the openai package returns it: a refusal
+    # part is its text, as vLLM reads it
+    refused = {"role": "assistant", "content": [{"type": "text", "text": "no:"},
+                                                {"type": "refusal", "refusal": "I can't."}]}
+    assert ChatCompletionRequest(messages=[*CHAT, refused]).messages[1].content == \
+        "no:\nI can't."
 
 
 @pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "http://x/a.png"}},
-                                  {"type": "text"}, {"type": "text", "text": "a\ud800"}])
+                                  {"type": "text"}, {"type": "text", "text": "a\ud800"},
+                                  {"type": "refusal", "text": "a refusal's text is its refusal"}])
 def test_a_content_part_that_is_not_text_is_refused_naming_it(part):
     body = json.dumps({"messages": [{"role": "user", "content": [part]}]}).encode()
     with pytest.raises(BadRequest) as raised:
