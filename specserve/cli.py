@@ -329,11 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for choice in result["choices"]:
             print(args.prompt + choice["text"])
-        stats = result["stats"]
-        print(f"[{stats['rounds']} rounds, acceptance {stats['acceptance_rate']}, "
-              f"{stats['mean_acceptance_length']:.2f} tokens/round, "
-              f"{stats['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
+        print(summary(result["stats"]), file=sys.stderr)
     return 0
+
+
+def summary(stats: dict) -> str:
+    """The run in a line: its rounds, acceptance rate (none without drafts), output tokens a
+    round (a round without a draft may make several: plain_steps) and speed."""
+    rate = stats["acceptance_rate"]
+    per_round = stats["num_emitted_tokens"] / stats["rounds"] if stats["rounds"] else 0.0
+    return (f"[{stats['rounds']} rounds, acceptance "
+            f"{'-' if rate is None else f'{rate:.2f}'}, {per_round:.2f} tokens/round, "
+            f"{stats['tokens_per_s']:.1f} tokens/s]")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,16 @@ def test_json_output_has_choices_and_stats(capsys, tiny_pair_dir):
         (stats["num_accepted_tokens"] + stats["rounds"]) / stats["rounds"])
 
 
+def test_the_summary_line_counts_every_token_of_a_round(capsys, tiny_pair_dir):
+    """A round without a draft makes plain_steps tokens: 16 in 4 rounds is 4 a round, though
+    speculation's mean acceptance length is 1 (it has no drafts: no acceptance rate)."""
+    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
+                 str(tiny_pair_dir / "draft"), "--max-tokens", "16", "--prompt", "def add(",
+                 "-k", "0", "--plain-steps", "4"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 0 and line.startswith("[5 rounds, acceptance -, 3.20 tokens/round, "), line
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_greedy_through_the_cli_equals_target_alone(capsys, tiny_pair_dir, drafter):
     alone = generate(capsys, tiny_pair_dir, "-k", "0")
