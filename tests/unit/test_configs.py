@@ -22,6 +22,77 @@ def serve_configs():
     return configs
 
 
+def unknown_serve_keys(config: dict) -> list[str]:
+    """The keys of a Serve config that Serve's schema does not name where its models take any
+    key and drop it (a deployment, its actor options, autoscaling and request router, an
+    app): misspelled, an option would silently keep Serve's default (`max_ongoing_request`:
+    5 calls a replica), or an app's `args` its defaults."""
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+    from ray.serve.schema import (DeploymentSchema, HTTPOptionsSchema, RayActorOptionsSchema,
+                                  ServeApplicationSchema, ServeDeploySchema, gRPCOptionsSchema)
+
+    def names(model) -> set[str]:
+        return {alias or name for name, field in model.model_fields.items()
+                for alias in (field.alias, None)}
+
+    found = []
+
+    def check(where: str, given: dict, model) -> None:
+        found.extend(f"{where}.{key}" for key in set(given) - names(model))
+
+    check("", config, ServeDeploySchema)
+    check("http_options", config.get("http_options", {}), HTTPOptionsSchema)
+    check("grpc_options", config.get("grpc_options", {}), gRPCOptionsSchema)
+    for app in config["applications"]:
+        check(app["name"], app, ServeApplicationSchema)
+        for deployment in app.get("deployments", []):
+            where = f"{app['name']}.{deployment['name']}"
+            check(where, deployment, DeploymentSchema)
+            check(where, deployment.get("ray_actor_options", {}), RayActorOptionsSchema)
+            autoscaling = deployment.get("autoscaling_config", {})
+            check(f"{where}.autoscaling_config", autoscaling, AutoscalingConfig)
+            check(f"{where}.autoscaling_config.policy", autoscaling.get("policy", {}),
+                  AutoscalingPolicy)
+            check(f"{where}.request_router_config",
+                  deployment.get("request_router_config", {}), RequestRouterConfig)
+    return found
+
+
+@pytest.mark.parametrize("name, config", serve_configs().items())
+def test_every_serve_key_is_one_serve_knows(name, config):
+    """Serve's schema keeps what it does not know out of the deployment it builds; each key
+    here is a field of its model, and what Serve leaves as plain dicts (autoscaling, the
+    request router) validates as Serve reads it, naming code that imports."""
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    assert unknown_serve_keys(config) == []
+    for app in config["applications"]:
+        for deployment in app["deployments"]:
+            if "autoscaling_config" in deployment:
+                policy = AutoscalingConfig.model_validate(
+                    deployment["autoscaling_config"]).policy.policy_function
+                module, attr = policy.split(":")
+                assert callable(getattr(importlib.import_module(module), attr))
+            if "request_router_config" in deployment:
+                router = RequestRouterConfig.model_validate(
+                    deployment["request_router_config"]).request_router_class
+                module, attr = router.rsplit(".", 1)
+                assert isinstance(getattr(importlib.import_module(module), attr), type)
+
+
+def test_a_misspelled_serve_key_is_found():
+    config = yaml.safe_load((CLUSTER / "gpu.yaml").read_text())
+    router = config["applications"][2]
+    router["arg"] = router.pop("args")
+    deployment = router["deployments"][0]
+    deployment["max_ongoing_request"] = deployment.pop("max_ongoing_requests")
+    deployment["autoscaling_config"]["upscale_delay"] = 5
+    ServeDeploySchema.model_validate(config)  # Serve's schema takes them
+    assert sorted(unknown_serve_keys(config)) == [
+        "router.Router.autoscaling_config.upscale_delay", "router.Router.max_ongoing_request",
+        "router.arg"]
+
+
 def test_every_yaml_is_covered():
     assert {p.name for p in CLUSTER.glob("*.yaml")} == {"config.yaml", "gpu.yaml", "kuberay.yaml"}
 
