@@ -369,13 +369,20 @@ def main(args, argv: list[str]) -> int:
               f"{'does' if len(wrong) == 1 else 'do'} not apply "
               f"{'to --soak' if args.soak else 'without --soak'}", file=sys.stderr)
         return 2
+    out = args.out or Path("bench/results/quick" if args.quick else "bench/results")
+    from specserve.cli import unwritable
+
+    problem = unwritable(out)
+    if problem:  # before the run, not at its end (the soak writes there too)
+        print(f"specserve bench: error: --out {out}: cannot write there ({problem})",
+              file=sys.stderr)
+        return 2
     if args.soak:
         from bench import soak
 
         return soak.main(args)
     plan = replace(Plan.make(args.quick, args.pair, args.concurrency),
                    draft_timeout_s=args.draft_timeout_s)
-    out = args.out or Path("bench/results/quick" if args.quick else "bench/results")
     results = run(plan, out, args.threads, argv)
     print(markdown(results))
     print(f"wrote {out}/results.json, results.md, speedup_vs_k.png, "

@@ -390,6 +390,10 @@ def main(args) -> int:
         print(f"specserve check-gpu: --out {args.out}: its folder does not exist",
               file=sys.stderr)
         return 2
+    if args.out is not None and args.out.is_dir():  # found before the run, not after it
+        print(f"specserve check-gpu: --out {args.out} is a folder: name a file",
+              file=sys.stderr)
+        return 2
     from engine.models import check_device
 
     try:  # no torch device, none visible, or cuda:N past the visible ones
@@ -398,7 +402,12 @@ def main(args) -> int:
         print(f"specserve check-gpu: --{error} (on a CPU: --device cpu --small)",
               file=sys.stderr)
         return 2
-    if args.device == "cpu" and not args.small:  # the 8B shape alone is 32 GB in float32
+    kind = torch.device(args.device).type  # cpu:0 is a CPU too
+    if kind not in ("cuda", "cpu"):  # mps, meta, xpu: no checks were written for them
+        print(f"specserve check-gpu: --device {args.device!r}: cuda, cuda:N or cpu",
+              file=sys.stderr)
+        return 2
+    if kind == "cpu" and not args.small:  # the 8B shape alone is 32 GB in float32
         print("specserve check-gpu: --device cpu runs the small shapes only: add --small",
               file=sys.stderr)
         return 2

@@ -113,14 +113,13 @@ def add_build_demo_arguments(parser: argparse.ArgumentParser) -> None:
                              "is not overwritten)")
 
 
-def build_engines(args):
-    """(drafter or None for K = 0, verifier, the target's Checkpoint), checked at start-up."""
+def build_engines(args, target):
+    """(drafter or None for K = 0, verifier), checked at start-up against the target's
+    Checkpoint."""
     from drafter.registry import DRAFTERS, DrafterSpec, build_drafter
-    from engine.checkpoint import Checkpoint
     from engine.models import load_causal_lm
     from verifier.engine import ModelVerifier
 
-    target = Checkpoint.load(args.target)
     spec = DrafterSpec(kind=args.drafter, model=args.draft, target=args.target, dtype=args.dtype,
                        draft_top_k=args.draft_top_k, draft_q_mass=args.draft_q_mass,
                        draft_q_dtype=args.draft_q_dtype,
@@ -128,13 +127,28 @@ def build_engines(args):
                        else args.draft_confidence)
     needed = args.num_speculative_tokens or not DRAFTERS[args.drafter].needs_model
     drafter = build_drafter(spec, target) if needed else None
-    return drafter, ModelVerifier(load_causal_lm(args.target, args.dtype)), target
+    return drafter, ModelVerifier(load_causal_lm(args.target, args.dtype))
+
+
+def check_against_target(args, target, prompt_tokens: int) -> None:
+    """ValueError naming the flag for what the router refuses against the target's config
+    (deployments.prompts: its context, its vocabulary), before any weights load."""
+    limit = target.served_positions
+    if limit is not None and prompt_tokens + args.max_tokens > limit:
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-tokens "
+                         f"({args.max_tokens}) exceed the target's context of {limit}")
+    vocab = target.vocab_size
+    if any(not 0 <= token < vocab for token in args.stop_token_id):
+        raise ValueError(f"--stop-token-id must be in [0, {vocab}), got {args.stop_token_id}")
+    if args.top_k > vocab:
+        raise ValueError(f"--top-k must be at most the vocabulary size ({vocab}); 0 disables "
+                         "it")
 
 
 def generate(args) -> dict:
     """The same request the router serves, in-process: choices with text, token ids, finish
     and stop reasons; usage; the speculative stats."""
-    from engine.checkpoint import end_token_ids, reported_stop_ids, stop_token_ids
+    from engine.checkpoint import Checkpoint, end_token_ids, reported_stop_ids, stop_token_ids
     from engine.models import load_tokenizer
     from speculative.driver import Generation, text_decoder
 
@@ -143,12 +157,9 @@ def generate(args) -> dict:
     prompt_ids = tuple(tokenizer(args.prompt)["input_ids"])
     if not prompt_ids:
         raise ValueError("the prompt tokenizes to nothing: give at least one character")
-    drafter, verifier, _ = build_engines(args)
-    if verifier.max_positions is not None and \
-            len(prompt_ids) + args.max_tokens > verifier.max_positions:  # as the router does
-        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens "
-                         f"({args.max_tokens}) exceed the target's context of "
-                         f"{verifier.max_positions}")
+    target = Checkpoint.load(args.target)
+    check_against_target(args, target, len(prompt_ids))
+    drafter, verifier = build_engines(args, target)
     end_ids = end_token_ids(args.target, tokenizer)
     stop_ids = stop_token_ids(end_ids, args.stop_token_id, args.ignore_eos)
     # the stop ids a stop_reason names, as the router's (an end token's is none)
@@ -246,8 +257,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     k = args.num_speculative_tokens
     if k != "auto" and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         parser.error(f"--num-speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
-    if args.n < 1:
-        parser.error("--n must be >= 1")
+    from deployments.openai_api import MAX_CHOICES
+
+    if not 1 <= args.n <= MAX_CHOICES:  # the router's bound on n
+        parser.error(f"--n must be in [1, {MAX_CHOICES}]")
     if not 1 <= args.plain_steps <= MAX_PLAIN_STEPS:
         parser.error(f"--plain-steps must be in [1, {MAX_PLAIN_STEPS}]")
     if args.tree_width == "auto" and (args.num_speculative_tokens != "auto" or args.pipelined
@@ -280,6 +293,18 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         sampling(args)
     except ValueError as error:
         parser.error(str(error))
+    check_texts(parser, args)
+
+
+def check_texts(parser: argparse.ArgumentParser, args) -> None:
+    """argv's bytes that are not UTF-8 reach Python as lone surrogates: the tokenizer raised
+    a TypeError on such a prompt, and such a stop string never matched (the router refuses
+    both: deployments.chat_messages.encodable)."""
+    for flag, text in [("--prompt", args.prompt), *(("--stop", stop) for stop in args.stop)]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            parser.error(f"{flag} {text!r} holds bytes that are not UTF-8")
 
 
 def build_demo(parser: argparse.ArgumentParser, args) -> int:
@@ -292,15 +317,24 @@ def build_demo(parser: argparse.ArgumentParser, args) -> int:
     recipe = DemoRecipe(target_steps=4, draft_steps=4, distill_steps=4) if args.quick \
         else DemoRecipe()
     out = args.out or Path(DEMO_TARGET).parent
-    try:  # before the training, not after its hour
+    problem = unwritable(out)  # before the training, not after its hour
+    if problem:
+        parser.error(f"--out {out}: cannot write there ({problem})")
+    print(json.dumps(build_demo_models(out, recipe), indent=2))
+    return 0
+
+
+def unwritable(out: Path) -> str | None:
+    """Why nothing could be written in the folder out (made if missing), or None: a command
+    that writes its results at the end asks before its run."""
+    try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".specserve-write-check"
         probe.touch()
         probe.unlink()
     except OSError as error:
-        parser.error(f"--out {out}: cannot write there ({error.strerror})")
-    print(json.dumps(build_demo_models(out, recipe), indent=2))
-    return 0
+        return error.strerror or str(error)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,15 +363,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for choice in result["choices"]:
             print(args.prompt + choice["text"])
-        print(summary(result["stats"]), file=sys.stderr)
+        print(summary(result), file=sys.stderr)
     return 0
 
 
-def summary(stats: dict) -> str:
+def summary(result: dict) -> str:
     """The run in a line: its rounds, acceptance rate (none without drafts), output tokens a
-    round (a round without a draft may make several: plain_steps) and speed."""
+    round (a round without a draft may make several: plain_steps) and speed. Output tokens
+    are the completion's, as tokens/s counts them: a stop string's round made more, which
+    the output drops."""
+    stats, tokens = result["stats"], result["usage"]["completion_tokens"]
     rate = stats["acceptance_rate"]
-    per_round = stats["num_emitted_tokens"] / stats["rounds"] if stats["rounds"] else 0.0
+    per_round = tokens / stats["rounds"] if stats["rounds"] else 0.0
     return (f"[{stats['rounds']} rounds, acceptance "
             f"{'-' if rate is None else f'{rate:.2f}'}, {per_round:.2f} tokens/round, "
             f"{stats['tokens_per_s']:.1f} tokens/s]")

@@ -72,6 +72,22 @@ def test_a_seeded_sampled_auto_request_repeats(capsys, tiny_pair_dir):
     assert max(map(int, first["stats"]["rounds_by_num_speculative_tokens"])) == 4
 
 
+def test_the_summary_line_counts_the_output_tokens_of_a_stopped_round(capsys, tiny_pair_dir):
+    """A stop string ends the output inside a round: tokens/round counts the tokens output
+    (as tokens/s does), not those the round made past the stop."""
+    flags = ("-k", "4", "--drafter", "ngram")  # the tiny pair's text repeats: it drafts
+    full = generate(capsys, tiny_pair_dir, *flags)["choices"][0]["text"]
+    flags += ("--stop", full[3:5])
+    stopped = generate(capsys, tiny_pair_dir, *flags)
+    rounds, tokens = stopped["stats"]["rounds"], stopped["usage"]["completion_tokens"]
+    assert stopped["stats"]["num_emitted_tokens"] > tokens  # the round went past the stop
+    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
+                 str(tiny_pair_dir / "draft"), "--max-tokens", "16", "--prompt", "def add(",
+                 *flags])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 0 and f", {tokens / rounds:.2f} tokens/round, " in line, line
+
+
 def test_stop_strings_cut_the_text(capsys, tiny_pair_dir):
     full = generate(capsys, tiny_pair_dir, "-k", "2")["choices"][0]["text"]
     stop = full[3:5]
@@ -87,6 +103,7 @@ BAD_GENERATE_FLAGS = [
     (["-k", "-1"], "num-speculative-tokens"),
     (["-k", "65"], "num-speculative-tokens"),  # over the drafters' bound
     (["--n", "0"], "--n"),
+    (["--n", "129"], "--n must be in [1, 128]"),  # the router's bound (an hour, unbounded)
     (["--plain-steps", "0"], "--plain-steps"),
     (["--drafter", "tree"], "invalid choice"),
     (["--temperature", "hot"], "invalid float"),
@@ -97,6 +114,9 @@ BAD_GENERATE_FLAGS = [
     (["-k", "4", "--tree-width", "3", "--tree-nodes", "3"], "must exceed the tree's main"),
     (["-k", "auto", "--tree-width", "3", "--tree-nodes", "4"], "(4 tokens under -k auto)"),
     (["-k", "64", "--tree-width", "2"], "no room beside a main chain of 64"),
+    # a byte that is not UTF-8 in argv (a lone surrogate): the tokenizer's TypeError
+    (["--prompt", "ab\udcff"], "--prompt 'ab\\udcff' holds bytes that are not UTF-8"),
+    (["--stop", "\udcff"], "--stop '\\udcff' holds bytes"),  # matched nothing
 ]
 BAD_OTHER_FLAGS = [
     (["bench", "--threads", "0"], "--threads"),
@@ -124,6 +144,24 @@ def test_max_tokens_past_the_context_is_refused_before_generating(capsys, tiny_p
     assert code == 2 and "--max-tokens (100000) exceed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--stop-token-id", "-1"], "--stop-token-id must be in [0, "),
+    (["--stop-token-id", "999999"], "--stop-token-id must be in [0, "),
+    (["--top-k", "999999"], "--top-k must be at most the vocabulary size"),
+])
+def test_what_the_router_refuses_against_the_target_is_refused_before_loading(
+        capsys, monkeypatch, tiny_pair_dir, flags, message):
+    """The router answers 400 (deployments.prompts); the CLI ran, ignoring them."""
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the flags were checked")
+
+    monkeypatch.setattr("engine.models.load_causal_lm", no_weights)
+    monkeypatch.setattr("drafter.registry.load_causal_lm", no_weights)
+    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
+                 str(tiny_pair_dir / "draft"), "--temperature", "1", *flags])
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_a_missing_model_is_a_clear_error(capsys, tmp_path):
     missing = str(tmp_path / "nothing")
     code = main(["generate", "--target", missing, "--max-tokens", "2"])
@@ -141,6 +179,33 @@ def test_a_missing_model_is_a_clear_error(capsys, tmp_path):
 ])
 def test_commands_refuse_what_they_cannot_use_before_they_run(capsys, argv, message):
     assert main(argv) == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "cpu:0"], "add --small"),  # ran the 1B and 8B shapes on the CPU
+    (["--device", "meta", "--small"], "--device 'meta'"),
+    (["--device", "cpu", "--small", "--out", "."], "is a folder"),  # failed after the run
+])
+def test_check_gpu_refuses_before_it_runs(capsys, monkeypatch, flags, message):
+    def no_run(*args):
+        raise AssertionError("the checks ran")
+
+    monkeypatch.setattr("specserve.check_gpu.run", no_run)
+    assert main(["check-gpu", *flags]) == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [["--quick", "--pair", "demo"], ["--soak"]])
+def test_bench_refuses_an_out_it_cannot_write_before_its_run(capsys, monkeypatch, tmp_path,
+                                                             mode):
+    def no_run(*args):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr("bench.suite.run", no_run)
+    monkeypatch.setattr("bench.soak.main", no_run)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["bench", *mode, "--out", str(blocker / "results")]) == 2
+    assert "cannot write there" in capsys.readouterr().err
 
 
 def test_build_demo_models_refuses_an_out_it_cannot_write_before_training(capsys, tmp_path):
