@@ -60,6 +60,17 @@ def test_same_seed_same_samples(capsys, tiny_pair_dir):
     assert ids != [c["token_ids"] for c in other["choices"]]
 
 
+def test_a_negative_seed_and_a_top_k_of_minus_one_read_as_the_routers(capsys, tiny_pair_dir):
+    """The router takes any int64 seed as its bits and vLLM's top_k -1 as none; the CLI
+    refused both."""
+    flags = ("--temperature", "1", "--n", "2", "-k", "3")
+    ids = lambda result: [c["token_ids"] for c in result["choices"]]  # noqa: E731
+    assert ids(generate(capsys, tiny_pair_dir, *flags, "--seed", "-1")) == \
+        ids(generate(capsys, tiny_pair_dir, *flags, "--seed", str(2**64 - 1)))
+    assert ids(generate(capsys, tiny_pair_dir, *flags, "--seed", "3", "--top-k", "-1")) == \
+        ids(generate(capsys, tiny_pair_dir, *flags, "--seed", "3", "--top-k", "0"))
+
+
 def test_a_seeded_sampled_auto_request_repeats(capsys, tiny_pair_dir):
     # an adaptive K would follow this run's timings: the front end pins it to 4, as the
     # router does
