@@ -108,6 +108,12 @@ class StreamOptions(BaseModel):
     # with include_usage, every chunk carries its choice's usage so far (vLLM's)
     continuous_usage_stats: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_the_default(cls, data):  # as the body's own fields (vLLM's are nullable)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) \
+            else data
+
 
 class SamplingFields(BaseModel):
     """The fields both endpoints share: sampling, n, streaming and the speculative extensions."""

@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         for choice in result["choices"]:
+            if len(result["choices"]) > 1:  # multi-line completions, told apart
+                print(f"--- choice {choice['index']} ---")
             print(args.prompt + choice["text"])
         print(summary(result), file=sys.stderr)
     return 0

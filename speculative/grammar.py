@@ -79,6 +79,8 @@ def grammar_text(kind: str, spec) -> str:
     except (ValueError, TypeError, RecursionError) as error:
         what = "nested too deeply" if isinstance(error, RecursionError) else error
         raise GrammarError(kind, f"not a JSON schema: {what}") from None
+    if kind == "choice":  # an empty list, or an empty string among them, chooses nothing
+        raise GrammarError(kind, "takes a non-empty list of non-empty strings")
     raise GrammarError(kind, "has the wrong type")
 
 

@@ -37,6 +37,15 @@ def test_the_summary_line_counts_every_token_of_a_round(capsys, tiny_pair_dir):
     assert code == 0 and line.startswith("[5 rounds, acceptance -, 3.20 tokens/round, "), line
 
 
+def test_several_choices_print_apart(capsys, tiny_pair_dir):
+    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
+                 str(tiny_pair_dir / "draft"), "--max-tokens", "4", "--prompt", "def add(",
+                 "--temperature", "1", "--seed", "1", "--n", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("--- choice 0 ---\ndef add(") and \
+        "\n--- choice 1 ---\ndef add(" in out
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_greedy_through_the_cli_equals_target_alone(capsys, tiny_pair_dir, drafter):
     alone = generate(capsys, tiny_pair_dir, "-k", "0")

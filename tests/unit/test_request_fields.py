@@ -35,6 +35,9 @@ def test_stream_options_come_with_a_stream():
     with pytest.raises(ValidationError, match="only allowed when stream is true"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True})
     assert CompletionRequest(prompt="x", stream_options={}).stream_options is None  # as vLLM
+    nulls = {"include_usage": None, "continuous_usage_stats": None}  # nullable, as vLLM's
+    assert not CompletionRequest(prompt="x", stream=True, stream_options=nulls).include_usage
+    assert CompletionRequest(prompt="x", stream_options=nulls).stream_options is None
 
 
 @pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"suffix": "}"}, "suffix"),

@@ -130,6 +130,12 @@ def expanding_schema(depth: int, properties: int) -> dict:
             "properties": {"a": {"$ref": f"#/$defs/d{depth}"}}}
 
 
+@pytest.mark.parametrize("spec", [[], [""], ["yes", ""], "yes"])
+def test_a_choice_that_chooses_nothing_says_what_it_takes(demo, spec):
+    with pytest.raises(GrammarError, match="a non-empty list of non-empty strings"):
+        compile_spec("choice", spec, demo[3])
+
+
 def test_a_schema_that_expands_past_the_symbols_bound_is_refused_as_it_compiles(demo):
     """1.2 KB of schema that llguidance expanded to 240k symbols took 2 s of the tokenizing
     thread and then broke the matcher (a ValueError carrying Rust's backtrace, no field):
