@@ -18,7 +18,6 @@ def encodable(text: str, field: str) -> str:
     return text
 
 
-
 # the kinds of content part that carry text, and where: OpenAI's text part, and the
 # refusal part of an assistant's earlier answer sent back (vLLM reads its text too)
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
