@@ -102,6 +102,12 @@ class StructuredOutputs(BaseModel):
             raise ValueError("the schema is nested too deeply") from None
 
 
+def without_nulls(data):
+    """A body's (or a nested object's) fields sent as null left out: OpenAI's fields are
+    nullable, and null means the default, as in vLLM."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class StreamOptions(BaseModel):
     # a last chunk with no choices, the usage and the speculative counters (as OpenAI)
     include_usage: bool = False
@@ -110,9 +116,8 @@ class StreamOptions(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def null_is_the_default(cls, data):  # as the body's own fields (vLLM's are nullable)
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) \
-            else data
+    def null_is_the_default(cls, data):  # as the body's own fields
+        return without_nulls(data)
 
 
 class SamplingFields(BaseModel):
@@ -186,8 +191,7 @@ class SamplingFields(BaseModel):
                 value = repr(data[unserved[0]])  # a template or functions may be long
                 value = value if len(value) <= 80 else value[:77] + "..."
                 raise ValueError(f"{unserved[0]}: {value} is not supported by this server")
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+        return without_nulls(data)
 
     @field_validator("echo", "suffix", check_fields=False)  # suffix: completions'
     @classmethod

@@ -78,11 +78,10 @@ def sliding_window(config) -> int | None:
 def end_token_ids(path: str, tokenizer) -> tuple[int, ...]:
     """The ids that end a generation: generation_config's eos_token_id (an int or a list, as
     in Llama-3.1-Instruct's three) and the tokenizer's EOS, without duplicates."""
-    from transformers import GenerationConfig
-
-    try:
-        configured = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json: the model config's eos_token_id
+    generation = generation_config(path)
+    if generation is not None:
+        configured = generation.eos_token_id
+    else:  # no generation_config.json: the model config's eos_token_id
         from transformers import AutoConfig
 
         configured = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
@@ -100,13 +99,19 @@ RECOMMENDED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 def recommended_sampling(path: str) -> dict:
     """The sampling settings the checkpoint's generation_config.json sets, {} without one
     (Llama-3.1-Instruct's: temperature 0.6, top_p 0.9)."""
+    generation = generation_config(path)
+    given = {} if generation is None else generation.to_diff_dict()
+    return {name: given[name] for name in RECOMMENDED_SAMPLING if given.get(name) is not None}
+
+
+def generation_config(path: str):
+    """The checkpoint's transformers GenerationConfig, None without a generation_config.json."""
     from transformers import GenerationConfig
 
     try:
-        given = GenerationConfig.from_pretrained(path).to_diff_dict()
-    except OSError:  # no generation_config.json
-        return {}
-    return {name: given[name] for name in RECOMMENDED_SAMPLING if given.get(name) is not None}
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
 
 
 def stop_token_ids(end_ids, requested=(), ignore_eos: bool = False) -> tuple[int, ...]:

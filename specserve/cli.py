@@ -303,11 +303,13 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 def check_texts(parser: argparse.ArgumentParser, args) -> None:
     """argv's bytes that are not UTF-8 reach Python as lone surrogates: the tokenizer raised
     a TypeError on such a prompt, and such a stop string never matched (the router refuses
-    both: deployments.chat_messages.encodable)."""
+    both with the same check)."""
+    from deployments.chat_messages import encodable
+
     for flag, text in [("--prompt", args.prompt), *(("--stop", stop) for stop in args.stop)]:
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
+            encodable(text, flag)
+        except ValueError:
             parser.error(f"{flag} {text!r} holds bytes that are not UTF-8")
 
 

@@ -7,9 +7,14 @@ import pytest
 from specserve.cli import main
 
 
+def run_generate(pair, *flags) -> int:
+    """`specserve generate` on the pair's target and draft; its exit status."""
+    return main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "draft"),
+                 *flags])
+
+
 def generate(capsys, pair, *flags):
-    code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "draft"),
-                 "--json", "--max-tokens", "16", "--prompt", "def add(", *flags])
+    code = run_generate(pair, "--json", "--max-tokens", "16", "--prompt", "def add(", *flags)
     out = capsys.readouterr()
     assert code == 0, out.err
     return json.loads(out.out)
@@ -28,19 +33,18 @@ def test_json_output_has_choices_and_stats(capsys, tiny_pair_dir):
 
 
 def test_the_summary_line_counts_every_token_of_a_round(capsys, tiny_pair_dir):
-    """A round without a draft makes plain_steps tokens: 16 in 4 rounds is 4 a round, though
-    speculation's mean acceptance length is 1 (it has no drafts: no acceptance rate)."""
-    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
-                 str(tiny_pair_dir / "draft"), "--max-tokens", "16", "--prompt", "def add(",
-                 "-k", "0", "--plain-steps", "4"])
+    """A round without a draft makes plain_steps tokens: 16 in 5 rounds (the first token
+    alone, then up to 4 a round) is 3.20 a round, though speculation's mean acceptance
+    length is 1 (it has no drafts: no acceptance rate)."""
+    code = run_generate(tiny_pair_dir, "--max-tokens", "16", "--prompt", "def add(", "-k", "0",
+                        "--plain-steps", "4")
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 0 and line.startswith("[5 rounds, acceptance -, 3.20 tokens/round, "), line
 
 
 def test_several_choices_print_apart(capsys, tiny_pair_dir):
-    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
-                 str(tiny_pair_dir / "draft"), "--max-tokens", "4", "--prompt", "def add(",
-                 "--temperature", "1", "--seed", "1", "--n", "2"])
+    code = run_generate(tiny_pair_dir, "--max-tokens", "4", "--prompt", "def add(",
+                        "--temperature", "1", "--seed", "1", "--n", "2")
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("--- choice 0 ---\ndef add(") and \
         "\n--- choice 1 ---\ndef add(" in out
@@ -101,9 +105,7 @@ def test_the_summary_line_counts_the_output_tokens_of_a_stopped_round(capsys, ti
     stopped = generate(capsys, tiny_pair_dir, *flags)
     rounds, tokens = stopped["stats"]["rounds"], stopped["usage"]["completion_tokens"]
     assert stopped["stats"]["num_emitted_tokens"] > tokens  # the round went past the stop
-    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
-                 str(tiny_pair_dir / "draft"), "--max-tokens", "16", "--prompt", "def add(",
-                 *flags])
+    code = run_generate(tiny_pair_dir, "--max-tokens", "16", "--prompt", "def add(", *flags)
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 0 and f", {tokens / rounds:.2f} tokens/round, " in line, line
 
@@ -159,8 +161,7 @@ def test_bad_flags_exit_non_zero_with_a_message(capsys, argv, message):
 
 
 def test_max_tokens_past_the_context_is_refused_before_generating(capsys, tiny_pair_dir):
-    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
-                 str(tiny_pair_dir / "draft"), "--prompt", "ab", "--max-tokens", "100000"])
+    code = run_generate(tiny_pair_dir, "--prompt", "ab", "--max-tokens", "100000")
     assert code == 2 and "--max-tokens (100000) exceed" in capsys.readouterr().err
 
 
@@ -177,8 +178,7 @@ def test_what_the_router_refuses_against_the_target_is_refused_before_loading(
 
     monkeypatch.setattr("engine.models.load_causal_lm", no_weights)
     monkeypatch.setattr("drafter.registry.load_causal_lm", no_weights)
-    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft",
-                 str(tiny_pair_dir / "draft"), "--temperature", "1", *flags])
+    code = run_generate(tiny_pair_dir, "--temperature", "1", *flags)
     assert code == 2 and message in capsys.readouterr().err
 
 
