@@ -206,6 +206,9 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
             assert deployment.get("max_queued_requests", -1) > 0, (app["name"], "unbounded queue")
     router_deployment = apps["router"]["deployments"][0]
     assert router_deployment["max_ongoing_requests"] > router.max_running_requests
+    # a burst the router admits waits in Serve's queue while the router's loop is too busy
+    # to answer the proxy's queue-length probe, instead of a 503 from Serve
+    assert router_deployment["max_queued_requests"] >= router.max_running_requests
     # a router replica holds at most max_running_requests (beyond them a 429): a target at
     # or above it never scales the router up
     target = router_deployment.get("autoscaling_config", {}).get("target_ongoing_requests")
