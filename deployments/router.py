@@ -55,6 +55,21 @@ from engine.models import load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd, RequestPlan, joined
 
+
+def model_card(name: str, model: str, context: int) -> dict:
+    """The served model as vLLM's /v1/models lists it: `root` the checkpoint it serves
+    (clients of vLLM load the tokenizer from `data[0].root`: without it, an AttributeError
+    in OpenAI's client), `max_model_len` the context, and vLLM's one permission entry."""
+    permission = {"id": "modelperm-specserve", "object": "model_permission", "created": 0,
+                  "allow_create_engine": False, "allow_sampling": True,
+                  "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                  "allow_fine_tuning": False, "organization": "*", "group": None,
+                  "is_blocking": False}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "specserve",
+            "root": model, "parent": None, "max_model_len": context,
+            "permission": [permission]}
+
+
 app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
                                 "/v1/chat/completions": [ChatCompletionRequest],
                                 "/tokenize": [TokenizeCompletion, TokenizeChat],
@@ -125,9 +140,9 @@ class Router:
     async def models(self, request: Request):
         if refused := unauthorized(request, self.api_key):
             return refused
-        model = {"id": self.args.served_model_name, "object": "model", "created": 0,
-                 "owned_by": "specserve", "max_model_len": self.prompts.context_limit}
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [model_card(self.args.served_model_name,
+                                                      self.args.model,
+                                                      self.prompts.context_limit)]}
 
     @app.get("/version")
     async def version(self) -> dict:
@@ -157,7 +172,9 @@ class Router:
             return error_response(error)
 
     def check_model(self, body) -> None:
-        if body.model not in (None, self.args.served_model_name):
+        # an empty name is the served model, as no name is (vLLM's: clients of servers that
+        # serve one model send "")
+        if body.model and body.model != self.args.served_model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this server serves "
                              f"{self.args.served_model_name!r}", 404, "model")
 

@@ -1,7 +1,7 @@
 """vLLM's /tokenize and /detokenize on the router: a prompt's ids are the ones its request
 would be fed (a chat's through the template, a special token's text in a message read as
 text), a prompt past the context is counted, and bad input is a 400 (a model not served, a
-404; without the API key, a 401)."""
+404; without the API key, a 401). And its /v1/models card."""
 
 import asyncio
 import json
@@ -160,3 +160,34 @@ def test_a_null_return_token_strs_is_its_default(reader, messages):
     body = {"messages": CHAT} if messages else {"prompt": "hello world"}
     got = answer(reader, {**body, "return_token_strs": None})
     assert got["token_strs"] is None and got["count"] == len(got["tokens"]) > 0
+
+
+def test_the_models_list_is_vllms_card_with_the_checkpoint_as_its_root():
+    """Clients of vLLM read the checkpoint from `data[0].root` (to load its tokenizer): the
+    card had no root, and OpenAI's client raised AttributeError there. Read as vLLM's card."""
+    from openai.types import Model
+    from starlette.requests import Request
+
+    router = SimpleNamespace(api_key=None, prompts=SimpleNamespace(context_limit=2048),
+                             args=SimpleNamespace(served_model_name="m", model="org/target"))
+    request = Request({"type": "http", "method": "GET", "path": "/v1/models",
+                       "query_string": b"", "headers": []})
+    listed = asyncio.run(Router.models(router, request))
+    card = Model.construct(**listed["data"][0])
+    assert listed["object"] == "list" and len(listed["data"]) == 1
+    assert (card.id, card.object, card.owned_by, card.created) == ("m", "model", "specserve", 0)
+    assert (card.root, card.parent, card.max_model_len) == ("org/target", None, 2048)
+    assert [p["object"] for p in card.permission] == ["model_permission"]
+    json.dumps(listed)  # as FastAPI sends it
+
+
+@pytest.mark.parametrize("model, status", [(None, 200), ("", 200), ("m", 200), ("other", 404)])
+def test_an_empty_model_name_is_the_served_model(reader, model, status):
+    """As vLLM reads it (no name, or an empty one, is the model it serves): "" was a 404."""
+    router = SimpleNamespace(api_key=None, prompts=reader, check_model=None,
+                             args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m"))
+    router.check_model = lambda body: Router.check_model(router, body)
+    body = {"prompt": "hello"} if model is None else {"prompt": "hello", "model": model}
+    response = asyncio.run(Router.serve_tokenizer(router, posted(body), TokenizeRequest,
+                                                  tokenized))
+    assert response.status_code == status
