@@ -5,9 +5,19 @@ from deployments.ingress import BadRequest, retry_later
 
 
 class Admission:
-    def __init__(self, max_running: int) -> None:
+    def __init__(self, max_running: int, on_change=lambda running: None) -> None:
         self.max_running = max_running
-        self.running = 0  # admitted choices not yet finished
+        self._running = 0  # admitted choices not yet finished
+        self.on_change = on_change  # told each new count (the router's running gauge)
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @running.setter
+    def running(self, value: int) -> None:
+        self._running = value
+        self.on_change(value)
 
     def admit(self, num_choices: int) -> "Ticket":
         """A ticket for the request's choices; 429 while others hold the slots it needs,

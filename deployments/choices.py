@@ -72,12 +72,18 @@ class Choices:
         """Choice `index` decoded, on_text(generation, delta) awaited at each text delta."""
         choice = self.plan.choices[index]
         generation = Generation(choice.request, self.decode, self.stop_token_ids)
+        started, first_text = time.monotonic(), None
         try:
             async for delta in generation.stream(*self.pools, choice.policy,
                                                  self.plan.pipelined):
+                if first_text is None and delta:
+                    first_text = time.monotonic() - started
                 await on_text(generation, delta)
         finally:  # a failed or cancelled choice's rounds count too (retries, fallbacks)
-            self.metrics.record(generation.state)
+            # its prompt once, with the first of the prompt's n choices (as usage counts it)
+            prompt = len(choice.request.prompt_token_ids) if index % self.plan.n == 0 else 0
+            self.metrics.record_choice(generation.state, prompt, first_text,
+                                       time.monotonic() - started)
         return generation
 
     def all_choices(self, run):

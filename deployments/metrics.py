@@ -7,6 +7,9 @@ from speculative.state import RequestState
 
 ROUND_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
+# a choice's first text and its whole: from a lone short one to a long chat under load
+LATENCY_BOUNDARIES_S = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0,
+                        120.0, 300.0]
 
 
 def rss_mb() -> float:
@@ -51,6 +54,24 @@ def features(sampling) -> list[str]:
 
 class RouterMetrics:
     def __init__(self) -> None:
+        # a request's life, under vLLM's names (without its `vllm:` prefix); per choice, as
+        # each of a request's n choices is one of vLLM's sequences
+        self.running = Gauge(
+            "num_requests_running", description="Choices running in this router replica "
+            "(n counts); at max_running_requests a request gets 429.")
+        self.prompt_tokens = Counter("prompt_tokens", description="Prompt tokens of the "
+                                     "requests decoded (each prompt once, as usage counts).")
+        self.generation_tokens = Counter("generation_tokens",
+                                         description="Tokens output by the choices.")
+        self.request_success = Counter(
+            "request_success", description="Choices that finished, by finish reason (stop, "
+            "length).", tag_keys=("finished_reason",))
+        self.time_to_first_token = Histogram(
+            "time_to_first_token_seconds", description="Seconds from a choice's start to its "
+            "first text (a stream's first content chunk).", boundaries=LATENCY_BOUNDARIES_S)
+        self.e2e_latency = Histogram(
+            "e2e_request_latency_seconds", description="Seconds from a choice's start to its "
+            "end, of the choices that finished.", boundaries=LATENCY_BOUNDARIES_S)
         self.num_drafts = Counter("spec_decode_num_drafts",
                                   description="Rounds that drafted at least one token.")
         self.num_draft_tokens = Counter("spec_decode_num_draft_tokens",
@@ -88,6 +109,21 @@ class RouterMetrics:
         self.feature_accepted_tokens = Counter(
             "specserve_feature_accepted_tokens", description="Drafted tokens accepted for "
             "choices with a feature.", tag_keys=("feature",))
+
+    def record_choice(self, state: RequestState, prompt_tokens: int,
+                      first_text_s: float | None, seconds: float) -> None:
+        """A choice's end (finished, failed or cancelled): its tokens, and, finished, its
+        finish reason and times; then its speculative counts (record)."""
+        for counter, value in ((self.prompt_tokens, prompt_tokens),
+                               (self.generation_tokens, state.num_output_tokens)):
+            if value:  # Ray counters refuse increments of 0
+                counter.inc(value)
+        if state.finish_reason is not None:
+            self.request_success.inc(1, tags={"finished_reason": state.finish_reason})
+            self.e2e_latency.observe(seconds)
+        if first_text_s is not None:
+            self.time_to_first_token.observe(first_text_s)
+        self.record(state)
 
     def record(self, state: RequestState) -> None:
         stats = state.stats

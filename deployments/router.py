@@ -102,8 +102,9 @@ class Router:
                                                            target))
                                for kind in router_side_kinds()}
         self.front_end = RequestFrontEnd(args.speculation_defaults())
-        self.admission = Admission(args.max_running_requests)
         self.metrics = RouterMetrics()
+        self.admission = Admission(args.max_running_requests,
+                                   lambda running: self.metrics.running.set(running))
         self.api_key = api_key(args.api_key)
         self._channel: grpc.aio.Channel | None = None
         # what start-up built (modules, the tokenizers: some 400k objects) lives as long as

@@ -7,13 +7,17 @@ import requests
 
 NAMES = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens",
          "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
-         "spec_decode_round_seconds_count"]
+         "spec_decode_round_seconds_count",
+         # a request's life, as vLLM's
+         "prompt_tokens", "generation_tokens", "request_success",
+         "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+         "num_requests_running"]
 
 
 def totals(text: str) -> dict[str, float]:
     found: dict[str, float] = {}
     for line in text.splitlines():
-        match = re.match(r"ray_(spec_decode_\w+?)(?:_total)?\{.*\} ([0-9.e+]+)$", line)
+        match = re.match(r"ray_(\w+?)(?:_total)?\{.*\} ([0-9.e+]+)$", line)
         if match:
             found[match[1]] = found.get(match[1], 0.0) + float(match[2])
     return found
@@ -32,6 +36,7 @@ def test_spec_decode_counters_are_exported(cluster):
     assert all(name in found for name in NAMES), sorted(found)
     assert found["spec_decode_num_draft_tokens"] >= drafted > 0
     assert found["spec_decode_num_accepted_tokens"] <= found["spec_decode_num_draft_tokens"]
+    assert found["generation_tokens"] >= response.json()["usage"]["completion_tokens"] > 0
 
 
 def test_pool_batch_metrics_are_exported(cluster):

@@ -208,7 +208,7 @@ def choices_of(target, chat: bool, stop: tuple[str, ...] = ()):
     plan = RequestFrontEnd().plan("r", tuple(PROMPTS[1]), params, n=1)
     pools = (ModelDrafter(noisy_copy(target, 0.01, seed=1)), ModelVerifier(target))
     decode = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731
-    return Choices(plan, pools, decode, type("M", (), {"record": lambda s, state: None})(),
+    return Choices(plan, pools, decode, type("M", (), {"record_choice": lambda s, *choice: None})(),
                    Admission(4).admit(1), model="m", chat=chat, return_token_ids=False)
 
 
@@ -319,7 +319,7 @@ def split_characters_choices(kind: str, chat: bool):
     engine = LoggedScript(output, output[-1], len(prompt))
     decode = text_decoder(tokenizer)
     choices = Choices(plan, (engine, engine), decode,
-                      type("M", (), {"record": lambda s, state: None})(),
+                      type("M", (), {"record_choice": lambda s, *choice: None})(),
                       Admission(4).admit(1), model="m", chat=chat, return_token_ids=False)
     whole = decode(prompt + output)[len(decode(prompt)):]
     return choices, whole

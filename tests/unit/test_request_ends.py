@@ -19,7 +19,7 @@ from speculative.types import DraftBlock, TargetScores
 
 
 class Ignored:
-    def record(self, state):
+    def record_choice(self, state, prompt_tokens, first_text_s, seconds):
         pass
 
 

@@ -70,10 +70,11 @@ def test_admission_refuses_beyond_its_running_choices_and_a_ticket_returns_once(
 
 class Recorded:
     def __init__(self):
-        self.states = []
+        self.states, self.choices = [], []
 
-    def record(self, state):
+    def record_choice(self, state, prompt_tokens, first_text_s, seconds):
         self.states.append(state)
+        self.choices.append((prompt_tokens, first_text_s, seconds, state.finish_reason))
 
 
 def fan_out(chat: bool, include_usage: bool = False, continuous_usage: bool = False):
@@ -95,6 +96,26 @@ def test_a_completion_has_every_choice_and_the_merged_usage():
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["id"] == "cmpl-x" and len(metrics.states) == 2
+
+
+def test_each_choice_records_its_prompt_once_its_first_text_and_its_end():
+    """vLLM's request metrics per choice: the prompt counted with the first of its n
+    choices (as usage counts it), the time to the first text within the choice's time."""
+    choices, admission, metrics = fan_out(chat=False)
+    asyncio.run(choices.complete())
+    assert [prompt for prompt, *_ in metrics.choices] == [2, 0]
+    for _, first_text, seconds, finish_reason in metrics.choices:
+        assert 0 <= first_text <= seconds and finish_reason == "length"
+
+
+def test_the_running_gauge_follows_admission():
+    seen = []
+    admission = Admission(8, on_change=seen.append)
+    first, second = admission.admit(3), admission.admit(2)
+    first.release()
+    first.release()  # given back once
+    second.release()
+    assert seen == [3, 5, 2, 0] and admission.running == 0
 
 
 class FailingAfter(Agreeing):
@@ -122,6 +143,7 @@ def test_a_failed_request_still_counts_its_rounds_in_the_metrics():
     with pytest.raises(RuntimeError):
         asyncio.run(choices.complete())
     assert len(metrics.states) == 1 and metrics.states[0].stats.rounds >= 3
+    assert metrics.choices[0][3] is None  # not finished: no success, no e2e latency
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
@@ -514,12 +536,10 @@ def test_a_completions_batch_is_admitted_as_its_prompts_times_n():
     assert admission.running == 0
 
 
-def test_router_metrics_record_a_requests_counts_by_position_and_its_mean_round_by_phase(
-        monkeypatch):
-    """RouterMetrics.record, with Ray's metric classes stood in for: acceptance by drafted
-    position (0-based, as vLLM's), rounds by K, and each phase's time per round."""
+def stood_in_metrics(monkeypatch) -> list:
+    """What RouterMetrics records, with Ray's metric classes stood in for: (name, kind,
+    value, tags) in order."""
     from deployments import metrics as metrics_module
-    from speculative.state import Request, RequestState
 
     recorded = []
 
@@ -535,6 +555,39 @@ def test_router_metrics_record_a_requests_counts_by_position_and_its_mean_round_
 
     for name in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(metrics_module, name, Metric)
+    return recorded
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_router_metrics_record_a_choices_tokens_and_times_as_vllms(monkeypatch, finished):
+    """A finished choice counts its success by finish reason and its end-to-end time; one
+    that failed or was cancelled counts its tokens only. Real Ray metric classes (no Ray
+    running) take every call too: tag keys and values as they require."""
+    from deployments import metrics as metrics_module
+    from speculative.state import Request, RequestState
+
+    state = RequestState(Request("r", (1, 2, 3), SamplingParams(temperature=0.0)))
+    state.committed.extend([4, 5])
+    state.finish_reason = "length" if finished else None
+    metrics_module.RouterMetrics().record_choice(state, 3, 0.02, 0.5)
+    recorded = stood_in_metrics(monkeypatch)
+    metrics_module.RouterMetrics().record_choice(state, 3, 0.02, 0.5)
+    got = {name: (value, tags) for name, kind, value, tags in recorded
+           if not name.startswith(("spec_decode", "specserve"))}
+    assert got == {"prompt_tokens": (3, None), "generation_tokens": (2, None),
+                   "time_to_first_token_seconds": (0.02, None)} | (
+        {"request_success": (1, {"finished_reason": "length"}),
+         "e2e_request_latency_seconds": (0.5, None)} if finished else {})
+
+
+def test_router_metrics_record_a_requests_counts_by_position_and_its_mean_round_by_phase(
+        monkeypatch):
+    """RouterMetrics.record, with Ray's metric classes stood in for: acceptance by drafted
+    position (0-based, as vLLM's), rounds by K, and each phase's time per round."""
+    from deployments import metrics as metrics_module
+    from speculative.state import Request, RequestState
+
+    recorded = stood_in_metrics(monkeypatch)
     state = RequestState(Request("r", (1,), SamplingParams(temperature=0.0, min_tokens=2)))
     stats = state.stats
     stats.rounds, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = 2, 2, 6, 4

@@ -333,7 +333,7 @@ def fan_out(text: str, tools: dict):
         return "".join(text[width * (i - 10):width * (i - 9)] for i in ids if i >= 10)
 
     return Choices(plan, (engine, engine), decode,
-                   type("Metrics", (), {"record": lambda self, state: None})(),
+                   type("Metrics", (), {"record_choice": lambda self, *choice: None})(),
                    Admission(4).admit(1), model="m", chat=True, return_token_ids=False,
                    tools=request(**tools).tool_use())
 
