@@ -246,7 +246,9 @@ class Choices:
             sent += len(entries)
             if last and not entries:
                 return None
-            shaped = self.shaped_logprobs(entries, texts, offset)
+            # once it has finished, these are its last entries
+            end = generation.finish_reason is not None and generation.ends_held_text
+            shaped = self.shaped_logprobs(entries, texts, offset, end)
             if not self.chat:
                 offset += sum(len(token) for token in shaped["tokens"])
             return shaped
@@ -258,11 +260,14 @@ class Choices:
         if generation.state.request.sampling.logprobs is None:
             return None
         texts = TokenTexts(self.decode, generation.state.request.prompt_token_ids)
-        return self.shaped_logprobs(generation.state.logprobs, texts)
+        return self.shaped_logprobs(generation.state.logprobs, texts,
+                                    end=generation.ends_held_text)
 
-    def shaped_logprobs(self, entries: list, texts: TokenTexts, offset: int = 0) -> dict:
+    def shaped_logprobs(self, entries: list, texts: TokenTexts, offset: int = 0,
+                        end: bool = False) -> dict:
         """Entries in this API's shape (a completion's text offsets from `offset`), their
-        texts read on from the last entries `texts` read."""
+        texts read on from the last entries `texts` read; end: the output's last entries
+        (deployments.logprobs.TokenTexts.positions)."""
         if self.chat:
-            return chat_logprobs(entries, texts, self.token_bytes)
-        return completion_logprobs(entries, texts, offset)
+            return chat_logprobs(entries, texts, self.token_bytes, end)
+        return completion_logprobs(entries, texts, offset, end)

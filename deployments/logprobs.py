@@ -48,11 +48,22 @@ class TokenTexts:
         texts[entry.token_id] = self.detokenizer.add(entry.token_id)
         return texts
 
+    def positions(self, entries: list[TokenLogprob], end: bool = False) -> list[dict[int, str]]:
+        """position() of each entry; end: they are the output's last, so the last one's text
+        takes what the detokenizer still holds (an incomplete character's U+FFFD), as the
+        output's text does at its end (Generation.stream): the tokens join into the text."""
+        read = [self.position(entry) for entry in entries]
+        if end and read:
+            read[-1][entries[-1].token_id] += self.detokenizer.flush()
+        return read
 
-def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, start: int = 0) -> dict:
+
+def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, start: int = 0,
+                        end: bool = False) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset}; offsets count characters from
-    the start of the completion's text (`start`: the first entry's, in a stream)."""
-    positions = [texts.position(entry) for entry in entries]
+    the start of the completion's text (`start`: the first entry's, in a stream); end: the
+    output's last entries (TokenTexts.positions)."""
+    positions = texts.positions(entries, end)
     tokens = [position[entry.token_id] for entry, position in zip(entries, positions)]
     offsets, offset = [], start
     for token in tokens:
@@ -76,17 +87,16 @@ def top_dict(entry: TokenLogprob, texts: dict[int, str]) -> dict[str, float]:
 
 
 def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts,
-                  token_bytes: TokenBytes | None = None) -> dict:
+                  token_bytes: TokenBytes | None = None, end: bool = False) -> dict:
     """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]};
-    bytes: the token's own (token_bytes), else its text's."""
+    bytes: the token's own (token_bytes), else its text's; end: as completion_logprobs'."""
     def item(token_id: int, logprob: float, text: str) -> dict:
         raw = token_bytes(token_id) if token_bytes else None
         return {"token": text, "logprob": shown(logprob),
                 "bytes": list(text.encode("utf-8") if raw is None else raw)}
 
     content = []
-    for entry in entries:
-        position = texts.position(entry)
+    for entry, position in zip(entries, texts.positions(entries, end)):
         content.append({**item(entry.token_id, entry.logprob, position[entry.token_id]),
                         "top_logprobs": [item(t, lp, position[t]) for t, lp in entry.top]})
     return {"content": content}

@@ -240,6 +240,12 @@ class Generation:
     def stats(self):
         return self.state.stats
 
+    @property
+    def ends_held_text(self) -> bool:
+        """Whether the finished text ends with what the detokenizer held (an incomplete
+        character's U+FFFD): not when a stop string, which the text is cut at, ended it."""
+        return self.stop_reason not in self.stop
+
     async def stream(self, drafter: Drafter, verifier: Verifier, policy: KPolicy,
                      pipelined: bool = False) -> AsyncIterator[str]:
         """Text deltas as rounds commit; pipelined: draft the next block during each verify."""
@@ -251,7 +257,7 @@ class Generation:
                     yield delta
                 if self.finish_reason is not None:
                     break
-        if self.detokenizer is not None and self.stop_reason not in self.stop:
+        if self.detokenizer is not None and self.ends_held_text:
             self._text.append(self.detokenizer.flush())
         if tail := self._text.since(self._sent):
             self._sent = len(self._text)

@@ -365,3 +365,49 @@ def test_logprob_tokens_are_the_text_each_adds_so_they_join_into_the_text(kind, 
     if not chat:
         assert [o for c in chunks if c.get("logprobs") for o in c["logprobs"]["text_offset"]] \
             == logprobs["text_offset"]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_logprob_tokens_join_into_a_text_that_ends_inside_a_character(chat):
+    """An output cut by max_tokens inside a character (日's first two bytes) ends its text
+    with the U+FFFD the detokenizer flushes at the end; the logprobs' tokens, read by a
+    detokenizer of their own that was never flushed, ended without it, so they no longer
+    joined into the text, whole or streamed (nor did the last text_offset plus its token's
+    length reach the text's end)."""
+    import asyncio
+    import json
+
+    from deployments.admission import Admission
+    from deployments.choices import Choices
+    from speculative.driver import text_decoder
+    from speculative.frontend import RequestFrontEnd
+
+    tokenizer = byte_level_tokenizer([b"\xe6\x97", b" hello"])
+    prompt, output = [1 + ord("x")], [258, 257]
+    decode = text_decoder(tokenizer)
+    text = decode(prompt + output)[len(decode(prompt)):]
+    assert text == " hello\ufffd"
+
+    def choices():
+        plan = RequestFrontEnd().plan("r", tuple(prompt), SamplingParams(
+            temperature=0, max_tokens=len(output), logprobs=1), n=1, num_speculative_tokens=1)
+        engine = LoggedScript(output, output[0], len(prompt))
+        return Choices(plan, (engine, engine), decode,
+                       type("M", (), {"record_choice": lambda s, *choice: None})(),
+                       Admission(4).admit(1), model="m", chat=chat, return_token_ids=False)
+
+    key = "content" if chat else "tokens"
+
+    def tokens(logprobs) -> list[str]:
+        return [entry["token"] for entry in logprobs[key]] if chat else logprobs[key]
+
+    body = asyncio.run(choices().complete())["choices"][0]
+    assert (body["message"]["content"] if chat else body["text"]) == text
+    assert "".join(tokens(body["logprobs"])) == text
+
+    async def collect():
+        return [e async for e in choices().events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"][0] for e in asyncio.run(collect())[:-1]]
+    streamed = [t for c in chunks if c.get("logprobs") for t in tokens(c["logprobs"])]
+    assert "".join(streamed) == text
