@@ -104,12 +104,13 @@ def chunk_body(request_id: str, model: str, index: int, text: str | None,
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
-    if logprobs is not None:  # its tokens' (deployments.choices: stream_choice)
-        choice["logprobs"] = logprobs
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
+    # on every chunk, null where none, as OpenAI's and vLLM's chunks (a client reading
+    # choice["logprobs"] must not meet a KeyError): its tokens' (deployments.choices:
+    # stream_choice), and the stop that ended the choice (vLLM's)
+    choice["logprobs"] = logprobs
+    choice["stop_reason"] = stop_reason if finish_reason is not None else None
+    if finish_reason is not None and token_ids is not None:
+        choice["token_ids"] = token_ids
     if prompt_token_ids is not None and not chat:
         choice["prompt_token_ids"] = prompt_token_ids
     body = {

@@ -173,6 +173,23 @@ def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_b
 
 
 @pytest.mark.parametrize("chat", [False, True])
+def test_every_chunk_names_its_finish_reason_logprobs_and_stop_reason(chat):
+    """As OpenAI's and vLLM's chunks: each choice carries finish_reason, logprobs and
+    stop_reason, null where none (logprobs and stop_reason were left out: a KeyError for a
+    client reading choice["logprobs"])."""
+    choices, _, _ = fan_out(chat=chat)
+
+    async def collect():
+        return [event async for event in choices.events()]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    for choice in (c["choices"][0] for c in chunks):
+        assert choice["logprobs"] is None
+        finished = choice["finish_reason"] is not None
+        assert "stop_reason" in choice and (finished or choice["stop_reason"] is None)
+
+
+@pytest.mark.parametrize("chat", [False, True])
 def test_return_token_ids_brings_the_prompts_ids_where_vllm_puts_them(chat):
     """vLLM's return_token_ids: the prompt's ids beside the output's (chat: on the body;
     completions: on each choice); streamed once per choice, a chat's on its first chunk (as
