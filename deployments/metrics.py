@@ -10,6 +10,8 @@ BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 # a choice's first text and its whole: from a lone short one to a long chat under load
 LATENCY_BOUNDARIES_S = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0,
                         120.0, 300.0]
+# a token's share of a choice: speculation's several a round to a loaded CPU pool's one
+TOKEN_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
 def rss_mb() -> float:
@@ -72,6 +74,9 @@ class RouterMetrics:
         self.e2e_latency = Histogram(
             "e2e_request_latency_seconds", description="Seconds from a choice's start to its "
             "end, of the choices that finished.", boundaries=LATENCY_BOUNDARIES_S)
+        self.time_per_output_token = Histogram(
+            "request_time_per_output_token_seconds", description="A finished choice's mean "
+            "seconds per output token after its first text.", boundaries=TOKEN_BOUNDARIES_S)
         self.num_drafts = Counter("spec_decode_num_drafts",
                                   description="Rounds that drafted at least one token.")
         self.num_draft_tokens = Counter("spec_decode_num_draft_tokens",
@@ -121,6 +126,9 @@ class RouterMetrics:
         if state.finish_reason is not None:
             self.request_success.inc(1, tags={"finished_reason": state.finish_reason})
             self.e2e_latency.observe(seconds)
+            if first_text_s is not None and state.num_output_tokens > 1:
+                self.time_per_output_token.observe(
+                    (seconds - first_text_s) / (state.num_output_tokens - 1))
         if first_text_s is not None:
             self.time_to_first_token.observe(first_text_s)
         self.record(state)

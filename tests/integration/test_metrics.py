@@ -11,6 +11,7 @@ NAMES = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens",
          # a request's life, as vLLM's
          "prompt_tokens", "generation_tokens", "request_success",
          "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+         "request_time_per_output_token_seconds_count",
          "num_requests_running"]
 
 

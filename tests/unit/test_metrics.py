@@ -87,7 +87,8 @@ def test_router_metrics_record_a_choices_tokens_and_times_as_vllms(monkeypatch, 
     assert got == {"prompt_tokens": (3, None), "generation_tokens": (2, None),
                    "time_to_first_token_seconds": (0.02, None)} | (
         {"request_success": (1, {"finished_reason": "length"}),
-         "e2e_request_latency_seconds": (0.5, None)} if finished else {})
+         "e2e_request_latency_seconds": (0.5, None),
+         "request_time_per_output_token_seconds": (0.48, None)} if finished else {})
 
 
 def test_router_metrics_record_a_requests_counts_by_position_and_its_mean_round_by_phase(
