@@ -24,8 +24,8 @@ from speculative.sampling import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE,
     SamplingParams,
+    served_temperature,
 )
 
 
@@ -259,7 +259,7 @@ class SamplingFields(BaseModel):
         given.update({name: value for name, value in (defaults or {}).items()
                       if name not in self.model_fields_set})
         max_tokens = self.max_tokens_or(default_max_tokens)
-        temperature = given["temperature"] if given["temperature"] >= MIN_TEMPERATURE else 0.0
+        temperature = served_temperature(given["temperature"])
         seed = None if self.seed is None else self.seed % 2**64  # int64 -> its bits, unsigned
         return SamplingParams(temperature=temperature, top_k=max(given["top_k"], 0),
                               top_p=given["top_p"], min_p=given["min_p"], seed=seed,

@@ -78,8 +78,11 @@ class PromptReader:
                 raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
             sampling = replace(sampling, grammar=grammar)
         stop_ids = self.stop_ids(body, constraint is not None)
-        if sampling.min_tokens:  # what min_tokens holds back: whatever would end the output
-            sampling = replace(sampling, min_tokens_end_ids=stop_ids)
+        if sampling.min_tokens:  # what min_tokens holds back: the end tokens and stop ids,
+            # under ignore_eos too (vLLM's all_stop_token_ids: the end token is held until
+            # min_tokens though it ends nothing)
+            sampling = replace(sampling, min_tokens_end_ids=stop_token_ids(
+                self.end_ids, stop_ids))
         return Prompt(prompt_ids, sampling, stop_ids)
 
     def constraint(self, body):

@@ -186,13 +186,14 @@ def generate(args) -> dict:
 def sampling(args):
     """The request's sampling parameters (its seed; each choice's is derived from it), read
     as the router reads a request's: a top-k of -1 is none (vLLM's), a negative seed its
-    int64 bits (deployments.openai_api)."""
-    from speculative.sampling import SamplingParams
+    int64 bits, a positive temperature below 1e-2 raised to it (deployments.openai_api)."""
+    from speculative.sampling import SamplingParams, served_temperature
 
     top_k = 0 if args.top_k == -1 else args.top_k
     seed = args.seed % 2**64 if args.seed is not None and -2**63 <= args.seed < 0 else args.seed
-    return SamplingParams(temperature=args.temperature, top_k=top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=seed, max_tokens=args.max_tokens,
+    return SamplingParams(temperature=served_temperature(args.temperature), top_k=top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=seed,
+                          max_tokens=args.max_tokens,
                           stop=tuple(args.stop),
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty,

@@ -125,14 +125,23 @@ class SamplingParams:
 
 # a logit divided by the penalty stays finite (1e-300 made it inf, and q NaN: found by fuzzing)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
-# below it a positive temperature is no law a float can hold (logits / 1e-30 overflow): the
-# router serves it greedy, as vLLM; a call (or the CLI) asking for it is refused
+# below it a positive temperature is no law a float can hold (logits / 1e-30 overflow): a
+# call asking for it is refused (the router and the CLI read one as vLLM: served_temperature)
 MIN_TEMPERATURE = 1e-5
+# vLLM's SamplingParams raises a positive temperature below 1e-2 to 1e-2 (its _MAX_TEMP) and
+# only 0 is greedy: 1e-6 samples at 1e-2 there, and 5e-3 does not sample twice as sharp
+MIN_SERVED_TEMPERATURE = 1e-2
 # above float32's largest (3.4e38) a temperature divides as inf, and a logit masked before
 # it (min_tokens, a grammar: -inf) is NaN; long before, every law is uniform to float32
 MAX_TEMPERATURE = 1e30
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
+
+
+def served_temperature(temperature: float) -> float:
+    """A request's temperature as vLLM serves it: 0 greedy, a positive one at least
+    MIN_SERVED_TEMPERATURE."""
+    return max(temperature, MIN_SERVED_TEMPERATURE) if temperature > 0 else temperature
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -158,8 +167,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # alone could keep different tokens at a tie)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=False, stable=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop the low tail whose total mass is <= 1 - top_p; the top token always stays
-        drop_sorted = cumulative <= 1 - params.top_p
+        # drop the low tail whose total mass is <= 1 - top_p; the top token always stays.
+        # 1 - top_p in float32, as vLLM's sampler holds top_p (float32(1 - 0.9) is 0.1000000015
+        # where vLLM cuts at 0.100000024: a tail of mass between them kept, vLLM's cut)
+        drop_sorted = cumulative <= float(np.float32(1) - np.float32(params.top_p))
         drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))

@@ -199,3 +199,31 @@ def test_sample_rows_draws_each_row_from_its_own_weights():
         statistic, threshold, _ = chi_square(counts, (weights[row] / weights[row].sum()).numpy(),
                                              5e-8)
         assert statistic < threshold
+
+
+@pytest.mark.parametrize("asked, served", [(0, 0.0), (1e-6, 0.01), (5e-3, 0.01), (0.01, 0.01),
+                                           (0.5, 0.5)])
+def test_a_temperature_below_vllms_floor_samples_at_it(asked, served):
+    """vLLM's SamplingParams raises a positive temperature below 1e-2 to 1e-2 and only 0 is
+    greedy: the router and the CLI read one so, and the law is softmax(logits / 0.01)."""
+    from deployments.openai_api import CompletionRequest
+    from specserve.cli import build_parser
+    from specserve.cli import sampling as cli_sampling
+
+    params = CompletionRequest(prompt="x", temperature=asked).sampling(16)
+    argv = ["generate", "--prompt", "x", "--temperature", str(asked)]
+    assert params.temperature == cli_sampling(build_parser().parse_args(argv)).temperature \
+        == served
+    logits = torch.tensor([2.0, 1.99, 0.0, -1.0])
+    expected = torch.nn.functional.one_hot(logits.argmax(), 4).float() if served == 0 else \
+        (logits / served).softmax(-1)
+    torch.testing.assert_close(logits_to_probs(logits, params), expected, atol=0, rtol=0)
+
+
+def test_top_p_cuts_at_one_minus_top_p_in_float32_as_vllm():
+    """vLLM holds top_p in float32: at 0.9 it drops a tail of mass up to 1 - float32(0.9) =
+    0.100000024, where float32(1 - 0.9) = 0.1000000015 kept a tail of 0.10000001."""
+    logits = torch.tensor([0.10000001, 0.89999999]).log()
+    assert 0.1000000015 < float(logits.softmax(-1)[0]) <= 0.100000024
+    probs = logits_to_probs(logits, SamplingParams(top_p=0.9))
+    assert probs.tolist() == [0.0, 1.0]

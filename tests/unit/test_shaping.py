@@ -208,3 +208,23 @@ def test_the_metrics_tag_the_shaping_features():
     assert features(SamplingParams()) == []
     assert features(SamplingParams(logit_bias=BIAS, min_tokens=2, presence_penalty=1.0)) == [
         "penalties", "logit_bias", "min_tokens"]
+
+
+def test_min_tokens_holds_the_end_tokens_under_ignore_eos_too(tiny_pair_dir):
+    """As vLLM's min_tokens (its all_stop_token_ids): ignore_eos lets an end token be output
+    without ending it, but not before min_tokens; the requested stop ids are held too."""
+    import asyncio
+
+    from deployments.prompts import PromptReader
+    from deployments.router_args import RouterArgs
+    from engine.checkpoint import Checkpoint
+    from engine.models import load_tokenizer
+
+    model = str(tiny_pair_dir / "target")
+    reader = PromptReader(RouterArgs(model=model), load_tokenizer(model), Checkpoint.load(model))
+    assert reader.end_ids
+    for ignore_eos in (False, True):
+        body = CompletionRequest(prompt="def ", max_tokens=8, min_tokens=4, stop_token_ids=[7],
+                                 ignore_eos=ignore_eos)
+        sampling = asyncio.run(reader.read(body, chat=False)).sampling
+        assert set(sampling.min_tokens_end_ids) == {*reader.end_ids, 7}, ignore_eos
