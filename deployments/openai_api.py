@@ -52,6 +52,11 @@ UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logpr
             "prompt_embeds": (None,), "structural_tag": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
+# vLLM's options of structured_outputs at the values that ask for nothing (its defaults, as
+# a client serialising vLLM's StructuredOutputsParams whole sends them): any other is refused
+STRUCTURED_DEFAULTS = {"disable_fallback": False, "disable_any_whitespace": False,
+                       "disable_additional_properties": False, "whitespace_pattern": None,
+                       "structural_tag": None}
 
 
 def needing(value, info, field: str, message: str):
@@ -88,6 +93,16 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def defaults_ask_nothing(cls, data):
+        """null for a field, or one of vLLM's options at its default, is left out (as the
+        body's own fields: null means the default)."""
+        if isinstance(data, dict):
+            data = {key: value for key, value in data.items()
+                    if not (key in STRUCTURED_DEFAULTS and value is STRUCTURED_DEFAULTS[key])}
+        return without_nulls(data)
 
     @field_validator("json_")
     @classmethod

@@ -98,8 +98,19 @@ def compile_spec(kind: str, spec, tokenizer) -> str:
         except ValueError as error:  # the matcher refused what validation passed
             problem = str(error)
     if problem:
-        raise GrammarError(kind, problem.strip().splitlines()[0])
+        raise GrammarError(kind, reason(problem))
     return text
+
+
+def reason(problem: str) -> str:
+    """llguidance's reason on one line: its first, which for a regex that does not parse
+    ends at "regex parse error:" (its lines below say what is wrong: a look-around, a
+    backreference), so then with the regex and that line."""
+    lines = [line.strip() for line in problem.strip().splitlines()]
+    said = next((line for line in lines if line.startswith("error: ")), None)
+    if not lines[0].endswith(":") or said is None or len(lines) < 2:
+        return lines[0]
+    return f"{lines[0]} {lines[1]}: {said.removeprefix('error: ')}"
 
 
 PROBE_STEPS = 8

@@ -126,6 +126,18 @@ def test_vllms_json_object_is_any_json_object():
         .constraint() is None
 
 
+@pytest.mark.parametrize("options", [{"structural_tag": None, "whitespace_pattern": None},
+                                     {"disable_any_whitespace": False, "disable_fallback": False,
+                                      "disable_additional_properties": False}])
+def test_vllms_structured_options_at_their_defaults_pass(options):
+    """As a client serialising vLLM's StructuredOutputsParams whole sends them; set, refused."""
+    body = CompletionRequest(prompt="x", structured_outputs={"choice": ["a"], **options})
+    assert body.constraint() == ("structured_outputs.choice", "choice", ["a"])
+    with pytest.raises(ValidationError, match="disable_any_whitespace"):
+        CompletionRequest(prompt="x",
+                          structured_outputs={"regex": "a", "disable_any_whitespace": 1})
+
+
 def test_k_is_bounded_as_the_pools_bound_it():
     """Up to the pools' MAX_SPECULATIVE_TOKENS, as the CLI's -k (HTTP stopped at 32)."""
     from deployments.router_args import RouterArgs

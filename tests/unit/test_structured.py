@@ -116,6 +116,16 @@ def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
     assert refused.value.field == field
 
 
+@pytest.mark.parametrize("kind, spec, said", [
+    ("regex", r"\d+(?=x)", "look-around"), ("regex", r"(a)\1", "backreferences are not"),
+    ("json", {"type": "string", "pattern": "[z-a]"}, "[z-a]: invalid character class")])
+def test_a_regex_that_does_not_parse_says_why(demo, kind, spec, said):
+    """llguidance puts what is wrong below its first line, which alone ended at "regex
+    parse error:" (a schema's pattern was not even named)."""
+    with pytest.raises(GrammarError, match=re.escape(said)):
+        compile_spec(kind, spec, demo[3])
+
+
 def expanding_schema(depth: int, properties: int) -> dict:
     """An object whose property is `depth` levels of allOf with an anyOf of the level below:
     a kilobyte or so that llguidance multiplies into as many symbols as the levels
