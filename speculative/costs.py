@@ -46,6 +46,7 @@ class RoundCost:
     steps: int = 1  # the verifier's forwards for a round without a draft (verifier.steps)
     # the drafter's batch that drafted draft_tokens: its calls (0: unknown, batch_size's)
     draft_batch_size: int = 0
+    carried: bool = False  # its block was pre-drafted beside the round before's verify
 
 
 # plain: no draft; sequential: draft, then verify; carried: verify of a pre-drafted block

@@ -123,4 +123,5 @@ class RoundMeter:
                          load.batch_size if load else 1, load.batch_tokens if load else 0,
                          max(0.0, hop), comparable, self.catch_up,
                          self.kind(block, beside), round_seconds, tokens, forwards,
-                         drafted_now.load.batch_size if drafted_now.load else 0)
+                         drafted_now.load.batch_size if drafted_now.load else 0,
+                         self.carried)

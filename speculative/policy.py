@@ -136,6 +136,7 @@ class AdaptiveK:
     # the block drafted at the K before: at 16 streams a phase gives each five clean
     # rounds), and phases between two that explore
     batch_rounds, batch_explore_every = 96, 4
+    clean_rounds = 6  # ...and at least this many rounds of each request (BatchTrials)
     # rounds between two choices (the costs and α move slowly; a choice weighs every K,
     # which on a router serving 16 streams was a tenth of its time per round)
     choose_every = 4
@@ -158,6 +159,7 @@ class AdaptiveK:
         self.loaded = False  # the last round chose the router's K under load
         self.phase = 0  # ...in this phase of the router's (BatchTrials)...
         self.trials: BatchTrials | None = None  # ...of these trials (its load's band)
+        self.ran: tuple | None = None  # (trials, phase, K) of the round just run, if loaded
         self.rounds = 0
         self.explored_up = False
         self.chosen = self.first_k() if bounds.initial is None else \
@@ -224,9 +226,15 @@ class AdaptiveK:
                     and cost.wall_seconds > 0 and cost.batch_size <= 1:
                 self.costs.shapes.record(*self.asked, cost.tokens, cost.wall_seconds)
         self.rounds += 1
+        ran = (self.trials, self.phase, self.k) if self.loaded else None
+        # the phase and K this round's block was drafted at: a pre-drafted (carried) one at
+        # the round before's, beside whose verify it was drafted
+        drafted_at = self.ran if cost is not None and cost.carried else ran
+        self.ran = ran
         if self.load >= self.zero_load:
-            if self.loaded and cost is not None and cost.comparable:
-                self.trials.record(self.phase, self.k, cost.tokens, cost.wall_seconds)
+            if drafted_at is not None and cost.comparable:
+                trials, phase, k = drafted_at
+                trials.record(phase, k, cost.tokens, cost.wall_seconds)
             self.k, self.phase = self.batch_k()
             self.chosen, self.loaded = self.k, True
             return
@@ -257,16 +265,22 @@ class AdaptiveK:
                     trials.judged or 0 in (better, trials.k)
                     or self.rate(better) > (1 + self.margin) * self.rate(trials.k)):
                 trials.switch(better)
-        trials.rounds += 1
-        phase = trials.rounds // self.batch_rounds
+        phase = trials.next_round(id(self), self.batch_rounds, self.clean_rounds)
         low = self.lowest()
         k = self.within(trials.k)
         if phase % self.batch_explore_every != self.batch_explore_every - 1:
             return k, phase
         # in turn: one up, one down, and K = 0 itself (the choice that load may call for,
-        # however far the K in force is from it)
+        # however far the K in force is from it); from the lowest, one up and the K the
+        # batch drafted at last: K = 0's rounds of plain steps may beat K = 1 and lose to
+        # K = 8 (measured at 128 streams, the model having moved the batch from 8 to 0: K = 1
+        # tried 1.01-1.08x of K = 0, K = 8 2.6-3.9x, and the batch went back to 8)
         turn = phase // self.batch_explore_every % 3
-        tried = self.within(k + 1 if turn == 0 or k <= low else k - 1 if turn == 1 else low)
+        if k <= low:
+            far = self.within(trials.drafting or k + 1)
+            tried = far if turn == 0 else self.within(k + 1)
+        else:
+            tried = self.within(k + 1 if turn == 0 else k - 1 if turn == 1 else low)
         return (tried if trials.runs_trial(phase, tried) else k), phase
 
     def lowered(self, k: int) -> int:

@@ -30,7 +30,10 @@ class BatchTrials:
 
     def __init__(self, keep: int = 4) -> None:
         self.k: int | None = None  # the K in force (None: not chosen yet)
-        self.rounds = 0  # rounds run under batch load, which number the phases
+        self.rounds = 0  # rounds run under batch load
+        self.phase = 0  # the phase being assigned, and its rounds still to assign
+        self.phase_left = 0
+        self.in_phase: set[int] = set()  # the requests that ran a round of it
         self.judged = False  # whether a trial has been judged (then trials move K, not a model)
         self.open: dict[int, list] = {}  # phase -> [K, tokens, seconds] while it runs
         self.newest = -1
@@ -41,6 +44,23 @@ class BatchTrials:
         self.losses: dict[int, int] = {}  # per tried K, its trials lost in a row
         self.skips: dict[int, int] = {}  # per tried K, the turns it still sits out
         self.planned: tuple[int, bool] = (-1, False)  # (phase, whether its trial runs)
+        self.drafting: int | None = None  # the K > 0 in force last (AdaptiveK.batch_k)
+
+    def next_round(self, request: int, least: int, per_request: int) -> int:
+        """The phase a round of `request` (any id of it) is assigned to. A phase lasts
+        `least` rounds, or `per_request` rounds of each request that ran in the phase
+        before, whichever is more: a request's first round in a phase runs the block drafted
+        at the K before (pipelined), so at 128 streams a phase of 96 rounds held no second
+        round of any request, and a trial's yield was mostly the K before's."""
+        if self.phase_left <= 0:
+            if self.rounds:
+                self.phase += 1
+            self.phase_left = max(least, per_request * len(self.in_phase))
+            self.in_phase = set()
+        self.phase_left -= 1
+        self.in_phase.add(request)
+        self.rounds += 1
+        return self.phase
 
     def record(self, phase: int, k: int, tokens: int, seconds: float) -> None:
         """A round run at K = k, assigned in `phase`. A phase closes once rounds of two
@@ -92,6 +112,8 @@ class BatchTrials:
 
     def switch(self, k: int) -> None:
         """Put K = k in force; what was tried was relative to the old K."""
+        if self.k:
+            self.drafting = self.k
         self.k = k
         self.ratios.clear()
         self.losses.clear()

@@ -3,6 +3,7 @@ tried K is judged against the phases around it, a drift does not pass for a bett
 whose trials keep losing is tried less often until it wins again, and each load band keeps
 its own K."""
 
+from speculative.costs import CostModel, RoundCost
 from speculative.policy import AdaptiveK, KBounds
 from speculative.yields import BatchTrials
 from tests.unit.test_policy import at_load, loaded
@@ -45,8 +46,8 @@ def run_phases(policies: list[AdaptiveK], yields: dict[int, float], phases: int)
     each round recorded at its K's yield (tokens per second): the K of each phase."""
     trials = policies[0].costs.trials_at(policies[0].load)
     by_phase: dict[int, int] = {}
-    end = trials.rounds // AdaptiveK.batch_rounds + phases
-    while trials.rounds // AdaptiveK.batch_rounds < end:
+    end = trials.phase + phases
+    while trials.phase < end:
         for policy in policies:
             before = trials.k
             k, phase = policy.batch_k()
@@ -73,6 +74,19 @@ def test_a_k_whose_trials_keep_losing_is_tried_less_until_it_wins():
     assert costs.trials_at(64).k == 1
     moved = next(i for i in range(len(ks)) if ks[i:i + explore] == [1] * explore)
     assert moved <= 48
+
+
+def test_from_k_zero_the_trials_also_try_the_k_the_batch_drafted_at():
+    """K = 0 in force after K = 4 (the model lowered it): its rounds of plain steps beat
+    K = 1 but lose to K = 4. Trying K = 1 alone, the batch stayed at K = 0 for good."""
+    costs = loaded(64)  # where the model puts the batch at K = 0
+    trials = costs.trials_at(64)
+    trials.switch(4)
+    trials.switch(0)
+    yields = {0: 60.0, 1: 45.0, 2: 55.0, 3: 70.0, 4: 90.0, 5: 75.0, 6: 70.0, 7: 65.0,
+              8: 60.0}
+    ks = run_phases([at_load(costs, 64) for _ in range(2)], yields, phases=64)
+    assert {0, 1, 4} <= set(ks) and trials.k == 4
 
 
 def test_without_the_back_off_losing_trials_keep_their_share(monkeypatch):
@@ -146,3 +160,39 @@ def test_before_a_trial_is_judged_the_model_may_only_lower_the_batch_k(monkeypat
     assert ks_run() == [8, 0, 0]
     monkeypatch.setattr(AdaptiveK, "lowered", lambda self, k: self.choose(k))
     assert ks_run() == [8, 0, 6]
+
+
+def run_pipelined(policies: list[AdaptiveK], yields: dict[int, float], rounds: int) -> None:
+    """Loaded pipelined rounds of the policies in turn, as the round loop runs them: a round
+    verifies the block pre-drafted beside the request's round before, at the K in force
+    then (after a round at K = 0, which pre-drafts nothing, one drafted at its own K), and
+    yields at the K it verified."""
+    block = {id(policy): None for policy in policies}  # K of the pre-drafted block
+    for _ in range(rounds):
+        for policy in policies:
+            carried = block[id(policy)] is not None
+            ran = block[id(policy)] if carried else policy.k
+            block[id(policy)] = policy.k or None  # pre-drafted beside this round
+            policy.update(ran, ran, RoundCost(
+                ran + 1, 0.01, 0, 0.0, 0.0, 32, 32 * (ran + 1), comparable=True,
+                kind="carried" if carried else "sequential", wall_seconds=4 / yields[ran],
+                tokens=4, carried=carried))
+
+
+def test_many_streams_judge_each_k_by_the_rounds_that_ran_it():
+    """128 pipelined requests at K = 4, the best: every trial loses, and the batch stays.
+    A phase of 96 rounds held no request's second round, so each phase's yield was its
+    neighbour's K's, every trial judged inverted (a worse K won), and the batch left the
+    best K (measured served: it settled at K = 0, 0.6x of a fixed K = 4's tokens)."""
+    costs = CostModel()
+    policies = [at_load(costs, 32) for _ in range(128)]
+    trials = costs.trials_at(32)
+    trials.switch(4)
+    trials.judged = True  # the trials decide, not the cost model
+    yields = {0: 40.0, 1: 45.0, 2: 50.0, 3: 55.0, 4: 60.0, 5: 58.0, 6: 56.0, 7: 54.0,
+              8: 52.0}
+    for policy in policies:
+        policy.k = 4  # (its first update joins the batch: under load from the start)
+    run_pipelined(policies, yields, rounds=160)
+    assert trials.k == 4 and trials.phase >= 20
+    assert trials.ratios and all(r < 1 for ratios in trials.ratios.values() for r in ratios)
