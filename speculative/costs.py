@@ -62,9 +62,12 @@ def load_bucket(batch_size: float) -> int:
 
 def load_band(load: float) -> int:
     """Loads that run one K under batch load (each band its own BatchTrials): a factor of 4
-    wide, about 1, 4, 16, 64 calls a batch. Measured on the demo pair: a K = 1 that the
-    trials chose at 4 streams, kept at 16, made 0.8x of K = 0's tokens there."""
-    return round(math.log(load, 4)) if load > 1.0 else 0
+    wide, [1.5, 6), [6, 24), [24, 96), ... calls a batch. Measured on the demo pair: a K = 1
+    that the trials chose at 4 streams, kept at 16, made 0.8x of K = 0's tokens there. The
+    edges lie between the powers of two a pool's max_batch_size is set to: at an edge (32
+    was one), the load of a full pool straddles it and its requests split between two
+    bands' trials, each judging half as often."""
+    return math.floor(math.log(load / 1.5, 4)) + 1 if load >= 1.5 else 0
 
 
 class Acceptance:

@@ -196,3 +196,14 @@ def test_many_streams_judge_each_k_by_the_rounds_that_ran_it():
     run_pipelined(policies, yields, rounds=160)
     assert trials.k == 4 and trials.phase >= 20
     assert trials.ratios and all(r < 1 for ratios in trials.ratios.values() for r in ratios)
+
+
+def test_a_full_pools_load_stays_in_one_band():
+    """A pool's max_batch_size (8, 16, 32, 64, ...) is no band's edge: the load of requests
+    at a full pool of 32 calls read 27.5-32.3 served, and split between two bands' trials
+    when 32 was an edge. 4 and 16 calls a batch keep their own bands."""
+    from speculative.costs import load_band
+
+    for cap in (8, 16, 32, 64, 128):
+        assert load_band(cap * 0.85) == load_band(cap) == load_band(cap * 1.05), cap
+    assert len({load_band(load) for load in (1.0, 4, 16, 64)}) == 4
