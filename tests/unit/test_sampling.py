@@ -126,10 +126,11 @@ def test_a_seeded_draw_stays_in_step_when_a_truncated_q_keeps_one_entry_more():
     every later draw of the request's generator moved: the replica-kill test's divergence)."""
     changed = 0
     for seed in range(200):
-        weights = torch.rand(50, generator=torch.Generator().manual_seed(seed)).sort(descending=True).values
+        drawn = torch.rand(50, generator=torch.Generator().manual_seed(seed))
+        weights = drawn.sort(descending=True).values
         longer = torch.cat([weights, torch.tensor([1e-9])])
-        draws = [[sample(w, g) for _ in range(4)]
-                 for w, g in ((weights, seeded_generator(seed, "cpu")), (longer, seeded_generator(seed, "cpu")))]
+        generators = [seeded_generator(seed, "cpu") for _ in range(2)]
+        draws = [[sample(w, g) for _ in range(4)] for w, g in zip((weights, longer), generators)]
         changed += draws[0] != draws[1]
     assert changed == 0
 
