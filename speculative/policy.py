@@ -57,7 +57,8 @@ from speculative.yields import BatchTrials
 class KPolicy(Protocol):
     def num_speculative_tokens(self) -> int: ...
 
-    def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None: ...
+    def update(self, num_drafted: int, num_accepted: int,
+               cost: RoundCost | None = None) -> None: ...
 
     def draft_confidence(self) -> float | None:
         """The next draft call's draft_confidence (None: the pool's own)."""
