@@ -1,6 +1,7 @@
 """What the router's HTTP ingress does around a request: errors in OpenAI's shape (a failed
 pool call among them), the API key, body parsing, the OpenAPI document."""
 
+import asyncio
 import contextlib
 import functools
 import gc
@@ -24,6 +25,10 @@ from speculative.types import PoolBusy
 log = logging.getLogger("ray.serve")
 API_KEY_ENV = "SPECSERVE_API_KEY"
 RETRY_AFTER_S = 1
+# a body trickled in (or never finished) held its Serve slot on the router for as long as
+# its client liked: a few hundred such connections, which cost their client nothing, left
+# no room for anyone else. 2 MiB in this time is 35 KB/s
+BODY_TIMEOUT_S = 60
 
 
 class BadRequest(Exception):
@@ -97,18 +102,27 @@ def unauthorized(request: Request, key: str | None) -> JSONResponse | None:
 
 async def parse(request: Request, schema, max_prompt_bytes: int):
     """The body as `schema`, refused before reading when its declared size is far beyond
-    what a prompt of max_prompt_bytes needs."""
+    what a prompt of max_prompt_bytes needs, and when the whole of it has not come within
+    BODY_TIMEOUT_S (408)."""
     limit = 2 * max_prompt_bytes + (1 << 16)
     size = int(request.headers.get("content-length") or 0)
     if size > limit:
         raise BadRequest(f"the request body has {size} bytes; the limit is about "
                          f"{2 * max_prompt_bytes}", 413)
     body = bytearray()
-    async for chunk in request.stream():  # a chunked body declares no length: counted here
-        body += chunk
-        if len(body) > limit:
-            raise BadRequest(f"the request body has more than {limit} bytes; the limit is "
-                             f"about {2 * max_prompt_bytes}", 413)
+
+    async def read() -> None:
+        async for chunk in request.stream():  # a chunked body declares no length: counted
+            body.extend(chunk)
+            if len(body) > limit:
+                raise BadRequest(f"the request body has more than {limit} bytes; the limit "
+                                 f"is about {2 * max_prompt_bytes}", 413)
+
+    try:  # (wait_for, not asyncio.timeout: Python 3.10 is supported)
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S} s",
+                         408) from None
     try:
         with collector_paused():
             return schema.model_validate(json.loads(body))

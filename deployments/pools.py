@@ -272,9 +272,10 @@ class PoolReplica:
         """The direct stream (ProposeStream, ScoreStream; see specserve.proto): each message's
         calls are queued for the batcher together, and the answers finished meanwhile go back
         in one message, each under its call's tag (deployments.streams)."""
-        if not auth.authorized(grpc_context):
-            await grpc_context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                     "this pool serves the router only")
+        if not auth.authorized(grpc_context):  # status set, stream ended: Serve's proxy's
+            # context has no abort (its AttributeError reached the caller with a traceback)
+            unauthenticated(grpc_context, None)
+            return
         calls = CallStream(self, check, call_from_proto,
                            lambda result: self.respond(result, to_proto, response_type),
                            answer_type)

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from ray.exceptions import TaskCancelledError
 
 import grpc
+import pytest
 
 from deployments.ingress import CLIENT_CLOSED, ingress_app, log, parse
 from deployments.openai_api import CompletionRequest
@@ -124,3 +125,32 @@ def test_a_schema_given_as_text_is_read_with_the_body():
     request = posted({"prompt": "x", "structured_outputs": {"json": schema}})
     parsed, started = collections_while(lambda: parse(request, CompletionRequest, 1 << 20))
     assert parsed.structured_outputs.json_ == json.loads(schema) and len(started) <= 1
+
+
+def test_a_body_that_never_finishes_is_refused_at_its_deadline(monkeypatch):
+    """A client that sends the start of a body and then nothing held the router's slot
+    (Serve's max_ongoing_requests) for ever: a few hundred of them shut everyone out."""
+    from starlette.requests import Request
+
+    from deployments import ingress
+    from deployments.ingress import BadRequest
+
+    monkeypatch.setattr(ingress, "BODY_TIMEOUT_S", 0.2)
+    started = []
+
+    async def receive():
+        if not started:
+            started.append(True)
+            return {"type": "http.request", "body": b'{"prompt": "', "more_body": True}
+        await asyncio.sleep(3600)  # never more, never closed
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                       "query_string": b"", "headers": []}, receive)
+
+    async def main():
+        with pytest.raises(BadRequest) as refused:
+            await asyncio.wait_for(parse(request, CompletionRequest, 1 << 20), 10)
+        return refused.value
+
+    refused = asyncio.run(main())
+    assert refused.status == 408 and "0.2 s" in str(refused)

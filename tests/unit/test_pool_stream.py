@@ -3,6 +3,7 @@ waiting for a replica goes in one message, the replica's batcher receives them t
 each call is answered (or refused) by its own tag."""
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -166,6 +167,36 @@ def test_a_tag_still_running_is_refused_not_answered_twice():
             assert replica.session_ids() == ["r1"]
 
     asyncio.run(main())
+
+
+def test_a_stream_through_serves_proxy_without_the_secret_is_unauthenticated():
+    """Serve's proxy hands the replica a RayServegRPCContext, which has no abort: the
+    refusal raised AttributeError, which the proxy sent the caller (any host reaching port
+    9000) as INTERNAL with the replica's traceback. It is UNAUTHENTICATED, and no call runs."""
+    from ray.serve.grpc_util import RayServegRPCContext
+
+    # the caller's side as Serve's proxy reads it: no pool key
+    caller = SimpleNamespace(auth_context=dict, code=lambda: None, details=lambda: None,
+                             invocation_metadata=lambda: [("application", "verifier")],
+                             peer=lambda: "ipv4:10.0.0.9:4242", peer_identities=lambda: None,
+                             peer_identity_key=lambda: None, trailing_metadata=list)
+
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs())
+        context = RayServegRPCContext(caller)
+
+        async def batches():
+            yield pb.ScoreBatch(entries=[pb.ScoreEntry(tag=1, call=pb.ScoreRequest(
+                request_id="a", sync=pb.PrefixSync(new_token_ids=[1, 2])))])
+
+        answers = [answer async for answer in replica.ScoreStream(batches(), context)]
+        await replica.server.stop(None)
+        return answers, context, len(replica.engine.sessions)
+
+    answers, context, sessions = asyncio.run(main())
+    assert answers == [] and sessions == 0
+    assert context.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert context.details() == "this pool serves the router only"
 
 
 def test_a_stream_without_the_secret_is_refused():
