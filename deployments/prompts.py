@@ -23,6 +23,8 @@ from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or
 from speculative.sampling import SamplingParams
 
 log = logging.getLogger("ray.serve")
+# a text a piece of the prompt is tokenized after, then cut off (PromptReader.piece_ids)
+ANCHOR = "\n"
 
 
 @dataclass(frozen=True)
@@ -184,16 +186,7 @@ class PromptReader:
         tokens stay tokens; other messages tokenize with the whole text, as vLLM's."""
         pattern = special_pattern(self.tokenizer)
         messages = [m.for_template() for m in body.messages]
-        marked = {}
-        for index, message in enumerate(messages):
-            content = message.get("content")
-            if pattern is not None and isinstance(content, str) and pattern.search(content):
-                marker = f"SPECSERVE{secrets.token_hex(8)}CONTENT"
-                # a continued message's trailing spaces stay beside its marker: transformers
-                # ends the prompt after them where the template keeps them (vLLM's), else not
-                continued = body.continue_final_message and index == len(messages) - 1
-                kept = content.rstrip() if continued else content
-                marked[marker], message["content"] = kept, marker + content[len(kept):]
+        marked = marked_contents(messages, pattern)
         check_special_texts(body, pattern)
         text = self.chat_text(body, messages)
         if not marked:
@@ -202,14 +195,39 @@ class PromptReader:
             raise BadRequest("a message holds the text of one of the model's special tokens, "
                              "which this model's chat template does not render as written",
                              param="messages")
-        ids = []
+        ids, spaces = [], ""  # a piece's trailing spaces go with the next: " hello" is a word
         for piece in re.split("(" + "|".join(marked) + ")", text):
             if piece in marked:
-                ids += self.tokenizer(marked[piece], add_special_tokens=False,
-                                      split_special_tokens=True)["input_ids"]
+                ids += self.piece_ids(spaces + marked[piece], not ids, split=True)
+                spaces = ""
             elif piece:
-                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+                kept = spaces + piece.rstrip(" ")
+                spaces = piece[len(piece.rstrip(" ")):]
+                ids += self.piece_ids(kept, not ids, split=False) if kept else []
+        ids += self.piece_ids(spaces, not ids, split=False) if spaces else []
         return self.with_special_tokens(ids) if special else ids
+
+    def piece_ids(self, piece: str, first: bool, split: bool) -> list[int]:
+        """A piece of the prompt's text tokenized as it is inside the whole text. A tokenizer
+        that marks where a text starts (SentencePiece's metaspace: "hello" is "_hello" there,
+        not inside a text) would put a space at each piece's start: a later piece is
+        tokenized after an anchor, whose ids are cut off (the piece alone where they differ:
+        the anchor merged into it)."""
+        def ids(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=False,
+                                  split_special_tokens=split)["input_ids"]
+        if first or not self.marks_start:
+            return ids(piece)
+        anchor, anchored = ids(ANCHOR), ids(ANCHOR + piece)
+        return anchored[len(anchor):] if anchored[:len(anchor)] == anchor else ids(piece)
+
+    @functools.cached_property
+    def marks_start(self) -> bool:
+        """Whether a text tokenizes otherwise at its start than after other text (probed)."""
+        def ids(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        anchor = ids(ANCHOR)
+        return ids(ANCHOR + "x")[len(anchor):] != ids("x")
 
     def with_special_tokens(self, ids: list[int]) -> list[int]:
         """ids with what the tokenizer adds around a text (a BOS, say)."""
@@ -296,6 +314,23 @@ def special_pattern(tokenizer) -> re.Pattern | None:
     texts = sorted({token.content for token in added if token.special and token.content
                     and token.content not in (CALL_OPEN, CALL_CLOSE)}, key=len, reverse=True)
     return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def marked_contents(messages: list[dict], pattern: re.Pattern | None) -> dict[str, str]:
+    """{marker: text} of the messages (for_template's, changed in place) whose content holds
+    a special token's text: that text becomes a marker, between its leading and trailing
+    whitespace, so that a template that trims a content (Llama 3's) trims it as it would the
+    text, and transformers ends a continued message after it as it would."""
+    marked = {}
+    for message in messages if pattern is not None else ():
+        content = message.get("content")
+        if isinstance(content, str) and pattern.search(content):
+            marker = f"SPECSERVE{secrets.token_hex(8)}CONTENT"
+            kept = content.strip()
+            start = len(content) - len(content.lstrip())
+            marked[marker] = kept
+            message["content"] = content[:start] + marker + content[start + len(kept):]
+    return marked
 
 
 def check_special_texts(body, pattern: re.Pattern | None) -> None:
