@@ -3,6 +3,7 @@
 parameters with max_tokens settled, the stop token ids."""
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -75,7 +76,7 @@ class PromptReader:
                                  param=field)
             try:
                 grammar = await asyncio.get_running_loop().run_in_executor(
-                    self.tokenizing, compile_spec, kind, spec, self.grammar_tokenizer)
+                    self.tokenizing, compile_cached, kind, spec, self.grammar_tokenizer)
             except GrammarError as error:
                 raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
             sampling = replace(sampling, grammar=grammar)
@@ -314,6 +315,31 @@ def special_pattern(tokenizer) -> re.Pattern | None:
     texts = sorted({token.content for token in added if token.special and token.content
                     and token.content not in (CALL_OPEN, CALL_CLOSE)}, key=len, reverse=True)
     return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str
+    text: str  # the spec as JSON text: what the cache compares
+    spec: object = dataclasses.field(compare=False, hash=False)
+
+
+def compile_cached(kind: str, spec, tokenizer) -> str:
+    """compile_spec, kept for the requests that repeat a spec: a completions batch's prompts
+    share their request's (128 prompts of a 900-property schema compiled it 128 times, 3-4 s
+    of the tokenizing thread that every request waits on), and clients send one schema with
+    every call. A spec that fails is compiled again; one nested past what JSON text holds,
+    uncached (compile_spec refuses it)."""
+    try:
+        text = json.dumps(spec)
+    except (TypeError, ValueError, RecursionError):
+        return compile_spec(kind, spec, tokenizer)
+    return compiled(Constraint(kind, text, spec), tokenizer)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(constraint: Constraint, tokenizer) -> str:
+    return compile_spec(constraint.kind, constraint.spec, tokenizer)
 
 
 def marked_contents(messages: list[dict], pattern: re.Pattern | None) -> dict[str, str]:

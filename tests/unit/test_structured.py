@@ -240,3 +240,32 @@ def test_a_row_the_grammar_leaves_nothing_stays_whole_not_nan():
     allowed = torch.tensor([[True, False, True], [False, False, False]])
     out = masked(logits, allowed)
     assert out[0].tolist() == [1.0, float("-inf"), 3.0] and torch.equal(out[1], logits[1])
+
+
+def test_a_repeated_spec_compiles_once_and_a_failing_one_each_time(demo, monkeypatch):
+    """The router compiles a spec once for the requests that repeat it (a completions
+    batch's prompts share their request's: 128 prompts of a large schema compiled it 128
+    times on the one tokenizing thread); a refusal is not kept, and a spec nested past what
+    JSON text holds is refused uncached."""
+    from deployments import prompts
+
+    calls = []
+    real = prompts.compile_spec
+    monkeypatch.setattr(prompts, "compile_spec", lambda *args: calls.append(args[0]) or
+                        real(*args))
+    prompts.compiled.cache_clear()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    grammars = [prompts.compile_cached("json", json.loads(json.dumps(schema)), demo[3])
+                for _ in range(3)]
+    assert calls == ["json"] and grammars[0] == grammars[1] == grammars[2]
+    prompts.compile_cached("regex", "[0-9]+", demo[3])  # another spec: its own grammar
+    assert calls == ["json", "regex"]
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            prompts.compile_cached("regex", "(a)\\1", demo[3])
+    assert calls == ["json", "regex", "regex", "regex"]
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        prompts.compile_cached("json", nested, demo[3])
