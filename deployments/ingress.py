@@ -130,8 +130,11 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise BadRequest("the request body is not valid JSON") from None
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not union_member(p)) or None
         message = first["msg"].removeprefix("Value error, ")
+        # a refusal that names its own field (a body-level check's: vLLM's earlier guided_*)
+        if named := getattr(first.get("ctx", {}).get("error"), "param", None):
+            raise BadRequest(message, param=named) from None
+        param = ".".join(str(p) for p in first["loc"] if not union_member(p)) or None
         raise BadRequest(f"{param}: {message}" if param else message, param=param) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None

@@ -199,13 +199,13 @@ class SamplingFields(BaseModel):
         as in vLLM."""
         if isinstance(data, dict):
             if guided := sorted(key for key in GUIDED if data.get(key) is not None):
-                raise ValueError(f"{guided[0]} is vLLM's earlier field, not served here: give "
-                                 "the constraint as structured_outputs or response_format")
+                raise ToolError(guided[0], "vLLM's earlier field, not served here: give the "
+                                "constraint as structured_outputs or response_format")
             if unserved := sorted(key for key, served in UNSERVED.items()
                                   if key in data and data[key] not in served):
                 value = repr(data[unserved[0]])  # a template or functions may be long
                 value = value if len(value) <= 80 else value[:77] + "..."
-                raise ValueError(f"{unserved[0]}: {value} is not supported by this server")
+                raise ToolError(unserved[0], f"{value} is not supported by this server")
         return without_nulls(data)
 
     @field_validator("echo", "suffix", check_fields=False)  # suffix: completions'

@@ -113,6 +113,8 @@ def test_a_constraint_this_server_does_not_know_is_refused_not_ignored(fields):
         asyncio.run(parse(request_with(body), CompletionRequest, 1 << 20))
     assert refused.value.status == 400
     assert "structured_outputs" in str(refused.value) and "Value error" not in str(refused.value)
+    # the field named as OpenAI's errors name it (a body-level check's too: guided_* was none)
+    assert (refused.value.param or "").startswith(next(iter(fields)))
 
 
 def test_vllms_earlier_fields_that_constrain_nothing_pass():
