@@ -69,8 +69,11 @@ def with_strings(prompts, body, chat: bool) -> tuple[list[int], list[str] | None
 
 async def detokenized(prompts, body: DetokenizeRequest) -> dict:
     """The ids' text, special tokens written out (as vLLM's /detokenize)."""
-    if any(not 0 <= token < prompts.vocab_size for token in body.tokens):
-        raise BadRequest(f"tokens must be in [0, {prompts.vocab_size})", param="tokens")
+    if bad := [(i, t) for i, t in enumerate(body.tokens) if not 0 <= t < prompts.vocab_size]:
+        named = ", ".join(f"tokens[{i}] = {t}" for i, t in bad[:3])  # the first few
+        raise BadRequest(f"tokens must be in [0, {prompts.vocab_size}): {named}"
+                         + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""),
+                         param="tokens")
     loop = asyncio.get_running_loop()
     text = await loop.run_in_executor(prompts.tokenizing, prompts.tokenizer.decode, body.tokens)
     return {"prompt": text}

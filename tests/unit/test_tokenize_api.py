@@ -64,9 +64,12 @@ def test_detokenize_writes_the_ids_text_and_refuses_ids_outside_the_vocabulary(r
     assert got == {"prompt": "hello world<|im_end|>"}
     from deployments.ingress import BadRequest
 
-    with pytest.raises(BadRequest, match=r"tokens must be in \[0, 400\)") as refused:
+    with pytest.raises(BadRequest, match=r"tokens must be in \[0, 400\): tokens\[1\] = 400$"
+                       ) as refused:
         asyncio.run(detokenized(reader, DetokenizeRequest(tokens=[1, 400])))
     assert refused.value.param == "tokens"
+    with pytest.raises(BadRequest, match=r": tokens\[0\] = 400, .*, tokens\[2\] = 402 and 2 more$"):
+        asyncio.run(detokenized(reader, DetokenizeRequest(tokens=list(range(400, 405)))))
 
 
 def posted(body) -> object:
