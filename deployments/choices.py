@@ -80,10 +80,8 @@ class Choices:
                     first_text = time.monotonic() - started
                 await on_text(generation, delta)
         finally:  # a failed or cancelled choice's rounds count too (retries, fallbacks)
-            # its prompt once, with the first of the prompt's n choices (as usage counts it)
-            prompt = len(choice.request.prompt_token_ids) if index % self.plan.n == 0 else 0
-            self.metrics.record_choice(generation.state, prompt, first_text,
-                                       time.monotonic() - started)
+            self.metrics.record_choice(generation.state, self.plan.prompt_tokens(index),
+                                       first_text, time.monotonic() - started)
         return generation
 
     def all_choices(self, run):
@@ -246,9 +244,7 @@ class Choices:
             sent += len(entries)
             if last and not entries:
                 return None
-            # once it has finished, these are its last entries
-            end = generation.finish_reason is not None and generation.ends_held_text
-            shaped = self.shaped_logprobs(entries, texts, offset, end)
+            shaped = self.shaped_logprobs(entries, texts, offset, generation.ends_held_text)
             if not self.chat:
                 offset += sum(len(token) for token in shaped["tokens"])
             return shaped

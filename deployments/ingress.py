@@ -131,7 +131,8 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
     except ValidationError as error:
         first = error.errors()[0]
         message = first["msg"].removeprefix("Value error, ")
-        # a refusal that names its own field (a body-level check's: vLLM's earlier guided_*)
+        # a refusal that names its own field (deployments.tools.FieldError: a body-level
+        # check's, such as vLLM's earlier guided_*)
         if named := getattr(first.get("ctx", {}).get("error"), "param", None):
             raise BadRequest(message, param=named) from None
         param = ".".join(str(p) for p in first["loc"] if not union_member(p)) or None

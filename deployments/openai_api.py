@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from deployments.chat_messages import ChatMessage, encodable
 from deployments.tools import (
     MAX_TOOLS,
+    FieldError,
     Tool,
     ToolChoice,
     ToolError,
@@ -199,13 +200,13 @@ class SamplingFields(BaseModel):
         as in vLLM."""
         if isinstance(data, dict):
             if guided := sorted(key for key in GUIDED if data.get(key) is not None):
-                raise ToolError(guided[0], "vLLM's earlier field, not served here: give the "
-                                "constraint as structured_outputs or response_format")
+                raise FieldError(guided[0], "vLLM's earlier field, not served here: give the "
+                                 "constraint as structured_outputs or response_format")
             if unserved := sorted(key for key, served in UNSERVED.items()
                                   if key in data and data[key] not in served):
                 value = repr(data[unserved[0]])  # a template or functions may be long
                 value = value if len(value) <= 80 else value[:77] + "..."
-                raise ToolError(unserved[0], f"{value} is not supported by this server")
+                raise FieldError(unserved[0], f"{value} is not supported by this server")
         return without_nulls(data)
 
     @field_validator("echo", "suffix", check_fields=False)  # suffix: completions'
@@ -304,8 +305,8 @@ class SamplingFields(BaseModel):
             found.append(("response_format", "json", {"type": "object"}))
         elif form is not None and form.type == "json_schema":
             if form.json_schema is None:
-                raise ToolError("response_format.json_schema",
-                                "a response_format of type json_schema needs it")
+                raise FieldError("response_format.json_schema",
+                                 "a response_format of type json_schema needs it")
             found.append(("response_format.json_schema", "json", form.json_schema.schema_))
         given = self.structured_outputs
         if given is not None and given.json_object:

@@ -91,7 +91,7 @@ class PromptReader:
     def constraint(self, body):
         try:
             return body.constraint()
-        except ValueError as error:  # a ToolError names its own field (any field's error)
+        except ValueError as error:  # a FieldError names its own field (any field's error)
             raise BadRequest(str(error), param=getattr(error, "param", "structured_outputs")
                              ) from None
 

@@ -25,13 +25,17 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-class ToolError(ValueError):
-    """A request's tools or tool_choice (or another field of its constraint) refused;
-    `param` names the field (OpenAI's style)."""
+class FieldError(ValueError):
+    """A request's field refused; `param` names it (OpenAI's style), also where the check
+    is the body's own (deployments.ingress.parse reads it)."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class ToolError(FieldError):
+    """A request's tools or tool_choice (or another field of its constraint) refused."""
 
 
 class ToolFunction(BaseModel):

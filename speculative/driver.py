@@ -242,9 +242,10 @@ class Generation:
 
     @property
     def ends_held_text(self) -> bool:
-        """Whether the finished text ends with what the detokenizer held (an incomplete
-        character's U+FFFD): not when a stop string, which the text is cut at, ended it."""
-        return self.stop_reason not in self.stop
+        """Whether the text has ended, with what the detokenizer held (an incomplete
+        character's U+FFFD): not while it runs, nor when a stop string, which the text is
+        cut at, ended it."""
+        return self.finish_reason is not None and self.stop_reason not in self.stop
 
     async def stream(self, drafter: Drafter, verifier: Verifier, policy: KPolicy,
                      pipelined: bool = False) -> AsyncIterator[str]:

@@ -46,10 +46,17 @@ class RequestPlan:
     drafter_kind: str | None  # keys the shared costs (the router: None for its pool's model)
     n: int = 1  # choices per prompt (a completions batch: the prompts' n choices in turn)
 
+    def prompt_tokens(self, index: int) -> int:
+        """Choice `index`'s share of the prompt tokens: its prompt's, counted with the first
+        of the prompt's n choices (as usage counts each prompt once)."""
+        if index % self.n:
+            return 0
+        return len(self.choices[index].request.prompt_token_ids)
+
     def usage(self, done: Sequence[Generation]) -> dict:
         """OpenAI's usage: each prompt counted once, the completion tokens of every choice."""
         starts = range(0, len(self.choices), self.n)
-        prompt_tokens = sum(len(self.choices[i].request.prompt_token_ids) for i in starts)
+        prompt_tokens = sum(self.prompt_tokens(i) for i in starts)
         completion_tokens = sum(len(generation.token_ids) for generation in done)
         cached = sum(max((g.stats.cached_tokens for g in done[i:i + self.n]), default=0)
                      for i in starts)

@@ -278,8 +278,7 @@ class AdaptiveK:
         # tried 1.01-1.08x of K = 0, K = 8 2.6-3.9x, and the batch went back to 8)
         turn = phase // self.batch_explore_every % 3
         if k <= low:
-            far = self.within(trials.drafting or k + 1)
-            tried = far if turn == 0 else self.within(k + 1)
+            tried = self.within((trials.drafting or k + 1) if turn == 0 else k + 1)
         else:
             tried = self.within(k + 1 if turn == 0 else k - 1 if turn == 1 else low)
         return (tried if trials.runs_trial(phase, tried) else k), phase
