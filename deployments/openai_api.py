@@ -2,12 +2,17 @@
 refuse, and the sampling parameters and constraint they ask for (the responses:
 deployments.responses)."""
 
-import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.chat_messages import ChatMessage, encodable
+from deployments.formats import (
+    ResponseFormat,
+    StructuredOutputs,
+    constraint_of,
+    without_nulls,
+)
 from deployments.tools import (
     MAX_TOOLS,
     FieldError,
@@ -53,75 +58,12 @@ UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logpr
             "prompt_embeds": (None,), "structural_tag": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
-# vLLM's options of structured_outputs at the values that ask for nothing (its defaults, as
-# a client serialising vLLM's StructuredOutputsParams whole sends them): any other is refused
-STRUCTURED_DEFAULTS = {"disable_fallback": False, "disable_any_whitespace": False,
-                       "disable_additional_properties": False, "whitespace_pattern": None,
-                       "structural_tag": None}
-
-
 def needing(value, info, field: str, message: str):
     """A field's value, refused (ValueError(message)) when it is set and the field it needs
     is not (a validator's info.data: the fields declared before it)."""
     if value is not None and not info.data.get(field):
         raise ValueError(message)
     return value
-
-
-class JsonSchemaFormat(BaseModel):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's extension: exactly one of a JSON schema, any JSON object, a regex, a list of
-    choices or a Lark grammar (llguidance's dialect). A field it does not know is refused:
-    ignored, it would leave the output unconstrained."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def defaults_ask_nothing(cls, data):
-        """null for a field, or one of vLLM's options at its default, is left out (as the
-        body's own fields: null means the default)."""
-        if isinstance(data, dict):
-            data = {key: value for key, value in data.items()
-                    if not (key in STRUCTURED_DEFAULTS and value is STRUCTURED_DEFAULTS[key])}
-        return without_nulls(data)
-
-    @field_validator("json_")
-    @classmethod
-    def schema_read(cls, value):
-        """A schema given as text, read with the body (with the cycle collector held off:
-        deployments.ingress.parse), not where it is compiled."""
-        if not isinstance(value, str):
-            return value
-        try:
-            return json.loads(value)
-        except RecursionError:
-            raise ValueError("the schema is nested too deeply") from None
-
-
-def without_nulls(data):
-    """A body's (or a nested object's) fields sent as null left out: OpenAI's fields are
-    nullable, and null means the default, as in vLLM."""
-    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(BaseModel):
@@ -299,26 +241,7 @@ class SamplingFields(BaseModel):
     def constraint(self) -> tuple[str, str, object] | None:
         """(the field, the kind, the spec) of the output's constraint, if any: one of
         response_format and structured_outputs' fields; ValueError for more than one."""
-        found = []
-        form = self.response_format
-        if form is not None and form.type == "json_object":
-            found.append(("response_format", "json", {"type": "object"}))
-        elif form is not None and form.type == "json_schema":
-            if form.json_schema is None:
-                raise FieldError("response_format.json_schema",
-                                 "a response_format of type json_schema needs it")
-            found.append(("response_format.json_schema", "json", form.json_schema.schema_))
-        given = self.structured_outputs
-        if given is not None and given.json_object:
-            found.append(("structured_outputs.json_object", "json", {"type": "object"}))
-        for kind in ("json", "regex", "choice", "grammar"):
-            spec = None if given is None else getattr(given, "json_" if kind == "json" else kind)
-            if spec is not None:
-                found.append((f"structured_outputs.{kind}", kind, spec))
-        if len(found) > 1:
-            raise ValueError("give one constraint: response_format or one field of "
-                             f"structured_outputs, not {[field for field, _, _ in found]}")
-        return found[0] if found else None
+        return constraint_of(self.response_format, self.structured_outputs)
 
 
 class CompletionRequest(SamplingFields):
