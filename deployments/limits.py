@@ -6,8 +6,8 @@ of a stream."""
 from dataclasses import dataclass
 
 from protos import specserve_pb2 as pb
+from speculative.checks import check_call
 from speculative.options import MAX_SPECULATIVE_TOKENS
-from speculative.types import check_call
 
 MAX_REQUEST_ID_CHARS = 256
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from protos import specserve_pb2 as pb
+from speculative.checks import check_tree
 from speculative.sampling import SamplingParams
 from speculative.tree import check_confidences
 from speculative.types import (
@@ -22,7 +23,6 @@ from speculative.types import (
     ScoreCall,
     StaleBase,
     TargetScores,
-    check_tree,
 )
 
 DTYPES = {

@@ -9,6 +9,7 @@ from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
 from engine.batch import UNFINISHED
 from engine.scheduler import admitted, in_turns, prepare_within_budget
+from speculative.checks import check_call, check_confidence, check_prompt_len, check_tree_width
 from speculative.grammar import matcher_after
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
@@ -21,17 +22,7 @@ from speculative.sampling import (
     seeded_generator,
 )
 from speculative.tree import allocate_siblings
-from speculative.types import (
-    BatchLoad,
-    DraftBlock,
-    DraftDists,
-    ProposeCall,
-    StaleBase,
-    check_call,
-    check_confidence,
-    check_prompt_len,
-    check_tree_width,
-)
+from speculative.types import BatchLoad, DraftBlock, DraftDists, ProposeCall, StaleBase
 
 
 class ModelDrafter:

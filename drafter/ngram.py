@@ -16,18 +16,9 @@ from array import array
 import torch
 
 from engine.kv import SessionStore
+from speculative.checks import check_call, check_confidence, check_prompt_len, check_tree_width
 from speculative.grammar import matcher_after
-from speculative.types import (
-    DraftBlock,
-    DraftDists,
-    ProposeCall,
-    StaleBase,
-    check_call,
-    check_confidence,
-    check_prompt_len,
-    check_tree_width,
-    timed,
-)
+from speculative.types import DraftBlock, DraftDists, ProposeCall, StaleBase, timed
 
 
 def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:

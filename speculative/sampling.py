@@ -107,7 +107,7 @@ class SamplingParams:
     @property
     def shaping_ids(self) -> tuple[int, ...]:
         """The token ids logit_bias and min_tokens name (checked against the vocabulary with
-        a call's own ids, before a batch's forward: types.check_call)."""
+        a call's own ids, before a batch's forward: checks.check_call)."""
         return tuple(token for token, _ in self.logit_bias) + self.min_tokens_end_ids
 
     @property

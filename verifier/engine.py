@@ -13,6 +13,7 @@ from verifier.steps import Steps, check_steps
 from engine.kv import SessionStore
 from engine.runner import ModelRunner, TreesUnsupported, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
+from speculative.checks import check_call, check_prompt_len, check_tree
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import (
@@ -24,16 +25,7 @@ from speculative.sampling import (
 )
 from speculative.shaping import Shaping, shape_batch
 from speculative.tree import DraftTree, tree_scores
-from speculative.types import (
-    BatchLoad,
-    DraftDists,
-    ScoreCall,
-    PositionLogprobs,
-    TargetScores,
-    check_call,
-    check_prompt_len,
-    check_tree,
-)
+from speculative.types import BatchLoad, DraftDists, ScoreCall, PositionLogprobs, TargetScores
 
 
 class ModelVerifier:
