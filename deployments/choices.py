@@ -116,9 +116,9 @@ class Choices:
     def whole_choice(self, index: int, generation: Generation) -> dict:
         """A finished choice's body; with tools, its calls read out of its text."""
         text = generation.text
-        content, calls = self.tools.read_calls(text) if self.tools else (text, [])
-        finish_reason = self.tools.finish_reason(calls, generation.finish_reason) \
-            if self.tools else generation.finish_reason
+        content, calls, finish_reason = \
+            self.tools.read(text, generation.finish_reason) if self.tools else \
+            (text, [], generation.finish_reason)
         return choice_body(index, content, finish_reason,
                            generation.stop_reason, self.chat,
                            generation.token_ids if self.return_token_ids else None,
@@ -200,7 +200,7 @@ class Choices:
         def ending(generation) -> list[str]:  # the last chunks, encoded a piece at a time
             chunks, finish_reason = [], generation.finish_reason
             if held is not None:
-                content, calls = self.tools.read_calls(generation.text)
+                content, calls, finish_reason = self.tools.read(generation.text, finish_reason)
                 # held back, and content after all (an empty output's "" too: the role's
                 # chunk carried none)
                 if (rest := held.rest(content)) or content == "":
@@ -208,7 +208,6 @@ class Choices:
                 if calls:
                     chunks.append(chunk(None, generation=generation, encode=json_text,
                                         tool_calls=call_deltas(calls)))
-                finish_reason = self.tools.finish_reason(calls, finish_reason)
             ids = generation.token_ids if self.return_token_ids else None
             chunks.append(chunk(None, finish_reason, generation, json_text, token_ids=ids,
                                 stop_reason=generation.stop_reason,

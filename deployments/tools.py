@@ -213,11 +213,6 @@ class ToolUse:
     parallel: bool  # an auto output may carry several calls
     named: bool = False  # tool_choice named the function
 
-    def finish_reason(self, calls: list[dict], otherwise: str | None) -> str | None:
-        """OpenAI's (and vLLM's): "tool_calls" when the output called tools, but "stop" for
-        a call tool_choice named (the model did not choose it)."""
-        return "tool_calls" if calls and not self.named else otherwise
-
     def template_tools(self) -> list[dict]:
         """The tools as chat templates take them (transformers' `tools`: OpenAI's shape)."""
         return [{"type": "function", "function": f.model_dump(exclude_none=True)}
@@ -230,10 +225,13 @@ class ToolUse:
     def read_calls(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of an output: the calls when every `<tool_call>` in it holds
         a call of an offered function with an object of arguments, and the text before them
-        as content (None when empty); else the whole text and no calls."""
+        as content (None when empty); a forced call cut short (cut_call); else the whole
+        text and no calls."""
         start = text.find(CALL_OPEN)
         if start < 0:
             return text, []
+        if self.forced and (cut := self.cut_call(text)):
+            return None, cut
         names = {f.name for f in self.functions}
         calls, at = [], start
         while at >= 0:
@@ -246,6 +244,28 @@ class ToolUse:
             calls.append(call_body(name, arguments))
             at = text.find(CALL_OPEN, end)
         return text[:start] or None, calls if self.parallel else calls[:1]
+
+    def read(self, text: str, finish_reason: str | None
+             ) -> tuple[str | None, list[dict], str | None]:
+        """(content, tool_calls, finish_reason) of an output that ended for finish_reason:
+        read_calls', and OpenAI's (and vLLM's) reason: "tool_calls" when the output called
+        tools, but the output's own for a call tool_choice named (the model did not choose
+        it: "stop") and for a forced call cut short ("length")."""
+        content, calls = self.read_calls(text)
+        called = calls and not self.named and not self.cut_call(text)
+        return content, calls, "tool_calls" if called else finish_reason
+
+    def cut_call(self, text: str) -> list[dict]:
+        """A forced call the output ended inside (max_tokens, or a stop string): the function
+        and its arguments as far as they came, as OpenAI and vLLM return a cut call; [] for
+        a whole call, or where the text does not tell which function it began."""
+        begun = []
+        for function in self.forced:
+            head = CALL_OPEN + call_head(function.name)
+            if text.startswith(head) or head.startswith(text):
+                begun.append((function.name, text[len(head):]))
+        whole = read_call(text, len(CALL_OPEN)) is not None
+        return [call_body(*begun[0])] if len(begun) == 1 and not whole else []
 
 
 def strict_json(constant: str):
@@ -305,10 +325,14 @@ def call_grammar(functions: tuple[ToolFunction, ...]) -> str:
     lines = [f"start: {json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}",
              "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, function in enumerate(functions):
-        head = json.dumps(f'{{"name": {json.dumps(function.name)}, "arguments": ')
-        lines.append(f'call_{i}: {head} arguments_{i} "}}"')
+        lines.append(f'call_{i}: {json.dumps(call_head(function.name))} arguments_{i} "}}"')
         lines.append(f"arguments_{i}: %json {json.dumps(arguments_schema(function))}")
     return "\n".join(lines) + "\n"
+
+
+def call_head(name: str) -> str:
+    """A forced call's text before its arguments, as the grammar writes it."""
+    return f'{{"name": {json.dumps(name)}, "arguments": '
 
 
 def call_body(name: str, arguments: str) -> dict:

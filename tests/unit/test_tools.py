@@ -24,6 +24,7 @@ from deployments.tools import (
     ToolError,
     ToolUse,
     call_grammar,
+    call_head,
     check_forced,
     check_tools,
 )
@@ -148,11 +149,11 @@ def test_tool_choice_decides_what_is_in_effect():
     named = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}})
     assert [f.name for f in named.tool_use().forced] == ["now"]
     # OpenAI's finish_reason: "tool_calls" when the model called, "stop" for a named call
-    call = [{"id": "call_0", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
-    assert named.tool_use().finish_reason(call, "stop") == "stop"
-    assert request(tools=TOOLS, tool_choice="required").tool_use().finish_reason(
-        call, "stop") == auto.finish_reason(call, "stop") == "tool_calls"
-    assert auto.finish_reason([], "length") == "length"
+    call = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    assert named.tool_use().read(call, "stop")[2] == "stop"
+    assert request(tools=TOOLS, tool_choice="required").tool_use().read(call, "stop")[2] \
+        == auto.read(call, "stop")[2] == auto.read(call, "length")[2] == "tool_calls"
+    assert auto.read("no call", "length")[2] == "length"
     assert named.constraint()[:2] == ("tool_choice", "grammar")
     with pytest.raises(ToolError, match="not both") as refused:
         request(tools=TOOLS, tool_choice="required",
@@ -185,6 +186,48 @@ def test_the_forced_grammar_takes_a_valid_call_and_read_calls_reads_it_back(toke
     jsonschema.validate(arguments, WEATHER)
     assert CALL == '<tool_call>{"name": "get_weather", "arguments": ' \
         f'{calls[0]["function"]["arguments"]}}}</tool_call>'
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice, text, arguments", [
+    (NAMED, CALL[:-20], '{"city": "Paris", "unit": "ce'),  # max_tokens within the arguments
+    ("required", CALL_OPEN + call_head("get_weather"), ""),  # the head, no arguments yet
+    (NAMED, CALL_OPEN + '{"na', ""),  # within the head: the named function's
+    ("required", CALL_OPEN + '{"name": "', None)])  # which function, the text does not say
+def test_a_forced_call_cut_short_is_a_call_with_its_arguments_so_far(choice, text, arguments):
+    """OpenAI (and vLLM, for a named call) return a forced call max_tokens cut short as a
+    call whose arguments end where the output did, with finish_reason "length"; its
+    markup went out as content."""
+    use = request(tools=TOOLS, tool_choice=choice).tool_use()
+    content, calls, finish_reason = use.read(text, "length")
+    assert finish_reason == "length"
+    if arguments is None:
+        assert (content, calls) == (text, [])
+    else:
+        assert content is None and [call["function"] for call in calls] == \
+            [{"name": "get_weather", "arguments": arguments}]
+
+
+def test_a_streamed_forced_call_cut_short_is_the_whole_ones():
+    text = CALL[:-20]
+    whole = asyncio.run(fan_out(text, {"tools": TOOLS, "tool_choice": "required"}).complete())
+    message = whole["choices"][0]["message"]
+    assert message["content"] is None and whole["choices"][0]["finish_reason"] == "length"
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                    "arguments": '{"city": "Paris", "unit": "ce'}
+
+    async def collect():
+        return [e async for e in fan_out(
+            text, {"tools": TOOLS, "tool_choice": "required"}).events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"] for e in asyncio.run(collect())[:-1]]
+    deltas = [c[0] for c in chunks if c]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+    assert [call["function"] for d in deltas for call in d["delta"].get("tool_calls", [])] \
+        == [message["tool_calls"][0]["function"]]
+    assert deltas[-1]["finish_reason"] == "length"
 
 
 def test_a_large_tool_set_is_forced_without_its_annotations(tokenizer):
@@ -240,7 +283,7 @@ def test_the_last_call_may_end_without_its_closing_tag():
                  "Checking. " + now + CALL[:-len("</tool_call>")]]:
         content, calls = use.read_calls(text)
         assert content == "Checking. " and calls[-1]["function"]["name"] == "get_weather", text
-        assert use.finish_reason(calls, "stop") == "tool_calls"
+        assert use.read(text, "stop")[2] == "tool_calls"
     for text in [CALL[:-len("}</tool_call>")], CALL[:-len("</tool_call>")] + " more",
                  CALL[:-len("</tool_call>")] + now]:
         assert use.read_calls(text) == (text, []), text
