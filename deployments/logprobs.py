@@ -16,7 +16,10 @@ LEAST_LOGPROB = -9999.0
 
 
 def shown(logprob: float) -> float:
-    return max(logprob, LEAST_LOGPROB)
+    """The logprob, floored at LEAST_LOGPROB; NaN too (a greedy row whose logits hold NaN or
+    +inf is served, its argmax the target's: verifier.engine), which max() let through: a
+    whole answer's encoding failed (a 500), a stream's chunk carried NaN, which is no JSON."""
+    return logprob if logprob >= LEAST_LOGPROB else LEAST_LOGPROB
 
 
 def token_bytes_of(ll_tokenizer) -> TokenBytes | None:

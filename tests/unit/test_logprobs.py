@@ -169,6 +169,24 @@ def test_a_minus_infinite_logprob_shows_as_vllm_floor_not_as_invalid_json():
     json.dumps([completion, chat], allow_nan=False)
 
 
+def test_a_nan_logprob_shows_as_the_floor_too_not_as_invalid_json():
+    """A greedy row whose logits hold +inf or NaN is served (its argmax) with NaN logprobs:
+    max(NaN, floor) is NaN, so a whole answer failed to encode (a 500) and a stream's chunk
+    carried NaN, which no strict JSON reader takes."""
+    from verifier.engine import greedy_scores, position_logprobs
+
+    logits = torch.zeros(2, 5)
+    logits[0, 3], logits[1, 2] = float("inf"), float("nan")
+    chosen = list(greedy_scores([logits])[0].target_token_ids)  # [3, 2], as the target's
+    entries = position_logprobs(logits, [3], chosen, 2).committed(chosen, 1)
+    texts = lambda: TokenTexts(lambda ids: "".join("abcde"[i] for i in ids))  # noqa: E731
+    completion, chat = completion_logprobs(entries, texts()), chat_logprobs(entries, texts())
+    assert completion["token_logprobs"] == [LEAST_LOGPROB] * 2
+    assert {top["logprob"] for c in chat["content"] for top in c["top_logprobs"]} == \
+        {LEAST_LOGPROB}
+    json.dumps([completion, chat], allow_nan=False)
+
+
 def test_stop_tokens_cut_the_logprobs_with_the_tokens(target):
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=0)
     drafter, verifier = DRAFTERS["noisy"](target), ModelVerifier(target)
