@@ -298,10 +298,11 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class PositionLogprobs:
     """The target's log-probabilities at a call's K + 1 positions, as the model gives them
-    (before temperature, penalties and masks: vLLM's default, "raw"): of each drafted token,
-    of the target's own token at each position (greedy: the argmax; sampled: the residual
-    draw, then the bonus) and each position's top n (n may be 0). Only the positions a
-    round commits reach the client (`committed`)."""
+    under the grammar's mask, before logit_bias, penalties and temperature (vLLM's default,
+    "raw_logprobs"): of each drafted token, of the target's own token at each position
+    (greedy: the argmax; sampled: the residual draw, then the bonus) and each position's
+    top n (n may be 0). Only the positions a round commits reach the client
+    (`committed`)."""
 
     drafted: tuple[float, ...]  # K
     chosen: tuple[float, ...]  # K + 1

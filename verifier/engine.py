@@ -156,6 +156,9 @@ class ModelVerifier:
         top-k, top-p) turn their logits into probabilities together, and the chains among
         them draw together (draw_recovered_and_bonus): a few ops per batch, not per call. So
         do the greedy calls with as many rows: one argmax (greedy_scores)."""
+        # masked by the grammar, the rows logprobs are read from (vLLM's raw_logprobs: after
+        # the structured output's bitmask, before logit_bias, penalties and temperature)
+        logits = [masked(rows, allowed) for rows, (_, _, allowed, _) in zip(logits, extras)]
         shaped = self.shaped(calls, logits, extras)
         scores: list = [None] * len(calls)
         probs: list = [None] * len(calls)
@@ -189,11 +192,11 @@ class ModelVerifier:
     @staticmethod
     def shaped(calls: list[ScoreCall], logits: list[torch.Tensor], extras: list
                ) -> list[torch.Tensor]:
-        """Each call's logits masked by its grammar and shaped by its logit_bias, penalties
-        and min_tokens (row i counts the tokens drafted before it): the shaped calls' rows
-        concatenated and shaped in place by shape_batch, in groups of at most
+        """Each call's logits (masked by its grammar: finish) shaped by its logit_bias,
+        penalties and min_tokens (row i counts the tokens drafted before it): the shaped
+        calls' rows concatenated and shaped in place by shape_batch, in groups of at most
         SHAPED_GROUP_BYTES of logits."""
-        logits = [masked(rows, allowed) for rows, (_, _, allowed, _) in zip(logits, extras)]
+        logits = list(logits)
         groups: list[list[int]] = []  # the shaped calls, each group within the bytes
         size = 0
         for i, (_, history, _, _) in enumerate(extras):
@@ -220,7 +223,7 @@ class ModelVerifier:
     def finished(call: ScoreCall, scores: TargetScores, target_probs, raw: torch.Tensor,
                  extra) -> TargetScores:
         """scores with what the call asked beside them: the bonus position's law, a tree's
-        size, the prefix cache's hit, logprobs (of the raw logits)."""
+        size, the prefix cache's hit, logprobs (of the raw logits, masked by the grammar)."""
         _, _, _, sequence = extra
         if call.return_bonus_probs and target_probs is not None:
             # the router tests a pre-drafted token against it

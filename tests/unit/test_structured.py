@@ -269,3 +269,38 @@ def test_a_repeated_spec_compiles_once_and_a_failing_one_each_time(demo, monkeyp
         nested = [nested]
     with pytest.raises(GrammarError, match="nested too deeply"):
         prompts.compile_cached("json", nested, demo[3])
+
+
+def test_a_constrained_outputs_logprobs_are_of_the_masked_law_as_vllms_raw_logprobs(demo):
+    """vLLM's default logprobs (raw_logprobs) are read after the grammar's bitmask and before
+    logit_bias, penalties and temperature: a constrained output's logprobs and top n are the
+    masked target's, so a choice's tokens' probabilities are over the allowed ones (a forced
+    token's is 1). They were the unmasked target's: the top n held tokens the grammar
+    forbids, and a forced token's logprob was whatever the model gave it. Speculation
+    (K = 3) gives K = 0's; the logit_bias, which comes after, changes none."""
+    tokenizer, target, draft, ll = demo
+    grammar = compile_spec(*SPECS["choice"], ll)
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, grammar=grammar, logprobs=5,
+                            logit_bias=((eos, 5.0),))
+    verifier = ModelVerifier(target, grammar_tokenizer=ll)
+    drafter = ModelDrafter(draft, vocab_size=target.config.vocab_size, grammar_tokenizer=ll)
+    runs = [run(drafter, verifier, prompt, params, k, request_id=f"m{k}", stop=(eos,))
+            for k in (0, 3)]
+    out, state = runs[1]
+    assert runs[0][0] == out and out[-1] == eos
+    matcher = TokenMasks(ll, grammar)
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1:]
+    for i, entry in enumerate(state.logprobs):
+        allowed = matcher.next_mask(logits.shape[-1])
+        law = torch.log_softmax(logits[i].masked_fill(~allowed, float("-inf")).float(), -1)
+        assert abs(entry.logprob - float(law[entry.token_id])) < 1e-3
+        values, ids = torch.topk(law, 5)
+        finite = [(t, v) for t, v in entry.top if v > float("-inf")]  # -inf ties: any order
+        assert [t for t, _ in finite] == ids[:int(allowed.sum())].tolist()
+        assert all(abs(v - float(law[t])) < 1e-3 for t, v in finite)
+        assert abs(entry.logprob - runs[0][1].logprobs[i].logprob) < 1e-3
+        if out[i] != eos:
+            matcher.advance([out[i]])
