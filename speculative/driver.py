@@ -79,6 +79,13 @@ class Detokenizer:
         # bytes that continue the run included: the window starts after such bytes
         while context and decode(context).startswith(REPLACEMENT):
             del context[0]
+        # and one that ends inside a character (a prompt of token ids may: a cut-off output
+        # fed back) reads the output's bytes that complete it into the window's text, which
+        # then differs from the one its offset was taken from (under byte fallback a U+FFFD
+        # per byte became one character: the output's next characters were lost): the window
+        # ends before such bytes, which the output's then read as no character
+        while context and decode(context).endswith(REPLACEMENT):
+            del context[-1]
         self.ids = context  # the window, then tokens not yet read
         self.window = len(self.ids)
         self.sent = 0  # characters of the unread tokens' text already returned

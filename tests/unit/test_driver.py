@@ -352,6 +352,24 @@ def test_a_window_that_starts_inside_a_character_spoils_no_byte_fallback_output(
         assert generation.text == "".join(deltas) == "🐍🐍🐍 ok"
 
 
+def test_a_prompt_that_ends_inside_a_character_loses_no_output_text_nor_stop():
+    """A prompt of token ids may end inside a character (a cut-off output fed back to go
+    on). Read into the window, the output's bytes that completed it made the window's two
+    U+FFFD one character: the output's first "a" was lost, and with it a stop string there
+    (found two tokens later). Its bytes read as the output's own, no character."""
+    tokenizer = byte_fallback_tokenizer(["▁Say", "a", "b"])
+    say, a, b = tokenizer.convert_tokens_to_ids(["▁Say", "a", "b"])
+    emoji = [3 + byte for byte in "🐍".encode()]
+    prompt, output = (say, *emoji[:2]), [*emoji[2:], a, b, a]
+    decode = text_decoder(tokenizer)
+    for k in (0, 3):
+        whole, deltas = generate(output, decode=decode, k=k, prompt=prompt)
+        assert whole.text == "".join(deltas) == decode(output) == "\ufffd\ufffdaba"
+        stopped, deltas = generate(output, stop=("a",), decode=decode, k=k, prompt=prompt)
+        assert stopped.token_ids == output[:3] and stopped.stop_reason == "a"
+        assert stopped.text == "".join(deltas) == "\ufffd\ufffd"
+
+
 # byte-level tokens of 日 (E6 97 A5): its first two bytes, and its last with the next's first
 FIRST, SPANNING, MIDDLE, LAST = 257, 258, 1 + 0x97, 1 + 0xA5
 
