@@ -177,9 +177,10 @@ def tree_scores(tree: DraftTree, draft_probs: torch.Tensor, target_probs: torch.
         target, draft = target_probs[parent + 1][None], draft_probs[children[0]][None]
         for child in children:
             token = tokens[child]
-            drafted, held = draft[0, token], target[0, token]
+            # indexed by [1], not by the 0-dim token: torch applies a 0-dim index as .item()
+            drafted, held = draft[0, token[None]], target[0, token[None]]  # [1]
             accept[child] = torch.where(drafted > 0, (held / drafted.clamp_min(1e-30))
-                                        .clamp_max(1), 0.0)
+                                        .clamp_max(1), 0.0)[0]
             target, draft = residual_rows(target, draft), without_rows(draft, token)
         rows[parent + 1] = target[0]
     return accept, sample_rows(rows, generator)

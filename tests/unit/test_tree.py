@@ -238,3 +238,30 @@ def test_tree_scores_test_each_sibling_against_the_residual_of_those_before():
     torch.testing.assert_close(rows[0], root_row, atol=1e-6, rtol=0)
     torch.testing.assert_close(rows[1], node0_row, atol=1e-6, rtol=0)
     torch.testing.assert_close(rows[2:], target[2:], atol=0, rtol=0)  # leaves: p
+
+
+def test_tree_scores_reads_nothing_back_to_the_host():
+    """tree_scores runs on the verifier's device with no host sync (its docstring): no op
+    reads a value back, such as the .item() that indexing by a 0-dim tensor makes (torch's
+    TensorIndexing.h: a 0-dim integer index is applied as tensor.item(), on a GPU a
+    device-to-host copy and a wait for the forward, twice per node)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from speculative.tree import tree_scores
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    vocab = 8
+    draft = torch.softmax(torch.arange(5 * vocab, dtype=torch.float).view(5, vocab) % 7, -1)
+    target = torch.softmax(torch.arange(6 * vocab, dtype=torch.float).view(6, vocab) % 5, -1)
+    with HostReads() as reads:  # (outside inference mode, where CPU reads skip the mode)
+        accept, draws = tree_scores(TREE, draft, target, torch.Generator().manual_seed(0))
+    assert reads.count == 0
+    assert accept.shape == (5,) and draws.shape == (6,)
