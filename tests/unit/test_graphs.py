@@ -306,3 +306,27 @@ def test_every_lean_runner_keeps_its_devices_attention_kernels(monkeypatch):
 
 def test_a_runner_off_a_gpu_records_no_graphs():
     assert served("llama", "paged").graphs is None
+
+
+@pytest.mark.parametrize("backend", ["paged", "regions", "bucketed"])
+def test_a_forward_off_the_cpu_mixes_no_host_tensor_into_device_work(backend):
+    """The lean forward of a model on a device that is not the CPU ('meta': shapes only, no
+    GPU needed), which refuses a host tensor mixed into its ops as CUDA does: every tensor a
+    plan builds on the host (positions, slots, masks, gather index, the bucket's inputs)
+    must reach the model's device. Prefills, a batch laid out in two groups, a sliding
+    window, verify steps (on a GPU: eager, grouped, and the buckets CUDA graphs record)."""
+    engine = "regions" if backend == "regions" else "paged"
+    runner = serving_runner(MODELS["mistral-sliding"]().to("meta"), "paged", engine,
+                            kv_cache_tokens=2048, cuda_graphs=False)
+    if backend == "bucketed":
+        runner.graphs = GraphedForward(runner.lean, capture=False)
+    store = SessionStore(8)
+    sequences = [store.apply(f"r{i}", sync([], list(range(1, 4 + 7 * i)))) for i in range(3)]
+    runner.forward([s.segment(runner, [], 1) for s in sequences])
+    long = store.apply("long", sync([], list(range(1, 60))))
+    for segments in ([s.segment(runner, [3, 4], 3) for s in sequences] +
+                     [long.segment(runner, [], 1)],  # two groups (feed_groups)
+                     [s.segment(runner, [5], 2) for s in sequences]):
+        logits = runner.forward(segments)
+        assert [x.device.type for x in logits] == ["meta"] * len(segments)
+    assert backend != "bucketed" or runner.graphs.recorded
