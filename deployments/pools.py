@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 from ray import serve
+from starlette.responses import JSONResponse
 
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
@@ -25,6 +26,7 @@ from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from deployments.pool_args import DrafterArgs, PoolArgs, VerifierArgs
+from deployments.responses import error_body
 from drafter.registry import build_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
@@ -310,6 +312,13 @@ class PoolReplica:
         Serve's thread pool, and its take() could lose a batch counted meanwhile)."""
         return {DIRECT_IN_FLIGHT: float(self.direct_in_flight),
                 BATCH_OCCUPANCY: self.occupancy.take()}
+
+    async def __call__(self, request) -> JSONResponse:
+        """An HTTP request to the pool's application (its route_prefix, by which Serve's gRPC
+        proxy routes calls too): 404 in OpenAI's error shape, where Serve answered 500 and
+        logged a traceback (a pool serves gRPC only)."""
+        return JSONResponse(error_body("a specserve pool serves gRPC only: send HTTP requests "
+                                       "to the router", 404), 404)
 
     def where(self) -> dict:
         """Where this replica runs (`placement`), for operators and placement tests."""

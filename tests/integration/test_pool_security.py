@@ -1,11 +1,12 @@
 """Only the router can drive the pools: a call without the pool secret gets UNAUTHENTICATED
-through Serve's gRPC proxy and on a replica's own port; hostile input gets INVALID_ARGUMENT
-fast, and the pool keeps serving."""
+through Serve's gRPC proxy and on a replica's own port, an HTTP request a 404; hostile input
+gets INVALID_ARGUMENT fast, and the pool keeps serving."""
 
 import time
 
 import grpc
 import pytest
+import requests
 import torch
 
 from deployments import auth, wire
@@ -43,6 +44,15 @@ def test_unauthenticated_calls_are_refused_on_both_paths(cluster):
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.VerifierStub(direct).Release(pb.ReleaseRequest(request_id="d"), timeout=30)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_http_requests_to_the_pools_apps_are_404_not_500(cluster):
+    """The pools' applications have route prefixes (Serve's gRPC proxy routes calls by
+    them), so Serve's HTTP proxy passes them requests too: Serve answered 500 there."""
+    for path in ("/drafter", "/verifier/v1/completions"):
+        answer = requests.post(cluster.base_url + path, json={}, timeout=30)
+        assert answer.status_code == 404, (path, answer.text)
+        assert "gRPC only" in answer.json()["error"]["message"]
 
 
 def sparse_q(rows: int, vocab: int, value: float) -> pb.Distributions:

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import json
 import math
 import threading
 
@@ -434,3 +435,9 @@ def test_a_session_says_its_sampling_once_and_a_replica_without_it_asks_for_a_re
             assert gone.status == pb.REBUILD and not gone.token_ids
 
     asyncio.run(main())
+
+
+def test_an_http_request_to_a_pool_is_a_404_in_openais_error_shape():
+    answer = asyncio.run(VerifierPool.__call__(None, None))
+    assert answer.status_code == 404
+    assert "gRPC only" in json.loads(answer.body)["error"]["message"]
