@@ -148,6 +148,34 @@ def test_kuberay_embeds_the_gpu_config_verbatim():
         yaml.safe_load((CLUSTER / "gpu.yaml").read_text())
 
 
+def kuberay_containers() -> dict[str, dict]:
+    cluster = yaml.safe_load((CLUSTER / "kuberay.yaml").read_text())["spec"]["rayClusterConfig"]
+    groups = {"head": cluster["headGroupSpec"]}
+    groups.update((group["groupName"], group) for group in cluster["workerGroupSpecs"])
+    return {name: group["template"]["spec"]["containers"][0] for name, group in groups.items()}
+
+
+def test_kuberay_gives_every_pod_the_hub_token():
+    """The example pair is gated on the hub, and any node may load from it (the pools'
+    weights; the router's tokenizer and config, on the head or a GPU node): every Ray
+    container reads HF_TOKEN from a Secret; before, none had it and each replica's start
+    failed on the gated repository."""
+    for name, container in kuberay_containers().items():
+        env = {var["name"]: var for var in container.get("env", [])}
+        assert "secretKeyRef" in env.get("HF_TOKEN", {}).get("valueFrom", {}), name
+
+
+def test_kuberay_keeps_a_replaced_cluster_while_its_streams_finish():
+    """A new image starts a new RayCluster and KubeRay deletes the old one, with the streams
+    it still holds, RayClusterDeletionDelaySeconds after the switch (60 s by default): at least
+    the router's graceful_shutdown_timeout_s, as a router replica Serve stops gets."""
+    kuberay = yaml.safe_load((CLUSTER / "kuberay.yaml").read_text())
+    serve = yaml.safe_load(kuberay["spec"]["serveConfigV2"])
+    router = next(app for app in serve["applications"] if app["name"] == "router")
+    grace = router["deployments"][0]["graceful_shutdown_timeout_s"]
+    assert kuberay["spec"].get("rayClusterDeletionDelaySeconds", 60) >= grace
+
+
 def test_gpu_config_puts_the_pools_on_different_gpu_classes():
     config = yaml.safe_load((CLUSTER / "gpu.yaml").read_text())
     options = {app["name"]: app["deployments"][0]["ray_actor_options"]
