@@ -225,6 +225,8 @@ class Router:
         """The body's prompt read (each of a completions batch's), its model checked, its
         choices planned."""
         self.check_model(body)
+        # refused before its prompts are read when it could not be admitted now
+        self.admission.check(body.n * (1 if chat else len(body.prompts())))
         # the request's own id, which also keys its pool sessions: never the client's
         # x-request-id (two requests sharing one would share caches), which Serve's proxy
         # logs and echoes
@@ -234,16 +236,20 @@ class Router:
         prompts = [body.model_copy(update={"prompt": p}) for p in body.prompts()]
         if len(prompts) == 1:
             return await self.plan_one(request_id, prompts[0], chat)
-        return joined(request_id, [await self.plan_one(f"{request_id}-{i}", one, chat)
+        # each prompt's choices run beside the other prompts' (an adaptive K's load)
+        others = (len(prompts) - 1) * body.n
+        return joined(request_id, [await self.plan_one(f"{request_id}-{i}", one, chat, others)
                                    for i, one in enumerate(prompts)])
 
-    async def plan_one(self, request_id: str, body, chat: bool) -> RequestPlan:
+    async def plan_one(self, request_id: str, body, chat: bool, others: int = 0) -> RequestPlan:
+        """One prompt's choices planned; others: the request's choices beside them (a
+        completions batch's other prompts'), which run with them as the admitted ones do."""
         prompt = await self.prompts.read(body, chat)
         return self.front_end.plan(request_id, prompt.token_ids, prompt.sampling, body.n,
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,
                                    pipelined=body.pipelined, drafter_kind=body.drafter,
                                    plain_steps=body.plain_steps,
-                                   running=self.admission.running,
+                                   running=self.admission.running + others,
                                    tree=tree_shape(body.speculative_tree),
                                    context_limit=self.prompts.context_limit)

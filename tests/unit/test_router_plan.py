@@ -1,0 +1,61 @@
+"""The router's planning of a request (Router.plan) without Ray or a model: admission
+checked before its prompts are read, and the load a completions batch's choices start at."""
+
+import asyncio
+from types import MethodType, SimpleNamespace
+
+import pytest
+
+from deployments.admission import Admission
+from deployments.ingress import BadRequest
+from deployments.openai_api import CompletionRequest
+from deployments.router import Router
+from speculative.frontend import RequestFrontEnd
+from speculative.options import SpeculationDefaults
+from speculative.sampling import SamplingParams
+
+
+def planner(admission: Admission, read_prompts: list):
+    """Router.plan over stand-ins: each prompt read (recorded in read_prompts) as two tokens,
+    planned under an adaptive K."""
+
+    async def read(body, chat):
+        read_prompts.append(body.prompt)
+        return SimpleNamespace(token_ids=(2, 3), stop_token_ids=(),
+                               sampling=SamplingParams(temperature=1.0, max_tokens=4))
+
+    router = SimpleNamespace(  # not a Router: Serve's ingress wrapper wants its event loop
+        admission=admission, check_model=lambda body: None,
+        front_end=RequestFrontEnd(SpeculationDefaults(num_speculative_tokens="auto")),
+        prompts=SimpleNamespace(read=read, context_limit=64))
+    router.plan_one = MethodType(Router.plan_one, router)
+    return lambda body: asyncio.run(Router.plan(router, body, chat=False))
+
+
+def test_a_completions_batchs_choices_start_at_the_load_of_all_its_prompts():
+    """An adaptive K starts at the load of the choices running beside it (theirs and the
+    request's n): a batch's other prompts' choices run beside each prompt's too (3 prompts
+    of n = 2 beside 5 running choices: 11, not the 7 each prompt planned alone saw)."""
+    admission = Admission(16)
+    admission.admit(5)
+    plan = planner(admission, [])
+    for prompts, load in ((["a", "b", "c"], 11), ("a", 7)):
+        choices = plan(CompletionRequest(prompt=prompts, n=2)).choices
+        assert [choice.policy.load for choice in choices] == [load] * len(choices)
+
+
+def test_a_request_that_admission_refuses_is_refused_before_its_prompts_are_read():
+    """Its prompts x n beyond the free slots (429) or beyond all of them (400): refused
+    before reading (tokenizing a 1 MiB prompt, then refused, held the router's tokenizing
+    thread 0.65 s), as vLLM checks admission before it renders a prompt."""
+    admission, read = Admission(4), []
+    plan = planner(admission, read)
+    held = admission.admit(2)
+    for prompts, n, status in ((["a", "b"], 2, 429), ("a", 3, 429), (["a", "b"], 3, 400)):
+        with pytest.raises(BadRequest) as refused:
+            plan(CompletionRequest(prompt=prompts, n=n))
+        assert refused.value.status == status
+    assert read == [] and admission.running == 2
+    held.release()
+    assert len(plan(CompletionRequest(prompt=["a", "b"], n=2)).choices) == 4
+    assert read == ["a", "b"] and admission.running == 0  # checked, not taken
