@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from ray.exceptions import TaskCancelledError
+from starlette.requests import ClientDisconnect
 
 from deployments.clients import PoolError
 from deployments.responses import WHOLE, error_body, json_text
@@ -123,6 +124,10 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
     except asyncio.TimeoutError:
         raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S} s",
                          408) from None
+    except ClientDisconnect:  # gone before its body was whole (Serve's proxy passes the
+        # disconnect on): raised on, it was a bug's logged 500, and Serve's "Request failed"
+        log.info("the client of %s went away before its body was whole", request.url.path)
+        raise BadRequest("client closed the request", CLIENT_CLOSED) from None
     try:
         with collector_paused():
             return schema.model_validate(json.loads(body))

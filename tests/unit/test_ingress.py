@@ -62,6 +62,30 @@ def test_a_request_serve_cancelled_is_not_a_bug():
     assert [r.levelno for r in records] == [logging.INFO] and not records[0].exc_info
 
 
+def test_a_client_gone_before_its_body_is_whole_is_not_a_bug():
+    """Starlette raises ClientDisconnect when the body's receive brings the disconnect that
+    Serve's proxy passes on: it reached the ingress's handler as a bug (a 500 logged with
+    its traceback, raised on into Serve). Answered as Serve's cancellation is, nothing
+    admitted."""
+    from starlette.requests import Request
+
+    serve, admission = router_of(max_running=1)
+    raw = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
+    messages = iter([{"type": "http.request", "body": raw[:5], "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(messages)
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                       "query_string": b"",
+                       "headers": [(b"content-length", str(len(raw)).encode())]}, receive)
+    with Records() as records:
+        answer = asyncio.run(serve(request, CompletionRequest, chat=False))
+    assert answer.status_code == CLIENT_CLOSED and admission.running == 0
+    assert [r.levelno for r in records] == [logging.INFO] and not records[0].exc_info
+
+
 class Unavailable(Agreeing):
     async def score(self, call):
         raise pool_error("verifier", grpc.StatusCode.UNAVAILABLE, "replica gone")
