@@ -75,14 +75,19 @@ CLIENT_CLOSED = 499  # nginx's status for a request its client closed: no one re
 
 
 async def unexpected(request: Request, error: Exception) -> JSONResponse:
-    """A bug: logged with its traceback, answered in OpenAI's shape without its details.
-    Serve cancelling the request's task is not one: its client went away (a stream's
-    disconnect can surface as that cancellation instead of starlette's own disconnect)."""
-    if isinstance(error, TaskCancelledError):
-        log.info("the client of %s went away", request.url.path)
-        return JSONResponse(error_body("client closed the request", CLIENT_CLOSED), CLIENT_CLOSED)
+    """A bug: logged with its traceback, answered in OpenAI's shape without its details
+    (Starlette then raises it on to the server, which logs it too)."""
     log.exception("unexpected error serving %s", request.url.path)
     return JSONResponse(error_body("internal error", 500), 500)
+
+
+async def cancelled(request: Request, error: TaskCancelledError) -> JSONResponse:
+    """Serve cancelling the request's task is no bug: its client went away (a stream's
+    disconnect can surface as that cancellation instead of Starlette's own disconnect).
+    Its own handler, not unexpected's: Starlette raises what the handler of Exception
+    answered on to the server, which logged it as a failed request with its traceback."""
+    log.info("the client of %s went away", request.url.path)
+    return JSONResponse(error_body("client closed the request", CLIENT_CLOSED), CLIENT_CLOSED)
 
 
 def api_key(configured: str | None) -> str | None:
@@ -216,5 +221,6 @@ def ingress_app(title: str, bodies: dict | None = None) -> FastAPI:
     (openapi_document's bodies)."""
     app = FastAPI(title=title)
     app.add_exception_handler(Exception, unexpected)
+    app.add_exception_handler(TaskCancelledError, cancelled)
     app.openapi = functools.partial(openapi_document, app, bodies or {})
     return app

@@ -37,14 +37,16 @@ class Records(logging.Handler):
         log.removeHandler(self)
 
 
-def app_raising(error: Exception) -> TestClient:
+def app_raising(error: Exception, raised_on: bool = False) -> TestClient:
+    """A client of an ingress app whose endpoint raises error; raised_on: the client raises
+    what the app raises on to the server."""
     app = ingress_app("test")
 
     @app.get("/v1/x")
     async def fail():
         raise error
 
-    return TestClient(app, raise_server_exceptions=False)
+    return TestClient(app, raise_server_exceptions=raised_on)
 
 
 def test_a_bug_is_a_logged_500():
@@ -56,8 +58,10 @@ def test_a_bug_is_a_logged_500():
 
 
 def test_a_request_serve_cancelled_is_not_a_bug():
+    """Answered 499 and not raised on to the server (Starlette raises what its handler of
+    Exception answered on: Serve then logged a failed request with its traceback)."""
     with Records() as records:
-        response = app_raising(TaskCancelledError()).get("/v1/x")
+        response = app_raising(TaskCancelledError(), raised_on=True).get("/v1/x")
     assert response.status_code == CLIENT_CLOSED == 499
     assert [r.levelno for r in records] == [logging.INFO] and not records[0].exc_info
 
