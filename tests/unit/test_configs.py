@@ -112,6 +112,11 @@ def test_config_validates_and_its_apps_build(name, config):
             router = deployment.request_router_config
             if app.name != "router":
                 assert router["request_router_class"].endswith("ConsistentHashRouter")
+                # its kwargs are read with defaults: a misspelt key would leave strict
+                # affinity (no fallback replica) silently off
+                assert router["request_router_kwargs"] == {
+                    "num_virtual_nodes": router["request_router_kwargs"]["num_virtual_nodes"],
+                    "num_fallback_replicas": 0}
 
 
 def test_each_app_builds_without_torch_and_its_replica_finds_its_class():
