@@ -67,7 +67,12 @@ class RoundMeter:
         stats.verify_seconds += self.verified_at - self.drafted_at - verify_paused
         paused = verify_paused + self.busy_drafting + predraft_paused
         waited_draft = 0.0 if self.carried else block.compute_seconds
-        stats.draft_compute_seconds += waited_draft
+        # the pre-draft's compute that ran on past the verify (it began beside it), as far as
+        # the wait for it after the verify shows: the drafter's, not transport
+        exposed_predraft = 0.0 if predraft is None else min(
+            max(0.0, predraft.compute_seconds - (self.verified_at - self.drafted_at)),
+            self.predraft_wait - predraft_paused)
+        stats.draft_compute_seconds += waited_draft + exposed_predraft
         # (beside = 0: the drafter's prefill beside a first verify, no draft)
         stats.predrafts += predraft is not None and beside != 0
         stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
@@ -84,7 +89,8 @@ class RoundMeter:
             + (predraft.wire_bytes if predraft else 0)
         round_seconds = ended - self.started - paused
         stats.round_seconds += round_seconds
-        stats.overhead_seconds.append(round_seconds - waited_draft - scores.compute_seconds)
+        stats.overhead_seconds.append(round_seconds - waited_draft - exposed_predraft
+                                      - scores.compute_seconds)
         stats.exposed_seconds.append(round_seconds - scores.compute_seconds)
         return self.cost(block, scores, round_seconds, waited_draft, beside,
                          len(outcome.output_token_ids))

@@ -41,7 +41,9 @@ class SpecStats:
     draft_seconds: float = 0.0  # waiting for the drafter (its compute and the transport)
     verify_seconds: float = 0.0  # waiting for the verifier
     round_seconds: float = 0.0  # whole rounds: the rest is the router's own time
-    draft_compute_seconds: float = 0.0  # the drafter's own time, as it reports it
+    # the drafter's own time, as it reports it, that a round waited for (a pre-draft's past
+    # the verify beside it included)
+    draft_compute_seconds: float = 0.0
     verify_compute_seconds: float = 0.0  # the verifier's own time, as it reports it
     # rounds that ran without a draft because the drafter failed, timed out, or had just
     # done so (the target alone commits one token: exact, slower)
