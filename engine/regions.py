@@ -10,9 +10,10 @@ more than MAX_GAP regions starts a new run). The bytes a batch reads are its key
 once, against three times for the gather (engine.paged: read, write, read).
 
 The pool is allocated empty: on a CPU its pages are backed only as positions are written
-(each region's high-water mark is zeroed ahead of the first read, so a padding read never
-meets uninitialised memory). A region holds the model's whole context, so the pool is sized
-in regions from the memory budget (engine.memory) counting every region in full. A prefix
+(each region's high-water mark is zeroed ahead of the first read, and again from the start
+when the region is handed out, so a masked read never meets uninitialised memory nor what
+its last owner wrote). A region holds the model's whole context, so the pool is sized in
+regions from the memory budget (engine.memory) counting every region in full. A prefix
 hit copies the holder's positions into the new region (contiguity rules out sharing).
 """
 
@@ -40,10 +41,22 @@ class RegionPool(UnitPool):
         self.written = [0] * regions  # positions zeroed or written, from the start
         self.max_tokens = region_tokens
 
+    def allocate(self, count: int) -> list[int]:
+        """As UnitPool's, each region handed out zeroed again as its new owner reaches it: a
+        row reads its region up to the batch's longest request, masked, and SDPA's masked
+        weight times a NaN or inf value the last owner left there (an overflowed float16
+        forward) is NaN: the request's logits would follow its batch-mates and who held the
+        region before."""
+        units = super().allocate(count)
+        for unit in units:
+            self.written[unit] = 0
+        return units
+
     def initialise(self, regions: list[int], length: int) -> None:
-        """Zero the positions below `length` of these regions never written yet, and up to
-        ZERO_AHEAD past it. Keys and values are written only below a region's mark (a plan
-        initialises its batch's end before the batch writes), so zeroing ahead meets none."""
+        """Zero the positions below `length` of these regions not written since they were
+        handed out (allocate), and up to ZERO_AHEAD past it. Keys and values are written only
+        below a region's mark (a plan initialises its batch's end before the batch writes),
+        so zeroing ahead meets none."""
         for region in regions:
             if self.written[region] < length:
                 start, end = self.written[region], min(length + ZERO_AHEAD, self.max_tokens)
