@@ -45,6 +45,7 @@ MAX_MESSAGES = 1024
 # 0.17 s of the event loop to validate)
 MAX_TOOL_CALLS = MAX_MESSAGES
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CACHE_SALT = 256  # characters
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
@@ -127,6 +128,9 @@ class SamplingFields(BaseModel):
         Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # extension (as vLLM): the end tokens and stop ids cannot end the output before this
     min_tokens: int = Field(default=0, ge=0)
+    # extension (as vLLM): the pools' prefix caches share prompt blocks only among requests
+    # of the same salt (a tenant's cache hits then say nothing of another's prompts)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
     # OpenAI's completions' echo (the prompt before the output; vLLM's chat's: the last
@@ -206,7 +210,6 @@ class SamplingFields(BaseModel):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at "
                              f"most {MAX_STOP_CHARS} characters")
         return [encodable(s, "stop") for s in stops]
-
     def sampling(self, default_max_tokens: int, defaults: dict | None = None
                  ) -> SamplingParams:
         """The request's sampling parameters, with its own seed (each choice's is derived
@@ -229,7 +232,7 @@ class SamplingFields(BaseModel):
                               repetition_penalty=given["repetition_penalty"],
                               logprobs=self.top_logprobs_asked(),
                               logit_bias=tuple(sorted((self.logit_bias or {}).items())),
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens, cache_salt=self.cache_salt or "")
 
     def max_tokens_or(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

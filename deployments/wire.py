@@ -100,6 +100,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0,
         grammar=params.grammar or "", logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens, min_tokens_end_ids=params.min_tokens_end_ids,
+        cache_salt=params.cache_salt,
     )
 
 
@@ -113,7 +114,7 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         logprobs=message.top_logprobs if message.logprobs else None,
         grammar=message.grammar or None,
         logit_bias=tuple(sorted(message.logit_bias.items())), min_tokens=message.min_tokens,
-        min_tokens_end_ids=tuple(message.min_tokens_end_ids),
+        min_tokens_end_ids=tuple(message.min_tokens_end_ids), cache_salt=message.cache_salt,
     )
 
 

@@ -320,7 +320,7 @@ class ModelDrafter:
         if call.tree_width > 1:
             check_tree_width(call)  # before the session moves
         sequence = self.sessions.resume(call.request_id, call) or \
-            self.sessions.apply(call.request_id, call.sync)
+            self.sessions.apply(call.request_id, call.sync, call.sampling.cache_salt)
         assumed = list(call.assumed_token_ids)
         num_tokens = call.num_speculative_tokens
         if (room := self.room(sequence, assumed)) is not None:

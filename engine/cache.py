@@ -40,15 +40,26 @@ def block_name(previous: int, tokens: list[int]) -> int:
 
 
 def block_names(tokens: list[int], block_size: int = BLOCK_SIZE,
-                known: list[int] = ()) -> list[int]:
+                known: list[int] = (), root: int = 0) -> list[int]:
     """The chain name of each full block of `tokens`: it names every token up to its end.
-    `known`: the names of its first blocks, already computed (only the rest are)."""
+    `known`: the names of its first blocks, already computed (only the rest are); `root`:
+    the name the chain starts from (salted_root)."""
     names = list(known)
-    name = names[-1] if names else 0
+    name = names[-1] if names else root
     for end in range((len(names) + 1) * block_size, len(tokens) + 1, block_size):
         name = block_name(name, tokens[end - block_size:end])
         names.append(name)
     return names
+
+
+def salted_root(salt: str) -> int:
+    """The name a request's block chain starts from: 0, or for vLLM's cache_salt one of its
+    own, so that only requests of the same salt share prompt blocks (a tenant cannot learn
+    from another's cache hits whether it sent a prompt)."""
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(b"cache_salt:" + salt.encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "little")
 
 
 class PrefixIndex:
@@ -159,6 +170,7 @@ class PoolCache:
     def __init__(self, pool: UnitPool) -> None:
         self.pool, self.units, self.length = pool, [], 0
         self.names: list[int] = []  # published block names, in order
+        self.root = 0  # the name its chain starts from (salted_root)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -181,14 +193,14 @@ class PoolCache:
         """Name the full blocks of `tokens` (a committed prefix this cache holds) for prefix
         hits, from the first block not yet named."""
         start = len(self.names)
-        self.names = block_names(tokens, self.pool.block_size, self.names)
+        self.names = block_names(tokens, self.pool.block_size, self.names, self.root)
         self.pool.prefixes.publish(self, self.names, start)
 
     def adopt_prefix(self, tokens: list[int], limit: int) -> int:
         """Start this (empty) cache from the longest published prefix of `tokens`, at most
         `limit` tokens; returns the tokens adopted (a multiple of the block size)."""
         size = self.pool.block_size
-        names = block_names(tokens[:limit - limit % size], size)
+        names = block_names(tokens[:limit - limit % size], size, root=self.root)
         holder, blocks = self.pool.prefixes.longest(names)
         if blocks == 0 or holder is self:
             return 0

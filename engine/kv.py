@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from engine.batch import Segment
+from engine.cache import salted_root
 from speculative.tree import main_chain_length
 from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase
 
@@ -66,6 +67,7 @@ class Sequence:
         self.cached_ids: list[int] = []
         self.cache = None  # the runner's (engine.runner.ModelRunner.new_cache)
         self.cached_tokens = 0  # prompt tokens its cache started with (a prefix hit)
+        self.root = 0  # its cache's block chain's first name (its cache_salt's: salted_root)
         self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
         self.unfinished = None  # the call whose feed was cut (chunked prefill), to resume
         self.constraint = None  # a structured output's matcher (speculative.grammar)
@@ -142,6 +144,7 @@ class Sequence:
         ids = self.committed + extra
         if self.cache is None:  # a new request: from the longest cached prefix
             self.cache = runner.new_cache()
+            self.cache.root = self.root
             self.cached_tokens = self.cache.adopt_prefix(ids, len(ids) - max(num_logits, 1))
             self.cached_ids = ids[:self.cached_tokens]
         start = min(common_prefix_len(self.cached_ids, ids), len(ids) - num_logits)
@@ -225,9 +228,10 @@ class SessionStore:
     def tokens(self) -> int:
         return sum(len(s.committed) for s in self._sequences.values())
 
-    def apply(self, request_id: str, sync: PrefixSync) -> Sequence:
+    def apply(self, request_id: str, sync: PrefixSync, cache_salt: str = "") -> Sequence:
         """The request's sequence advanced to `sync`; raises StaleBase when it cannot be, and
-        ValueError for an empty prefix, before any session is made or evicted."""
+        ValueError for an empty prefix, before any session is made or evicted. cache_salt:
+        the request's (vLLM's), which its prompt blocks are named under (salted_root)."""
         if sync.known_len == 0 and not sync.new_token_ids:
             raise ValueError("the committed prefix is empty: a prompt needs at least one token")
         sequence = self._sequences.get(request_id)
@@ -236,6 +240,7 @@ class SessionStore:
                 self.stats.misses += 1
                 raise StaleBase(f"request {request_id!r} is not cached here")
             sequence = Sequence()
+            sequence.root = salted_root(cache_salt)
             self._sequences[request_id] = sequence
         else:
             self.stats.hits += 1

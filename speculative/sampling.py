@@ -42,6 +42,9 @@ class SamplingParams:
     # the output holds min_tokens tokens
     min_tokens: int = 0
     min_tokens_end_ids: tuple[int, ...] = ()
+    # vLLM's cache_salt: the pools' prefix caches share prompt blocks only among requests
+    # of the same salt ("": none, every request's)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         errors = []
@@ -55,6 +58,8 @@ class SamplingParams:
             errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             errors.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.cache_salt, str):
+            errors.append(f"cache_salt must be a string, got {self.cache_salt!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             errors.append(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

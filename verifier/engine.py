@@ -133,7 +133,7 @@ class ModelVerifier:
                              f"{self.max_positions} (max_position_embeddings, or LongRoPE's "
                              "original one)")
         sequence = self.sessions.resume(call.request_id, call) or \
-            self.sessions.apply(call.request_id, call.sync)
+            self.sessions.apply(call.request_id, call.sync, call.sampling.cache_salt)
         allowed = self.allowed(call, sequence, drafted)  # before the cache is touched
         segment = sequence.segment(self.runner, drafted, len(drafted) + 1, limit,
                                    call.draft_parents)

@@ -304,3 +304,26 @@ def test_usage_counts_the_prompts_cached_tokens_of_its_prefill_not_of_a_rebuild(
     assert missed["misses"] == 1 and missed["prompt_tokens_details"]["cached_tokens"] == 0
     hit = usage("b", verifier)  # a's blocks are published now
     assert hit["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cache_salt_shares_prompt_blocks_only_within_its_salt(backend):
+    """vLLM's cache_salt: requests share prompt blocks only with requests of their salt, so
+    a tenant's cached_tokens say nothing of another's prompts (before, every request's
+    blocks were every request's), and a salted hit scores as a request never cached."""
+    verifier, fresh = ModelVerifier(served(backend)), ModelVerifier(served(backend))
+
+    def greedy(salt: str = "") -> SamplingParams:
+        return SamplingParams(temperature=0.0, cache_salt=salt)
+
+    def cached(request_id: str, salt: str = "", scorer=verifier) -> tuple[int, tuple]:
+        call = ScoreCall(request_id, sync([], PROMPT + [9]), (1, 2), greedy(salt),
+                         prompt_len=41)
+        scores = scorer.score_now(call)
+        scorer.score_now(ScoreCall(request_id, sync(PROMPT + [9], [3]), (), greedy(salt)))
+        return scores.cached_tokens, scores.target_token_ids  # the second call published
+
+    assert cached("a", "tenant-a")[0] == 0
+    assert cached("b")[0] == cached("c", "tenant-b")[0] == 0  # another salt, or none
+    assert cached("d", "tenant-a") == (32, cached("e", "tenant-a", fresh)[1])
+    assert cached("f")[0] == 32  # the unsalted among themselves, as before

@@ -115,7 +115,7 @@ def test_calls_and_results_round_trip():
     sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,
                               presence_penalty=0.5, frequency_penalty=-0.25,
                               repetition_penalty=1.2, logit_bias=((2, -1.5), (7, 3.0)),
-                              min_tokens=3, min_tokens_end_ids=(0, 5))
+                              min_tokens=3, min_tokens_end_ids=(0, 5), cache_salt="t-a")
     sync = PrefixSync(3, 12345678901234567890, (4, 5))
     propose = ProposeCall("r1", sync, 4, sampling, seed=2**62)
     message = pb.ProposeRequest.FromString(wire.propose_to_proto(propose).SerializeToString())
