@@ -1,5 +1,10 @@
 """Prompt-lookup drafting: propose what followed the latest n-gram earlier in the context.
 
+A continuation that runs into the end of the context (the n-gram recurs within K tokens: a
+loop, a run of one token) goes on repeating itself up to K tokens, as the context would if
+the repeat held: the latest match of a loop of period d otherwise proposed d tokens a round
+(one for a run), where vLLM's proposer, which takes the earliest occurrence, proposes K.
+
 No model, no KV cache: the draft distribution of each proposed token is one-hot, so the
 rejection sampler accepts x with probability p(x) and otherwise resamples from p without x,
 which keeps the output exactly the target's.
@@ -22,14 +27,24 @@ from speculative.types import DraftBlock, DraftDists, ProposeCall, StaleBase, ti
 
 
 def lookup(token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
-    """Up to num_tokens ids that followed the most recent earlier occurrence of the longest
-    suffix n-gram (n from max_ngram down to min_ngram); [] when nothing matches."""
+    """num_tokens ids that followed the most recent earlier occurrence of the longest suffix
+    n-gram (n from max_ngram down to min_ngram), repeated where they reach the context's end
+    (`repeated`); [] when nothing matches."""
     for n in range(min(max_ngram, len(token_ids) - 1), min_ngram - 1, -1):
         suffix = token_ids[-n:]
         for start in range(len(token_ids) - n - 1, -1, -1):
             if token_ids[start : start + n] == suffix:
-                return token_ids[start + n : start + n + num_tokens]
+                return repeated(token_ids[start + n : start + n + num_tokens], num_tokens)
     return []
+
+
+def repeated(following: list[int], num_tokens: int) -> list[int]:
+    """The num_tokens that follow a match: its continuation, and where that reaches the end
+    of the context (d tokens after the match), those d again and again (the context's last
+    n tokens are the match's, so it goes on as it did d tokens back)."""
+    if len(following) >= num_tokens or not following:
+        return following
+    return (following * (num_tokens // len(following) + 1))[:num_tokens]
 
 
 class TokenBytes:
@@ -60,7 +75,7 @@ class TokenBytes:
                 while (at := data.rfind(suffix, 0, end)) >= 0:
                     if at % 4 == 0:  # a match across token boundaries is no match
                         start = at // 4 + n
-                        return context[start:start + num_tokens]
+                        return repeated(context[start:start + num_tokens], num_tokens)
                     end = at + 4 * n - 1
             return []
         finally:

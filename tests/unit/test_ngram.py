@@ -31,3 +31,15 @@ def test_a_match_across_token_boundaries_is_no_match():
     context = [256, 0, 7, 1]
     assert lookup(context, 3, 1, 1) == []
     assert TokenBytes().extended(context).lookup([], 3, 1, 1, context) == []
+
+
+def test_a_match_that_reaches_the_end_repeats_up_to_k():
+    """A loop's latest match is d tokens back, so what followed it runs into the context's
+    end after d tokens: the proposal repeats them up to K (it proposed d, one for a run of a
+    single token), in the reference and the byte search alike."""
+    for context, k, proposed in (([5] * 20, 6, [5] * 6),
+                                 ([9, 1, 2, 3] * 4, 7, [9, 1, 2, 3, 9, 1, 2]),
+                                 ([1, 2, 3, 4, 2, 3], 4, [4, 2, 3, 4]),  # vLLM's example
+                                 ([1, 2, 3, 9, 1, 2], 2, [3, 9])):  # K within: as it was
+        assert lookup(context, k, 1, 4) == proposed
+        assert TokenBytes().extended(context).lookup([], k, 1, 4, context) == proposed
