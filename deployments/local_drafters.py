@@ -7,7 +7,9 @@ the output for every later request; prompt lookup converts the whole context on 
 (its search each round is C: drafter.ngram). On the
 event loop that stalls every stream of the replica. A call that brings more than
 OFF_LOOP_NEW_TOKENS new tokens (a first call, a rebuild) or a context over OFF_LOOP_TOKENS,
-every call with a grammar, and every release, runs on a worker thread instead (the loop then
+every call with a grammar, one that may close other sessions (an eviction: a suffix drafter
+indexes each closed output, as a release does; the pools ask the same, deployments.pools),
+and every release, runs on a worker thread instead (the loop then
 runs between the interpreter's switches); one lock per drafter keeps its state to one caller
 at a time."""
 
@@ -32,8 +34,9 @@ class OffLoop:
         # proposal (a 60 KB schema over the demo's 4,096 tokens: 41 ms the loop stood still)
         if new <= OFF_LOOP_NEW_TOKENS and call.sync.committed_len + new <= OFF_LOOP_TOKENS \
                 and call.sampling.grammar is None:
-            async with self.lock:
-                return timed(self.drafter.propose_now, call)
+            async with self.lock:  # the sessions read under it: none come or go meanwhile
+                if not self.drafter.sessions.may_close(call.request_id, new):
+                    return timed(self.drafter.propose_now, call)
         return await self.on_thread(timed, self.drafter.propose_now, call)
 
     def observe(self, request_id: str, token_ids: list[int]) -> None:

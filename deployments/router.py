@@ -70,6 +70,17 @@ def model_card(name: str, model: str, context: int) -> dict:
             "permission": [permission]}
 
 
+def local_drafters(model: str, target, max_running_requests: int) -> dict[str, OffLoop]:
+    """The drafters without a model that the router runs itself, by kind, each with sessions
+    for every choice the router runs and as many finished ones (the drafters' default 256,
+    below a larger admission, evicted running sessions every round: a suffix drafter then
+    indexed each whole prompt again)."""
+    sessions = max(256, 2 * max_running_requests)
+    return {kind: OffLoop(build_drafter(DrafterSpec(kind=kind, target=model,
+                                                    max_cached_requests=sessions), target))
+            for kind in router_side_kinds()}
+
+
 app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
                                 "/v1/chat/completions": [ChatCompletionRequest],
                                 "/tokenize": [TokenizeCompletion, TokenizeChat],
@@ -97,10 +108,7 @@ class Router:
         # threads, so that one long answer does not hold the others' ends back
         self.rendering = ThreadPoolExecutor(max_workers=4, thread_name_prefix="render")
         self.token_bytes = token_bytes_of(self.prompts.grammar_tokenizer)
-        self.local_drafters = {kind: OffLoop(build_drafter(DrafterSpec(kind=kind,
-                                                                       target=args.model),
-                                                           target))
-                               for kind in router_side_kinds()}
+        self.local_drafters = local_drafters(args.model, target, args.max_running_requests)
         self.front_end = RequestFrontEnd(args.speculation_defaults())
         self.metrics = RouterMetrics()
         self.admission = Admission(args.max_running_requests,

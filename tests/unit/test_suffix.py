@@ -326,3 +326,44 @@ def test_a_refused_call_leaves_the_drafters_sessions_alone():
         with pytest.raises(ValueError):
             drafter.propose_now(refused)
     assert drafter.sessions.get("kept") is not None and len(drafter.sessions) == 1
+
+
+def test_the_router_closes_an_evicted_session_off_its_event_loop():
+    """A short call that evicts another request's session (the drafter's session bound
+    reached: a router whose max_running_requests passes it) closes that session, and a suffix
+    drafter indexes the closed output, as a release does: on the worker thread, not the loop
+    (the pools ask the same of their sessions: SessionStore.may_close)."""
+    import threading
+
+    from deployments.local_drafters import OffLoop
+
+    drafter = SuffixDrafter(16, max_cached_requests=1)
+    on_loop, remember = [], drafter.remember
+
+    def watched(output):
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        remember(output)
+
+    drafter.remember = watched
+    routed = OffLoop(drafter)
+
+    async def main():
+        await routed.propose(call("a", [], [1, 2, 3, 1, 2], prompt_len=1))
+        await routed.propose(call("b", [], [4, 5, 6], prompt_len=1))  # evicts a
+
+    asyncio.run(main())
+    assert on_loop == [False] and list(drafter.outputs) == [[2, 3, 1, 2]]
+
+
+def test_the_routers_drafters_hold_a_session_for_every_choice_it_runs():
+    """Built with the drafters' default 256 sessions, a router admitting more evicted
+    running sessions every round (a suffix drafter then indexed each prompt again)."""
+    from deployments.router import local_drafters
+    from engine.checkpoint import Checkpoint
+    from engine.models import DEMO_TARGET
+
+    target = Checkpoint.load(DEMO_TARGET)
+    for running, sessions in ((128, 256), (1000, 2000)):
+        drafters = local_drafters(DEMO_TARGET, target, running)
+        assert {kind: routed.drafter.sessions.capacity for kind, routed in drafters.items()} \
+            == {"ngram": sessions, "suffix": sessions}
