@@ -35,7 +35,6 @@ from engine.models import load_causal_lm
 from engine.batch import UNFINISHED
 from engine.kv import PoolEngine
 from engine.scheduler import KVCacheTooSmall
-from engine.runner import TreesUnsupported
 from engine.cache import KVCacheFull
 from speculative.grammar import GrammarDeadEnd, grammar_tokenizer_at
 from speculative.sampling import SamplingParams
@@ -45,6 +44,7 @@ from speculative.types import (
     ProposeCall,
     ScoreCall,
     StaleBase,
+    TreesUnsupported,
     prefix_hash,
 )
 from verifier.engine import ModelVerifier

@@ -34,12 +34,6 @@ MIN_REGIONS = 33  # `auto` on a CPU picks regions when the pool holds this many 
 logger = logging.getLogger(__name__)
 
 
-class TreesUnsupported(ValueError):
-    """A draft tree sent to a runner that cannot score one (ModelRunner.scores_trees): no
-    wait mends it, so the pool answers OUT_OF_RANGE and the router a 400 with the reason,
-    not a 503 to retry."""
-
-
 class TransformersCache(DynamicCache):
     """transformers' cache with the KV interface of engine.cache's (nothing to reserve or
     free; no prefix sharing). Sliding layers record their past, so a rollback reaches back

@@ -18,6 +18,7 @@ from speculative.accept import accept, depth
 from speculative.rejection import RoundOutcome, accept_first_predrafted
 from speculative.sampling import SEED_BLOCK, SEED_LOW_BITS, SamplingParams
 from speculative.state import RequestState
+from speculative.tree import main_chain_length
 from speculative.types import (
     NO_DRAFT,
     DraftBlock,
@@ -29,6 +30,7 @@ from speculative.types import (
     StaleBase,
     TargetScores,
     Verifier,
+    trees_refused,
 )
 
 
@@ -207,8 +209,9 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     steps = plain_steps(state, block, predraft)
     greedy = state.request.sampling.greedy
     try:
-        scores = meter.verified(await verify(state, verifier, block, verify_seed, predraft,
-                                             steps, bonus=beside != 0))
+        block, scores = await verify_tree_or_chain(state, verifier, policy, block, verify_seed,
+                                                   predraft, steps, beside != 0)
+        scores = meter.verified(scores)
         outcome, scores = accept(block, scores, greedy, state.generator)
         outcome, next_block = await settle_predraft(predraft, meter, outcome, block, scores,
                                                     greedy, state.generator)
@@ -309,6 +312,28 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         placement=request.placement, steps=steps, stop_token_ids=request.stop_token_ids))
     return await retried_while_busy(request.busy_wait_s, state.stats,
                                     lambda: state.call_pool(state.verifier_view, score))
+
+
+async def verify_tree_or_chain(state: RequestState, verifier: Verifier, policy: KPolicy,
+                               block: DraftBlock, seed: int, predraft, steps: int,
+                               bonus: bool) -> tuple[DraftBlock, TargetScores]:
+    """(the block verified, its scores). A tree the policy chose (the request named none)
+    that the verifier cannot score (transformers' modeling with sliding windows) is
+    verified as its main chain, drawn as a chain's tokens are (the siblings after it; a
+    model-free tree's, drawn from no law, is not verified), and no round of the policy's
+    drafts a tree again; a tree the request named is refused (a 400 with the reason)."""
+    try:
+        return block, await verify(state, verifier, block, seed, predraft, steps, bonus)
+    except (ValueError, PoolUnavailable) as error:
+        if block.parents is None or state.request.tree_width > 1 or not trees_refused(error):
+            raise
+    policy.refuse_trees()
+    chain = NO_DRAFT
+    if block.draft_probs is not None or state.request.sampling.greedy:
+        length = main_chain_length(block.parents)
+        chain = replace(block, token_ids=block.token_ids[:length], parents=None, draft_probs=None
+                        if block.draft_probs is None else block.draft_probs.rows(0, length))
+    return chain, await verify(state, verifier, chain, seed, predraft, steps, bonus)
 
 
 async def settle_predraft(predraft: asyncio.Future | None, meter: RoundMeter,

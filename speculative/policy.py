@@ -71,6 +71,10 @@ class KPolicy(Protocol):
         Asked every round; free: whether the round drafts K now, sequentially (else it is
         a chain whatever the answer)."""
 
+    def refuse_trees(self) -> None:
+        """The verifier scores no draft tree: no round_shape gives one again (the rounds of
+        every request that shares this policy's costs)."""
+
     def restarts_fresh(self) -> bool:
         """Whether a pipelined round without candidates (the first, or one after a
         rejection) runs the target alone beside a fresh draft of K + 1 (True), or drafts its
@@ -100,6 +104,9 @@ class FixedK:
 
     def round_shape(self, free: bool) -> tuple[int, int] | None:
         return None
+
+    def refuse_trees(self) -> None:
+        pass
 
     def restarts_fresh(self) -> bool:
         return True
@@ -203,7 +210,7 @@ class AdaptiveK:
         (`asked`), whatever a confidence cut made of its draft. Chains under batch load and
         at K < 2."""
         self.asked = None
-        if not free or not self.trees or self.loaded or self.k < 2:
+        if not free or not self.trees or self.loaded or self.k < 2 or self.costs.shapes.refused:
             return None
         yields = self.costs.shapes
         tree_rate, chain_rate = yields.rate(self.k, True), yields.rate(self.k, False)
@@ -213,6 +220,9 @@ class AdaptiveK:
             tree = not tree
         self.asked = (self.k, tree)
         return (self.k - max(1, self.k // 8), self.k) if tree else None
+
+    def refuse_trees(self) -> None:
+        self.costs.shapes.refused, self.asked = True, None  # this round is no tree's either
 
     def update(self, num_drafted: int, num_accepted: int, cost: RoundCost | None = None) -> None:
         if num_drafted:

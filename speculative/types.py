@@ -352,6 +352,22 @@ class PoolBusy(PoolUnavailable):
     the same call may succeed after a pause, once other requests' calls are done."""
 
 
+class TreesUnsupported(ValueError):
+    """A draft tree sent to a verifier that cannot score one (engine.runner.ModelRunner.
+    scores_trees): no wait mends it, so the pool answers OUT_OF_RANGE, and the router a 400
+    with the reason, not a 503 to retry, to a request that named a tree (a tree its policy
+    chose is verified as a chain instead: speculative.loop.verify_tree_or_chain)."""
+
+    reason = "cannot score a draft tree"  # in the message, which gRPC's details carry
+
+
+def trees_refused(error: BaseException) -> bool:
+    """Whether a verify failed because its verifier scores no draft tree: in-process its
+    TreesUnsupported, over gRPC a pool's failure whose details give that reason."""
+    return isinstance(error, TreesUnsupported) or \
+        isinstance(error, PoolUnavailable) and TreesUnsupported.reason in str(error)
+
+
 class StaleBase(Exception):
     """A pool cannot reach the base a call builds on (evicted, moved, or never seen).
 

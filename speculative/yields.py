@@ -132,6 +132,7 @@ class ShapeYields:
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (K, tree): tokens, s, rounds
+        self.refused = False  # the verifier scores no tree (AdaptiveK.refuse_trees): chains
         # the decayed count of `least` rounds in a row
         self.trusted = (1 - decay ** self.least) / (1 - decay) - 1e-9
 

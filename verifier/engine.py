@@ -11,7 +11,7 @@ from engine.checkpoint import served_positions
 from verifier import host
 from verifier.steps import Steps, check_steps
 from engine.kv import SessionStore
-from engine.runner import ModelRunner, TreesUnsupported, serving_runner
+from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.checks import check_call, check_prompt_len, check_tree
 from speculative.grammar import masked, request_matcher
@@ -25,7 +25,14 @@ from speculative.sampling import (
 )
 from speculative.shaping import Shaping, shape_batch
 from speculative.tree import DraftTree, tree_scores
-from speculative.types import BatchLoad, DraftDists, ScoreCall, PositionLogprobs, TargetScores
+from speculative.types import (
+    BatchLoad,
+    DraftDists,
+    PositionLogprobs,
+    ScoreCall,
+    TargetScores,
+    TreesUnsupported,
+)
 
 
 class ModelVerifier:
@@ -116,7 +123,7 @@ class ModelVerifier:
             check_tree_call(call)
             if not self.runner.scores_trees:
                 raise TreesUnsupported("this verifier's engine (transformers' modeling with "
-                                       "sliding windows) cannot score a draft tree: draft a "
+                                       f"sliding windows) {TreesUnsupported.reason}: draft a "
                                        "chain")
         draft_probs = None
         if not call.sampling.greedy and drafted and not matched(call):

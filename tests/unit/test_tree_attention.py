@@ -127,7 +127,7 @@ def test_a_tree_the_engine_cannot_score_is_a_400_with_the_reason_not_a_503_to_re
     from deployments.replica_stream import pool_error
     from protos import specserve_pb2 as pb
     from speculative.sampling import SamplingParams
-    from speculative.types import ScoreCall
+    from speculative.types import ScoreCall, trees_refused
     from verifier.engine import ModelVerifier
 
     verifier = ModelVerifier(served("qwen2-mixed", "transformers"))
@@ -138,8 +138,11 @@ def test_a_tree_the_engine_cannot_score_is_a_400_with_the_reason_not_a_503_to_re
     replica.replica_id = "v"
     _, code = replica.respond(refused, None, pb.ScoreResponse)
     assert code == grpc.StatusCode.OUT_OF_RANGE
-    answer = pool_failure(pool_error("verifier", code, str(refused)))
+    failure = pool_error("verifier", code, str(refused))
+    answer = pool_failure(failure)
     assert answer.status == 400 and "draft tree" in str(answer)
+    # the router knows it from any other refusal: a tree its policy chose goes on as a chain
+    assert trees_refused(failure) and not trees_refused(pool_error("verifier", code, "full"))
 
 
 @pytest.mark.parametrize("engine", ["paged", "regions"])
@@ -157,3 +160,38 @@ def test_the_first_sibling_slot_is_refed_when_a_later_token_is_committed_after_i
     assert segment.start == len(PROMPT) + 1 and segment.token_ids == [11, 12]
     [logits] = runner.forward([segment])
     assert (logits - full_logits(runner.model, PROMPT + [10, 11, 12])[-1:]).abs().max() < ATOL
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tree_the_policy_chose_for_a_verifier_that_scores_none_is_verified_as_a_chain(
+        temperature):
+    """A request that named no tree, whose adaptive K chose one (`speculative_tree: auto`),
+    on a verifier that cannot score trees: the round verifies the tree's main chain, the
+    policy drafts chains from then on, and the request ends as the target alone would (the
+    refusal failed the request, a 400 in the middle of its output)."""
+    from drafter.model import ModelDrafter
+    from speculative.policy import KBounds, k_policy
+    from speculative.sampling import SamplingParams
+    from tests.tiny import hf_greedy, noisy_copy, run
+    from verifier.engine import ModelVerifier
+
+    runner = served("qwen2-mixed", "transformers")
+    verifier = ModelVerifier(runner)
+    trees = []
+
+    class Counting:  # the verifier, counting the trees it is sent
+        async def score(self, call):
+            trees.append(call.draft_parents is not None)
+            return await verifier.score(call)
+
+        async def release(self, request_id):
+            await verifier.release(request_id)
+
+    params = SamplingParams(temperature=temperature, max_tokens=40, seed=3)
+    policy = k_policy("auto", False, params.greedy, KBounds(2, 8, initial=4), trees=True)
+    out, state = run(ModelDrafter(noisy_copy(runner.model, 0.01, 1)), Counting(), PROMPT,
+                     params, "auto", policy=policy)
+    assert trees.count(True) == 1 and policy.costs.shapes.refused
+    assert len(out) == 40 and state.stats.tree_rounds == 0 and "r" not in verifier.sessions
+    if params.greedy:
+        assert out == hf_greedy(runner.model, PROMPT, 40)
