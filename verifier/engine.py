@@ -10,21 +10,15 @@ from engine.batch import UNFINISHED
 from engine.checkpoint import served_positions
 from verifier import host
 from verifier.steps import Steps, check_steps
+from verifier.trees import check_tree_call, matched, tree_scores_of
 from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
-from speculative.checks import check_call, check_prompt_len, check_tree
+from speculative.checks import check_call, check_prompt_len
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
-from speculative.sampling import (
-    grouped,
-    logits_to_probs,
-    sample_each,
-    sample_rows,
-    seeded_generator,
-)
+from speculative.sampling import grouped, logits_to_probs, sample_each, seeded_generator
 from speculative.shaping import Shaping, shape_batch
-from speculative.tree import DraftTree, tree_scores
 from speculative.types import (
     BatchLoad,
     DraftDists,
@@ -264,43 +258,6 @@ def greedy_scores(logits: list[torch.Tensor]) -> list[TargetScores]:
     block = ids.double()  # ids < 2**53 travel exactly
     return [TargetScores(target_token_ids=host.Part(block, i, 0, block.shape[1]))
             for i in range(len(logits))]
-
-
-def matched(call: ScoreCall) -> bool:
-    """A sampled tree without q (a model-free drafter's): no rejection test, the walk
-    follows the target's own draw at each row (speculative.accept)."""
-    return call.draft_parents is not None and call.draft_probs is None and \
-        not call.sampling.greedy
-
-
-def check_tree_call(call: ScoreCall) -> None:
-    """Refuse a draft tree the verifier cannot score: parents that are no tree, or with a
-    grammar or logit shaping (their masks and counts follow one chain of drafted tokens)."""
-    check_tree(call.draft_parents, len(call.draft_token_ids))
-    if call.sampling.grammar is not None or call.sampling.shapes_logits:
-        raise ValueError("a draft tree does not combine with structured outputs, penalties, "
-                         "logit_bias or min_tokens: draft a chain")
-
-
-def tree_scores_of(call: ScoreCall, target_probs, draft_probs) -> TargetScores:
-    """A sampled tree's acceptance probabilities and row draws, or, for a tree without q,
-    the target's own draw at every row (the walk follows it)."""
-    drafted = list(call.draft_token_ids)
-    if not matched(call):
-        return draw_tree(target_probs, drafted, call.draft_parents, draft_probs, call.seed)
-    ids = sample_rows(target_probs, seeded_generator(call.seed, target_probs.device))
-    return TargetScores(target_token_ids=ids if host.deferred() else tuple(ids.tolist()))
-
-
-def draw_tree(target_probs, drafted: list[int], parents, draft_probs, seed: int
-              ) -> TargetScores:
-    """A sampled tree's scores (speculative.tree.tree_scores): each node's acceptance
-    probability and one draw per row, on the device until the batch's transfer."""
-    generator = seeded_generator(seed, target_probs.device)
-    tree = DraftTree(tuple(drafted), tuple(parents))
-    accept, draws = tree_scores(tree, draft_probs, target_probs, generator)
-    scores = TargetScores(accept_probs=accept, recovered_token_ids=draws)
-    return scores if host.deferred() else host.to_host([scores])[0]
 
 
 def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int],
