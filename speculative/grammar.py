@@ -173,7 +173,7 @@ class TokenMasks:
     `advance`) for a drafter drawing token by token."""
 
     def __init__(self, tokenizer, grammar: str) -> None:
-        self.grammar = grammar
+        self.tokenizer, self.grammar = tokenizer, grammar
         self.matcher = compiled(tokenizer, grammar).deep_copy()
         self.consumed: list[int] = []
 
@@ -188,6 +188,14 @@ class TokenMasks:
         if shared < len(self.consumed):
             self.matcher.rollback(len(self.consumed) - shared)
             del self.consumed[shared:]
+        if self.matcher.is_error():
+            # llguidance keeps an error through rollbacks: one that a token past the output
+            # raised (a rejected draft that broke the matcher, or its rollback) ended outputs
+            # the grammar allows, so the state is the output's alone: a fresh matcher replays
+            # it (an output that breaks it still ends, as the target alone's would)
+            self.matcher = compiled(self.tokenizer, self.grammar).deep_copy()
+            shared = 0
+            del self.consumed[:]
         return shared + self.advance(output[shared:])
 
     def advance(self, tokens: list[int]) -> int:

@@ -206,6 +206,35 @@ def test_grammars_survive_rebuilds_and_drafter_failures(demo):
         assert state.stats.cache_misses > 0 and state.stats.draft_fallback_rounds > 0
 
 
+def test_a_rejected_draft_that_breaks_the_matcher_ends_nothing(demo):
+    """A rule llguidance cannot follow ("d" recursing forever, past what compiling probes)
+    broke the verifier's matcher when a drafted "d" was tried or rolled back, and llguidance
+    keeps an error through rollbacks: the target, which never takes "d" here, then had its
+    next token refused as a dead end. The matcher's state is its output's alone: K = 1 and
+    K = 3 give the target's own output."""
+    from speculative.types import DraftBlock
+
+    tokenizer, target, _, ll = demo
+    grammar = compile_spec("grammar", 'start: /[a-z]{12}/ (b | "x")\nb: "d" b', ll)
+    [d], [x] = (tokenizer(s, add_special_tokens=False)["input_ids"] for s in "dx")
+    eos = tokenizer.eos_token_id
+
+    class DraftsD:
+        async def propose(self, call):
+            return DraftBlock((d,) * call.num_speculative_tokens, None)
+
+        async def release(self, request_id):
+            pass
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, grammar=grammar,
+                            logit_bias=((x, 30.0),))
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    verifier = ModelVerifier(target, grammar_tokenizer=ll)
+    outputs = [run(DraftsD(), verifier, prompt, params, k, request_id=f"d{k}", stop=(eos,))[0]
+               for k in (0, 1, 3)]
+    assert outputs[0] == [x] * 13 + [eos] and outputs[1] == outputs[2] == outputs[0]
+
+
 def test_an_output_the_grammar_refuses_is_a_dead_end_the_client_learns_of(demo):
     """A committed output the matcher refuses (a rule deeper than the compile-time probe
     that breaks llguidance, here a token the regex forbids) ends the request with a 400
