@@ -225,13 +225,10 @@ class ToolUse:
     def read_calls(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of an output: the calls when every `<tool_call>` in it holds
         a call of an offered function with an object of arguments, and the text before them
-        as content (None when empty); a forced call cut short (cut_call); else the whole
-        text and no calls."""
+        as content (None when empty); else the whole text and no calls."""
         start = text.find(CALL_OPEN)
         if start < 0:
             return text, []
-        if self.forced and (cut := self.cut_call(text)):
-            return None, cut
         names = {f.name for f in self.functions}
         calls, at = [], start
         while at >= 0:
@@ -250,10 +247,11 @@ class ToolUse:
         """(content, tool_calls, finish_reason) of an output that ended for finish_reason:
         read_calls', and OpenAI's (and vLLM's) reason: "tool_calls" when the output called
         tools, but the output's own for a call tool_choice named (the model did not choose
-        it: "stop") and for a forced call cut short ("length")."""
+        it: "stop") and for a forced call cut short ("length": cut_call's)."""
+        if self.forced and (cut := self.cut_call(text)):
+            return None, cut, finish_reason
         content, calls = self.read_calls(text)
-        called = calls and not self.named and not self.cut_call(text)
-        return content, calls, "tool_calls" if called else finish_reason
+        return content, calls, "tool_calls" if calls and not self.named else finish_reason
 
     def cut_call(self, text: str) -> list[dict]:
         """A forced call the output ended inside (max_tokens, or a stop string): the function
