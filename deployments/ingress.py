@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from ray.exceptions import TaskCancelledError
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from deployments.clients import PoolError
@@ -90,6 +91,16 @@ async def cancelled(request: Request, error: TaskCancelledError) -> JSONResponse
     return JSONResponse(error_body("client closed the request", CLIENT_CLOSED), CLIENT_CLOSED)
 
 
+async def not_routed(request: Request, error: HTTPException) -> JSONResponse:
+    """Routing's own refusals (a path it does not serve: 404; a method the path does not
+    take: 405, with its Allow header) in OpenAI's shape, as vLLM's and OpenAI's own, not
+    FastAPI's {"detail": ...}; a path is no model, so no model_not_found."""
+    body = error_body(f"{error.detail} ({request.method} {request.url.path})",
+                      error.status_code)
+    body["error"]["code"] = None
+    return JSONResponse(body, error.status_code, headers=error.headers)
+
+
 def api_key(configured: str | None) -> str | None:
     """The key /v1/* require: the router's arg, else the environment's, else none."""
     return configured or os.environ.get(API_KEY_ENV) or None
@@ -135,9 +146,7 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise BadRequest("client closed the request", CLIENT_CLOSED) from None
     try:
         with collector_paused():
-            return schema.model_validate(json.loads(body))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the request body is not valid JSON") from None
+            return schema.model_validate(decoded(body))
     except ValidationError as error:
         first = error.errors()[0]
         message = first["msg"].removeprefix("Value error, ")
@@ -149,6 +158,18 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise BadRequest(f"{param}: {message}" if param else message, param=param) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
+
+
+def decoded(body: bytes):
+    """The body's JSON value. A number past Python's 4,300 digits is the decoder's int()'s
+    ValueError, not a JSONDecodeError: it was a bug's 500 on the tokenizer endpoints, and
+    a 400 elsewhere that told the client of sys.set_int_max_str_digits."""
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+    except ValueError:
+        raise BadRequest("the request body holds a number too long to read") from None
 
 
 @contextlib.contextmanager
@@ -217,10 +238,11 @@ def openapi_document(app: FastAPI, bodies: dict) -> dict:
 
 
 def ingress_app(title: str, bodies: dict | None = None) -> FastAPI:
-    """A FastAPI app that answers bugs in OpenAI's shape and documents the request bodies
-    (openapi_document's bodies)."""
+    """A FastAPI app that answers bugs and unrouted requests in OpenAI's shape and documents
+    the request bodies (openapi_document's bodies)."""
     app = FastAPI(title=title)
     app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(TaskCancelledError, cancelled)
+    app.add_exception_handler(HTTPException, not_routed)
     app.openapi = functools.partial(openapi_document, app, bodies or {})
     return app

@@ -57,6 +57,19 @@ def test_a_bug_is_a_logged_500():
     assert [r.levelno for r in records] == [logging.ERROR] and records[0].exc_info
 
 
+def test_a_path_or_method_not_served_is_refused_in_openais_shape():
+    """As vLLM's and OpenAI's own: FastAPI's {"detail": "Not Found"} was no error an OpenAI
+    client reads. A path is no model: no model_not_found; a 405 keeps its Allow header."""
+    client = app_raising(RuntimeError("unused"))
+    for method, path, status in [("get", "/v1/embeddings", 404), ("post", "/v1/x", 405)]:
+        answer = getattr(client, method)(path)
+        assert answer.status_code == status
+        assert answer.json() == {"error": {
+            "message": f"{answer.reason_phrase} ({method.upper()} {path})",
+            "type": "invalid_request_error", "param": None, "code": None}}
+    assert answer.headers["allow"] == "GET"
+
+
 def test_a_request_serve_cancelled_is_not_a_bug():
     """Answered 499 and not raised on to the server (Starlette raises what its handler of
     Exception answered on: Serve then logged a failed request with its traceback)."""
@@ -153,6 +166,25 @@ def test_a_schema_given_as_text_is_read_with_the_body():
     request = posted({"prompt": "x", "structured_outputs": {"json": schema}})
     parsed, started = collections_while(lambda: parse(request, CompletionRequest, 1 << 20))
     assert parsed.structured_outputs.json_ == json.loads(schema) and len(started) <= 1
+
+
+def test_a_number_too_long_to_read_is_a_400():
+    """Python's int() refuses past 4,300 digits with a ValueError, not the decoder's
+    JSONDecodeError: /tokenize and /detokenize answered a bug's 500, the completions
+    endpoints a 400 that named sys.set_int_max_str_digits."""
+    from starlette.requests import Request
+
+    from deployments.ingress import BadRequest
+    from deployments.tokenize_api import DetokenizeRequest
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"tokens": [' + b"9" * 5000 + b"]}"}
+
+    request = Request({"type": "http", "method": "POST", "path": "/detokenize",
+                       "query_string": b"", "headers": []}, receive)
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(request, DetokenizeRequest, 1 << 20))
+    assert refused.value.status == 400 and "too long" in str(refused.value)
 
 
 def test_a_body_that_never_finishes_is_refused_at_its_deadline(monkeypatch):

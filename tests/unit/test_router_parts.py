@@ -48,7 +48,7 @@ def test_error_bodies_have_openais_types():
     assert error_body("slow down", 429)["error"]["code"] == "rate_limit_exceeded"
     assert error_body("who", 401)["error"]["code"] == "invalid_api_key"
     assert error_body("down", 503)["error"]["type"] == "server_error"
-    assert error_body("no such model", 404)["error"] == {  # the router's only 404
+    assert error_body("no such model", 404)["error"] == {  # a model's (a path's has no code)
         "message": "no such model", "type": "invalid_request_error", "param": None,
         "code": "model_not_found"}
 
