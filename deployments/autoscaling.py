@@ -43,16 +43,15 @@ def direct_aware_policy(ctx) -> tuple[float, dict]:
 
     The larger of two asks: the queue rule over all calls in flight, and enough replicas to
     bring the pool's mean batch occupancy down to TARGET_OCCUPANCY (a pool whose batches run
-    full is saturated however short its queue looks)."""
+    full is saturated however short its queue looks): the occupancies reported, summed, over
+    TARGET_OCCUPANCY. A running replica that has not reported yet (Serve pushes a new one's
+    first stats up to 10 s after it runs) counts no batches, as it counts no calls: it holds
+    no sessions yet, and taking the others' mean for it asked for yet another replica."""
     if ctx.current_num_replicas == 0:  # Serve scales up from zero on its own count
         return ctx.target_num_replicas, {}
     metrics = ctx.aggregated_metrics or {}
     direct = sum((metrics.get(DIRECT_IN_FLIGHT) or {}).values())
     load = ctx.total_num_requests + direct
     by_queue = load / ctx.config.get_target_ongoing_requests()
-    occupancy = list((metrics.get(BATCH_OCCUPANCY) or {}).values())
-    by_batches = 0.0
-    if occupancy:
-        mean = sum(occupancy) / len(occupancy)
-        by_batches = ctx.current_num_replicas * mean / TARGET_OCCUPANCY
+    by_batches = sum((metrics.get(BATCH_OCCUPANCY) or {}).values()) / TARGET_OCCUPANCY
     return max(by_queue, by_batches), {}
