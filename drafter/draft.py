@@ -58,10 +58,14 @@ class Draft:
         """Row `row` of a step's logits as the request's logit_bias, min_tokens and
         penalties shape it (speculative.shaping.shape_batch), counting the output so far:
         committed, assumed and drafted (as the verifier will); None when they are unset."""
-        if not self.call.sampling.shapes_logits:
+        sampling, start = self.call.sampling, self.call.prompt_len
+        if not sampling.shapes_logits:
             return None
-        committed, start = self.sequence.committed, self.call.prompt_len
-        return Shaping(row, 1, self.call.sampling, committed[:start],
+        if sampling.penalized:  # the committed prefix counted as it grew, not at every step
+            seen = self.sequence.counted(start, sampling.repetition_penalty != 1)
+            return Shaping(row, 1, sampling, (), self.assumed + self.token_ids, seen=seen)
+        committed = self.sequence.committed
+        return Shaping(row, 1, sampling, committed[:start],
                        committed[start:] + self.assumed + self.token_ids)
 
 

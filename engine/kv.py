@@ -29,33 +29,13 @@ import torch
 
 from engine.batch import Segment
 from engine.cache import salted_root
+from speculative.prefixes import common_prefix_len
+from speculative.shaping import Counted, SeenTokens
 from speculative.tree import main_chain_length
 from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase
 
 
 NO_TOKEN = -1  # a cached slot whose keys stand for no token at that position (a tree node)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many first items a and b share. A call's cached ids and its feed differ, if at
-    all, in their last few (rejected drafts), so whole prefixes are compared in C, from the
-    longest down by factors of 8, and Python scans only the last stretch (1,000 positions
-    with 4 at the end differing: 6 us, against 24 for a scan from the start)."""
-    if len(a) > len(b):
-        a, b = b, a
-    n = len(a)
-    if a == (b if len(b) == n else b[:n]):
-        return n
-    end, step = n, 8  # a[:end] != b[:end]
-    while True:
-        start = max(0, end - step)
-        if start == 0 or a[:start] == b[:start]:
-            break
-        end, step = start, 8 * step
-    for i in range(start, end):
-        if a[i] != b[i]:
-            return i
-    return end  # not reached: a[:end] != b[:end]
 
 
 class Sequence:
@@ -74,6 +54,7 @@ class Sequence:
         # what a drafter without a model keeps per request (drafter.suffix.RequestIndex,
         # drafter.ngram.TokenBytes): dropped on a full-prefix rebuild, closed with the session
         self.drafter_state = None
+        self.seen: SeenTokens | None = None  # what penalties count of committed (counted)
 
     def check(self, sync: PrefixSync) -> None:
         """Raise StaleBase unless the call builds on this committed prefix (or rebuilds)."""
@@ -89,7 +70,7 @@ class Sequence:
         if sync.known_len == 0:
             self.committed = []  # a full prefix: rebuild; the cache keeps what still matches
             self._hasher = GrowingPrefixHash()
-            self.drafter_state = None
+            self.drafter_state = self.seen = None
         self.committed.extend(sync.new_token_ids)
         self._hasher.of(self.committed)
         self.publish()
@@ -97,6 +78,14 @@ class Sequence:
     @property
     def committed_hash(self) -> int:
         return self._hasher.value
+
+    def counted(self, prompt_len: int, with_prompt: bool) -> Counted:
+        """The committed prefix as a penalised request's calls count it (its first prompt_len
+        tokens only when with_prompt: a repetition penalty), grown as it is committed."""
+        seen = self.seen
+        if seen is None or (seen.prompt_len, seen.with_prompt) != (prompt_len, with_prompt):
+            seen = self.seen = SeenTokens(prompt_len, with_prompt)
+        return seen.of(self.committed)
 
     def publish(self) -> None:
         """Offer the full blocks of the committed prefix its cache holds to later requests."""

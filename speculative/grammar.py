@@ -19,6 +19,8 @@ import re
 import numpy as np
 import torch
 
+from speculative.prefixes import common_prefix_len
+
 MAX_GRAMMAR_CHARS = 64 * 1024
 # llguidance's symbols in a grammar (its default bound is 500,000): what a compile costs
 # grows with them, and a schema's allOf and anyOf multiply them, so that a 1.2 KB schema
@@ -179,12 +181,10 @@ class TokenMasks:
 
     def follow(self, output: list[int]) -> int:
         """Move to `output` (rolling back what it does not share); returns how many of its
-        tokens the grammar allows (len(output) when all)."""
-        shared = 0
-        for mine, theirs in zip(self.consumed, output):
-            if mine != theirs:
-                break
-            shared += 1
+        tokens the grammar allows (len(output) when all). The tokens it shares with those
+        consumed are found in C: a scan in Python cost 1.35 ms a call at 32k output tokens,
+        at the verifier's calls and the drafter's (measured)."""
+        shared = common_prefix_len(self.consumed, output)
         if shared < len(self.consumed):
             self.matcher.rollback(len(self.consumed) - shared)
             del self.consumed[shared:]

@@ -102,9 +102,9 @@ class ModelVerifier:
 
     def prepare(self, call: ScoreCall, limit: int | None = None):
         """Check the call and bring its sequence to the committed prefix: (segment,
-        (q, history)), history the (prompt, output) a penalised call's logits need; a feed
-        longer than `limit` is cut (the segment asks no logits) and resumed by the same
-        call."""
+        (q, history)), history the committed prefix as its shaping reads it
+        (shaping_history); a feed longer than `limit` is cut (the segment asks no logits)
+        and resumed by the same call."""
         vocab_size = self.vocab_size
         check_call(call.sync.new_token_ids + call.draft_token_ids + call.sampling.shaping_ids,
                    vocab_size, len(call.draft_token_ids))
@@ -139,8 +139,7 @@ class ModelVerifier:
         segment = sequence.segment(self.runner, drafted, len(drafted) + 1, limit,
                                    call.draft_parents)
         sequence.unfinished = call if segment.num_logits == 0 else None
-        return segment, (draft_probs, shaping_history(call, sequence.committed), allowed,
-                         sequence)
+        return segment, (draft_probs, shaping_history(call, sequence), allowed, sequence)
 
     def allowed(self, call: ScoreCall, sequence, drafted: list[int]) -> torch.Tensor | None:
         """[K + 1, V] bool: what the request's grammar allows at each position, or None."""
@@ -214,7 +213,8 @@ class ModelVerifier:
             sizes = [len(logits[i]) for i in group]
             batch = torch.cat([logits[i] for i in group]).float()  # this method's own copy
             batch = shape_batch(batch, [
-                Shaping(start, rows, calls[i].sampling, *extras[i][1], calls[i].draft_token_ids)
+                Shaping(start, rows, calls[i].sampling, drafted=calls[i].draft_token_ids,
+                        **extras[i][1])
                 for i, start, rows in zip(group, [0, *accumulate(sizes)], sizes)], in_place=True)
             for i, rows in zip(group, batch.split(sizes)):
                 logits[i] = rows
@@ -293,12 +293,18 @@ def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int
 SHAPED_GROUP_BYTES = 8 << 20
 
 
-def shaping_history(call, committed: list[int]) -> tuple[list[int], list[int]] | None:
-    """(prompt, output) of the committed prefix when the call's sampling shapes the logits
-    (penalties count them, min_tokens counts the output)."""
-    if not call.sampling.shapes_logits:
+def shaping_history(call, sequence) -> dict | None:
+    """Shaping's prompt, output and seen of the committed prefix when the call's sampling
+    shapes the logits (penalties count them: seen, the sequence's counts grown as it
+    commits; min_tokens counts the output), else None."""
+    sampling = call.sampling
+    if not sampling.shapes_logits:
         return None
-    return committed[:call.prompt_len], committed[call.prompt_len:]
+    if sampling.penalized:
+        return {"prompt": (), "output": (), "seen": sequence.counted(
+            call.prompt_len, sampling.repetition_penalty != 1)}
+    committed = sequence.committed
+    return {"prompt": committed[:call.prompt_len], "output": committed[call.prompt_len:]}
 
 
 def run_batch(calls, prepare, runner, finish, sessions: SessionStore,

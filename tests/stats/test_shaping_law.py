@@ -73,7 +73,8 @@ real_shape_batch = verifier_engine.shape_batch
 def shaped_from_the_committed_only(logits, shapings, in_place=False):
     """Mutant of the verifier's shaping: every drafted position counts the committed output
     only, not the tokens drafted before it (penalties and min_tokens both go wrong)."""
-    return real_shape_batch(logits, [Shaping(s.start + row, 1, s.params, s.prompt, s.output)
+    return real_shape_batch(logits, [Shaping(s.start + row, 1, s.params, s.prompt, s.output,
+                                             seen=s.seen)
                                      for s in shapings for row in range(s.rows)], in_place)
 
 

@@ -9,12 +9,17 @@ drafter; and it differs from unpenalised output, so the penalty really applied.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
+from engine.kv import Sequence
+from speculative import shaping
 from speculative.sampling import SamplingParams
-from speculative.shaping import penalize
+from speculative.shaping import SeenTokens, Shaping, penalize, shape_batch
+from speculative.types import PrefixSync
 from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -69,6 +74,66 @@ def test_a_large_vocabulary_is_penalised_in_its_seen_columns_only():
 def test_no_penalty_leaves_the_logits_alone():
     logits = torch.randn(2, 8)
     assert penalize(logits, SamplingParams(), [1], [2, 3], [4]) is logits
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(list(PENALTIES)), st.integers(0, 6),
+       st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 21), max_size=6)),
+                min_size=1, max_size=8),
+       st.lists(st.integers(0, 19), max_size=3), st.lists(st.integers(0, 21), max_size=3))
+def test_counts_grown_with_the_committed_tokens_shape_as_the_lists_do(name, prompt_len, steps,
+                                                                     drafted, extra):
+    """A pool's counts (SeenTokens), grown a round's tokens at a time and now and then cut
+    back (then counted anew), shape the logits bit for bit as the whole prompt and output
+    do, with tokens after those counted (a draft's assumed and drafted ones), rows counting
+    drafted tokens, and ids past the vocabulary (a larger one's) counting nowhere."""
+    params = SamplingParams(**PENALTIES[name])
+    logits = torch.randn(len(drafted) + 1, 20, generator=torch.Generator().manual_seed(9)) * 3
+    seen = SeenTokens(prompt_len, params.repetition_penalty != 1)
+    committed: list[int] = []
+    for cut, added in steps:
+        kept = committed[:len(committed) - cut]
+        for committed in (kept, kept + added):
+            counted = Shaping(0, len(logits), params, (), extra, drafted, seen.of(committed))
+            whole = Shaping(0, len(logits), params, committed[:prompt_len],
+                            committed[prompt_len:] + extra, drafted)
+            assert counted.output_len == whole.output_len
+            assert torch.equal(shape_batch(logits, [counted]), shape_batch(logits, [whole]))
+
+
+def test_a_rebuilt_sequence_is_counted_anew():
+    """A full-prefix rebuild (known_len 0) may bring other tokens, as many or more: the
+    counts are the new prefix's, not the old ones grown."""
+    sequence = Sequence()
+    sequence.apply(PrefixSync(0, 0, (1, 2, 3)))
+    assert sequence.counted(1, True).counts.tolist() == [0, 1, 1]
+    sequence.apply(PrefixSync(0, 0, (4, 4, 5, 6)))
+    counted = sequence.counted(1, True)
+    assert (counted.columns.tolist(), counted.counts.tolist(), counted.prompted.tolist()) == \
+        ([4, 5, 6], [1, 1, 1], [True, False, False])
+
+
+def test_each_pool_counts_a_penalised_request_s_tokens_once(target, monkeypatch):
+    """The pools count the committed tokens as they grow (speculative.shaping.SeenTokens):
+    over a request, the tokens counted are each committed token once per pool and a call's
+    or draft step's own few (assumed and drafted tokens), not its whole output again at
+    every call and step (which grew as the output's square)."""
+    tokens, calls = [], []
+
+    def counting(base, prompt, output, others=()):
+        tokens.append(len(prompt) + len(output))
+        return real(base, prompt, output, others)
+
+    real = shaping.counted
+    monkeypatch.setattr(shaping, "counted", counting)
+    prompt, k = PROMPTS[0], 3
+    params = SamplingParams(temperature=0, max_tokens=160, **PENALTIES["negative"])
+    out, state = run(ModelDrafter(noisy_copy(target, 0.01, seed=1)), ModelVerifier(target),
+                     prompt, params, k)
+    assert len(out) == 160 and state.stats.num_accepted_tokens > 0
+    # per counted() call, a draft step's own tokens: its assumed ones and those drafted
+    assert sum(tokens) <= 2 * (len(prompt) + len(out)) + len(tokens) * (2 * k + 1)
+    assert len(tokens) < len(out) * 2 * (k + 1)  # no hidden count per token either
 
 
 @pytest.mark.parametrize("field, value", [

@@ -109,7 +109,8 @@ def test_the_verifier_shapes_its_calls_together_as_each_alone(monkeypatch, group
              for params, _, drafted in requests]
     logits = [torch.randn(len(drafted) + 1, 16, generator=generator)
               for _, _, drafted in requests]
-    extras = [(None, history, None, None) for _, history, _ in requests]
+    extras = [(None, history and dict(zip(("prompt", "output"), history)), None, None)
+              for _, history, _ in requests]
     shaped = ModelVerifier.shaped(calls, logits, extras)
     for (params, history, drafted), rows, raw in zip(requests, shaped, logits):
         expected = raw if history is None else shape_logits(raw, params, *history, drafted)

@@ -333,3 +333,41 @@ def test_a_constrained_outputs_logprobs_are_of_the_masked_law_as_vllms_raw_logpr
         assert abs(entry.logprob - runs[0][1].logprobs[i].logprob) < 1e-3
         if out[i] != eos:
             matcher.advance([out[i]])
+
+
+class Reads(list):
+    """A list that counts the items Python reads of it one at a time (iterated or indexed);
+    a slice is a plain list, which compares in C."""
+
+    reads = 0
+
+    def __iter__(self):
+        for item in list.__iter__(self):
+            self.reads += 1
+            yield item
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            self.reads += 1
+        return list.__getitem__(self, index)
+
+
+def test_following_a_long_output_reads_only_its_end_in_python(demo):
+    """A call's TokenMasks.follow over 10,000 committed tokens, after a round whose last
+    drafted token was rejected, rolls that token back and takes the new one reading a few
+    tokens one at a time, not the whole output (a scan in Python: 1.35 ms a call at 32k
+    tokens), and allows what a fresh matcher that followed the output allows."""
+    tokenizer, target, _, ll = demo
+    vocab = target.config.vocab_size
+    grammar = compile_spec("regex", "[a-z ]*", ll)
+    letters = tokenizer("a b c d e", add_special_tokens=False)["input_ids"]
+    output = (letters * 2000)[:10_000]
+    other = next(token for token in letters if token != output[-1])
+    masks = TokenMasks(ll, grammar)
+    masks.masks(output[:-3], output[-3:-1] + [other], vocab)  # its third drafted is rejected
+    read = Reads(output)
+    assert masks.follow(read) == len(output) and read.reads < 64
+    fresh = TokenMasks(ll, grammar)
+    assert fresh.follow(output) == len(output)
+    assert masks.consumed == output
+    assert torch.equal(masks.next_mask(vocab), fresh.next_mask(vocab))
