@@ -27,9 +27,9 @@ class ContinuousBatcher:
     """`await batcher.submit(call)` -> its answer from `run(calls) -> answers` (a coroutine);
     at most max_batch_size calls per run, one run at a time, in arrival order. An answer
     for which `unfinished(answer)` holds (a prefill cut to the forward's token budget) is
-    no answer yet: its call goes first into the next run, up to half the batch's calls
-    (more wait behind the calls that arrived meanwhile, so long prompts cannot fill every
-    slot while decodes wait)."""
+    no answer yet: its call goes first into the next run, up to half the batch's calls,
+    rounded down (more wait behind the calls that arrived meanwhile, so long prompts cannot
+    fill every slot while decodes wait)."""
 
     def __init__(self, run, max_batch_size: int, unfinished=lambda answer: False,
                  key=None, linger: float = 0.0, idle=None) -> None:
@@ -87,6 +87,10 @@ class ContinuousBatcher:
                 try:
                     answers = await self.run([call for call, _ in batch])
                 except Exception as error:  # the whole batch failed: every caller learns why
+                    # without the frames it was raised through (logged by the run): they
+                    # hold the failed forward's tensors, kept (an out-of-memory error's too)
+                    # through the next batches by whoever keeps the error
+                    error = error.with_traceback(None)
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(error)
@@ -106,7 +110,8 @@ class ContinuousBatcher:
                     self.returning = set() if again else {
                         self.key(call) for (call, _), answer in zip(batch, answers)
                         if not self.unfinished(answer)} - self.ended
-                first = max(1, self.max_batch_size // 2)
+                first = self.max_batch_size // 2  # (of a batch of one: none; else a
+                # prefill took every forward until its last while the others waited)
                 self.waiting = again[:first] + self.waiting + again[first:]
                 if again:  # the loop serves between two runs of a call (a lone call's steps
                     await asyncio.sleep(0)  # run inline), and what arrives joins the next

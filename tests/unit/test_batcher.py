@@ -231,3 +231,29 @@ def test_the_batcher_says_when_no_call_is_left_to_run_and_not_between_runs():
         return idled
 
     assert asyncio.run(main()) == [[1, 2, 1]]  # after the last run only
+
+
+def test_a_cut_call_takes_no_more_than_half_of_a_batch_of_one():
+    """max_batch_size 1: a long prefill cut into chunks went first into every run until its
+    last (half the batch rounded up to the whole), and the call that arrived meanwhile
+    waited for the whole prefill; it now runs between two chunks."""
+    async def main():
+        chunks, batches = {"p": 3}, []
+
+        async def run(calls):
+            batches.append(list(calls))
+            await asyncio.sleep(0)
+            answers = []
+            for call in calls:
+                chunks[call] = chunks.get(call, 1) - 1
+                answers.append("unfinished" if chunks[call] else f"answer {call}")
+            return answers
+
+        batcher = ContinuousBatcher(run, 1, lambda answer: answer == "unfinished")
+        prefill = asyncio.ensure_future(batcher.submit("p"))
+        await asyncio.sleep(0)  # its first chunk runs
+        decode = asyncio.ensure_future(batcher.submit("d"))
+        assert await asyncio.gather(prefill, decode) == ["answer p", "answer d"]
+        return batches
+
+    assert asyncio.run(main()) == [["p"], ["d"], ["p"], ["p"]]

@@ -3,9 +3,11 @@ it, whatever its callers do; a busy or refusing one does not."""
 
 import asyncio
 import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from deployments import health
 from deployments.health import FAILED_BATCHES, FAILURES_LOGGED_EVERY_S
@@ -134,3 +136,34 @@ def test_an_answered_batch_ends_a_failure_streak_and_refusals_are_not_failures(m
             await replica.server.stop(None)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_failed_batch_holds_none_of_its_tensors_through_the_next(inline, monkeypatch):
+    """An error's traceback holds the frames it was raised through and their tensors (an
+    out-of-memory error's: the failed forward's activations). Kept with the error (the
+    health's last failure, the callers' futures, the batcher's own), they stayed allocated
+    through the next batch, which then ran short of memory too."""
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs())
+        replica.runs_inline = lambda calls: inline  # the loop's frames, or the worker's
+        forward, failed, held = ModelRunner.forward, [], []
+
+        def failing_once(runner, segments):
+            if not failed:
+                activations = torch.empty(1 << 16)
+                failed.append(weakref.ref(activations))
+                raise RuntimeError("CUDA out of memory")
+            held.append(failed[0]() is not None)
+            return forward(runner, segments)
+
+        monkeypatch.setattr(ModelRunner, "forward", failing_once)
+        try:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                await replica.Score(score("a"))
+            await replica.Score(score("b"))
+        finally:
+            await replica.server.stop(None)
+        return held
+
+    assert asyncio.run(main()) == [False]
