@@ -8,7 +8,6 @@ import time
 from concurrent.futures import Executor
 
 from deployments.admission import Ticket
-from deployments.clients import PoolError
 from deployments.ingress import pool_failure
 from deployments.logprobs import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
@@ -23,7 +22,7 @@ from deployments.responses import (
 from deployments.tools import HeldContent, ToolUse, call_deltas
 from speculative.driver import Decode, Generation
 from speculative.frontend import RequestPlan
-from speculative.types import Drafter, Verifier
+from speculative.types import Drafter, PoolUnavailable, Verifier
 
 log = logging.getLogger("ray.serve")
 
@@ -138,7 +137,7 @@ class Choices:
             done = await task
             if self.include_usage:
                 yield await self.off_loop(self.usage_event, done)
-        except PoolError as error:  # the stream ends with an error event, then [DONE]
+        except PoolUnavailable as error:  # the stream ends with an error event, then [DONE]
             failure = pool_failure(error, self.request_id)
             yield f"data: {json.dumps(error_body(str(failure), failure.status))}\n\n"
         except Exception:

@@ -20,9 +20,8 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from deployments.clients import PoolError
 from deployments.responses import WHOLE, error_body, json_text
-from speculative.types import PoolBusy
+from speculative.types import PoolBusy, PoolUnavailable
 
 log = logging.getLogger("ray.serve")
 API_KEY_ENV = "SPECSERVE_API_KEY"
@@ -55,21 +54,24 @@ def retry_later(message: str, status: int) -> BadRequest:
     return BadRequest(message, status, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def pool_failure(error: PoolError, request_id: str | None = None) -> BadRequest:
+def pool_failure(error: PoolUnavailable, request_id: str | None = None) -> BadRequest:
     """What a client learns of a failed pool call: 429 when the pool had no room for the
     request now (its KV cache, or its calls in flight: RESOURCE_EXHAUSTED, a PoolBusy; a
     message too large for the channel never fits, so it is not one), 400 with the pool's
     reason when the request can never fit its KV cache or its grammar cannot go on
     (OUT_OF_RANGE), else 503 (an INVALID_ARGUMENT from a pool is the router's fault, not
     the client's); the details go to the log, with the request's id (its pool sessions',
-    which a pool's own log of a failed batch names: deployments.health)."""
+    which a pool's own log of a failed batch names: deployments.health). A failure that is
+    no gRPC call's (a PoolError) is the router's own check of the verifier's answer (a
+    sampled row that is not finite, a tree scored as a chain): the verifier's 503."""
     log.warning("pool call failed for %s: %s", request_id, error)
+    pool = getattr(error, "pool", "verifier")
     if isinstance(error, PoolBusy):  # not a message too large, which never fits
-        return retry_later(f"the {error.pool} pool has no room for this request now (its KV "
+        return retry_later(f"the {pool} pool has no room for this request now (its KV "
                            "cache or its calls in flight are full); retry later", 429)
-    if error.code == grpc.StatusCode.OUT_OF_RANGE:
-        return BadRequest(f"the {error.pool} pool refused the request: {error.details}", 400)
-    return retry_later(f"the {error.pool} pool is unavailable; retry later", 503)
+    if getattr(error, "code", None) == grpc.StatusCode.OUT_OF_RANGE:
+        return BadRequest(f"the {pool} pool refused the request: {error.details}", 400)
+    return retry_later(f"the {pool} pool is unavailable; retry later", 503)
 
 
 CLIENT_CLOSED = 499  # nginx's status for a request its client closed: no one reads it

@@ -22,7 +22,7 @@ from ray import serve
 
 from deployments.admission import Admission
 from deployments.choices import Choices
-from deployments.clients import GrpcDrafter, GrpcVerifier, PoolError, channel_options
+from deployments.clients import GrpcDrafter, GrpcVerifier, channel_options
 from deployments.ingress import (
     BadRequest,
     ReleasingStream,
@@ -54,6 +54,7 @@ from engine.checkpoint import Checkpoint, check_vocabularies
 from engine.models import load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd, RequestPlan, joined
+from speculative.types import PoolUnavailable
 
 
 def model_card(name: str, model: str, context: int) -> dict:
@@ -224,7 +225,7 @@ class Router:
             # chat's 512 tokens each with their top 20 logprobs: 1.2 s)
             return await asyncio.get_running_loop().run_in_executor(
                 self.rendering, json_answer, answer)
-        except PoolError as error:
+        except PoolUnavailable as error:  # a pool's (PoolError), or the router's check of one
             return error_response(pool_failure(error, plan.request_id))
         finally:
             ticket.release()

@@ -15,6 +15,7 @@ import pytest
 from deployments.ingress import CLIENT_CLOSED, ingress_app, log, parse
 from deployments.openai_api import CompletionRequest
 from deployments.replica_stream import pool_error
+from speculative.types import TargetScores
 from tests.tiny import Agreeing
 from tests.unit.test_router_parts import posted, router_of
 
@@ -126,6 +127,34 @@ def test_a_failed_pool_call_is_logged_with_the_requests_id():
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert warnings == ["pool call failed for cmpl-x-0: verifier: UNAVAILABLE: replica gone"] * 2
     assert admission.running == 0
+
+
+class Lawless(Agreeing):  # a sampled row whose law is not finite (NaN or inf logits)
+    async def score(self, call):
+        from speculative.types import LAWLESS
+
+        return TargetScores(target_token_ids=(LAWLESS,) * (len(call.draft_token_ids) + 1))
+
+
+def test_an_answer_the_router_refuses_to_read_is_the_verifiers_503_not_a_bug():
+    """The router's own checks of a verifier's answer (a row that is not finite, a tree
+    scored as a chain) raise a PoolUnavailable that is no gRPC call's PoolError: it was
+    answered as a bug, a logged 500 (and a stream's error event said internal error)."""
+    serve, admission = router_of(max_running=2, verifier=Lawless())
+
+    async def main():
+        whole = await serve(posted({"prompt": "hi", "max_tokens": 4}), CompletionRequest,
+                            chat=False)
+        stream = await serve(posted({"prompt": "hi", "max_tokens": 4, "stream": True}),
+                             CompletionRequest, chat=False)
+        return whole, [chunk async for chunk in stream.body_iterator]
+
+    with Records() as records:
+        whole, chunks = asyncio.run(main())
+    assert whole.status_code == 503 and '"status' not in chunks[0]
+    assert json.loads(chunks[0][len("data: "):])["error"]["message"] == \
+        "the verifier pool is unavailable; retry later"
+    assert not any(r.levelno >= logging.ERROR for r in records) and admission.running == 0
 
 
 def collections_while(work) -> tuple[object, list[int]]:
