@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from deployments.responses import WHOLE, error_body, json_text
+from deployments.router_args import bearer_key
 from speculative.types import PoolBusy, PoolUnavailable
 
 log = logging.getLogger("ray.serve")
@@ -104,8 +105,17 @@ async def not_routed(request: Request, error: HTTPException) -> JSONResponse:
 
 
 def api_key(configured: str | None) -> str | None:
-    """The key /v1/* require: the router's arg, else the environment's, else none."""
-    return configured or os.environ.get(API_KEY_ENV) or None
+    """The key /v1/* require: the router's arg, else the environment's (empty: unset), else
+    none. ValueError naming the variable for a key no client could send (bearer_key)."""
+    if configured is not None:
+        return configured
+    key = os.environ.get(API_KEY_ENV) or None
+    if key is not None:
+        try:
+            bearer_key(key)
+        except ValueError as error:
+            raise ValueError(f"{API_KEY_ENV}: {error}") from None
+    return key
 
 
 def unauthorized(request: Request, key: str | None) -> JSONResponse | None:

@@ -57,8 +57,9 @@ class PoolArgs(BaseModel):
     batch_linger: float = Field(default=0.5, ge=0)
     # calls in flight on the replica's own gRPC port (unary calls and stream entries alike);
     # beyond it a call is answered RESOURCE_EXHAUSTED at once (default: twice max_batch_size);
-    # also the port's rpcs (streams, Releases: a refused Release is tried again)
-    max_concurrent_rpcs: int | None = Field(default=None, ge=1)
+    # also the port's rpcs (streams, Releases: a refused Release is tried again); at most
+    # gRPC's bound (a C int: beyond it the replica's start failed naming no arg)
+    max_concurrent_rpcs: int | None = Field(default=None, ge=1, le=2**31 - 1)
     # where the replica's own gRPC port listens: "loopback" (127.0.0.1: one machine) or
     # "node" (the node's cluster-internal address: routers on other nodes); either way every
     # call must carry the pool secret (deployments.auth)

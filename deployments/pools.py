@@ -156,8 +156,13 @@ class PoolReplica:
                                         SamplingParams(temperature=1.0))):
             request_id = f"warm-up-{index}"
             for call in self.warm_up_calls(request_id, prompt, params):
-                while run_batch([call])[0] is UNFINISHED:
+                while (answer := run_batch([call])[0]) is UNFINISHED:
                     pass
+                # refused, as every request would be alike: before, the start passed over it
+                if isinstance(answer, KVCacheTooSmall):
+                    raise KVCacheTooSmall(f"kv_cache_tokens too small: the warm-up's {answer}")
+                if isinstance(answer, BaseException):
+                    raise answer
             self.engine.sessions.release(request_id)
 
     def warm_up_calls(self, request_id: str, prompt: tuple[int, ...], params) -> list:

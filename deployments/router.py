@@ -82,6 +82,25 @@ def local_drafters(model: str, target, max_running_requests: int) -> dict[str, O
             for kind in router_side_kinds()}
 
 
+def served_tokenizer(model: str, tokenizer: str | None):
+    """The tokenizer the router reads prompts with: `tokenizer` when set, refused (naming it)
+    where the target ships its own and the two map text to other ids: the pools see token
+    ids only, so another vocabulary that fits the target's embedding rows served other
+    tokens than the prompts' and decoded the output as other text, silently."""
+    loaded = load_tokenizer(tokenizer or model)
+    if tokenizer is None or tokenizer == model:
+        return loaded
+    try:
+        own = load_tokenizer(model)
+    except (OSError, ValueError):  # a target folder without a tokenizer: the arg's
+        return loaded
+    if own.get_vocab() != loaded.get_vocab():
+        raise ValueError(f"tokenizer {tokenizer!r} maps text to other ids than the target "
+                         f"{model!r}'s own tokenizer: leave tokenizer unset, or name one "
+                         "of the same vocabulary")
+    return loaded
+
+
 app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
                                 "/v1/chat/completions": [ChatCompletionRequest],
                                 "/tokenize": [TokenizeCompletion, TokenizeChat],
@@ -96,7 +115,7 @@ app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
 class Router:
     def __init__(self, args: RouterArgs) -> None:
         self.args = args
-        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        tokenizer = served_tokenizer(args.model, args.tokenizer)
         self.decode = text_decoder(tokenizer)
         self.tool_decode = text_decoder(tokenizer, keep=(CALL_OPEN, CALL_CLOSE))
         self.special_decode = text_decoder(tokenizer, skip_special=False)  # every token's text

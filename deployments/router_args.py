@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from deployments.pool_args import ModelPath
 from engine.models import DEMO_TARGET
@@ -42,6 +42,18 @@ class SpeculativeTree(BaseModel):
             raise ValueError(f"nodes ({self.nodes}) must exceed depth ({self.depth}): the "
                              "main chain alone is a chain (num_speculative_tokens)")
         return self
+
+
+def bearer_key(key: str) -> str:
+    """An API key a client can send as `Authorization: Bearer <key>` (the key itself is never
+    quoted: it is a secret). Empty, it left the router open (read as no key); with whitespace
+    at an end or a character outside printable ASCII, no client's header ever matched it
+    (the ingress strips what is sent, and HTTP clients send ASCII): every request a 401."""
+    if not key:
+        raise ValueError("an empty API key: leave it unset for none")
+    if key != key.strip() or not (key.isascii() and key.isprintable()):
+        raise ValueError("an API key must be printable ASCII without whitespace at either end")
+    return key
 
 
 TreeArg = SpeculativeTree | Literal["auto"]
@@ -151,7 +163,7 @@ class RouterArgs(BaseModel):
     max_prompt_bytes: int = Field(default=1 << 20, ge=1)  # checked before tokenizing
     # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
     # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)
-    api_key: str | None = None
+    api_key: Annotated[str, AfterValidator(bearer_key)] | None = None
 
     def speculation_defaults(self) -> SpeculationDefaults:
         """What the request front end gives a request for the fields it leaves unset."""

@@ -137,6 +137,23 @@ def test_start_up_refuses_pairs_that_cannot_work(quirky_pair_dir, tiny_pair_dir)
         context_limit(target, 1024)
 
 
+def test_a_routers_tokenizer_of_another_vocabulary_is_refused_at_start(tiny_pair_dir,
+                                                                        tmp_path):
+    """The router's `tokenizer` maps text to ids the pools take as the target's: one of fewer
+    tokens than the target's rows passed the size check, and served other tokens than the
+    prompts' (and decoded the output as other text) silently."""
+    from deployments.router import served_tokenizer
+    from specserve.demo import train_tokenizer
+
+    target = str(tiny_pair_dir / "target")
+    train_tokenizer(["x = [1, 2]\n"] * 30, vocab_size=280).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=f"tokenizer '{tmp_path / 'other'}' maps text"):
+        served_tokenizer(target, str(tmp_path / "other"))
+    load_tokenizer(target).save_pretrained(tmp_path / "same")
+    assert served_tokenizer(target, str(tmp_path / "same")).get_vocab() == \
+        load_tokenizer(target).get_vocab()
+
+
 def test_a_long_rope_target_serves_within_its_original_context():
     """Past original_max_position_embeddings LongRoPE's long factors hold for a whole forward
     (transformers' modeling and the lean forward alike): served beside a request past it, a

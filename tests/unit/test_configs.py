@@ -259,7 +259,8 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
     (RouterArgs, {"max_context_tokens": -5}, "max_context_tokens"),
     (VerifierArgs, {"session_ttl_s": float("inf")}, "session_ttl_s"),  # as the router's
     (DrafterArgs, {"health_stall_s": "inf"}, "health_stall_s"),
-    (VerifierArgs, {"batch_linger": float("nan")}, "batch_linger")])
+    (VerifierArgs, {"batch_linger": float("nan")}, "batch_linger"),
+    (VerifierArgs, {"max_concurrent_rpcs": 2**31}, "max_concurrent_rpcs")])  # gRPC's C int
 def test_pool_and_router_args_a_replica_would_refuse_fail_at_deploy(model, args, field):
     with pytest.raises(ValidationError) as refused:
         model.model_validate(args)
@@ -282,3 +283,23 @@ def test_a_model_under_the_home_folder_is_expanded(monkeypatch, tmp_path):
     assert RouterArgs(model="~/models/t", tokenizer="~/models/t").tokenizer == expanded
     assert RouterArgs(model="meta-llama/Llama-3.1-8B-Instruct").model == \
         "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize("key", ["", " sk-1", "sk-1\n", "clé"])
+def test_an_api_key_no_client_could_send_fails_at_deploy(key):
+    """Empty, the router was open (read as no key); with whitespace at an end or outside
+    printable ASCII, no request's header ever matched it: every request a 401."""
+    with pytest.raises(ValidationError) as refused:
+        RouterArgs(api_key=key)
+    assert refused.value.errors()[0]["loc"][0] == "api_key"
+    assert RouterArgs(api_key="sk 1").api_key == "sk 1"
+
+
+def test_an_api_key_from_the_environment_no_client_could_send_fails_the_start(monkeypatch):
+    from deployments.ingress import API_KEY_ENV, api_key
+
+    monkeypatch.setenv(API_KEY_ENV, "sk-1 ")
+    with pytest.raises(ValueError, match=API_KEY_ENV):
+        api_key(None)
+    monkeypatch.setenv(API_KEY_ENV, "")  # set empty: unset
+    assert api_key(None) is None and api_key("sk-2") == "sk-2"

@@ -383,6 +383,20 @@ def test_a_replica_runs_its_model_before_it_is_ready_and_keeps_no_session(monkey
     assert len(shapes) >= 3
 
 
+@pytest.mark.parametrize("pool", ["drafter", "verifier"])
+def test_a_kv_cache_too_small_for_the_warm_up_fails_the_start_naming_it(pool):
+    """kv_cache_tokens of 16 (one block) holds no 16-token prompt with its K drafts: the
+    start fails naming the arg; before, the warm-up passed over its calls' refusals and
+    the replica answered every request OUT_OF_RANGE (the router's 400)."""
+    from engine.scheduler import KVCacheTooSmall
+
+    pool_class, args = (DrafterPool, DrafterArgs(kv_cache_tokens=16, attention="paged")) \
+        if pool == "drafter" else (VerifierPool, VerifierArgs(kv_cache_tokens=16,
+                                                              attention="paged"))
+    with pytest.raises(KVCacheTooSmall, match="kv_cache_tokens"):
+        asyncio.run(local_replica(pool_class, args))
+
+
 def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
     """Two 120-token prompts in one batch of a verifier whose paged cache holds 208
     positions (tests/unit/test_admission.py): the one that reaches the batch first is
