@@ -109,10 +109,10 @@ class Unavailable(Agreeing):
         raise pool_error("verifier", grpc.StatusCode.UNAVAILABLE, "replica gone")
 
 
-def test_a_failed_pool_call_is_logged_with_the_requests_id():
-    """The id that keys the request's pool sessions (a pool logs a failed batch by them):
-    the warning named only the pool's error, and Serve's own request id is another."""
-    serve, admission = router_of(max_running=2, verifier=Unavailable())
+def failing_request(verifier) -> tuple:
+    """(the whole answer, the stream's chunks, the ingress's log records, the admission) of
+    a completion, whole and then streamed, over this verifier."""
+    serve, admission = router_of(max_running=2, verifier=verifier)
 
     async def main():
         whole = await serve(posted({"prompt": "hi", "max_tokens": 4}), CompletionRequest,
@@ -123,6 +123,13 @@ def test_a_failed_pool_call_is_logged_with_the_requests_id():
 
     with Records() as records:
         whole, chunks = asyncio.run(main())
+    return whole, chunks, records, admission
+
+
+def test_a_failed_pool_call_is_logged_with_the_requests_id():
+    """The id that keys the request's pool sessions (a pool logs a failed batch by them):
+    the warning named only the pool's error, and Serve's own request id is another."""
+    whole, chunks, records, admission = failing_request(Unavailable())
     assert whole.status_code == 503 and "unavailable" in chunks[0]  # the stream's error event
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert warnings == ["pool call failed for cmpl-x-0: verifier: UNAVAILABLE: replica gone"] * 2
@@ -140,18 +147,8 @@ def test_an_answer_the_router_refuses_to_read_is_the_verifiers_503_not_a_bug():
     """The router's own checks of a verifier's answer (a row that is not finite, a tree
     scored as a chain) raise a PoolUnavailable that is no gRPC call's PoolError: it was
     answered as a bug, a logged 500 (and a stream's error event said internal error)."""
-    serve, admission = router_of(max_running=2, verifier=Lawless())
-
-    async def main():
-        whole = await serve(posted({"prompt": "hi", "max_tokens": 4}), CompletionRequest,
-                            chat=False)
-        stream = await serve(posted({"prompt": "hi", "max_tokens": 4, "stream": True}),
-                             CompletionRequest, chat=False)
-        return whole, [chunk async for chunk in stream.body_iterator]
-
-    with Records() as records:
-        whole, chunks = asyncio.run(main())
-    assert whole.status_code == 503 and '"status' not in chunks[0]
+    whole, chunks, records, admission = failing_request(Lawless())
+    assert whole.status_code == 503
     assert json.loads(chunks[0][len("data: "):])["error"]["message"] == \
         "the verifier pool is unavailable; retry later"
     assert not any(r.levelno >= logging.ERROR for r in records) and admission.running == 0
