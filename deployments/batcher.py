@@ -23,6 +23,18 @@ import time
 MAX_LINGER_S = 0.01
 
 
+def without_frames(error: BaseException) -> BaseException:
+    """error, and the errors it was raised from or during, without their tracebacks (the run
+    has logged them): their frames hold the failed forward's tensors (an out-of-memory
+    error's activations), kept through the next batches by whoever keeps the error."""
+    link, seen = error, set()
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return error
+
+
 class ContinuousBatcher:
     """`await batcher.submit(call)` -> its answer from `run(calls) -> answers` (a coroutine);
     at most max_batch_size calls per run, one run at a time, in arrival order. An answer
@@ -87,10 +99,7 @@ class ContinuousBatcher:
                 try:
                     answers = await self.run([call for call, _ in batch])
                 except Exception as error:  # the whole batch failed: every caller learns why
-                    # without the frames it was raised through (logged by the run): they
-                    # hold the failed forward's tensors, kept (an out-of-memory error's too)
-                    # through the next batches by whoever keeps the error
-                    error = error.with_traceback(None)
+                    error = without_frames(error)
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(error)

@@ -138,8 +138,10 @@ def test_an_answered_batch_ends_a_failure_streak_and_refusals_are_not_failures(m
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["raised", "raised-from"])
 @pytest.mark.parametrize("inline", [False, True])
-def test_a_failed_batch_holds_none_of_its_tensors_through_the_next(inline, monkeypatch):
+def test_a_failed_batch_holds_none_of_its_tensors_through_the_next(inline, chained,
+                                                                   monkeypatch):
     """An error's traceback holds the frames it was raised through and their tensors (an
     out-of-memory error's: the failed forward's activations). Kept with the error (the
     health's last failure, the callers' futures, the batcher's own), they stayed allocated
@@ -153,7 +155,12 @@ def test_a_failed_batch_holds_none_of_its_tensors_through_the_next(inline, monke
             if not failed:
                 activations = torch.empty(1 << 16)
                 failed.append(weakref.ref(activations))
-                raise RuntimeError("CUDA out of memory")
+                if not chained:
+                    raise RuntimeError("CUDA out of memory")
+                try:  # an error raised while handling another: both tracebacks hold them
+                    raise KeyError("a kernel's")
+                except KeyError as cause:
+                    raise RuntimeError("CUDA out of memory") from cause
             held.append(failed[0]() is not None)
             return forward(runner, segments)
 
