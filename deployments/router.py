@@ -173,6 +173,18 @@ class Router:
                                                       self.args.model,
                                                       self.prompts.context_limit)]}
 
+    @app.get("/v1/models/{name:path}")
+    async def model(self, name: str, request: Request):
+        """The served model's card by its name (OpenAI's models.retrieve); another name is a
+        404 (model_not_found), as a request naming it is. A name may hold "/"."""
+        if refused := unauthorized(request, self.api_key):
+            return refused
+        if name != self.args.served_model_name:
+            return error_response(BadRequest(f"model {name!r} does not exist; this server "
+                                             f"serves {self.args.served_model_name!r}", 404,
+                                             "model"))
+        return model_card(name, self.args.model, self.prompts.context_limit)
+
     @app.get("/version")
     async def version(self) -> dict:
         return {"version": importlib.metadata.version("specserve")}

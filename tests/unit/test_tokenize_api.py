@@ -184,6 +184,23 @@ def test_the_models_list_is_vllms_card_with_the_checkpoint_as_its_root():
     json.dumps(listed)  # as FastAPI sends it
 
 
+def test_a_models_card_is_retrieved_by_its_name_and_another_name_is_a_404():
+    """OpenAI's client.models.retrieve(name) asks GET /v1/models/{name}: it was a path 404
+    (no such route), whatever the name."""
+    from openai.types import Model
+    from starlette.requests import Request
+
+    router = SimpleNamespace(api_key=None, prompts=SimpleNamespace(context_limit=2048),
+                             args=SimpleNamespace(served_model_name="org/m", model="t"))
+    request = Request({"type": "http", "method": "GET", "path": "/v1/models/org/m",
+                       "query_string": b"", "headers": []})
+    card = Model.model_validate(asyncio.run(Router.model(router, "org/m", request)))
+    assert (card.id, card.root, card.max_model_len) == ("org/m", "t", 2048)
+    missing = asyncio.run(Router.model(router, "other", request))
+    assert missing.status_code == 404
+    assert json.loads(missing.body)["error"]["code"] == "model_not_found"
+
+
 @pytest.mark.parametrize("model, status", [(None, 200), ("", 200), ("m", 200), ("other", 404)])
 def test_an_empty_model_name_is_the_served_model(reader, model, status):
     """As vLLM reads it (no name, or an empty one, is the model it serves): "" was a 404."""
