@@ -74,7 +74,8 @@ class RoundMeter:
             self.predraft_wait - predraft_paused)
         stats.draft_compute_seconds += waited_draft + exposed_predraft
         # (beside = 0: the drafter's prefill beside a first verify, no draft)
-        stats.predrafts += predraft is not None and beside != 0
+        # (a failed one, answered by no draft, is none)
+        stats.predrafts += predraft is not None and not self.predraft_failed and beside != 0
         stats.predraft_compute_seconds += predraft.compute_seconds if predraft else 0.0
         stats.verify_compute_seconds += scores.compute_seconds
         if self.prefill:  # the prompt's prefill only, its chunks' largest (vLLM sets it

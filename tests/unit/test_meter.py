@@ -34,3 +34,22 @@ def test_a_predrafts_compute_past_the_verify_is_the_drafters_not_transport(monke
     assert phases == {"draft": 15.0, "verify": 8.0, "transport": 7.0, "router": 0.0,
                       "total": 30.0}
     assert stats.overhead_ms_p50 == 7.0  # beyond the compute the round waited for
+
+
+def test_a_failed_predraft_is_no_predraft():
+    """A pre-draft call that failed (the drafter unreachable, busy or late: settled answers
+    None) drafted nothing: it was counted in `predrafts` as a draft run beside the verify."""
+    stats = SpecStats()
+    state = SimpleNamespace(stats=stats, drafter_called=True, num_output_tokens=4,
+                            committed=[1, 2, 3, 4], drafter_view=SimpleNamespace(known_len=4))
+    for failed in (True, False):
+        clock = meter.RoundMeter(state, carried=True)
+        block = clock.drafted(DraftBlock((5, 6), None))
+        scores = clock.verified(TargetScores(target_token_ids=(5, 6, 7)))
+
+        async def predraft():
+            return None if failed else DraftBlock((8, 9), None)
+
+        asyncio.run(clock.settled(predraft()))
+        clock.finish(block, scores, RoundOutcome((5, 6, 7), 2), None)
+    assert stats.predrafts == 1 and stats.rounds == 2
