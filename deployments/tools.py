@@ -262,8 +262,9 @@ class ToolUse:
             head = CALL_OPEN + call_head(function.name)
             if text.startswith(head) or head.startswith(text):
                 begun.append((function.name, text[len(head):]))
-        whole = read_call(text, len(CALL_OPEN)) is not None
-        return [call_body(*begun[0])] if len(begun) == 1 and not whole else []
+        if len(begun) != 1 or read_call(text, len(CALL_OPEN)) is not None:
+            return []
+        return [call_body(*begun[0])]
 
 
 def strict_json(constant: str):

@@ -7,7 +7,7 @@ import torch
 
 from engine.kv import Sequence
 from speculative.grammar import TokenMasks, masked
-from speculative.shaping import Shaping, shape_batch
+from speculative.shaping import Shaping, committed_history, shape_batch
 from speculative.types import ProposeCall
 
 
@@ -58,15 +58,11 @@ class Draft:
         """Row `row` of a step's logits as the request's logit_bias, min_tokens and
         penalties shape it (speculative.shaping.shape_batch), counting the output so far:
         committed, assumed and drafted (as the verifier will); None when they are unset."""
-        sampling, start = self.call.sampling, self.call.prompt_len
+        sampling = self.call.sampling
         if not sampling.shapes_logits:
             return None
-        if sampling.penalized:  # the committed prefix counted as it grew, not at every step
-            seen = self.sequence.counted(start, sampling.repetition_penalty != 1)
-            return Shaping(row, 1, sampling, (), self.assumed + self.token_ids, seen=seen)
-        committed = self.sequence.committed
-        return Shaping(row, 1, sampling, committed[:start],
-                       committed[start:] + self.assumed + self.token_ids)
+        return Shaping(row, 1, sampling, **committed_history(
+            sampling, self.call.prompt_len, self.sequence, self.assumed + self.token_ids))
 
 
 def processed(drafts: list[Draft], lines: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,20 @@ class SeenTokens:
         return self.counted
 
 
+def committed_history(sampling: SamplingParams, prompt_len: int, sequence,
+                      extra: list[int] = ()) -> dict:
+    """Shaping's prompt, output and seen for a request whose committed tokens a pool's
+    sequence holds (engine.kv.Sequence), its output going on with `extra` (a draft's assumed
+    and drafted tokens): a penalised request's committed tokens counted as they grew
+    (Sequence.counted), another's as lists (logit_bias and min_tokens read the output's
+    length only)."""
+    if sampling.penalized:
+        return {"prompt": (), "output": list(extra),
+                "seen": sequence.counted(prompt_len, sampling.repetition_penalty != 1)}
+    committed = sequence.committed
+    return {"prompt": committed[:prompt_len], "output": committed[prompt_len:] + list(extra)}
+
+
 @dataclass(frozen=True)
 class Shaping:
     """One request's `rows` consecutive rows of a batch's logits, from row `start`: the

@@ -18,7 +18,7 @@ from speculative.checks import check_call, check_prompt_len
 from speculative.grammar import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import grouped, logits_to_probs, sample_each, seeded_generator
-from speculative.shaping import Shaping, shape_batch
+from speculative.shaping import Shaping, committed_history, shape_batch
 from speculative.types import (
     BatchLoad,
     DraftDists,
@@ -295,16 +295,10 @@ SHAPED_GROUP_BYTES = 8 << 20
 
 def shaping_history(call, sequence) -> dict | None:
     """Shaping's prompt, output and seen of the committed prefix when the call's sampling
-    shapes the logits (penalties count them: seen, the sequence's counts grown as it
-    commits; min_tokens counts the output), else None."""
-    sampling = call.sampling
-    if not sampling.shapes_logits:
+    shapes the logits (speculative.shaping.committed_history), else None."""
+    if not call.sampling.shapes_logits:
         return None
-    if sampling.penalized:
-        return {"prompt": (), "output": (), "seen": sequence.counted(
-            call.prompt_len, sampling.repetition_penalty != 1)}
-    committed = sequence.committed
-    return {"prompt": committed[:call.prompt_len], "output": committed[call.prompt_len:]}
+    return committed_history(call.sampling, call.prompt_len, sequence)
 
 
 def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
