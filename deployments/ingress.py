@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from deployments.responses import WHOLE, error_body, json_text
@@ -249,10 +250,39 @@ def openapi_document(app: FastAPI, bodies: dict) -> dict:
     return app.openapi_schema
 
 
+# This process's CORS settings (Starlette's CORSMiddleware's arguments), set by the router's
+# constructor from its args: Serve copies an ingress app when it decorates the class, before
+# any args exist, so the middleware added then reads them here, in the replica's own process.
+# Unset (a pool's app): no CORS headers, and a preflight is an unrouted request.
+_cross_origin: dict | None = None
+
+
+def allow_cross_origin(settings: dict) -> None:
+    global _cross_origin
+    _cross_origin = settings
+
+
+class CrossOrigin:
+    """Starlette's CORSMiddleware under the settings allow_cross_origin gave this process,
+    read at the first request."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.handler = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.handler is None:
+            self.handler = (self.app if _cross_origin is None
+                            else CORSMiddleware(self.app, **_cross_origin))
+        await self.handler(scope, receive, send)
+
+
 def ingress_app(title: str, bodies: dict | None = None) -> FastAPI:
-    """A FastAPI app that answers bugs and unrouted requests in OpenAI's shape and documents
-    the request bodies (openapi_document's bodies)."""
+    """A FastAPI app that answers bugs and unrouted requests in OpenAI's shape, answers
+    browsers' cross-origin requests as allow_cross_origin says, and documents the request
+    bodies (openapi_document's bodies)."""
     app = FastAPI(title=title)
+    app.add_middleware(CrossOrigin)
     app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(TaskCancelledError, cancelled)
     app.add_exception_handler(HTTPException, not_routed)

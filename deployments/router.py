@@ -26,6 +26,7 @@ from deployments.clients import GrpcDrafter, GrpcVerifier, channel_options
 from deployments.ingress import (
     BadRequest,
     ReleasingStream,
+    allow_cross_origin,
     api_key,
     error_response,
     ingress_app,
@@ -134,6 +135,7 @@ class Router:
         self.admission = Admission(args.max_running_requests,
                                    lambda running: self.metrics.running.set(running))
         self.api_key = api_key(args.api_key)
+        allow_cross_origin(args.cross_origin())
         self._channel: grpc.aio.Channel | None = None
         # what start-up built (modules, the tokenizers: some 400k objects) lives as long as
         # the replica: kept out of the collector's full passes, each of which walked it all

@@ -164,6 +164,19 @@ class RouterArgs(BaseModel):
     # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
     # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)
     api_key: Annotated[str, AfterValidator(bearer_key)] | None = None
+    # CORS, vLLM's flags with its defaults: the origins whose pages a browser lets call the
+    # API ("*": any), the methods and headers their requests may use, and whether they may
+    # send credentials (cookies, Authorization; then an allowed origin is echoed, never "*")
+    allowed_origins: list[str] = ["*"]
+    allowed_methods: list[str] = ["*"]
+    allowed_headers: list[str] = ["*"]
+    allow_credentials: bool = False
+
+    def cross_origin(self) -> dict:
+        """Starlette's CORSMiddleware's arguments (deployments.ingress.allow_cross_origin)."""
+        return {"allow_origins": self.allowed_origins, "allow_methods": self.allowed_methods,
+                "allow_headers": self.allowed_headers,
+                "allow_credentials": self.allow_credentials}
 
     def speculation_defaults(self) -> SpeculationDefaults:
         """What the request front end gives a request for the fields it leaves unset."""

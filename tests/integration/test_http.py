@@ -22,6 +22,11 @@ def test_health_and_models(cluster):
     models = requests.get(cluster.base_url + "/v1/models", timeout=10).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "specserve-demo"
     assert models["data"][0]["max_model_len"] == 2048  # the context, as vLLM's card gives it
+    preflight = requests.options(cluster.base_url + "/v1/chat/completions", timeout=10,
+                                 headers={"Origin": "https://chat.example",
+                                          "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200  # a browser page may call it (vLLM's CORS defaults)
+    assert preflight.headers["access-control-allow-origin"] == "*"
 
 
 def test_tokenize_counts_what_a_request_is_fed_and_detokenize_reverses_it(cluster):

@@ -12,7 +12,9 @@ from ray.exceptions import TaskCancelledError
 import grpc
 import pytest
 
+from deployments import ingress
 from deployments.ingress import CLIENT_CLOSED, ingress_app, log, parse
+from deployments.router_args import RouterArgs
 from deployments.openai_api import CompletionRequest
 from deployments.replica_stream import pool_error
 from speculative.types import TargetScores
@@ -69,6 +71,43 @@ def test_a_path_or_method_not_served_is_refused_in_openais_shape():
             "message": f"{answer.reason_phrase} ({method.upper()} {path})",
             "type": "invalid_request_error", "param": None, "code": None}}
     assert answer.headers["allow"] == "GET"
+
+
+PREFLIGHT = {"Origin": "https://chat.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+def test_browsers_may_call_the_router_as_vllms_defaults_allow(monkeypatch):
+    """The router's args (vLLM's defaults: any origin, method and header, no credentials)
+    answer a preflight and mark the answers (a refusal's too) as readable by the page."""
+    monkeypatch.setattr(ingress, "_cross_origin", None)
+    ingress.allow_cross_origin(RouterArgs().cross_origin())
+    client = app_raising(RuntimeError("boom"))
+    preflight = client.options("/v1/x", headers=PREFLIGHT)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == PREFLIGHT[
+        "Access-Control-Request-Headers"]
+    assert "access-control-allow-credentials" not in preflight.headers
+    refused = client.get("/v1/embeddings", headers={"Origin": "https://chat.example"})
+    assert refused.status_code == 404 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_an_origin_the_args_do_not_list_is_refused_and_a_pools_app_has_no_cors(monkeypatch):
+    monkeypatch.setattr(ingress, "_cross_origin", None)
+    pool = app_raising(RuntimeError("boom"))  # nothing allowed: no header, no preflight
+    assert pool.options("/v1/x", headers=PREFLIGHT).status_code == 405
+    assert "access-control-allow-origin" not in pool.get(
+        "/v1/embeddings", headers={"Origin": "https://chat.example"}).headers
+    ingress.allow_cross_origin(RouterArgs(allowed_origins=["https://ui.example"],
+                                          allow_credentials=True).cross_origin())
+    client = app_raising(RuntimeError("boom"))
+    assert client.options("/v1/x", headers=PREFLIGHT).status_code == 400
+    allowed = client.options("/v1/x", headers={**PREFLIGHT, "Origin": "https://ui.example"})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://ui.example"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
 
 
 def test_a_request_serve_cancelled_is_not_a_bug():
