@@ -19,7 +19,7 @@ from engine.kv import SessionStore
 from engine.memory import kv_bytes_per_token
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from engine.runner import serving_runner
-from specserve.check_gpu import prefill
+from specserve.gpu_measures import prefill
 
 CASES = [(1, 1), (1, 5), (8, 1), (8, 5), (16, 1), (32, 1), (32, 5)]  # (requests, new each)
 BACKENDS = ("transformers", "paged", "regions")  # the default CPU backend last

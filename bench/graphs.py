@@ -30,8 +30,8 @@ from engine.graphs import recorded
 from engine.kv import SessionStore
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm
 from engine.runner import serving_runner
-from specserve.check_gpu import FULL, SMALL, build, guarded, no_math_attention, prefill, \
-    prompts, sync_device, timed_ms
+from specserve.check_gpu import FULL, SMALL, build, guarded, no_math_attention
+from specserve.gpu_measures import prefill, prompts, sync_device, timed_ms
 
 CASES = [(1, 0), (1, 4), (8, 0), (8, 4), (32, 0), (32, 4)]  # (requests, K)
 

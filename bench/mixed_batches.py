@@ -19,7 +19,7 @@ import torch
 import engine.lean
 from engine.attention import feed_groups
 from engine.models import DEMO_TARGET, load_causal_lm
-from specserve.check_gpu import prompts
+from specserve.gpu_measures import prompts
 from speculative.sampling import SamplingParams
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall, prefix_hash
 from verifier.engine import ModelVerifier
