@@ -211,3 +211,44 @@ def test_an_empty_model_name_is_the_served_model(reader, model, status):
     response = asyncio.run(Router.serve_tokenizer(router, posted(body), TokenizeRequest,
                                                   tokenized))
     assert response.status_code == status
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_a_400(reader):
+    """JSON may carry a lone surrogate, which UTF-8 cannot encode: the completions endpoint
+    refuses it (a 400 naming the prompt); /tokenize raised UnicodeEncodeError, a 500."""
+    router = SimpleNamespace(api_key=None, prompts=reader, check_model=lambda body: None,
+                             args=SimpleNamespace(max_prompt_bytes=1 << 16))
+    response = asyncio.run(Router.serve_tokenizer(router, posted(b'{"prompt": "hi\\ud800"}'),
+                                                  TokenizeRequest, tokenized))
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 400 and error["param"] == "prompt"
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 16, "temperature": 0, "logprobs": 2},
+                                    {"stream": True, "n": 2, "add_special_tokens": None}])
+def test_a_completions_body_is_counted_as_its_request_would_be_fed(reader, fields):
+    """The same body a client sends to /v1/completions (its sampling fields read and unused,
+    as a chat body's are; vLLM ignores them too): a completion's body was refused, "Extra
+    inputs are not permitted", where the same chat body was counted."""
+    body = {"prompt": "hello world", **fields}
+    fed = reader.token_ids(CompletionRequest(**body), chat=False)
+    assert answer(reader, body)["tokens"] == list(fed)
+
+
+def test_detokenize_checks_the_ids_off_the_event_loop(reader, monkeypatch):
+    """A body of a million ids outside the vocabulary (2 MiB of them) was checked, and each
+    named, on the event loop: 0.3-0.8 s in which every stream of the router was held. They are
+    checked on the tokenizing thread, before their text is decoded there."""
+    import deployments.tokenize_api as tokenize_api
+    from deployments.ingress import BadRequest
+
+    loop_thread, threads, check = threading.current_thread(), [], tokenize_api.check_in_vocabulary
+
+    def checking(tokens, vocab_size):
+        threads.append(threading.current_thread())
+        return check(tokens, vocab_size)
+
+    monkeypatch.setattr(tokenize_api, "check_in_vocabulary", checking)
+    with pytest.raises(BadRequest, match=r": tokens\[0\] = -1, tokens\[4\] = 400$"):
+        asyncio.run(detokenized(reader, DetokenizeRequest(tokens=[-1, 1, 2, 3, 400])))
+    assert threads and all(thread is not loop_thread for thread in threads)
