@@ -266,6 +266,8 @@ def block_to_proto(block: DraftBlock) -> pb.ProposeResponse:
 def block_from_proto(message: pb.ProposeResponse, wire_bytes: int = 0) -> DraftBlock:
     """The block of an answer; wire_bytes: its call's and its own serialised size."""
     probs = dists_from_proto(message.draft_probs) if message.HasField("draft_probs") else None
+    if probs is not None:
+        check_block_q(message.token_ids, probs)
     parents = tuple(message.parents) or None
     if parents is not None:
         check_tree(parents, len(message.token_ids))
@@ -276,6 +278,14 @@ def block_from_proto(message: pb.ProposeResponse, wire_bytes: int = 0) -> DraftB
                       confidences=confidences, wire_bytes=wire_bytes,
                       context_full=message.context_full)
 
+
+def check_block_q(token_ids, probs: DraftDists) -> None:
+    """ValueError unless q has a row per drafted token (node) and holds each in its vocabulary
+    (else the verifier, or accept(), refused the round: the request failed, not its draft)."""
+    if len(probs) != len(token_ids) or token_ids and not \
+            0 <= min(token_ids) <= max(token_ids) < probs.vocab_size:
+        raise ValueError(f"draft_probs ({len(probs)} rows over {probs.vocab_size} ids) unlike "
+                         f"the {len(token_ids)} drafted tokens")
 
 
 def load_to_proto(load: BatchLoad) -> pb.BatchLoad:

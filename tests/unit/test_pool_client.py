@@ -359,6 +359,40 @@ def test_a_seeded_sampled_draft_waits_as_long_as_a_verify(monkeypatch):
     assert deadlines == [30.0, 0.05, 0.05]
 
 
+@pytest.mark.parametrize("rows, tokens", [(2, (1, 2, 3)), (3, (1, 2, 16))])
+def test_a_drafters_q_unlike_its_tokens_costs_the_draft_not_the_request(monkeypatch, rows,
+                                                                         tokens):
+    """q with fewer rows than drafted tokens, or a token outside q's vocabulary: the answer
+    is malformed (PoolUnavailable: the round goes on without a draft). Taken, the verifier
+    refused the round's q (INVALID_ARGUMENT), or accept() its tokens, and the request failed."""
+    import torch
+
+    from deployments import wire
+    from speculative.sampling import SamplingParams
+    from speculative.types import (
+        EMPTY_PREFIX_HASH,
+        DraftBlock,
+        DraftDists,
+        PoolUnavailable,
+        PrefixSync,
+        ProposeCall,
+    )
+
+    monkeypatch.setattr(clients.pb_grpc, "DrafterStub", lambda channel: None)
+    drafter = clients.GrpcDrafter(None, "drafter", timeout_s=1.0)
+    q = DraftDists.from_dense(torch.full((rows, 16), 1 / 16))
+    answer = wire.block_to_proto(DraftBlock(tokens, q))
+
+    async def call(method, message, request_id, timeout_s=None, route_key=None):
+        return answer
+
+    monkeypatch.setattr(drafter.pool, "call", call)
+    propose = ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 3,
+                          SamplingParams(temperature=1.0), seed=0)
+    with pytest.raises(PoolUnavailable, match="malformed answer: draft_probs"):
+        asyncio.run(drafter.propose(propose))
+
+
 def test_a_drafter_whose_calls_keep_failing_is_said_in_the_log_at_most_once_a_minute(
         monkeypatch):
     """Each failure turns a round into the target's alone (speculative.loop), which only a
