@@ -192,7 +192,7 @@ class AdaptiveK:
         neighbouring K, so that every confidence keeps being measured."""
         if self.confidence != "auto":
             return self.confidence
-        if self.loaded or self.k != self.chosen:
+        if self.batched() or self.k != self.chosen:
             return 0.0
         return self.costs.confidence.threshold(self.rate(self.k), self.costs.token_seconds())
 
@@ -210,7 +210,8 @@ class AdaptiveK:
         (`asked`), whatever a confidence cut made of its draft. Chains under batch load and
         at K < 2."""
         self.asked = None
-        if not free or not self.trees or self.loaded or self.k < 2 or self.costs.shapes.refused:
+        if not free or not self.trees or self.batched() or self.k < 2 or \
+                self.costs.shapes.refused:
             return None
         yields = self.costs.shapes
         tree_rate, chain_rate = yields.rate(self.k, True), yields.rate(self.k, False)
@@ -220,6 +221,11 @@ class AdaptiveK:
             tree = not tree
         self.asked = (self.k, tree)
         return (self.k - max(1, self.k // 8), self.k) if tree else None
+
+    def batched(self) -> bool:
+        """Whether this round runs under batch load: as the last round's update found, and
+        a first round of a request that starts under load (first_k: the router's K)."""
+        return self.loaded or not self.rounds and self.load >= self.zero_load
 
     def refuse_trees(self) -> None:
         self.costs.shapes.refused, self.asked = True, None  # this round is no tree's either
@@ -243,7 +249,7 @@ class AdaptiveK:
         drafted_at = self.ran if cost is not None and cost.carried else ran
         self.ran = ran
         if self.load >= self.zero_load:
-            if drafted_at is not None and cost.comparable:
+            if drafted_at is not None and cost is not None and cost.comparable:
                 trials, phase, k = drafted_at
                 trials.record(phase, k, cost.tokens, cost.wall_seconds)
             self.k, self.phase = self.batch_k()
@@ -264,7 +270,8 @@ class AdaptiveK:
         whole batch at once, K + 1, K - 1 and K = 0 in turn (a K whose trials keep losing
         sits some of its turns out), so the batch never mixes K (measured, 16 streams each
         choosing its own K ran at 0.55x of them all at the K most chose)."""
-        trials = self.trials = self.costs.trials_at(self.load)
+        trials = self.costs.trials_at(self.load)
+        joined, self.trials = trials is not self.trials, trials
         if trials.k is None:
             trials.switch(self.choose(None))
         elif trials.rounds % self.choose_every == 0:
@@ -276,7 +283,7 @@ class AdaptiveK:
                     trials.judged or 0 in (better, trials.k)
                     or self.rate(better) > (1 + self.margin) * self.rate(trials.k)):
                 trials.switch(better)
-        phase = trials.next_round(id(self), self.batch_rounds, self.clean_rounds)
+        phase = trials.next_round(self, self.batch_rounds, self.clean_rounds, joined)
         low = self.lowest()
         k = self.within(trials.k)
         if phase % self.batch_explore_every != self.batch_explore_every - 1:

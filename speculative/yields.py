@@ -33,7 +33,8 @@ class BatchTrials:
         self.rounds = 0  # rounds run under batch load
         self.phase = 0  # the phase being assigned, and its rounds still to assign
         self.phase_left = 0
-        self.in_phase: set[int] = set()  # the requests that ran a round of it
+        self.in_phase: set = set()  # the requests that ran a round of it...
+        self.joined: set = set()  # ...and those of them whose first round here it held
         self.judged = False  # whether a trial has been judged (then trials move K, not a model)
         self.open: dict[int, list] = {}  # phase -> [K, tokens, seconds] while it runs
         self.newest = -1
@@ -46,19 +47,25 @@ class BatchTrials:
         self.planned: tuple[int, bool] = (-1, False)  # (phase, whether its trial runs)
         self.drafting: int | None = None  # the K > 0 in force last (AdaptiveK.batch_k)
 
-    def next_round(self, request: int, least: int, per_request: int) -> int:
-        """The phase a round of `request` (any id of it) is assigned to. A phase lasts
-        `least` rounds, or `per_request` rounds of each request that ran in the phase
-        before, whichever is more: a request's first round in a phase runs the block drafted
-        at the K before (pipelined), so at 128 streams a phase of 96 rounds held no second
-        round of any request, and a trial's yield was mostly the K before's."""
+    def next_round(self, request, least: int, per_request: int, joined: bool = False) -> int:
+        """The phase a round of `request` (the object itself: an id outlives a request that
+        ended, and a new one may take it) is assigned to; joined: its first round under
+        these trials. A phase lasts `least` rounds, or `per_request` rounds of each request
+        that ran in the phase before, whichever is more: a request's first round in a phase
+        runs the block drafted at the K before (pipelined), so at 128 streams a phase of 96
+        rounds held no second round of any request, and a trial's yield was mostly the K
+        before's. Those that joined in it are not counted: they stand for those that ended
+        in it, so the count is the requests running. (Counting both, 16 streams of requests
+        of 3 rounds made each phase twice the one before, the batch at one K for ever.)"""
         if self.phase_left <= 0:
             if self.rounds:
                 self.phase += 1
-            self.phase_left = max(least, per_request * len(self.in_phase))
-            self.in_phase = set()
+            self.phase_left = max(least, per_request * len(self.in_phase - self.joined))
+            self.in_phase, self.joined = set(), set()
         self.phase_left -= 1
         self.in_phase.add(request)
+        if joined:
+            self.joined.add(request)
         self.rounds += 1
         return self.phase
 

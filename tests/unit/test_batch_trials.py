@@ -207,3 +207,24 @@ def test_a_full_pools_load_stays_in_one_band():
     for cap in (8, 16, 32, 64, 128):
         assert load_band(cap * 0.85) == load_band(cap) == load_band(cap * 1.05), cap
     assert len({load_band(load) for load in (1.0, 4, 16, 64)}) == 4
+
+
+def test_short_requests_do_not_lengthen_the_phases():
+    """16 streams, each a request of 3 rounds after another: a phase is 96 rounds, 6 of
+    each of the 16 running. Counting every request that ran in the phase before (48 in 96
+    rounds, more in a longer one), each phase was twice the one before, and the batch ran
+    one K, a trial's too, for ever longer."""
+    costs = loaded(64)
+    trials = costs.trials_at(16)
+    streams = [at_load(costs, 16) for _ in range(16)]
+    for i in range(AdaptiveK.batch_rounds * 20):
+        if i // 16 % 3 == 0:  # each stream's request ends after 3 rounds: a new one
+            streams[i % 16] = at_load(costs, 16)
+        streams[i % 16].batch_k()
+    assert trials.phase >= 18  # (counting the ended ones: 7, the phases doubling)
+    # many requests running keep their clean rounds: 6 of each of 128 a phase
+    many = [at_load(costs, 32) for _ in range(128)]
+    for _ in range(30):
+        for policy in many:
+            policy.batch_k()
+    assert costs.trials_at(32).phase <= 8  # 768 rounds a phase from the third on (96: 40)

@@ -640,3 +640,12 @@ def test_a_request_that_starts_under_load_runs_the_batch_k_from_its_first_round(
                                      running=running) for running in (0, 15)}
     assert plans[15].choices[0].policy.num_speculative_tokens() == 0
     assert plans[0].choices[0].policy.num_speculative_tokens() >= 1
+
+
+def test_a_round_reported_without_its_cost_under_load_is_no_trial():
+    """KPolicy.update's cost is optional: a loaded request's rounds without one move the
+    batch's K as any round does, recording no trial (one raised on its second round)."""
+    policy = AdaptiveK(KBounds(0, 8), loaded(16), False, True, load=16)
+    for _ in range(3):
+        policy.update(policy.k, 1)
+    assert policy.loaded and policy.k == policy.costs.trials_at(16).k

@@ -110,3 +110,23 @@ def test_auto_trees_need_an_adaptive_k_sequential_rounds_and_no_shaping(k, pipel
     [choice] = plan.choices
     assert choice.request.tree_width == 1  # the policy chooses each round's shape
     assert getattr(choice.policy, "trees", False) is trees
+
+
+def test_a_request_that_starts_under_load_drafts_the_batchs_chain_uncut():
+    """Under batch load every request drafts the router's K as a chain, with no confidence
+    cut (the batch's one K): from its first round, not from its second (its first drafted
+    the tree and cut the block that its costs chose alone)."""
+    costs = CostModel()
+    for _ in range(8):
+        costs.shapes.record(4, True, 6, 0.01)
+        costs.shapes.record(4, False, 4, 0.01)
+    for _ in range(50):
+        costs.confidence.observe([0.01] * 6, 1)
+    costs.trials_at(16).switch(4)
+    alone = AdaptiveK(KBounds(0, 8, initial=4), costs, False, True, trees=True,
+                      confidence="auto")
+    assert alone.round_shape(True) is not None and alone.draft_confidence() > 0
+    policy = AdaptiveK(KBounds(0, 8), costs, False, True, load=16, trees=True,
+                       confidence="auto")
+    assert policy.k == 4 and policy.round_shape(True) is None
+    assert policy.draft_confidence() == 0.0
