@@ -82,3 +82,44 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+SHORT_CALL_ID = 9  # Mistral's templates take tool call ids of 9 letters and digits only
+OPENAI_CALL_ID = "call_" + "0" * 24
+
+
+def call_id_length(tokenizer) -> int | None:
+    """SHORT_CALL_ID where the model's chat template refuses a tool call id of OpenAI's length
+    and takes one of 9 characters (Mistral's raise on any other, and vLLM writes its ids so
+    for Mistral models); None otherwise. Probed by rendering a call and its result."""
+    def renders(call_id: str) -> bool:
+        call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": {}}}
+        messages = [{"role": "user", "content": "x"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call_id, "content": "1"}]
+        try:
+            tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception:  # a template raises on what it refuses
+            return False
+        return True
+
+    if not getattr(tokenizer, "chat_template", None) or renders(OPENAI_CALL_ID):
+        return None
+    return SHORT_CALL_ID if renders("a" * SHORT_CALL_ID) else None
+
+
+def with_call_ids_cut(messages: list[dict], length: int) -> list[dict]:
+    """The messages (for_template's) with each tool call's id and each tool result's
+    tool_call_id cut to its last `length` characters, as vLLM cuts a client's ids for a
+    Mistral template (those the router wrote are that long already)."""
+    def cut(message: dict) -> dict:
+        if message.get("tool_call_id") is not None:
+            message = {**message, "tool_call_id": message["tool_call_id"][-length:]}
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [{**call, "id": call["id"][-length:]}
+                                                 if call.get("id") else call
+                                                 for call in message["tool_calls"]]}
+        return message
+
+    return [cut(message) for message in messages]
+

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
 
+from deployments.chat_messages import call_id_length, with_call_ids_cut
 from deployments.ingress import BadRequest
 from deployments.openai_api import SamplingFields
 from deployments.router_args import RouterArgs
@@ -223,6 +224,12 @@ class PromptReader:
         return anchored[len(anchor):] if anchored[:len(anchor)] == anchor else ids(piece)
 
     @functools.cached_property
+    def call_id_length(self) -> int | None:
+        """The length the chat template takes tool call ids of, where it takes no other
+        (deployments.chat_messages.call_id_length: 9 for Mistral's); probed once."""
+        return call_id_length(self.tokenizer)
+
+    @functools.cached_property
     def marks_start(self) -> bool:
         """Whether a text tokenizes otherwise at its start than after other text (probed)."""
         def ids(text: str) -> list[int]:
@@ -260,6 +267,8 @@ class PromptReader:
                 check_forced(body.tools, use.forced)
         except ToolError as error:
             raise BadRequest(str(error), param=error.param) from None
+        if self.call_id_length is not None:
+            messages = with_call_ids_cut(messages, self.call_id_length)
         if "developer" not in str(self.tokenizer.chat_template):
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m
                         for m in messages]

@@ -10,6 +10,7 @@ tokenizer endpoints read prompts as requests do (deployments.tokenize_api).
 """
 
 import asyncio
+import dataclasses
 import gc
 import importlib.metadata
 import uuid
@@ -236,6 +237,8 @@ class Router:
             body = await parse(request, schema, self.args.max_prompt_bytes)
             plan = await self.plan(body, chat)
             tools = body.tool_use() if chat else None  # checked by the prompt's reading
+            if tools is not None and self.prompts.call_id_length is not None:
+                tools = dataclasses.replace(tools, call_id_length=self.prompts.call_id_length)
             ticket = self.admission.admit(len(plan.choices))
         except BadRequest as error:
             return error_response(error)

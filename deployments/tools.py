@@ -212,6 +212,8 @@ class ToolUse:
     forced: tuple[ToolFunction, ...]  # the output is one call of one of these; () for auto
     parallel: bool  # an auto output may carry several calls
     named: bool = False  # tool_choice named the function
+    # the length of the ids written for calls, where the chat template takes no other
+    call_id_length: int | None = None
 
     def template_tools(self) -> list[dict]:
         """The tools as chat templates take them (transformers' `tools`: OpenAI's shape)."""
@@ -238,7 +240,7 @@ class ToolUse:
             (name, arguments), end = read
             if name not in names:
                 return text, []
-            calls.append(call_body(name, arguments))
+            calls.append(call_body(name, arguments, self.call_id_length))
             at = text.find(CALL_OPEN, end)
         return text[:start] or None, calls if self.parallel else calls[:1]
 
@@ -264,7 +266,7 @@ class ToolUse:
                 begun.append((function.name, text[len(head):]))
         if len(begun) != 1 or read_call(text, len(CALL_OPEN)) is not None:
             return []
-        return [call_body(*begun[0])]
+        return [call_body(*begun[0], self.call_id_length)]
 
 
 def strict_json(constant: str):
@@ -334,9 +336,11 @@ def call_head(name: str) -> str:
     return f'{{"name": {json.dumps(name)}, "arguments": '
 
 
-def call_body(name: str, arguments: str) -> dict:
-    """A call in a response message (OpenAI's shape: the arguments as JSON text)."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def call_body(name: str, arguments: str, id_length: int | None = None) -> dict:
+    """A call in a response message (OpenAI's shape: the arguments as JSON text); its id
+    OpenAI's, or id_length letters and digits where the chat template takes no other."""
+    call_id = uuid.uuid4().hex[:id_length] if id_length else f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 

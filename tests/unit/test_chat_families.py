@@ -2,10 +2,13 @@
 writes, contents trimmed; Mistral's: a SentencePiece metaspace, roles that must alternate),
 as vLLM renders them, with a special token's text in a content read as text."""
 
+import dataclasses
+
 import pytest
 
 from deployments.ingress import BadRequest
 from deployments.openai_api import ChatCompletionRequest
+from deployments.tools import ToolFunction, ToolUse
 from tests.unit.test_chat_prompts import reader_of
 
 LLAMA_LIKE = (
@@ -113,3 +116,39 @@ def test_a_template_that_rejects_the_roles_answers_a_400_naming_messages(mistral
     with pytest.raises(BadRequest, match="must alternate") as error:
         prompt_ids(mistral, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert error.value.param == "messages"
+
+
+# the checks Mistral's template makes of tool call ids (its own words), and where it writes them
+NINE_CHAR_IDS = (
+    "{%- for message in messages %}{%- for call in message.tool_calls or [] %}"
+    "{%- if call.id|length != 9 %}{{- raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{%- endif %}{{- '[TOOL_CALLS]' + call.id }}{%- endfor %}"
+    "{%- if message.role == 'tool' %}{%- if message.tool_call_id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{%- endif %}{{- '[TOOL_RESULTS]' + message.tool_call_id }}{%- endif %}"
+    "{{- (message.content or '') + ' ' }}{%- endfor %}")
+
+
+def test_a_template_that_takes_nine_character_call_ids_gets_them(llama):
+    """As vLLM for Mistral models: the router writes its calls' ids in 9 letters and digits,
+    and cuts a client's longer ones to their last 9; before, a forced call sent back to a
+    Mistral template was a 400 (its id OpenAI's 29 characters)."""
+    tok = tokenizer(["<s>", "</s>", "[TOOL_CALLS]", "[TOOL_RESULTS]"], "<s>", "</s>",
+                    metaspace=True)
+    tok.chat_template = NINE_CHAR_IDS
+    reader = reader_of(tok)
+    assert reader.call_id_length == 9 and llama.call_id_length is None
+    long_id = "call_" + "x" * 15 + "abcdefghi"
+    call = {"id": long_id, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": long_id, "content": "1"}])
+    text = reader.chat_text(body, [m.for_template() for m in body.messages])
+    assert "[TOOL_CALLS]abcdefghi" in text and "[TOOL_RESULTS]abcdefghi" in text
+    tools = ToolUse((ToolFunction(name="f"),), (), True, call_id_length=9)
+    _, [read] = tools.read_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert len(read["id"]) == 9 and read["id"].isalnum()
+    _, [openai] = dataclasses.replace(tools, call_id_length=None).read_calls(
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert openai["id"].startswith("call_") and len(openai["id"]) == 29
