@@ -80,12 +80,12 @@ def reserve_blocks(sessions: SessionStore, cache, length: int, start: int) -> No
                               f"holds ({pool.max_tokens} tokens)")
     needed = cache.missing(length, start)
     if needed > pool.free_units:  # only then are retired prefixes and sessions counted
-        spare = pool.free_units + pool.freed_by([*pool.retired.values(),
-                                                 *sessions.idle_caches()])
-        if needed > spare:
+        if not pool.frees(needed - pool.free_units, [*pool.retired.values(),
+                                                     *sessions.idle_caches()]):
             raise KVCacheFull(f"the KV cache needs {needed} more {pool.unit_name}, "
                               f"{pool.free_units} are free and the batch holds the rest")
-        while needed > pool.free_units + pool.evictable_units and sessions.evict_idle():
+        while not pool.frees(needed - pool.free_units, pool.retired.values()) and \
+                sessions.evict_idle():
             pass
     cache.reserve(length, start)
 

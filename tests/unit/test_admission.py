@@ -187,3 +187,35 @@ def test_the_test_sees_a_batch_whose_requests_are_evicted_while_it_runs(monkeypa
     """Mutant: the store forgets which requests the running batch holds."""
     monkeypatch.setattr(SessionStore, "batch", lambda self, ids: contextlib.nullcontext())
     assert not batch_beyond_the_session_bound_matches_alone("paged")
+
+
+class CountedRefs(list):
+    """A pool's reference counts that count their reads."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        CountedRefs.reads += 1
+        return super().__getitem__(index)
+
+
+def test_admission_at_a_pool_full_of_retired_prefixes_reads_only_what_it_evicts():
+    """A full pool whose units retired prefixes hold is the steady state of prefix caching:
+    a call that needs one more block gets the least recently retired cache's. Counting
+    every retired cache's units at each such admission took 15 ms on a pool of 28,000
+    blocks; counting until enough is found reads a cache or two."""
+    import torch
+
+    from engine.paged import BlockPool, PagedCache
+    from engine.scheduler import reserve_blocks
+
+    pool = BlockPool(1, 1001, 1, 8, torch.float32, "cpu")
+    while pool.free_units:
+        retired = PagedCache(pool)
+        retired.units, retired.length = pool.allocate(2), 32
+        pool.retire(retired)
+    pool.refs, CountedRefs.reads = CountedRefs(pool.refs), 0
+    live = PagedCache(pool)
+    reserve_blocks(SessionStore(8), live, 16, 0)
+    assert len(live.units) == 1 and len(pool.retired) == 499  # one cache evicted
+    assert CountedRefs.reads < 20  # the whole pool: 1,000 reads and more
