@@ -288,3 +288,16 @@ def test_an_idle_eviction_spares_the_sessions_of_the_running_batch():
     with store.batch(["a", "c"]):
         assert store.evict_idle() and list(store) == ["a", "c"]
         assert not store.evict_idle() and list(store) == ["a", "c"]
+
+
+def test_the_common_prefix_of_short_lists_is_found_at_every_length_and_difference():
+    """Every length up to 90 and every first difference: lengths just past the comparison's
+    strides (9 to 16, 73 to 80) put a stride's start between 1 and 8, where a difference
+    before it must still be found (trusting such a start gave a longer common prefix, a
+    cache kept past a token it does not hold, and passed every unit test)."""
+    for n in range(91):
+        a = list(range(n))
+        for at in range(n):
+            b = a[:at] + [-1] + a[at + 1:]
+            assert common_prefix_len(a, b) == common_prefix_len(b + [5], a) == at, (n, at)
+        assert common_prefix_len(a, a + [1, 2]) == n

@@ -157,3 +157,58 @@ def test_a_chain_is_refused_scores_without_one_entry_per_drafted_position():
     assert accept(block, exact, False, gen())[0].output_token_ids == (1, 2, 0)
     assert accept(DraftBlock((), None), TargetScores(target_token_ids=(5,)), True,
                   gen())[0].output_token_ids == (5,)
+
+
+def test_the_predrafted_token_meets_algorithm_1_draw_for_draw():
+    """accept_first_predrafted (the loop's pipelined bonus position: y1 drawn from q', tested
+    against p(K+1)) takes rejection_sample's coin and residual draw of a one-token round: y1
+    kept iff Algorithm 1 accepts it, else the same recovered token, from norm(max(0, p - q'))
+    (a rule tested against p alone, or with p and q' swapped, passed every unit test)."""
+    from speculative.rejection import accept_first_predrafted
+    from speculative.types import DraftDists
+
+    g = torch.Generator().manual_seed(11)
+    outcomes = set()
+    for seed in range(200):
+        q = torch.rand(6, generator=g).softmax(-1) if seed % 2 else \
+            torch.tensor([0.05, 0.4, 0.05, 0.3, 0.1, 0.1])
+        p = torch.tensor([0.3, 0.1, 0.25, 0.05, 0.2, 0.1])
+        y1 = int(torch.multinomial(q, 1, generator=g))
+        token, taken = accept_first_predrafted(y1, DraftDists.from_dense(q[None]),
+                                               DraftDists.from_dense(p[None]), gen(seed))
+        reference = rejection_sample([y1], q[None], torch.stack([p, p]), gen(seed))
+        assert (token, taken) == (reference.output_token_ids[0], reference.num_accepted == 1)
+        outcomes.add(taken)
+    assert outcomes == {True, False}  # both branches compared
+
+
+def test_a_nan_target_law_stays_nan_through_its_residual():
+    """A target row whose law is NaN (NaN or inf logits) has no residual: it keeps p, which
+    draws the index past the vocabulary that the verifier marks LAWLESS, never a token of the
+    draft's q (falling back to q there passed every unit test)."""
+    from speculative.sampling import sample_rows
+
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    p = torch.tensor([[float("nan")] * 3, [0.6, 0.3, 0.1]])
+    assert residual(p[0], q[0]).isnan().all()
+    rows = residual_rows(p, q)
+    assert rows[0].isnan().all()
+    torch.testing.assert_close(rows[1], torch.tensor([1.0, 0.0, 0.0]))
+    assert sample_rows(rows, gen()).tolist() == [3, 0]
+
+
+def test_a_sampled_tree_without_q_is_verified_by_matching_the_targets_draws():
+    """A model-free drafter's tree (no q) under sampling: the verifier's draws at each row
+    are followed down the tree, as greedy's argmaxes are (walking it with the acceptance
+    probabilities of a tree with q, which such scores do not hold, passed every unit
+    test)."""
+    from speculative.accept import accept
+    from speculative.tree import ROOT
+    from speculative.types import DraftBlock, TargetScores
+
+    block = DraftBlock((3, 5, 1, 2, 4), None, parents=(ROOT, ROOT, 0, 1, 1))
+    for draws, output in [((5, 9, 4, 9, 9, 0), (5, 4, 0)), ((3, 1, 9, 8, 9, 9), (3, 1, 8)),
+                          ((7, 9, 9, 9, 9, 9), (7,))]:
+        scores = TargetScores(target_token_ids=draws, tree_nodes=5)
+        outcome, _ = accept(block, scores, False, gen())
+        assert outcome.output_token_ids == output and outcome.num_accepted == len(output) - 1

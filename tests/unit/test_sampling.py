@@ -232,3 +232,42 @@ def test_top_p_cuts_at_one_minus_top_p_in_float32_as_vllm():
                   if 0.1000000015 < float(logits.softmax(-1)[0]) <= 0.100000024)
     probs = logits_to_probs(logits, SamplingParams(top_p=0.9))
     assert probs.tolist() == [0.0, 1.0]
+
+
+def test_top_p_drops_a_tail_of_exactly_one_minus_top_p_and_never_the_top_token():
+    """The cut is vLLM's and Hugging Face's: a sorted tail whose mass is <= 1 - top_p goes,
+    equality included (four equal logits at top_p 0.75 keep three); and a top_p so small
+    that 1 - top_p rounds to 1 in float32 still keeps the likeliest token, not an empty
+    (NaN) law (a strict cut, or none kept, passed every unit test)."""
+    probs = logits_to_probs(torch.zeros(4), SamplingParams(top_p=0.75))
+    assert probs[0] == 0 and probs[1:].tolist() == pytest.approx([1 / 3] * 3)
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(top_p=1e-9))
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert not probs.isnan().any() and probs[1].tolist().count(1.0) == 1
+
+
+def test_a_smaller_draft_vocabulary_is_padded_with_ids_it_never_draws():
+    """fit_vocab pads a draft's logits to the target's vocabulary at -inf: the padded ids
+    have q = 0, so the drafter never draws an id its own model cannot embed (padding with 0
+    gave them a share of q and passed every unit test); a larger one is cut."""
+    from speculative.sampling import fit_vocab
+
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    padded = fit_vocab(logits, 5)
+    probs = logits_to_probs(padded, SamplingParams())
+    assert probs[0, 3:].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(probs[0, :3], logits[0].softmax(-1))
+    assert fit_vocab(logits, 2).tolist() == [[1.0, 2.0]]
+
+
+def test_the_choices_of_a_seeded_request_get_distinct_seeds_that_repeat():
+    """derive_seeds: n choices of one seeded request draw from n distinct seeds (one seed
+    for all made the n samples one sample n times, which passed every unit test), the same
+    ones for the same seed, each a non-negative int64; an unseeded request stays unseeded."""
+    from speculative.sampling import derive_seeds
+
+    seeds = derive_seeds(5, 4)
+    assert len(set(seeds)) == 4 and seeds == derive_seeds(5, 4)
+    assert all(0 <= seed < 2 ** 63 for seed in seeds) and seeds != derive_seeds(6, 4)
+    assert derive_seeds(None, 3) == [None] * 3

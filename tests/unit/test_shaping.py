@@ -229,3 +229,47 @@ def test_min_tokens_holds_the_end_tokens_under_ignore_eos_too(tiny_pair_dir):
                                  ignore_eos=ignore_eos)
         sampling = asyncio.run(reader.read(body, chat=False)).sampling
         assert set(sampling.min_tokens_end_ids) == {*reader.end_ids, 7}, ignore_eos
+
+
+def test_the_bias_goes_in_before_the_penalties_as_vllms_sampler_orders_them():
+    """vLLM's sampler applies logit_bias (a logits processor that is not argmax-invariant)
+    before the penalties: a biased, seen token's logit is (logit + bias) / penalty when
+    positive, (logit + bias) x penalty when negative (the bias added after the penalty passed
+    every unit test)."""
+    logits = torch.tensor([[1.0, 0.5, -3.0, 2.0]])
+    params = SamplingParams(logit_bias=((0, 4.0), (2, 1.0)), repetition_penalty=2.0)
+    rows = shape_logits(logits, params, [0], [2])
+    torch.testing.assert_close(rows, torch.tensor([[2.5, 0.5, -4.0, 2.0]]))
+
+
+def test_the_committed_tokens_split_at_the_prompts_length():
+    """committed_history hands shaping the prompt as the committed tokens' first prompt_len
+    and the output as the rest, a draft's tokens after it: min_tokens and logit_bias read
+    the output's length from it (a split one token late held the end ids one token longer
+    and passed every unit test)."""
+    from types import SimpleNamespace
+
+    from speculative.shaping import committed_history
+
+    sequence = SimpleNamespace(committed=[1, 2, 3, 4, 5])
+    params = SamplingParams(min_tokens=3, min_tokens_end_ids=(2,))
+    history = committed_history(params, 3, sequence, [9])
+    assert history == {"prompt": [1, 2, 3], "output": [4, 5, 9]}
+    logits = torch.zeros(2, 4)
+    rows = shape_batch(logits, [Shaping(0, 2, params, drafted=[7], **history)])
+    assert rows[:, 2].tolist() == [0.0, 0.0]  # 3 output tokens already: nothing held
+    rows = shape_batch(logits, [Shaping(0, 2, params, drafted=[7],
+                                        **committed_history(params, 4, sequence))])
+    assert rows[:, 2].tolist() == [float("-inf"), float("-inf")]  # 1, then 2 tokens
+
+
+def test_min_tokens_masks_no_entry_for_an_end_id_past_the_vocabulary():
+    """An end id the logits' vocabulary does not hold (a smaller draft's) masks nothing:
+    held as the flat index row x V + id, an id equal to V was the next row's first entry
+    (and past the last row's), which passed every unit test."""
+    logits = torch.zeros(2, 4)
+    params = SamplingParams(min_tokens=5, min_tokens_end_ids=(4, 2))
+    rows = shape_logits(logits, params, [1], [], [3])
+    expected = torch.zeros(2, 4)
+    expected[:, 2] = float("-inf")
+    assert torch.equal(rows, expected)

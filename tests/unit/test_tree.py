@@ -265,3 +265,92 @@ def test_tree_scores_reads_nothing_back_to_the_host():
         accept, draws = tree_scores(TREE, draft, target, torch.Generator().manual_seed(0))
     assert reads.count == 0
     assert accept.shape == (5,) and draws.shape == (6,)
+
+
+def test_the_served_walk_ends_with_the_draw_of_the_row_it_stopped_at():
+    """accept_tree_drawn's last token is draws[1 + node] of the node the walk stopped at
+    (draws[0]: the root's): the recovered token there, or the bonus at a leaf (a draw read
+    from the row before, or always the root's, passed every unit test)."""
+    from speculative.tree import accept_tree_drawn
+
+    draws = [100, 101, 102, 103, 104, 105]  # rows: root, then nodes 0..4
+    cases = [  # (acceptance probability per node, output, accepted nodes): coins in [0, 1)
+        ((0, 0, 0, 0, 0), (100,), ()),
+        ((1, 0, 0, 0, 0), (3, 101), (0,)),
+        ((1, 0, 1, 0, 0), (3, 1, 103), (0, 2)),
+        ((0, 1, 0, 0, 0), (5, 102), (1,)),
+        ((0, 1, 0, 1, 0), (5, 2, 104), (1, 3)),
+        ((0, 1, 0, 0, 1), (5, 4, 105), (1, 4)),
+    ]
+    for accept, output, nodes in cases:
+        outcome = accept_tree_drawn(TREE, accept, draws, torch.Generator().manual_seed(0))
+        assert (outcome.round.output_token_ids, outcome.accepted_nodes) == (output, nodes)
+
+
+# root -> 0 (node 0) -> 2 (node 2), 3 (node 3), 1 (node 4); root -> 1 (node 1) -> 0 (node 5)
+WIDE = DraftTree(token_ids=(0, 1, 2, 3, 1, 0), parents=(ROOT, ROOT, 0, 0, 0, 1))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_served_walk_takes_the_reference_walks_path_coin_for_coin(seed):
+    """The verifier's tree_scores and the router's accept_tree_drawn, given accept_tree's
+    coins, accept the same nodes: each sibling tested against the residual of those before
+    it with q less them, and the first whose coin passes taken (a reference that kept q
+    whole after a rejected sibling, or a walk that went on past a passed sibling, passed
+    every unit test)."""
+    from speculative.tree import accept_tree_drawn, tree_scores
+
+    nodes, vocab = len(WIDE.token_ids), 4
+    target = random_rows(1 + nodes, vocab, seed)
+    law_at = random_rows(1 + nodes, vocab, seed + 50)  # q at the root, then after each node
+    per_node = torch.stack([law_at[parent + 1] for parent in WIDE.parents])  # tree_scores'
+    reference = accept_tree(WIDE, law_at, target, torch.Generator().manual_seed(seed))
+    accept, draws = tree_scores(WIDE, per_node, target, torch.Generator().manual_seed(0))
+    served = accept_tree_drawn(WIDE, accept.tolist(), draws.tolist(),
+                               torch.Generator().manual_seed(seed))
+    assert served.accepted_nodes == reference.accepted_nodes
+    assert served.round.output_token_ids[:-1] == reference.round.output_token_ids[:-1]
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_scores_give_the_targets_law_over_the_drafts_draws_of_the_siblings(width, seed,
+                                                                                monkeypatch):
+    """The exact law, enumerated: siblings drawn from q without replacement (every ordered
+    draw, weighted by its probability), each tested with tree_scores' acceptance
+    probability, the row's draw taken when all are rejected, give the first token p's law
+    exactly (one of q's entries 0 in the last case; three siblings take all of V)."""
+    import itertools
+
+    import speculative.tree as tree_module
+    from speculative.tree import tree_scores
+
+    vocab = 3
+    p = random_rows(1, vocab, seed)[0]
+    q = random_rows(1, vocab, seed + 20)[0]
+    if seed == 2:
+        q[1] = 0.0
+        q = q / q.sum()
+    drawn_rows = []
+    real = tree_module.sample_rows
+    monkeypatch.setattr(tree_module, "sample_rows", lambda rows, generator: (
+        drawn_rows.append(rows.clone()), real(rows, generator))[1])
+    law = torch.zeros(vocab, dtype=torch.float64)
+    for tokens in itertools.permutations(range(vocab), width):
+        weight, rest = 1.0, q.double()
+        for token in tokens:
+            if rest.sum() == 0:
+                break
+            weight, rest = weight * float(rest[token] / rest.sum()), rest.clone()
+            rest[token] = 0
+        if weight == 0:
+            continue
+        tree = DraftTree(tokens, (ROOT,) * width)
+        target = torch.cat([p[None], random_rows(width, vocab, seed + 40)])
+        accept, _ = tree_scores(tree, q.repeat(width, 1), target, torch.Generator())
+        reach = weight
+        for child, token in enumerate(tokens):
+            law[token] += reach * float(accept[child])
+            reach *= 1 - float(accept[child])
+        law += reach * drawn_rows[-1][0].double()
+    torch.testing.assert_close(law, p.double(), atol=1e-6, rtol=0)
