@@ -22,6 +22,7 @@ import grpc
 from deployments import auth, wire
 from deployments.health import Throttle
 from deployments.limits import Limits, message_size_options
+from deployments.placement import LoadBound
 from deployments.replica_stream import STREAMS, PoolError, ReplicaStream
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
@@ -67,11 +68,13 @@ class PoolClient:
 
     def __init__(self, proxy_channel: grpc.aio.Channel, stub_class, application: str,
                  timeout_s: float, direct: bool, streams: bool = True,
-                 options: list | None = None) -> None:
+                 options: list | None = None, bound: LoadBound | None = None) -> None:
         """streams: direct calls over one stream per replica (else one unary call each,
         kept for comparison: bench.serve_overhead); options: the direct channels'
-        (channel_options; default CHANNEL_OPTIONS)."""
+        (channel_options; default CHANNEL_OPTIONS); bound: how a prompt's prefix places
+        its first call (deployments.placement; default: by the prefix alone)."""
         self.stub_class, self.application = stub_class, application
+        self.bound = bound or LoadBound(None)
         self.options = CHANNEL_OPTIONS if options is None else options
         self.timeout_s, self.direct, self.streams = timeout_s, direct, streams
         self.proxy = stub_class(proxy_channel)
@@ -91,17 +94,48 @@ class PoolClient:
                 *auth.metadata())
 
     async def call(self, method: str, message, request_id: str, timeout_s: float | None = None,
-                   route_key: str | None = None):
+                   route_key: str | None = None, spill_key: str | None = None):
         """The pool's answer; PoolError when it fails or the deadline (the whole call's,
         proxy fallback included) passes. route_key: what the proxy's consistent hash places
-        an unpinned call by (default: the request id; prefix_route_key: its prompt's)."""
+        an unpinned call by (default: the request id; prefix_route_key: its prompt's);
+        spill_key: what it places a first call by that leaves its prefix's replica, full
+        (self.bound; default: the request id)."""
+        route_key = self.routes.get(request_id) or self.placed_by(request_id, route_key,
+                                                                  spill_key)
+        joining = request_id not in self.pins and self.bound.bounds(route_key)
+        if joining:  # counted against its prefix's replica until it is pinned
+            self.bound.joining[route_key] += 1
+        try:
+            return await self._call(method, message, request_id, timeout_s, route_key)
+        finally:
+            if joining:
+                self.bound.joining[route_key] -= 1
+                if not self.bound.joining[route_key]:
+                    del self.bound.joining[route_key]
+
+    def placed_by(self, request_id: str, route_key: str | None, spill_key: str | None) -> str:
+        """The key a request's first call is placed by: its route key, or, when its
+        prefix's replica is full, its spill key (and a pin on the replica it goes to when
+        the bound names one)."""
+        key = route_key or request_id
+        if self.direct:
+            spilled, address = self.bound.spill(key, self.pins)
+            if spilled:
+                key = spill_key or request_id
+            if address is not None:
+                self.pins[request_id] = address
+        self.routes[request_id] = key
+        return key
+
+    async def _call(self, method: str, message, request_id: str, timeout_s: float | None,
+                    route_key: str):
         loop = asyncio.get_running_loop()
         timeout_s = timeout_s or self.timeout_s
         deadline = loop.time() + timeout_s
-        route_key = self.routes.setdefault(request_id, route_key or request_id)
         address = self.pins.get(request_id)
         if address is None and (address := await self._placed_beside(route_key, deadline)):
-            self.pins[request_id] = address  # where the first call of its key landed
+            # where the first call of its key landed (unless that replica is full: self.bound)
+            self.pins[request_id] = address = self.bound.beside(route_key, address, self.pins)
         if address is not None:
             try:
                 return await self._direct(address, method, message, deadline - loop.time())
@@ -127,6 +161,7 @@ class PoolClient:
                 placed.set_result(address)
         if address is not None:
             self.pins[request_id] = address
+            self.bound.landed(route_key, address)
         return response
 
     async def _placed_beside(self, route_key: str, deadline: float) -> str | None:
@@ -253,6 +288,7 @@ class PoolClient:
         for key in [key for key in self._streams if key[0] == address]:
             self._streams.pop(key).close()
         self._channels.pop(address, None)
+        self.bound.forget(address)
 
 
 ROUTE_PREFIX_TOKENS = 32  # two KV blocks: a shared prompt start worth placing together
@@ -301,9 +337,9 @@ class GrpcDrafter:
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
                  direct: bool = True, draft_timeout_s: float | None = None,
                  streams: bool = True, prefix_tokens: int = ROUTE_PREFIX_TOKENS,
-                 options: list | None = None) -> None:
+                 options: list | None = None, bound: LoadBound | None = None) -> None:
         self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct,
-                               streams, options)
+                               streams, options, bound)
         self.draft_timeout_s = draft_timeout_s or timeout_s
         self.prefix_tokens = prefix_tokens
         self.failures = FailureLog(f"calls to the drafter app {application!r} failed or "
@@ -317,7 +353,8 @@ class GrpcDrafter:
                                             None if call.sampling.seeded else
                                             self.draft_timeout_s,
                                             prefix_route_key(call.request_id, call.sync,
-                                                             self.prefix_tokens, call.placement))
+                                                             self.prefix_tokens, call.placement),
+                                            call.placement or None)
         except PoolUnavailable as error:
             self.failures.failure(error)
             raise
@@ -337,9 +374,10 @@ class GrpcDrafter:
 class GrpcVerifier:
     def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
                  direct: bool = True, streams: bool = True,
-                 prefix_tokens: int = ROUTE_PREFIX_TOKENS, options: list | None = None) -> None:
+                 prefix_tokens: int = ROUTE_PREFIX_TOKENS, options: list | None = None,
+                 bound: LoadBound | None = None) -> None:
         self.pool = PoolClient(channel, pb_grpc.VerifierStub, application, timeout_s, direct,
-                               streams, options)
+                               streams, options, bound)
         self.prefix_tokens = prefix_tokens
 
     async def score(self, call: ScoreCall) -> TargetScores:
@@ -347,7 +385,7 @@ class GrpcVerifier:
         response = await self.pool.call("Score", message, call.request_id,
                                         route_key=prefix_route_key(
                                             call.request_id, call.sync, self.prefix_tokens,
-                                            call.placement))
+                                            call.placement), spill_key=call.placement or None)
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
         return wire.scores_from_proto(response, message.ByteSize() + response.ByteSize())

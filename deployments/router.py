@@ -11,6 +11,7 @@ tokenizer endpoints read prompts as requests do (deployments.tokenize_api).
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import importlib.metadata
 import uuid
@@ -40,6 +41,7 @@ from deployments.local_drafters import OffLoop
 from deployments.logprobs import token_bytes_of
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.placement import LoadBound, running_replicas
 from deployments.prompts import PromptReader
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.tokenize_api import (
@@ -153,12 +155,21 @@ class Router:
             timeout = self.args.call_timeout_s
             direct, streams = self.args.direct_data_path, self.args.direct_streams
             placed_by = self.args.prefix_affinity_tokens
+            drafters, verifiers = (self.load_bound(self.args.drafter_app),
+                                   self.load_bound(self.args.verifier_app))
             self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct,
                                         self.args.draft_timeout_s, streams, placed_by,
-                                        self.channel_options)
+                                        self.channel_options, drafters)
             self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout,
-                                          direct, streams, placed_by, self.channel_options)
+                                          direct, streams, placed_by, self.channel_options,
+                                          verifiers)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
+
+    def load_bound(self, application: str) -> LoadBound:
+        """How requests of a hot prefix spread over a pool's replicas (deployments.placement),
+        the pool's replica count read from Serve."""
+        return LoadBound(self.args.prefix_affinity_load_factor,
+                         functools.partial(running_replicas, application))
 
     def memory(self) -> dict:
         """This replica's resident memory (MB) and admitted choices (for the soak)."""

@@ -319,7 +319,7 @@ class SessionStore:
 
     def idle_caches(self) -> list:
         """The pool caches of the sessions outside the running batch (what evict_idle could
-        give back, with the retired caches that share their units: UnitPool.freed_by)."""
+        give back, with the retired caches that share their units: UnitPool.frees)."""
         return [sequence.cache for request_id, sequence in self._sequences.items()
                 if request_id not in self.serving and sequence.cache is not None
                 and sequence.cache.pool is not None]

@@ -346,7 +346,7 @@ def test_a_seeded_sampled_draft_waits_as_long_as_a_verify(monkeypatch):
     drafter = clients.GrpcDrafter(None, "drafter", timeout_s=30.0, draft_timeout_s=0.05)
     deadlines = []
 
-    async def call(method, message, request_id, timeout_s=None, route_key=None):
+    async def call(method, message, request_id, timeout_s=None, route_key=None, spill_key=None):
         deadlines.append(timeout_s or drafter.pool.timeout_s)  # as PoolClient.call reads it
         raise PoolError("drafter", grpc.StatusCode.UNAVAILABLE, "gone")
 
@@ -383,7 +383,7 @@ def test_a_drafters_q_unlike_its_tokens_costs_the_draft_not_the_request(monkeypa
     q = DraftDists.from_dense(torch.full((rows, 16), 1 / 16))
     answer = wire.block_to_proto(DraftBlock(tokens, q))
 
-    async def call(method, message, request_id, timeout_s=None, route_key=None):
+    async def call(method, message, request_id, timeout_s=None, route_key=None, spill_key=None):
         return answer
 
     monkeypatch.setattr(drafter.pool, "call", call)
@@ -405,7 +405,7 @@ def test_a_drafter_whose_calls_keep_failing_is_said_in_the_log_at_most_once_a_mi
     now = [100.0]
     drafter.failures.clock = lambda: now[0]
 
-    async def call(method, message, request_id, timeout_s=None, route_key=None):
+    async def call(method, message, request_id, timeout_s=None, route_key=None, spill_key=None):
         raise PoolError("drafter", grpc.StatusCode.NOT_FOUND, "no application 'drafterr'")
 
     monkeypatch.setattr(drafter.pool, "call", call)

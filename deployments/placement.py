@@ -1,0 +1,128 @@
+"""Bounded-load placement by prompt prefix: consistent hashing with bounded loads (Mirrokni,
+Thorup and Zadimoghaddam, 2018), over the requests one router has placed on a pool.
+
+A request's first call is placed by the hash of its prompt's start (clients.prefix_route_key),
+so that requests that start alike share a replica's prefix cache. Alone, that puts every
+request of a hot prefix (an app's fixed system prompt) on one replica, and replicas added to
+the pool take none of them. Here a first call goes to its prefix's replica (its home: where
+the prefix's last first call landed) only while that replica holds fewer than
+
+    capacity = ceil(load_factor * (requests held + 1) / replicas)
+
+of this router's requests, the calls still waiting for their placement counted; past it the
+request spills: straight to the least loaded replica when every replica of the pool has
+answered this router once, else through Serve's proxy by its own key (the hash ring then
+places it as any request, and the replica that answers becomes known). With one replica
+nothing spills. The pool's replica count comes from Serve (`serve.status()`, at most once
+every REFRESH_S, off the event loop); until it is known, the replicas seen stand for it.
+"""
+
+import asyncio
+import math
+from collections import Counter, OrderedDict
+
+PREFIX = "prefix-"  # the route keys placed by a prompt's start (clients.prefix_route_key)
+HOMES_KEPT = 4096  # prefixes whose replica is remembered, the least recently placed dropped
+REFRESH_S = 10.0
+
+
+class LoadBound:
+    def __init__(self, load_factor: float | None, count=None) -> None:
+        """load_factor: None places by prefix alone (no bound); count: a function giving the
+        pool's running replicas (None where unknown), run on a thread."""
+        self.load_factor, self.count = load_factor, count
+        self.replicas: int | None = None
+        self.counted_at = -math.inf
+        self._counting: asyncio.Task | None = None
+        self.homes: OrderedDict[str, str] = OrderedDict()  # prefix key -> replica address
+        self.known: dict[str, None] = {}  # the replicas that answered, in order seen
+        self.joining: Counter[str] = Counter()  # prefix key -> first calls not yet pinned
+
+    def bounds(self, key: str) -> bool:
+        return self.load_factor is not None and key.startswith(PREFIX)
+
+    def capacity(self, pins: dict[str, str], placing: int = 1) -> int:
+        """ceil(load_factor x requests held / replicas), with the calls not yet pinned and
+        `placing` more (the call being placed, when not among them)."""
+        held = len(pins) + sum(self.joining.values()) + placing
+        replicas = max(self.replicas or 0, len(self.known), 1)
+        return math.ceil(self.load_factor * held / replicas)
+
+    def spill(self, key: str, pins: dict[str, str]) -> tuple[bool, str | None]:
+        """(whether a first call of route key `key` leaves its prefix's replica, and the
+        replica it goes to directly: None through the proxy by its own key)."""
+        if not self.bounds(key):
+            return False, None
+        self.refresh()
+        home = self.homes.get(key)
+        if home is None:  # where the prefix lands is not known yet: the proxy says (beside)
+            return False, None
+        loads = Counter(pins.values())
+        capacity = self.capacity(pins)
+        if loads[home] + self.joining[key] < capacity:
+            return False, None
+        if len(self.known) < (self.replicas or 0):
+            return True, None  # a replica this router has not met: Serve's ring finds it
+        least = self.least_loaded(home, loads, capacity)
+        return (least is not None), least
+
+    def beside(self, key: str, address: str, pins: dict[str, str]) -> str:
+        """Where a first call that waited for its prefix's placement goes: the replica the
+        prefix landed on while it holds fewer than its capacity (the calls still waiting
+        counted), else the least loaded of the others."""
+        if not self.bounds(key):
+            return address
+        loads = Counter(pins.values())
+        capacity = self.capacity(pins, placing=0)  # this call is among those joining
+        if loads[address] < capacity:
+            return address
+        return self.least_loaded(address, loads, capacity) or address
+
+    def least_loaded(self, home: str, loads: Counter, capacity: int) -> str | None:
+        """The known replica other than home with the fewest requests, if under capacity."""
+        others = [address for address in self.known if address != home]
+        least = min(others, key=loads.__getitem__, default=None)
+        return least if least is not None and loads[least] < capacity else None
+
+    def landed(self, key: str, address: str) -> None:
+        """A call placed through the proxy by `key` landed on `address`."""
+        self.known[address] = None
+        if self.bounds(key):
+            self.homes[key] = address
+            self.homes.move_to_end(key)
+            while len(self.homes) > HOMES_KEPT:
+                self.homes.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        """A replica gone: neither a home nor a replica to spill to."""
+        self.known.pop(address, None)
+        for key in [key for key, home in self.homes.items() if home == address]:
+            del self.homes[key]
+
+    def refresh(self) -> None:
+        """Ask for the replica count in the background when it is older than REFRESH_S."""
+        loop = asyncio.get_running_loop()
+        if self.count is None or self._counting is not None or \
+                loop.time() - self.counted_at < REFRESH_S:
+            return
+        self._counting = loop.create_task(self._recount())
+
+    async def _recount(self) -> None:
+        try:
+            self.replicas = await asyncio.to_thread(self.count)
+        except Exception:  # Serve's status unreadable: the replicas seen stand for it
+            self.replicas = None
+        finally:
+            self.counted_at = asyncio.get_running_loop().time()
+            self._counting = None
+
+
+def running_replicas(application: str) -> int | None:
+    """The running replicas of a Serve application's deployments (a pool's one)."""
+    from ray import serve
+
+    status = serve.status().applications.get(application)
+    if status is None:
+        return None
+    return sum(deployment.replica_states.get("RUNNING", 0)
+               for deployment in status.deployments.values()) or None
