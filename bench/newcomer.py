@@ -54,10 +54,10 @@ def start(config_path: Path, port: int) -> tuple[subprocess.Popen, float]:
 
 
 @contextlib.contextmanager
-def fresh_serve_run():
-    """(port, seconds until it answered) of `serve run cluster/config.yaml` on free ports,
-    started fresh and stopped after by its process group."""
-    config = on_free_ports(load_config())
+def fresh_serve_run(config: dict | None = None):
+    """(port, seconds until it answered) of `serve run cluster/config.yaml` (or of `config`)
+    on free ports, started fresh and stopped after by its process group."""
+    config = on_free_ports(config or load_config())
     port = config["http_options"]["port"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"

@@ -22,7 +22,7 @@ import grpc
 from deployments import auth, wire
 from deployments.health import Throttle
 from deployments.limits import Limits, message_size_options
-from deployments.placement import LoadBound
+from deployments.placement import ROUTE_PREFIX_TOKENS, LoadBound, prefix_route_key
 from deployments.replica_stream import STREAMS, PoolError, ReplicaStream
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
@@ -35,7 +35,6 @@ from speculative.types import (
     ScoreCall,
     StaleBase,
     TargetScores,
-    prefix_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -85,6 +84,9 @@ class PoolClient:
         # route key -> the replica address a first call of that key now going through the
         # proxy will name (None if it fails): the key's other first calls wait for it
         self.placing: dict[str, asyncio.Future] = {}
+        # spill key (a request's choices share it) -> (route key, replica or None) its first
+        # choice's first call went by, once that call ends: the others wait for it (_follow)
+        self.choices: dict[str, asyncio.Future] = {}
         self._releasing: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[tuple[str, str], ReplicaStream] = {}
@@ -99,19 +101,25 @@ class PoolClient:
         proxy fallback included) passes. route_key: what the proxy's consistent hash places
         an unpinned call by (default: the request id; prefix_route_key: its prompt's);
         spill_key: what it places a first call by that leaves its prefix's replica, full
-        (self.bound; default: the request id)."""
+        (self.bound; default: the request id), which the choices of one request share: the
+        first of them is placed, the others follow it (routes and replica)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self.timeout_s)
+        first = None
+        if request_id not in self.routes and self.direct and spill_key is not None:
+            if spill_key in self.choices:  # another choice of its request is being placed
+                await self._follow(request_id, self.choices[spill_key], deadline)
+            else:
+                first = self.choices[spill_key] = loop.create_future()
         route_key = self.routes.get(request_id) or self.placed_by(request_id, route_key,
                                                                   spill_key)
-        joining = request_id not in self.pins and self.bound.bounds(route_key)
-        if joining:  # counted against its prefix's replica until it is pinned
-            self.bound.joining[route_key] += 1
         try:
-            return await self._call(method, message, request_id, timeout_s, route_key)
+            return await self._call(method, message, request_id, deadline, route_key,
+                                    spill_key or request_id)
         finally:
-            if joining:
-                self.bound.joining[route_key] -= 1
-                if not self.bound.joining[route_key]:
-                    del self.bound.joining[route_key]
+            if first is not None:
+                del self.choices[spill_key]
+                first.set_result((route_key, self.pins.get(request_id)))
 
     def placed_by(self, request_id: str, route_key: str | None, spill_key: str | None) -> str:
         """The key a request's first call is placed by: its route key, or, when its
@@ -127,15 +135,32 @@ class PoolClient:
         self.routes[request_id] = key
         return key
 
-    async def _call(self, method: str, message, request_id: str, timeout_s: float | None,
-                    route_key: str):
+    async def _follow(self, request_id: str, first: asyncio.Future, deadline: float) -> None:
+        """Place a choice as the first of its request's choices was (its route key, and its
+        replica: the prompt is then a prefix hit there, not one prefill a replica) once
+        that one's call has ended; on its own when it outlasts the deadline."""
+        left = max(0.0, deadline - asyncio.get_running_loop().time())
+        done, _ = await asyncio.wait([first], timeout=left)  # not wait_for: _placed_beside
+        if done:
+            self.routes[request_id], address = first.result()
+            if address is not None:
+                self.pins[request_id] = address
+
+    async def _call(self, method: str, message, request_id: str, deadline: float,
+                    route_key: str, spill_key: str):
         loop = asyncio.get_running_loop()
-        timeout_s = timeout_s or self.timeout_s
-        deadline = loop.time() + timeout_s
         address = self.pins.get(request_id)
-        if address is None and (address := await self._placed_beside(route_key, deadline)):
-            # where the first call of its key landed (unless that replica is full: self.bound)
-            self.pins[request_id] = address = self.bound.beside(route_key, address, self.pins)
+        if address is None:
+            with self.bound.joined(route_key):  # counted until pinned
+                if address := await self._placed_beside(route_key, deadline):
+                    # where the first call of its key landed, unless that replica is full:
+                    # then the least loaded, or one not met yet through the proxy (None)
+                    await self.bound.counted(deadline)
+                    address = self.bound.beside(route_key, address, self.pins)
+                    if address is None:
+                        route_key = self.routes[request_id] = spill_key
+                    else:
+                        self.pins[request_id] = address
         if address is not None:
             try:
                 return await self._direct(address, method, message, deadline - loop.time())
@@ -144,12 +169,18 @@ class PoolClient:
                     raise
                 self.pins.pop(request_id, None)
                 self._forget(address)  # a dead replica: new pins open a new channel
-                timeout_s = deadline - loop.time()
-                if timeout_s <= 0:
+                if deadline - loop.time() <= 0:
                     raise
+        with self.bound.joined(route_key):
+            return await self._placed(method, message, request_id, deadline, route_key)
+
+    async def _placed(self, method: str, message, request_id: str, deadline: float,
+                      route_key: str):
+        """Through the proxy, pinned where it lands; the other first calls of its key wait
+        for it (_placed_beside)."""
         placed = None
         if self.direct and route_key not in self.placing:  # the others of its key wait
-            placed = self.placing[route_key] = loop.create_future()
+            placed = self.placing[route_key] = asyncio.get_running_loop().create_future()
         address = None
         try:
             response = await self._through_proxy(method, message, route_key, deadline)
@@ -273,14 +304,17 @@ class PoolClient:
     def _ended(self, stream: ReplicaStream) -> None:
         """A stream that broke is dropped (one whose replica was scaled down while no call
         was waiting on it was kept for good), and, when its replica is gone, the replica's
-        channel once no stream of it is left. A stream only refused (busy, say) keeps the
-        channel, and the replica's other stream stays: the next call opens a new one."""
+        place in self.bound and its channel once no stream of it is left. A stream only
+        refused (busy, say) keeps the channel, and the replica's other stream stays: the
+        next call opens a new one."""
         gone = stream.broken is None or stream.broken.code == grpc.StatusCode.UNAVAILABLE
         for key, held in list(self._streams.items()):
             if held is stream:
                 del self._streams[key]
-                if gone and not any(address == key[0] for address, _ in self._streams):
-                    self._channels.pop(key[0], None)
+                if gone:  # no replica to spill to (the least loaded: it holds none)
+                    self.bound.forget(key[0])
+                    if not any(address == key[0] for address, _ in self._streams):
+                        self._channels.pop(key[0], None)
 
     def _forget(self, address: str) -> None:
         """Drop a dead replica's streams and channel (the channel closes when the last
@@ -289,24 +323,6 @@ class PoolClient:
             self._streams.pop(key).close()
         self._channels.pop(address, None)
         self.bound.forget(address)
-
-
-ROUTE_PREFIX_TOKENS = 32  # two KV blocks: a shared prompt start worth placing together
-
-
-def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS,
-                     placement: str = "") -> str:
-    """What a call that carries a whole prompt is placed by: the hash of its first `tokens`
-    tokens, so requests that start alike land on the replica that holds that prefix in its
-    cache (a hint: any replica answers exactly; the call's later calls go to the replica it
-    landed on, pinned); a shorter prompt (or every prompt when tokens is 0): `placement`,
-    which the choices of one HTTP request share, else the request id. Other calls: the
-    request id."""
-    if sync.known_len != 0:
-        return request_id
-    if tokens <= 0 or len(sync.new_token_ids) < tokens:
-        return placement or request_id
-    return f"prefix-{prefix_hash(list(sync.new_token_ids[:tokens])):x}"
 
 
 # a drafter whose calls keep failing (its app down or misnamed, its pool full, its drafts

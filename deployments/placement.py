@@ -1,7 +1,7 @@
 """Bounded-load placement by prompt prefix: consistent hashing with bounded loads (Mirrokni,
 Thorup and Zadimoghaddam, 2018), over the requests one router has placed on a pool.
 
-A request's first call is placed by the hash of its prompt's start (clients.prefix_route_key),
+A request's first call is placed by the hash of its prompt's start (prefix_route_key),
 so that requests that start alike share a replica's prefix cache. Alone, that puts every
 request of a hot prefix (an app's fixed system prompt) on one replica, and replicas added to
 the pool take none of them. Here a first call goes to its prefix's replica (its home: where
@@ -18,12 +18,33 @@ every REFRESH_S, off the event loop); until it is known, the replicas seen stand
 """
 
 import asyncio
+import contextlib
+import logging
 import math
 from collections import Counter, OrderedDict
 
-PREFIX = "prefix-"  # the route keys placed by a prompt's start (clients.prefix_route_key)
+from speculative.types import prefix_hash
+
+log = logging.getLogger("ray.serve")
+PREFIX = "prefix-"  # the route keys placed by a prompt's start (prefix_route_key)
+ROUTE_PREFIX_TOKENS = 32  # two KV blocks: a shared prompt start worth placing together
 HOMES_KEPT = 4096  # prefixes whose replica is remembered, the least recently placed dropped
 REFRESH_S = 10.0
+
+
+def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS,
+                     placement: str = "") -> str:
+    """What a call that carries a whole prompt is placed by: the hash of its first `tokens`
+    tokens, so requests that start alike land on the replica that holds that prefix in its
+    cache (a hint: any replica answers exactly; the call's later calls go to the replica it
+    landed on, pinned); a shorter prompt (or every prompt when tokens is 0): `placement`,
+    which the choices of one HTTP request share, else the request id. Other calls: the
+    request id."""
+    if sync.known_len != 0:
+        return request_id
+    if tokens <= 0 or len(sync.new_token_ids) < tokens:
+        return placement or request_id
+    return f"{PREFIX}{prefix_hash(list(sync.new_token_ids[:tokens])):x}"
 
 
 class LoadBound:
@@ -32,6 +53,7 @@ class LoadBound:
         pool's running replicas (None where unknown), run on a thread."""
         self.load_factor, self.count = load_factor, count
         self.replicas: int | None = None
+        self.read = True  # whether the last count was read (a failure is logged once)
         self.counted_at = -math.inf
         self._counting: asyncio.Task | None = None
         self.homes: OrderedDict[str, str] = OrderedDict()  # prefix key -> replica address
@@ -40,6 +62,21 @@ class LoadBound:
 
     def bounds(self, key: str) -> bool:
         return self.load_factor is not None and key.startswith(PREFIX)
+
+    @contextlib.contextmanager
+    def joined(self, key: str):
+        """A first call of route key `key` waiting for its placement, counted against its
+        prefix's replica until it is pinned (then its pin counts it: never both)."""
+        if not self.bounds(key):
+            yield
+            return
+        self.joining[key] += 1
+        try:
+            yield
+        finally:
+            self.joining[key] -= 1
+            if not self.joining[key]:
+                del self.joining[key]
 
     def capacity(self, pins: dict[str, str], placing: int = 1) -> int:
         """ceil(load_factor x requests held / replicas), with the calls not yet pinned and
@@ -66,16 +103,19 @@ class LoadBound:
         least = self.least_loaded(home, loads, capacity)
         return (least is not None), least
 
-    def beside(self, key: str, address: str, pins: dict[str, str]) -> str:
+    def beside(self, key: str, address: str, pins: dict[str, str]) -> str | None:
         """Where a first call that waited for its prefix's placement goes: the replica the
         prefix landed on while it holds fewer than its capacity (the calls still waiting
-        counted), else the least loaded of the others."""
+        counted), else the least loaded of the others, or None (through the proxy by its
+        own key) while the pool has replicas this router has not met."""
         if not self.bounds(key):
             return address
         loads = Counter(pins.values())
         capacity = self.capacity(pins, placing=0)  # this call is among those joining
         if loads[address] < capacity:
             return address
+        if len(self.known) < (self.replicas or 0):
+            return None
         return self.least_loaded(address, loads, capacity) or address
 
     def least_loaded(self, home: str, loads: Counter, capacity: int) -> str | None:
@@ -99,6 +139,14 @@ class LoadBound:
         for key in [key for key, home in self.homes.items() if home == address]:
             del self.homes[key]
 
+    async def counted(self, deadline: float) -> None:
+        """Wait, within the deadline, for a replica count being read (a burst's calls that
+        waited for their prefix's first placement would else be bounded by the replicas
+        seen, one)."""
+        if self._counting is not None:
+            left = deadline - asyncio.get_running_loop().time()
+            await asyncio.wait([self._counting], timeout=max(0.0, left))
+
     def refresh(self) -> None:
         """Ask for the replica count in the background when it is older than REFRESH_S."""
         loop = asyncio.get_running_loop()
@@ -110,8 +158,12 @@ class LoadBound:
     async def _recount(self) -> None:
         try:
             self.replicas = await asyncio.to_thread(self.count)
-        except Exception:  # Serve's status unreadable: the replicas seen stand for it
-            self.replicas = None
+            self.read = True
+        except Exception as error:  # Serve's status unreadable: the replicas seen stand for it
+            if self.read:  # said when it starts failing, not every REFRESH_S
+                log.warning("the pool's replica count is unreadable (%s): requests of a hot "
+                            "prefix are bounded by the replicas this router has met", error)
+            self.replicas, self.read = None, False
         finally:
             self.counted_at = asyncio.get_running_loop().time()
             self._counting = None

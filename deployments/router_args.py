@@ -157,7 +157,8 @@ class RouterArgs(BaseModel):
     prefix_affinity_tokens: int = Field(default=32, ge=0)
     # ...while that replica holds fewer than this factor times its share of the requests
     # this router has on the pool (bounded-load hashing: deployments.placement); beyond, a
-    # request goes to the least loaded replica. None: by the prefix alone, however many
+    # request goes to the least loaded replica. None (or direct_data_path false): by the
+    # prefix alone, however many
     prefix_affinity_load_factor: float | None = Field(default=1.25, ge=1)
     # admission: choices (n counts) running at once in this replica; beyond it a request
     # gets 429 with Retry-After at once instead of queueing. Keep replicas x this within

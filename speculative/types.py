@@ -94,7 +94,7 @@ class ProposeCall:
     # the router learns the next call's (speculative.confidence)
     draft_confidence: float | None = None
     # what a call carrying a whole short prompt is placed by, beside the calls of the other
-    # choices of its HTTP request (deployments.clients.prefix_route_key); not on the wire
+    # choices of its HTTP request (deployments.placement.prefix_route_key); not on the wire
     placement: str = ""
 
 

@@ -11,6 +11,7 @@ import pytest
 from deployments import auth, placement
 from deployments.clients import PoolClient
 from deployments.placement import LoadBound
+from tests.unit.test_ingress import Records
 
 HOT = "prefix-abc"  # the route key of a prompt start every request shares
 
@@ -106,6 +107,18 @@ def test_first_calls_waiting_for_their_placement_count_against_the_replica():
     assert first_calls(unbounded, 16, together=True) == {"a:1": 16}
 
 
+def test_a_first_burst_waits_for_the_replica_count_and_finds_the_replicas_not_met():
+    """The router's first burst of one prefix: no replica known, the count being read. The
+    calls waiting for the prefix's first placement wait for the count too, and those beyond
+    the bound cross the proxy by their own keys (Serve's ring), meeting the other replica;
+    before, all 16 followed the first to its replica."""
+    ring = Ring(others=("b:1",))
+    pool, _ = pool_of(LoadBound(1.25, lambda: 2), ring)
+    loads = first_calls(pool, 16, together=True)
+    assert loads["a:1"] <= 10 and loads["b:1"] >= 6 and "b:1" in pool.bound.known
+    assert pool.bound.replicas == 2 and any(not key.startswith(HOT) for key in ring.keys)
+
+
 def test_released_requests_free_their_replica_and_a_gone_one_is_forgotten():
     pool, _ = pool_of(known(2, "a:1", "b:1"), Ring())
     first_calls(pool, 8)
@@ -147,3 +160,89 @@ def test_a_load_factor_below_one_is_refused(factor):
 
     with pytest.raises(ValidationError, match="prefix_affinity_load_factor"):
         RouterArgs(prefix_affinity_load_factor=factor)
+
+
+def test_a_call_pinned_beside_its_keys_first_call_is_counted_once():
+    """Four first calls of a hot prefix at once land on a:1, the three that waited pinned
+    beside the first while their prefill runs: counted by their pins only (counted among
+    those joining too, a:1 looked 7 of 20 held and a fifth request spilled from it while
+    every replica held 4)."""
+    bound = known(4, "a:1", "b:1", "c:1", "d:1")
+    pool, _ = pool_of(bound, Ring())
+    pool.pins.update({f"old{i}": address for i, address in enumerate(["b:1", "c:1", "d:1"] * 4)})
+
+    async def prefill(address, method, message, timeout_s):
+        await asyncio.sleep(0.1)
+
+    pool._direct = prefill
+
+    async def main():
+        calls = [asyncio.create_task(pool.call("Score", i, f"r{i}", route_key=HOT))
+                 for i in range(4)]
+        await asyncio.sleep(0.05)  # r0 landed on a:1, r1-r3 pinned there in their prefill
+        assert Counter(pool.pins.values())["a:1"] == 4
+        assert bound.spill(HOT, pool.pins) == (False, None)  # 4 < ceil(1.25 x 17 / 4)
+        assert not bound.joining
+        await asyncio.gather(*calls)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("held", [0, 2])
+def test_the_choices_of_one_request_are_placed_together(held):
+    """One request's n = 4 choices start at once: the first is placed (by its prefix, or
+    spilled), the others follow it to its replica once it has answered, a prefix hit there,
+    instead of each going to the least loaded replica and prefilling the prompt there."""
+    ring = Ring()
+    pool, direct = pool_of(known(4, "a:1", "b:1", "c:1", "d:1"), ring)
+    pool.bound.landed(HOT, "a:1")
+    pool.pins.update({f"old{i}": "a:1" for i in range(held)})
+
+    async def prefill(address, method, message, timeout_s):
+        direct.append(address)
+        await asyncio.sleep(0.001)
+
+    async def main():
+        await asyncio.gather(*[pool.call("Score", i, f"h-{i}", route_key=HOT, spill_key="h")
+                               for i in range(4)])
+
+    pool._direct = prefill
+    asyncio.run(main())
+    choices = {pool.pins[f"h-{i}"] for i in range(4)}
+    assert len(choices) == 1 and (choices != {"a:1"} if held else choices == {"a:1"})
+    assert not pool.choices and len(ring.keys) == (0 if held else 1)
+
+
+def test_a_replica_whose_streams_ended_is_not_spilled_to():
+    """A replica scaled down ends its streams (UNAVAILABLE): it holds none of the router's
+    requests, so kept as known it was the least loaded, and every spill went to it."""
+    pool, _ = pool_of(known(3, "a:1", "b:1", "c:1"), Ring())
+    pool.bound.landed(HOT, "a:1")
+    pool.pins.update({"r0": "a:1", "r1": "a:1", "r2": "b:1"})
+    gone = SimpleNamespace(broken=None)  # a stream that ended
+    pool._streams["c:1", "Score"] = gone
+
+    async def main():
+        pool._ended(gone)
+        return pool.bound.spill(HOT, pool.pins)
+
+    assert asyncio.run(main()) == (True, None)  # found through the proxy, not c:1
+    assert "c:1" not in pool.bound.known
+
+
+def test_an_unreadable_replica_count_is_said_once_and_the_replicas_met_stand_for_it():
+    def unreadable():
+        raise RuntimeError("no controller")
+
+    bound = LoadBound(1.25, unreadable)
+
+    async def main():
+        for _ in range(3):
+            bound.counted_at = -float("inf")  # due again
+            bound.refresh()
+            await bound.counted(asyncio.get_running_loop().time() + 5)
+
+    with Records() as records:  # Serve's logger, which need not propagate to pytest's
+        asyncio.run(main())
+    assert bound.replicas is None and not bound.read
+    assert [r.getMessage().count("unreadable") for r in records] == [1]
