@@ -57,8 +57,9 @@ class ContinuousBatcher:
         self.idle = idle
         self.key, self.linger = key, linger if key is not None else 0.0
         self.returning: set = set()  # requests answered by the last batch, not back yet
-        self.ended: set = set()  # released since the last batch, or calls of them still wait
+        self.ended: set = set()  # released while calls of theirs wait or run
         self.withdrawn: dict = {}  # request -> the answer its calls in the running batch get
+        self.running: list = []  # the running batch's calls
         self.last_run_s = 0.0
         self.waiting: list[tuple[object, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
@@ -96,8 +97,9 @@ class ContinuousBatcher:
                 batch, self.waiting = live[:self.max_batch_size], live[self.max_batch_size:]
                 started, ran = time.perf_counter(), True
                 self.withdrawn = {}  # (what withdraw() says while this batch runs)
+                self.running = [call for call, _ in batch]
                 try:
-                    answers = await self.run([call for call, _ in batch])
+                    answers = await self.run(self.running)
                 except Exception as error:  # the whole batch failed: every caller learns why
                     error = without_frames(error)
                     for _, future in batch:
@@ -106,6 +108,7 @@ class ContinuousBatcher:
                     continue
                 finally:
                     self.last_run_s = time.perf_counter() - started
+                    self.running = []
                 again, withdrawn = [], self.withdrawn
                 for (call, future), answer in zip(batch, answers):
                     if self.unfinished(answer) and withdrawn and self.key(call) in withdrawn:
@@ -159,21 +162,30 @@ class ContinuousBatcher:
             return set()
         return self.returning - {self.key(call) for call, _ in self.waiting}
 
-    def withdraw(self, key, answer) -> None:
+    def withdraw(self, key, answer) -> bool:
         """Answer `answer` to the calls of request `key` that wait (and to those of the
         running batch that come back unfinished: a prefill cut short, a call of several
         steps), so that none of them runs on (a request released before the cancels of its
-        calls came)."""
+        calls came). Whether a call of `key` was waiting or running."""
+        found = self.runs(key)
+        if found:  # (kept for this batch alone: an idle replica kept every release's)
+            self.withdrawn[key] = answer
         for call, future in self.waiting:
             if self.key(call) == key and not future.done():
                 future.set_result(answer)
-        self.withdrawn[key] = answer
+                found = True
+        return found
+
+    def runs(self, key) -> bool:
+        return any(self.key(call) == key for call in self.running)
 
     def forget(self, key) -> None:
         """A request that ended (released) will not come back: never wait for it. Its calls
         still waiting stay (withdraw answers them)."""
         self.returning.discard(key)
-        if self.linger:  # nor once its calls queued or running now are answered
+        # nor once its calls queued or running now are answered (one with neither is in no
+        # batch: kept, an idle replica kept every release's)
+        if self.linger and (self.runs(key) or any(self.key(c) == key for c, _ in self.waiting)):
             self.ended.add(key)
         if self._wakeup is not None:  # a batch lingering for it stops waiting now
             self._wakeup.set()

@@ -26,6 +26,7 @@ from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from deployments.pool_args import DrafterArgs, PoolArgs, VerifierArgs
+from deployments.released import Released
 from deployments.responses import error_body
 from drafter.registry import build_drafter
 from protos import specserve_pb2 as pb
@@ -117,6 +118,7 @@ class PoolReplica:
         self.replica_id = replica_id()
         # each session's sampling parameters, sent once (wire.SessionSampling)
         self.sampling = wire.SessionSampling(4 * args.max_cached_requests)
+        self.released = Released()  # for a call its request's Release overtook
         self.direct_calls = 0  # served over the replica's own port, ever
         self.direct_in_flight = 0  # the same, now: Serve's autoscaler cannot see these
         self.occupancy = Occupancy(max_batch_size)
@@ -231,11 +233,14 @@ class PoolReplica:
     def submit(self, check, call_from_proto, request, direct: bool) -> asyncio.Future:
         """The future of the call `request` decodes to, queued for the batcher: check(request,
         limits) or decoding failing -> its ValueError as the result, before the call queues;
-        a call without sampling parameters whose session's are not held -> StaleBase.
+        a call without sampling parameters whose session's are not held, or one its
+        request's Release overtook (deployments.released) -> StaleBase.
         Counted as waiting (and in flight, when direct) until the future is done; a call
         whose decoding raised anything else (a bug) is counted nowhere."""
         try:
             check(request, self.limits)
+            if self.released.refuses(request.request_id):
+                raise StaleBase(f"request {request.request_id!r} was released")
             call = call_from_proto(request, self.sampling.of(request))
         except (ValueError, StaleBase) as error:  # refused before it reached the engine
             future = asyncio.get_running_loop().create_future()
@@ -295,9 +300,11 @@ class PoolReplica:
             return unauthenticated(grpc_context, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
         # its calls still queued were given up, their cancels overtaken: run, a first call
-        # made the session again (held until the TTL sweep); a live caller rebuilds (exact)
-        self.batcher.withdraw(request.request_id,
-                              StaleBase(f"request {request.request_id!r} was released"))
+        # made the session again (held until the TTL sweep); a live caller rebuilds (exact).
+        # None here: one may still be on its way (the release overtook it)
+        if not self.batcher.withdraw(request.request_id,
+                                     StaleBase(f"request {request.request_id!r} was released")):
+            self.released.add(request.request_id)
         self.batcher.forget(request.request_id)
         self.sampling.forget(request.request_id)
         # shielded: a router past its release deadline (the worker busy with a long batch)

@@ -149,6 +149,9 @@ def test_a_release_during_a_cut_prefill_ends_it():
         await until(lambda: replica.waiting == 0)
         assert answer.status == pb.REBUILD
         assert replica.session_ids() == []
+        # a caller that lives on (its session released by an operator) rebuilds it
+        rebuilt = await replica.Score(greedy_score("p", 200))
+        assert rebuilt.status == pb.OK and replica.session_ids() == ["p"]
         await replica.server.stop(None)
 
     asyncio.run(main())
@@ -180,3 +183,92 @@ def test_releases_beyond_the_ports_concurrent_rpcs_are_tried_again():
         await replica.server.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_release_that_overtakes_a_first_call_leaves_no_session():
+    """The request's Release reaches the replica before its first call on the router's
+    stream (a new stream: the call's message is still on its way); the call's cancel comes
+    later still. That call ran after the release and made the session again, held until the
+    TTL sweep; it is answered REBUILD instead and never runs."""
+    from tests.unit.test_pool_stream import CALLS
+
+    async def main():
+        replica = await local_drafter()
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            await stub.Release(release("r1"), metadata=KEY())  # r1 held nothing yet
+            stream = stub.ProposeStream(metadata=KEY())
+            await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=1, call=CALLS[0])]))
+            answer = (await stream.read()).answers[0]
+            stream.cancel()
+            assert answer.response.status == pb.REBUILD
+            assert replica.session_ids() == [] and len(replica.sampling) == 0
+
+    asyncio.run(main())
+
+
+def test_a_released_session_whose_caller_lives_on_is_rebuilt():
+    """A session released while its request goes on (an operator's Release, as the scaling
+    test's): the request learns it from one REBUILD, and its rebuild is served, whether the
+    release found a call of it queued (answered REBUILD), running (it ends as it would
+    have) or none (its next call is refused)."""
+    async def main():
+        replica = await local_drafter()
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            for request_id in ("idle", "queued", "running"):
+                await stub.Propose(propose(request_id), metadata=KEY())
+                later = pb.ProposeRequest(request_id=request_id, num_speculative_tokens=3,
+                                          sync=pb.PrefixSync(known_len=3,
+                                                             known_hash=prefix_hash(range(5, 8)),
+                                                             new_token_ids=[9]))
+                if request_id == "idle":
+                    await stub.Release(release(request_id), metadata=KEY())
+                    answer = await stub.Propose(later, metadata=KEY())
+                else:
+                    answer = await released_in_flight(replica, stub, later,
+                                                      queued=request_id == "queued")
+                if answer.status == pb.OK:  # it ran: its next call finds no session
+                    answer = await stub.Propose(later, metadata=KEY())
+                assert answer.status == pb.REBUILD
+                rebuilt = await stub.Propose(propose(request_id, 4), metadata=KEY())
+                assert rebuilt.status == pb.OK and len(rebuilt.token_ids) == 3, request_id
+            assert sorted(replica.session_ids()) == ["idle", "queued", "running"]
+
+    asyncio.run(main())
+
+
+async def released_in_flight(replica, stub, call: pb.ProposeRequest, queued: bool):
+    """The answer to `call`, its request released while the call runs (the worker held) or
+    waits behind a call of another request."""
+    gate, ahead = await hold_engine(replica), None
+    if queued:  # a call of another request runs (the worker held); this one waits
+        ahead = asyncio.ensure_future(stub.Propose(propose("ahead"), metadata=KEY()))
+        await until(lambda: replica.waiting == 1)
+    answer = asyncio.ensure_future(stub.Propose(call, metadata=KEY()))
+    await until(lambda: replica.waiting == 1 + queued)
+    held = len(replica.sampling)
+    releasing = asyncio.ensure_future(stub.Release(release(call.request_id), metadata=KEY()))
+    await until(lambda: len(replica.sampling) < held)  # the release reached its handler
+    gate.set()  # (the release itself waits for the worker)
+    if ahead is not None:
+        await ahead
+        await stub.Release(release("ahead"), metadata=KEY())
+    await releasing
+    return await answer
+
+
+def test_a_replica_remembers_released_requests_for_a_while_and_a_few():
+    """A tombstone refuses one call, within kept_s of its release; at most `capacity` are
+    kept, the oldest dropped first (a finished request's is never used)."""
+    from deployments.released import Released
+
+    now = [0.0]
+    released = Released(kept_s=10.0, capacity=2, clock=lambda: now[0])
+    released.add("a")
+    assert released.refuses("a") and not released.refuses("a")  # used up
+    for request_id in ("b", "c", "d"):
+        released.add(request_id)
+    assert len(released) == 2 and not released.refuses("b")  # the oldest went
+    now[0] = 10.5
+    assert not released.refuses("c")  # too old
+    released.add("e")
+    assert len(released) == 1 and released.refuses("e")  # "d" expired at the add

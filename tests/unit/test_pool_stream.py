@@ -65,10 +65,15 @@ def answers_match(answers: dict, expected: dict) -> bool:
 
 
 async def unary_answers(replica, stub) -> dict:
+    """Each call's answer, alone (under another request id: a released one's next call is
+    refused, deployments.released)."""
     expected = {}
     for tag, call in enumerate(CALLS, 1):
-        expected[tag] = await stub.Propose(call, metadata=KEY())
-        await stub.Release(pb.ReleaseRequest(request_id=call.request_id), metadata=KEY())
+        alone = pb.ProposeRequest()
+        alone.CopyFrom(call)
+        alone.request_id += "-alone"
+        expected[tag] = await stub.Propose(alone, metadata=KEY())
+        await stub.Release(pb.ReleaseRequest(request_id=alone.request_id), metadata=KEY())
     return expected
 
 
