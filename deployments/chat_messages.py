@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from deployments.ingress import BadRequest
 from deployments.tools import MAX_TOOLS, ToolCall
 
 
@@ -122,4 +123,44 @@ def with_call_ids_cut(messages: list[dict], length: int) -> list[dict]:
         return message
 
     return [cut(message) for message in messages]
+
+
+# what the router gives a chat template itself: no chat_template_kwargs may set these
+TEMPLATE_SET = {"messages", "tools", "documents", "add_generation_prompt",
+                "continue_final_message"}
+
+
+def template_kwargs(given: dict, reads: frozenset | None, specials: set, pattern) -> dict:
+    """The chat_template_kwargs a template reads (`reads`: its variables; vLLM drops the
+    rest); BadRequest for one the router sets itself (TEMPLATE_SET, the special tokens'
+    texts: `specials`) or a value other than a JSON scalar, or a text holding a special
+    token's (`pattern`: it would write the token where a message's text cannot)."""
+    for key, value in given.items():
+        if key in TEMPLATE_SET or key in specials:
+            raise BadRequest(f"chat_template_kwargs may not set {key!r}: the server sets it",
+                             param="chat_template_kwargs")
+        if value is not None and not isinstance(value, (bool, int, float, str)) or \
+                isinstance(value, str) and pattern is not None and pattern.search(value):
+            raise BadRequest(f"chat_template_kwargs[{key!r}] must be a number, a boolean, "
+                             "null or a text without special tokens",
+                             param="chat_template_kwargs")
+    return {key: value for key, value in given.items() if reads is None or key in reads}
+
+
+def template_variables(template) -> frozenset[str] | None:
+    """The undeclared variables of a chat template (of each, for a dict of named ones), as
+    transformers' environment parses it; None where it does not parse."""
+    import jinja2.meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if not template:
+        return frozenset()
+    found = set()
+    try:
+        for text in template.values() if isinstance(template, dict) else [template]:
+            environment = _compile_jinja_template(text).environment
+            found |= jinja2.meta.find_undeclared_variables(environment.parse(text))
+    except Exception:  # a template transformers' own environment cannot parse
+        return None
+    return frozenset(found)
 

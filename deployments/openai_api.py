@@ -2,7 +2,7 @@
 refuse, and the sampling parameters and constraint they ask for (the responses:
 deployments.responses)."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,13 +46,14 @@ MAX_MESSAGES = 1024
 MAX_TOOL_CALLS = MAX_MESSAGES
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CACHE_SALT = 256  # characters
+MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
 # and its audio output), each of which changes the answer or what it carries, and the
 # values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
-            "use_beam_search": (None, False), "chat_template_kwargs": (None, {}),
+            "use_beam_search": (None, False),
             "chat_template": (None,), "documents": (None, []),
             "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
             "functions": (None, []), "logits_processors": (None, []),
@@ -314,6 +315,10 @@ class ChatCompletionRequest(SamplingFields):
     # last message continued (a reply the client has begun: the output carries on from it)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, say); those it
+    # does not read are dropped, as vLLM drops them (deployments.prompts.template_kwargs)
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None,
+                                                        max_length=MAX_TEMPLATE_KWARGS)
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -14,7 +14,12 @@ from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
 
-from deployments.chat_messages import call_id_length, with_call_ids_cut
+from deployments.chat_messages import (
+    call_id_length,
+    template_kwargs,
+    template_variables,
+    with_call_ids_cut,
+)
 from deployments.ingress import BadRequest
 from deployments.openai_api import SamplingFields
 from deployments.router_args import RouterArgs
@@ -223,6 +228,19 @@ class PromptReader:
         anchor, anchored = ids(ANCHOR), ids(ANCHOR + piece)
         return anchored[len(anchor):] if anchored[:len(anchor)] == anchor else ids(piece)
 
+    def template_kwargs(self, body) -> dict:
+        """The request's chat_template_kwargs the template reads (chat_messages')."""
+        if not body.chat_template_kwargs:
+            return {}
+        return template_kwargs(body.chat_template_kwargs, self.template_variables,
+                               set(getattr(self.tokenizer, "special_tokens_map", {})),
+                               special_pattern(self.tokenizer))
+
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str] | None:
+        """The variables the chat template reads (None where it cannot be parsed)."""
+        return template_variables(getattr(self.tokenizer, "chat_template", None))
+
     @functools.cached_property
     def call_id_length(self) -> int | None:
         """The length the chat template takes tool call ids of, where it takes no other
@@ -272,11 +290,12 @@ class PromptReader:
         if "developer" not in str(self.tokenizer.chat_template):
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m
                         for m in messages]
+        extra = self.template_kwargs(body)
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=use.template_tools() if use else None, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message)
+                continue_final_message=body.continue_final_message, **extra)
         except Exception as error:  # a template may raise on roles or order it rejects
             raise BadRequest(f"the model's chat template rejected the messages: "
                              f"{str(error)[:200]}", param="messages") from None

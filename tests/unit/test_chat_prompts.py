@@ -320,3 +320,32 @@ def test_truncate_prompt_tokens_of_zero_is_refused():
 
     with pytest.raises(ValidationError, match="keeps no prompt token"):
         CompletionRequest(prompt="x", truncate_prompt_tokens=0)
+
+
+THINKING = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + "
+            "message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+            "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and not "
+            "enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(reader):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking): the variables the template
+    reads are passed to it, the others dropped, as vLLM drops them; before, any was a 400.
+    The template's own arguments, the special tokens' texts and values that are no JSON
+    scalar, or a text holding a special token, are refused, naming the field."""
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.chat_template = THINKING
+    thinking = reader_of(tokenizer)
+    hello = [{"role": "user", "content": "hello"}]
+    off = tokenizer.decode(prompt_ids(thinking, hello,
+                                      chat_template_kwargs={"enable_thinking": False,
+                                                            "unread": 1}))
+    assert off.endswith("assistant\n<think>\n\n</think>\n\n")
+    assert tokenizer.decode(prompt_ids(thinking, hello)).endswith("assistant\n")
+    assert prompt_ids(reader, hello, chat_template_kwargs={"enable_thinking": False}) == \
+        prompt_ids(reader, hello)  # a template that does not read it
+    for kwargs in [{"messages": []}, {"add_generation_prompt": False}, {"eos_token": "x"},
+                   {"enable_thinking": [1]}, {"enable_thinking": "<|im_end|>"}]:
+        with pytest.raises(BadRequest) as refused:
+            prompt_ids(thinking, hello, chat_template_kwargs=kwargs)
+        assert refused.value.param == "chat_template_kwargs"

@@ -62,7 +62,7 @@ def test_what_changes_nothing_passes():
 @pytest.mark.parametrize("field, value", [
     ("allowed_token_ids", [1, 2]), ("allowed_token_ids", []), ("bad_words", ["a"]),
     ("prompt_logprobs", 0), ("use_beam_search", True),
-    ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"),
+    ("chat_template", "{{ x }}"),
     ("documents", [{"title": "t", "text": "x"}]), ("return_tokens_as_token_ids", True),
     ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}]),
     ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),
