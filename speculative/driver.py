@@ -10,9 +10,9 @@ string and the output ids after the token that completed it, as vLLM does) and m
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from speculative.fixed_k import KPolicy
 from speculative.loop import run_rounds
 from speculative.state import Request, RequestState
-from speculative.policy import KPolicy
 from speculative.types import Drafter, Verifier
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> text (special tokens skipped, as asked)

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from speculative.driver import Generation
 from speculative.state import Request
 from speculative.costs import CostModel
+from speculative.fixed_k import KPolicy
 from speculative.options import (
     MAX_SPECULATIVE_TOKENS,
     NumSpeculativeTokens,
     SpeculationDefaults,
     TreeShape,
 )
-from speculative.policy import KPolicy, k_policy
+from speculative.policy import k_policy
 from speculative.sampling import SamplingParams, derive_seeds
 from speculative.stats import SpecStats
 from speculative.types import GrowingPrefixHash

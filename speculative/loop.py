@@ -11,9 +11,9 @@ from dataclasses import replace
 import torch
 
 from speculative.busy import retried_while_busy
+from speculative.fixed_k import KPolicy
 from speculative.meter import RoundMeter
 from speculative.options import MAX_SPECULATIVE_TOKENS
-from speculative.policy import KPolicy
 from speculative.accept import accept, depth
 from speculative.rejection import RoundOutcome, accept_first_predrafted
 from speculative.sampling import SEED_BLOCK, SEED_LOW_BITS, SamplingParams

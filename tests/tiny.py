@@ -7,8 +7,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from speculative.costs import CostModel, RoundCost
 from speculative.driver import Generation
+from speculative.fixed_k import FixedK
 from speculative.state import Request
-from speculative.policy import FixedK, KBounds, k_policy
+from speculative.policy import KBounds, k_policy
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores
 

@@ -7,7 +7,7 @@ import pytest
 
 from drafter.model import ModelDrafter
 from speculative.busy import MAX_SKIPPED_DRAFTS, DraftBackoff
-from speculative.policy import FixedK
+from speculative.fixed_k import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import PoolUnavailable, StaleBase
 from tests.tiny import hf_greedy, noisy_copy, run, tiny_llama

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from speculative import driver
 from speculative.driver import Detokenizer, Generation, GrowingText, text_decoder
+from speculative.fixed_k import FixedK
 from speculative.state import Request
-from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from tests.tiny import (
     Agreeing,

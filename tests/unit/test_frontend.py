@@ -8,9 +8,10 @@ import pytest
 from deployments.router_args import RouterArgs
 from specserve.cli import build_parser, request_front_end
 from speculative.driver import Generation
+from speculative.fixed_k import FixedK
 from speculative.frontend import RequestFrontEnd, joined
 from speculative.options import SpeculationDefaults
-from speculative.policy import AdaptiveK, FixedK
+from speculative.policy import AdaptiveK
 from speculative.rejection import RoundOutcome
 from speculative.sampling import SamplingParams, derive_seeds
 from speculative.stats import SpecStats

@@ -9,9 +9,9 @@ import torch
 from drafter.model import ModelDrafter
 from engine.kv import SessionStore, common_prefix_len
 from engine.runner import serving_runner
+from speculative.fixed_k import FixedK
 from speculative.loop import run_rounds
 from speculative.state import Request, RequestState
-from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase, prefix_hash
 from tests.tiny import hf_greedy, run, tiny_llama

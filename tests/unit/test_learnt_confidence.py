@@ -8,8 +8,9 @@ import pytest
 from speculative.confidence import EDGES, ConfidenceCut, bucket_of
 from speculative.costs import CostModel
 from speculative.driver import Generation
+from speculative.fixed_k import FixedK
 from speculative.state import Request
-from speculative.policy import AdaptiveK, FixedK, KBounds, k_policy
+from speculative.policy import AdaptiveK, KBounds, k_policy
 from speculative.sampling import SamplingParams
 from speculative.types import DraftBlock, TargetScores
 from tests.tiny import cutting_costs

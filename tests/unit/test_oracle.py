@@ -7,8 +7,8 @@ import pytest
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
+from speculative.fixed_k import FixedK
 from speculative.options import MAX_SPECULATIVE_TOKENS
-from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from tests.tiny import DraftsFirst, cutting_costs, hf_greedy, noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier

@@ -11,7 +11,8 @@ import pytest
 from drafter.model import ModelDrafter
 from engine.batch import UNFINISHED
 from speculative.costs import CostModel, RoundCost
-from speculative.policy import AdaptiveK, FixedK, KBounds
+from speculative.fixed_k import FixedK
+from speculative.policy import AdaptiveK, KBounds
 from speculative.sampling import SamplingParams
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
 from tests.tiny import Batched, noisy_copy, run, run_concurrently

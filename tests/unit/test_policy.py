@@ -3,9 +3,10 @@
 import pytest
 
 from speculative.costs import ROOM_CHECK_EVERY, CostModel, Curve, RoundCost, expected_tokens
+from speculative.fixed_k import FixedK
 from speculative.frontend import RequestFrontEnd
 from speculative.options import SpeculationDefaults
-from speculative.policy import AdaptiveK, FixedK, KBounds
+from speculative.policy import AdaptiveK, KBounds
 from speculative.sampling import SamplingParams
 
 

@@ -11,8 +11,8 @@ from deployments.choices import Choices
 from deployments.local_drafters import OffLoop
 from drafter.ngram import NgramDrafter
 from speculative.driver import Generation
+from speculative.fixed_k import FixedK
 from speculative.frontend import RequestFrontEnd
-from speculative.policy import FixedK
 from speculative.sampling import SamplingParams
 from speculative.state import Request
 from speculative.types import DraftBlock, TargetScores

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from speculative.costs import CostModel, RoundCost
-from speculative.policy import AdaptiveK, FixedK, KBounds
+from speculative.fixed_k import FixedK
+from speculative.policy import AdaptiveK, KBounds
 from tests.tiny import DraftsFirst
 
 DEMO = {"verify_ms": 6.0, "verify_per_token_ms": 0.7, "draft_per_token_ms": 1.2}

@@ -9,7 +9,8 @@ from bench.router_turn import InstantPools, in_process
 from speculative.driver import Generation
 from speculative.state import Request
 from speculative.costs import CostModel
-from speculative.policy import FixedK, k_policy
+from speculative.fixed_k import FixedK
+from speculative.policy import k_policy
 from speculative.sampling import SamplingParams
 
 
