@@ -30,6 +30,7 @@ PREFIX = "prefix-"  # the route keys placed by a prompt's start (prefix_route_ke
 ROUTE_PREFIX_TOKENS = 32  # two KV blocks: a shared prompt start worth placing together
 HOMES_KEPT = 4096  # prefixes whose replica is remembered, the least recently placed dropped
 REFRESH_S = 10.0
+COUNT_TIMEOUT_S = 5.0  # a count not read by then is unreadable (a controller that hangs)
 
 
 def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS,
@@ -157,7 +158,8 @@ class LoadBound:
 
     async def _recount(self) -> None:
         try:
-            self.replicas = await asyncio.to_thread(self.count)
+            self.replicas = await asyncio.wait_for(asyncio.to_thread(self.count),
+                                                   COUNT_TIMEOUT_S)
             self.read = True
         except Exception as error:  # Serve's status unreadable: the replicas seen stand for it
             if self.read:  # said when it starts failing, not every REFRESH_S

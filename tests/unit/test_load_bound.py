@@ -246,3 +246,33 @@ def test_an_unreadable_replica_count_is_said_once_and_the_replicas_met_stand_for
         asyncio.run(main())
     assert bound.replicas is None and not bound.read
     assert [r.getMessage().count("unreadable") for r in records] == [1]
+
+
+def test_a_replica_count_that_hangs_is_given_up_and_asked_again_later(monkeypatch):
+    """A controller that never answers: the count is given up after COUNT_TIMEOUT_S (the
+    replicas met stand for it) and read again a period later; before, it was never read
+    again."""
+    import threading
+
+    monkeypatch.setattr(placement, "COUNT_TIMEOUT_S", 0.05)
+    answer = threading.Event()
+    counts = []
+
+    def count():
+        counts.append(1)
+        answer.wait(5)
+        return 2
+
+    bound = LoadBound(1.25, count)
+
+    async def main():
+        bound.refresh()
+        await bound.counted(asyncio.get_running_loop().time() + 5)
+        assert bound._counting is None and bound.replicas is None
+        bound.counted_at = -float("inf")  # a period later
+        bound.refresh()
+        answer.set()
+        await bound.counted(asyncio.get_running_loop().time() + 5)
+
+    asyncio.run(main())
+    assert len(counts) == 2 and bound.replicas == 2
