@@ -125,20 +125,27 @@ def with_call_ids_cut(messages: list[dict], length: int) -> list[dict]:
     return [cut(message) for message in messages]
 
 
-# what the router gives a chat template itself: no chat_template_kwargs may set these
+# what the router gives a chat template itself: no chat_template_kwargs may set these (nor
+# apply_chat_template's template and tokenize, which vLLM refuses there too)
 TEMPLATE_SET = {"messages", "tools", "documents", "add_generation_prompt",
-                "continue_final_message"}
+                "continue_final_message", "chat_template", "tokenize"}
 
 
 def template_kwargs(given: dict, reads: frozenset | None, specials: set, pattern) -> dict:
     """The chat_template_kwargs a template reads (`reads`: its variables; vLLM drops the
     rest); BadRequest for one the router sets itself (TEMPLATE_SET, the special tokens'
     texts: `specials`) or a value other than a JSON scalar, or a text holding a special
-    token's (`pattern`: it would write the token where a message's text cannot)."""
+    token's (`pattern`: it would write the token where a message's text cannot), or one
+    that is not valid Unicode (the tokenizer's TypeError on the prompt was a 500)."""
     for key, value in given.items():
         if key in TEMPLATE_SET or key in specials:
             raise BadRequest(f"chat_template_kwargs may not set {key!r}: the server sets it",
                              param="chat_template_kwargs")
+        try:
+            if isinstance(value, str):
+                encodable(value, f"chat_template_kwargs[{key!r}]")
+        except ValueError as error:
+            raise BadRequest(str(error), param="chat_template_kwargs") from None
         if value is not None and not isinstance(value, (bool, int, float, str)) or \
                 isinstance(value, str) and pattern is not None and pattern.search(value):
             raise BadRequest(f"chat_template_kwargs[{key!r}] must be a number, a boolean, "

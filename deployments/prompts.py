@@ -119,7 +119,8 @@ class PromptReader:
     def check_prompt_bytes(self, body, chat: bool) -> None:
         text = chat_texts(body) if chat else \
             [body.prompt] if isinstance(body.prompt, str) else []
-        size = sum(len(t.encode()) for t in text)
+        # (a lone surrogate, refused later naming its field, counts as the bytes it would be)
+        size = sum(len(t.encode(errors="surrogatepass")) for t in text)
         if size > self.max_prompt_bytes:
             raise BadRequest(f"the prompt has {size} bytes; the limit is "
                              f"{self.max_prompt_bytes}", param="messages" if chat
@@ -324,8 +325,10 @@ def recommended_defaults(model: str, vocab_size: int) -> dict:
 
 
 def chat_texts(body) -> list[str]:
-    """The texts a chat request brings into its prompt: contents, calls' arguments, tools."""
+    """The texts a chat request brings into its prompt: contents, calls' arguments, tools,
+    the texts among chat_template_kwargs (a template may write them: Llama 3's date_string)."""
     texts = [(m.content or "") + (m.name or "") for m in body.messages]
+    texts += [v for v in (body.chat_template_kwargs or {}).values() if isinstance(v, str)]
     texts += [call.function.arguments for m in body.messages for call in m.tool_calls or ()]
     if body.tools:
         try:
@@ -389,8 +392,9 @@ def marked_contents(messages: list[dict], pattern: re.Pattern | None) -> dict[st
 
 def check_special_texts(body, pattern: re.Pattern | None) -> None:
     """BadRequest naming the field when a text the template renders outside a message's
-    content (its name, a call's name or arguments, a tool's description or schema) holds a
-    special token's text: it would become the token."""
+    content (its name, a call's id, name or arguments, a tool's description or schema)
+    holds a special token's text: it would become the token (Mistral's templates write a
+    call's id)."""
     if pattern is None:
         return
     fields = []
@@ -398,6 +402,7 @@ def check_special_texts(body, pattern: re.Pattern | None) -> None:
         fields.append((f"messages[{index}].tool_call_id", message.tool_call_id or ""))
         fields.append((f"messages[{index}].name", message.name or ""))
         for at, call in enumerate(message.tool_calls or ()):
+            fields.append((f"messages[{index}].tool_calls[{at}].id", call.id))
             # as the template gets them too: arguments parsed, so an escape (\u003c) in
             # their JSON is the character that a template's tojson writes out
             rendered = json.dumps(call.for_template()["function"]["arguments"],

@@ -349,3 +349,45 @@ def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(reader):
         with pytest.raises(BadRequest) as refused:
             prompt_ids(thinking, hello, chat_template_kwargs=kwargs)
         assert refused.value.param == "chat_template_kwargs"
+
+
+
+# a template that writes a text it is given (Llama 3's date_string) where one is given
+DATED = "{%- if date_string is defined %}{{- 'Today: ' + date_string + '\\n' }}{%- endif %}"
+
+
+@pytest.mark.parametrize("kwargs", [{"chat_template": "{{ 'x' }}"}, {"tokenize": True},
+                                    {"date_string": "a\ud800"}])
+def test_chat_template_kwargs_may_not_set_the_template_nor_bring_text_that_is_not_unicode(
+        reader, kwargs):
+    """A template or tokenize among them is refused, as vLLM refuses them (a template was
+    dropped unread: the model's rendered the prompt, silently); a text with a lone surrogate
+    that the template writes is a 400 as a message's is (the tokenizer's TypeError: a 500)."""
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.chat_template = DATED + THINKING
+    dated = reader_of(tokenizer)
+    hello = [{"role": "user", "content": "hello"}]
+    assert "Today: 1 May" in tokenizer.decode(
+        prompt_ids(dated, hello, chat_template_kwargs={"date_string": "1 May"}))
+    body = ChatCompletionRequest.model_validate({"messages": hello,
+                                                 "chat_template_kwargs": kwargs})
+    with pytest.raises(BadRequest) as refused:
+        dated.token_ids(body, chat=True)
+    assert refused.value.param == "chat_template_kwargs"
+
+
+def test_a_text_among_chat_template_kwargs_counts_against_the_prompts_bytes(reader):
+    """The template may write it into the prompt: counted before tokenizing as a message's
+    text is (uncounted, a body of twice max_prompt_bytes was tokenized)."""
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.chat_template = DATED + THINKING
+    dated = reader_of(tokenizer)
+    dated.max_prompt_bytes = 100
+    hello = [{"role": "user", "content": "hello"}]
+    dated.check_prompt_bytes(ChatCompletionRequest(
+        messages=hello, chat_template_kwargs={"date_string": "1 May"}), chat=True)
+    for text in ["x" * 100, "x" * 95 + "\ud800"]:
+        body = ChatCompletionRequest.model_validate({
+            "messages": hello, "chat_template_kwargs": {"date_string": text}})
+        with pytest.raises(BadRequest, match="the prompt has 10[35] bytes"):
+            dated.check_prompt_bytes(body, chat=True)
