@@ -9,13 +9,11 @@ router resends the whole prefix).
 """
 
 import asyncio
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
-from ray import serve
 from starlette.responses import JSONResponse
 
 from deployments import auth, wire
@@ -26,6 +24,7 @@ from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
 from deployments.pool_args import DrafterArgs, PoolArgs, VerifierArgs
+from deployments.pool_replies import placement, refuse, replica_id, unauthenticated
 from deployments.released import Released
 from deployments.responses import error_body
 from drafter.registry import build_drafter
@@ -54,37 +53,6 @@ WARM_UP_PROMPT_TOKENS = 16
 WARM_UP_K = 4
 # a lone call feeding at most this many tokens runs on the event loop, not the worker thread
 INLINE_MAX_TOKENS = 32
-
-
-def replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve (unit tests)
-        return "local"
-
-
-def placement(model) -> dict:
-    """Where this process runs: its Ray node, the GPUs Ray assigned it (Ray sets
-    CUDA_VISIBLE_DEVICES to them) and the device of its model (None: a drafter without one)."""
-    import ray
-
-    return {"node": ray.get_runtime_context().get_node_id(),
-            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "device": None if model is None else str(model.device)}
-
-
-def refuse(grpc_context, error, response,
-           code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
-    if grpc_context is not None:
-        grpc_context.set_code(code)
-        grpc_context.set_details(str(error))
-    return response
-
-
-def unauthenticated(grpc_context, response):
-    return refuse(grpc_context, "this pool serves the router only", response,
-                  grpc.StatusCode.UNAUTHENTICATED)
 
 
 # a refused call's status, by its error (the first that matches)
