@@ -11,6 +11,7 @@ from deployments.admission import Ticket
 from deployments.ingress import pool_failure
 from deployments.logprobs import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
+from deployments.reasoning import ReasoningSplit
 from deployments.responses import (
     DeltaChunks,
     choice_body,
@@ -49,11 +50,15 @@ class Choices:
                  include_usage: bool = False, continuous_usage: bool = False,
                  stop_token_ids: tuple[int, ...] = (),
                  token_bytes: TokenBytes | None = None,
-                 render: Executor | None = None) -> None:
+                 render: Executor | None = None,
+                 reasoning: ReasoningSplit | None = None) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
         self.tools = tools  # the tools in effect: their calls are read out of each output
+        # a chat's reasoning parser: each output split into reasoning and content (the
+        # content alone read for calls)
+        self.reasoning = reasoning
         self.include_usage = include_usage  # streamed: a last chunk with the usage
         self.continuous_usage = continuous_usage  # and every chunk its choice's so far
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
@@ -113,15 +118,27 @@ class Choices:
         return list(self.plan.choices[index].request.prompt_token_ids)
 
     def whole_choice(self, index: int, generation: Generation) -> dict:
-        """A finished choice's body; with tools, its calls read out of its text."""
-        text = generation.text
-        content, calls, finish_reason = \
-            self.tools.read(text, generation.finish_reason) if self.tools else \
-            (text, [], generation.finish_reason)
-        return choice_body(index, content, finish_reason,
+        """A finished choice's body; with a reasoning parser, its reasoning split off (vLLM's
+        `reasoning`, null when none); with tools, its calls read out of its content."""
+        reasoning, content, calls, finish_reason = self.read_output(generation)
+        body = choice_body(index, content, finish_reason,
                            generation.stop_reason, self.chat,
                            generation.token_ids if self.return_token_ids else None,
                            self.logprobs(generation), calls, self.prompt_ids(index))
+        if self.reasoning is not None:
+            body["message"]["reasoning"] = reasoning
+        return body
+
+    def read_output(self, generation: Generation
+                    ) -> tuple[str | None, str | None, list[dict], str | None]:
+        """(reasoning, content, tool_calls, finish_reason) of a finished choice: its text
+        split (deployments.reasoning), then its content read for calls (deployments.tools);
+        no reasoning (None) and the whole text as content without a parser."""
+        reasoning, content = self.reasoning.split(generation.text) \
+            if self.reasoning is not None else (None, generation.text)
+        if self.tools is None or content is None:
+            return reasoning, content, [], generation.finish_reason
+        return reasoning, *self.tools.read(content, generation.finish_reason)
 
     async def events(self):
         """Server-sent events: a first chunk per choice (chat: the role, as OpenAI sends it),
@@ -168,7 +185,8 @@ class Choices:
         """One choice's chunks into the queue: the role (chat), its text deltas, each with the
         logprobs of the tokens committed since the last chunk when asked for (as OpenAI and
         vLLM stream them), its end (with tools: what may be a call is held to the end, then
-        sent as content or as calls)."""
+        sent as content or as calls; with a reasoning parser, each delta's reasoning and
+        content in their fields, as vLLM's)."""
         prompt_tokens = len(self.plan.choices[index].request.prompt_token_ids)
 
         def chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):
@@ -181,32 +199,32 @@ class Choices:
                                  "total_tokens": prompt_tokens + done}
             return encode(body)
 
-        delta_chunk = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
-        held = HeldContent() if self.tools else None
+        texts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
+        thoughts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created,
+                               reasoning=True) if self.reasoning is not None else None
+        streamed = StreamedText(self.reasoning, self.tools)
         logged = self.streamed_logprobs(index)
 
-        def delta_text(generation, delta, encode=json.dumps) -> str:
-            if logged or self.continuous_usage:
-                return chunk(delta, generation=generation, encode=encode,
-                             logprobs=logged(generation) if logged else None)
-            return delta_chunk(delta)
+        def delta_text(generation, reasoning, delta, encode=json.dumps) -> str:
+            if logged or self.continuous_usage or (reasoning and delta):
+                return chunk(delta if delta or not reasoning else None, generation=generation,
+                             encode=encode, logprobs=logged(generation) if logged else None,
+                             reasoning=reasoning or None)
+            return thoughts(reasoning) if reasoning else texts(delta)
 
         async def push(generation, delta):
-            if held is not None and not (delta := held.feed(delta)):
+            if (parts := streamed.feed(delta)) is None:
                 return  # its tokens' logprobs go with the next chunk
-            await queue.put(delta_text(generation, delta))
+            await queue.put(delta_text(generation, *parts))
 
         def ending(generation) -> list[str]:  # the last chunks, encoded a piece at a time
-            chunks, finish_reason = [], generation.finish_reason
-            if held is not None:
-                content, calls, finish_reason = self.tools.read(generation.text, finish_reason)
-                # held back, and content after all (an empty output's "" too: the role's
-                # chunk carried none)
-                if (rest := held.rest(content)) or content == "":
-                    chunks.append(delta_text(generation, rest, json_text))
-                if calls:
-                    chunks.append(chunk(None, generation=generation, encode=json_text,
-                                        tool_calls=call_deltas(calls)))
+            _, content, calls, finish_reason = self.read_output(generation) if \
+                streamed.parses else (None, None, [], generation.finish_reason)
+            rest = streamed.rest(content)  # held back (content after all, or reasoning)
+            chunks = [] if rest is None else [delta_text(generation, *rest, json_text)]
+            if calls:
+                chunks.append(chunk(None, generation=generation, encode=json_text,
+                                    tool_calls=call_deltas(calls)))
             ids = generation.token_ids if self.return_token_ids else None
             chunks.append(chunk(None, finish_reason, generation, json_text, token_ids=ids,
                                 stop_reason=generation.stop_reason,
@@ -218,7 +236,7 @@ class Choices:
         # completion's beside its token_ids on its last (a first chunk is its first text)
         prompt_ids = self.prompt_ids(index)
         if self.chat:  # with tools, no content yet: a message of calls has none (null)
-            await queue.put(chunk("" if held is None else None, role="assistant",
+            await queue.put(chunk("" if streamed.held is None else None, role="assistant",
                                   prompt_token_ids=prompt_ids))
         generation = await self.run_choice(index, push)
         # off the event loop: all from a `<tool_call>` on was held, its tokens' logprobs too
@@ -265,3 +283,39 @@ class Choices:
         if self.chat:
             return chat_logprobs(entries, texts, self.token_bytes, end)
         return completion_logprobs(entries, texts, offset, end)
+
+
+class StreamedText:
+    """A streamed choice's text as it can go out now, each delta's (reasoning, content): the
+    reasoning split off (deployments.reasoning), the content held from where a call may
+    begin (deployments.tools.HeldContent); without either, the delta as content."""
+
+    def __init__(self, reasoning: ReasoningSplit | None, tools: ToolUse | None) -> None:
+        self.thinking = reasoning.stream() if reasoning is not None else None
+        self.held = HeldContent() if tools is not None else None
+
+    @property
+    def parses(self) -> bool:
+        """Whether a parser reads the text (else each delta goes out whole, as it comes)."""
+        return self.thinking is not None or self.held is not None
+
+    def feed(self, delta: str) -> tuple[str, str] | None:
+        """(reasoning, content) to send now; None when a parser holds all of it."""
+        if not self.parses:
+            return "", delta
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, delta = self.thinking.feed(delta)
+        if self.held is not None:
+            delta = self.held.feed(delta)
+        return (reasoning, delta) if reasoning or delta else None
+
+    def rest(self, content: str | None) -> tuple[str, str] | None:
+        """(reasoning, content) held to the end and still to send, given the final content
+        (Choices.read_output's); None when nothing is, except an empty content under tools,
+        whose "" goes out (the role's chunk carried none)."""
+        reasoning = self.thinking.finish() if self.thinking is not None else ""
+        rest = self.held.rest(content) if self.held is not None else ""
+        if reasoning or rest or (self.held is not None and content == ""):
+            return reasoning, rest
+        return None

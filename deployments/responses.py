@@ -79,9 +79,11 @@ class DeltaChunks:
     HOLE = "\x00delta\x00"
 
     def __init__(self, request_id: str, model: str, index: int, chat: bool,
-                 created: int | None = None) -> None:
-        whole = json.dumps(chunk_body(request_id, model, index, self.HOLE, None, chat,
-                                      created=created))
+                 created: int | None = None, reasoning: bool = False) -> None:
+        # reasoning: the chunks carry the delta as the choice's reasoning (a chat's)
+        text, thought = (None, self.HOLE) if reasoning else (self.HOLE, None)
+        whole = json.dumps(chunk_body(request_id, model, index, text, None, chat,
+                                      created=created, reasoning=thought))
         self.head, self.tail = whole.split(json.dumps(self.HOLE))
 
     def __call__(self, text: str) -> str:
@@ -92,13 +94,17 @@ def chunk_body(request_id: str, model: str, index: int, text: str | None,
                finish_reason: str | None, chat: bool, *, role: str | None = None,
                stop_reason=None, token_ids: list[int] | None = None,
                logprobs: dict | None = None, tool_calls: list[dict] | None = None,
-               created: int | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+               created: int | None = None, prompt_token_ids: list[int] | None = None,
+               reasoning: str | None = None) -> dict:
     """One choice's chunk; created: the request's (OpenAI: the same on every chunk), else
-    now; prompt_token_ids where vLLM puts them (a chat's on the chunk, else on its choice)."""
+    now; prompt_token_ids where vLLM puts them (a chat's on the chunk, else on its choice);
+    reasoning: a chat's reasoning delta (deployments.reasoning), in vLLM's field."""
     if chat:
         delta = {"role": role} if role else {}
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning"] = reasoning
         if tool_calls:  # each whole, with its index (deployments.tools.call_deltas)
             delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason}

@@ -43,6 +43,7 @@ from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.placement import LoadBound, running_replicas
 from deployments.prompts import PromptReader
+from deployments.reasoning import ReasoningSplit, reasoning_split
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.tokenize_api import (
     DetokenizeRequest,
@@ -263,7 +264,8 @@ class Router:
                           include_usage=body.include_usage,
                           continuous_usage=body.continuous_usage,
                           stop_token_ids=self.prompts.reported_stop_ids(body),
-                          token_bytes=self.token_bytes, render=self.rendering)
+                          token_bytes=self.token_bytes, render=self.rendering,
+                          reasoning=self.reasoning(body, plan) if chat else None)
         if body.stream:
             return ReleasingStream(choices.events(), ticket)
         try:
@@ -276,6 +278,13 @@ class Router:
             return error_response(pool_failure(error, plan.request_id))
         finally:
             ticket.release()
+
+    def reasoning(self, body, plan: RequestPlan) -> ReasoningSplit | None:
+        """How a chat's outputs are split into reasoning and content (the router's
+        reasoning_parser), for this request: not where a grammar constrains them."""
+        constrained = any(c.request.sampling.grammar is not None for c in plan.choices)
+        return reasoning_split(self.args.reasoning_parser, body.chat_template_kwargs,
+                               constrained)
 
     async def plan(self, body, chat: bool) -> RequestPlan:
         """The body's prompt read (each of a completions batch's), its model checked, its

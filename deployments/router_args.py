@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from deployments.pool_args import ModelPath
+from deployments.reasoning import ReasoningParserName
 from engine.models import DEMO_TARGET
 from speculative.options import (
     MAX_PLAIN_STEPS,
@@ -129,6 +130,10 @@ class RouterArgs(BaseModel):
     # completions without max_tokens (OpenAI's default); chat without max_tokens may use
     # the rest of the context, as vLLM's does
     default_max_tokens: int = Field(default=16, ge=1)
+    # vLLM's --reasoning-parser: a chat output's text inside `<think>...</think>` goes out as
+    # the message's `reasoning` (streamed: the deltas'), the rest as its content (the tokens,
+    # usage and logprobs stay the output's own: deployments.reasoning); None: off, as vLLM
+    reasoning_parser: ReasoningParserName | None = None
     # default: the model's max_position_embeddings (engine.checkpoint.context_limit)
     max_context_tokens: int | None = Field(default=None, ge=2)
     # a pool call's deadline: the verifier's (and the drafter's for seeded sampled

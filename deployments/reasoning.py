@@ -1,0 +1,91 @@
+"""Reasoning outputs (vLLM's `--reasoning-parser`): a thinking model's chat output split into
+its reasoning, the text inside `<think>...</think>`, and its content, the text after.
+
+Only the text is split: the tokens, usage and logprobs are the output's own. As vLLM's
+`deepseek_r1` and `qwen3` parsers read it: a `<think>` that opens the output is dropped; the
+output may start inside the reasoning without one (DeepSeek-R1's and Qwen3.5's templates end
+the prompt with `<think>`); the first `</think>` ends the reasoning, and the text after it
+is the content (null when empty; tool calls are read out of it alone); an output that
+never reaches `</think>` (max_tokens inside the reasoning) is all reasoning, its content
+null. The reasoning goes out in current vLLM's field, `reasoning` (earlier vLLM's
+`reasoning_content`, which it no longer sends).
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
+
+
+def reasoning_split(parser: ReasoningParserName | None, chat_template_kwargs: dict | None,
+                    constrained: bool) -> "ReasoningSplit | None":
+    """The split a chat request's output gets; None where its text is all content: no
+    parser, Qwen3 asked not to think (`chat_template_kwargs.enable_thinking` false: its
+    template closes an empty think block in the prompt, as vLLM reads the prompt as ended
+    reasoning), or an output a grammar constrains from its first token (a forced tool call,
+    response_format: vLLM lets the model think first, here the grammar leaves no room)."""
+    if parser is None or constrained:
+        return None
+    if parser == "qwen3" and (chat_template_kwargs or {}).get("enable_thinking", True) is False:
+        return None
+    return ReasoningSplit(parser)
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    parser: ReasoningParserName
+
+    def split(self, text: str) -> tuple[str, str | None]:
+        """(reasoning, content) of a whole output: what a stream of it sends, as one."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        return reasoning + stream.finish(), content or None
+
+    def stream(self) -> "ReasoningStream":
+        return ReasoningStream()
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (short of the whole tag)."""
+    return max(n for n in range(len(tag)) if text.endswith(tag[:n]))
+
+
+class ReasoningStream:
+    """A streamed output's text split as it comes, in HeldContent's manner: each delta goes
+    out at once as reasoning or content, except a tail that may grow into a tag, held to the
+    next delta (a `</think>` split across deltas, or a `<think>` opening the output), so that
+    a delta costs its own length and the deltas add up to the whole output's split."""
+
+    def __init__(self) -> None:
+        self.opening = True  # no text yet that a `<think>` could not open
+        self.ended = False  # past the first `</think>`: the rest is content
+        self.held = ""  # text not yet sent: whitespace and a tag's beginning, at most
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning, content) of the delta that can go out now."""
+        if self.ended:
+            return "", delta
+        text = self.held + delta
+        if self.opening:
+            start = text.lstrip()
+            if start.startswith(THINK_OPEN):  # the output opens the block itself: dropped
+                text, self.opening = start[len(THINK_OPEN):], False
+            elif THINK_OPEN.startswith(start):  # whitespace, or a `<think>` still coming
+                self.held = text
+                return "", ""
+            else:
+                self.opening = False
+        end = text.find(THINK_CLOSE)
+        if end >= 0:
+            self.ended, self.held = True, ""
+            return text[:end], text[end + len(THINK_CLOSE):]
+        keep = held_prefix(text, THINK_CLOSE)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+    def finish(self) -> str:
+        """The reasoning held at the end of the output (a tag's beginning that never came
+        whole is text)."""
+        rest, self.held = self.held, ""
+        return rest

@@ -1,0 +1,176 @@
+"""Reasoning outputs without Ray (vLLM's --reasoning-parser): a thinking model's output split
+into its reasoning and its content, whole and streamed (a `</think>` split across deltas), an
+output without its `<think>` or its `</think>`, calls read out of the content alone, and the
+parser off or out of the request's way (the output unchanged)."""
+
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.admission import Admission
+from deployments.choices import Choices
+from deployments.openai_api import ChatCompletionRequest
+from deployments.reasoning import ReasoningSplit, ReasoningStream, reasoning_split
+from deployments.router_args import RouterArgs
+from speculative.frontend import RequestFrontEnd
+from speculative.sampling import SamplingParams
+from tests.tiny import Scripted
+
+CALL = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "now"}}]
+SPLITS = [  # an output's text: its (reasoning, content), as vLLM's deepseek_r1 and qwen3 read it
+    ("<think>Paris is the capital.</think>Paris.", ("Paris is the capital.", "Paris.")),
+    # DeepSeek-R1's template ends the prompt with `<think>`: the output starts inside it
+    ("Paris is the capital.</think>\n\nParis.", ("Paris is the capital.", "\n\nParis.")),
+    ("\n<think>\nhm\n</think>\n\nyes", ("\nhm\n", "\n\nyes")),
+    ("still thinking when max_tokens came", ("still thinking when max_tokens came", None)),
+    ("<think>cut short", ("cut short", None)),
+    ("done thinking</think>", ("done thinking", None)),  # content null when empty
+    ("<think></think>answer", ("", "answer")),
+    ("a</think>b</think>c", ("a", "b</think>c")),  # the first `</think>` ends it
+    ("<thinking is text</think>x", ("<thinking is text", "x")),
+    ("cut inside the tag </thi", ("cut inside the tag </thi", None)),
+    ("<thi", ("<thi", None)),
+    ("", ("", None)),
+]
+
+
+@pytest.mark.parametrize("text, split", SPLITS)
+def test_a_whole_output_is_split_at_its_first_end_of_thinking(text, split):
+    for parser in ("deepseek_r1", "qwen3"):
+        assert ReasoningSplit(parser).split(text) == split
+
+
+@pytest.mark.parametrize("text, split", SPLITS)
+def test_a_streamed_output_adds_up_to_the_whole_ones_split(text, split):
+    """Whatever the deltas, a tag split across them included: no tag's text goes out, and
+    what does adds up to the whole output's reasoning and content."""
+    for size in (1, 2, 3, 7, max(len(text), 1)):
+        stream, reasoning, content = ReasoningStream(), "", ""
+        for start in range(0, len(text), size):
+            thought, said = stream.feed(text[start:start + size])
+            reasoning, content = reasoning + thought, content + said
+            assert "</think>" not in reasoning and not reasoning.startswith("<think>")
+        assert (reasoning + stream.finish(), content or None) == split, (text, size)
+
+
+def test_an_end_of_thinking_split_across_deltas_is_held_to_the_next():
+    stream = ReasoningStream()
+    assert stream.feed("<th") == ("", "")  # may open the output's reasoning
+    assert stream.feed("ink>Paris is the capital</th") == ("Paris is the capital", "")
+    assert stream.feed("i") == ("", "")
+    assert stream.feed("nk>Par") == ("", "Par")
+    assert stream.feed("is.") == ("", "is.")
+    assert stream.finish() == ""
+
+
+def test_the_split_is_asked_for_by_the_router_and_stays_out_of_a_grammars_way():
+    assert reasoning_split(None, None, False) is None  # off by default, as vLLM
+    assert reasoning_split("deepseek_r1", None, False) == ReasoningSplit("deepseek_r1")
+    # a grammar constrains the output from its first token: it holds no reasoning
+    assert reasoning_split("qwen3", None, True) is None
+    # Qwen3 asked not to think: its template closes an empty block in the prompt
+    assert reasoning_split("qwen3", {"enable_thinking": False}, False) is None
+    assert reasoning_split("qwen3", {"enable_thinking": True}, False) is not None
+    assert reasoning_split("deepseek_r1", {"enable_thinking": False}, False) is not None
+    assert RouterArgs().reasoning_parser is None
+    assert RouterArgs(reasoning_parser="qwen3").reasoning_parser == "qwen3"
+    with pytest.raises(ValidationError):
+        RouterArgs(reasoning_parser="hermes")
+
+
+def fan_out(text: str, parser: str | None = "deepseek_r1", tools=None,
+            continuous_usage: bool = False) -> Choices:
+    """A chat request whose output is `text`, three characters a token (token 10 + j decodes
+    to the text's j-th three), committed 1 to 3 tokens a round."""
+    width, prompt = 3, (2, 3)
+    tokens = -(-len(text) // width)
+    plan = RequestFrontEnd().plan("chatcmpl-r", prompt, SamplingParams(
+        temperature=0.0, max_tokens=max(tokens, 1)), n=1, stop_token_ids=(0,))
+    engine = Scripted(list(range(10, 10 + tokens)), miss=3, prompt_len=len(prompt))
+
+    def decode(ids):
+        return "".join(text[width * (i - 10):width * (i - 9)] for i in ids if i >= 10)
+
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "?"}], **({"tools": tools} if tools else {})})
+    return Choices(plan, (engine, engine), decode,
+                   type("Metrics", (), {"record_choice": lambda self, *choice: None})(),
+                   Admission(4).admit(1), model="m", chat=True, return_token_ids=False,
+                   tools=body.tool_use(), continuous_usage=continuous_usage,
+                   reasoning=reasoning_split(parser, None, False))
+
+
+def whole_and_streamed(text: str, **options) -> tuple[dict, list[dict]]:
+    """The whole answer's choice, and the streamed one's deltas (with its finish_reason)."""
+    whole = asyncio.run(fan_out(text, **options).complete())["choices"][0]
+
+    async def collect():
+        return [e async for e in fan_out(text, **options).events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"] for e in asyncio.run(collect())[:-1]]
+    return whole, [c[0] for c in chunks if c]
+
+
+def accumulated(deltas: list[dict], field: str) -> str | None:
+    parts = [d["delta"][field] for d in deltas if d["delta"].get(field) is not None]
+    return "".join(parts) if any(parts) else None
+
+
+@pytest.mark.parametrize("continuous_usage", [False, True])
+@pytest.mark.parametrize("text, split", SPLITS)
+def test_a_chat_answer_carries_its_reasoning_whole_and_streamed(text, split, continuous_usage):
+    whole, deltas = whole_and_streamed(text, continuous_usage=continuous_usage)
+    reasoning, content = split
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == (reasoning,
+                                                                            content)
+    assert accumulated(deltas, "reasoning") == (reasoning or None)
+    assert accumulated(deltas, "content") == content
+    assert all("<think>" not in (d["delta"].get("reasoning") or "") for d in deltas)
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == \
+        ("length" if text else "stop")  # max_tokens, or the empty output's end token
+
+
+def test_a_split_end_of_thinking_streams_as_separate_deltas():
+    """Three characters a token: `</think>` spans three tokens, and the rounds' deltas cut
+    it; none of its text reaches a delta."""
+    text = "I think so.</think>Yes."
+    _, deltas = whole_and_streamed(text)
+    assert len(deltas) > 3
+    sent = [(d["delta"].get("reasoning"), d["delta"].get("content")) for d in deltas]
+    assert all("</" not in (part or "") for pair in sent for part in pair)
+    assert accumulated(deltas, "reasoning") == "I think so."
+    assert accumulated(deltas, "content") == "Yes."
+
+
+def test_calls_are_read_out_of_the_content_after_the_reasoning():
+    whole, deltas = whole_and_streamed("I should ask the time.</think>" + CALL, tools=TOOLS)
+    message = whole["message"]
+    assert message["reasoning"] == "I should ask the time."
+    assert message["content"] is None
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["now"]
+    assert whole["finish_reason"] == "tool_calls" == deltas[-1]["finish_reason"]
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["now"]
+    assert accumulated(deltas, "reasoning") == "I should ask the time."
+    assert accumulated(deltas, "content") is None
+
+
+def test_a_call_inside_the_reasoning_is_reasoning():
+    text = "maybe " + CALL + " then answer"  # cut at max_tokens inside the reasoning
+    whole, deltas = whole_and_streamed(text, tools=TOOLS)
+    assert whole["message"]["reasoning"] == text
+    assert whole["message"]["content"] is None and "tool_calls" not in whole["message"]
+    assert whole["finish_reason"] == "length" == deltas[-1]["finish_reason"]
+    assert accumulated(deltas, "reasoning") == text
+    assert not any(d["delta"].get("tool_calls") for d in deltas)
+
+
+@pytest.mark.parametrize("text", ["<think>Paris.</think>Paris.", "plain", ""])
+def test_without_a_parser_the_answer_is_the_whole_text_as_before(text):
+    whole, deltas = whole_and_streamed(text, parser=None)
+    assert whole["message"] == {"role": "assistant", "content": text}
+    assert all("reasoning" not in d["delta"] for d in deltas)
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == text
