@@ -15,12 +15,11 @@ long as for the verifier. Releases are sent in the background and never delay an
 
 import asyncio
 import logging
-import time
 
 import grpc
 
 from deployments import auth, wire
-from deployments.health import Throttle
+from deployments.health import FailureLog
 from deployments.limits import Limits, message_size_options
 from deployments.placement import ROUTE_PREFIX_TOKENS, LoadBound, prefix_route_key
 from deployments.replica_stream import STREAMS, PoolError, ReplicaStream
@@ -38,7 +37,6 @@ from speculative.types import (
 )
 
 log = logging.getLogger(__name__)
-serve_log = logging.getLogger("ray.serve")
 
 # codes meaning "that replica is not there any more": try Serve's routing instead
 GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
@@ -329,22 +327,6 @@ class PoolClient:
 # late) turns rounds into the target's alone, which only a counter showed: the router says
 # so in its log, at most this often
 DRAFT_FAILURES_LOGGED_EVERY_S = 60.0
-
-
-class FailureLog:
-    """A warning for calls that fail, at most once every `every_s` seconds, with how many
-    failed since the one before."""
-
-    def __init__(self, what: str, every_s: float, clock=time.monotonic) -> None:
-        self.what, self.logged, self.clock = what, Throttle(every_s), clock
-        self.failed = 0
-
-    def failure(self, error: Exception) -> None:
-        self.failed += 1
-        if self.logged.due(self.clock()):
-            serve_log.warning("%s: %d failed since the last warning; the latest: %s",
-                              self.what, self.failed, error)
-            self.failed = 0
 
 
 class GrpcDrafter:

@@ -42,6 +42,22 @@ class Throttle:
         return False
 
 
+class FailureLog:
+    """A warning for calls that fail, at most once every `every_s` seconds, with how many
+    failed since the one before."""
+
+    def __init__(self, what: str, every_s: float, clock=time.monotonic) -> None:
+        self.what, self.logged, self.clock = what, Throttle(every_s), clock
+        self.failed = 0
+
+    def failure(self, error: Exception) -> None:
+        self.failed += 1
+        if self.logged.due(self.clock()):
+            log.warning("%s: %d failed since the last warning; the latest: %s",
+                              self.what, self.failed, error)
+            self.failed = 0
+
+
 class BatchHealth:
     def __init__(self, stall_s: float, refusals: tuple[type, ...]) -> None:
         """refusals: what a batch may raise that refuses its calls (an answer, not a fault)."""
