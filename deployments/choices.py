@@ -126,7 +126,7 @@ class Choices:
                            generation.token_ids if self.return_token_ids else None,
                            self.logprobs(generation), calls, self.prompt_ids(index))
         if self.reasoning is not None:
-            body["message"]["reasoning"] = reasoning
+            body["message"]["reasoning"] = reasoning if self.reasoning.shown else None
         return body
 
     def read_output(self, generation: Generation
@@ -292,6 +292,7 @@ class StreamedText:
 
     def __init__(self, reasoning: ReasoningSplit | None, tools: ToolUse | None) -> None:
         self.thinking = reasoning.stream() if reasoning is not None else None
+        self.shown = reasoning is not None and reasoning.shown  # its reasoning sent
         self.held = HeldContent() if tools is not None else None
 
     @property
@@ -306,6 +307,7 @@ class StreamedText:
         reasoning = ""
         if self.thinking is not None:
             reasoning, delta = self.thinking.feed(delta)
+            reasoning = reasoning if self.shown else ""
         if self.held is not None:
             delta = self.held.feed(delta)
         return (reasoning, delta) if reasoning or delta else None
@@ -314,7 +316,7 @@ class StreamedText:
         """(reasoning, content) held to the end and still to send, given the final content
         (Choices.read_output's); None when nothing is, except an empty content under tools,
         whose "" goes out (the role's chunk carried none)."""
-        reasoning = self.thinking.finish() if self.thinking is not None else ""
+        reasoning = self.thinking.finish() if self.shown else ""
         rest = self.held.rest(content) if self.held is not None else ""
         if reasoning or rest or (self.held is not None and content == ""):
             return reasoning, rest

@@ -319,6 +319,9 @@ class ChatCompletionRequest(SamplingFields):
     # does not read are dropped, as vLLM drops them (deployments.prompts.template_kwargs)
     chat_template_kwargs: dict[str, Any] | None = Field(default=None,
                                                         max_length=MAX_TEMPLATE_KWARGS)
+    # vLLM's: false, a reasoning parser's reasoning is split off and not sent
+    # (deployments.reasoning)
+    include_reasoning: bool = True
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -19,22 +19,26 @@ ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 def reasoning_split(parser: ReasoningParserName | None, chat_template_kwargs: dict | None,
-                    constrained: bool) -> "ReasoningSplit | None":
+                    constrained: bool, shown: bool = True) -> "ReasoningSplit | None":
     """The split a chat request's output gets; None where its text is all content: no
     parser, Qwen3 asked not to think (`chat_template_kwargs.enable_thinking` false: its
     template closes an empty think block in the prompt, as vLLM reads the prompt as ended
     reasoning), or an output a grammar constrains from its first token (a forced tool call,
-    response_format: vLLM lets the model think first, here the grammar leaves no room)."""
+    response_format: vLLM lets the model think first, here the grammar leaves no room);
+    shown: the request's include_reasoning."""
     if parser is None or constrained:
         return None
     if parser == "qwen3" and (chat_template_kwargs or {}).get("enable_thinking", True) is False:
         return None
-    return ReasoningSplit(parser)
+    return ReasoningSplit(parser, shown)
 
 
 @dataclass(frozen=True)
 class ReasoningSplit:
     parser: ReasoningParserName
+    # vLLM's include_reasoning: false, the reasoning is split off the content but not sent
+    # (the message's null, no delta of it)
+    shown: bool = True
 
     def split(self, text: str) -> tuple[str, str | None]:
         """(reasoning, content) of a whole output: what a stream of it sends, as one."""
@@ -60,22 +64,19 @@ class ReasoningStream:
     def __init__(self) -> None:
         self.opening = True  # no text yet that a `<think>` could not open
         self.ended = False  # past the first `</think>`: the rest is content
-        self.held = ""  # text not yet sent: whitespace and a tag's beginning, at most
+        # the output's opening whitespace (dropped before a `<think>`), in its deltas' pieces:
+        # an output of newlines, grown and stripped at each delta, cost its square
+        self.space: list[str] = []
+        self.held = ""  # text not yet sent after that: a tag's beginning, at most
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, content) of the delta that can go out now."""
         if self.ended:
             return "", delta
-        text = self.held + delta
-        if self.opening:
-            start = text.lstrip()
-            if start.startswith(THINK_OPEN):  # the output opens the block itself: dropped
-                text, self.opening = start[len(THINK_OPEN):], False
-            elif THINK_OPEN.startswith(start):  # whitespace, or a `<think>` still coming
-                self.held = text
-                return "", ""
-            else:
-                self.opening = False
+        if not self.opening:
+            text = self.held + delta
+        elif (text := self.opened(delta)) is None:
+            return "", ""
         end = text.find(THINK_CLOSE)
         if end >= 0:
             self.ended, self.held = True, ""
@@ -84,8 +85,28 @@ class ReasoningStream:
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
+    def opened(self, delta: str) -> str | None:
+        """The text after the output's opening, once it is known (its `<think>` dropped, with
+        the whitespace before it); None while whitespace, or a `<think>` begun, may still
+        open the output."""
+        if not self.held:  # whitespace alone so far: only the delta's own is stripped
+            start = delta.lstrip()
+            self.space.append(delta[:len(delta) - len(start)])
+            delta = start
+        start, self.held = self.held + delta, ""
+        if start.startswith(THINK_OPEN):  # the output opens the block itself: dropped
+            self.opening, self.space = False, []
+            return start[len(THINK_OPEN):]
+        if THINK_OPEN.startswith(start):  # whitespace, or a `<think>` still coming
+            self.held = start
+            return None
+        self.opening = False
+        space, self.space = "".join(self.space), []
+        return space + start
+
     def finish(self) -> str:
         """The reasoning held at the end of the output (a tag's beginning that never came
         whole is text)."""
-        rest, self.held = self.held, ""
+        rest, self.held = "".join(self.space) + self.held, ""
+        self.space = []
         return rest

@@ -284,7 +284,7 @@ class Router:
         reasoning_parser), for this request: not where a grammar constrains them."""
         constrained = any(c.request.sampling.grammar is not None for c in plan.choices)
         return reasoning_split(self.args.reasoning_parser, body.chat_template_kwargs,
-                               constrained)
+                               constrained, body.include_reasoning)
 
     async def plan(self, body, chat: bool) -> RequestPlan:
         """The body's prompt read (each of a completions batch's), its model checked, its
