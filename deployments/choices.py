@@ -20,7 +20,7 @@ from deployments.responses import (
     error_body,
     json_text,
 )
-from deployments.tools import HeldContent, ToolUse, call_deltas
+from deployments.tools import ToolUse, call_deltas
 from speculative.driver import Decode, Generation
 from speculative.frontend import RequestPlan
 from speculative.types import Drafter, PoolUnavailable, Verifier
@@ -239,7 +239,7 @@ class Choices:
             await queue.put(chunk("" if streamed.held is None else None, role="assistant",
                                   prompt_token_ids=prompt_ids))
         generation = await self.run_choice(index, push)
-        # off the event loop: all from a `<tool_call>` on was held, its tokens' logprobs too
+        # off the event loop: all from where a call may begin was held, its tokens' logprobs too
         for text in await self.off_loop(ending, generation):
             await queue.put(text)
         return generation
@@ -288,12 +288,12 @@ class Choices:
 class StreamedText:
     """A streamed choice's text as it can go out now, each delta's (reasoning, content): the
     reasoning split off (deployments.reasoning), the content held from where a call may
-    begin (deployments.tools.HeldContent); without either, the delta as content."""
+    begin (deployments.tool_parsers.held_content); without either, the delta as content."""
 
     def __init__(self, reasoning: ReasoningSplit | None, tools: ToolUse | None) -> None:
         self.thinking = reasoning.stream() if reasoning is not None else None
         self.shown = reasoning is not None and reasoning.shown  # its reasoning sent
-        self.held = HeldContent() if tools is not None else None
+        self.held = tools.held_content() if tools is not None else None
 
     @property
     def parses(self) -> bool:

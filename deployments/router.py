@@ -53,7 +53,8 @@ from deployments.tokenize_api import (
     detokenized,
     tokenized,
 )
-from deployments.tools import CALL_CLOSE, CALL_OPEN
+from deployments.tool_parsers import KEPT_TEXTS
+from deployments.tools import ToolUse
 from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
 from engine.checkpoint import Checkpoint, check_vocabularies
 from engine.models import load_tokenizer
@@ -122,7 +123,8 @@ class Router:
         self.args = args
         tokenizer = served_tokenizer(args.model, args.tokenizer)
         self.decode = text_decoder(tokenizer)
-        self.tool_decode = text_decoder(tokenizer, keep=(CALL_OPEN, CALL_CLOSE))
+        # with tools in effect, the special tokens the tool call parser reads are kept
+        self.tool_decode = text_decoder(tokenizer, keep=KEPT_TEXTS[args.tool_call_parser])
         self.special_decode = text_decoder(tokenizer, skip_special=False)  # every token's text
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
@@ -248,9 +250,7 @@ class Router:
         try:
             body = await parse(request, schema, self.args.max_prompt_bytes)
             plan = await self.plan(body, chat)
-            tools = body.tool_use() if chat else None  # checked by the prompt's reading
-            if tools is not None and self.prompts.call_id_length is not None:
-                tools = dataclasses.replace(tools, call_id_length=self.prompts.call_id_length)
+            tools = self.tool_use(body) if chat else None  # checked by the prompt's reading
             ticket = self.admission.admit(len(plan.choices))
         except BadRequest as error:
             return error_response(error)
@@ -278,6 +278,15 @@ class Router:
             return error_response(pool_failure(error, plan.request_id))
         finally:
             ticket.release()
+
+    def tool_use(self, body) -> ToolUse | None:
+        """A chat's tools in effect, their calls read in the router's tool_call_parser (a
+        forced call in its grammar's format) with the ids its chat template takes."""
+        tools = body.tool_use()
+        if tools is None:
+            return None
+        return dataclasses.replace(tools, call_id_length=self.prompts.call_id_length,
+                                   parser=self.args.tool_call_parser)
 
     def reasoning(self, body, plan: RequestPlan) -> ReasoningSplit | None:
         """How a chat's outputs are split into reasoning and content (the router's

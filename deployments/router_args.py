@@ -6,6 +6,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from deployments.pool_args import ModelPath
 from deployments.reasoning import ReasoningParserName
+from deployments.tool_parsers import ToolCallParserName
 from engine.models import DEMO_TARGET
 from speculative.options import (
     MAX_PLAIN_STEPS,
@@ -134,6 +135,11 @@ class RouterArgs(BaseModel):
     # the message's `reasoning` (streamed: the deltas'), the rest as its content (the tokens,
     # usage and logprobs stay the output's own: deployments.reasoning); None: off, as vLLM
     reasoning_parser: ReasoningParserName | None = None
+    # vLLM's --tool-call-parser: the format an "auto" chat output's calls are read in
+    # (deployments.tool_parsers): "hermes" (`<tool_call>{...}</tool_call>`, the demo's),
+    # "llama3_json" (Llama 3's bare JSON with "parameters"), "mistral" (`[TOOL_CALLS]`); a
+    # forced call is written and read in Hermes' format whatever this says
+    tool_call_parser: ToolCallParserName = "hermes"
     # default: the model's max_position_embeddings (engine.checkpoint.context_limit)
     max_context_tokens: int | None = Field(default=None, ge=2)
     # a pool call's deadline: the verifier's (and the drafter's for seeded sampled

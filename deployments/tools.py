@@ -1,26 +1,35 @@
 """OpenAI function calling: the tools a chat request offers, the grammar that makes its output
 one call of them, and the calls read back out of the output.
 
-The output's format is the chat template's (the demo pair's, and Hermes' / Qwen's): a call is
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text before the first call is
-the message's content. tool_choice "required" or a named function constrains the output to
-one call whose arguments follow the function's JSON schema, through the structured-output
-machinery (so it is exact under speculation, like any grammar); "auto" generates freely and
-reads the calls out of the text; "none" offers no tools (the prompt does not list them).
+A forced call is written in Hermes' format (the demo pair's template's, and Qwen's):
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. tool_choice "required" or a named
+function constrains the output to one call whose arguments follow the function's JSON
+schema, through the structured-output machinery (so it is exact under speculation, like any
+grammar); "auto" generates freely and reads the calls out of the text in the format of the
+router's tool_call_parser (deployments.tool_parsers: Hermes' by default, Llama's JSON,
+Mistral's `[TOOL_CALLS]`); "none" offers no tools (the prompt does not list them).
 """
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from deployments.tool_parsers import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    HeldContent,
+    HeldOpening,
+    ToolCallParserName,
+    held_content,
+    read_call,
+    read_calls,
+)
 from speculative.grammar import JSON_LAYOUT, GrammarError, compile_spec
 
 MAX_TOOLS = 128  # as OpenAI
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # a function without parameters takes none (OpenAI): its arguments are {}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -214,6 +223,9 @@ class ToolUse:
     named: bool = False  # tool_choice named the function
     # the length of the ids written for calls, where the chat template takes no other
     call_id_length: int | None = None
+    # the format an "auto" output's calls are read in (the router's tool_call_parser:
+    # deployments.tool_parsers); a forced call's is always Hermes', its grammar's
+    parser: ToolCallParserName = "hermes"
 
     def template_tools(self) -> list[dict]:
         """The tools as chat templates take them (transformers' `tools`: OpenAI's shape)."""
@@ -224,25 +236,25 @@ class ToolUse:
         """(field, kind, spec) of the grammar of one forced call, as SamplingFields'."""
         return ("tool_choice", "grammar", call_grammar(self.forced)) if self.forced else None
 
+    @property
+    def format(self) -> ToolCallParserName:
+        """The format the output's calls are read in: Hermes' for a forced call."""
+        return "hermes" if self.forced else self.parser
+
     def read_calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of an output: the calls when every `<tool_call>` in it holds
-        a call of an offered function with an object of arguments, and the text before them
-        as content (None when empty); else the whole text and no calls."""
-        start = text.find(CALL_OPEN)
-        if start < 0:
+        """(content, tool_calls) of an output: the calls when every call it holds (in
+        `format`) names an offered function with an object of arguments, and the content
+        beside them (None when empty); else the whole text and no calls."""
+        read = read_calls(self.format, text, {f.name for f in self.functions})
+        if read is None:
             return text, []
-        names = {f.name for f in self.functions}
-        calls, at = [], start
-        while at >= 0:
-            read = read_call(text, at + len(CALL_OPEN))
-            if read is None:
-                return text, []
-            (name, arguments), end = read
-            if name not in names:
-                return text, []
-            calls.append(call_body(name, arguments, self.call_id_length))
-            at = text.find(CALL_OPEN, end)
-        return text[:start] or None, calls if self.parallel else calls[:1]
+        content, calls = read
+        bodies = [call_body(name, arguments, self.call_id_length) for name, arguments in calls]
+        return content, bodies if self.parallel else bodies[:1]
+
+    def held_content(self) -> HeldContent | HeldOpening:
+        """What holds back a streamed output's content while it may be calls."""
+        return held_content(self.format)
 
     def read(self, text: str, finish_reason: str | None
              ) -> tuple[str | None, list[dict], str | None]:
@@ -267,57 +279,6 @@ class ToolUse:
         if len(begun) != 1 or read_call(text, len(CALL_OPEN)) is not None:
             return []
         return [call_body(*begun[0], self.call_id_length)]
-
-
-def strict_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")
-
-
-# JSON as the standard has it: no NaN or Infinity (Python's json takes them by default)
-DECODER = json.JSONDecoder(parse_constant=strict_json)
-ARGUMENTS_KEY = re.compile(r'"arguments"\s*:\s*')
-SPACE = re.compile(r"\s*")
-
-
-def read_call(text: str, at: int) -> tuple[tuple[str, str], int] | None:
-    """((name, arguments as the model wrote them), the end of `</tool_call>`) of the call
-    whose JSON object starts at `at` (after whitespace) and is followed by `</tool_call>`, or
-    by nothing but whitespace to the end of the text; None when it is no such call. The object
-    is decoded, not matched up to the first `</tool_call>`, so an argument may hold that
-    text."""
-    try:
-        begin = SPACE.match(text, at).end()
-        call, end = DECODER.raw_decode(text, begin)
-    except (ValueError, RecursionError):
-        return None
-    close = SPACE.match(text, end).end()
-    # the output's last call may end without `</tool_call>` (a stop string, or the model's
-    # end token, right after its object), as vLLM's Hermes parser reads it
-    closed = text.startswith(CALL_CLOSE, close)
-    if not (isinstance(call, dict) and isinstance(call.get("name"), str)
-            and isinstance(call.get("arguments"), dict)
-            and (closed or close == len(text))):
-        return None
-    arguments = arguments_text(text[begin:end], call["arguments"])
-    after = close + len(CALL_CLOSE) if closed else close
-    return None if arguments is None else ((call["name"], arguments), after)
-
-
-def arguments_text(call_text: str, arguments: dict) -> str | None:
-    """The arguments object as the model wrote it in the call (OpenAI returns the model's
-    own text: numbers keep their digits), or re-encoded where its span cannot be found."""
-    key = ARGUMENTS_KEY.search(call_text)
-    if key is not None:
-        try:
-            found, end = DECODER.raw_decode(call_text, key.end())
-            if json.dumps(found) == json.dumps(arguments):  # the same text (True is no 1)
-                return call_text[key.end():end]
-        except (ValueError, RecursionError):
-            pass
-    try:
-        return json.dumps(arguments, allow_nan=False)
-    except ValueError:  # a number past float's range: no call
-        return None
 
 
 def call_grammar(functions: tuple[ToolFunction, ...]) -> str:
@@ -347,32 +308,3 @@ def call_body(name: str, arguments: str, id_length: int | None = None) -> dict:
 def call_deltas(calls: list[dict]) -> list[dict]:
     """The calls as one stream delta carries them whole (each with its index)."""
     return [{"index": i, **call} for i, call in enumerate(calls)]
-
-
-class HeldContent:
-    """A streamed choice's content when tools are in use: text goes out as it comes, except
-    from where a `<tool_call>` may begin, which waits for the end of the output (it is a
-    call, or content after all)."""
-
-    def __init__(self) -> None:
-        # only the text not yet sent is kept (a tail that may grow into CALL_OPEN), so a
-        # delta costs its own length: the whole text grown and searched at each delta took
-        # 0.9 s of the event loop over a 32k-token output, 14 s over 128k
-        self.held, self.sent, self.holding = "", 0, False
-
-    def feed(self, delta: str) -> str:
-        """The part of the output so far that can go out now."""
-        if self.holding:  # from a `<tool_call>` on, everything waits for the end
-            return ""
-        text = self.held + delta
-        start = text.find(CALL_OPEN)
-        self.holding = start >= 0
-        if not self.holding:  # hold a tail that may grow into CALL_OPEN
-            start = len(text) - max(n for n in range(len(CALL_OPEN))
-                                    if text.endswith(CALL_OPEN[:n]))
-        self.held, self.sent = text[start:], self.sent + start
-        return text[:start]
-
-    def rest(self, content: str | None) -> str:
-        """What remains to send of the final content (read_calls' content)."""
-        return (content or "")[self.sent:]
