@@ -250,7 +250,8 @@ class HeldOpening:
         body = self.tag + delta
         if not self.tag:
             body = delta.lstrip()
-            self.spaces.append(delta[:len(delta) - len(body)])
+            if len(body) < len(delta):  # (an empty delta keeps nothing)
+                self.spaces.append(delta[:len(delta) - len(body)])
         if len(body) < len(PYTHON_TAG) and PYTHON_TAG.startswith(body):  # "" too
             self.tag = body
             return ""
