@@ -90,9 +90,10 @@ def test_two_token_sequences_match_target_only_sampling(target, params, drafter_
         assert siblings > SAMPLES / 20  # paths that took a continuation beside the main one
 
 
-def sample_counts(target, params, drafter_kind, stop_law=None):
-    """Counts of the three tokens over SAMPLES seeded requests; with stop_law, stops early
-    once the counts fail the check against it (a mutant's run), looking every CHUNK."""
+def sample_counts(target, params, drafter_kind, stop_law=None, stop_first=None):
+    """Counts of the three tokens over SAMPLES seeded requests; with stop_law (the law after
+    the first token) or stop_first (the first token's), stops early once the counts fail
+    that check (a mutant's run), looking every CHUNK."""
     drafter = Batched(make_drafter(target, drafter_kind))
     verifier = Batched(ModelVerifier(target))
     counts = np.zeros((VOCAB,) * 3)
@@ -104,11 +105,19 @@ def sample_counts(target, params, drafter_kind, stop_law=None):
         accepted += state.stats.num_accepted_tokens
         siblings += state.stats.sibling_rounds
         drafted += state.stats.num_draft_tokens
-        if stop_law is not None and (i + 1) % CHUNK == 0:
-            statistic, threshold, _ = conditional_chi_square(counts, stop_law, CHECK_FAILURE)
-            if statistic > threshold:
-                break
+        if (i + 1) % CHUNK == 0 and failed(counts, stop_law, stop_first):
+            break
     return counts, accepted, siblings, drafted
+
+
+def failed(counts, law_after, first) -> bool:
+    """Whether the counts fail the check against the law after the first token or the first
+    token's own (each where given)."""
+    checks = [] if law_after is None else [conditional_chi_square(counts, law_after,
+                                                                  CHECK_FAILURE)]
+    if first is not None:
+        checks.append(chi_square(counts.sum((1, 2)), first, CHECK_FAILURE))
+    return any(statistic > threshold for statistic, threshold, _ in checks)
 
 
 def main_child_taken_untested(tree, target_token_ids):
@@ -146,7 +155,7 @@ def test_a_first_token_off_its_law_fails(target, monkeypatch):
     """The conditioned check cannot see the first token's law (it passes this mutant): the
     first-token check must."""
     monkeypatch.setattr(verifier_module, "draw_recovered_and_bonus", first_token_off_its_law)
-    counts, *_ = sample_counts(target, NUCLEUS, "model")
     first = sequence_law(target, PROMPT, NUCLEUS, 1)
+    counts, *_ = sample_counts(target, NUCLEUS, "model", stop_first=first)
     statistic, threshold, _ = chi_square(counts.sum((1, 2)), first, CHECK_FAILURE)
     assert statistic > threshold, "the first-token mutant passed"

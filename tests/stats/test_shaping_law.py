@@ -20,7 +20,6 @@ import pytest
 from speculative.sampling import SamplingParams
 from speculative.shaping import Shaping
 from tests.stats.laws import law_after_first, sequence_law
-from tests.tiny import tiny_llama
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     PROMPT,
     chi2_passes,
@@ -46,13 +45,11 @@ def shaped_law(target) -> np.ndarray:
     return np.tensordot(first, law_after_first(target, PROMPT, PARAMS, 3), axes=1)
 
 
-def test_the_shaped_law_bans_and_holds_back():
+def test_the_shaped_law_bans_and_holds_back(shaped_law):
     """The reference itself: the banned token has no mass to speak of anywhere (a bias of
     -100 leaves e^-100 of its odds, as OpenAI's), the end token none in the window's first
     two positions (output lengths 1 and 2) and some in its third."""
-    model = tiny_llama(31, vocab_size=8)
-    law = np.tensordot(sequence_law(model, PROMPT, PARAMS, 1),
-                       law_after_first(model, PROMPT, PARAMS, 3), axes=1)
+    law = shaped_law  # of the module's target, tiny_llama(31) over 8 tokens
     assert max(law[BANNED].sum(), law[:, BANNED].sum(), law[:, :, BANNED].sum()) < 1e-40
     assert law[END].sum() == law[:, END].sum() == 0 < law[:, :, END].sum()
 

@@ -69,11 +69,11 @@ def draft_tree(laws: Laws, widths: tuple[int, ...], rng: np.random.Generator) ->
     """A tree drafted from q: widths[d] children per node at depth d, each drawn from q
     with its earlier siblings removed (an inverted cumulative sum on the host: numpy's
     choice with p took a third of the test's time)."""
-    tokens, parents, frontier = [], [], [ROOT]
+    tokens, parents, frontier = [], [], [(ROOT, ())]  # (node, its path)
     for width in widths:
         next_frontier = []
-        for node in frontier:
-            q = laws.q_list(tuple(path_of(tokens, parents, node)))
+        for node, path in frontier:
+            q = laws.q_list(path)
             for _ in range(width):
                 total = sum(q)
                 if total <= 0:
@@ -82,7 +82,7 @@ def draft_tree(laws: Laws, widths: tuple[int, ...], rng: np.random.Generator) ->
                 q[token] = 0.0
                 tokens.append(token)
                 parents.append(node)
-                next_frontier.append(len(tokens) - 1)
+                next_frontier.append((len(tokens) - 1, (*path, token)))
         frontier = next_frontier
     return DraftTree(tuple(tokens), tuple(parents))
 
@@ -99,13 +99,12 @@ def inverted(weights: list[float], u: float) -> int:
     return last  # rounding left u at the very top
 
 
-def path_of(tokens, parents, node) -> list[int]:
-    return DraftTree(tuple(tokens), tuple(parents)).path(node)
-
-
 def rows(laws: Laws, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     """(draft_probs, target_probs): [1 + nodes, V], the root's row, then each node's."""
-    at = [laws.at(tuple(tree.path(node))) for node in [ROOT, *range(len(tree.token_ids))]]
+    paths = [()]  # the root's, then each node's: its parent's and its token (parents first)
+    for token, parent in zip(tree.token_ids, tree.parents):
+        paths.append((*paths[parent + 1], token))
+    at = [laws.at(path) for path in paths]
     return torch.stack([q for _, q in at]), torch.stack([p for p, _ in at])
 
 

@@ -1,5 +1,7 @@
 """The scaled benchmark target predicts exactly what the demo target predicts."""
 
+import copy
+
 import pytest
 import torch
 
@@ -10,12 +12,20 @@ from tests.tiny import hf_greedy
 PROMPTS = ["def main():\n", "import os\n"]
 
 
+@pytest.fixture(scope="module")
+def scaled_pair():
+    """The demo target and its scaled copy, float32: built once for both dtypes (scale_up
+    took about 1.2 CPU s a test; a copy cast to bfloat16, a fraction of that)."""
+    demo = load_causal_lm(DEMO_TARGET)
+    return demo, scale_up(demo, **SHAPE)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scaled_target_greedy_equals_the_demo_target(dtype):
-    demo = load_causal_lm(DEMO_TARGET)
-    scaled = scale_up(demo, **SHAPE).to(dtype)
-    demo = demo.to(dtype)
+def test_scaled_target_greedy_equals_the_demo_target(scaled_pair, dtype):
+    demo, scaled = scaled_pair
+    if dtype != torch.float32:  # copies cast: Module.to casts in place, and both tests
+        demo, scaled = (copy.deepcopy(model).to(dtype) for model in scaled_pair)  # share it
     assert sum(p.numel() for p in scaled.parameters()) > 90e6  # compute of a ~100M model
     tokenizer = load_tokenizer(DEMO_TARGET)
     for prompt in PROMPTS:
