@@ -119,7 +119,7 @@ class Choices:
 
     def whole_choice(self, index: int, generation: Generation) -> dict:
         """A finished choice's body; with a reasoning parser, its reasoning split off (vLLM's
-        `reasoning`, null when none); with tools, its calls read out of its content."""
+        `reasoning`, "" when empty); with tools, its calls read out of its content."""
         reasoning, content, calls, finish_reason = self.read_output(generation)
         body = choice_body(index, content, finish_reason,
                            generation.stop_reason, self.chat,
