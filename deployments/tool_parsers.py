@@ -56,16 +56,28 @@ def read_calls(parser: ToolCallParserName, text: str, names: set[str]) -> Calls 
 def read_hermes(text: str, names: set[str]) -> Calls | None:
     """The calls when every `<tool_call>` in the text holds a call of an offered function
     with an object of arguments, and the text before them as content (None when empty)."""
-    start = text.find(CALL_OPEN)
+    def one_call(text: str, at: int):
+        read = read_call(text, at)
+        return None if read is None else ([read[0]], read[1])
+
+    return read_tagged(text, names, CALL_OPEN, one_call)
+
+
+def read_tagged(text: str, names: set[str], tag: str, read_at) -> Calls | None:
+    """The calls when every `tag` in the text opens calls (read_at(text, at): the calls
+    read from `at` and where they end, or None) of offered functions, and the text before
+    the first as content (None when empty); None when it is content. Text after a call
+    that is no further `tag` is dropped."""
+    start = text.find(tag)
     if start < 0:
         return None
     calls, at = [], start
     while at >= 0:
-        read = read_call(text, at + len(CALL_OPEN))
-        if read is None or read[0][0] not in names:
+        read = read_at(text, at + len(tag))
+        if read is None or any(name not in names for name, _ in read[0]):
             return None
-        calls.append(read[0])
-        at = text.find(CALL_OPEN, read[1])
+        calls += read[0]
+        at = text.find(tag, read[1])
     return text[:start] or None, calls
 
 
@@ -148,17 +160,7 @@ def read_mistral(text: str, names: set[str]) -> Calls | None:
     """Mistral's calls: the text before the first `[TOOL_CALLS]` the content (None when
     empty), each `[TOOL_CALLS]` followed by an array of calls or by one v11 call; text
     after a call that is no `[TOOL_CALLS]` is dropped, as Hermes' text after its calls."""
-    start = text.find(TOOL_CALLS)
-    if start < 0:
-        return None
-    calls, at = [], start
-    while at >= 0:
-        read = read_mistral_calls(text, at + len(TOOL_CALLS))
-        if read is None or any(name not in names for name, _ in read[0]):
-            return None
-        calls += read[0]
-        at = text.find(TOOL_CALLS, read[1])
-    return text[:start] or None, calls
+    return read_tagged(text, names, TOOL_CALLS, read_mistral_calls)
 
 
 def read_mistral_calls(text: str, at: int) -> tuple[list[tuple[str, str]], int] | None:
