@@ -19,18 +19,27 @@ ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 def reasoning_split(parser: ReasoningParserName | None, chat_template_kwargs: dict | None,
-                    constrained: bool, shown: bool = True) -> "ReasoningSplit | None":
+                    constrained: bool, shown: bool = True,
+                    ended: bool = False) -> "ReasoningSplit | None":
     """The split a chat request's output gets; None where its text is all content: no
     parser, Qwen3 asked not to think (`chat_template_kwargs.enable_thinking` false: its
     template closes an empty think block in the prompt, as vLLM reads the prompt as ended
     reasoning), or an output a grammar constrains from its first token (a forced tool call,
     response_format: vLLM lets the model think first, here the grammar leaves no room);
-    shown: the request's include_reasoning."""
-    if parser is None or constrained:
+    shown: the request's include_reasoning; ended: the prompt ended the reasoning already
+    (prompt_ended_reasoning)."""
+    if parser is None or constrained or ended:
         return None
     if parser == "qwen3" and (chat_template_kwargs or {}).get("enable_thinking", True) is False:
         return None
     return ReasoningSplit(parser, shown)
+
+
+def prompt_ended_reasoning(continued: str | None) -> bool:
+    """Whether a continued assistant message (continue_final_message's) closed its
+    reasoning: its last `</think>` after its last `<think>`, so the output carries on in the
+    content (as vLLM reads a prompt that ends the reasoning)."""
+    return continued is not None and continued.rfind(THINK_CLOSE) > continued.rfind(THINK_OPEN)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.placement import LoadBound, running_replicas
 from deployments.prompts import PromptReader
-from deployments.reasoning import ReasoningSplit, reasoning_split
+from deployments.reasoning import ReasoningSplit, prompt_ended_reasoning, reasoning_split
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.tokenize_api import (
     DetokenizeRequest,
@@ -292,8 +292,10 @@ class Router:
         """How a chat's outputs are split into reasoning and content (the router's
         reasoning_parser), for this request: not where a grammar constrains them."""
         constrained = any(c.request.sampling.grammar is not None for c in plan.choices)
+        continued = body.messages[-1].content if body.continue_final_message else None
         return reasoning_split(self.args.reasoning_parser, body.chat_template_kwargs,
-                               constrained, body.include_reasoning)
+                               constrained, body.include_reasoning,
+                               prompt_ended_reasoning(continued))
 
     async def plan(self, body, chat: bool) -> RequestPlan:
         """The body's prompt read (each of a completions batch's), its model checked, its

@@ -274,6 +274,27 @@ def test_include_reasoning_false_splits_the_reasoning_off_and_sends_none(text):
     assert deltas[-1]["finish_reason"] == whole["finish_reason"]
 
 
+def test_a_continued_reply_that_closed_its_reasoning_is_continued_as_content():
+    """continue_final_message: a begun reply that holds its `</think>` (after its last
+    `<think>`) is carried on in the content, as vLLM reads a prompt that ended the
+    reasoning; one still inside its reasoning (or with no tags) is split as ever. Before,
+    the output was all reasoning, its content null."""
+    router = SimpleNamespace(args=RouterArgs(reasoning_parser="deepseek_r1"))
+    plan = SimpleNamespace(choices=[])
+    for reply, split in [("<think>a</think>The answer is", None),
+                         ("<think>a</think>b<think>c", ReasoningSplit("deepseek_r1")),
+                         ("The answer is", ReasoningSplit("deepseek_r1"))]:
+        body = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "?"},
+                          {"role": "assistant", "content": reply}],
+             "add_generation_prompt": False, "continue_final_message": True})
+        assert Router.reasoning(router, body, plan) == split
+    body = ChatCompletionRequest.model_validate(  # a whole earlier reply: not continued
+        {"messages": [{"role": "assistant", "content": "<think>a</think>b"},
+                      {"role": "user", "content": "?"}]})
+    assert Router.reasoning(router, body, plan) == ReasoningSplit("deepseek_r1")
+
+
 def test_the_router_reads_include_reasoning():
     router = SimpleNamespace(args=RouterArgs(reasoning_parser="qwen3"))
     plan = SimpleNamespace(choices=[])
