@@ -99,31 +99,31 @@ class LoadBound:
         capacity = self.capacity(pins)
         if loads[home] + self.joining[key] < capacity:
             return False, None
-        if len(self.known) < (self.replicas or 0):
-            return True, None  # a replica this router has not met: Serve's ring finds it
-        least = self.least_loaded(home, loads, capacity)
-        return (least is not None), least
+        return self.elsewhere(home, loads, capacity)
 
     def beside(self, key: str, address: str, pins: dict[str, str]) -> str | None:
         """Where a first call that waited for its prefix's placement goes: the replica the
         prefix landed on while it holds fewer than its capacity (the calls still waiting
-        counted), else the least loaded of the others, or None (through the proxy by its
-        own key) while the pool has replicas this router has not met."""
+        counted), else where elsewhere says (None: through the proxy by its own key)."""
         if not self.bounds(key):
             return address
         loads = Counter(pins.values())
         capacity = self.capacity(pins, placing=0)  # this call is among those joining
         if loads[address] < capacity:
             return address
-        if len(self.known) < (self.replicas or 0):
-            return None
-        return self.least_loaded(address, loads, capacity) or address
+        spilled, least = self.elsewhere(address, loads, capacity)
+        return least if spilled else address
 
-    def least_loaded(self, home: str, loads: Counter, capacity: int) -> str | None:
-        """The known replica other than home with the fewest requests, if under capacity."""
+    def elsewhere(self, home: str, loads: Counter, capacity: int) -> tuple[bool, str | None]:
+        """Where a call its prefix's full replica `home` turns away goes: (True, None)
+        through the proxy by its own key while the pool has replicas this router has not
+        met (Serve's ring finds them); (True, the known replica with the fewest requests)
+        when it is under capacity; (False, None) when none is: it stays at home."""
+        if len(self.known) < (self.replicas or 0):
+            return True, None
         others = [address for address in self.known if address != home]
         least = min(others, key=loads.__getitem__, default=None)
-        return least if least is not None and loads[least] < capacity else None
+        return (True, least) if least is not None and loads[least] < capacity else (False, None)
 
     def landed(self, key: str, address: str) -> None:
         """A call placed through the proxy by `key` landed on `address`."""

@@ -14,6 +14,8 @@ null. The reasoning goes out in current vLLM's field, `reasoning` (earlier vLLM'
 from dataclasses import dataclass
 from typing import Literal
 
+from deployments.held_text import Opening, held_prefix
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
@@ -59,11 +61,6 @@ class ReasoningSplit:
         return ReasoningStream()
 
 
-def held_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (short of the whole tag)."""
-    return max(n for n in range(len(tag)) if text.endswith(tag[:n]))
-
-
 class ReasoningStream:
     """A streamed output's text split as it comes, in HeldContent's manner: each delta goes
     out at once as reasoning or content, except a tail that may grow into a tag, held to the
@@ -71,18 +68,17 @@ class ReasoningStream:
     a delta costs its own length and the deltas add up to the whole output's split."""
 
     def __init__(self) -> None:
-        self.opening = True  # no text yet that a `<think>` could not open
+        # until it is known whether the output opens with `<think>` (dropped, and the
+        # whitespace before it) or starts inside the reasoning
+        self.opening: Opening | None = Opening(THINK_OPEN)
         self.ended = False  # past the first `</think>`: the rest is content
-        # the output's opening whitespace (dropped before a `<think>`), in its deltas' pieces:
-        # an output of newlines, grown and stripped at each delta, cost its square
-        self.space: list[str] = []
-        self.held = ""  # text not yet sent after that: a tag's beginning, at most
+        self.held = ""  # after the opening, a tail that may grow into `</think>`
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, content) of the delta that can go out now."""
         if self.ended:
             return "", delta
-        if not self.opening:
+        if self.opening is None:
             text = self.held + delta
         elif (text := self.opened(delta)) is None:
             return "", ""
@@ -98,24 +94,17 @@ class ReasoningStream:
         """The text after the output's opening, once it is known (its `<think>` dropped, with
         the whitespace before it); None while whitespace, or a `<think>` begun, may still
         open the output."""
-        if not self.held:  # whitespace alone so far: only the delta's own is stripped
-            start = delta.lstrip()
-            self.space.append(delta[:len(delta) - len(start)])
-            delta = start
-        start, self.held = self.held + delta, ""
-        if start.startswith(THINK_OPEN):  # the output opens the block itself: dropped
-            self.opening, self.space = False, []
-            return start[len(THINK_OPEN):]
-        if THINK_OPEN.startswith(start):  # whitespace, or a `<think>` still coming
-            self.held = start
+        start = self.opening.feed(delta)
+        if start is None:
             return None
-        self.opening = False
-        space, self.space = "".join(self.space), []
+        space, self.opening = self.opening.space(), None
+        if start.startswith(THINK_OPEN):  # the output opens the block itself: dropped
+            return start[len(THINK_OPEN):]
         return space + start
 
     def finish(self) -> str:
         """The reasoning held at the end of the output (a tag's beginning that never came
         whole is text)."""
-        rest, self.held = "".join(self.space) + self.held, ""
-        self.space = []
+        rest = self.opening.held() if self.opening is not None else self.held
+        self.held = ""
         return rest

@@ -21,6 +21,8 @@ import json
 import re
 from typing import Literal
 
+from deployments.held_text import Opening, held_prefix
+
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -220,8 +222,7 @@ class HeldContent:
         start = text.find(opening)
         self.holding = start >= 0
         if not self.holding:  # hold a tail that may grow into the opening
-            start = len(text) - max(n for n in range(len(opening))
-                                    if text.endswith(opening[:n]))
+            start = len(text) - held_prefix(text, opening)
         self.held, self.sent = text[start:], self.sent + start
         return text[:start]
 
@@ -233,13 +234,11 @@ class HeldContent:
 class HeldOpening:
     """llama3_json's: an output that opens (after whitespace) with `{` or `<|python_tag|>`
     waits for its end (calls, or content after all); any other goes out as it comes, from
-    its first other character on. Its opening whitespace, and a beginning of the tag, wait
-    for what follows them, each delta costing its own length (the whitespace kept in
-    pieces, joined once)."""
+    its first other character on. Its opening (held_text.Opening) waits for what follows
+    it, each delta costing its own length."""
 
     def __init__(self) -> None:
-        self.spaces: list[str] = []  # the opening whitespace, not yet sent
-        self.tag = ""  # after it, a beginning of `<|python_tag|>`
+        self.opening = Opening(PYTHON_TAG)
         self.holding: bool | None = None  # None: not known yet
         self.sent = 0
 
@@ -249,18 +248,12 @@ class HeldOpening:
             sent = "" if self.holding else delta
             self.sent += len(sent)
             return sent
-        body = self.tag + delta
-        if not self.tag:
-            body = delta.lstrip()
-            if len(body) < len(delta):  # (an empty delta keeps nothing)
-                self.spaces.append(delta[:len(delta) - len(body)])
-        if len(body) < len(PYTHON_TAG) and PYTHON_TAG.startswith(body):  # "" too
-            self.tag = body
+        if (body := self.opening.feed(delta)) is None:
             return ""
         self.holding = body.startswith(("{", PYTHON_TAG))
         if self.holding:
             return ""
-        sent, self.spaces = "".join(self.spaces) + body, []
+        sent = self.opening.space() + body
         self.sent = len(sent)
         return sent
 

@@ -1,0 +1,45 @@
+"""Streamed text held back while it may still turn into a tag (a reasoning parser's, a tool
+call parser's), each delta costing its own length: a tail that may grow into a tag
+(held_prefix), and an output's opening, until it is known whether it opens with one
+(Opening)."""
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (short of the whole tag)."""
+    return max(n for n in range(len(tag)) if text.endswith(tag[:n]))
+
+
+class Opening:
+    """An output's opening as it streams, until it is known whether it opens (after
+    whitespace) with `tag`: its leading whitespace, kept in its deltas' pieces (an output of
+    newlines, grown and stripped at each delta, cost its square), then a beginning of the
+    tag."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.spaces: list[str] = []
+        self.begun = ""  # after the whitespace: a beginning of the tag
+
+    def feed(self, delta: str) -> str | None:
+        """The text after the opening whitespace, once it is more than a beginning of the
+        tag; None while it may still be whitespace or a beginning of the tag."""
+        if not self.begun:  # whitespace alone so far: only the delta's own is stripped
+            body = delta.lstrip()
+            if len(body) < len(delta):  # (an empty delta keeps nothing)
+                self.spaces.append(delta[:len(delta) - len(body)])
+            delta = body
+        text, self.begun = self.begun + delta, ""
+        if len(text) < len(self.tag) and self.tag.startswith(text):  # "" too
+            self.begun = text
+            return None
+        return text
+
+    def space(self) -> str:
+        """The opening whitespace held, given up."""
+        space, self.spaces = "".join(self.spaces), []
+        return space
+
+    def held(self) -> str:
+        """All it holds (the whitespace and a beginning of the tag), given up."""
+        held, self.begun = self.space() + self.begun, ""
+        return held
