@@ -11,7 +11,7 @@ from deployments.admission import Ticket
 from deployments.ingress import pool_failure
 from deployments.logprobs import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
-from deployments.reasoning import ReasoningSplit
+from deployments.reasoning import ReasoningSplit, ThinkTokens
 from deployments.responses import (
     DeltaChunks,
     choice_body,
@@ -51,7 +51,8 @@ class Choices:
                  stop_token_ids: tuple[int, ...] = (),
                  token_bytes: TokenBytes | None = None,
                  render: Executor | None = None,
-                 reasoning: ReasoningSplit | None = None) -> None:
+                 reasoning: ReasoningSplit | None = None,
+                 think_tokens: ThinkTokens | None = None) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
@@ -59,6 +60,9 @@ class Choices:
         # a chat's reasoning parser: each output split into reasoning and content (the
         # content alone read for calls)
         self.reasoning = reasoning
+        # the router's reasoning parser's tags (None: no parser): usage counts the reasoning
+        # tokens, 0 where this request's output is all content
+        self.think_tokens = think_tokens
         self.include_usage = include_usage  # streamed: a last chunk with the usage
         self.continuous_usage = continuous_usage  # and every chunk its choice's so far
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
@@ -107,9 +111,19 @@ class Choices:
 
     def whole_body(self, done: list[Generation]) -> dict:
         choices = [self.whole_choice(i, g) for i, g in enumerate(done)]
-        return completion_body(self.request_id, self.model, choices, self.plan.usage(done),
+        return completion_body(self.request_id, self.model, choices, self.usage(done),
                                self.plan.merged_stats(done), self.chat, self.created,
                                self.prompt_ids(0) if self.chat else None)
+
+    def usage(self, done: list[Generation]) -> dict:
+        """OpenAI's usage; under a reasoning parser, with the reasoning's share of the
+        completion tokens (`completion_tokens_details`, as vLLM sends it then)."""
+        usage = self.plan.usage(done)
+        if self.think_tokens is not None:
+            reasoning = 0 if self.reasoning is None else \
+                sum(self.think_tokens.count(g.token_ids) for g in done)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def prompt_ids(self, index: int) -> list[int] | None:
         """Choice `index`'s prompt ids when the request asked for token ids (vLLM's)."""
@@ -177,7 +191,7 @@ class Choices:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         stats = self.plan.merged_stats(done)
         final = {"id": self.request_id, "object": kind, "created": self.created,
-                 "model": self.model, "choices": [], "usage": self.plan.usage(done),
+                 "model": self.model, "choices": [], "usage": self.usage(done),
                  "speculative": stats.as_dict(), "metrics": stats.vllm_metrics()}
         return f"data: {json.dumps(final)}\n\n"
 

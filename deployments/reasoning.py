@@ -1,7 +1,8 @@
 """Reasoning outputs (vLLM's `--reasoning-parser`): a thinking model's chat output split into
 its reasoning, the text inside `<think>...</think>`, and its content, the text after.
 
-Only the text is split: the tokens, usage and logprobs are the output's own. As vLLM's
+Only the text is split: the tokens and logprobs are the output's own, and usage counts the
+reasoning's tokens apart too (ThinkTokens, OpenAI's `completion_tokens_details`). As vLLM's
 `deepseek_r1` and `qwen3` parsers read it: a `<think>` that opens the output is dropped; the
 output may start inside the reasoning without one (DeepSeek-R1's and Qwen3.5's templates end
 the prompt with `<think>`); the first `</think>` ends the reasoning, and the text after it
@@ -11,6 +12,7 @@ null. The reasoning goes out in current vLLM's field, `reasoning` (earlier vLLM'
 `reasoning_content`, which it no longer sends).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -108,3 +110,39 @@ class ReasoningStream:
         rest = self.opening.held() if self.opening is not None else self.held
         self.held = ""
         return rest
+
+
+@dataclass(frozen=True)
+class ThinkTokens:
+    """The tags' token ids, which count an output's reasoning tokens (usage's
+    `completion_tokens_details.reasoning_tokens`, as vLLM's thinking parsers count them)."""
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer) -> "ThinkTokens":
+        def ids(tag: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(tag, add_special_tokens=False))
+
+        return cls(ids(THINK_OPEN), ids(THINK_CLOSE))
+
+    def count(self, token_ids: Sequence[int]) -> int:
+        """The output's tokens before its first `</think>`'s (all of them without one), less
+        an opening `<think>`'s: the tags themselves are not reasoning. Read by ids, as vLLM
+        does: a tag the model spelt in other tokens than the tokenizer's is not found."""
+        ids = list(token_ids)
+        start = len(self.start) if self.start and ids[:len(self.start)] == list(self.start) \
+            else 0
+        return max(0, found(ids, self.end, start) - start)
+
+
+def found(ids: list[int], part: tuple[int, ...], start: int) -> int:
+    """Where `part` first occurs in ids at or after start; len(ids) where it does not."""
+    width = len(part)
+    if width == 0:
+        return len(ids)
+    first = part[0]
+    for at in range(start, len(ids) - width + 1):
+        if ids[at] == first and tuple(ids[at:at + width]) == part:
+            return at
+    return len(ids)

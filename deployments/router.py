@@ -43,7 +43,12 @@ from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.placement import LoadBound, running_replicas
 from deployments.prompts import PromptReader
-from deployments.reasoning import ReasoningSplit, prompt_ended_reasoning, reasoning_split
+from deployments.reasoning import (
+    ReasoningSplit,
+    ThinkTokens,
+    prompt_ended_reasoning,
+    reasoning_split,
+)
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.tokenize_api import (
     DetokenizeRequest,
@@ -126,6 +131,8 @@ class Router:
         # with tools in effect, the special tokens the tool call parser reads are kept
         self.tool_decode = text_decoder(tokenizer, keep=KEPT_TEXTS[args.tool_call_parser])
         self.special_decode = text_decoder(tokenizer, skip_special=False)  # every token's text
+        # the reasoning parser's tags, by which usage counts a chat's reasoning tokens
+        self.think_tokens = ThinkTokens.of(tokenizer) if args.reasoning_parser else None
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
         # room for any message the pools of this target send or take (a q of 64 rows)
@@ -265,7 +272,8 @@ class Router:
                           continuous_usage=body.continuous_usage,
                           stop_token_ids=self.prompts.reported_stop_ids(body),
                           token_bytes=self.token_bytes, render=self.rendering,
-                          reasoning=self.reasoning(body, plan) if chat else None)
+                          reasoning=self.reasoning(body, plan) if chat else None,
+                          think_tokens=self.think_tokens if chat else None)
         if body.stream:
             return ReleasingStream(choices.events(), ticket)
         try:

@@ -16,12 +16,12 @@ from pydantic import ValidationError
 from deployments.admission import Admission
 from deployments.choices import Choices, StreamedText
 from deployments.openai_api import ChatCompletionRequest
-from deployments.reasoning import ReasoningSplit, ReasoningStream, reasoning_split
+from deployments.reasoning import ReasoningSplit, ReasoningStream, ThinkTokens, reasoning_split
 from deployments.router import Router
 from deployments.router_args import RouterArgs
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
-from tests.tiny import Scripted
+from tests.tiny import Scripted, char_tokenizer
 
 CALL = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "now"}}]
@@ -144,7 +144,8 @@ def test_every_split_of_an_output_streams_as_its_whole_answer(pieces, cuts, tool
 
 def fan_out(text: str, parser: str | None = "deepseek_r1", tools=None,
             continuous_usage: bool = False, shown: bool = True, width: int = 3,
-            miss: int = 3) -> Choices:
+            miss: int = 3, think_tokens: ThinkTokens | None = None,
+            split: bool = True) -> Choices:
     """A chat request whose output is `text`, three characters a token (token 10 + j decodes
     to the text's j-th three; or `width`), committed 1 to 3 tokens a round (1 to `miss`)."""
     prompt = (2, 3)
@@ -162,7 +163,8 @@ def fan_out(text: str, parser: str | None = "deepseek_r1", tools=None,
                    type("Metrics", (), {"record_choice": lambda self, *choice: None})(),
                    Admission(4).admit(1), model="m", chat=True, return_token_ids=False,
                    tools=body.tool_use(), continuous_usage=continuous_usage,
-                   reasoning=reasoning_split(parser, None, False, shown))
+                   include_usage=True, think_tokens=think_tokens,
+                   reasoning=reasoning_split(parser, None, not split, shown))
 
 
 def whole_and_streamed(text: str, **options) -> tuple[dict, list[dict]]:
@@ -302,3 +304,52 @@ def test_the_router_reads_include_reasoning():
         body = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "?"}], "include_reasoning": include})
         assert Router.reasoning(router, body, plan) == ReasoningSplit("qwen3", include)
+
+
+@pytest.mark.parametrize("ids, count", [
+    ([5, 1, 2, 6, 3], 2),  # `<think>` a b `</think>` c: the tags are not reasoning
+    ([1, 2, 6, 3], 2),  # the prompt opened the block
+    ([5, 1, 2], 2),  # max_tokens inside the reasoning: all of it
+    ([6, 3], 0),
+    ([], 0),
+    ([5], 0),
+    ([1, 5, 2, 6], 3),  # a `<think>` inside the reasoning is reasoning, as its text is
+    ([1, 7, 1, 7, 8, 2, 7, 8], 3),  # a tag of two tokens: its first whole occurrence
+])
+def test_reasoning_tokens_are_counted_up_to_the_end_of_thinking(ids, count):
+    tags = ThinkTokens(start=(5,), end=(6,)) if 7 not in ids else ThinkTokens((), (7, 8))
+    assert tags.count(ids) == count
+
+
+def usages(text: str, **options) -> tuple[dict, dict]:
+    """The usage of the whole answer and of the stream's last chunk."""
+    whole = asyncio.run(fan_out(text, width=1, **options).complete())
+
+    async def collect():
+        return [e async for e in fan_out(text, width=1, **options).events()]
+
+    last = json.loads(asyncio.run(collect())[-2][len("data: "):])
+    return whole["usage"], last["usage"]
+
+
+def test_usage_counts_a_chats_reasoning_tokens_whole_and_streamed():
+    """A character a token: the reasoning's 14 tokens before `</think>`'s 8 (ids 24 to 31),
+    reported as vLLM's usage does under a reasoning parser; 0 where the request's output is
+    all content (a grammar's); absent without a parser."""
+    text = "Paris is nice.</think>Yes."
+    tags = ThinkTokens(start=(), end=tuple(range(24, 32)))
+    for usage in usages(text, think_tokens=tags):
+        assert usage["completion_tokens"] == len(text)
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 14}
+    for usage in usages(text, think_tokens=tags, split=False):
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
+    for usage in usages(text, parser=None):
+        assert "completion_tokens_details" not in usage
+
+
+def test_the_router_reads_the_tags_with_its_tokenizer():
+    tokenizer = char_tokenizer("<>/thinkab")
+    tags = ThinkTokens.of(tokenizer)
+    assert tokenizer.decode(list(tags.start)) == "<think>"
+    assert tokenizer.decode(list(tags.end)) == "</think>"
+    assert tags.count(tokenizer.encode("<think>ab</think>a")) == 2
