@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from deployments import auth, wire
+from deployments import auth, wire_tensors
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 
@@ -56,8 +56,8 @@ def test_http_requests_to_the_pools_apps_are_404_not_500(cluster):
 
 
 def sparse_q(rows: int, vocab: int, value: float) -> pb.Distributions:
-    return pb.Distributions(ids=wire.tensor_to_proto(torch.zeros(rows, 1, dtype=torch.int32)),
-                            probs=wire.tensor_to_proto(torch.full((rows, 1), value)),
+    return pb.Distributions(ids=wire_tensors.tensor_to_proto(torch.zeros(rows, 1, dtype=torch.int32)),
+                            probs=wire_tensors.tensor_to_proto(torch.full((rows, 1), value)),
                             vocab_size=vocab)
 
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from deployments import auth, wire
+from deployments import auth, wire_tensors
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
@@ -254,7 +254,7 @@ def q(rows: int, vocab: int, value: float = 0.5, token: int = 0) -> pb.Distribut
     """A sparse q of one entry per row, as a truncating drafter ships it."""
     probs = torch.full((rows, 1), value)
     ids = torch.full((rows, 1), token, dtype=torch.int32)
-    return pb.Distributions(ids=wire.tensor_to_proto(ids), probs=wire.tensor_to_proto(probs),
+    return pb.Distributions(ids=wire_tensors.tensor_to_proto(ids), probs=wire_tensors.tensor_to_proto(probs),
                             vocab_size=vocab)
 
 

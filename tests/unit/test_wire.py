@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deployments import wire
+from deployments import wire, wire_tensors
 from protos import specserve_pb2 as pb
 from speculative.accept import accept
 from speculative.sampling import SamplingParams, kept_entries
@@ -39,51 +39,51 @@ def same_q(a: DraftDists, b: DraftDists) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
 def test_tensors_round_trip_bit_exactly(dtype):
     tensor = (torch.randn(3, 5, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
-    back = wire.tensor_from_proto(pb.Tensor.FromString(wire.tensor_to_proto(tensor).SerializeToString()))
+    back = wire_tensors.tensor_from_proto(pb.Tensor.FromString(wire_tensors.tensor_to_proto(tensor).SerializeToString()))
     assert back.dtype == dtype and torch.equal(back, tensor)
 
 
 def test_a_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
     with pytest.raises(ValueError, match="needs 24 bytes"):
-        wire.tensor_from_proto(pb.Tensor(data=b"\0" * 8, dtype="float32", shape=[2, 3]))
+        wire_tensors.tensor_from_proto(pb.Tensor(data=b"\0" * 8, dtype="float32", shape=[2, 3]))
     with pytest.raises(ValueError, match="dtype"):
-        wire.tensor_from_proto(pb.Tensor(data=b"", dtype="complex64", shape=[0]))
+        wire_tensors.tensor_from_proto(pb.Tensor(data=b"", dtype="complex64", shape=[0]))
 
 
 def test_distributions_travel_in_the_form_they_were_shipped_in():
     q = truncated_q(4, 100, top_k=8)
-    message = wire.dists_to_proto(q)
+    message = wire_tensors.dists_to_proto(q)
     assert message.HasField("ids") and list(message.probs.shape) == [4, 8]
-    assert same_q(wire.dists_from_proto(message), q)
+    assert same_q(wire_tensors.dists_from_proto(message), q)
     one_hot = DraftDists(torch.ones(2, 1), torch.tensor([[3], [7]]), 128_000)  # n-gram q
-    message = wire.dists_to_proto(one_hot)
-    assert message.ByteSize() < 100 and same_q(wire.dists_from_proto(message), one_hot)
+    message = wire_tensors.dists_to_proto(one_hot)
+    assert message.ByteSize() < 100 and same_q(wire_tensors.dists_from_proto(message), one_hot)
     full = DraftDists.from_dense(torch.softmax(torch.randn(2, 100), -1))
-    message = wire.dists_to_proto(full)
-    assert not message.HasField("ids") and same_q(wire.dists_from_proto(message), full)
+    message = wire_tensors.dists_to_proto(full)
+    assert not message.HasField("ids") and same_q(wire_tensors.dists_from_proto(message), full)
 
 
 def test_a_received_q_is_checked_and_stays_sparse():
     q = truncated_q(3, 50, top_k=4)
-    back = wire.dists_from_proto(wire.dists_to_proto(q))
+    back = wire_tensors.dists_from_proto(wire_tensors.dists_to_proto(q))
     assert back.weights.shape == (3, 4) and back.ids.shape == (3, 4)
     for name, edit, match in [
-        ("id past the vocabulary", lambda m: m.ids.CopyFrom(wire.tensor_to_proto(
+        ("id past the vocabulary", lambda m: m.ids.CopyFrom(wire_tensors.tensor_to_proto(
             torch.full((3, 4), 50, dtype=torch.int32))), "ids out of range"),
-        ("negative weight", lambda m: m.probs.CopyFrom(wire.tensor_to_proto(
+        ("negative weight", lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(
             -torch.ones(3, 4))), "non-negative"),
-        ("NaN weight", lambda m: m.probs.CopyFrom(wire.tensor_to_proto(
+        ("NaN weight", lambda m: m.probs.CopyFrom(wire_tensors.tensor_to_proto(
             torch.full((3, 4), float("nan")))), "finite"),
-        ("ids unlike weights", lambda m: m.ids.CopyFrom(wire.tensor_to_proto(
+        ("ids unlike weights", lambda m: m.ids.CopyFrom(wire_tensors.tensor_to_proto(
             torch.zeros(3, 5, dtype=torch.int32))), "shaped unlike"),
-        ("float ids", lambda m: m.ids.CopyFrom(wire.tensor_to_proto(
+        ("float ids", lambda m: m.ids.CopyFrom(wire_tensors.tensor_to_proto(
             torch.zeros(3, 4))), "ids out of range"),
         ("dense row too short", lambda m: m.ClearField("ids"), "entries per position"),
     ]:
-        message = wire.dists_to_proto(q)
+        message = wire_tensors.dists_to_proto(q)
         edit(message)
         with pytest.raises(ValueError, match=match):
-            wire.dists_from_proto(message)
+            wire_tensors.dists_from_proto(message)
 
 
 def test_the_router_forwards_q_without_building_a_dense_one(monkeypatch):
@@ -151,14 +151,14 @@ def test_invalid_sampling_on_the_wire_is_a_value_error():
 
 def test_half_precision_distributions_travel_bit_exactly_in_their_form():
     half = truncated_q(3, 4096, mass=0.9, dtype=torch.float16, seed=1)
-    message = wire.dists_to_proto(half)
+    message = wire_tensors.dists_to_proto(half)
     assert message.HasField("ids") and message.probs.dtype == "float16"
-    back = wire.dists_from_proto(pb.Distributions.FromString(message.SerializeToString()))
+    back = wire_tensors.dists_from_proto(pb.Distributions.FromString(message.SerializeToString()))
     assert same_q(back, half) and back.weights.dtype == torch.float16
     assert message.ByteSize() < 6 * half.weights.numel() + 100  # 4 bytes an id, 2 a weight
     dense = DraftDists.from_dense(torch.softmax(torch.randn(3, 4096), -1).half())
-    message = wire.dists_to_proto(dense)
-    assert not message.HasField("ids") and same_q(wire.dists_from_proto(message), dense)
+    message = wire_tensors.dists_to_proto(dense)
+    assert not message.HasField("ids") and same_q(wire_tensors.dists_from_proto(message), dense)
 
 
 def test_a_session_keeps_its_sampling_parameters_and_forgets_the_oldest():
