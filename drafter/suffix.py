@@ -5,9 +5,10 @@ Two indexes: one over the request's own committed tokens (prompt and output), ex
 tokens commit, and one global over the outputs of recent finished requests, bounded in
 outputs (`max_global_outputs`) and in tokens (`max_global_tokens`): the oldest outputs leave
 while either is exceeded, and an output longer than the token bound alone keeps its last
-tokens. The tries are uncompressed, about 6 KB a token of text that never repeats (measured:
-5.9-6.4 KB at depth 24), so the token bound is the global index's memory bound: 32,768
-tokens, about 200 MB at worst. Only committed
+tokens. It holds one output per request: a session closed by an eviction indexes its output so
+far, which the rebuilt session's release replaces. The tries are uncompressed, about 6 KB a
+token of text that never repeats (measured: 5.9-6.4 KB at depth 24), so the token bound is
+the global index's memory bound: 32,768 tokens, about 200 MB at worst. Only committed
 tokens are indexed, never a drafted token the target rejected.
 
 A proposal finds, in each index, the longest suffix of the context (at most `max_depth`
@@ -22,7 +23,7 @@ No model: each proposed token's draft distribution is one-hot, as the n-gram dra
 so the rejection sampler keeps the output exactly the target's.
 """
 
-from collections import deque
+from collections import OrderedDict
 
 from drafter.ngram import NgramDrafter
 from speculative.options import MAX_SPECULATIVE_TOKENS
@@ -155,11 +156,12 @@ class SuffixIndex:
 
 class RequestIndex:
     """A request's own index (its session's `drafter_state`): extended as its tokens commit;
-    when the session closes (released, evicted or swept), its output goes to `on_close`."""
+    when the session closes (released, evicted or swept), its output goes to
+    `on_close(request_id, output)`."""
 
-    def __init__(self, max_depth: int, prompt_len: int, on_close) -> None:
+    def __init__(self, max_depth: int, request_id: str, prompt_len: int, on_close) -> None:
         self.index, self.indexed = SuffixIndex(max_depth), 0
-        self.prompt_len, self.on_close = prompt_len, on_close
+        self.request_id, self.prompt_len, self.on_close = request_id, prompt_len, on_close
 
     def extended(self, committed: list[int]) -> SuffixIndex:
         if len(committed) > self.indexed:
@@ -168,7 +170,7 @@ class RequestIndex:
         return self.index
 
     def close(self, committed: list[int]) -> None:
-        self.on_close(committed[self.prompt_len:])
+        self.on_close(self.request_id, committed[self.prompt_len:])
 
 
 class SuffixDrafter(NgramDrafter):
@@ -186,7 +188,7 @@ class SuffixDrafter(NgramDrafter):
         self.max_depth, self.min_token_prob = max_depth, min_token_prob
         self.max_spec_factor = max_spec_factor
         self.global_index = SuffixIndex(max_depth)
-        self.outputs: deque[list[int]] = deque()
+        self.outputs: OrderedDict[str, list[int]] = OrderedDict()  # by request, oldest first
         self.max_global_outputs, self.max_global_tokens = max_global_outputs, max_global_tokens
         self.global_tokens = 0  # in self.outputs
 
@@ -194,8 +196,8 @@ class SuffixDrafter(NgramDrafter):
         """The request's own index (made on its session's first call or after a rebuild,
         extended to its committed tokens) and the global one."""
         if sequence.drafter_state is None:
-            sequence.drafter_state = RequestIndex(self.max_depth, call.prompt_len,
-                                                  self.remember)
+            sequence.drafter_state = RequestIndex(self.max_depth, call.request_id,
+                                                  call.prompt_len, self.remember)
         return sequence.drafter_state.extended(sequence.committed), self.global_index
 
     def lookup(self, call, sequence, context: list[int]) -> list[int]:
@@ -223,18 +225,26 @@ class SuffixDrafter(NgramDrafter):
         if sequence is not None and token_ids[:len(sequence.committed)] == sequence.committed:
             sequence.committed = list(token_ids)
 
-    def remember(self, output: list[int]) -> None:
+    def remember(self, request_id: str, output: list[int]) -> None:
         """A finished request's output (as far as this drafter saw it committed; its last
-        max_global_tokens) joins the global index; the oldest leave while the outputs or
-        their tokens are over their bounds."""
+        max_global_tokens) joins the global index, in place of what the request's id held
+        there (an evicted session's output so far: the rebuilt session's extends it, and
+        indexed twice it counted double); the oldest leave while the outputs or their
+        tokens are over their bounds."""
+        self.forget(request_id)
         output = output[max(0, len(output) - self.max_global_tokens):]
         if not self.max_global_outputs or not output:
             return
         self.global_index.add(output)
-        self.outputs.append(output)
+        self.outputs[request_id] = output
         self.global_tokens += len(output)
         while len(self.outputs) > self.max_global_outputs or \
                 self.global_tokens > self.max_global_tokens:
-            oldest = self.outputs.popleft()
-            self.global_index.add(oldest, sign=-1)
-            self.global_tokens -= len(oldest)
+            self.forget(next(iter(self.outputs)))
+
+    def forget(self, request_id: str) -> None:
+        """The request's output leaves the global index (if it is there)."""
+        output = self.outputs.pop(request_id, None)
+        if output is not None:
+            self.global_index.add(output, sign=-1)
+            self.global_tokens -= len(output)

@@ -228,9 +228,9 @@ def test_a_lone_call_that_closes_sessions_runs_on_the_worker(closing):
         replica = await local_replica(DrafterPool, args)
         closed_on, remember = [], replica.engine.remember
 
-        def recording(output):
+        def recording(request_id, output):
             closed_on.append(threading.current_thread().name)
-            return remember(output)
+            return remember(request_id, output)
 
         replica.engine.remember = recording
         await replica.Propose(propose("a"))

@@ -11,7 +11,13 @@ from drafter.registry import DrafterSpec, build_drafter
 from drafter.suffix import SuffixDrafter, SuffixIndex
 from engine.models import DEMO_TARGET
 from speculative.sampling import SamplingParams
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall, prefix_hash
+from speculative.types import (
+    EMPTY_PREFIX_HASH,
+    PrefixSync,
+    ProposeCall,
+    StaleBase,
+    prefix_hash,
+)
 
 
 def substrings(tokens, depth):
@@ -82,7 +88,7 @@ def test_outputs_of_finished_requests_propose_for_later_ones_within_a_bound():
     block = asyncio.run(drafter.propose(call("b", [], [9, 3, 4], prompt_len=1)))
     assert block.token_ids == (5, 6, 7)
     asyncio.run(drafter.release("b"))  # b's output [3, 4] replaces a's: the bound is 1
-    assert len(drafter.outputs) == 1 and drafter.outputs[0] == [3, 4]
+    assert list(drafter.outputs.values()) == [[3, 4]]
     block = asyncio.run(drafter.propose(call("c", [], [9, 3, 4], prompt_len=1)))
     assert block.token_ids == ()  # "3 4" was never continued in what is left
     assert len(drafter.sessions) == 1
@@ -92,15 +98,15 @@ def test_the_global_index_is_bounded_in_tokens_too():
     """Outputs leave, oldest first, while their tokens are over max_global_tokens; one longer
     than the bound alone keeps its last tokens; the tries count exactly what is left."""
     drafter = SuffixDrafter(16, max_global_tokens=6, max_spec_factor=2)
-    for output in ([1, 2, 3], [4, 5], [6, 7, 8], list(range(9, 17))):
-        drafter.remember(output)
-        kept = [token for kept in drafter.outputs for token in kept]
+    for number, output in enumerate(([1, 2, 3], [4, 5], [6, 7, 8], list(range(9, 17)))):
+        drafter.remember(f"r{number}", output)
+        kept = [token for kept in drafter.outputs.values() for token in kept]
         assert drafter.global_tokens == len(kept) <= 6
         reference = SuffixIndex(drafter.max_depth)
-        for kept in drafter.outputs:
+        for kept in drafter.outputs.values():
             reference.add(kept)
         assert tries(drafter.global_index.root) == tries(reference.root)
-    assert list(drafter.outputs) == [[11, 12, 13, 14, 15, 16]]
+    assert list(drafter.outputs.values()) == [[11, 12, 13, 14, 15, 16]]
 
 
 def tries(node) -> dict:
@@ -114,7 +120,7 @@ def test_the_pools_release_feeds_the_global_index_and_a_reused_id_starts_over():
     drafter = SuffixDrafter(16, max_spec_factor=2)
     drafter.propose_now(call("r", [], [1, 2, 3, 1, 2]))
     drafter.sessions.release("r")
-    assert list(drafter.outputs) == [[1, 2, 3, 1, 2]]  # prompt_len 0: all of it
+    assert list(drafter.outputs.values()) == [[1, 2, 3, 1, 2]]  # prompt_len 0: all of it
     block = drafter.propose_now(call("r", [], [7, 8, 9, 7, 8, 9]))
     assert block.token_ids == (7, 8, 9)  # from its own index: "7 8 9" was followed by "7 8 9"
 
@@ -124,6 +130,24 @@ def test_a_rebuilt_request_reindexes_its_tokens():
     asyncio.run(drafter.propose(call("a", [], [1, 2, 3, 1, 2])))
     # "5" was followed by 6; one token, as the match is one token long (max_spec_factor 1)
     assert asyncio.run(drafter.propose(call("a", [], [5, 6, 5]))).token_ids == (6,)
+
+
+def test_an_evicted_then_rebuilt_request_is_indexed_once():
+    """A session closed by an eviction indexes its output so far; the request's next call
+    rebuilds it (its whole context), and its release indexes the whole output: in place of
+    the first, not beside it (counted twice, the rebuilt request's continuations outranked
+    every other output's, and its tokens took twice their room under max_global_tokens)."""
+    drafter = SuffixDrafter(16, max_cached_requests=1, max_spec_factor=2)
+    drafter.propose_now(call("a", [], [1, 2, 3, 4], prompt_len=1))
+    drafter.propose_now(call("b", [], [9], prompt_len=1))  # evicts a: [2, 3, 4] indexed
+    with pytest.raises(StaleBase):
+        drafter.propose_now(call("a", [1, 2, 3, 4], [5], prompt_len=1))
+    drafter.propose_now(call("a", [], [1, 2, 3, 4, 5], prompt_len=1))  # the rebuild
+    drafter.sessions.release("a")
+    assert list(drafter.outputs.values()) == [[2, 3, 4, 5]] and drafter.global_tokens == 4
+    reference = SuffixIndex(drafter.max_depth)
+    reference.add([2, 3, 4, 5])
+    assert tries(drafter.global_index.root) == tries(reference.root)
 
 
 def test_the_registry_builds_it_with_checked_options():
@@ -158,7 +182,7 @@ def test_a_tree_request_gets_a_tree_and_its_whole_output_is_indexed():
         drafter.propose_now(call(name, [], [9, 7]))
         drafter.observe(name, [9, 7] + output[1:])  # what the router committed after
         drafter.sessions.release(name)
-    assert list(drafter.outputs) == [[9, 7, 1, 2], [9, 7, 4, 5]]
+    assert list(drafter.outputs.values()) == [[9, 7, 1, 2], [9, 7, 4, 5]]
     sampled = SamplingParams(temperature=1.0)
     block = drafter.propose_now(ProposeCall("c", PrefixSync(0, EMPTY_PREFIX_HASH, (8, 9, 7)),
                                             2, sampled, 0, tree_width=3))
@@ -239,7 +263,7 @@ def test_the_router_runs_a_long_call_and_every_release_off_its_event_loop():
     # on a thread: the long context, a first call of 65 tokens, the release
     assert where == [False, True, False, True, False]
     assert long_block.token_ids == (1, 2, 3, 1) and short_block.token_ids == (9, 7, 8)
-    assert list(drafter.outputs) == [long_prompt]
+    assert list(drafter.outputs.values()) == [long_prompt]
 
 
 def test_the_router_runs_a_call_with_a_grammar_off_its_event_loop():
@@ -286,7 +310,7 @@ def test_the_routers_own_drafter_indexes_the_whole_output_and_a_cancelled_call_b
     asyncio.run(routed.propose(call("a", [], [9, 7], prompt_len=2)))
     routed.observe("a", [9, 7, 1, 2])
     asyncio.run(routed.release("a"))
-    assert list(drafter.outputs) == [[1, 2]] and not routed.observed
+    assert list(drafter.outputs.values()) == [[1, 2]] and not routed.observed
 
     started, finish, order = threading.Event(), threading.Event(), []
     propose_now = drafter.propose_now
@@ -340,9 +364,9 @@ def test_the_router_closes_an_evicted_session_off_its_event_loop():
     drafter = SuffixDrafter(16, max_cached_requests=1)
     on_loop, remember = [], drafter.remember
 
-    def watched(output):
+    def watched(request_id, output):
         on_loop.append(threading.current_thread() is threading.main_thread())
-        remember(output)
+        remember(request_id, output)
 
     drafter.remember = watched
     routed = OffLoop(drafter)
@@ -352,7 +376,7 @@ def test_the_router_closes_an_evicted_session_off_its_event_loop():
         await routed.propose(call("b", [], [4, 5, 6], prompt_len=1))  # evicts a
 
     asyncio.run(main())
-    assert on_loop == [False] and list(drafter.outputs) == [[2, 3, 1, 2]]
+    assert on_loop == [False] and list(drafter.outputs.values()) == [[2, 3, 1, 2]]
 
 
 def test_the_routers_drafters_hold_a_session_for_every_choice_it_runs():
