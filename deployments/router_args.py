@@ -137,8 +137,10 @@ class RouterArgs(BaseModel):
     reasoning_parser: ReasoningParserName | None = None
     # vLLM's --tool-call-parser: the format an "auto" chat output's calls are read in
     # (deployments.tool_parsers): "hermes" (`<tool_call>{...}</tool_call>`, the demo's),
-    # "llama3_json" (Llama 3's bare JSON with "parameters"), "mistral" (`[TOOL_CALLS]`); a
-    # forced call is written and read in Hermes' format whatever this says
+    # "llama3_json" (Llama 3's bare JSON with "parameters"), "mistral" (`[TOOL_CALLS]`),
+    # "pythonic" (a Python list of calls, `[f(x=1)]`: Llama 3.2's with vLLM's pythonic
+    # template, Llama 4's); a forced call is written and read in Hermes' format whatever
+    # this says
     tool_call_parser: ToolCallParserName = "hermes"
     # default: the model's max_position_embeddings (engine.checkpoint.context_limit)
     max_context_tokens: int | None = Field(default=None, ge=2)

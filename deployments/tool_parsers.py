@@ -10,11 +10,15 @@
 - `mistral`: content, then `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments":
   {...}}` objects (Mistral's tokenizers before v11), or `[TOOL_CALLS]name[ARGS]{...}`, once
   per call (v11 and after; `[ARGS]` may be skipped as a special token).
+- `pythonic` (Llama 3.2's with vLLM's pythonic template, Llama 4's): the whole output is a
+  Python list of calls with keyword arguments of literal values,
+  `[get_weather(city="Paris")]`, read with `ast` (deployments.pythonic_calls).
 
 Under each, an output is calls only when every call it begins names an offered function
 with an object of arguments; else it is all content. A reader returns (content, [(name,
-arguments as the model wrote them)]), or None when the output is content. A forced call's
-grammar writes Hermes' format whatever the parser (deployments.tools.call_grammar).
+arguments as the model wrote them; pythonic's re-encoded as JSON)]), or None when the output
+is content. A forced call's grammar writes Hermes' format whatever the parser
+(deployments.tools.call_grammar).
 """
 
 import json
@@ -22,8 +26,9 @@ import re
 from typing import Literal
 
 from deployments.held_text import Opening, held_prefix
+from deployments.pythonic_calls import HeldPythonic, read_pythonic
 
-ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -32,7 +37,8 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 # a forced call's grammar writes them
 KEPT_TEXTS = {"hermes": (CALL_OPEN, CALL_CLOSE),
               "llama3_json": (CALL_OPEN, CALL_CLOSE, PYTHON_TAG),
-              "mistral": (CALL_OPEN, CALL_CLOSE, TOOL_CALLS, ARGS)}
+              "mistral": (CALL_OPEN, CALL_CLOSE, TOOL_CALLS, ARGS),
+              "pythonic": (CALL_OPEN, CALL_CLOSE)}
 
 Calls = tuple[str | None, list[tuple[str, str]]]
 
@@ -52,7 +58,7 @@ MISTRAL_NAME = re.compile(r"\s*([a-zA-Z0-9_-]{1,64})\s*(?:\[ARGS\]\s*)?")
 def read_calls(parser: ToolCallParserName, text: str, names: set[str]) -> Calls | None:
     """The calls of an output under the parser, or None when it is content."""
     return {"hermes": read_hermes, "llama3_json": read_llama,
-            "mistral": read_mistral}[parser](text, names)
+            "mistral": read_mistral, "pythonic": read_pythonic}[parser](text, names)
 
 
 def read_hermes(text: str, names: set[str]) -> Calls | None:
@@ -194,11 +200,13 @@ def read_mistral_calls(text: str, at: int) -> tuple[list[tuple[str, str]], int] 
         at += 1
 
 
-def held_content(parser: ToolCallParserName) -> "HeldContent | HeldOpening":
+def held_content(parser: ToolCallParserName) -> "HeldContent | HeldOpening | HeldPythonic":
     """What holds back a streamed output's content while it may be calls, under the
     parser."""
     if parser == "llama3_json":
         return HeldOpening()
+    if parser == "pythonic":
+        return HeldPythonic()
     return HeldContent(TOOL_CALLS if parser == "mistral" else CALL_OPEN)
 
 

@@ -7,7 +7,8 @@ function constrains the output to one call whose arguments follow the function's
 schema, through the structured-output machinery (so it is exact under speculation, like any
 grammar); "auto" generates freely and reads the calls out of the text in the format of the
 router's tool_call_parser (deployments.tool_parsers: Hermes' by default, Llama's JSON,
-Mistral's `[TOOL_CALLS]`); "none" offers no tools (the prompt does not list them).
+Mistral's `[TOOL_CALLS]`, the pythonic `[f(x=1)]`); "none" offers no tools (the prompt does
+not list them).
 """
 
 import json
@@ -17,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from deployments.pythonic_calls import HeldPythonic
 from deployments.tool_parsers import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -252,7 +254,7 @@ class ToolUse:
         bodies = [call_body(name, arguments, self.call_id_length) for name, arguments in calls]
         return content, bodies if self.parallel else bodies[:1]
 
-    def held_content(self) -> HeldContent | HeldOpening:
+    def held_content(self) -> HeldContent | HeldOpening | HeldPythonic:
         """What holds back a streamed output's content while it may be calls."""
         return held_content(self.format)
 

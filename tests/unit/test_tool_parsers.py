@@ -1,5 +1,6 @@
 """The router's tool_call_parser without Ray: an "auto" output's calls read in Llama's JSON
-format and in Mistral's `[TOOL_CALLS]` one, whole and streamed over any split of the output,
+format, in Mistral's `[TOOL_CALLS]` one and in the pythonic one (its own reading:
+test_pythonic_calls), whole and streamed over any split of the output,
 each refused (all content) where a call is malformed or names no offered function; Hermes'
 reading stays the default, and a forced call's reading whatever the parser."""
 
@@ -35,6 +36,7 @@ MISTRAL = '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + PARIS + '}]'
 MISTRAL_BOTH = '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + PARIS + \
     '}, {"name": "now", "arguments": {}}]'
 MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]' + PARIS
+PYTHONIC = '[get_weather(city="Paris", unit="celsius")]'
 
 
 def use_of(parser: str, **fields):
@@ -104,7 +106,8 @@ def test_mistral_leaves_what_is_not_calls_as_content(text):
 @pytest.mark.parametrize("parser, text", [
     ("llama3_json", LLAMA + "; " + LLAMA_NOW), ("mistral", MISTRAL_BOTH),
     ("mistral", MISTRAL_V11 + "[TOOL_CALLS]now[ARGS]{}"),
-    ("hermes", CALL + '<tool_call>{"name": "now", "arguments": {}}</tool_call>')])
+    ("hermes", CALL + '<tool_call>{"name": "now", "arguments": {}}</tool_call>'),
+    ("pythonic", PYTHONIC[:-1] + ", now()]")])
 def test_parallel_calls_and_parallel_tool_calls_false(parser, text):
     assert [c["function"]["name"] for c in use_of(parser).read_calls(text)[1]] == \
         ["get_weather", "now"]
@@ -117,19 +120,19 @@ def test_hermes_stays_the_default_and_a_forced_call_is_read_as_hermes_whatever_t
     assert RouterArgs().tool_call_parser == "hermes"
     assert RouterArgs(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
     with pytest.raises(ValidationError):
-        RouterArgs(tool_call_parser="pythonic")
+        RouterArgs(tool_call_parser="granite")
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "?"}], "tools": TOOLS})
     default = body.tool_use()
     assert default.parser == "hermes" and isinstance(default.held_content(), HeldContent)
     assert named(default.read_calls(CALL)[1]) == [("get_weather", PARIS)]
-    for text in [LLAMA, MISTRAL, MISTRAL_V11]:  # another format is content, as before
+    for text in [LLAMA, MISTRAL, MISTRAL_V11, PYTHONIC]:  # another format is content
         assert default.read(text, "stop") == (text, [], "stop")
-    for parser in ["llama3_json", "mistral"]:
+    for parser in ["llama3_json", "mistral", "pythonic"]:
         for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
             forced = use_of(parser, tool_choice=choice)
             assert named(forced.read(CALL, "stop")[1]) == [("get_weather", PARIS)]
-            assert forced.read(LLAMA, "stop")[1] == [] and forced.read(MISTRAL, "stop")[1] == []
+            assert all(forced.read(text, "stop")[1] == [] for text in [LLAMA, MISTRAL, PYTHONIC])
             held = forced.held_content()
             assert isinstance(held, HeldContent) and held.feed(CALL[:12]) == ""
 
@@ -155,7 +158,9 @@ PIECES = {"llama3_json": [LLAMA, LLAMA_NOW, "<|python_tag|>" + LLAMA, "; " + LLA
                           "a", '"'],
           "mistral": [MISTRAL, MISTRAL_V11, "[TOOL_CALLS]", "[TOOL", "_CALLS]", "now", "{}",
                       "[", "]", " ", "\n", "a", "b c"],
-          "hermes": [CALL, "<tool_call>", "<tool", " ", "a", LLAMA, MISTRAL]}
+          "hermes": [CALL, "<tool_call>", "<tool", " ", "a", LLAMA, MISTRAL],
+          "pythonic": [PYTHONIC, "[", "now(", "now", "(", ")", "]", ", ", "city='Paris'", " ",
+                       "\n", "a", "[now()]", "x=-1", "=", '"']}
 
 
 @settings(max_examples=300, deadline=None)
@@ -179,7 +184,9 @@ def test_every_split_of_an_output_streams_its_whole_content(drawn, cuts):
     ("llama3_json", "The forecast: " + LLAMA), ("llama3_json", "  {oops} "),
     ("llama3_json", " <|python"), ("mistral", "Checking. " + MISTRAL_BOTH),
     ("mistral", MISTRAL_V11 + "[TOOL_CALLS]now{}"), ("mistral", "plain [TOOL_CALLS] oops"),
-    ("mistral", "no call [TOOL_")])
+    ("mistral", "no call [TOOL_"), ("pythonic", PYTHONIC),
+    ("pythonic", "\n [now(), get_weather(city='Paris')] "), ("pythonic", "[now()] and then"),
+    ("pythonic", "[Note] plain"), ("pythonic", " [now"), ("pythonic", "[later()]")])
 @pytest.mark.parametrize("width", [1, 3, 5])
 def test_a_streamed_choice_carries_the_calls_and_content_of_the_whole_one(parser, text,
                                                                           width):
@@ -254,7 +261,7 @@ def test_the_parsers_special_tokens_are_kept_in_the_decoded_output(parser, text)
 
 
 def test_the_router_reads_its_tool_call_parser_into_a_chats_tools():
-    for parser in ["hermes", "llama3_json", "mistral"]:
+    for parser in ["hermes", "llama3_json", "mistral", "pythonic"]:
         router = SimpleNamespace(args=RouterArgs(tool_call_parser=parser),
                                  prompts=SimpleNamespace(call_id_length=9))
         body = ChatCompletionRequest.model_validate(
