@@ -11,6 +11,7 @@ from deployments.admission import Ticket
 from deployments.ingress import pool_failure
 from deployments.logprobs import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 from deployments.metrics import RouterMetrics
+from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import ReasoningSplit, ThinkTokens
 from deployments.responses import (
     DeltaChunks,
@@ -52,7 +53,8 @@ class Choices:
                  token_bytes: TokenBytes | None = None,
                  render: Executor | None = None,
                  reasoning: ReasoningSplit | None = None,
-                 think_tokens: ThinkTokens | None = None) -> None:
+                 think_tokens: ThinkTokens | None = None,
+                 prompt: PromptAnswer | None = None) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
@@ -63,6 +65,8 @@ class Choices:
         # the router's reasoning parser's tags (None: no parser): usage counts the reasoning
         # tokens, 0 where this request's output is all content
         self.think_tokens = think_tokens
+        # what the request asked of its prompts (prompt_logprobs, echo), or None
+        self.prompt = prompt
         self.include_usage = include_usage  # streamed: a last chunk with the usage
         self.continuous_usage = continuous_usage  # and every chunk its choice's so far
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
@@ -100,8 +104,13 @@ class Choices:
         async def ignore(generation, delta):
             pass
 
-        done = await self.all_choices(lambda index: self.run_choice(index, ignore))
-        return await self.off_loop(self.whole_body, done)
+        try:
+            done = await self.all_choices(lambda index: self.run_choice(index, ignore))
+            scores = await self.prompt.ready() if self.prompt is not None else []
+        finally:
+            if self.prompt is not None:
+                self.prompt.cancel()
+        return await self.off_loop(self.whole_body, done, scores)
 
     def off_loop(self, work, *args):
         """work(*args) on the render executor: reading a finished output's calls and its
@@ -109,11 +118,19 @@ class Choices:
         that the event loop held every other stream for)."""
         return asyncio.get_running_loop().run_in_executor(self.render, work, *args)
 
-    def whole_body(self, done: list[Generation]) -> dict:
+    def whole_body(self, done: list[Generation], scores: list | None = None) -> dict:
+        """The answer; scores: the prompts' logprobs, when the request asked for them."""
         choices = [self.whole_choice(i, g) for i, g in enumerate(done)]
-        return completion_body(self.request_id, self.model, choices, self.usage(done),
+        asked = self.prompt
+        if asked is not None and not self.chat:
+            choices = [asked.completion_choice(body, i // self.plan.n, scores)
+                       for i, body in enumerate(choices)]
+        body = completion_body(self.request_id, self.model, choices, self.usage(done),
                                self.plan.merged_stats(done), self.chat, self.created,
                                self.prompt_ids(0) if self.chat else None)
+        if asked is not None and self.chat and asked.top_n is not None:
+            body["prompt_logprobs"] = asked.listed(0, scores)
+        return body
 
     def usage(self, done: list[Generation]) -> dict:
         """OpenAI's usage; under a reasoning parser, with the reasoning's share of the
@@ -178,6 +195,8 @@ class Choices:
             # do (all_or_none): given back at the cancel, they admitted another request while
             # these still ran (a release that a repeated cancel cuts short goes on behind)
             task.cancel()
+            if self.prompt is not None:
+                self.prompt.cancel()
             try:
                 await asyncio.gather(task, return_exceptions=True)
             finally:
@@ -217,7 +236,9 @@ class Choices:
         thoughts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created,
                                reasoning=True) if self.reasoning is not None else None
         streamed = StreamedText(self.reasoning, self.tools)
-        logged = self.streamed_logprobs(index)
+        echo, echoed = (None, 0) if self.prompt is None or self.prompt.echo is None else \
+            await self.echo(index)
+        logged = self.streamed_logprobs(index, echoed)
 
         def delta_text(generation, reasoning, delta, encode=json.dumps) -> str:
             if logged or self.continuous_usage or (reasoning and delta):
@@ -252,20 +273,30 @@ class Choices:
         if self.chat:  # with tools, no content yet: a message of calls has none (null)
             await queue.put(chunk("" if streamed.held is None else None, role="assistant",
                                   prompt_token_ids=prompt_ids))
+        elif echo is not None:  # the prompt's text (and logprobs) first (as vLLM's)
+            await queue.put(chunk(echo[0], logprobs=echo[1]))
         generation = await self.run_choice(index, push)
         # off the event loop: all from where a call may begin was held, its tokens' logprobs too
         for text in await self.off_loop(ending, generation):
             await queue.put(text)
         return generation
 
-    def streamed_logprobs(self, index: int):
+    async def echo(self, index: int) -> tuple[tuple[str, dict | None], int]:
+        """A streamed completion's echo: its first chunk's (text, logprobs), and where its
+        output's text offsets start."""
+        scores = await self.prompt.ready()
+        prompt = index // self.plan.n
+        return ((self.prompt.echo[prompt], self.prompt.echo_logprobs(prompt, scores)),
+                self.prompt.echo_length(prompt, scores))
+
+    def streamed_logprobs(self, index: int, offset: int = 0):
         """None without logprobs; else (generation, last=False) -> the logprobs of the choice's
         tokens not yet sent, in its API's shape (a completion's text offsets running on
-        across chunks; the last chunk's None when nothing is left)."""
+        across chunks from `offset`; the last chunk's None when nothing is left)."""
         request = self.plan.choices[index].request
         if request.sampling.logprobs is None:
             return None
-        sent, offset = 0, 0
+        sent = 0
         texts = TokenTexts(self.decode, request.prompt_token_ids)  # read across the chunks
 
         def since(generation: Generation, last: bool = False) -> dict | None:

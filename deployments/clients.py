@@ -31,6 +31,7 @@ from speculative.types import (
     DraftBlock,
     PoolUnavailable,
     ProposeCall,
+    PromptLogprobs,
     ScoreCall,
     StaleBase,
     TargetScores,
@@ -208,6 +209,12 @@ class PoolClient:
         left = max(0.0, deadline - asyncio.get_running_loop().time())
         done, _ = await asyncio.wait([placing], timeout=left)
         return placing.result() if done else None
+
+    async def unplaced(self, method: str, message, route_key: str):
+        """The answer to a call that reads no session (any replica serves it): through the
+        proxy, within the pool's timeout."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        return await self._through_proxy(method, message, route_key, deadline)
 
     async def _through_proxy(self, method: str, message, route_key: str, deadline: float):
         """The proxy's answer. Until Serve notices a dead replica its routing may still pick
@@ -390,3 +397,11 @@ class GrpcVerifier:
 
     async def release(self, request_id: str) -> None:
         self.pool.release(request_id)
+
+    async def prompt_logprobs(self, request_id: str, token_ids: list[int],
+                              top_n: int) -> PromptLogprobs:
+        """The prompt's logprobs, through the proxy (no session: any replica serves it)."""
+        message = pb.PromptLogprobsRequest(request_id=request_id, token_ids=token_ids,
+                                           top_n=top_n)
+        response = await self.pool.unplaced("PromptLogprobs", message, request_id)
+        return wire.prompt_logprobs_from_proto(response, token_ids)

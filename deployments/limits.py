@@ -8,8 +8,12 @@ from dataclasses import dataclass
 from protos import specserve_pb2 as pb
 from speculative.checks import check_call
 from speculative.options import MAX_SPECULATIVE_TOKENS
+from speculative.sampling import MAX_LOGPROBS
 
 MAX_REQUEST_ID_CHARS = 256
+# a prompt logprobs answer's row at its largest: its logprob and rank, and MAX_LOGPROBS top
+# ids and logprobs (a float 4 bytes, an id or rank a varint of up to 5)
+PROMPT_LOGPROBS_ROW_BYTES = 9 + 9 * MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -23,9 +27,12 @@ class Limits:
 
     def message_bytes(self) -> int:
         """The largest legal message: a dense float32 q with its ids over K + 1 positions,
-        a whole context of ids, and room for the rest."""
+        a whole context of ids, and room for the rest; or a whole context's prompt
+        logprobs, with their top MAX_LOGPROBS."""
         positions = self.max_speculative_tokens + 1
-        return positions * self.vocab_size * 8 + 5 * (self.context or 0) + (1 << 16)
+        context = self.context or 0
+        return max(positions * self.vocab_size * 8 + 5 * context,
+                   PROMPT_LOGPROBS_ROW_BYTES * context) + (1 << 16)
 
     def stream_message_bytes(self) -> int:
         """The largest message of a pool's direct stream: one legal call (or answer), or
@@ -91,6 +98,18 @@ def check_dists(message: pb.Distributions, positions: int, vocab_size: int) -> N
             raise ValueError("draft_probs.ids must have the shape of draft_probs.probs")
     elif shape[1] != vocab_size:
         raise ValueError(f"dense draft_probs must have {vocab_size} entries per position")
+
+
+def check_prompt_logprobs(message: pb.PromptLogprobsRequest, limits: Limits) -> None:
+    """ValueError unless the prompt's id and ids (at least one, within the vocabulary and
+    the context) and its top n (at most MAX_LOGPROBS) are within `limits`."""
+    check_request(message.request_id, pb.PrefixSync(new_token_ids=message.token_ids), (), 0,
+                  limits)
+    if not message.token_ids:
+        raise ValueError("prompt logprobs need a prompt of at least one token")
+    if message.top_n > MAX_LOGPROBS:
+        raise ValueError(f"prompt logprobs take a top n of at most {MAX_LOGPROBS}, got "
+                         f"{message.top_n}")
 
 
 def check_propose(message: pb.ProposeRequest, limits: Limits) -> None:

@@ -52,7 +52,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
 # and its audio output), each of which changes the answer or what it carries, and the
 # values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
-UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
             "use_beam_search": (None, False),
             "chat_template": (None,), "documents": (None, []),
             "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
@@ -134,11 +134,14 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
-    # OpenAI's completions' echo (the prompt before the output; vLLM's chat's: the last
-    # message's text, if the assistant's) and best_of beyond n (vLLM's chat's too): refused
-    # rather than ignored, as each changes the answer
+    # OpenAI's completions' echo: the prompt before the output (vLLM's chat's, the last
+    # message's text if the assistant's, is refused: ChatCompletionRequest); best_of beyond
+    # n (vLLM's chat's too): refused rather than ignored, as it changes the answer
     echo: bool = False
     best_of: int | None = None
+    # extension (as vLLM): each prompt token's logprob and its position's top n
+    # (deployments.prompt_logprobs); not with a stream (as vLLM, for n > 0)
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -156,7 +159,21 @@ class SamplingFields(BaseModel):
                 raise FieldError(unserved[0], f"{value} is not supported by this server")
         return without_nulls(data)
 
-    @field_validator("echo", "suffix", check_fields=False)  # suffix: completions'
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def prompt_logprobs_served(cls, value, info):
+        if value is None:
+            return None
+        if value == -1:  # vLLM's: the whole vocabulary
+            raise ValueError(f"-1 (every token) is not served: give a top n of at most "
+                             f"{MAX_LOGPROBS}")
+        if not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+        if value > 0 and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`")
+        return value
+
+    @field_validator("suffix", check_fields=False)  # completions'
     @classmethod
     def unsupported(cls, value, info):
         if value:
@@ -322,6 +339,13 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: false, a reasoning parser's reasoning is split off and not sent
     # (deployments.reasoning)
     include_reasoning: bool = True
+
+    @field_validator("echo")
+    @classmethod
+    def no_echo(cls, value):
+        if value:  # vLLM's chat echo (the last message's text, if the assistant's)
+            raise ValueError("echo is served by /v1/completions only")
+        return value
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -10,6 +10,7 @@ router resends the whole prefix).
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,7 +20,13 @@ from starlette.responses import JSONResponse
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
 from deployments.health import BatchHealth
-from deployments.limits import Limits, check_propose, check_score, in_messages
+from deployments.limits import (
+    Limits,
+    check_prompt_logprobs,
+    check_propose,
+    check_score,
+    in_messages,
+)
 from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics, rss_mb
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
@@ -48,6 +55,7 @@ from speculative.types import (
     prefix_hash,
 )
 from verifier.engine import ModelVerifier
+from verifier.prompt_scores import PromptScoring
 
 WARM_UP_PROMPT_TOKENS = 16
 WARM_UP_K = 4
@@ -388,3 +396,24 @@ class VerifierPool(PoolReplica):
                                          wire.score_from_proto, wire.scores_to_proto,
                                          pb.ScoreResponse, pb.ScoreAnswer, pb.ScoreAnswers):
             yield answers
+
+    async def PromptLogprobs(self, request: pb.PromptLogprobsRequest,
+                             grpc_context=None) -> pb.PromptLogprobsResponse:
+        """A prompt's logprobs (verifier.prompt_scores): each chunk a job of the worker's,
+        so that batches run between them; no session is made or read."""
+        if not auth.authorized(grpc_context):
+            return unauthenticated(grpc_context, pb.PromptLogprobsResponse())
+        started = time.perf_counter()
+        try:
+            check_prompt_logprobs(request, self.limits)
+            scoring = PromptScoring(self.engine.model, list(request.token_ids), request.top_n,
+                                    self.engine.max_positions, self.engine.max_batch_tokens)
+        except ValueError as error:
+            return refuse(grpc_context, error,
+                          pb.PromptLogprobsResponse(replica_id=self.replica_id))
+        while not scoring.done:
+            await self.on_worker(scoring.step)
+        response = wire.prompt_logprobs_to_proto(scoring.result(), request.top_n)
+        response.replica_id = self.replica_id
+        response.compute_us = int(1e6 * (time.perf_counter() - started))
+        return response

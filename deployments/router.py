@@ -43,6 +43,7 @@ from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.placement import LoadBound, running_replicas
 from deployments.prompts import PromptReader
+from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import (
     ReasoningSplit,
     ThinkTokens,
@@ -273,7 +274,8 @@ class Router:
                           stop_token_ids=self.prompts.reported_stop_ids(body),
                           token_bytes=self.token_bytes, render=self.rendering,
                           reasoning=self.reasoning(body, plan) if chat else None,
-                          think_tokens=self.think_tokens if chat else None)
+                          think_tokens=self.think_tokens if chat else None,
+                          prompt=self.prompt_answer(body, plan, chat))
         if body.stream:
             return ReleasingStream(choices.events(), ticket)
         try:
@@ -286,6 +288,20 @@ class Router:
             return error_response(pool_failure(error, plan.request_id))
         finally:
             ticket.release()
+
+    def prompt_answer(self, body, plan: RequestPlan, chat: bool) -> PromptAnswer | None:
+        """What the request asked of its prompts (deployments.prompt_logprobs): their
+        logprobs (not streamed), a completion's echo; None: neither."""
+        top_n = None if body.stream else body.prompt_logprobs
+        echo = None if chat or not body.echo else \
+            [p if isinstance(p, str) else self.decode(p) for p in body.prompts()]
+        if top_n is None and echo is None:
+            return None
+        prompts = [plan.choices[i].request.prompt_token_ids
+                   for i in range(0, len(plan.choices), plan.n)]
+        return PromptAnswer(self.pools(plan.drafter_kind)[1], plan.request_id, prompts, top_n,
+                            echo, body.logprobs if echo is not None else None, self.decode,
+                            self.special_decode)
 
     def tool_use(self, body) -> ToolUse | None:
         """A chat's tools in effect, their calls read in the router's tool_call_parser (a

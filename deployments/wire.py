@@ -17,10 +17,12 @@ from speculative.types import (
     DraftDists,
     PositionLogprobs,
     PrefixSync,
+    PromptLogprobs,
     ProposeCall,
     ScoreCall,
     StaleBase,
     TargetScores,
+    TokenLogprob,
 )
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -337,3 +339,26 @@ def scores_from_proto(message: pb.ScoreResponse, wire_bytes: int = 0) -> TargetS
                             bonus_token_id=sampled.bonus_token_id, bonus_probs=bonus_probs,
                             **timing)
     raise ValueError("a score response without scores")
+
+
+def prompt_logprobs_to_proto(scores: PromptLogprobs, top_n: int) -> pb.PromptLogprobsResponse:
+    return pb.PromptLogprobsResponse(
+        logprobs=[entry.logprob for entry in scores.entries], ranks=scores.ranks, top_n=top_n,
+        top_ids=[token for entry in scores.entries for token, _ in entry.top],
+        top_logprobs=[logprob for entry in scores.entries for _, logprob in entry.top])
+
+
+def prompt_logprobs_from_proto(message: pb.PromptLogprobsResponse,
+                               token_ids: list[int]) -> PromptLogprobs:
+    """The logprobs of the prompt `token_ids` the message answers (rows: its tokens after
+    the first), checked for their shape."""
+    rows, top_n = len(token_ids) - 1, message.top_n
+    if not len(message.logprobs) == len(message.ranks) == rows or \
+            not len(message.top_ids) == len(message.top_logprobs) == rows * top_n:
+        raise ValueError(f"prompt logprobs of {len(message.logprobs)} rows of {top_n} for a "
+                         f"prompt of {len(token_ids)} tokens")
+    ids, values = list(message.top_ids), list(message.top_logprobs)
+    entries = tuple(TokenLogprob(token_ids[r + 1], message.logprobs[r], tuple(
+        zip(ids[r * top_n:(r + 1) * top_n], values[r * top_n:(r + 1) * top_n])))
+        for r in range(rows))
+    return PromptLogprobs(entries, tuple(message.ranks))

@@ -225,6 +225,34 @@ class BatchLoad(_message.Message):
     batch_tokens: int
     def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
+class PromptLogprobsRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "top_n")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_n: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., top_n: _Optional[int] = ...) -> None: ...
+
+class PromptLogprobsResponse(_message.Message):
+    __slots__ = ("logprobs", "ranks", "top_n", "top_ids", "top_logprobs", "replica_id", "compute_us")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    top_n: int
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    replica_id: str
+    compute_us: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_n: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., replica_id: _Optional[str] = ..., compute_us: _Optional[int] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

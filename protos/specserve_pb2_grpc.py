@@ -207,6 +207,11 @@ class VerifierStub:
                 request_serializer=protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=protos_dot_specserve__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.PromptLogprobs = channel.unary_unary(
+                '/specserve.v1.Verifier/PromptLogprobs',
+                request_serializer=protos_dot_specserve__pb2.PromptLogprobsRequest.SerializeToString,
+                response_deserializer=protos_dot_specserve__pb2.PromptLogprobsResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -230,6 +235,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromptLogprobs(self, request, context):
+        """a prompt's logprobs (the router's prompt_logprobs and echo): a forward of their own,
+        through Serve's proxy; no session is made or read
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +260,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=protos_dot_specserve__pb2.ReleaseRequest.FromString,
                     response_serializer=protos_dot_specserve__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'PromptLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptLogprobs,
+                    request_deserializer=protos_dot_specserve__pb2.PromptLogprobsRequest.FromString,
+                    response_serializer=protos_dot_specserve__pb2.PromptLogprobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -330,6 +348,33 @@ class Verifier:
             '/specserve.v1.Verifier/Release',
             protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
             protos_dot_specserve__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromptLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.Verifier/PromptLogprobs',
+            protos_dot_specserve__pb2.PromptLogprobsRequest.SerializeToString,
+            protos_dot_specserve__pb2.PromptLogprobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

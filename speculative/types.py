@@ -296,6 +296,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Each prompt token's raw log-probability under the target given the tokens before it
+    (vLLM's prompt_logprobs; the first token has none, so entry i is token i + 1's), its
+    rank there (1: the likeliest) and the position's top n."""
+
+    entries: tuple[TokenLogprob, ...]
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PositionLogprobs:
     """The target's log-probabilities at a call's K + 1 positions, as the model gives them
     under the grammar's mask, before logit_bias, penalties and temperature (vLLM's default,

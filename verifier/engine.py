@@ -9,6 +9,7 @@ import torch
 from engine.batch import UNFINISHED
 from engine.checkpoint import served_positions
 from verifier import host
+from verifier.prompt_scores import prompt_logprobs
 from verifier.steps import Steps, check_steps
 from verifier.trees import check_tree_call, matched, tree_scores_of
 from engine.kv import SessionStore
@@ -23,6 +24,7 @@ from speculative.types import (
     BatchLoad,
     DraftDists,
     PositionLogprobs,
+    PromptLogprobs,
     ScoreCall,
     TargetScores,
     TreesUnsupported,
@@ -67,6 +69,11 @@ class ModelVerifier:
 
     async def release(self, request_id: str) -> None:
         self.release_now(request_id)
+
+    async def prompt_logprobs(self, request_id: str, token_ids: list[int],
+                              top_n: int) -> PromptLogprobs:
+        """The prompt's logprobs (verifier.prompt_scores), as a pool answers them."""
+        return prompt_logprobs(self.model, token_ids, top_n, self.max_positions)
 
     def release_now(self, request_id: str) -> None:
         """The request's session and a call of several steps of it cut short between two

@@ -385,3 +385,36 @@ def test_a_prompt_longer_than_a_forwards_budget_is_exact_through_both_pools(clus
     spec = complete(cluster, prompt, max_tokens=16, temperature=0, num_speculative_tokens=4)
     assert spec["choices"][0]["text"] == alone["choices"][0]["text"]
     assert spec["speculative"]["num_draft_tokens"] > 0
+
+
+def test_prompt_logprobs_and_echo_are_the_targets_own(cluster):
+    """vLLM's prompt_logprobs through the verifier pool (its PromptLogprobs rpc, through
+    Serve's proxy): a prompt's last token, the greedy output of the prompt before it, is
+    ranked 1 at the logprob its verify call gave it; the openai client's echo with logprobs
+    (as lm-evaluation-harness asks it) carries the same values before the output's."""
+    import openai
+
+    first = complete(cluster, "def main():\n", max_tokens=1, temperature=0, logprobs=0,
+                     return_token_ids=True)["choices"][0]
+    ids = first["prompt_token_ids"] + first["token_ids"]
+    second = complete(cluster, ids, max_tokens=2, temperature=0, prompt_logprobs=2,
+                      ignore_eos=True)
+    rows = second["choices"][0]["prompt_logprobs"]
+    assert len(rows) == len(ids) and rows[0] is None
+    assert all(str(token) in row for token, row in zip(ids[1:], rows[1:]))
+    last = rows[-1][str(ids[-1])]
+    assert last["rank"] == 1
+    assert last["logprob"] == pytest.approx(first["logprobs"]["token_logprobs"][0], abs=1e-3)
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused")
+    echoed = client.completions.create(model="specserve-demo", prompt=ids, max_tokens=2,
+                                       temperature=0, echo=True, logprobs=1,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    assert echoed.text == cluster.post("/detokenize", {"tokens": ids}).json()["prompt"] + \
+        second["choices"][0]["text"]
+    token_logprobs = echoed.logprobs.token_logprobs
+    assert token_logprobs[0] is None and len(token_logprobs) == len(ids) + 2
+    assert token_logprobs[1:len(ids)] == pytest.approx(
+        [row[str(token)]["logprob"] for token, row in zip(ids[1:], rows[1:])], abs=1e-6)
+    streamed = cluster.post("/v1/completions", {"prompt": ids, "prompt_logprobs": 1,
+                                                "stream": True})
+    assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]

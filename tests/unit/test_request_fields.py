@@ -40,7 +40,7 @@ def test_stream_options_come_with_a_stream():
     assert CompletionRequest(prompt="x", stream_options=nulls).stream_options is None
 
 
-@pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"suffix": "}"}, "suffix"),
+@pytest.mark.parametrize("fields, param", [({"suffix": "}"}, "suffix"),
                                            ({"best_of": 2}, "best_of"),
                                            ({"best_of": 3, "n": 2}, "best_of")])
 def test_fields_that_would_change_the_answer_are_refused(fields, param):
@@ -61,7 +61,7 @@ def test_what_changes_nothing_passes():
 
 @pytest.mark.parametrize("field, value", [
     ("allowed_token_ids", [1, 2]), ("allowed_token_ids", []), ("bad_words", ["a"]),
-    ("prompt_logprobs", 0), ("use_beam_search", True),
+    ("use_beam_search", True),
     ("chat_template", "{{ x }}"),
     ("documents", [{"title": "t", "text": "x"}]), ("return_tokens_as_token_ids", True),
     ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}]),
@@ -69,8 +69,7 @@ def test_what_changes_nothing_passes():
     ("structural_tag", '{"structures": []}'), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"})])
 def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, value):
-    """Each changes the answer or what it carries (a prompt_logprobs of 0 asks for each
-    prompt token's logprob; vLLM refuses an empty allowed_token_ids; OpenAI's deprecated
+    """Each changes the answer or what it carries (vLLM refuses an empty allowed_token_ids; OpenAI's deprecated
     `functions` ask for a function_call, which tools now give; vLLM refuses
     logits_processors and prompt_embeds unless its server enables them; OpenAI's audio
     output comes with the text)."""
@@ -408,3 +407,22 @@ def test_more_top_logprobs_than_the_vocabulary_are_a_400_naming_the_field(chat, 
     assert refused.value.param == param and "vocabulary size (16)" in str(refused.value)
     at_most = {**fields, param: 16} if chat else {"logprobs": 16}
     reader.check_sizes(schema(**prompt, **at_most), chat)
+
+
+@pytest.mark.parametrize("schema, fields", [(CompletionRequest, {"prompt": "x"}),
+                                            (ChatCompletionRequest, {"messages": CHAT})])
+def test_prompt_logprobs_are_asked_as_vllm_asks_them(schema, fields):
+    """A top n in [0, 20]; vLLM's -1 (the whole vocabulary) refused with what is served;
+    not with a stream, unless 0 (as vLLM)."""
+    assert schema(**fields, prompt_logprobs=3).prompt_logprobs == 3
+    assert schema(**fields, prompt_logprobs=0, stream=True).prompt_logprobs == 0
+    assert schema(**fields, prompt_logprobs=None).prompt_logprobs is None
+    for value, message in ((-1, "not served"), (21, "in \\[0, 20\\]"), (-2, "in \\[0, 20\\]")):
+        with pytest.raises(ValidationError, match=f"prompt_logprobs[\\s\\S]*{message}"):
+            schema(**fields, prompt_logprobs=value)
+    with pytest.raises(ValidationError, match="not available when `stream=True`"):
+        schema(**fields, prompt_logprobs=1, stream=True)
+
+
+def test_a_completions_echo_is_served():
+    assert CompletionRequest(prompt="x", echo=True).echo

@@ -415,6 +415,7 @@ def router_of(max_running: int, verifier=None):
         special_decode=lambda ids: "s" * len(ids),  # skip_special_tokens: false
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
         pools=lambda kind=None: (Agreeing(), verifier or Agreeing()), plan=plan)
+    router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
 
     def serve(request, schema, chat):
         return Router.serve_request(router, request, schema, chat)

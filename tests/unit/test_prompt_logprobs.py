@@ -1,0 +1,268 @@
+"""Prompt logprobs (vLLM's prompt_logprobs) and the completions API's echo: the verifier's
+forward of a prompt (verifier.prompt_scores), its wire and its pool's rpc, and the answer's
+shape (deployments.prompt_logprobs)."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from deployments import auth, wire
+from deployments.admission import Admission
+from deployments.limits import Limits, check_prompt_logprobs
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.pool_args import VerifierArgs
+from deployments.pools import VerifierPool
+from deployments.router import Router
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from speculative.frontend import RequestFrontEnd, joined
+from speculative.sampling import SamplingParams
+from speculative.types import PositionLogprobs, PromptLogprobs, TargetScores, TokenLogprob
+from tests.tiny import Agreeing, tiny_llama
+from tests.unit.test_pool_replica import direct, local_replica
+from tests.unit.test_router_parts import Recorded, posted
+from verifier import prompt_scores
+from verifier.prompt_scores import PromptScoring, prompt_logprobs
+
+PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4, 60]
+
+
+def reference(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, None])
+def test_a_prompts_logprobs_are_the_targets_own_whatever_its_chunks(chunk_tokens):
+    """Each token after the first: its logprob under the target given the tokens before it,
+    its rank (1 + the tokens strictly likelier) and its position's top n, as one forward of
+    the whole prompt gives them, fed in chunks of any size."""
+    model = tiny_llama(0)
+    scoring = PromptScoring(model, PROMPT, 4, None, chunk_tokens)
+    steps = 0
+    while not scoring.done:
+        scoring.step()
+        steps += 1
+    got = scoring.result()
+    assert steps == -(-(len(PROMPT) - 1) // (chunk_tokens or len(PROMPT)))
+    full = reference(model, PROMPT)
+    assert [entry.token_id for entry in got.entries] == PROMPT[1:]
+    for row, (entry, rank) in enumerate(zip(got.entries, got.ranks)):
+        token = PROMPT[row + 1]
+        assert entry.logprob == pytest.approx(full[row, token].item(), abs=1e-5)
+        assert rank == int((full[row] > full[row, token]).sum()) + 1
+        values, ids = torch.topk(full[row], 4)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_a_one_token_prompt_has_no_rows_and_a_chunk_keeps_its_logits_bounded(monkeypatch):
+    model = tiny_llama(0)
+    assert prompt_logprobs(model, [5], 3) == PromptLogprobs((), ())
+    monkeypatch.setattr(prompt_scores, "CHUNK_LOGITS_BYTES", 2 * 4 * 64)  # two rows of 64
+    assert PromptScoring(model, PROMPT, 0, None).chunk == 2
+
+
+@pytest.mark.parametrize("ids, top_n, limit, message", [
+    ([1, 64], 1, None, "out of range"), ([1, 2, 3], 1, 2, "exceed the target's context"),
+    ([1, 2], 65, None, "vocabulary of 64")])
+def test_a_bad_prompt_is_refused_before_the_model_runs(ids, top_n, limit, message):
+    with pytest.raises(ValueError, match=message):
+        PromptScoring(tiny_llama(0), ids, top_n, limit)
+
+
+def test_prompt_logprobs_cross_the_wire_and_a_misshapen_answer_is_refused():
+    scores = prompt_logprobs(tiny_llama(0), PROMPT, 3)
+    message = pb.PromptLogprobsResponse.FromString(
+        wire.prompt_logprobs_to_proto(scores, 3).SerializeToString())
+    back = wire.prompt_logprobs_from_proto(message, PROMPT)
+    assert back.ranks == scores.ranks
+    assert [e.token_id for e in back.entries] == PROMPT[1:]
+    for got, sent in zip(back.entries, scores.entries):
+        assert got.logprob == pytest.approx(sent.logprob)  # float32 on the wire
+        assert [t for t, _ in got.top] == [t for t, _ in sent.top]
+    with pytest.raises(ValueError, match="rows"):
+        wire.prompt_logprobs_from_proto(message, PROMPT[:-1])
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"token_ids": []}, "at least one token"), ({"token_ids": [1], "top_n": 21}, "at most 20"),
+    ({"token_ids": [1] * 33}, "exceed the context"), ({"token_ids": [64]}, "out of range"),
+    ({"token_ids": [1], "request_id": ""}, "request_id")])
+def test_a_pool_checks_a_prompt_logprobs_call_before_it_decodes_it(fields, message):
+    request = pb.PromptLogprobsRequest(**{"request_id": "r", **fields})
+    with pytest.raises(ValueError, match=message):
+        check_prompt_logprobs(request, Limits(64, 32))
+    check_prompt_logprobs(pb.PromptLogprobsRequest(request_id="r", token_ids=[1], top_n=20),
+                          Limits(64, 32))
+
+
+def test_the_limits_leave_room_for_a_whole_contexts_prompt_logprobs():
+    limits = Limits(64, 100_000)
+    assert limits.message_bytes() >= 100_000 * (9 + 9 * 20)
+
+
+@pytest.fixture
+def pool_secret(monkeypatch):
+    monkeypatch.setenv(auth.ENV, "test-secret")
+    monkeypatch.setattr(auth, "_secret", None)
+
+
+def test_a_verifier_replica_answers_a_prompts_logprobs_over_its_port(pool_secret):
+    """The rpc on a replica's own port (Serve's proxy calls the same method): the target's
+    logprobs, as the model gives them; a bad call INVALID_ARGUMENT; no secret,
+    UNAUTHENTICATED; the replica holds no session after it."""
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs(max_batch_tokens=16))
+        expected = prompt_logprobs(replica.engine.model, list(range(1, 41)), 2)
+        async with direct(replica, pb_grpc.VerifierStub) as stub:
+            answer = await stub.PromptLogprobs(pb.PromptLogprobsRequest(
+                request_id="p", token_ids=range(1, 41), top_n=2), metadata=auth.metadata())
+            codes = []
+            for request, metadata in (
+                    (pb.PromptLogprobsRequest(request_id="p", token_ids=[1], top_n=21),
+                     auth.metadata()),
+                    (pb.PromptLogprobsRequest(request_id="p", token_ids=[1]), None)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.PromptLogprobs(request, metadata=metadata)
+                codes.append(refused.value.code())
+        return answer, expected, codes, replica.session_ids()
+
+    answer, expected, codes, sessions = asyncio.run(main())
+    got = wire.prompt_logprobs_from_proto(answer, list(range(1, 41)))
+    assert got.ranks == expected.ranks
+    assert [e.logprob for e in got.entries] == pytest.approx(
+        [e.logprob for e in expected.entries], abs=1e-5)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED]
+    assert sessions == []
+
+
+class Scored(Agreeing):
+    """Agreeing pools whose verifier gives logprobs: each output token's -0.5 (top: token 1),
+    and each prompt token's -1.0 at rank 2, its top n tokens 9, 10, ... at -0.1, -0.2, ..."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, list[int], int]] = []
+
+    async def score(self, call):
+        k = len(call.draft_token_ids)
+        return TargetScores(target_token_ids=(1,) * (k + 1), logprobs=PositionLogprobs(
+            (-0.5,) * k, (-0.5,) * (k + 1), (((1, -0.5),),) * (k + 1)))
+
+    async def prompt_logprobs(self, request_id, token_ids, top_n):
+        self.asked.append((request_id, list(token_ids), top_n))
+        top = tuple((9 + i, -0.1 * (i + 1)) for i in range(top_n))
+        return PromptLogprobs(tuple(TokenLogprob(t, -1.0, top) for t in token_ids[1:]),
+                              (2,) * (len(token_ids) - 1))
+
+
+def served(verifier: Scored):
+    """The Router's request path over Scored pools: every prompt is tokens (2, 3), every
+    token's text "a" ("s" with special tokens), 4 tokens of output, greedy, logprobs as the
+    body asks."""
+    async def plan(body, chat):
+        plans = [RequestFrontEnd().plan(f"cmpl-x-{i}", (2, 3), SamplingParams(
+            temperature=0.0, max_tokens=4, logprobs=body.top_logprobs_asked()), n=body.n)
+            for i, _ in enumerate([None] if chat else body.prompts())]
+        return plans[0] if len(plans) == 1 else joined("cmpl-x", plans)
+
+    router = SimpleNamespace(
+        api_key=None, token_bytes=None, admission=Admission(16), metrics=Recorded(),
+        args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m"),
+        decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
+        special_decode=lambda ids: "s" * len(ids), think_tokens=None,
+        prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
+        pools=lambda kind=None: (Agreeing(), verifier), plan=plan,
+        tool_use=lambda body: None, reasoning=lambda body, plan: None)
+    router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
+
+    def serve(body: dict, chat: bool = False):
+        async def main():
+            answer = await Router.serve_request(router, posted(body), ChatCompletionRequest
+                                                if chat else CompletionRequest, chat)
+            if not body.get("stream"):
+                return answer.status_code, json.loads(answer.body)
+            return answer.status_code, [json.loads(c[len("data: "):]) async for c in
+                                        answer.body_iterator if c != "data: [DONE]\n\n"]
+        return asyncio.run(main())
+
+    return serve
+
+
+def test_an_echo_puts_the_prompt_before_the_output_with_its_logprobs():
+    """OpenAI's echo with logprobs (as lm-evaluation-harness asks it): the prompt's text
+    and tokens before the output's, the first token's logprob and top logprobs null, the
+    text offsets running on from the prompt's tokens into the output's; vLLM's
+    prompt_logprobs beside it."""
+    verifier = Scored()
+    status, body = served(verifier)({"prompt": "hi", "max_tokens": 4, "echo": True,
+                                     "logprobs": 1, "prompt_logprobs": 2})
+    assert status == 200
+    [choice] = body["choices"]
+    assert choice["text"] == "hi" + "aaaa"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["a"] * 6
+    assert logprobs["token_logprobs"] == [None, -1.0] + [-0.5] * 4
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1] == {"a": -0.1}  # its top 1's text, before its own
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4, 5]
+    assert choice["prompt_logprobs"] == [None, {
+        "9": {"logprob": -0.1, "rank": 1, "decoded_token": "s"},
+        "10": {"logprob": -0.2, "rank": 2, "decoded_token": "s"},
+        "3": {"logprob": -1.0, "rank": 2, "decoded_token": "s"}}]
+    assert verifier.asked == [("cmpl-x-0-prompt-0", [2, 3], 2)]
+
+
+def test_each_prompt_of_a_batch_is_scored_once_for_its_n_choices():
+    verifier = Scored()
+    status, body = served(verifier)({"prompt": ["hi", "ho"], "n": 2, "max_tokens": 4,
+                                     "echo": True})
+    assert status == 200
+    assert [c["text"] for c in body["choices"]] == ["hiaaaa"] * 2 + ["hoaaaa"] * 2
+    _, body = served(verifier)({"prompt": [7, 8, 9], "max_tokens": 4, "echo": True})
+    assert body["choices"][0]["text"] == "aaa" + "aaaa"  # token ids: their text
+    assert all(c["logprobs"] is None and "prompt_logprobs" not in c for c in body["choices"])
+    assert verifier.asked == []  # an echo without logprobs asks the verifier nothing
+    status, body = served(verifier)({"prompt": ["hi", "ho"], "n": 2, "max_tokens": 4,
+                                     "prompt_logprobs": 0})
+    assert [len(c["prompt_logprobs"]) for c in body["choices"]] == [2] * 4
+    assert [call[0] for call in verifier.asked] == ["cmpl-x-prompt-0", "cmpl-x-prompt-1"]
+
+
+def test_a_chats_prompt_logprobs_are_on_its_response():
+    verifier = Scored()
+    status, body = served(verifier)({"messages": [{"role": "user", "content": "hi"}],
+                                     "max_tokens": 4, "n": 3, "prompt_logprobs": 1}, chat=True)
+    assert status == 200
+    assert body["prompt_logprobs"] == [None, {
+        "9": {"logprob": -0.1, "rank": 1, "decoded_token": "s"},
+        "3": {"logprob": -1.0, "rank": 2, "decoded_token": "s"}}]
+    assert len(verifier.asked) == 1
+
+
+def test_a_streamed_echo_sends_the_prompt_first_and_its_offsets_run_on():
+    verifier = Scored()
+    status, events = served(verifier)({"prompt": "hi", "max_tokens": 4, "echo": True,
+                                       "logprobs": 0, "stream": True})
+    assert status == 200
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert chunks[0]["text"] == "hi"
+    assert chunks[0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    assert "".join(c["text"] for c in chunks) == "hiaaaa"
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_failed_prompt_scoring_fails_the_request_with_the_pools_error():
+    from deployments.replica_stream import PoolError
+
+    class Failing(Scored):
+        async def prompt_logprobs(self, request_id, token_ids, top_n):
+            raise PoolError("verifier", grpc.StatusCode.UNAVAILABLE, "gone")
+
+    status, body = served(Failing())({"prompt": "hi", "max_tokens": 4, "prompt_logprobs": 1})
+    assert status >= 500 and "verifier" in body["error"]["message"]
