@@ -161,16 +161,21 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         with collector_paused():
             return schema.model_validate(decoded(body))
     except ValidationError as error:
-        first = error.errors()[0]
-        message = first["msg"].removeprefix("Value error, ")
-        # a refusal that names its own field (deployments.tools.FieldError: a body-level
-        # check's, such as vLLM's earlier guided_*)
-        if named := getattr(first.get("ctx", {}).get("error"), "param", None):
-            raise BadRequest(message, param=named) from None
-        param = ".".join(str(p) for p in first["loc"] if not union_member(p)) or None
-        raise BadRequest(f"{param}: {message}" if param else message, param=param) from None
+        raise invalid_body(error) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
+
+
+def invalid_body(error: ValidationError) -> BadRequest:
+    """A body's first validation error as a 400 naming its field."""
+    first = error.errors()[0]
+    message = first["msg"].removeprefix("Value error, ")
+    # a refusal that names its own field (deployments.tools.FieldError: a body-level
+    # check's, such as vLLM's earlier guided_*)
+    if named := getattr(first.get("ctx", {}).get("error"), "param", None):
+        return BadRequest(message, param=named)
+    param = ".".join(str(p) for p in first["loc"] if not union_member(p)) or None
+    return BadRequest(f"{param}: {message}" if param else message, param=param)
 
 
 def decoded(body: bytes):

@@ -50,6 +50,8 @@ from deployments.reasoning import (
     prompt_ended_reasoning,
     reasoning_split,
 )
+from deployments.responses_api import ResponsesRequest
+from deployments.responses_events import answer_shape
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.tokenize_api import (
     DetokenizeRequest,
@@ -115,6 +117,7 @@ def served_tokenizer(model: str, tokenizer: str | None):
 
 app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
                                 "/v1/chat/completions": [ChatCompletionRequest],
+                                "/v1/responses": [ResponsesRequest],
                                 "/tokenize": [TokenizeCompletion, TokenizeChat],
                                 "/detokenize": [DetokenizeRequest]})
 
@@ -252,18 +255,27 @@ class Router:
     async def chat_completions(self, request: Request):
         return await self.serve_request(request, ChatCompletionRequest, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API, served as the chat it translates to
+        (deployments.responses_api)."""
+        return await self.serve_request(request, ResponsesRequest, chat=True)
+
     async def serve_request(self, request: Request, schema, chat: bool):
         if refused := unauthorized(request, self.api_key):
             return refused
+        shape = None  # how the answer is shaped: its own API's, or a Response
         try:
-            body = await parse(request, schema, self.args.max_prompt_bytes)
+            asked = await parse(request, schema, self.args.max_prompt_bytes)
+            shape = answer_shape(asked, self.args.served_model_name)
+            body = shape.body
             plan = await self.plan(body, chat)
             tools = self.tool_use(body) if chat else None  # checked by the prompt's reading
             ticket = self.admission.admit(len(plan.choices))
-        except BadRequest as error:
-            return error_response(error)
-        except ValueError as error:
-            return error_response(BadRequest(str(error)))
+        except (BadRequest, ValueError) as error:
+            error = error if isinstance(error, BadRequest) else \
+                BadRequest(str(error), param=getattr(error, "param", None))  # a FieldError's
+            return error_response(shape.renamed(error) if shape is not None else error)
         decode = self.special_decode if not body.skip_special_tokens else \
             self.tool_decode if tools else self.decode  # tags kept: calls read
         choices = Choices(plan, self.pools(plan.drafter_kind), decode, self.metrics,
@@ -277,13 +289,13 @@ class Router:
                           think_tokens=self.think_tokens if chat else None,
                           prompt=self.prompt_answer(body, plan, chat))
         if body.stream:
-            return ReleasingStream(choices.events(), ticket)
+            return ReleasingStream(shape.events(choices.events()), ticket)
         try:
             answer = await choices.complete()
-            # encoded off the event loop, where FastAPI's encoder would walk it (an 8-choice
-            # chat's 512 tokens each with their top 20 logprobs: 1.2 s)
+            # shaped and encoded off the event loop, where FastAPI's encoder would walk it
+            # (an 8-choice chat's 512 tokens each with their top 20 logprobs: 1.2 s)
             return await asyncio.get_running_loop().run_in_executor(
-                self.rendering, json_answer, answer)
+                self.rendering, lambda: json_answer(shape.whole(answer)))
         except PoolUnavailable as error:  # a pool's (PoolError), or the router's check of one
             return error_response(pool_failure(error, plan.request_id))
         finally:

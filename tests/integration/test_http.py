@@ -418,3 +418,21 @@ def test_prompt_logprobs_and_echo_are_the_targets_own(cluster):
     streamed = cluster.post("/v1/completions", {"prompt": ids, "prompt_logprobs": 1,
                                                 "stream": True})
     assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
+
+
+def test_the_responses_api_answers_as_the_chat_it_translates_to(cluster):
+    """OpenAI's Responses API through the official client on the shared deployment: the
+    greedy output text is the chat's for the same message, whole and streamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused")
+    chat = client.chat.completions.create(
+        model="specserve-demo", messages=[{"role": "user", "content": "write a loop"}],
+        max_tokens=12, temperature=0).choices[0].message.content
+    whole = client.responses.create(model="specserve-demo", input="write a loop",
+                                    max_output_tokens=12, temperature=0)
+    assert whole.output_text == chat and whole.status in ("completed", "incomplete")
+    events = list(client.responses.create(model="specserve-demo", input="write a loop",
+                                          max_output_tokens=12, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat
+    assert events[-1].response.output_text == chat

@@ -120,6 +120,7 @@ def test_the_openapi_document_describes_every_body_the_router_parses():
              for path, body in bodies.items()}
     assert named == {"/v1/completions": ["CompletionRequest"],
                      "/v1/chat/completions": ["ChatCompletionRequest"],
+                     "/v1/responses": ["ResponsesRequest"],
                      "/tokenize": ["TokenizeCompletion", "TokenizeChat"],
                      "/detokenize": ["DetokenizeRequest"]}
     assert all(name in schemas for names in named.values() for name in names)
