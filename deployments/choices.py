@@ -9,7 +9,13 @@ from concurrent.futures import Executor
 
 from deployments.admission import Ticket
 from deployments.ingress import pool_failure
-from deployments.logprobs import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
+from deployments.logprobs import (
+    TokenBytes,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    named_by_id,
+)
 from deployments.metrics import RouterMetrics
 from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import ReasoningSplit, ThinkTokens
@@ -47,7 +53,8 @@ class Choices:
 
     def __init__(self, plan: RequestPlan, pools: tuple[Drafter, Verifier], decode: Decode,
                  metrics: RouterMetrics, ticket: Ticket, *, model: str, chat: bool,
-                 return_token_ids: bool, tools: ToolUse | None = None,
+                 return_token_ids: bool, tokens_as_ids: bool = False,
+                 tools: ToolUse | None = None,
                  include_usage: bool = False, continuous_usage: bool = False,
                  stop_token_ids: tuple[int, ...] = (),
                  token_bytes: TokenBytes | None = None,
@@ -71,6 +78,7 @@ class Choices:
         self.continuous_usage = continuous_usage  # and every chunk its choice's so far
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
         self.token_bytes = token_bytes  # chat logprobs' bytes (deployments.logprobs)
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens by id (vLLM's option)
         # where a finished choice is read into its body (None: the loop's default executor)
         self.render = render
         # OpenAI's `created`: when the completion was created, on each chunk of its stream
@@ -308,7 +316,7 @@ class Choices:
             shaped = self.shaped_logprobs(entries, texts, offset, generation.ends_held_text)
             if not self.chat:
                 offset += sum(len(token) for token in shaped["tokens"])
-            return shaped
+            return self.named(shaped, entries)
 
         return since
 
@@ -317,8 +325,14 @@ class Choices:
         if generation.state.request.sampling.logprobs is None:
             return None
         texts = TokenTexts(self.decode, generation.state.request.prompt_token_ids)
-        return self.shaped_logprobs(generation.state.logprobs, texts,
-                                    end=generation.ends_held_text)
+        return self.named(self.shaped_logprobs(generation.state.logprobs, texts,
+                                               end=generation.ends_held_text),
+                          generation.state.logprobs)
+
+    def named(self, shaped: dict, entries: list) -> dict:
+        """Logprobs with their tokens named by id when the request asked (its texts'
+        offsets counted before: deployments.logprobs.named_by_id)."""
+        return named_by_id(shaped, entries, self.chat) if self.tokens_as_ids else shaped
 
     def shaped_logprobs(self, entries: list, texts: TokenTexts, offset: int = 0,
                         end: bool = False) -> dict:

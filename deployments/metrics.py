@@ -50,7 +50,9 @@ def features(sampling) -> list[str]:
     """The features a choice's sampling uses, as the metrics tag them."""
     used = {"structured_output": sampling.grammar is not None,
             "logprobs": sampling.logprobs is not None, "penalties": sampling.penalized,
-            "logit_bias": bool(sampling.logit_bias), "min_tokens": sampling.min_tokens > 0}
+            "logit_bias": bool(sampling.logit_bias), "min_tokens": sampling.min_tokens > 0,
+            "allowed_token_ids": bool(sampling.allowed_token_ids),
+            "bad_words": bool(sampling.bad_words_ids)}
     return [name for name, on in used.items() if on]
 
 
@@ -106,7 +108,8 @@ class RouterMetrics:
         # what requests use beyond a prompt, and what it does to acceptance
         self.feature_choices = Counter(
             "specserve_feature_choices", description="Choices decoded with a feature "
-            "(structured_output, logprobs, penalties, logit_bias, min_tokens).",
+            "(structured_output, logprobs, penalties, logit_bias, min_tokens, "
+            "allowed_token_ids, bad_words).",
             tag_keys=("feature",))
         self.feature_draft_tokens = Counter(
             "specserve_feature_draft_tokens", description="Tokens drafted for choices with a "

@@ -26,6 +26,8 @@ from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
 from speculative.options import MAX_PLAIN_STEPS, MAX_SPECULATIVE_TOKENS
 from speculative.sampling import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -52,10 +54,8 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
 # and its audio output), each of which changes the answer or what it carries, and the
 # values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
-UNSERVED = {"allowed_token_ids": (None,), "bad_words": (None, []),
-            "use_beam_search": (None, False),
-            "chat_template": (None,), "documents": (None, []),
-            "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
+UNSERVED = {"use_beam_search": (None, False),
+            "chat_template": (None,), "documents": (None, []), "logprob_token_ids": (None,),
             "functions": (None, []), "logits_processors": (None, []),
             "prompt_embeds": (None,), "structural_tag": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}
@@ -129,6 +129,14 @@ class SamplingFields(BaseModel):
         Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # extension (as vLLM): the end tokens and stop ids cannot end the output before this
     min_tokens: int = Field(default=0, ge=0)
+    # extension (as vLLM): every position samples among these ids alone
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    # extension (as vLLM): words the output never holds (deployments.bad_words)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = \
+        Field(default=None, max_length=MAX_BAD_WORDS)
+    # extension (as vLLM): logprobs name each token "token_id:<id>", not by its text
+    return_tokens_as_token_ids: bool = False
     # extension (as vLLM): the pools' prefix caches share prompt blocks only among requests
     # of the same salt (a tenant's cache hits then say nothing of another's prompts)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
@@ -228,6 +236,12 @@ class SamplingFields(BaseModel):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at "
                              f"most {MAX_STOP_CHARS} characters")
         return [encodable(s, "stop") for s in stops]
+
+    @field_validator("bad_words")
+    @classmethod
+    def bad_words_encodable(cls, value):
+        return value and [encodable(word, "bad_words") for word in value]
+
     def sampling(self, default_max_tokens: int, defaults: dict | None = None
                  ) -> SamplingParams:
         """The request's sampling parameters, with its own seed (each choice's is derived
@@ -250,7 +264,8 @@ class SamplingFields(BaseModel):
                               repetition_penalty=given["repetition_penalty"],
                               logprobs=self.top_logprobs_asked(),
                               logit_bias=tuple(sorted((self.logit_bias or {}).items())),
-                              min_tokens=self.min_tokens, cache_salt=self.cache_salt or "")
+                              min_tokens=self.min_tokens, cache_salt=self.cache_salt or "",
+                              allowed_token_ids=tuple(self.allowed_token_ids or ()))
 
     def max_tokens_or(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

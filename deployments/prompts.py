@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
 
+from deployments.bad_words import bad_words_ids
 from deployments.chat_messages import (
     call_id_length,
     template_kwargs,
@@ -86,6 +87,11 @@ class PromptReader:
             except GrammarError as error:
                 raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
             sampling = replace(sampling, grammar=grammar)
+        if body.bad_words:  # tokenized off the event loop too
+            words = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, bad_words_ids, self.tokenizer, body.bad_words,
+                self.vocab_size, special_pattern(self.tokenizer))
+            sampling = replace(sampling, bad_words_ids=words)
         stop_ids = self.stop_ids(body, constraint is not None)
         if sampling.min_tokens:  # what min_tokens holds back: the end tokens and stop ids,
             # under ignore_eos too (vLLM's all_stop_token_ids: the end token is held until
@@ -103,7 +109,7 @@ class PromptReader:
 
     def check_sizes(self, body, chat: bool) -> None:
         """What must hold before tokenizing: the prompt's size in bytes, top_k, the ids of
-        logit_bias, the top logprobs asked."""
+        logit_bias and allowed_token_ids, the top logprobs asked."""
         self.check_prompt_bytes(body, chat)
         if body.top_k > self.vocab_size:
             raise BadRequest(f"top_k must be at most the vocabulary size "
@@ -111,6 +117,9 @@ class PromptReader:
         if any(token >= self.vocab_size for token in body.logit_bias or {}):
             raise BadRequest(f"logit_bias token ids must be in [0, {self.vocab_size})",
                              param="logit_bias")
+        if any(token >= self.vocab_size for token in body.allowed_token_ids or ()):
+            raise BadRequest(f"allowed_token_ids must be in [0, {self.vocab_size})",
+                             param="allowed_token_ids")
         if (body.top_logprobs_asked() or 0) > self.vocab_size:  # the pools' refusal: a 503
             field = "top_logprobs" if chat else "logprobs"
             raise BadRequest(f"{field} must be at most the vocabulary size "

@@ -280,7 +280,8 @@ class Router:
             self.tool_decode if tools else self.decode  # tags kept: calls read
         choices = Choices(plan, self.pools(plan.drafter_kind), decode, self.metrics,
                           ticket, model=self.args.served_model_name, chat=chat,
-                          return_token_ids=body.return_token_ids, tools=tools,
+                          return_token_ids=body.return_token_ids,
+                          tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
                           include_usage=body.include_usage,
                           continuous_usage=body.continuous_usage,
                           stop_token_ids=self.prompts.reported_stop_ids(body),

@@ -33,7 +33,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0,
         grammar=params.grammar or "", logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens, min_tokens_end_ids=params.min_tokens_end_ids,
-        cache_salt=params.cache_salt,
+        cache_salt=params.cache_salt, allowed_token_ids=params.allowed_token_ids,
+        bad_words=[pb.TokenIds(ids=word) for word in params.bad_words_ids],
     )
 
 
@@ -48,6 +49,8 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         grammar=message.grammar or None,
         logit_bias=tuple(sorted(message.logit_bias.items())), min_tokens=message.min_tokens,
         min_tokens_end_ids=tuple(message.min_tokens_end_ids), cache_salt=message.cache_salt,
+        allowed_token_ids=tuple(message.allowed_token_ids),
+        bad_words_ids=tuple(tuple(word.ids) for word in message.bad_words),
     )
 
 

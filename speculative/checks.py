@@ -33,7 +33,8 @@ def check_tree_width(call: ProposeCall) -> None:
     if call.assumed_token_ids or call.sampling.grammar is not None or \
             call.sampling.shapes_logits:
         raise ValueError("a draft tree does not combine with pre-drafting, structured "
-                         "outputs, penalties, logit_bias or min_tokens: draft a chain")
+                         "outputs, penalties, logit_bias, min_tokens, allowed_token_ids or "
+                         "bad_words: draft a chain")
 
 
 def check_call(token_ids, vocab_size: int, num_speculative_tokens: int = 0) -> None:

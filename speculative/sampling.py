@@ -42,6 +42,11 @@ class SamplingParams:
     # the output holds min_tokens tokens
     min_tokens: int = 0
     min_tokens_end_ids: tuple[int, ...] = ()
+    # vLLM's allowed_token_ids: every position samples among these ids alone (empty: all)
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words, tokenized (deployments.bad_words): a word's last token is masked
+    # where the output so far ends with its other tokens (a one-token word: everywhere)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     # vLLM's cache_salt: the pools' prefix caches share prompt blocks only among requests
     # of the same salt ("": none, every request's)
     cache_salt: str = ""
@@ -92,6 +97,16 @@ class SamplingParams:
             errors.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.min_tokens_end_ids):
             errors.append("min_tokens_end_ids must be token ids >= 0")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or not all(
+                isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
+            errors.append(f"allowed_token_ids must be up to {MAX_ALLOWED_TOKEN_IDS} token ids "
+                          ">= 0")
+        words = self.bad_words_ids
+        if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_TOKENS or \
+                not all(word and all(isinstance(t, int) and t >= 0 for t in word)
+                        for word in words):
+            errors.append(f"bad_words_ids must be up to {MAX_BAD_WORDS} non-empty sequences "
+                          f"of token ids >= 0, {MAX_BAD_WORDS_TOKENS} ids in all")
         return errors
 
     @property
@@ -111,9 +126,17 @@ class SamplingParams:
 
     @property
     def shaping_ids(self) -> tuple[int, ...]:
-        """The token ids logit_bias and min_tokens name (checked against the vocabulary with
-        a call's own ids, before a batch's forward: checks.check_call)."""
-        return tuple(token for token, _ in self.logit_bias) + self.min_tokens_end_ids
+        """The token ids logit_bias, min_tokens, allowed_token_ids and bad_words name (checked
+        against the vocabulary with a call's own ids, before a batch's forward:
+        checks.check_call)."""
+        return (*(token for token, _ in self.logit_bias), *self.min_tokens_end_ids,
+                *self.allowed_token_ids, *(token for word in self.bad_words_ids
+                                           for token in word))
+
+    @property
+    def bad_words_reach(self) -> int:
+        """How many of the output's last tokens bad_words read (its longest word's, but one)."""
+        return max(map(len, self.bad_words_ids), default=1) - 1
 
     @property
     def law_key(self) -> tuple:
@@ -123,9 +146,11 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether logit_bias, min_tokens or penalties change the logits (speculative.shaping)."""
+        """Whether logit_bias, min_tokens, penalties, allowed_token_ids or bad_words change the
+        logits (speculative.shaping)."""
         return self.penalized or bool(self.logit_bias) or (
-            self.min_tokens > 0 and bool(self.min_tokens_end_ids))
+            self.min_tokens > 0 and bool(self.min_tokens_end_ids)) or \
+            bool(self.allowed_token_ids) or bool(self.bad_words_ids)
 
 
 # a logit divided by the penalty stays finite (1e-300 made it inf, and q NaN: found by fuzzing)
@@ -141,6 +166,11 @@ MIN_SERVED_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 1e30
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
+# allowed_token_ids' length (every pool call checks the ids against its vocabulary)
+MAX_ALLOWED_TOKEN_IDS = 4096
+# bad_words' sequences once tokenized (vLLM's default VLLM_MAX_NUM_BAD_WORDS) and their ids
+# in all (as vLLM's GPU model runner's MAX_BAD_WORDS_TOTAL_TOKENS)
+MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 
 
 def served_temperature(temperature: float) -> float:

@@ -1,5 +1,6 @@
-"""The request's shaping of the logits before temperature, as vLLM applies it: OpenAI's
-logit_bias, the presence, frequency and repetition penalties, and min_tokens.
+"""The request's shaping of the logits before temperature, as vLLM applies it: vLLM's
+allowed_token_ids and bad_words, OpenAI's logit_bias, the presence, frequency and repetition
+penalties, and min_tokens.
 
 Drafter and verifier shape p and q through the same function (shape_batch), row r counting
 the tokens drafted before it, so speculation stays exact. A pool shapes a batch's requests
@@ -83,10 +84,12 @@ def committed_history(sampling: SamplingParams, prompt_len: int, sequence,
     """Shaping's prompt, output and seen for a request whose committed tokens a pool's
     sequence holds (engine.kv.Sequence), its output going on with `extra` (a draft's assumed
     and drafted tokens): a penalised request's committed tokens counted as they grew
-    (Sequence.counted), another's as lists (logit_bias and min_tokens read the output's
-    length only)."""
+    (Sequence.counted) with the committed output's last tokens bad_words read, another's as
+    lists (logit_bias and min_tokens read the output's length only)."""
     if sampling.penalized:
-        return {"prompt": (), "output": list(extra),
+        committed = sequence.committed
+        recent = committed[max(prompt_len, len(committed) - sampling.bad_words_reach):]
+        return {"prompt": (), "output": list(extra), "recent": recent,
                 "seen": sequence.counted(prompt_len, sampling.repetition_penalty != 1)}
     committed = sequence.committed
     return {"prompt": committed[:prompt_len], "output": committed[prompt_len:] + list(extra)}
@@ -97,7 +100,8 @@ class Shaping:
     """One request's `rows` consecutive rows of a batch's logits, from row `start`: the
     positions after `prompt + output`, row r after drafted[:r] too (shape_logits' terms).
     `seen`: the prompt and the output's first tokens, counted (a pool's SeenTokens); then
-    `prompt` is not read, and `output` holds only the output's tokens after those."""
+    `prompt` is not read, `output` holds only the output's tokens after those, and `recent`
+    the last of those (at least the params' bad_words_reach, or all of them)."""
 
     start: int
     rows: int
@@ -106,6 +110,7 @@ class Shaping:
     output: Sequence[int]
     drafted: Sequence[int] = ()
     seen: Counted | None = None
+    recent: Sequence[int] = ()
 
     @property
     def output_len(self) -> int:
@@ -115,12 +120,13 @@ class Shaping:
 def shape_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
                  output: list[int], drafted: Sequence[int] = ()) -> torch.Tensor:
     """[R, V] logits of R consecutive positions after `prompt + output`, shaped by the
-    request as vLLM does before temperature: logit_bias added, then the penalties (penalize:
-    row r counts drafted[:r] too), then min_tokens' end ids masked in every row whose output
-    so far (output + drafted[:r]) is shorter than min_tokens, unless the mask would leave
-    the row nothing (a grammar that allows only an end: the grammar wins). Drafter and
-    verifier both shape through shape_batch, so p and q are shaped alike: exact under
-    speculation."""
+    request as vLLM does before temperature: the ids outside allowed_token_ids and the bad
+    words' banned ids masked (ban_words: row r reads the output so far, output +
+    drafted[:r]), logit_bias added, then the penalties (penalize: row r counts drafted[:r]
+    too), then min_tokens' end ids masked in every row whose output so far is shorter than
+    min_tokens. A mask that would leave a row nothing leaves it as it was (a grammar that
+    allows only an end, or none of the allowed ids: the grammar wins). Drafter and verifier
+    both shape through shape_batch, so p and q are shaped alike: exact under speculation."""
     return shape_batch(logits, [Shaping(0, len(logits), params, prompt, output, drafted)])
 
 
@@ -139,10 +145,77 @@ def shape_batch(logits: torch.Tensor, shapings: list[Shaping],
     if not shapings:
         return logits
     shaped = logits if in_place else logits.to(torch.float32, copy=True)
+    keep_allowed(shaped, shapings)
+    ban_words(shaped, shapings)
     add_bias(shaped, shapings)
     add_penalties(shaped, shapings)
     hold_ends(shaped, shapings)
     return shaped
+
+
+def keep_allowed(logits: torch.Tensor, shapings: list[Shaping]) -> None:
+    """vLLM's allowed_token_ids in place: each Shaping's rows keep the logits of its allowed
+    ids alone (ids past V, a smaller draft vocabulary's, have none), the others -inf, but
+    for a row left no finite logit (a grammar that allows none of them), kept whole."""
+    restricted = [shaping for shaping in shapings if shaping.params.allowed_token_ids]
+    if not restricted:
+        return
+    vocab = logits.shape[-1]
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    free = torch.ones(len(logits), dtype=torch.bool, device=logits.device)  # [N]
+    for shaping in restricted:
+        rows = slice(shaping.start, shaping.start + shaping.rows)
+        ids = [token for token in shaping.params.allowed_token_ids if token < vocab]
+        keep[rows, torch.tensor(ids, dtype=torch.int64, device=logits.device)] = True
+        free[rows] = False
+    keep |= free[:, None]
+    kept = logits.masked_fill(~keep, float("-inf"))
+    room = kept.amax(-1, keepdim=True) > float("-inf")  # [N, 1]
+    logits.copy_(torch.where(room, kept, logits))
+
+
+def ban_words(logits: torch.Tensor, shapings: list[Shaping]) -> None:
+    """vLLM's bad_words (its NoBadWordsLogitsProcessor) in place: in each row, the last
+    token of every tokenized word whose other tokens end the output so far (recent + output
+    + drafted[:r] for row r; a one-token word's in every row) at -inf, but for a row that
+    would leave nothing (masked_unless_emptied)."""
+    rows, columns = [], []
+    vocab = logits.shape[-1]
+    for shaping in shapings:
+        if not shaping.params.bad_words_ids:
+            continue
+        if len(shaping.drafted) < shaping.rows - 1:
+            raise ValueError(f"{shaping.rows} positions need the {shaping.rows - 1} tokens "
+                             "drafted before them")
+        reach = shaping.params.bad_words_reach
+        banned: dict[tuple[int, ...], list[int]] = {}  # a word's other tokens -> its last
+        for word in shaping.params.bad_words_ids:
+            if word[-1] < vocab:
+                banned.setdefault(tuple(word[:-1]), []).append(word[-1])
+        lengths = {len(before) for before in banned}
+        tail = [*shaping.recent, *shaping.output[-reach:]][-reach:] if reach else []
+        for row in range(shaping.rows):
+            history = tail + list(shaping.drafted[:row])
+            for length in lengths:
+                if length <= len(history):
+                    ends = banned.get(tuple(history[len(history) - length:]), ())
+                    rows += [shaping.start + row] * len(ends)
+                    columns += ends
+    masked_unless_emptied(logits, rows, columns)
+
+
+def masked_unless_emptied(logits: torch.Tensor, rows: list[int], columns: list[int]) -> None:
+    """The (row, column) entries at -inf in place, but in a row that would leave no finite
+    logit (those keep their values): the entries are set, each row's maximum says whether it
+    has a token left, and the entries of rows without one get their values back."""
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    flat, index = flat_entries(logits, rows, columns)
+    held = flat.index_select(0, index)
+    flat.index_fill_(0, index, float("-inf"))
+    room = logits.amax(-1) > float("-inf")  # [N]: a row still has a token to take
+    flat.index_copy_(0, index, torch.where(room[index // vocab], float("-inf"), held))
 
 
 def add_bias(logits: torch.Tensor, shapings: list[Shaping]) -> None:
@@ -255,9 +328,8 @@ def penalty_terms(shaping: Shaping, vocab: int):
 def hold_ends(logits: torch.Tensor, shapings: list[Shaping]) -> None:
     """min_tokens in place: each Shaping's rows whose output so far is shorter than its
     min_tokens get its end ids at -inf, but for a row the mask would leave nothing (it keeps
-    them). The held entries are set, each row's maximum says whether it has a token left,
-    and the entries of rows without one get their values back: small operations and one
-    pass over the logits, whatever the batch."""
+    them: masked_unless_emptied): small operations and one pass over the logits, whatever
+    the batch."""
     rows, columns = [], []
     vocab = logits.shape[-1]
     for shaping in shapings:
@@ -266,10 +338,4 @@ def hold_ends(logits: torch.Tensor, shapings: list[Shaping]) -> None:
         for row in range(shaping.start, shaping.start + max(short, 0)):
             rows += [row] * len(ends)
             columns += ends
-    if not rows:
-        return
-    flat, index = flat_entries(logits, rows, columns)
-    held = flat.index_select(0, index)
-    flat.index_fill_(0, index, float("-inf"))
-    room = logits.amax(-1) > float("-inf")  # [N]: a row still has a token to take
-    flat.index_copy_(0, index, torch.where(room[index // vocab], float("-inf"), held))
+    masked_unless_emptied(logits, rows, columns)

@@ -21,7 +21,8 @@ def check_tree_call(call: ScoreCall) -> None:
     check_tree(call.draft_parents, len(call.draft_token_ids))
     if call.sampling.grammar is not None or call.sampling.shapes_logits:
         raise ValueError("a draft tree does not combine with structured outputs, penalties, "
-                         "logit_bias or min_tokens: draft a chain")
+                         "logit_bias, min_tokens, allowed_token_ids or bad_words: draft a "
+                         "chain")
 
 
 def tree_scores_of(call: ScoreCall, target_probs, draft_probs) -> TargetScores:

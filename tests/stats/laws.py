@@ -17,15 +17,24 @@ def next_probs(model, prefixes: list[list[int]], params: SamplingParams,
                prompt_len: int) -> np.ndarray:
     """[len(prefixes), V]: the next token's law after each prefix (all of one length, so one
     forward of the whole batch needs no padding), whose first prompt_len tokens are the
-    prompt (the rest is output, which penalties and min_tokens count, and a grammar follows:
-    ALLOWED), shaped as the request says, written out here apart from the product's
-    shape_logits."""
+    prompt (the rest is output, which penalties, min_tokens and bad words read, and a
+    grammar follows: ALLOWED), masked and shaped as the request says, written out here apart
+    from the product's shape_logits."""
     batch = model(input_ids=torch.tensor(prefixes)).logits[:, -1]
     rows = []
     for prefix, logits in zip(prefixes, batch):
         if params.grammar is not None:
             logits = logits.masked_fill(~ALLOWED[0](params.grammar, prefix[prompt_len:]),
                                         float("-inf"))
+        if params.allowed_token_ids:  # vLLM's: every other id masked
+            others = torch.ones_like(logits, dtype=torch.bool)
+            others[list(params.allowed_token_ids)] = False
+            logits = logits.masked_fill(others, float("-inf"))
+        output = prefix[prompt_len:]
+        for word in params.bad_words_ids:  # vLLM's: the last id, after the others
+            if len(output) >= len(word) - 1 and \
+                    tuple(output[len(output) - len(word) + 1:]) == word[:-1]:
+                logits[word[-1]] = float("-inf")
         for token, bias in params.logit_bias:  # OpenAI's: added to the raw logits, first
             logits[token] += bias
         logits = penalize(logits[None], params, prefix[:prompt_len], prefix[prompt_len:])[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deployments.logprobs import (
-    LEAST_LOGPROB, TokenTexts, chat_logprobs, completion_logprobs)
+    LEAST_LOGPROB, TokenTexts, chat_logprobs, completion_logprobs, named_by_id)
 from deployments.wire import scores_from_proto, scores_to_proto
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
@@ -213,6 +213,54 @@ def test_a_cut_round_keeps_the_logprobs_of_the_tokens_it_keeps():
     assert full.commit(block, entries) == [4, 7, 5] and full.logprobs == entries[:3]
     full.stop_after(2)  # a stop string completed by the second token
     assert full.output_token_ids == [4, 7] and full.logprobs == entries[:2]
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id():
+    """vLLM's return_tokens_as_token_ids: "token_id:<id>" for the chosen tokens and the top
+    ones, in both shapes (two ids of one text keep their own keys); a completion's offsets
+    still point into its text, and chat's bytes are still the tokens' own."""
+    entries = [TokenLogprob(1, -0.5, ((1, -0.5), (3, -1.5))), TokenLogprob(2, -0.25, ())]
+    decode = {1: "ab", 2: "c", 3: "ab"}.__getitem__
+    texts = lambda: TokenTexts(lambda ids: "".join(decode(i) for i in ids))  # noqa: E731
+    completion = named_by_id(completion_logprobs(entries, texts(), 4), entries, chat=False)
+    assert completion == {
+        "tokens": ["token_id:1", "token_id:2"], "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"token_id:1": -0.5, "token_id:3": -1.5}, {"token_id:2": -0.25}],
+        "text_offset": [4, 6]}
+    content = named_by_id(chat_logprobs(entries, texts()), entries, chat=True)["content"]
+    assert content[0] == {"token": "token_id:1", "logprob": -0.5, "bytes": [97, 98],
+                          "top_logprobs": [
+                              {"token": "token_id:1", "logprob": -0.5, "bytes": [97, 98]},
+                              {"token": "token_id:3", "logprob": -1.5, "bytes": [97, 98]}]}
+    assert content[1]["token"] == "token_id:2" and content[1]["top_logprobs"] == []
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_stream_names_tokens_by_id_as_the_whole_choice_does(target, chat):
+    """Streamed with return_tokens_as_token_ids, the chunks' logprobs join into the whole
+    choice's, whose offsets are those of the texts (not of the names)."""
+    import asyncio
+    import json
+
+    def by_id(choices):
+        choices.tokens_as_ids = True
+        return choices
+
+    named = asyncio.run(by_id(choices_of(target, chat)).complete())["choices"][0]["logprobs"]
+    texts = asyncio.run(choices_of(target, chat).complete())["choices"][0]["logprobs"]
+
+    async def collect():
+        return [e async for e in by_id(choices_of(target, chat)).events()]
+
+    chunks = [json.loads(e[len("data: "):])["choices"][0] for e in asyncio.run(collect())[:-1]]
+    carried = [c["logprobs"] for c in chunks if c.get("logprobs")]
+    key = "content" if chat else "tokens"
+    assert [e for c in carried for e in c[key]] == named[key]
+    tokens = [e["token"] for e in named["content"]] if chat else named["tokens"]
+    assert len(tokens) == 24 and all(t.startswith("token_id:") for t in tokens)
+    if not chat:
+        assert [e for c in carried for e in c["text_offset"]] == named["text_offset"] == \
+            texts["text_offset"]
 
 
 def choices_of(target, chat: bool, stop: tuple[str, ...] = ()):

@@ -60,19 +60,17 @@ def test_what_changes_nothing_passes():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("allowed_token_ids", [1, 2]), ("allowed_token_ids", []), ("bad_words", ["a"]),
     ("use_beam_search", True),
     ("chat_template", "{{ x }}"),
-    ("documents", [{"title": "t", "text": "x"}]), ("return_tokens_as_token_ids", True),
+    ("documents", [{"title": "t", "text": "x"}]),
     ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}]),
     ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),
     ("structural_tag", '{"structures": []}'), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"})])
 def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, value):
-    """Each changes the answer or what it carries (vLLM refuses an empty allowed_token_ids; OpenAI's deprecated
-    `functions` ask for a function_call, which tools now give; vLLM refuses
-    logits_processors and prompt_embeds unless its server enables them; OpenAI's audio
-    output comes with the text)."""
+    """Each changes the answer or what it carries (OpenAI's deprecated `functions` ask for
+    a function_call, which tools now give; vLLM refuses logits_processors and prompt_embeds
+    unless its server enables them; OpenAI's audio output comes with the text)."""
     with pytest.raises(ValidationError, match=f"{field}: .* is not supported"):
         ChatCompletionRequest(messages=CHAT, **{field: value})
     with pytest.raises(ValidationError, match=f"{field}: .* is not supported"):
