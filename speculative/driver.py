@@ -20,6 +20,8 @@ Decode = Callable[[Sequence[int]], str]  # token ids -> text (special tokens ski
 # prompt tokens the detokenizer decodes before the first output token, so that the first
 # token's text is what it reads as a continuation (a SentencePiece leading space, say)
 CONTEXT_TOKENS = 6
+# how far back from a context's end its window may end: past the context's trailing U+FFFDs
+CONTEXT_SEARCH = 4 * CONTEXT_TOKENS
 # a UTF-8 character has at most 4 bytes, each token at least one: text still ending in U+FFFD
 # after this many tokens held is no incomplete character but bytes that never form one
 MAX_HELD_TOKENS = 8
@@ -59,6 +61,30 @@ def text_decoder(tokenizer, keep: tuple[str, ...] = (),
     return keeping
 
 
+def context_window(decode: Decode, context_ids: Sequence[int]) -> list[int]:
+    """The last CONTEXT_TOKENS of the context's ids that start and end on a character.
+
+    A window that starts inside a character decodes to U+FFFD there, and under
+    SentencePiece's byte fallback so does its whole run of byte tokens, the output's bytes
+    that continue the run included: the window starts after such bytes. One that ends
+    inside a character (a prompt of token ids may: a cut-off output fed back) reads the
+    output's bytes that complete it into the window's text, which then differs from the one
+    its offset was taken from (under byte fallback a U+FFFD per byte became one character:
+    the output's next characters were lost): the window ends before such bytes, which the
+    output's then read as no character. Its tokens are those before the context's trailing
+    U+FFFDs, real ones too (a decode cannot tell them apart), up to CONTEXT_SEARCH tokens
+    back: trimmed within the last CONTEXT_TOKENS, a prompt that ended in two real U+FFFD
+    byte-fallback characters left no window, and the output's first token lost its
+    SentencePiece leading space (a stop string that began with it was found tokens late)."""
+    for end in range(len(context_ids), max(0, len(context_ids) - CONTEXT_SEARCH), -1):
+        context = list(context_ids[max(0, end - CONTEXT_TOKENS) : end])
+        while context and decode(context).startswith(REPLACEMENT):
+            del context[0]
+        if context and not decode(context).endswith(REPLACEMENT):
+            return context
+    return []
+
+
 class Detokenizer:
     """Offset-based incremental detokenization (as in vLLM and TGI).
 
@@ -73,20 +99,7 @@ class Detokenizer:
 
     def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
         self.decode = decode
-        context = list(context_ids[-CONTEXT_TOKENS:])
-        # a window that starts inside a character decodes to U+FFFD there, and under
-        # SentencePiece's byte fallback so does its whole run of byte tokens, the output's
-        # bytes that continue the run included: the window starts after such bytes
-        while context and decode(context).startswith(REPLACEMENT):
-            del context[0]
-        # and one that ends inside a character (a prompt of token ids may: a cut-off output
-        # fed back) reads the output's bytes that complete it into the window's text, which
-        # then differs from the one its offset was taken from (under byte fallback a U+FFFD
-        # per byte became one character: the output's next characters were lost): the window
-        # ends before such bytes, which the output's then read as no character
-        while context and decode(context).endswith(REPLACEMENT):
-            del context[-1]
-        self.ids = context  # the window, then tokens not yet read
+        self.ids = context_window(decode, context_ids)  # the window, then tokens not yet read
         self.window = len(self.ids)
         self.sent = 0  # characters of the unread tokens' text already returned
         self._window, self._prefix = None, ""  # the window's ids and text, last decoded

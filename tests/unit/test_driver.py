@@ -370,6 +370,20 @@ def test_a_prompt_that_ends_inside_a_character_loses_no_output_text_nor_stop():
         assert stopped.text == "".join(deltas) == "\ufffd\ufffd"
 
 
+def test_a_prompt_that_ends_in_real_replacement_characters_keeps_its_window():
+    """A prompt may end in real U+FFFDs (mojibake): two are six byte-fallback tokens, trimmed
+    as if they began a character, which left no window: the output's first token lost its
+    leading space, and a stop string that began with it was found a token late."""
+    tokenizer = byte_fallback_tokenizer(["▁Hello", "▁ok"])
+    hello, ok = tokenizer.convert_tokens_to_ids(["▁Hello", "▁ok"])
+    prompt, decode = (hello, *[3 + b for b in "\ufffd\ufffd".encode()]), text_decoder(tokenizer)
+    for k in (0, 2):
+        whole, deltas = generate([ok, ok], decode=decode, k=k, prompt=prompt)
+        assert whole.text == "".join(deltas) == " ok ok"
+        stopped, deltas = generate([ok, ok], stop=(" ok",), decode=decode, k=k, prompt=prompt)
+        assert (stopped.token_ids, stopped.stop_reason, stopped.text) == ([ok], " ok", "")
+
+
 # byte-level tokens of 日 (E6 97 A5): its first two bytes, and its last with the next's first
 FIRST, SPANNING, MIDDLE, LAST = 257, 258, 1 + 0x97, 1 + 0xA5
 
