@@ -36,7 +36,8 @@ PASSED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequen
           "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
           "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "cache_salt",
           "truncate_prompt_tokens", "chat_template_kwargs", "include_reasoning",
-          "structured_outputs", "num_speculative_tokens", "pipelined", "plain_steps",
+          "structured_outputs", "allowed_token_ids", "bad_words",
+          "return_tokens_as_token_ids", "num_speculative_tokens", "pipelined", "plain_steps",
           "drafter", "speculative_tree")
 ROLES = ("user", "system", "developer", "assistant")
 # a message's content parts that carry text, and where
@@ -119,7 +120,9 @@ def parts_text(content, place: str) -> str:
     texts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get(TEXT_PARTS[kind]) if kind in TEXT_PARTS else None
+        # a type that is no string (a list, an object: unhashable) names no text part
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        text = part.get(key) if key is not None else None
         if not isinstance(text, str):
             raise FieldError(f"{place}[{index}]", f"a part of type {kind!r} is not served: "
                              "this server takes text only (input_text, output_text), no "

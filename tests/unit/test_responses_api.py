@@ -87,6 +87,10 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     assert function.parameters == TOOLS[0]["parameters"]
     assert chat.tool_choice.function.name == "now" and chat.parallel_tool_calls is False
     assert (chat.seed, chat.top_k, chat.num_speculative_tokens) == (3, 5, 2)
+    masked = chat_of({"input": "hi", "bad_words": ["Paris"], "allowed_token_ids": [5, 6],
+                      "return_tokens_as_token_ids": True})  # vLLM's, as the chat takes them
+    assert (masked.bad_words, masked.allowed_token_ids) == (["Paris"], [5, 6])
+    assert masked.return_tokens_as_token_ids is True
     assert chat.top_logprobs_asked() == 2
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     formed = chat_of({"input": "hi", "text": {"format": {
@@ -109,6 +113,8 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     ({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "a"}]}]},
+     "input[0].content[0]"),  # a type that is no string: not a 500 (unhashable)
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "now"}]}, "input[0].call_id"),
     ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
