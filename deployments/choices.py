@@ -294,7 +294,8 @@ class Choices:
         output's text offsets start."""
         scores = await self.prompt.ready()
         prompt = index // self.plan.n
-        return ((self.prompt.echo[prompt], self.prompt.echo_logprobs(prompt, scores)),
+        return ((self.prompt.echo[prompt], self.prompt.named(
+            self.prompt.echo_logprobs(prompt, scores), prompt, scores)),
                 self.prompt.echo_length(prompt, scores))
 
     def streamed_logprobs(self, index: int, offset: int = 0):

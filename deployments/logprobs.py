@@ -109,9 +109,7 @@ def named_by_id(shaped: dict, entries: list[TokenLogprob], chat: bool) -> dict:
     """Logprobs in either shape with each token named "token_id:<id>" (vLLM's
     return_tokens_as_token_ids), a completion's top_logprobs keyed so too (two ids of one
     text no longer share a key); the texts' offsets and the tokens' bytes stay theirs."""
-    def name(token_id: int) -> str:
-        return f"token_id:{token_id}"
-
+    name = id_name
     if chat:
         for item, entry in zip(shaped["content"], entries):
             item["token"] = name(entry.token_id)
@@ -123,3 +121,8 @@ def named_by_id(shaped: dict, entries: list[TokenLogprob], chat: bool) -> dict:
                                                (*entry.top, (entry.token_id, 0))})
                               for entry in entries]
     return shaped
+
+
+def id_name(token_id: int) -> str:
+    """A token as return_tokens_as_token_ids names it."""
+    return f"token_id:{token_id}"

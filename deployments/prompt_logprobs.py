@@ -18,7 +18,7 @@ starts, beside its decoding."""
 import asyncio
 from collections.abc import Sequence
 
-from deployments.logprobs import TokenTexts, completion_logprobs, shown
+from deployments.logprobs import TokenTexts, completion_logprobs, id_name, named_by_id, shown
 from speculative.driver import Decode
 from speculative.types import PromptLogprobs, TokenLogprob
 
@@ -29,8 +29,9 @@ class PromptAnswer:
 
     def __init__(self, verifier, request_id: str, prompts: Sequence[Sequence[int]],
                  top_n: int | None, echo: Sequence[str] | None, echo_top_n: int | None,
-                 decode: Decode, special_decode: Decode) -> None:
+                 decode: Decode, special_decode: Decode, tokens_as_ids: bool = False) -> None:
         self.prompts, self.top_n = prompts, top_n
+        self.tokens_as_ids = tokens_as_ids  # echo's tokens named by id, as the output's
         self.echo, self.echo_top_n = echo, echo_top_n
         self.decode, self.special_decode = decode, special_decode
         asked = max(top_n or 0, echo_top_n or 0)
@@ -52,7 +53,8 @@ class PromptAnswer:
         if self.echo is not None:
             body["text"] = self.echo[prompt] + (body["text"] or "")
             if body["logprobs"] is not None:
-                body["logprobs"] = joined(self.echo_logprobs(prompt, scores), body["logprobs"])
+                body["logprobs"] = self.named(joined(self.echo_logprobs(prompt, scores),
+                                                     body["logprobs"]), prompt, scores)
         if self.top_n is not None:
             body["prompt_logprobs"] = self.listed(prompt, scores)
         return body
@@ -78,13 +80,30 @@ class PromptAnswer:
         ids = self.prompts[prompt]
         texts = TokenTexts(self.decode)
         first = texts.detokenizer.add(ids[0])
-        entries = [TokenLogprob(entry.token_id, entry.logprob, entry.top[:self.echo_top_n])
-                   for entry in scores[prompt].entries]
-        rest = completion_logprobs(entries, texts, len(first))
+        rest = completion_logprobs(self.echo_entries(prompt, scores), texts, len(first))
         return {"tokens": [first, *rest["tokens"]],
                 "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]],
                 "text_offset": [0, *rest["text_offset"]]}
+
+    def echo_entries(self, prompt: int, scores: list[PromptLogprobs]) -> list[TokenLogprob]:
+        return [TokenLogprob(entry.token_id, entry.logprob, entry.top[:self.echo_top_n])
+                for entry in scores[prompt].entries]
+
+    def named(self, logprobs: dict | None, prompt: int, scores: list[PromptLogprobs]
+              ) -> dict | None:
+        """Logprobs that begin with the echo's with its tokens and their top ones named by id
+        when the request asked (vLLM's return_tokens_as_token_ids, as the output's are:
+        deployments.logprobs.named_by_id); the offsets still count the texts."""
+        if logprobs is None or not self.tokens_as_ids:
+            return logprobs
+        ids = self.prompts[prompt]
+        entries = self.echo_entries(prompt, scores)
+        named = named_by_id({}, entries, chat=False)
+        return {**logprobs, "tokens": [id_name(ids[0]), *named["tokens"],
+                                       *logprobs["tokens"][len(ids):]],
+                "top_logprobs": [None, *named["top_logprobs"],
+                                 *logprobs["top_logprobs"][len(ids):]]}
 
     def echo_length(self, prompt: int, scores: list[PromptLogprobs]) -> int:
         """Where the output's text offsets start after an echo with logprobs: the length of

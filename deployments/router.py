@@ -314,7 +314,7 @@ class Router:
                    for i in range(0, len(plan.choices), plan.n)]
         return PromptAnswer(self.pools(plan.drafter_kind)[1], plan.request_id, prompts, top_n,
                             echo, body.logprobs if echo is not None else None, self.decode,
-                            self.special_decode)
+                            self.special_decode, body.return_tokens_as_token_ids)
 
     def tool_use(self, body) -> ToolUse | None:
         """A chat's tools in effect, their calls read in the router's tool_call_parser (a

@@ -313,7 +313,8 @@ class ModelDrafter:
         return drawn
 
     def start_draft(self, call: ProposeCall) -> "Draft":
-        check_call(call.sync.new_token_ids + call.assumed_token_ids + call.sampling.shaping_ids,
+        check_call(call.sync.new_token_ids + call.assumed_token_ids
+                   + call.sampling.shaping_ids[-1:],  # the largest (all are >= 0)
                    self.vocab_size, call.num_speculative_tokens)
         check_prompt_len(call.prompt_len, call.sync.committed_len)
         check_confidence(call.draft_confidence)

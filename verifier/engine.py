@@ -113,7 +113,8 @@ class ModelVerifier:
         (shaping_history); a feed longer than `limit` is cut (the segment asks no logits)
         and resumed by the same call."""
         vocab_size = self.vocab_size
-        check_call(call.sync.new_token_ids + call.draft_token_ids + call.sampling.shaping_ids,
+        check_call(call.sync.new_token_ids + call.draft_token_ids
+                   + call.sampling.shaping_ids[-1:],  # the largest (all are >= 0)
                    vocab_size, len(call.draft_token_ids))
         check_steps(call, vocab_size)
         if (call.sampling.logprobs or 0) > vocab_size:  # else its topk fails the batch

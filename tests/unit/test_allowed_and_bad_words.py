@@ -175,6 +175,33 @@ def test_masked_greedy_equals_the_target_alone(target, kind, k, pipelined):
     assert drafted > 0 and (kind == "ngram" or 0 < accepted < drafted)
 
 
+class Passes(tuple):
+    """A tuple that counts the passes Python makes over it (its iterations)."""
+
+    count = 0
+
+    def __iter__(self):
+        Passes.count += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("max_tokens", [12, 48])
+def test_the_ids_are_read_in_python_once_per_request_not_at_every_call_and_step(
+        target, max_tokens):
+    """Each pool holds a session's params for all its calls: what shaping and the calls'
+    checks read of allowed_token_ids and bad_words (4,096 ids and 128 words cost 0.3 ms a
+    request each time, 40 ms a draft step at 128 streams) is made once per params, so the
+    passes over them do not grow with the output (they did, with its rounds and steps)."""
+    Passes.count = 0
+    params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                            allowed_token_ids=Passes(range(10, 60)),
+                            bad_words_ids=Passes(((12,), (30, 31), (40, 41, 42))))
+    out, state = run(ModelDrafter(noisy_copy(target, 0.01, seed=1)), ModelVerifier(target),
+                     [5, 6, 7], params, 3, request_id=f"passes{max_tokens}")
+    assert len(out) == max_tokens and state.stats.num_draft_tokens >= max_tokens
+    assert Passes.count <= 10  # its checks and the few arrays made of it (457 at 48 tokens)
+
+
 def test_the_request_fields_read_as_vllms():
     body = CompletionRequest(prompt="x", allowed_token_ids=[4, 2], bad_words=["a b"],
                              return_tokens_as_token_ids=True)

@@ -257,6 +257,24 @@ def test_a_streamed_echo_sends_the_prompt_first_and_its_offsets_run_on():
     assert offsets == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_names_the_prompts_tokens_by_id_as_the_outputs(stream):
+    """vLLM's return_tokens_as_token_ids with echo: the prompt's tokens (the first too) and
+    their top ones are "token_id:<id>" as the output's are, whole and streamed; the offsets
+    still count the texts (the prompt's tokens were shown as text, the output's by id)."""
+    verifier = Scored()
+    status, answer = served(verifier)({"prompt": "hi", "max_tokens": 4, "echo": True,
+                                       "logprobs": 1, "return_tokens_as_token_ids": True,
+                                       "stream": stream})
+    assert status == 200
+    chunks = [e["choices"][0]["logprobs"] for e in answer if e["choices"]] if stream else \
+        [answer["choices"][0]["logprobs"]]
+    logprobs = {key: [v for c in chunks if c for v in c[key]] for key in chunks[0]}
+    assert logprobs["tokens"] == ["token_id:2", "token_id:3"] + ["token_id:1"] * 4
+    assert logprobs["top_logprobs"][:2] == [None, {"token_id:9": -0.1, "token_id:3": -1.0}]
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_failed_prompt_scoring_fails_the_request_with_the_pools_error():
     from deployments.replica_stream import PoolError
 
