@@ -113,6 +113,8 @@ class Choices:
             pass
 
         try:
+            if self.prompt is not None:  # beside the decoding
+                self.prompt.start()
             done = await self.all_choices(lambda index: self.run_choice(index, ignore))
             scores = await self.prompt.ready() if self.prompt is not None else []
         finally:
@@ -184,6 +186,8 @@ class Choices:
         one chunk per text delta, a final chunk per choice, the usage when asked
         (stream_options.include_usage, as OpenAI), [DONE]."""
         queue: asyncio.Queue = asyncio.Queue()
+        if self.prompt is not None:  # here, where the `finally` below will end them
+            self.prompt.start()
         task = asyncio.ensure_future(
             self.all_choices(lambda index: self.stream_choice(index, queue)))
         task.add_done_callback(lambda _: queue.put_nowait(None))
@@ -294,9 +298,8 @@ class Choices:
         output's text offsets start."""
         scores = await self.prompt.ready()
         prompt = index // self.plan.n
-        return ((self.prompt.echo[prompt], self.prompt.named(
-            self.prompt.echo_logprobs(prompt, scores), prompt, scores)),
-                self.prompt.echo_length(prompt, scores))
+        logprobs, length = self.prompt.echo_logprobs(prompt, scores)
+        return (self.prompt.echo[prompt], logprobs), length
 
     def streamed_logprobs(self, index: int, offset: int = 0):
         """None without logprobs; else (generation, last=False) -> the logprobs of the choice's

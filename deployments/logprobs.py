@@ -105,24 +105,23 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts,
     return {"content": content}
 
 
+def id_name(token_id: int) -> str:
+    """A token named by its id (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}"
+
+
 def named_by_id(shaped: dict, entries: list[TokenLogprob], chat: bool) -> dict:
     """Logprobs in either shape with each token named "token_id:<id>" (vLLM's
     return_tokens_as_token_ids), a completion's top_logprobs keyed so too (two ids of one
     text no longer share a key); the texts' offsets and the tokens' bytes stay theirs."""
-    name = id_name
     if chat:
         for item, entry in zip(shaped["content"], entries):
-            item["token"] = name(entry.token_id)
+            item["token"] = id_name(entry.token_id)
             for top, (token_id, _) in zip(item["top_logprobs"], entry.top):
-                top["token"] = name(token_id)
+                top["token"] = id_name(token_id)
         return shaped
-    shaped["tokens"] = [name(entry.token_id) for entry in entries]
-    shaped["top_logprobs"] = [top_dict(entry, {token_id: name(token_id) for token_id, _ in
+    shaped["tokens"] = [id_name(entry.token_id) for entry in entries]
+    shaped["top_logprobs"] = [top_dict(entry, {token_id: id_name(token_id) for token_id, _ in
                                                (*entry.top, (entry.token_id, 0))})
                               for entry in entries]
     return shaped
-
-
-def id_name(token_id: int) -> str:
-    """A token as return_tokens_as_token_ids names it."""
-    return f"token_id:{token_id}"

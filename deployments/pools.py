@@ -367,6 +367,9 @@ class VerifierPool(PoolReplica):
                                     max_batch_tokens=args.max_batch_tokens,
                                     grammar_tokenizer=grammar_tokenizer_at(
                                         args.model, model.config.vocab_size))
+        # one prompt's logprobs at a time: each holds its whole prompt's cache, outside the
+        # KV pool's budget (the worker runs one chunk at a time anyway)
+        self.prompt_scoring = asyncio.Lock()
         config = self.engine.model.config
         limits = Limits(config.vocab_size, self.engine.max_positions)
         await self.start(pb_grpc.add_VerifierServicer_to_server, self.engine.score_batch,
@@ -400,10 +403,10 @@ class VerifierPool(PoolReplica):
     async def PromptLogprobs(self, request: pb.PromptLogprobsRequest,
                              grpc_context=None) -> pb.PromptLogprobsResponse:
         """A prompt's logprobs (verifier.prompt_scores): each chunk a job of the worker's,
-        so that batches run between them; no session is made or read."""
+        so that batches run between them, one prompt at a time; no session is made or
+        read."""
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, pb.PromptLogprobsResponse())
-        started = time.perf_counter()
         try:
             check_prompt_logprobs(request, self.limits)
             scoring = PromptScoring(self.engine.model, list(request.token_ids), request.top_n,
@@ -411,9 +414,12 @@ class VerifierPool(PoolReplica):
         except ValueError as error:
             return refuse(grpc_context, error,
                           pb.PromptLogprobsResponse(replica_id=self.replica_id))
-        while not scoring.done:
-            await self.on_worker(scoring.step)
-        response = wire.prompt_logprobs_to_proto(scoring.result(), request.top_n)
+        async with self.prompt_scoring:
+            started = time.perf_counter()
+            while not scoring.done:
+                await self.on_worker(scoring.step)
+            result = scoring.result()
+        response = wire.prompt_logprobs_to_proto(result, request.top_n)
         response.replica_id = self.replica_id
         response.compute_us = int(1e6 * (time.perf_counter() - started))
         return response

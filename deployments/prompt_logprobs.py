@@ -9,11 +9,15 @@
   a prompt of token ids: their text) before its output's; with `logprobs: n`, the prompt's
   tokens come before the output's, the first with a null logprob and null top logprobs,
   and the text offsets run on from the prompt's tokens into the output's, as OpenAI and
-  vLLM give them. Streamed, each choice's first chunk carries the prompt.
+  vLLM give them (the prompt's last token carries an incomplete character's U+FFFD, as
+  its echoed text does: a prompt of token ids may end inside one); with
+  return_tokens_as_token_ids, its tokens are named by id too (as vLLM). Streamed, each
+  choice's first chunk carries the prompt.
 
 The logprobs are the target's raw ones (verifier.prompt_scores): one verifier call per
-prompt (a completions batch's prompts, each once for its n choices), made as the request
-starts, beside its decoding."""
+prompt (a completions batch's prompts, each once for its n choices), made as the request's
+answer starts (`start`: not before, so that a stream whose client left before its first
+chunk, whose events never ran, leaves none running), beside its decoding."""
 
 import asyncio
 from collections.abc import Sequence
@@ -30,22 +34,30 @@ class PromptAnswer:
     def __init__(self, verifier, request_id: str, prompts: Sequence[Sequence[int]],
                  top_n: int | None, echo: Sequence[str] | None, echo_top_n: int | None,
                  decode: Decode, special_decode: Decode, tokens_as_ids: bool = False) -> None:
+        self.verifier, self.request_id = verifier, request_id
         self.prompts, self.top_n = prompts, top_n
-        self.tokens_as_ids = tokens_as_ids  # echo's tokens named by id, as the output's
         self.echo, self.echo_top_n = echo, echo_top_n
         self.decode, self.special_decode = decode, special_decode
-        asked = max(top_n or 0, echo_top_n or 0)
-        self.scores: list[asyncio.Future] = [] if top_n is None and echo_top_n is None else [
-            asyncio.ensure_future(verifier.prompt_logprobs(f"{request_id}-prompt-{i}",
-                                                           list(ids), asked))
-            for i, ids in enumerate(prompts)]
+        self.tokens_as_ids = tokens_as_ids  # echo's tokens named by id (vLLM's option)
+        self.scores: list[asyncio.Future] | None = None  # the calls, once started
+
+    def start(self) -> None:
+        """The verifier's calls, one per prompt, if not yet made (none asked: none)."""
+        if self.scores is not None:
+            return
+        asked = max(self.top_n or 0, self.echo_top_n or 0)
+        self.scores = [] if self.top_n is None and self.echo_top_n is None else [
+            asyncio.ensure_future(self.verifier.prompt_logprobs(
+                f"{self.request_id}-prompt-{i}", list(ids), asked))
+            for i, ids in enumerate(self.prompts)]
 
     async def ready(self) -> list[PromptLogprobs]:
         """Each prompt's logprobs (none asked: [])."""
+        self.start()
         return list(await asyncio.gather(*self.scores))
 
     def cancel(self) -> None:
-        for future in self.scores:
+        for future in self.scores or ():
             future.cancel()
 
     def completion_choice(self, body: dict, prompt: int, scores: list[PromptLogprobs]) -> dict:
@@ -53,8 +65,8 @@ class PromptAnswer:
         if self.echo is not None:
             body["text"] = self.echo[prompt] + (body["text"] or "")
             if body["logprobs"] is not None:
-                body["logprobs"] = self.named(joined(self.echo_logprobs(prompt, scores),
-                                                     body["logprobs"]), prompt, scores)
+                body["logprobs"] = joined(*self.echo_logprobs(prompt, scores),
+                                          body["logprobs"])
         if self.top_n is not None:
             body["prompt_logprobs"] = self.listed(prompt, scores)
         return body
@@ -73,51 +85,36 @@ class PromptAnswer:
         return {"logprob": shown(logprob), "rank": rank,
                 "decoded_token": self.special_decode([token])}
 
-    def echo_logprobs(self, prompt: int, scores: list[PromptLogprobs]) -> dict | None:
-        """The completions API's logprobs of the prompt's tokens (None: not asked)."""
+    def echo_logprobs(self, prompt: int, scores: list[PromptLogprobs]
+                      ) -> tuple[dict | None, int]:
+        """The completions API's logprobs of the prompt's tokens (None: not asked) and the
+        length of their texts, where the output's text offsets start. The last token's text
+        takes what the detokenizer still holds (an incomplete character), as the prompt's
+        echoed text does, so that the tokens join into it."""
         if self.echo_top_n is None:
-            return None
+            return None, 0
         ids = self.prompts[prompt]
         texts = TokenTexts(self.decode)
         first = texts.detokenizer.add(ids[0])
-        rest = completion_logprobs(self.echo_entries(prompt, scores), texts, len(first))
+        entries = [TokenLogprob(entry.token_id, entry.logprob, entry.top[:self.echo_top_n])
+                   for entry in scores[prompt].entries]
+        rest = completion_logprobs(entries, texts, len(first), end=True)
+        if not entries:  # a prompt of one token
+            first += texts.detokenizer.flush()
+        length = len(first) + sum(len(token) for token in rest["tokens"])
+        if self.tokens_as_ids:  # its texts' offsets and length counted before
+            first, rest = id_name(ids[0]), named_by_id(rest, entries, chat=False)
         return {"tokens": [first, *rest["tokens"]],
                 "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]],
-                "text_offset": [0, *rest["text_offset"]]}
-
-    def echo_entries(self, prompt: int, scores: list[PromptLogprobs]) -> list[TokenLogprob]:
-        return [TokenLogprob(entry.token_id, entry.logprob, entry.top[:self.echo_top_n])
-                for entry in scores[prompt].entries]
-
-    def named(self, logprobs: dict | None, prompt: int, scores: list[PromptLogprobs]
-              ) -> dict | None:
-        """Logprobs that begin with the echo's with its tokens and their top ones named by id
-        when the request asked (vLLM's return_tokens_as_token_ids, as the output's are:
-        deployments.logprobs.named_by_id); the offsets still count the texts."""
-        if logprobs is None or not self.tokens_as_ids:
-            return logprobs
-        ids = self.prompts[prompt]
-        entries = self.echo_entries(prompt, scores)
-        named = named_by_id({}, entries, chat=False)
-        return {**logprobs, "tokens": [id_name(ids[0]), *named["tokens"],
-                                       *logprobs["tokens"][len(ids):]],
-                "top_logprobs": [None, *named["top_logprobs"],
-                                 *logprobs["top_logprobs"][len(ids):]]}
-
-    def echo_length(self, prompt: int, scores: list[PromptLogprobs]) -> int:
-        """Where the output's text offsets start after an echo with logprobs: the length of
-        the prompt's tokens' texts."""
-        logprobs = self.echo_logprobs(prompt, scores)
-        return 0 if logprobs is None else sum(len(token) for token in logprobs["tokens"])
+                "text_offset": [0, *rest["text_offset"]]}, length
 
 
-def joined(prompt: dict | None, output: dict) -> dict:
+def joined(prompt: dict | None, shift: int, output: dict) -> dict:
     """The completions API's logprobs of the prompt's tokens then the output's, the output's
-    text offsets moved past the prompt's tokens."""
+    text offsets moved past the prompt's tokens' texts (`shift` characters)."""
     if prompt is None:
         return output
-    shift = sum(len(token) for token in prompt["tokens"])
     return {"tokens": prompt["tokens"] + output["tokens"],
             "token_logprobs": prompt["token_logprobs"] + output["token_logprobs"],
             "top_logprobs": prompt["top_logprobs"] + output["top_logprobs"],

@@ -59,6 +59,9 @@ class PromptScoring:
             logits = self.model(input_ids=self.ids[:, start:end], use_cache=True,
                                 **{cache_kwarg(self.model): self.cache}).logits[0]
             entries, ranks = read_rows(logits, self.ids[0, start + 1:end + 1], self.top_n)
+        # the cache records its sliding layers' past (TransformersCache: for a rollback),
+        # which only a crop trims back to their window: else they held the whole prompt
+        self.cache.crop(0)
         self.entries.extend(entries)
         self.ranks.extend(ranks)
         self.fed = end
@@ -86,11 +89,13 @@ def cache_kwarg(model) -> str:
 
 def read_rows(logits: torch.Tensor, next_ids: torch.Tensor, top_n: int
               ) -> tuple[list[TokenLogprob], list[int]]:
-    """Each row's logprob of its next token, that token's rank (1 + the tokens strictly
-    likelier) and the row's top n, with one transfer to the host."""
+    """Each row's logprob of its next token, that token's rank (vLLM's: the tokens at least
+    as likely, itself included, so that one tied with the top n yet not listed among them
+    ranks past n; at least 1, a NaN row's too) and the row's top n, with one transfer to the
+    host."""
     logprobs = torch.log_softmax(logits.float(), -1)
     picked = logprobs.gather(1, next_ids[:, None])  # [R, 1]
-    ranks = (logprobs > picked).sum(-1) + 1
+    ranks = (logprobs >= picked).sum(-1).clamp(min=1)
     values, top_ids = torch.topk(logprobs, top_n, dim=-1)  # [R, n]
     rows = len(next_ids)  # ids and ranks < 2**53 travel exactly as float64
     host = torch.cat([picked[:, 0].double(), ranks.double(), next_ids.double(),

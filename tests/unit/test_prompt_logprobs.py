@@ -16,13 +16,14 @@ from deployments.limits import Limits, check_prompt_logprobs
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.pool_args import VerifierArgs
 from deployments.pools import VerifierPool
+from deployments.prompt_logprobs import PromptAnswer
 from deployments.router import Router
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.frontend import RequestFrontEnd, joined
 from speculative.sampling import SamplingParams
 from speculative.types import PositionLogprobs, PromptLogprobs, TargetScores, TokenLogprob
-from tests.tiny import Agreeing, tiny_llama
+from tests.tiny import Agreeing, tiny_llama, tiny_sliding
 from tests.unit.test_pool_replica import direct, local_replica
 from tests.unit.test_router_parts import Recorded, posted
 from verifier import prompt_scores
@@ -39,8 +40,8 @@ def reference(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("chunk_tokens", [1, 3, None])
 def test_a_prompts_logprobs_are_the_targets_own_whatever_its_chunks(chunk_tokens):
     """Each token after the first: its logprob under the target given the tokens before it,
-    its rank (1 + the tokens strictly likelier) and its position's top n, as one forward of
-    the whole prompt gives them, fed in chunks of any size."""
+    its rank (the tokens at least as likely, as vLLM's) and its position's top n, as one
+    forward of the whole prompt gives them, fed in chunks of any size."""
     model = tiny_llama(0)
     scoring = PromptScoring(model, PROMPT, 4, None, chunk_tokens)
     steps = 0
@@ -54,7 +55,7 @@ def test_a_prompts_logprobs_are_the_targets_own_whatever_its_chunks(chunk_tokens
     for row, (entry, rank) in enumerate(zip(got.entries, got.ranks)):
         token = PROMPT[row + 1]
         assert entry.logprob == pytest.approx(full[row, token].item(), abs=1e-5)
-        assert rank == int((full[row] > full[row, token]).sum()) + 1
+        assert rank == int((full[row] >= full[row, token]).sum())
         values, ids = torch.topk(full[row], 4)
         assert [t for t, _ in entry.top] == ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-5)
@@ -65,6 +66,33 @@ def test_a_one_token_prompt_has_no_rows_and_a_chunk_keeps_its_logits_bounded(mon
     assert prompt_logprobs(model, [5], 3) == PromptLogprobs((), ())
     monkeypatch.setattr(prompt_scores, "CHUNK_LOGITS_BYTES", 2 * 4 * 64)  # two rows of 64
     assert PromptScoring(model, PROMPT, 0, None).chunk == 2
+
+
+def test_a_token_tied_with_the_top_n_yet_not_among_them_ranks_past_them():
+    """vLLM's rank (the tokens at least as likely, itself among them): a prompt token tied
+    with its row's likeliest, which topk did not list, ranks 2, not 1 beside the listed
+    one's 1 (a bfloat16 model's rows tie often); a NaN row's token still ranks 1."""
+    logits = torch.tensor([[2.0, 2.0, 0.0, -1.0], [float("nan")] * 4])
+    unlisted = 1 - int(torch.topk(logits[0], 1).indices)
+    entries, ranks = prompt_scores.read_rows(logits, torch.tensor([unlisted, 2]), 1)
+    assert [token for token, _ in entries[0].top] == [1 - unlisted]
+    assert ranks == [2, 1]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_sliding_window_models_prompt_keeps_its_window_not_the_whole_prompt(mixed):
+    """A sliding layer's cache records its past (for a session's rollback): each chunk's
+    end trims it back to the window, the logprobs still the model's own forward's."""
+    model = tiny_sliding(0, window=4, mixed=mixed)
+    ids = PROMPT + [33, 21, 17, 13]
+    scoring = PromptScoring(model, ids, 2, None, 3)
+    while not scoring.done:
+        scoring.step()
+        assert all(layer.keys.shape[-2] <= 3 for layer in scoring.cache.layers
+                   if getattr(layer, "is_sliding", False))
+    full = reference(model, ids)
+    assert [entry.logprob for entry in scoring.result().entries] == pytest.approx(
+        [full[row, token].item() for row, token in enumerate(ids[1:])], abs=1e-5)
 
 
 @pytest.mark.parametrize("ids, top_n, limit, message", [
@@ -141,6 +169,37 @@ def test_a_verifier_replica_answers_a_prompts_logprobs_over_its_port(pool_secret
     assert sessions == []
 
 
+def test_a_replica_scores_one_prompt_at_a_time(pool_secret, monkeypatch):
+    """Each prompt's scoring holds its whole prompt's cache, outside the KV pool's budget: a
+    replica runs one at a time (a batch of 128 prompts, or many requests', held them all
+    at once, chunk by chunk), each as the model gives it."""
+    live, most = set(), []
+    step = PromptScoring.step
+
+    def tracked(scoring):
+        live.add(id(scoring))
+        most.append(len(live))
+        step(scoring)
+        if scoring.done:
+            live.discard(id(scoring))
+
+    monkeypatch.setattr(PromptScoring, "step", tracked)
+
+    async def main():
+        replica = await local_replica(VerifierPool, VerifierArgs(max_batch_tokens=16))
+        prompts = [list(range(start, start + 40)) for start in (1, 2, 3)]
+        answers = await asyncio.gather(*(replica.PromptLogprobs(pb.PromptLogprobsRequest(
+            request_id=f"p{i}", token_ids=ids, top_n=1)) for i, ids in enumerate(prompts)))
+        await replica.server.stop(None)
+        return replica.engine.model, prompts, answers
+
+    model, prompts, answers = asyncio.run(main())
+    assert max(most) == 1
+    for ids, answer in zip(prompts, answers):
+        expected = prompt_logprobs(model, ids, 1)
+        assert wire.prompt_logprobs_from_proto(answer, ids).ranks == expected.ranks
+
+
 class Scored(Agreeing):
     """Agreeing pools whose verifier gives logprobs: each output token's -0.5 (top: token 1),
     and each prompt token's -1.0 at rank 2, its top n tokens 9, 10, ... at -0.1, -0.2, ..."""
@@ -190,6 +249,7 @@ def served(verifier: Scored):
                                         answer.body_iterator if c != "data: [DONE]\n\n"]
         return asyncio.run(main())
 
+    serve.router = router
     return serve
 
 
@@ -273,6 +333,70 @@ def test_an_echo_names_the_prompts_tokens_by_id_as_the_outputs(stream):
     assert logprobs["tokens"] == ["token_id:2", "token_id:3"] + ["token_id:1"] * 4
     assert logprobs["top_logprobs"][:2] == [None, {"token_id:9": -0.1, "token_id:3": -1.0}]
     assert logprobs["text_offset"] == [0, 1, 2, 3, 4, 5]
+def test_an_echo_names_the_prompts_tokens_by_id_too_when_asked():
+    """return_tokens_as_token_ids (vLLM's) names the echoed prompt's tokens as the output's,
+    whole and streamed, their text offsets still their texts'."""
+    ask = {"prompt": "hi", "max_tokens": 4, "echo": True, "logprobs": 1,
+           "return_tokens_as_token_ids": True}
+    status, body = served(Scored())(ask)
+    assert status == 200
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:2", "token_id:3"] + ["token_id:1"] * 4
+    assert logprobs["top_logprobs"][1] == {"token_id:9": -0.1, "token_id:3": -1.0}
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4, 5]
+    _, events = served(Scored())({**ask, "stream": True})
+    first = events[0]["choices"][0]["logprobs"]
+    assert first["tokens"] == ["token_id:2", "token_id:3"]
+    assert events[1]["choices"][0]["logprobs"]["text_offset"] == [2]
+
+
+def test_an_echo_of_a_prompt_ending_inside_a_character_joins_into_its_text():
+    """A prompt of token ids may end inside a UTF-8 character (its echoed text: a U+FFFD
+    there): its last token carries it, so that the prompt's tokens join into the echoed
+    text and the output's offsets start where the output's text does."""
+    pieces = {1: b"a", 7: b"\xc3"}
+
+    def decode(ids):
+        return b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+    async def main():
+        echoed = []
+        for ids in ([1, 7], [7]):
+            answer = PromptAnswer(Scored(), "r", [ids], None, [decode(ids)], 0, decode, decode)
+            echoed.append((decode(ids), *answer.echo_logprobs(0, await answer.ready())))
+        return echoed
+
+    for text, logprobs, length in asyncio.run(main()):
+        assert text.endswith("\ufffd")
+        assert "".join(logprobs["tokens"]) == text and length == len(text)
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_leaves_no_prompt_call():
+    """A stream's events never ran (its client gone before the first chunk: the generator
+    closed unstarted, which runs no `finally`): no prompt logprobs call of its runs on."""
+    class Pending(Scored):
+        running = 0
+
+        async def prompt_logprobs(self, request_id, token_ids, top_n):
+            Pending.running += 1
+            try:
+                await asyncio.Event().wait()
+            finally:
+                Pending.running -= 1
+
+    serve = served(Pending())
+
+    async def main():
+        answer = await Router.serve_request(serve.router, posted(
+            {"prompt": ["hi", "ho"], "max_tokens": 4, "echo": True, "logprobs": 1,
+             "stream": True}), CompletionRequest, False)
+        await asyncio.sleep(0.01)
+        await answer.body_iterator.aclose()  # as ReleasingStream ends it
+        answer.ticket.release()
+        await asyncio.sleep(0.01)
+        return Pending.running
+
+    assert asyncio.run(main()) == 0
 
 
 def test_a_failed_prompt_scoring_fails_the_request_with_the_pools_error():
