@@ -144,6 +144,11 @@ class SamplingParams:
         return np.unique(np.asarray(self.allowed_token_ids, dtype=np.int64))
 
     @cached_property
+    def allowed_set(self) -> frozenset[int]:
+        """allowed_token_ids as a set (speculative.shaping.unmasked_prefix)."""
+        return frozenset(self.allowed_token_ids)
+
+    @cached_property
     def bad_word_ends(self) -> dict[int, dict[tuple[int, ...], tuple[int, ...]]]:
         """bad_words as {n: {a word's other n tokens: the last tokens of the words they
         begin}} (speculative.shaping.ban_words)."""

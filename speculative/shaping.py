@@ -211,6 +211,30 @@ def ban_words(logits: torch.Tensor, shapings: list[Shaping]) -> None:
     masked_unless_emptied(logits, rows, columns)
 
 
+def unmasked_prefix(params: SamplingParams, output: Sequence[int],
+                    proposal: list[int]) -> list[int]:
+    """A model-free draft's longest prefix that allowed_token_ids and bad_words leave
+    possible after the output so far (as ban_words reads it: the output's tokens, then the
+    proposal's before each). A token they mask has p = 0 and is always rejected, so the
+    tokens from it on are not worth verifying; cutting them changes no law (a mask that
+    would empty a row is not applied: such a token is cut all the same, only a draft lost)."""
+    if not (params.allowed_token_ids or params.bad_words_ids):
+        return proposal
+    allowed = params.allowed_set if params.allowed_token_ids else None
+    ends = params.bad_word_ends
+    reach = params.bad_words_reach
+    history = list(output[max(0, len(output) - reach):]) if reach else []
+    for index, token in enumerate(proposal):
+        if allowed is not None and token not in allowed:
+            return proposal[:index]
+        for length, banned in ends.items():
+            if length <= len(history) and \
+                    token in banned.get(tuple(history[len(history) - length:]), ()):
+                return proposal[:index]
+        history.append(token)
+    return proposal
+
+
 def masked_unless_emptied(logits: torch.Tensor, rows: list[int], columns: list[int]) -> None:
     """The (row, column) entries at -inf in place, but in a row that would leave no finite
     logit (those keep their values): the entries are set, each row's maximum says whether it

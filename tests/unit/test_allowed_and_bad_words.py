@@ -21,7 +21,15 @@ from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from speculative.sampling import MAX_BAD_WORDS, SamplingParams
-from speculative.shaping import SeenTokens, Shaping, committed_history, shape_batch, shape_logits
+from speculative.shaping import (
+    SeenTokens,
+    Shaping,
+    committed_history,
+    shape_batch,
+    shape_logits,
+    unmasked_prefix,
+)
+from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
 from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -282,3 +290,37 @@ def test_the_masks_draft_chains_and_are_tagged():
     assert features(SamplingParams(allowed_token_ids=(1,), bad_words_ids=((2,),))) == [
         "allowed_token_ids", "bad_words"]
     assert SamplingParams(bad_words_ids=((1,), (2, 3, 4))).shaping_ids == (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("masks, output, proposal, kept", [
+    ({}, [], [1, 4, 9], [1, 4, 9]),
+    ({"allowed_token_ids": (1, 2, 3)}, [], [1, 2, 5, 1], [1, 2]),
+    ({"bad_words_ids": ((4,),)}, [], [1, 4, 2], [1]),
+    ({"bad_words_ids": ((2, 3),)}, [7, 2], [3, 1], []),  # after the output's 2
+    ({"bad_words_ids": ((2, 3),)}, [7], [2, 3], [2]),  # after the proposal's own 2
+    ({"bad_words_ids": ((2, 3),)}, [7], [1, 3], [1, 3]),
+    ({"bad_words_ids": ((6, 2, 3),)}, [6], [2, 3, 3], [2]),
+])
+def test_a_model_free_draft_is_cut_where_the_masks_would_reject_it(masks, output, proposal,
+                                                                   kept):
+    """A token allowed_token_ids or bad_words mask has p = 0: always rejected, so an n-gram
+    or suffix proposal stops before it (a draft that cannot pay is not verified)."""
+    params = SamplingParams(temperature=0, max_tokens=8, **masks)
+    assert unmasked_prefix(params, output, proposal) == kept
+
+
+def test_prompt_lookup_drafts_only_what_the_masks_leave():
+    """The context repeats 5 6 7: lookup proposes 7 5 6 after its last 5 6; a banned 5 cuts
+    it to 7, allowed ids without 7 to nothing."""
+    prompt = (5, 6, 7, 5, 6, 7, 5, 6)
+
+    def proposal(**masks):
+        call = ProposeCall(f"lookup{len(masks)}{sorted(masks)}", PrefixSync(
+            0, EMPTY_PREFIX_HASH, prompt), 3, SamplingParams(temperature=0, max_tokens=8,
+                                                             **masks), seed=0,
+            prompt_len=len(prompt))
+        return NgramDrafter(64).propose_now(call).token_ids
+
+    assert proposal() == (7, 5, 6)
+    assert proposal(bad_words_ids=((5,),)) == (7,)
+    assert proposal(allowed_token_ids=(5, 6)) == ()
