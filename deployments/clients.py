@@ -249,7 +249,7 @@ class PoolClient:
         task.add_done_callback(self._releasing.discard)
 
     async def _release(self, request_id: str, address: str | None, route_key: str) -> None:
-        message = pb.ReleaseRequest(request_id=request_id)
+        message = pb.ReleaseRequest(request_id=request_id, ended=True)  # (Released)
 
         async def once() -> None:
             try:

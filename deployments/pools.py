@@ -277,10 +277,12 @@ class PoolReplica:
         released = request.request_id in self.engine.sessions
         # its calls still queued were given up, their cancels overtaken: run, a first call
         # made the session again (held until the TTL sweep); a live caller rebuilds (exact).
-        # None here: one may still be on its way (the release overtook it)
-        if not self.batcher.withdraw(request.request_id,
-                                     StaleBase(f"request {request.request_id!r} was released")):
-            self.released.add(request.request_id)
+        # None here, or a request that ended: one may still be on its way (the release
+        # overtook it), or several (deployments.released)
+        found = self.batcher.withdraw(request.request_id,
+                                      StaleBase(f"request {request.request_id!r} was released"))
+        if request.ended or not found:
+            self.released.add(request.request_id, request.ended)
         self.batcher.forget(request.request_id)
         self.sampling.forget(request.request_id)
         # shielded: a router past its release deadline (the worker busy with a long batch)

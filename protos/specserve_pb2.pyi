@@ -264,10 +264,12 @@ class PromptLogprobsResponse(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_n: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., replica_id: _Optional[str] = ..., compute_us: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "ended")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    ended: bool
+    def __init__(self, request_id: _Optional[str] = ..., ended: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

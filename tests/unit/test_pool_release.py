@@ -1,10 +1,13 @@
 """A released request leaves nothing on a pool replica: not when the router's release
 deadline passed while the worker was busy, not a call of several steps cut short between
-two of them, not a call whose cancel the release overtook, not a burst of releases
-beyond the port's concurrent rpcs."""
+two of them, not a call whose cancel the release overtook (nor the calls of an ended
+request still on their way, however many), not a burst of releases beyond the port's
+concurrent rpcs."""
 
 import asyncio
 import threading
+
+import pytest
 
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
@@ -206,6 +209,55 @@ def test_a_release_that_overtakes_a_first_call_leaves_no_session():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_request_ended_with_calls_still_on_their_way_leaves_no_session(queued):
+    """A request's first draft (the whole prompt) timed out, its cancel on its way; the next
+    round's draft, the whole prompt again (no draft of the request was answered), is
+    cancelled with the request. The router's release reaches the replica after the first
+    call (queued, answered REBUILD) or before both: the tombstone, missing or used up by
+    the first, let the next run after the release and make the session again, held until
+    the TTL sweep. A request its router released is refused every call that comes later."""
+    from deployments.clients import PoolClient
+
+    async def main():
+        replica = await local_drafter()
+        client = PoolClient(None, lambda channel: channel and pb_grpc.DrafterStub(channel),
+                            "drafter", 5.0, direct=True)
+        client.pins["r"] = replica.address
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            stream, answers = stub.ProposeStream(metadata=KEY()), {}
+
+            async def answer(tag: int, entry=None, cancel=()):
+                if entry is not None or cancel:
+                    entries = [] if entry is None else [pb.ProposeEntry(tag=tag, call=entry)]
+                    await stream.write(pb.ProposeBatch(entries=entries, cancel=cancel))
+                while tag not in answers:
+                    answers.update({a.tag: a for a in (await stream.read()).answers})
+                return answers[tag].response.status
+
+            if queued:  # behind a call of another request, the worker held
+                gate = await hold_engine(replica)
+                for tag, call in enumerate((propose("other"), propose("r")), 1):
+                    await stream.write(pb.ProposeBatch(entries=[pb.ProposeEntry(tag=tag,
+                                                                                call=call)]))
+                    await until(lambda: replica.waiting == tag)  # (r's: not in other's batch)
+                client.release("r")
+                assert await answer(2) == pb.REBUILD  # answered by the release
+                gate.set()
+            else:
+                client.release("r")
+            await asyncio.gather(*client._releasing)
+            if not queued:  # the first call after the release
+                assert await answer(2, propose("r")) == pb.REBUILD
+            # the next round's call, after the first's cancel; its own cancel comes late
+            assert await answer(3, propose("r", 4), cancel=[2]) == pb.REBUILD
+            await stream.write(pb.ProposeBatch(cancel=[3]))
+            stream.cancel()
+            assert replica.session_ids() == (["other"] if queued else [])
+
+    asyncio.run(main())
+
+
 def test_a_released_session_whose_caller_lives_on_is_rebuilt():
     """A session released while its request goes on (an operator's Release, as the scaling
     test's): the request learns it from one REBUILD, and its rebuild is served, whether the
@@ -272,3 +324,10 @@ def test_a_replica_remembers_released_requests_for_a_while_and_a_few():
     assert not released.refuses("c")  # too old
     released.add("e")
     assert len(released) == 1 and released.refuses("e")  # "d" expired at the add
+    # a request its router ended: every call refused, until the tombstone expires; an
+    # operator's release after it leaves it so
+    released.add("f", ended=True)
+    released.add("f")
+    assert released.refuses("f") and released.refuses("f")
+    now[0] = 21.0
+    assert not released.refuses("f") and len(released) == 0
