@@ -1,10 +1,15 @@
-"""What a pool replica says of itself (its id, where it runs) and how it refuses a call
-(a gRPC status and its details)."""
+"""What a pool replica says of itself (its id, where it runs, its load and memory, its
+sessions) and how it refuses a call (a gRPC status and its details)."""
 
 import os
 
 import grpc
 from ray import serve
+from starlette.responses import JSONResponse
+
+from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT
+from deployments.metrics import rss_mb
+from deployments.responses import error_body
 
 
 def replica_id() -> str:
@@ -36,3 +41,40 @@ def refuse(grpc_context, error, response,
 def unauthenticated(grpc_context, response):
     return refuse(grpc_context, "this pool serves the router only", response,
                   grpc.StatusCode.UNAUTHENTICATED)
+
+
+class ReplicaReports:
+    """A pool replica's answers to Serve (its autoscaling stats, an HTTP request), to
+    operators and to tests (where it runs, its memory and sessions); deployments.pools'
+    PoolReplica keeps what they read."""
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Load Serve cannot see (polled when the deployment has an autoscaling_config; the
+        policy deployments.autoscaling:direct_aware_policy adds it to Serve's own count), and
+        how full the replica's batches have been since the last poll. A coroutine: Serve runs
+        it on the replica's event loop, where the batches are counted (a plain method runs on
+        Serve's thread pool, and its take() could lose a batch counted meanwhile)."""
+        return {DIRECT_IN_FLIGHT: float(self.direct_in_flight),
+                BATCH_OCCUPANCY: self.occupancy.take()}
+
+    async def __call__(self, request) -> JSONResponse:
+        """An HTTP request to the pool's application (its route_prefix, by which Serve's gRPC
+        proxy routes calls too): 404 in OpenAI's error shape, where Serve answered 500 and
+        logged a traceback (a pool serves gRPC only)."""
+        return JSONResponse(error_body("a specserve pool serves gRPC only: send HTTP requests "
+                                       "to the router", 404), 404)
+
+    def where(self) -> dict:
+        """Where this replica runs (`placement`), for operators and placement tests."""
+        return placement(getattr(self.engine, "model", None))
+
+    def direct_calls_served(self) -> int:
+        return self.direct_calls
+
+    def memory(self) -> dict:
+        """This replica's resident memory (MB) and cached sessions (for the soak)."""
+        return {"rss_mb": rss_mb(), "sessions": len(self.engine.sessions)}
+
+    def session_ids(self) -> list[str]:
+        """The requests whose caches this replica holds (for operators and tests)."""
+        return list(self.engine.sessions)

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
-from starlette.responses import JSONResponse
 
 from deployments import auth, wire
 from deployments.batcher import ContinuousBatcher
@@ -28,12 +27,11 @@ from deployments.limits import (
     in_messages,
 )
 from deployments.streams import CallStream, is_direct, serve_directly
-from deployments.metrics import PoolMetrics, rss_mb
-from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT, Occupancy
+from deployments.metrics import PoolMetrics
+from deployments.autoscaling import Occupancy
 from deployments.pool_args import DrafterArgs, PoolArgs, VerifierArgs
-from deployments.pool_replies import placement, refuse, replica_id, unauthenticated
+from deployments.pool_replies import ReplicaReports, refuse, replica_id, unauthenticated
 from deployments.released import Released
-from deployments.responses import error_body
 from drafter.registry import build_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
@@ -71,7 +69,7 @@ REFUSALS = ((KVCacheTooSmall, grpc.StatusCode.OUT_OF_RANGE),  # the request neve
             (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
 
 
-class PoolReplica:
+class PoolReplica(ReplicaReports):
     """What both pools share: the direct server, batching, answering a call, release,
     introspection.
 
@@ -293,37 +291,6 @@ class PoolReplica:
     def release_session(self, request_id: str) -> None:
         """On the worker: what the replica holds for a request that ended."""
         self.engine.sessions.release(request_id)
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Load Serve cannot see (polled when the deployment has an autoscaling_config; the
-        policy deployments.autoscaling:direct_aware_policy adds it to Serve's own count), and
-        how full the replica's batches have been since the last poll. A coroutine: Serve runs
-        it on the replica's event loop, where the batches are counted (a plain method runs on
-        Serve's thread pool, and its take() could lose a batch counted meanwhile)."""
-        return {DIRECT_IN_FLIGHT: float(self.direct_in_flight),
-                BATCH_OCCUPANCY: self.occupancy.take()}
-
-    async def __call__(self, request) -> JSONResponse:
-        """An HTTP request to the pool's application (its route_prefix, by which Serve's gRPC
-        proxy routes calls too): 404 in OpenAI's error shape, where Serve answered 500 and
-        logged a traceback (a pool serves gRPC only)."""
-        return JSONResponse(error_body("a specserve pool serves gRPC only: send HTTP requests "
-                                       "to the router", 404), 404)
-
-    def where(self) -> dict:
-        """Where this replica runs (`placement`), for operators and placement tests."""
-        return placement(getattr(self.engine, "model", None))
-
-    def direct_calls_served(self) -> int:
-        return self.direct_calls
-
-    def memory(self) -> dict:
-        """This replica's resident memory (MB) and cached sessions (for the soak)."""
-        return {"rss_mb": rss_mb(), "sessions": len(self.engine.sessions)}
-
-    def session_ids(self) -> list[str]:
-        """The requests whose caches this replica holds (for operators and tests)."""
-        return list(self.engine.sessions)
 
 
 class DrafterPool(PoolReplica):
