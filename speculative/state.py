@@ -158,4 +158,4 @@ class RequestState:
         """The pool fed `fed` committed tokens beyond the prefix its last call named (a call
         of several steps feeds all its tokens but the last)."""
         length = view.known_len + fed
-        view.confirm(length, self._hasher.of(self.committed[:length]))
+        view.confirm(length, self._hasher.of(self.committed, length))

@@ -45,13 +45,16 @@ class GrowingPrefixHash:
         other._state, other.length, other.value = self._state.copy(), self.length, self.value
         return other
 
-    def of(self, token_ids: list[int]) -> int:
-        """prefix_hash(token_ids), where token_ids extends (or cuts) the list last passed."""
-        if len(token_ids) < self.length:
+    def of(self, token_ids: list[int], length: int | None = None) -> int:
+        """prefix_hash(token_ids[:length]), where that prefix extends (or cuts) the one last
+        passed; the prefix is read in place (a slice of a long committed list copied it
+        whole every round of several steps: 20 us at 8k tokens, 49 at 32k, against 2.5)."""
+        length = len(token_ids) if length is None else min(length, len(token_ids))
+        if length < self.length:
             self.__init__()
-        if len(token_ids) > self.length:
-            self._state.update(array.array("i", token_ids[self.length:]).tobytes())
-            self.length = len(token_ids)
+        if length > self.length:
+            self._state.update(array.array("i", token_ids[self.length:length]).tobytes())
+            self.length = length
             self.value = int.from_bytes(self._state.copy().digest(), "little")
         return self.value
 

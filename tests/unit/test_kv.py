@@ -93,6 +93,20 @@ def test_the_growing_fingerprint_equals_hashing_the_whole_prefix():
     assert hasher.of([9, 8]) == prefix_hash([9, 8]) != prefix_hash([8, 9])
 
 
+def test_the_growing_fingerprint_of_a_prefix_read_in_place_equals_its_slices():
+    """of(ids, length) (a call of several steps confirms the prefix but its last token, read
+    in place, not sliced) equals the fingerprint of ids[:length] as the list grows, its
+    prefix passed shorter, whole, or beyond its end."""
+    rng = random.Random(5)
+    hasher, ids = GrowingPrefixHash(), []
+    for _ in range(300):
+        ids.extend(rng.randrange(50_000) for _ in range(rng.randrange(6)))
+        length = rng.choice((len(ids), max(0, len(ids) - 1), len(ids) + 2,
+                             rng.randrange(len(ids) + 1)))
+        assert hasher.of(ids, length) == prefix_hash(ids[:length])
+        assert hasher.of(ids) == prefix_hash(ids)
+
+
 def test_the_common_prefix_is_the_first_difference_wherever_it_lies():
     """A cached sequence against the next feed: the length of their common prefix whether
     they differ at the start, in the middle, in the last few ids (rejected drafts), not at
