@@ -7,7 +7,8 @@ Served: a text or message input, instructions, function tools and their calls an
 text.format, the sampling fields, top_logprobs, and vLLM's extensions the chat takes.
 Refused with a 400 naming the field: what needs stored state or other services
 (previous_response_id, background, conversation, prompt templates, item references,
-built-in tools) and input images, files and audio. Nothing is stored (`store` is read and
+built-in tools), what a Response has no place for (vLLM's prompt_logprobs and
+return_token_ids) and input images, files and audio. Nothing is stored (`store` is read and
 ignored, as vLLM without its response store).
 """
 
@@ -20,15 +21,21 @@ from deployments.ingress import BadRequest, invalid_body
 from deployments.openai_api import ChatCompletionRequest
 from deployments.tools import FieldError
 
-# fields of OpenAI's that need state or services this server does not have: the values
-# that ask for nothing, and why any other is refused (naming the field)
+# fields of OpenAI's that need state or services this server does not have, and vLLM's that
+# ask for what a Response cannot carry: the values that ask for nothing, and why any other
+# is refused (naming the field)
 STATELESS = "this server stores no responses"
+UNCARRIED = "a Response has no field for it: ask /v1/chat/completions"
 REFUSED = {"previous_response_id": ((None,), STATELESS),
            "conversation": ((None,), STATELESS + " and keeps no conversations"),
            "background": ((None, False), STATELESS + ": it answers in the foreground"),
            "prompt": ((None,), "this server keeps no prompt templates: give the input"),
            "truncation": ((None, "disabled"), "only disabled: a prompt past the context "
-                                              "is refused, not cut")}
+                                              "is refused, not cut"),
+           # the chat's extensions that add what a Response has no field for (passed on,
+           # they would be dropped from the answer: silently unanswered)
+           "prompt_logprobs": ((None,), UNCARRIED),
+           "return_token_ids": ((None, False), UNCARRIED)}
 # the chat request's fields a Responses request passes on as they are (the sampling
 # fields, and vLLM's extensions the chat takes); any other unknown field is ignored, as the
 # chat schema ignores one

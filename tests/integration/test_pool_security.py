@@ -56,7 +56,8 @@ def test_http_requests_to_the_pools_apps_are_404_not_500(cluster):
 
 
 def sparse_q(rows: int, vocab: int, value: float) -> pb.Distributions:
-    return pb.Distributions(ids=wire_tensors.tensor_to_proto(torch.zeros(rows, 1, dtype=torch.int32)),
+    ids = torch.zeros(rows, 1, dtype=torch.int32)
+    return pb.Distributions(ids=wire_tensors.tensor_to_proto(ids),
                             probs=wire_tensors.tensor_to_proto(torch.full((rows, 1), value)),
                             vocab_size=vocab)
 

@@ -254,8 +254,8 @@ def q(rows: int, vocab: int, value: float = 0.5, token: int = 0) -> pb.Distribut
     """A sparse q of one entry per row, as a truncating drafter ships it."""
     probs = torch.full((rows, 1), value)
     ids = torch.full((rows, 1), token, dtype=torch.int32)
-    return pb.Distributions(ids=wire_tensors.tensor_to_proto(ids), probs=wire_tensors.tensor_to_proto(probs),
-                            vocab_size=vocab)
+    return pb.Distributions(ids=wire_tensors.tensor_to_proto(ids),
+                            probs=wire_tensors.tensor_to_proto(probs), vocab_size=vocab)
 
 
 def test_pools_serve_only_callers_with_the_secret():

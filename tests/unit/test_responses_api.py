@@ -92,6 +92,8 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     assert (masked.bad_words, masked.allowed_token_ids) == (["Paris"], [5, 6])
     assert masked.return_tokens_as_token_ids is True
     assert chat.top_logprobs_asked() == 2
+    assert chat_of({"input": "hi", "prompt_logprobs": None, "return_token_ids": False}
+                   ).prompt_logprobs is None  # their defaults ask for nothing
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     formed = chat_of({"input": "hi", "text": {"format": {
         "type": "json_schema", "name": "a", "schema": schema, "strict": True}}})
@@ -129,6 +131,9 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     ({"input": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]},
      "input[1]"),
     ({"input": "hi", "instructions": "\ud800"}, "instructions"),
+    # vLLM's, which the chat serves: a Response has no field for them (they were dropped)
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"return_token_ids": True}, "return_token_ids"),
 ])
 def test_a_refused_field_is_named_as_the_responses_api_names_it(body, param):
     refused = refusal({"input": "hi", **body})

@@ -39,7 +39,8 @@ def same_q(a: DraftDists, b: DraftDists) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
 def test_tensors_round_trip_bit_exactly(dtype):
     tensor = (torch.randn(3, 5, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
-    back = wire_tensors.tensor_from_proto(pb.Tensor.FromString(wire_tensors.tensor_to_proto(tensor).SerializeToString()))
+    sent = wire_tensors.tensor_to_proto(tensor).SerializeToString()
+    back = wire_tensors.tensor_from_proto(pb.Tensor.FromString(sent))
     assert back.dtype == dtype and torch.equal(back, tensor)
 
 
