@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from bench.newcomer import ROOT
 from deployments.admission import Admission
 from deployments.choices import Choices
-from deployments.clients import GrpcDrafter, GrpcVerifier
+from deployments.pool_handles import GrpcDrafter, GrpcVerifier
 from protos import specserve_pb2 as pb
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd

@@ -1,4 +1,5 @@
-"""gRPC clients implementing the loop's Drafter and Verifier interfaces.
+"""The router's client of one pool (PoolClient), under the loop's Drafter and Verifier
+interfaces (deployments.pool_handles).
 
 The first call of a request goes through Serve's gRPC proxy: metadata `application` picks the
 pool's app and `session_id` (the request id) keys the consistent-hash request router, which
@@ -18,24 +19,13 @@ import logging
 
 import grpc
 
-from deployments import auth, wire
-from deployments.health import FailureLog
+from deployments import auth
 from deployments.limits import Limits, message_size_options
-from deployments.placement import ROUTE_PREFIX_TOKENS, LoadBound, prefix_route_key
+from deployments.placement import LoadBound
 from deployments.replica_stream import STREAMS, PoolError, ReplicaStream
 from protos import specserve_pb2 as pb
-from protos import specserve_pb2_grpc as pb_grpc
 from speculative.busy import retried_while_busy
 from speculative.stats import SpecStats
-from speculative.types import (
-    DraftBlock,
-    PoolUnavailable,
-    ProposeCall,
-    PromptLogprobs,
-    ScoreCall,
-    StaleBase,
-    TargetScores,
-)
 
 log = logging.getLogger(__name__)
 
@@ -328,80 +318,3 @@ class PoolClient:
             self._streams.pop(key).close()
         self._channels.pop(address, None)
         self.bound.forget(address)
-
-
-# a drafter whose calls keep failing (its app down or misnamed, its pool full, its drafts
-# late) turns rounds into the target's alone, which only a counter showed: the router says
-# so in its log, at most this often
-DRAFT_FAILURES_LOGGED_EVERY_S = 60.0
-
-
-class GrpcDrafter:
-    """timeout_s: a seeded sampled request's deadline; draft_timeout_s: everyone else's."""
-
-    def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
-                 direct: bool = True, draft_timeout_s: float | None = None,
-                 streams: bool = True, prefix_tokens: int = ROUTE_PREFIX_TOKENS,
-                 options: list | None = None, bound: LoadBound | None = None) -> None:
-        self.pool = PoolClient(channel, pb_grpc.DrafterStub, application, timeout_s, direct,
-                               streams, options, bound)
-        self.draft_timeout_s = draft_timeout_s or timeout_s
-        self.prefix_tokens = prefix_tokens
-        self.failures = FailureLog(f"calls to the drafter app {application!r} failed or "
-                                   "were refused (a round without its draft runs the target "
-                                   "alone)", DRAFT_FAILURES_LOGGED_EVERY_S)
-
-    async def propose(self, call: ProposeCall) -> DraftBlock:
-        message = wire.propose_to_proto(call)
-        try:
-            response = await self.pool.call("Propose", message, call.request_id,
-                                            None if call.sampling.seeded else
-                                            self.draft_timeout_s,
-                                            prefix_route_key(call.request_id, call.sync,
-                                                             self.prefix_tokens, call.placement),
-                                            call.placement or None)
-        except PoolUnavailable as error:
-            self.failures.failure(error)
-            raise
-        if response.status == pb.REBUILD:
-            raise StaleBase(f"drafter replica {response.replica_id} asks for the full prefix")
-        try:
-            return wire.block_from_proto(response, message.ByteSize() + response.ByteSize())
-        except ValueError as error:  # a drafter's bad answer costs its draft, not the request
-            failure = PoolUnavailable(f"drafter: malformed answer: {error}")
-            self.failures.failure(failure)
-            raise failure from None
-
-    async def release(self, request_id: str) -> None:
-        self.pool.release(request_id)
-
-
-class GrpcVerifier:
-    def __init__(self, channel: grpc.aio.Channel, application: str, timeout_s: float,
-                 direct: bool = True, streams: bool = True,
-                 prefix_tokens: int = ROUTE_PREFIX_TOKENS, options: list | None = None,
-                 bound: LoadBound | None = None) -> None:
-        self.pool = PoolClient(channel, pb_grpc.VerifierStub, application, timeout_s, direct,
-                               streams, options, bound)
-        self.prefix_tokens = prefix_tokens
-
-    async def score(self, call: ScoreCall) -> TargetScores:
-        message = wire.score_to_proto(call)
-        response = await self.pool.call("Score", message, call.request_id,
-                                        route_key=prefix_route_key(
-                                            call.request_id, call.sync, self.prefix_tokens,
-                                            call.placement), spill_key=call.placement or None)
-        if response.status == pb.REBUILD:
-            raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
-        return wire.scores_from_proto(response, message.ByteSize() + response.ByteSize())
-
-    async def release(self, request_id: str) -> None:
-        self.pool.release(request_id)
-
-    async def prompt_logprobs(self, request_id: str, token_ids: list[int],
-                              top_n: int) -> PromptLogprobs:
-        """The prompt's logprobs, through the proxy (no session: any replica serves it)."""
-        message = pb.PromptLogprobsRequest(request_id=request_id, token_ids=token_ids,
-                                           top_n=top_n)
-        response = await self.pool.unplaced("PromptLogprobs", message, request_id)
-        return wire.prompt_logprobs_from_proto(response, token_ids)

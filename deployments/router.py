@@ -24,7 +24,7 @@ from ray import serve
 
 from deployments.admission import Admission
 from deployments.choices import Choices
-from deployments.clients import GrpcDrafter, GrpcVerifier, channel_options
+from deployments.clients import channel_options
 from deployments.ingress import (
     BadRequest,
     ReleasingStream,
@@ -42,6 +42,7 @@ from deployments.logprobs import token_bytes_of
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.placement import LoadBound, running_replicas
+from deployments.pool_handles import GrpcDrafter, GrpcVerifier
 from deployments.prompts import PromptReader
 from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import (

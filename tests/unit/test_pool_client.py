@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from deployments import auth, clients, replica_stream
+from deployments import auth, clients, pool_handles, replica_stream
 from deployments.clients import PoolClient, PoolError
 
 
@@ -64,7 +64,7 @@ def test_retries_stop_at_the_deadline():
 def test_whole_prompts_that_start_alike_are_placed_alike():
     """A call carrying a whole prompt is placed by its first 32 tokens (prefix caching's
     replica); a call that builds on a held prefix, or a short prompt, by its request."""
-    from deployments.clients import ROUTE_PREFIX_TOKENS, prefix_route_key
+    from deployments.placement import ROUTE_PREFIX_TOKENS, prefix_route_key
     from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
 
     shared = tuple(range(1, ROUTE_PREFIX_TOKENS + 1))
@@ -342,8 +342,8 @@ def test_a_seeded_sampled_draft_waits_as_long_as_a_verify(monkeypatch):
     from speculative.sampling import SamplingParams
     from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
 
-    monkeypatch.setattr(clients.pb_grpc, "DrafterStub", lambda channel: None)
-    drafter = clients.GrpcDrafter(None, "drafter", timeout_s=30.0, draft_timeout_s=0.05)
+    monkeypatch.setattr(pool_handles.pb_grpc, "DrafterStub", lambda channel: None)
+    drafter = pool_handles.GrpcDrafter(None, "drafter", timeout_s=30.0, draft_timeout_s=0.05)
     deadlines = []
 
     async def call(method, message, request_id, timeout_s=None, route_key=None, spill_key=None):
@@ -378,8 +378,8 @@ def test_a_drafters_q_unlike_its_tokens_costs_the_draft_not_the_request(monkeypa
         ProposeCall,
     )
 
-    monkeypatch.setattr(clients.pb_grpc, "DrafterStub", lambda channel: None)
-    drafter = clients.GrpcDrafter(None, "drafter", timeout_s=1.0)
+    monkeypatch.setattr(pool_handles.pb_grpc, "DrafterStub", lambda channel: None)
+    drafter = pool_handles.GrpcDrafter(None, "drafter", timeout_s=1.0)
     q = DraftDists.from_dense(torch.full((rows, 16), 1 / 16))
     answer = wire.block_to_proto(DraftBlock(tokens, q))
 
@@ -400,8 +400,8 @@ def test_a_drafter_whose_calls_keep_failing_is_said_in_the_log_at_most_once_a_mi
     from speculative.sampling import SamplingParams
     from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
 
-    monkeypatch.setattr(clients.pb_grpc, "DrafterStub", lambda channel: None)
-    drafter = clients.GrpcDrafter(None, "drafterr", timeout_s=30.0, draft_timeout_s=0.05)
+    monkeypatch.setattr(pool_handles.pb_grpc, "DrafterStub", lambda channel: None)
+    drafter = pool_handles.GrpcDrafter(None, "drafterr", timeout_s=30.0, draft_timeout_s=0.05)
     now = [100.0]
     drafter.failures.clock = lambda: now[0]
 
