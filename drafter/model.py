@@ -12,10 +12,10 @@ from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.checks import check_call, check_confidence, check_prompt_len, check_tree_width
 from speculative.grammar import matcher_after
 from speculative.options import MAX_SPECULATIVE_TOKENS
+from speculative.draft_truncation import kept_entries
 from speculative.sampling import (
     fit_vocab,
     grouped,
-    kept_entries,
     logits_to_probs,
     sample_each,
     sample_rows,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import speculative.sampling as sampling
-from speculative.sampling import fewest_holding_mass
+import speculative.draft_truncation as truncation
+from speculative.draft_truncation import fewest_holding_mass
 from speculative.types import DraftDists
 
 
@@ -105,12 +105,12 @@ def test_mass_selection_sorts_only_candidates_and_falls_back_when_they_are_short
         sorted_lengths.append(values.shape[-1])
         return real_sort(values, *args, **kwargs)
 
-    monkeypatch.setattr(sampling.torch, "sort", counting_sort)
+    monkeypatch.setattr(truncation.torch, "sort", counting_sort)
     kept = fewest_holding_mass(row, 0.5)[1]
     assert len(sorted_lengths) == 1 and len(kept) <= sorted_lengths[0] < 4096 / 2
     # a threshold whose candidates turn out short of the mass: the whole row is sorted
-    top_bucket = int(sampling.value_buckets(row).max())
-    monkeypatch.setattr(sampling, "lowest_bucket_holding", lambda *args: top_bucket)
+    top_bucket = int(truncation.value_buckets(row).max())
+    monkeypatch.setattr(truncation, "lowest_bucket_holding", lambda *args: top_bucket)
     assert fewest_holding_mass(row, 0.5)[1].equal(kept)
     assert len(sorted_lengths) == 3 and sorted_lengths[2] == 4096
 

@@ -3,9 +3,10 @@ import torch
 from transformers import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
+from speculative.draft_truncation import kept_entries
 from speculative.sampling import (MAX_TEMPERATURE, SamplingParams, draft_law, inverted,
-                                  kept_entries, logits_to_probs, sample, sample_each,
-                                  sample_rows, seeded_generator)
+                                  logits_to_probs, sample, sample_each, sample_rows,
+                                  seeded_generator)
 from tests.stats.chisq import chi_square
 
 

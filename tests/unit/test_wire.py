@@ -6,7 +6,8 @@ import torch
 from deployments import wire, wire_tensors
 from protos import specserve_pb2 as pb
 from speculative.accept import accept
-from speculative.sampling import SamplingParams, kept_entries
+from speculative.draft_truncation import kept_entries
+from speculative.sampling import SamplingParams
 from speculative.types import (
     EMPTY_PREFIX_HASH,
     DraftBlock,
