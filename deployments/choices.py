@@ -232,18 +232,7 @@ class Choices:
         vLLM stream them), its end (with tools: what may be a call is held to the end, then
         sent as content or as calls; with a reasoning parser, each delta's reasoning and
         content in their fields, as vLLM's)."""
-        prompt_tokens = len(self.plan.choices[index].request.prompt_token_ids)
-
-        def chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):
-            body = chunk_body(self.request_id, self.model, index, text, finish_reason,
-                              self.chat, created=self.created, **fields)
-            if self.continuous_usage:  # the choice's tokens so far (vLLM's continuous usage),
-                # counted without copying them (a copy a chunk: 4 s over 128k tokens)
-                done = generation.state.num_output_tokens if generation is not None else 0
-                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                                 "total_tokens": prompt_tokens + done}
-            return encode(body)
-
+        chunk = self.chunker(index)
         texts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
         thoughts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created,
                                reasoning=True) if self.reasoning is not None else None
@@ -292,6 +281,23 @@ class Choices:
         for text in await self.off_loop(ending, generation):
             await queue.put(text)
         return generation
+
+    def chunker(self, index: int):
+        """chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):
+        a chunk of choice `index`, with its usage so far under continuous usage."""
+        prompt_tokens = len(self.plan.choices[index].request.prompt_token_ids)
+
+        def chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):
+            body = chunk_body(self.request_id, self.model, index, text, finish_reason,
+                              self.chat, created=self.created, **fields)
+            if self.continuous_usage:  # the choice's tokens so far (vLLM's continuous usage),
+                # counted without copying them (a copy a chunk: 4 s over 128k tokens)
+                done = generation.state.num_output_tokens if generation is not None else 0
+                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                 "total_tokens": prompt_tokens + done}
+            return encode(body)
+
+        return chunk
 
     async def echo(self, index: int) -> tuple[tuple[str, dict | None], int]:
         """A streamed completion's echo: its first chunk's (text, logprobs), and where its
