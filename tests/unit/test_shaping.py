@@ -243,10 +243,10 @@ def test_the_bias_goes_in_before_the_penalties_as_vllms_sampler_orders_them():
 
 
 def test_the_committed_tokens_split_at_the_prompts_length():
-    """committed_history hands shaping the prompt as the committed tokens' first prompt_len
-    and the output as the rest, a draft's tokens after it: min_tokens and logit_bias read
-    the output's length from it (a split one token late held the end ids one token longer
-    and passed every unit test)."""
+    """committed_history hands shaping the output's length as the committed tokens after
+    the first prompt_len, a draft's tokens after them (a split one token late held the end
+    ids one token longer and passed every unit test), and of its tokens only the last that
+    bad_words read: no request without penalties has its whole output copied a row."""
     from types import SimpleNamespace
 
     from speculative.shaping import committed_history
@@ -254,7 +254,13 @@ def test_the_committed_tokens_split_at_the_prompts_length():
     sequence = SimpleNamespace(committed=[1, 2, 3, 4, 5])
     params = SamplingParams(min_tokens=3, min_tokens_end_ids=(2,))
     history = committed_history(params, 3, sequence, [9])
-    assert history == {"prompt": [1, 2, 3], "output": [4, 5, 9]}
+    assert history == {"prompt": (), "output": [9], "skipped": 2}
+    assert Shaping(0, 1, params, **history).output_len == 3
+    words = SamplingParams(bad_words_ids=((4, 5, 6), (8,)))
+    assert committed_history(words, 3, sequence, [9]) == \
+        {"prompt": (), "output": [4, 5, 9], "skipped": 0}
+    assert committed_history(words, 1, sequence) == {"prompt": (), "output": [4, 5],
+                                                     "skipped": 2}
     logits = torch.zeros(2, 4)
     rows = shape_batch(logits, [Shaping(0, 2, params, drafted=[7], **history)])
     assert rows[:, 2].tolist() == [0.0, 0.0]  # 3 output tokens already: nothing held
