@@ -39,8 +39,12 @@ from speculative.sampling import (
 
 # bounds on what a request may ask, checked before any work (the prompt's own size is
 # checked against the router's max_prompt_bytes and the context)
-MAX_STOP_STRINGS = 4
+# stop strings: as many as lm-evaluation-harness sends (a task's and the end text: 6 for
+# humaneval; vLLM bounds none), their characters bounded in all at OpenAI's 4 x 256: each
+# output token checks the held text against every prefix of each (speculative.driver)
+MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
+MAX_STOP_TOTAL_CHARS = 4 * MAX_STOP_CHARS
 MAX_MESSAGES = 1024
 # tool calls in all of a chat's messages: each is answered by a tool message, so a
 # conversation within MAX_MESSAGES holds fewer (without a bound, 2 MiB of calls, 44k, took
@@ -232,9 +236,10 @@ class SamplingFields(BaseModel):
     def stop_list(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
         if len(stops) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS
-                                                    for s in stops):
+                                                    for s in stops) or \
+                sum(map(len, stops)) > MAX_STOP_TOTAL_CHARS:
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at "
-                             f"most {MAX_STOP_CHARS} characters")
+                             f"most {MAX_STOP_CHARS} characters, {MAX_STOP_TOTAL_CHARS} in all")
         return [encodable(s, "stop") for s in stops]
 
     @field_validator("bad_words")

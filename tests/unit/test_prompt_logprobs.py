@@ -220,13 +220,16 @@ class Scored(Agreeing):
 
 
 def served(verifier: Scored):
-    """The Router's request path over Scored pools: every prompt is tokens (2, 3), every
-    token's text "a" ("s" with special tokens), 4 tokens of output, greedy, logprobs as the
-    body asks."""
+    """The Router's request path over Scored pools: every text prompt is tokens (2, 3) (token
+    ids: their own), every token's text "a" ("s" with special tokens), the body's max tokens
+    of output (4 by default), greedy, logprobs as the body asks."""
     async def plan(body, chat):
-        plans = [RequestFrontEnd().plan(f"cmpl-x-{i}", (2, 3), SamplingParams(
-            temperature=0.0, max_tokens=4, logprobs=body.top_logprobs_asked()), n=body.n)
-            for i, _ in enumerate([None] if chat else body.prompts())]
+        plans = [RequestFrontEnd().plan(f"cmpl-x-{i}", (2, 3) if isinstance(p, str) else p,
+                                        SamplingParams(temperature=0.0,
+                                                       max_tokens=body.max_tokens_or(4),
+                                                       logprobs=body.top_logprobs_asked()),
+                                        n=body.n)
+                 for i, p in enumerate(["chat"] if chat else body.prompts())]
         return plans[0] if len(plans) == 1 else joined("cmpl-x", plans)
 
     router = SimpleNamespace(

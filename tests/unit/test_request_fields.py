@@ -375,12 +375,17 @@ def test_max_completion_tokens_is_read_before_max_tokens():
 
 
 def test_stop_takes_up_to_its_bounds_exactly():
-    """OpenAI's four stop strings, each up to MAX_STOP_CHARS, are taken; one more is not."""
-    from deployments.openai_api import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    """Up to MAX_STOP_STRINGS stop strings (lm-evaluation-harness sends humaneval's five and
+    the end text), each up to MAX_STOP_CHARS, MAX_STOP_TOTAL_CHARS in all, are taken; one
+    more string or character is not."""
+    from deployments.openai_api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
 
-    stops = [chr(ord("a") + i) * MAX_STOP_CHARS for i in range(MAX_STOP_STRINGS)]
-    assert CompletionRequest(prompt="x", stop=stops).sampling(16).stop == tuple(stops)
-    for bad in (stops + ["e"], ["s" * (MAX_STOP_CHARS + 1)]):
+    longest = [chr(ord("a") + i) * MAX_STOP_CHARS
+               for i in range(MAX_STOP_TOTAL_CHARS // MAX_STOP_CHARS)]
+    most = [f"{i:02d}" for i in range(MAX_STOP_STRINGS)]
+    for stops in (longest, most):
+        assert CompletionRequest(prompt="x", stop=stops).sampling(16).stop == tuple(stops)
+    for bad in (longest + ["e"], most + ["e"], ["s" * (MAX_STOP_CHARS + 1)]):
         with pytest.raises(ValidationError):
             CompletionRequest(prompt="x", stop=bad)
 
