@@ -22,6 +22,19 @@ from deployments.tools import (
     ToolUse,
     tool_use,
 )
+from deployments.request_bounds import (
+    GUIDED,
+    MAX_CACHE_SALT,
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOTAL_CHARS,
+    MAX_TEMPLATE_KWARGS,
+    MAX_TOOL_CALLS,
+    UNSERVED,
+)
 from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
 from speculative.options import MAX_PLAIN_STEPS, MAX_SPECULATIVE_TOKENS
@@ -37,33 +50,6 @@ from speculative.sampling import (
 )
 
 
-# bounds on what a request may ask, checked before any work (the prompt's own size is
-# checked against the router's max_prompt_bytes and the context)
-# stop strings: as many as lm-evaluation-harness sends (a task's and the end text: 6 for
-# humaneval; vLLM bounds none), their characters bounded in all at OpenAI's 4 x 256: each
-# output token checks the held text against every prefix of each (speculative.driver)
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 256
-MAX_STOP_TOTAL_CHARS = 4 * MAX_STOP_CHARS
-MAX_MESSAGES = 1024
-# tool calls in all of a chat's messages: each is answered by a tool message, so a
-# conversation within MAX_MESSAGES holds fewer (without a bound, 2 MiB of calls, 44k, took
-# 0.17 s of the event loop to validate)
-MAX_TOOL_CALLS = MAX_MESSAGES
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_CACHE_SALT = 256  # characters
-MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
-# vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
-# vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
-# and its audio output), each of which changes the answer or what it carries, and the
-# values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
-UNSERVED = {"use_beam_search": (None, False),
-            "chat_template": (None,), "documents": (None, []), "logprob_token_ids": (None,),
-            "functions": (None, []), "logits_processors": (None, []),
-            "prompt_embeds": (None,), "structural_tag": (None,),
-            "modalities": (None, ["text"]), "audio": (None,)}
-MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 def needing(value, info, field: str, message: str):
     """A field's value, refused (ValueError(message)) when it is set and the field it needs
     is not (a validator's info.data: the fields declared before it)."""

@@ -262,7 +262,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     k = args.num_speculative_tokens
     if k != "auto" and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         parser.error(f"--num-speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
-    from deployments.openai_api import MAX_CHOICES
+    from deployments.request_bounds import MAX_CHOICES
 
     if not 1 <= args.n <= MAX_CHOICES:  # the router's bound on n
         parser.error(f"--n must be in [1, {MAX_CHOICES}]")

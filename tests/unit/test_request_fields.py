@@ -11,7 +11,8 @@ from starlette.requests import Request
 
 from deployments import chat_messages, openai_api
 from deployments.ingress import BadRequest, parse
-from deployments.openai_api import MAX_TOOL_CALLS, ChatCompletionRequest, CompletionRequest
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.request_bounds import MAX_TOOL_CALLS
 from deployments.prompts import PromptReader
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -378,7 +379,7 @@ def test_stop_takes_up_to_its_bounds_exactly():
     """Up to MAX_STOP_STRINGS stop strings (lm-evaluation-harness sends humaneval's five and
     the end text), each up to MAX_STOP_CHARS, MAX_STOP_TOTAL_CHARS in all, are taken; one
     more string or character is not."""
-    from deployments.openai_api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
+    from deployments.request_bounds import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
 
     longest = [chr(ord("a") + i) * MAX_STOP_CHARS
                for i in range(MAX_STOP_TOTAL_CHARS // MAX_STOP_CHARS)]

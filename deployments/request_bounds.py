@@ -1,0 +1,29 @@
+"""What a request body may ask, checked before any work (the prompt's own size is checked
+against the router's max_prompt_bytes and the context), and the vLLM fields this server
+refuses rather than ignores (deployments.openai_api)."""
+
+# stop strings: as many as lm-evaluation-harness sends (a task's and the end text: 6 for
+# humaneval; vLLM bounds none), their characters bounded in all at OpenAI's 4 x 256: each
+# output token checks the held text against every prefix of each (speculative.driver)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
+MAX_STOP_TOTAL_CHARS = 4 * MAX_STOP_CHARS
+MAX_MESSAGES = 1024
+# tool calls in all of a chat's messages: each is answered by a tool message, so a
+# conversation within MAX_MESSAGES holds fewer (without a bound, 2 MiB of calls, 44k, took
+# 0.17 s of the event loop to validate)
+MAX_TOOL_CALLS = MAX_MESSAGES
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CACHE_SALT = 256  # characters
+MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
+# vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
+# vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
+# and its audio output), each of which changes the answer or what it carries, and the
+# values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
+UNSERVED = {"use_beam_search": (None, False),
+            "chat_template": (None,), "documents": (None, []), "logprob_token_ids": (None,),
+            "functions": (None, []), "logits_processors": (None, []),
+            "prompt_embeds": (None,), "structural_tag": (None,),
+            "modalities": (None, ["text"]), "audio": (None,)}
+MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
