@@ -227,11 +227,11 @@ class Choices:
         return f"data: {json.dumps(final)}\n\n"
 
     async def stream_choice(self, index: int, queue: asyncio.Queue) -> Generation:
-        """One choice's chunks into the queue: the role (chat), its text deltas, each with the
-        logprobs of the tokens committed since the last chunk when asked for (as OpenAI and
-        vLLM stream them), its end (with tools: what may be a call is held to the end, then
-        sent as content or as calls; with a reasoning parser, each delta's reasoning and
-        content in their fields, as vLLM's)."""
+        """One choice's chunks into the queue: the role (chat: with its first text), its text
+        deltas, each with the logprobs of the tokens committed since the last chunk when
+        asked for (as OpenAI and vLLM stream them), its end (with tools: what may be a call
+        is held to the end, then sent as content or as calls; with a reasoning parser, each
+        delta's reasoning and content in their fields, as vLLM's)."""
         chunk = self.chunker(index)
         texts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
         thoughts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created,
@@ -249,6 +249,10 @@ class Choices:
             return thoughts(reasoning) if reasoning else texts(delta)
 
         async def push(generation, delta):
+            if opening:
+                await queue.put(opening.pop())
+            if generation.finish_reason is not None and not streamed.parses:  # on the last
+                return last.append(delta)  # chunk, as vLLM's (not an empty chunk after it)
             if (parts := streamed.feed(delta)) is None:
                 return  # its tokens' logprobs go with the next chunk
             await queue.put(delta_text(generation, *parts))
@@ -262,8 +266,8 @@ class Choices:
                 chunks.append(chunk(None, generation=generation, encode=json_text,
                                     tool_calls=call_deltas(calls)))
             ids = generation.token_ids if self.return_token_ids else None
-            chunks.append(chunk(None, finish_reason, generation, json_text, token_ids=ids,
-                                stop_reason=generation.stop_reason,
+            chunks.append(chunk("".join(last) or None, finish_reason, generation, json_text,
+                                token_ids=ids, stop_reason=generation.stop_reason,
                                 logprobs=logged(generation, last=True) if logged else None,
                                 prompt_token_ids=None if self.chat else prompt_ids))
             return chunks
@@ -271,14 +275,16 @@ class Choices:
         # the prompt's ids (return_token_ids): a chat's on its first chunk, as vLLM's; a
         # completion's beside its token_ids on its last (a first chunk is its first text)
         prompt_ids = self.prompt_ids(index)
-        if self.chat:  # with tools, no content yet: a message of calls has none (null)
-            await queue.put(chunk("" if streamed.held is None else None, role="assistant",
-                                  prompt_token_ids=prompt_ids))
-        elif echo is not None:  # the prompt's text (and logprobs) first (as vLLM's)
+        # a chat's role (with tools, no content yet: a message of calls has none, null) waits
+        # for the first text: sent before the prefill, it was what clients time as the first
+        # token (vllm bench serve's TTFT: the first chunk with a choice)
+        opening, last = ([chunk("" if streamed.held is None else None, role="assistant",
+                                prompt_token_ids=prompt_ids)] if self.chat else []), []
+        if echo is not None:  # the prompt's text (and logprobs) first (as vLLM's)
             await queue.put(chunk(echo[0], logprobs=echo[1]))
         generation = await self.run_choice(index, push)
         # off the event loop: all from where a call may begin was held, its tokens' logprobs too
-        for text in await self.off_loop(ending, generation):
+        for text in [*opening, *await self.off_loop(ending, generation)]:
             await queue.put(text)
         return generation
 

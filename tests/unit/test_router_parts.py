@@ -172,6 +172,74 @@ def test_a_stream_sends_each_choices_chunks_then_usage_and_gives_its_admission_b
         assert mine[-1]["finish_reason"] == "length" and mine[-1]["token_ids"] == [1] * 4
 
 
+class SlowFirstScore(Agreeing):
+    """An agreeing verifier whose first score (the prefill) waits for `prefilled`."""
+
+    def __init__(self) -> None:
+        self.prefilled, self.scored = asyncio.Event(), 0
+
+    async def score(self, call):
+        self.scored += 1
+        await self.prefilled.wait()
+        return await super().score(call)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_no_chunk_with_a_choice_comes_before_the_first_token(chat):
+    """vllm bench serve (openai-chat, as openai) times the first token at the first chunk
+    with a choice: a chat's role went out before the prefill, a TTFT of nothing and a
+    first ITL of the whole prefill. Sent with the first text, as vLLM sends it with the
+    engine's first output; whole, it has the role and the prompt's ids as before."""
+    verifier = SlowFirstScore()
+    plan = RequestFrontEnd().plan("cmpl-x", (2, 3), SamplingParams(temperature=0.0,
+                                                                    max_tokens=4), n=1)
+    choices = Choices(plan, (Agreeing(), verifier), lambda ids: "a" * len(ids), Recorded(),
+                      Admission(1).admit(1), model="m", chat=chat, return_token_ids=True)
+
+    async def collect():
+        events = choices.events()
+        first = asyncio.ensure_future(anext(events))
+        while not verifier.scored:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert not first.done()  # the prefill has not ended: nothing to send
+        verifier.prefilled.set()
+        return [await first] + [event async for event in events]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    if chat:
+        opening = chunks[0]
+        assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert opening["prompt_token_ids"] == [2, 3]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" if chat else
+                   c["choices"][0]["text"] for c in chunks) == "aaaa"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_choices_last_text_comes_on_its_finishing_chunk(chat):
+    """As vLLM's: the round that ends a choice sends its text with the finish_reason. An
+    empty finishing chunk after it was one chunk with a choice more to vllm bench serve (an
+    inter-token latency of nothing on every request); the ids and the usage of the whole
+    choice stay on it (its logprobs: test_logprobs' streams)."""
+    plan = RequestFrontEnd().plan("cmpl-x", (2, 3), SamplingParams(temperature=0.0,
+                                                                    max_tokens=4), n=1)
+    choices = Choices(plan, (Agreeing(), Agreeing()), lambda ids: "a" * len(ids), Recorded(),
+                      Admission(1).admit(1), model="m", chat=chat, return_token_ids=True,
+                      include_usage=True, continuous_usage=True)
+
+    async def collect():
+        return [event async for event in choices.events()]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]][:-1]
+    texts = [c["choices"][0]["delta"].get("content") if chat else c["choices"][0]["text"]
+             for c in chunks]
+    assert all(texts[1 if chat else 0:]) and "".join(texts) == "aaaa"
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["choices"][0]["token_ids"] == [1] * 4
+    assert final["usage"]["completion_tokens"] == 4
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_every_chunk_names_its_finish_reason_logprobs_and_stop_reason(chat):
     """As OpenAI's and vLLM's chunks: each choice carries finish_reason, logprobs and
