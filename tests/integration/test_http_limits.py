@@ -18,7 +18,8 @@ VOCAB = 4096  # the demo pair's
     ({"prompt": "x", "top_k": 2**40}, "top_k"),
     ({"prompt": "x", "top_k": VOCAB + 1}, "top_k"),
     ({"prompt": "x", "stop": ["s" * 257]}, "stop"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, "stop"),  # 64 strings at most
+    ({"prompt": "x", "stop": ["s" * 256] * 4 + ["s"]}, "stop"),  # 1,024 characters in all
     ({"prompt": "x" * ((1 << 20) + 1)}, "prompt"),
     ({"prompt": [1] * 5000}, "prompt"),
 ])
