@@ -262,9 +262,9 @@ class PoolClient:
             pass
 
     def _drop_unused_channel(self, address: str) -> None:
-        """Forget the channel to a replica a release found gone, unless a stream still uses
-        it. Its streams had ended (_ended dropped the channel), and the release's _stub made
-        a new one: kept, a router held one more channel for every replica that went away
+        """Forget the channel to a replica found gone (its stream ended, a release failed),
+        unless a stream still uses it. A release's _stub made a new one after its streams
+        had ended: kept, a router held one more channel for every replica that went away
         while a request pinned to it was ending."""
         if not any(key[0] == address for key in self._streams):
             self._channels.pop(address, None)
@@ -308,8 +308,7 @@ class PoolClient:
                 del self._streams[key]
                 if gone:  # no replica to spill to (the least loaded: it holds none)
                     self.bound.forget(key[0])
-                    if not any(address == key[0] for address, _ in self._streams):
-                        self._channels.pop(key[0], None)
+                    self._drop_unused_channel(key[0])
 
     def _forget(self, address: str) -> None:
         """Drop a dead replica's streams and channel (the channel closes when the last

@@ -54,7 +54,7 @@ class FailureLog:
         self.failed += 1
         if self.logged.due(self.clock()):
             log.warning("%s: %d failed since the last warning; the latest: %s",
-                              self.what, self.failed, error)
+                        self.what, self.failed, error)
             self.failed = 0
 
 

@@ -1,7 +1,7 @@
 """Streamed text held back while it may still turn into a tag (a reasoning parser's, a tool
 call parser's), each delta costing its own length: a tail that may grow into a tag
 (held_prefix), and an output's opening, until it is known whether it opens with one
-(Opening)."""
+(Opening); what of a held content was sent (SentContent)."""
 
 
 def held_prefix(text: str, tag: str) -> int:
@@ -43,3 +43,14 @@ class Opening:
         """All it holds (the whitespace and a beginning of the tag), given up."""
         held, self.begun = self.space() + self.begun, ""
         return held
+
+
+class SentContent:
+    """A tool call parser's held content (deployments.tool_parsers, pythonic_calls): how much
+    of the output went out as content, so that the rest goes at the end."""
+
+    sent = 0  # the characters of content sent so far
+
+    def rest(self, content: str | None) -> str:
+        """What remains to send of the final content (read_calls' content)."""
+        return (content or "")[self.sent:]

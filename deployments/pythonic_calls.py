@@ -16,6 +16,8 @@ import re
 import string
 import warnings
 
+from deployments.held_text import SentContent
+
 # past this many characters an output is content: ast's work is linear, but a list of small
 # literals costs it about 2 us and 0.5 KB a character (400k characters of `f(),`: 0.85 s
 # of the router's event loop and 210 MB), 15 to 70 times json's
@@ -124,7 +126,7 @@ def literal(node: ast.expr):
     raise ValueError(f"not a literal: {type(node).__name__}")
 
 
-class HeldPythonic:
+class HeldPythonic(SentContent):
     """pythonic's held content: an output that opens as a list of calls (CallHead) waits
     for its end (calls, or content after all) unless it grows past MAX_CALLS_CHARS; any
     other goes out as it comes, from where it is known not to be calls. Each delta costs
@@ -134,7 +136,6 @@ class HeldPythonic:
         self.head = CallHead()
         self.held: list[str] | None = []  # None once known to be content
         self.length = 0  # the characters held
-        self.sent = 0
 
     def feed(self, delta: str) -> str:
         """The part of the output so far that can go out now."""
@@ -146,7 +147,3 @@ class HeldPythonic:
             delta, self.held = "".join(self.held), None
         self.sent += len(delta)
         return delta
-
-    def rest(self, content: str | None) -> str:
-        """What remains to send of the final content (read_calls' content)."""
-        return (content or "")[self.sent:]

@@ -8,7 +8,7 @@ import re
 import secrets
 
 from deployments.ingress import BadRequest
-from deployments.tools import CALL_CLOSE, CALL_OPEN
+from deployments.tool_parsers import CALL_CLOSE, CALL_OPEN
 
 
 @functools.lru_cache(maxsize=8)

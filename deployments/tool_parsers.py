@@ -25,7 +25,7 @@ import json
 import re
 from typing import Literal
 
-from deployments.held_text import Opening, held_prefix
+from deployments.held_text import Opening, SentContent, held_prefix
 from deployments.pythonic_calls import HeldPythonic, read_pythonic
 
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
@@ -210,7 +210,7 @@ def held_content(parser: ToolCallParserName) -> "HeldContent | HeldOpening | Hel
     return HeldContent(TOOL_CALLS if parser == "mistral" else CALL_OPEN)
 
 
-class HeldContent:
+class HeldContent(SentContent):
     """A streamed choice's content when tools are in use: text goes out as it comes, except
     from where a call's opening (`<tool_call>`, `[TOOL_CALLS]`) may begin, which waits for
     the end of the output (it is a call, or content after all)."""
@@ -234,12 +234,8 @@ class HeldContent:
         self.held, self.sent = text[start:], self.sent + start
         return text[:start]
 
-    def rest(self, content: str | None) -> str:
-        """What remains to send of the final content (read_calls' content)."""
-        return (content or "")[self.sent:]
 
-
-class HeldOpening:
+class HeldOpening(SentContent):
     """llama3_json's: an output that opens (after whitespace) with `{` or `<|python_tag|>`
     waits for its end (calls, or content after all); any other goes out as it comes, from
     its first other character on. Its opening (held_text.Opening) waits for what follows
@@ -248,7 +244,6 @@ class HeldOpening:
     def __init__(self) -> None:
         self.opening = Opening(PYTHON_TAG)
         self.holding: bool | None = None  # None: not known yet
-        self.sent = 0
 
     def feed(self, delta: str) -> str:
         """The part of the output so far that can go out now."""
@@ -264,7 +259,3 @@ class HeldOpening:
         sent = self.opening.space() + body
         self.sent = len(sent)
         return sent
-
-    def rest(self, content: str | None) -> str:
-        """What remains to send of the final content (read_calls' content)."""
-        return (content or "")[self.sent:]

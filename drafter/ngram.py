@@ -142,7 +142,7 @@ class NgramDrafter:
         token_ids = self.lookup(call, sequence, context)
         if call.sampling.grammar is not None and token_ids:
             token_ids = self.allowed_prefix(call, sequence, context, token_ids)
-        token_ids = unmasked_prefix(call.sampling, context[call.prompt_len:], token_ids)
+        token_ids = unmasked_prefix(call.sampling, context, token_ids, call.prompt_len)
         if call.sampling.greedy or not token_ids:
             return DraftBlock(tuple(token_ids), None)
         one_hot = DraftDists(torch.ones(len(token_ids), 1),  # [K, 1]: each q_i is x_i alone

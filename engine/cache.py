@@ -129,22 +129,23 @@ class UnitPool:
         """Units that freeing all these caches would give back: those whose every reference
         is theirs. Caches can share a unit between them (a request rebuilt from its own
         retired prefix, then retired again): neither alone frees it, both do."""
-        held = Counter(unit for cache in caches for unit in cache.units)
-        return sum(1 for unit, count in held.items() if self.refs[unit] == count)
+        return max(self._freeing(caches), default=0)
 
     def frees(self, needed: int, caches) -> bool:
         """Whether freeing these caches gives back at least `needed` units (freed_by's
         count, read cache by cache and stopped once reached: a full pool, its units held by
         retired prefixes, is the steady state, and counting every cache's units at each
         admission that needed an eviction took 15 ms on a pool of 28,000 blocks)."""
+        return needed <= 0 or any(freed >= needed for freed in self._freeing(caches))
+
+    def _freeing(self, caches):
+        """freed_by's count over the caches' first 1, 2, ... (non-decreasing)."""
         held, freed = Counter(), 0
         for cache in caches:
-            if freed >= needed:
-                break
             for unit in cache.units:
                 held[unit] += 1
                 freed += held[unit] == self.refs[unit]  # its last reference, once
-        return freed >= needed
+            yield freed
 
     def allocate(self, count: int) -> list[int]:
         while count > len(self._free) and self.retired:

@@ -3,6 +3,7 @@ row it keeps, found without sorting the whole vocabulary."""
 
 import torch
 
+
 def kept_by_mass(values: torch.Tensor, mass: float) -> torch.Tensor:
     """[n] bool: which of [n] values, most likely first, a q truncated to `mass` keeps: each
     entry whose predecessors hold less than mass (the fewest holding it), zeros left out."""

@@ -207,36 +207,36 @@ def ban_words(logits: torch.Tensor, shapings: list[Shaping]) -> None:
         tail = [*shaping.recent, *shaping.output[-reach:]][-reach:] if reach else []
         for row in range(shaping.rows):
             history = tail + list(shaping.drafted[:row])
-            # by its other tokens' number, a word's other tokens -> its last
-            for length, banned in shaping.params.bad_word_ends.items():
-                if length <= len(history):
-                    ends = [end for end in banned.get(tuple(history[len(history) - length:]),
-                                                      ()) if end < vocab]
-                    rows += [shaping.start + row] * len(ends)
-                    columns += ends
+            ends = [end for end in banned_after(shaping.params, history) if end < vocab]
+            rows += [shaping.start + row] * len(ends)
+            columns += ends
     masked_unless_emptied(logits, rows, columns)
 
 
-def unmasked_prefix(params: SamplingParams, output: Sequence[int],
-                    proposal: list[int]) -> list[int]:
+def banned_after(params: SamplingParams, history: Sequence[int]):
+    """The ids bad_words ban after `history` (the output so far): the last token of each word
+    whose other tokens end it, by their number (SamplingParams.bad_word_ends)."""
+    for length, banned in params.bad_word_ends.items():
+        if length <= len(history):
+            yield from banned.get(tuple(history[len(history) - length:]), ())
+
+
+def unmasked_prefix(params: SamplingParams, context: Sequence[int], proposal: list[int],
+                    prompt_len: int = 0) -> list[int]:
     """A model-free draft's longest prefix that allowed_token_ids and bad_words leave
-    possible after the output so far (as ban_words reads it: the output's tokens, then the
-    proposal's before each). A token they mask has p = 0 and is always rejected, so the
+    possible after the output so far, context[prompt_len:] (as ban_words reads it: the
+    output's tokens, then the proposal's before each; only its last bad_words_reach are
+    read, in place). A token they mask has p = 0 and is always rejected, so the
     tokens from it on are not worth verifying; cutting them changes no law (a mask that
     would empty a row is not applied: such a token is cut all the same, only a draft lost)."""
     if not (params.allowed_token_ids or params.bad_words_ids):
         return proposal
     allowed = params.allowed_set if params.allowed_token_ids else None
-    ends = params.bad_word_ends
     reach = params.bad_words_reach
-    history = list(output[max(0, len(output) - reach):]) if reach else []
+    history = list(context[max(prompt_len, len(context) - reach):]) if reach else []
     for index, token in enumerate(proposal):
-        if allowed is not None and token not in allowed:
+        if (allowed is not None and token not in allowed) or token in banned_after(params, history):
             return proposal[:index]
-        for length, banned in ends.items():
-            if length <= len(history) and \
-                    token in banned.get(tuple(history[len(history) - length:]), ()):
-                return proposal[:index]
         history.append(token)
     return proposal
 

@@ -43,7 +43,7 @@ class PromptScoring:
         self.ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
         self.chunk = max(1, min(CHUNK_LOGITS_BYTES // (4 * vocab_size),
                                 chunk_tokens or len(token_ids)))
-        self.cache = TransformersCache(model.config)
+        self.cache, self.cache_name = TransformersCache(model.config), cache_kwarg(model)
         self.fed = 0  # the last token predicts nothing: positions 0 .. L - 2 are fed
         self.entries: list[TokenLogprob] = []
         self.ranks: list[int] = []
@@ -57,7 +57,7 @@ class PromptScoring:
         start, end = self.fed, min(self.fed + self.chunk, self.ids.shape[1] - 1)
         with torch.inference_mode():
             logits = self.model(input_ids=self.ids[:, start:end], use_cache=True,
-                                **{cache_kwarg(self.model): self.cache}).logits[0]
+                                **{self.cache_name: self.cache}).logits[0]
             entries, ranks = read_rows(logits, self.ids[0, start + 1:end + 1], self.top_n)
         # the cache records its sliding layers' past (TransformersCache: for a rollback),
         # which only a crop trims back to their window: else they held the whole prompt
