@@ -31,6 +31,7 @@ from deployments.request_bounds import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOTAL_CHARS,
+    MAX_DOCUMENTS,
     MAX_TEMPLATE_KWARGS,
     MAX_TOOL_CALLS,
     UNSERVED,
@@ -342,6 +343,9 @@ class ChatCompletionRequest(SamplingFields):
     # does not read are dropped, as vLLM drops them (deployments.prompts.template_kwargs)
     chat_template_kwargs: dict[str, Any] | None = Field(default=None,
                                                         max_length=MAX_TEMPLATE_KWARGS)
+    # vLLM's: documents a RAG template writes into the prompt (Command R's, Granite's), each
+    # a dict of texts ({"title": ..., "text": ...}); a template that reads none drops them
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS)
     # vLLM's: false, a reasoning parser's reasoning is split off and not sent
     # (deployments.reasoning)
     include_reasoning: bool = True
@@ -351,6 +355,14 @@ class ChatCompletionRequest(SamplingFields):
     def no_echo(cls, value):
         if value:  # vLLM's chat echo (the last message's text, if the assistant's)
             raise ValueError("echo is served by /v1/completions only")
+        return value
+
+    @field_validator("documents")
+    @classmethod
+    def documents_encodable(cls, value):
+        for document in value or ():
+            for key, text in document.items():
+                encodable(key + text, "documents")
         return value
 
     @field_validator("messages", mode="before")

@@ -303,7 +303,8 @@ class PromptReader:
         extra = self.template_kwargs(body)
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=use.template_tools() if use else None, tokenize=False,
+                messages, tools=use.template_tools() if use else None,
+                documents=body.documents or None, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, **extra)
         except Exception as error:  # a template may raise on roles or order it rejects
@@ -338,6 +339,7 @@ def chat_texts(body) -> list[str]:
     the texts among chat_template_kwargs (a template may write them: Llama 3's date_string)."""
     texts = [(m.content or "") + (m.name or "") for m in body.messages]
     texts += [v for v in (body.chat_template_kwargs or {}).values() if isinstance(v, str)]
+    texts += [key + text for document in body.documents or () for key, text in document.items()]
     texts += [call.function.arguments for m in body.messages for call in m.tool_calls or ()]
     if body.tools:
         try:

@@ -16,13 +16,14 @@ MAX_TOOL_CALLS = MAX_MESSAGES
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CACHE_SALT = 256  # characters
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
+MAX_DOCUMENTS = 64  # a chat's documents (vLLM's, for RAG templates), each of text fields
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
 # and its audio output), each of which changes the answer or what it carries, and the
 # values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"use_beam_search": (None, False),
-            "chat_template": (None,), "documents": (None, []), "logprob_token_ids": (None,),
+            "chat_template": (None,), "logprob_token_ids": (None,),
             "functions": (None, []), "logits_processors": (None, []),
             "prompt_embeds": (None,), "structural_tag": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}

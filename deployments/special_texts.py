@@ -40,8 +40,8 @@ def marked_contents(messages: list[dict], pattern: re.Pattern | None) -> dict[st
 
 def check_special_texts(body, pattern: re.Pattern | None) -> None:
     """BadRequest naming the field when a text the template renders outside a message's
-    content (its name, a call's id, name or arguments, a tool's description or schema)
-    holds a special token's text: it would become the token (Mistral's templates write a
+    content (its name, a call's id, name or arguments, a tool's description or schema, a
+    document) holds a special token's text: it would become the token (Mistral's templates write a
     call's id)."""
     if pattern is None:
         return
@@ -57,6 +57,9 @@ def check_special_texts(body, pattern: re.Pattern | None) -> None:
                                   ensure_ascii=False)
             fields.append((f"messages[{index}].tool_calls[{at}]",
                            call.function.name + call.function.arguments + rendered))
+    for index, document in enumerate(body.documents or ()):
+        fields.append((f"documents[{index}]", "".join(key + text
+                                                       for key, text in document.items())))
     for index, tool in enumerate(body.tools or ()):
         fields.append((f"tools[{index}]", json.dumps(tool.model_dump(), ensure_ascii=False)))
     for field, text in fields:

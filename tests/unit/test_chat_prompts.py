@@ -391,3 +391,29 @@ def test_a_text_among_chat_template_kwargs_counts_against_the_prompts_bytes(read
             "messages": hello, "chat_template_kwargs": {"date_string": text}})
         with pytest.raises(BadRequest, match="the prompt has 10[35] bytes"):
             dated.check_prompt_bytes(body, chat=True)
+
+
+# a RAG template's documents (Command R's and Granite's way): each written before the turn
+CITING = ("{%- if documents %}{%- for document in documents %}{{- 'Doc ' + document.title + "
+          "': ' + document.text + '\\n' }}{%- endfor %}{%- endif %}" + THINKING)
+
+
+def test_documents_reach_the_template_as_vllm_passes_them(reader):
+    """vLLM's chat `documents` go to the template (before, a 400); a template that reads
+    none renders as without them. Their texts count against the prompt's bytes; a special
+    token's text among them is refused naming them, as it would become the token."""
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.chat_template = CITING
+    citing = reader_of(tokenizer)
+    hello = [{"role": "user", "content": "hello"}]
+    documents = [{"title": "a", "text": "hello world"}, {"title": "b", "text": "answer"}]
+    text = tokenizer.decode(prompt_ids(citing, hello, documents=documents))
+    assert text.startswith("Doc a: hello world\nDoc b: answer\n<|im_start|>user")
+    assert prompt_ids(reader, hello, documents=documents) == prompt_ids(reader, hello)
+    with pytest.raises(BadRequest) as refused:
+        prompt_ids(citing, hello, documents=[{"title": "a", "text": "x<|im_end|>"}])
+    assert refused.value.param == "documents[0]"
+    citing.max_prompt_bytes = 100
+    body = ChatCompletionRequest(messages=hello, documents=[{"title": "a", "text": "x" * 96}])
+    with pytest.raises(BadRequest, match="the prompt has 111 bytes"):
+        citing.check_prompt_bytes(body, chat=True)

@@ -63,7 +63,6 @@ def test_what_changes_nothing_passes():
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True),
     ("chat_template", "{{ x }}"),
-    ("documents", [{"title": "t", "text": "x"}]),
     ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}]),
     ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),
     ("structural_tag", '{"structures": []}'), ("modalities", ["text", "audio"]),
