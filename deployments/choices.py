@@ -138,8 +138,12 @@ class Choices:
         body = completion_body(self.request_id, self.model, choices, self.usage(done),
                                self.plan.merged_stats(done), self.chat, self.created,
                                self.prompt_ids(0) if self.chat else None)
-        if asked is not None and self.chat and asked.top_n is not None:
-            body["prompt_logprobs"] = asked.listed(0, scores)
+        if asked is not None and self.chat:
+            if asked.top_n is not None:
+                body["prompt_logprobs"] = asked.listed(0, scores)
+            for choice in choices if asked.echo is not None else ():
+                message = choice["message"]
+                message["content"] = asked.echo[0] + (message["content"] or "")
         return body
 
     def usage(self, done: list[Generation]) -> dict:
@@ -228,10 +232,10 @@ class Choices:
 
     async def stream_choice(self, index: int, queue: asyncio.Queue) -> Generation:
         """One choice's chunks into the queue: the role (chat: with its first text), its text
-        deltas, each with the logprobs of the tokens committed since the last chunk when
-        asked for (as OpenAI and vLLM stream them), its end (with tools: what may be a call
-        is held to the end, then sent as content or as calls; with a reasoning parser, each
-        delta's reasoning and content in their fields, as vLLM's)."""
+        deltas, each with the logprobs of its tokens committed since the last chunk when
+        asked for (as OpenAI and vLLM), its end (with tools: what may be a call is held to the
+        end, then sent as content or calls; with a reasoning parser, each delta's reasoning
+        and content in their fields, as vLLM's)."""
         chunk = self.chunker(index)
         texts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
         thoughts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created,
@@ -275,18 +279,24 @@ class Choices:
         # the prompt's ids (return_token_ids): a chat's on its first chunk, as vLLM's; a
         # completion's beside its token_ids on its last (a first chunk is its first text)
         prompt_ids = self.prompt_ids(index)
-        # a chat's role (with tools, no content yet: a message of calls has none, null) waits
-        # for the first text: sent before the prefill, it was what clients time as the first
-        # token (vllm bench serve's TTFT: the first chunk with a choice)
-        opening, last = ([chunk("" if streamed.held is None else None, role="assistant",
-                                prompt_token_ids=prompt_ids)] if self.chat else []), []
+        opening, last = self.opening(chunk, echo, streamed, prompt_ids), []
         if echo is not None:  # the prompt's text (and logprobs) first (as vLLM's)
-            await queue.put(chunk(echo[0], logprobs=echo[1]))
+            await queue.put(opening.pop() if opening else chunk(echo[0], logprobs=echo[1]))
         generation = await self.run_choice(index, push)
         # off the event loop: all from where a call may begin was held, its tokens' logprobs too
         for text in [*opening, *await self.off_loop(ending, generation)]:
             await queue.put(text)
         return generation
+
+    def opening(self, chunk, echo, streamed: "StreamedText", prompt_ids) -> list[str]:
+        """A chat's first chunk, its role (with tools, no content yet: a message of calls has
+        none, null), sent with the first text: sent before the prefill, it was what clients
+        time as the first token (vllm bench serve's TTFT: the first chunk with a choice);
+        with an echo, at once with the last message's text (as vLLM's)."""
+        if not self.chat:
+            return []
+        head = echo[0] if echo is not None else "" if streamed.held is None else None
+        return [chunk(head, role="assistant", prompt_token_ids=prompt_ids)]
 
     def chunker(self, index: int):
         """chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):

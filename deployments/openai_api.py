@@ -133,9 +133,9 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
-    # OpenAI's completions' echo: the prompt before the output (vLLM's chat's, the last
-    # message's text if the assistant's, is refused: ChatCompletionRequest); best_of beyond
-    # n (vLLM's chat's too): refused rather than ignored, as it changes the answer
+    # OpenAI's completions' echo: the prompt before the output (vLLM's chat's: the last
+    # message's text before the content, ChatCompletionRequest.echoed); best_of beyond n
+    # (vLLM's chat's too): refused rather than ignored, as it changes the answer
     echo: bool = False
     best_of: int | None = None
     # extension (as vLLM): each prompt token's logprob and its position's top n
@@ -350,12 +350,13 @@ class ChatCompletionRequest(SamplingFields):
     # (deployments.reasoning)
     include_reasoning: bool = True
 
-    @field_validator("echo")
-    @classmethod
-    def no_echo(cls, value):
-        if value:  # vLLM's chat echo (the last message's text, if the assistant's)
-            raise ValueError("echo is served by /v1/completions only")
-        return value
+    def echoed(self) -> str:
+        """vLLM's chat echo: the text of the last message, when its role is the reply's (the
+        assistant's; without the generation prompt, the last message's own), put before
+        each choice's content; "" without echo or such a message."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return last.content or "" if self.echo and last.role == role else ""
 
     @field_validator("documents")
     @classmethod

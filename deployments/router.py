@@ -305,16 +305,21 @@ class Router:
 
     def prompt_answer(self, body, plan: RequestPlan, chat: bool) -> PromptAnswer | None:
         """What the request asked of its prompts (deployments.prompt_logprobs): their
-        logprobs (not streamed), a completion's echo; None: neither."""
+        logprobs (not streamed), an echo; None: neither."""
         top_n = None if body.stream else body.prompt_logprobs
-        echo = None if chat or not body.echo else \
-            [p if isinstance(p, str) else self.decode(p) for p in body.prompts()]
+        if not body.echo:
+            echo = None
+        elif chat:  # the last message's text, if any (no logprobs, as vLLM's)
+            echo = [body.echoed()] if body.echoed() else None
+        else:
+            echo = [p if isinstance(p, str) else self.decode(p) for p in body.prompts()]
         if top_n is None and echo is None:
             return None
         prompts = [plan.choices[i].request.prompt_token_ids
                    for i in range(0, len(plan.choices), plan.n)]
+        echo_top_n = body.logprobs if echo is not None and not chat else None
         return PromptAnswer(self.pools(plan.drafter_kind)[1], plan.request_id, prompts, top_n,
-                            echo, body.logprobs if echo is not None else None, self.decode,
+                            echo, echo_top_n, self.decode,
                             self.special_decode, body.return_tokens_as_token_ids)
 
     def tool_use(self, body) -> ToolUse | None:

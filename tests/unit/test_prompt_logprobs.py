@@ -397,3 +397,32 @@ def test_a_failed_prompt_scoring_fails_the_request_with_the_pools_error():
 
     status, body = served(Failing())({"prompt": "hi", "max_tokens": 4, "prompt_logprobs": 1})
     assert status >= 500 and "verifier" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chats_echo_puts_the_last_messages_text_before_each_choices_content(stream):
+    """vLLM's chat echo: the last message's text, when its role is the reply's (the
+    assistant's a client began; without the generation prompt, the last message's own),
+    before each choice's content (streamed: on the first chunk, with the role); nothing
+    otherwise, and the verifier is asked nothing."""
+    verifier, serve = Scored(), None
+    began = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
+    cases = [({"messages": began, "continue_final_message": True,
+               "add_generation_prompt": False}, "Sure: "),
+             ({"messages": began[:1], "add_generation_prompt": False}, "hi"),
+             ({"messages": began[:1]}, "")]
+    for fields, echoed in cases:
+        serve = served(verifier)
+        status, answer = serve({**fields, "max_tokens": 4, "n": 2, "echo": True,
+                                "stream": stream}, chat=True)
+        assert status == 200
+        if stream:
+            chunks = [e["choices"][0] for e in answer if e["choices"]]
+            contents = ["".join(c["delta"].get("content") or "" for c in chunks
+                                if c["index"] == i) for i in range(2)]
+            assert chunks[0]["delta"]["role"] == "assistant"
+            assert chunks[0]["delta"]["content"] == echoed
+        else:
+            contents = [c["message"]["content"] for c in answer["choices"]]
+        assert contents == [echoed + "aaaa"] * 2
+    assert verifier.asked == []

@@ -83,12 +83,11 @@ def test_the_defaults_of_the_fields_refused_pass():
     assert CompletionRequest(prompt="x", logits_processors=None, prompt_embeds=None).n == 1
 
 
-@pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+@pytest.mark.parametrize("fields, param", [({"best_of": 2}, "best_of"),
                                            ({"best_of": 3, "n": 2}, "best_of")])
-def test_chats_echo_and_best_of_are_refused_as_a_completions_are(fields, param):
-    """vLLM's chat echo puts the last message's text (the assistant's, when the client began
-    the reply) before the output, and returns the prompt's logprobs; its chat's best_of
-    returned the likeliest n of best_of: ignored, the client would get another answer."""
+def test_a_chats_best_of_is_refused_as_a_completions_is(fields, param):
+    """vLLM's chat best_of returned the likeliest n of best_of: ignored, the client would get
+    another answer."""
     with pytest.raises(ValidationError) as refused:
         ChatCompletionRequest(messages=CHAT, **fields)
     assert refused.value.errors()[0]["loc"] == (param,)
