@@ -33,8 +33,8 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's extension: exactly one of a JSON schema, any JSON object, a regex, a list of
-    choices or a Lark grammar (llguidance's dialect). A field it does not know is refused:
-    ignored, it would leave the output unconstrained."""
+    choices or a grammar (Lark in llguidance's dialect, or GBNF). A field it does not know
+    is refused: ignored, it would leave the output unconstrained."""
 
     model_config = ConfigDict(extra="forbid")
 

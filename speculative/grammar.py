@@ -27,6 +27,9 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 # expanded to 240k and took 2 s to compile (then broke the matcher, whose bound is 65,525);
 # 32k compile within 0.4 s, a 1 MiB prompt's tokenizing time (a 900-property object has 7k)
 MAX_GRAMMAR_SYMBOLS = 32 * 1024
+# a GBNF grammar's characters: converted to Lark in Python on the router's tokenizing
+# thread, in a time that grows with the square of its rules (16k in 800 rules: 0.27 s)
+MAX_GBNF_CHARS = 16 * 1024
 # JSON laid out on one line with single spaces: with whitespace left free (llguidance's
 # default), a small model spends its max_tokens on newlines inside the object; a schema's own
 # "x-guidance" options override this
@@ -72,7 +75,7 @@ def grammar_text(kind: str, spec) -> str:
                 all(isinstance(c, str) and c for c in spec):
             return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
         if kind == "grammar" and isinstance(spec, str):
-            return matcher.grammar_from_lark(spec)
+            return matcher.grammar_from_lark(lark_of(spec))
     except GrammarError:
         raise
     except UnicodeError:  # a lone surrogate, which no grammar can hold
@@ -84,6 +87,26 @@ def grammar_text(kind: str, spec) -> str:
     if kind == "choice":  # an empty list, or an empty string among them, chooses nothing
         raise GrammarError(kind, "takes a non-empty list of non-empty strings")
     raise GrammarError(kind, "has the wrong type")
+
+
+def lark_of(grammar: str) -> str:
+    """A grammar in llguidance's Lark dialect: a GBNF one (llama.cpp's, as vLLM's default
+    backend, xgrammar, takes it: `root ::= ...`) converted by llguidance's own converter,
+    a Lark one as it is; GrammarError for GBNF that does not convert."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if is_lark_syntax(grammar):  # a `start:` rule (or llguidance's options) at a line's start
+        return grammar
+    if len(grammar) > MAX_GBNF_CHARS:
+        raise GrammarError("grammar", f"a GBNF grammar takes at most {MAX_GBNF_CHARS} "
+                                      "characters")
+    try:
+        return gbnf_to_lark(grammar)
+    except RecursionError:
+        raise GrammarError("grammar", "nested too deeply") from None
+    except Exception as error:  # the converter's GbnfToLarkError, or its parser's own
+        raise GrammarError("grammar", f"neither Lark (it has no `start:` rule) nor GBNF: "
+                                      f"{error}") from None
 
 
 def compile_spec(kind: str, spec, tokenizer) -> str:

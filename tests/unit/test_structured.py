@@ -31,6 +31,8 @@ SPECS = {
     "regex": ("regex", r"def [a-z_]{1,12}\(self(, [a-z]{1,8}){0,2}\):"),
     "choice": ("choice", ["import os", "import sys", "from typing import List"]),
     "grammar": ("grammar", 'start: "x = " SUM\nSUM: /[0-9]{1,3}( \\+ [0-9]{1,3}){0,3}/'),
+    # llama.cpp's GBNF (vLLM's default backend takes it), converted to Lark by llguidance
+    "gbnf": ("grammar", 'root ::= "x = " num (" + " num){0,3}\nnum ::= [0-9]{1,3}'),
 }
 PROMPT = "# settings\n"
 MAX_TOKENS = 40
@@ -108,6 +110,9 @@ def test_constrained_greedy_equals_the_masked_target_alone(demo, name):
     ("regex", "[^\\s\\S]", "regex"), ("regex", "abc[^\\s\\S]", "regex"),
     ("grammar", 'start: "abc" B\nB: /[^\\s\\S]/', "grammar"),
     ("grammar", 'start: "abc" b\nb: "d" b', "grammar"),
+    ("grammar", 'root ::= ("a"', "grammar"), ("grammar", "root ::= undefined", "grammar"),
+    ("grammar", 'root ::= "a"\n' + "# a comment\n" * 2000, "grammar"),
+    ("grammar", 'root ::= "a"' + ' ("b"' * 4000 + ")" * 4000, "grammar"),
     ("json", {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                               "required": ["c"]}}, "$ref": "#/$defs/n"}, "json")])
 def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
