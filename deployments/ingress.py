@@ -282,12 +282,21 @@ class CrossOrigin:
         await self.handler(scope, receive, send)
 
 
+class IngressApp(FastAPI):
+    """FastAPI with CrossOrigin around all of it. Starlette answers a bug (the handler of
+    Exception: `unexpected`) in its ServerErrorMiddleware, outside every added middleware:
+    added, CrossOrigin left that 500 without CORS headers, and a browser's page saw a
+    failed cross-origin call instead of the error (vLLM's catch-all answers the same way)."""
+
+    def build_middleware_stack(self):
+        return CrossOrigin(super().build_middleware_stack())
+
+
 def ingress_app(title: str, bodies: dict | None = None) -> FastAPI:
     """A FastAPI app that answers bugs and unrouted requests in OpenAI's shape, answers
-    browsers' cross-origin requests as allow_cross_origin says, and documents the request
-    bodies (openapi_document's bodies)."""
-    app = FastAPI(title=title)
-    app.add_middleware(CrossOrigin)
+    browsers' cross-origin requests as allow_cross_origin says (every answer, a bug's
+    among them), and documents the request bodies (openapi_document's bodies)."""
+    app = IngressApp(title=title)
     app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(TaskCancelledError, cancelled)
     app.add_exception_handler(HTTPException, not_routed)

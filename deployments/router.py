@@ -86,14 +86,18 @@ def model_card(name: str, model: str, context: int) -> dict:
             "permission": [permission]}
 
 
-def local_drafters(model: str, target, max_running_requests: int) -> dict[str, OffLoop]:
+def local_drafters(model: str, target, max_running_requests: int,
+                   max_cached_tokens: int) -> dict[str, OffLoop]:
     """The drafters without a model that the router runs itself, by kind, each with sessions
     for every choice the router runs and as many finished ones (the drafters' default 256,
     below a larger admission, evicted running sessions every round: a suffix drafter then
-    indexed each whole prompt again)."""
+    indexed each whole prompt again), and at most max_cached_tokens committed tokens in
+    them (a few long contexts held gigabytes of suffix tries)."""
     sessions = max(256, 2 * max_running_requests)
     return {kind: OffLoop(build_drafter(DrafterSpec(kind=kind, target=model,
-                                                    max_cached_requests=sessions), target))
+                                                    max_cached_requests=sessions,
+                                                    max_cached_tokens=max_cached_tokens),
+                                        target))
             for kind in router_side_kinds()}
 
 
@@ -147,7 +151,8 @@ class Router:
         # threads, so that one long answer does not hold the others' ends back
         self.rendering = ThreadPoolExecutor(max_workers=4, thread_name_prefix="render")
         self.token_bytes = token_bytes_of(self.prompts.grammar_tokenizer)
-        self.local_drafters = local_drafters(args.model, target, args.max_running_requests)
+        self.local_drafters = local_drafters(args.model, target, args.max_running_requests,
+                                             args.local_drafter_cached_tokens)
         self.front_end = RequestFrontEnd(args.speculation_defaults())
         self.metrics = RouterMetrics()
         self.admission = Admission(args.max_running_requests,

@@ -178,6 +178,12 @@ class RouterArgs(BaseModel):
     # the pools' session and token bounds (max_cached_requests, max_cached_tokens), so that
     # running requests are never evicted from the caches
     max_running_requests: int = Field(default=128, ge=1)
+    # the committed tokens the sessions of each drafter the router runs itself (a request's
+    # "drafter": "ngram" or "suffix") hold together, least recently used out beyond it (an
+    # evicted session rebuilds on its next call, exact): a suffix drafter's tries take about
+    # 6 KB a token, so 1.5 GB at worst here. Keep max_running_requests x the context within
+    # it, as the pools' max_cached_tokens
+    local_drafter_cached_tokens: int = Field(default=262_144, ge=1)
     max_prompt_bytes: int = Field(default=1 << 20, ge=1)  # checked before tokenizing
     # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
     # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)

@@ -234,6 +234,8 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
         args = args_model.model_validate(apps[pool]["args"])
         assert router.max_running_requests <= args.max_cached_requests, pool
         assert router.max_running_requests * context <= args.max_cached_tokens, pool
+    # the drafters the router runs itself, the same
+    assert router.max_running_requests * context <= router.local_drafter_cached_tokens
     for app in config["applications"]:
         for deployment in app["deployments"]:
             assert deployment.get("max_queued_requests", -1) > 0, (app["name"], "unbounded queue")

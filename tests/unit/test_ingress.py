@@ -94,6 +94,24 @@ def test_browsers_may_call_the_router_as_vllms_defaults_allow(monkeypatch):
     assert refused.status_code == 404 and refused.headers["access-control-allow-origin"] == "*"
 
 
+def test_a_bugs_500_carries_the_cors_headers_too(monkeypatch):
+    """Starlette answers a bug outside every added middleware: the 500 went without CORS
+    headers, and a browser's page saw a failed cross-origin call, not the error. Still
+    logged once, and still raised on to the server."""
+    monkeypatch.setattr(ingress, "_cross_origin", None)
+    ingress.allow_cross_origin(RouterArgs(allowed_origins=["https://ui.example"],
+                                          allow_credentials=True).cross_origin())
+    with Records() as records:
+        failed = app_raising(RuntimeError("boom")).get("/v1/x",
+                                                       headers={"Origin": "https://ui.example"})
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal error"
+    assert failed.headers["access-control-allow-origin"] == "https://ui.example"
+    assert failed.headers["access-control-allow-credentials"] == "true"
+    assert [r.levelno for r in records] == [logging.ERROR]
+    with pytest.raises(RuntimeError, match="boom"):
+        app_raising(RuntimeError("boom"), raised_on=True).get("/v1/x")
+
+
 def test_an_origin_the_args_do_not_list_is_refused_and_a_pools_app_has_no_cors(monkeypatch):
     monkeypatch.setattr(ingress, "_cross_origin", None)
     pool = app_raising(RuntimeError("boom"))  # nothing allowed: no header, no preflight

@@ -388,6 +388,6 @@ def test_the_routers_drafters_hold_a_session_for_every_choice_it_runs():
 
     target = Checkpoint.load(DEMO_TARGET)
     for running, sessions in ((128, 256), (1000, 2000)):
-        drafters = local_drafters(DEMO_TARGET, target, running)
+        drafters = local_drafters(DEMO_TARGET, target, running, 262_144)
         assert {kind: routed.drafter.sessions.capacity for kind, routed in drafters.items()} \
             == {"ngram": sessions, "suffix": sessions}
