@@ -3,9 +3,16 @@ structured_outputs (deployments.openai_api's bodies carry them; speculative.gram
 what they ask)."""
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from deployments.tools import FieldError
 
@@ -13,8 +20,8 @@ from deployments.tools import FieldError
 # vLLM's options of structured_outputs at the values that ask for nothing (its defaults, as
 # a client serialising vLLM's StructuredOutputsParams whole sends them): any other is refused
 STRUCTURED_DEFAULTS = {"disable_fallback": False, "disable_any_whitespace": False,
-                       "disable_additional_properties": False, "whitespace_pattern": None,
-                       "structural_tag": None}
+                       "disable_additional_properties": False, "whitespace_pattern": None}
+MAX_STRUCTURES = 128  # a structural tag's structures (one a tool, as MAX_TOOLS)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -24,11 +31,57 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+class Structure(BaseModel):
+    """One of a structural tag's structures (vLLM's StructuralTag): where the output writes
+    `begin`, a JSON value of `schema` follows, then `end`."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    begin: str = Field(min_length=1)
+    schema_: dict = Field(alias="schema")
+    end: str
+
+
+class StructuralTag(BaseModel):
+    """vLLM's structural tag (its guidance backend's form): free text, in which each of the
+    `triggers` starts a structure whose `begin` it opens (a tool call in the midst of text)."""
+
+    structures: list[Structure] = Field(min_length=1, max_length=MAX_STRUCTURES)
+    triggers: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1,
+                                                                 max_length=MAX_STRUCTURES)
+
+    @model_validator(mode="after")
+    def triggered(self):
+        for at, structure in enumerate(self.structures):
+            if not any(structure.begin.startswith(t) for t in self.triggers):
+                raise ValueError(f"structures[{at}].begin {structure.begin!r} starts with "
+                                 "none of the triggers")
+        return self
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema;
+    vLLM's structural tag (its structures and triggers beside the type)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict] | None = None
+    triggers: list | None = None
+    format: object = None  # vLLM's newer structural tag (xgrammar's): not served
+
+    def structural_tag(self) -> "StructuralTag":
+        """The structural tag this format gives; FieldError naming what is wrong."""
+        if self.format is not None:
+            raise FieldError("response_format.format", "this server takes a structural tag "
+                             "as its structures and triggers (vLLM's guidance backend's form)")
+        try:
+            return StructuralTag(structures=self.structures or [], triggers=self.triggers or [])
+        except ValidationError as error:
+            raise FieldError("response_format", tag_error(error)) from None
+
+
+def tag_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"structural tag: {where + ': ' if where else ''}{first['msg']}"
 
 
 class StructuredOutputs(BaseModel):
@@ -43,6 +96,8 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # vLLM's: a structural tag as JSON text ({"structures": [...], "triggers": [...]})
+    structural_tag: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -53,6 +108,16 @@ class StructuredOutputs(BaseModel):
             data = {key: value for key, value in data.items()
                     if not (key in STRUCTURED_DEFAULTS and value is STRUCTURED_DEFAULTS[key])}
         return without_nulls(data)
+
+    @field_validator("structural_tag")
+    @classmethod
+    def tag_read(cls, value):
+        if value is None:
+            return None
+        try:
+            return StructuralTag.model_validate_json(value).model_dump(by_alias=True)
+        except ValidationError as error:
+            raise ValueError(tag_error(error)) from None
 
     @field_validator("json_")
     @classmethod
@@ -85,9 +150,12 @@ def constraint_of(form: ResponseFormat | None, given: StructuredOutputs | None
             raise FieldError("response_format.json_schema",
                              "a response_format of type json_schema needs it")
         found.append(("response_format.json_schema", "json", form.json_schema.schema_))
+    elif form is not None and form.type == "structural_tag":
+        found.append(("response_format", "structural_tag",
+                      form.structural_tag().model_dump(by_alias=True)))
     if given is not None and given.json_object:
         found.append(("structured_outputs.json_object", "json", {"type": "object"}))
-    for kind in ("json", "regex", "choice", "grammar"):
+    for kind in ("json", "regex", "choice", "grammar", "structural_tag"):
         spec = None if given is None else getattr(given, "json_" if kind == "json" else kind)
         if spec is not None:
             found.append((f"structured_outputs.{kind}", kind, spec))

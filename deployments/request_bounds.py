@@ -18,13 +18,14 @@ MAX_CACHE_SALT = 256  # characters
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
 MAX_DOCUMENTS = 64  # a chat's documents (vLLM's, for RAG templates), each of text fields
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object",
+          "structural_tag")
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
 # and its audio output), each of which changes the answer or what it carries, and the
 # values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"use_beam_search": (None, False),
             "chat_template": (None,), "logprob_token_ids": (None,),
             "functions": (None, []), "logits_processors": (None, []),
-            "prompt_embeds": (None,), "structural_tag": (None,),
+            "prompt_embeds": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too

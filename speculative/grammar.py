@@ -76,6 +76,8 @@ def grammar_text(kind: str, spec) -> str:
             return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec))
         if kind == "grammar" and isinstance(spec, str):
             return matcher.grammar_from_lark(lark_of(spec))
+        if kind == "structural_tag" and isinstance(spec, dict):
+            return matcher.grammar_from_lark(tagged_lark(spec))
     except GrammarError:
         raise
     except UnicodeError:  # a lone surrogate, which no grammar can hold
@@ -107,6 +109,21 @@ def lark_of(grammar: str) -> str:
     except Exception as error:  # the converter's GbnfToLarkError, or its parser's own
         raise GrammarError("grammar", f"neither Lark (it has no `start:` rule) nor GBNF: "
                                       f"{error}") from None
+
+
+def tagged_lark(tag: dict) -> str:
+    """A structural tag's grammar ({"structures": [{begin, schema, end}], "triggers": [...]},
+    as vLLM's guidance backend builds it): any text, in which a trigger starts the structure
+    whose begin it opens, its schema's JSON, then its end."""
+    module = llguidance()
+    try:
+        tags = [module.StructTag(trigger=next(t for t in tag["triggers"]
+                                              if s["begin"].startswith(t)),
+                                 begin=s["begin"], grammar=s["schema"], end=s["end"])
+                for s in tag["structures"]]
+        return module.StructTag.to_grammar(tags)
+    except (KeyError, TypeError, StopIteration, AssertionError) as error:
+        raise GrammarError("structural_tag", f"not a structural tag: {error!r}") from None
 
 
 def compile_spec(kind: str, spec, tokenizer) -> str:

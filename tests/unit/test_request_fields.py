@@ -65,7 +65,7 @@ def test_what_changes_nothing_passes():
     ("chat_template", "{{ x }}"),
     ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}]),
     ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),
-    ("structural_tag", '{"structures": []}'), ("modalities", ["text", "audio"]),
+    ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"})])
 def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, value):
     """Each changes the answer or what it carries (OpenAI's deprecated `functions` ask for
@@ -102,7 +102,8 @@ def test_min_p_reaches_the_sampling_parameters_as_vllm_takes_it():
 
 
 @pytest.mark.parametrize("fields", [{"structured_outputs": {"json_objct": True}},
-                                    {"guided_json": {"type": "object"}}, {"guided_regex": "a"}])
+                                    {"guided_json": {"type": "object"}}, {"guided_regex": "a"},
+                                    {"structural_tag": '{"structures": []}'}])
 def test_a_constraint_this_server_does_not_know_is_refused_not_ignored(fields):
     body = json.dumps({"prompt": "x", **fields}).encode()
     with pytest.raises(BadRequest) as refused:

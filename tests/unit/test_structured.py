@@ -376,3 +376,54 @@ def test_following_a_long_output_reads_only_its_end_in_python(demo):
     assert fresh.follow(output) == len(output)
     assert masks.consumed == output
     assert torch.equal(masks.next_mask(vocab), fresh.next_mask(vocab))
+
+
+# vLLM's structural tag: free text in which each `return (` opens a JSON string, then ")"
+RETURN_TAG = {"structures": [{"begin": "return (", "end": ")",
+                              "schema": {"type": "string", "maxLength": 12}}],
+              "triggers": ["return ("]}
+
+
+def test_a_structural_tag_holds_each_structure_its_trigger_opens_exact_under_speculation(demo):
+    """vLLM's structural tag (its guidance backend's form, built by llguidance's StructTag):
+    the text is free until a trigger, then the structure's schema and end are forced; greedy
+    output equals the masked target alone under every drafter, and the tag did fire (the
+    demo target writes `return (\n "The "error"` unconstrained)."""
+    tokenizer, target, draft, ll = demo
+    grammar = compile_spec("structural_tag", RETURN_TAG, ll)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, grammar=grammar)
+    prompt = tokenizer("raise ValueError(", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    expected = reference(target, ll, grammar, prompt, eos)
+    text = text_decoder(tokenizer)(expected)
+    opened = [m.end() for m in re.finditer(re.escape("return ("), text)]
+    assert opened and all(re.match(r'"[^"]{0,12}"\)', text[at:]) for at in opened), text
+    verifier = ModelVerifier(target, grammar_tokenizer=ll)
+    drafter = ModelDrafter(draft, vocab_size=target.config.vocab_size, grammar_tokenizer=ll)
+    for i, (k, pipelined) in enumerate([(0, False), (3, False), (2, True)]):
+        out, _ = run(drafter, verifier, prompt, params, k, request_id=f"t{i}", stop=(eos,),
+                     pipelined=pipelined)
+        assert out == expected, (k, pipelined)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f"]}},
+     "response_format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"], "structures": [
+        {"begin": "<g>", "schema": {}, "end": ""}]}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
+     "response_format.format"),
+    ({"structured_outputs": {"structural_tag": '{"structures": 1}'}},
+     "structured_outputs.structural_tag")])
+def test_a_structural_tag_that_cannot_be_is_refused_naming_its_field(fields, param):
+    from pydantic import ValidationError
+
+    from deployments.openai_api import CompletionRequest
+    from deployments.tools import FieldError
+
+    with pytest.raises((ValidationError, FieldError)) as refused:
+        CompletionRequest.model_validate({"prompt": "x", **fields}).constraint()
+    error = refused.value
+    named = error.param if isinstance(error, FieldError) else \
+        ".".join(map(str, error.errors()[0]["loc"]))
+    assert named == param
