@@ -1,28 +1,22 @@
 """vLLM's bad_words read into token id sequences, as vLLM's SamplingParams tokenizes them
 (update_from_tokenizer): each word with its leading whitespace stripped, and again after a
 space (a word inside the text, not at its start), that second form kept only where it is
-another word's tokens: as many, its first one different. The pools then mask each
-sequence's last token where the output ends with its other tokens
+another word's tokens: as many, its first one different. A special token's text in a word
+is read as that token, as vLLM's tokenizer reads it (`"<|endoftext|>"` bans the end token).
+The pools then mask each sequence's last token where the output ends with its other tokens
 (speculative.shaping.ban_words)."""
-
-import re
 
 from deployments.ingress import BadRequest
 from speculative.sampling import MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS
 
 
-def bad_words_ids(tokenizer, words: list[str], vocab_size: int,
-                  special: re.Pattern | None) -> tuple[tuple[int, ...], ...]:
+def bad_words_ids(tokenizer, words: list[str], vocab_size: int
+                  ) -> tuple[tuple[int, ...], ...]:
     """The words' token id sequences; BadRequest (param bad_words) for a word that is empty
-    once tokenized, holds a special token's text (the tokenizer would read it as that token:
-    ban a token by its id, with logit_bias), or has ids outside the vocabulary, and for
-    more than MAX_BAD_WORDS sequences or MAX_BAD_WORDS_TOKENS ids in all."""
+    once tokenized or has ids outside the vocabulary, and for more than MAX_BAD_WORDS
+    sequences or MAX_BAD_WORDS_TOKENS ids in all."""
     sequences: list[tuple[int, ...]] = []
     for index, word in enumerate(words):
-        if special is not None and (found := special.search(word)):
-            raise BadRequest(f"bad_words[{index}] contains {found.group()!r}, the text of one "
-                             "of the model's special tokens: ban a token by its id with "
-                             "logit_bias", param="bad_words")
         plain = encoded(tokenizer, word.lstrip())
         if not plain:
             raise BadRequest(f"bad_words[{index}] must tokenize to at least one token",

@@ -4,7 +4,7 @@ deployments.responses)."""
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.chat_messages import ChatMessage, encodable
 from deployments.formats import (
@@ -23,18 +23,17 @@ from deployments.tools import (
     tool_use,
 )
 from deployments.request_bounds import (
-    GUIDED,
     MAX_CACHE_SALT,
     MAX_CHOICES,
+    MAX_DOCUMENTS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_MESSAGES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOTAL_CHARS,
-    MAX_DOCUMENTS,
     MAX_TEMPLATE_KWARGS,
     MAX_TOOL_CALLS,
-    UNSERVED,
+    refuse_unserved,
 )
 from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
@@ -77,7 +76,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt alone (`decodes`)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -148,14 +147,7 @@ class SamplingFields(BaseModel):
         """OpenAI's fields are nullable (temperature, n, stream, ...): null means the default,
         as in vLLM."""
         if isinstance(data, dict):
-            if guided := sorted(key for key in GUIDED if data.get(key) is not None):
-                raise FieldError(guided[0], "vLLM's earlier field, not served here: give the "
-                                 "constraint as structured_outputs or response_format")
-            if unserved := sorted(key for key, served in UNSERVED.items()
-                                  if key in data and data[key] not in served):
-                value = repr(data[unserved[0]])  # a template or functions may be long
-                value = value if len(value) <= 80 else value[:77] + "..."
-                raise FieldError(unserved[0], f"{value} is not supported by this server")
+            refuse_unserved(data)
         return without_nulls(data)
 
     @field_validator("prompt_logprobs")
@@ -192,6 +184,13 @@ class SamplingFields(BaseModel):
         if value == 0:
             raise ValueError("keeps no prompt token: give -1 (the context) or k >= 1")
         return value
+
+    @model_validator(mode="after")
+    def decodes(self):  # max_tokens 0: a completion's echo, the prompt alone (as vLLM's)
+        if self.max_tokens == 0 and (not self.echo or hasattr(self, "messages")):
+            raise FieldError("max_tokens", "must be at least 1, got 0 (0 is served with echo "
+                                           "on /v1/completions: the prompt alone)")
+        return self
 
     @field_validator("stream_options")
     @classmethod
@@ -260,7 +259,8 @@ class SamplingFields(BaseModel):
                               allowed_token_ids=tuple(self.allowed_token_ids or ()))
 
     def max_tokens_or(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+        given = self.max_completion_tokens or self.max_tokens  # max_tokens may be 0
+        return default if given is None else given
 
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; n: each token's logprob and its position's top n."""
@@ -327,6 +327,9 @@ def prompt_list(prompt) -> list:
     return [prompt] if one else list(prompt)
 
 
+DocumentText = Annotated[str, AfterValidator(lambda text: encodable(text, "documents"))]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
@@ -345,26 +348,18 @@ class ChatCompletionRequest(SamplingFields):
                                                         max_length=MAX_TEMPLATE_KWARGS)
     # vLLM's: documents a RAG template writes into the prompt (Command R's, Granite's), each
     # a dict of texts ({"title": ..., "text": ...}); a template that reads none drops them
-    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS)
+    documents: list[dict[DocumentText, DocumentText]] | None = Field(default=None,
+                                                                      max_length=MAX_DOCUMENTS)
     # vLLM's: false, a reasoning parser's reasoning is split off and not sent
     # (deployments.reasoning)
     include_reasoning: bool = True
 
     def echoed(self) -> str:
-        """vLLM's chat echo: the text of the last message, when its role is the reply's (the
-        assistant's; without the generation prompt, the last message's own), put before
-        each choice's content; "" without echo or such a message."""
+        """vLLM's chat echo, put before each choice's content: the last message's text when
+        its role is the reply's (without the generation prompt, its own), else ""."""
         last = self.messages[-1]
         role = "assistant" if self.add_generation_prompt else last.role
         return last.content or "" if self.echo and last.role == role else ""
-
-    @field_validator("documents")
-    @classmethod
-    def documents_encodable(cls, value):
-        for document in value or ():
-            for key, text in document.items():
-                encodable(key + text, "documents")
-        return value
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -90,7 +90,7 @@ class PromptReader:
         if body.bad_words:  # tokenized off the event loop too
             words = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizing, bad_words_ids, self.tokenizer, body.bad_words,
-                self.vocab_size, special_pattern(self.tokenizer))
+                self.vocab_size)
             sampling = replace(sampling, bad_words_ids=words)
         stop_ids = self.stop_ids(body, constraint is not None)
         if sampling.min_tokens:  # what min_tokens holds back: the end tokens and stop ids,

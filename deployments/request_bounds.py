@@ -2,6 +2,8 @@
 against the router's max_prompt_bytes and the context), and the vLLM fields this server
 refuses rather than ignores (deployments.openai_api)."""
 
+from deployments.tools import FieldError
+
 # stop strings: as many as lm-evaluation-harness sends (a task's and the end text: 6 for
 # humaneval; vLLM bounds none), their characters bounded in all at OpenAI's 4 x 256: each
 # output token checks the held text against every prefix of each (speculative.driver)
@@ -29,3 +31,16 @@ UNSERVED = {"use_beam_search": (None, False),
             "prompt_embeds": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
+
+
+def refuse_unserved(body: dict) -> None:
+    """FieldError for the first of vLLM's earlier constraint fields (GUIDED) given, then for
+    the first field of UNSERVED at a value that asks for something."""
+    if guided := sorted(key for key in GUIDED if body.get(key) is not None):
+        raise FieldError(guided[0], "vLLM's earlier field, not served here: give the "
+                         "constraint as structured_outputs or response_format")
+    if unserved := sorted(key for key, served in UNSERVED.items()
+                          if key in body and body[key] not in served):
+        value = repr(body[unserved[0]])  # a template or functions may be long
+        value = value if len(value) <= 80 else value[:77] + "..."
+        raise FieldError(unserved[0], f"{value} is not supported by this server")

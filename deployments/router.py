@@ -61,6 +61,7 @@ from deployments.tokenize_api import (
     TokenizeRequest,
     detokenized,
     tokenized,
+    tokenizer_info,
 )
 from deployments.tool_parsers import KEPT_TEXTS
 from deployments.tools import ToolUse
@@ -230,6 +231,17 @@ class Router:
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
         return await self.serve_tokenizer(request, DetokenizeRequest, detokenized)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request):
+        """vLLM's (deployments.tokenize_api.tokenizer_info), behind the API key; 404 unless
+        the router enables it, as vLLM's flag does."""
+        if refused := unauthorized(request, self.api_key):
+            return refused
+        if not self.args.enable_tokenizer_info_endpoint:
+            return error_response(BadRequest("/tokenizer_info is off: the router's "
+                                             "enable_tokenizer_info_endpoint enables it", 404))
+        return tokenizer_info(self.prompts.tokenizer)
 
     async def serve_tokenizer(self, request: Request, schema, answer):
         """vLLM's tokenizer endpoints (deployments.tokenize_api), behind the API key."""

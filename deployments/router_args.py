@@ -195,6 +195,9 @@ class RouterArgs(BaseModel):
     allowed_methods: list[str] = ["*"]
     allowed_headers: list[str] = ["*"]
     allow_credentials: bool = False
+    # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info answers the tokenizer's
+    # config, its chat template among it (off, as vLLM: a template may be private); off: 404
+    enable_tokenizer_info_endpoint: bool = False
 
     def cross_origin(self) -> dict:
         """Starlette's CORSMiddleware's arguments (deployments.ingress.allow_cross_origin)."""

@@ -2,7 +2,8 @@
 completions or chat request with the same fields would feed them to the model (a chat's
 through the template, its tools listed, a special token's text in a message read as text),
 so a client can count a prompt against the context before it asks; `POST /detokenize` gives
-the text of token ids."""
+the text of token ids; `GET /tokenizer_info` (when the router enables it) the tokenizer's
+config."""
 
 import asyncio
 
@@ -95,3 +96,28 @@ def check_in_vocabulary(tokens: list[int], vocab_size: int) -> None:
     named = ", ".join(f"tokens[{i}] = {t}" for i, t in bad[:3])  # the first few
     raise BadRequest(f"tokens must be in [0, {vocab_size}): {named}"
                      + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""), param="tokens")
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """vLLM's /tokenizer_info answer: the tokenizer's config as it was loaded (its
+    init_kwargs, tokenizer_config.json's fields), special tokens by their text, its class's
+    name and the chat template chat requests are rendered with; without the paths of its
+    files on this machine (vLLM drops vocab_file and merges_file; here every `*_file`)."""
+    config = {key: plain(value) for key, value in (tokenizer.init_kwargs or {}).items()
+              if not key.endswith("_file")}
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if getattr(tokenizer, "chat_template", None):
+        config["chat_template"] = tokenizer.chat_template
+    return config
+
+
+def plain(value):
+    """A config value as JSON holds it: a special token (AddedToken) as its text, and what
+    JSON has no type for as its str."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(key): plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)

@@ -266,6 +266,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 
     if not 1 <= args.n <= MAX_CHOICES:  # the router's bound on n
         parser.error(f"--n must be in [1, {MAX_CHOICES}]")
+    if args.max_tokens < 1:  # 0 decodes nothing: the router's echo alone serves it
+        parser.error("--max-tokens must be >= 1")
     if not 1 <= args.plain_steps <= MAX_PLAIN_STEPS:
         parser.error(f"--plain-steps must be in [1, {MAX_PLAIN_STEPS}]")
     if args.tree_width == "auto" and (args.num_speculative_tokens != "auto" or args.pipelined

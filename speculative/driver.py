@@ -270,14 +270,15 @@ class Generation:
     async def stream(self, drafter: Drafter, verifier: Verifier, policy: KPolicy,
                      pipelined: bool = False) -> AsyncIterator[str]:
         """Text deltas as rounds commit; pipelined: draft the next block during each verify."""
-        rounds = run_rounds(self.state, drafter, verifier, policy, pipelined)
-        async with contextlib.aclosing(rounds):  # an early stop releases the pools at once
-            async for added in rounds:
-                self._take(added)
-                if delta := self._ready():
-                    yield delta
-                if self.finish_reason is not None:
-                    break
+        if self.finish_reason is None:  # else max_tokens 0: no round, no pool called
+            rounds = run_rounds(self.state, drafter, verifier, policy, pipelined)
+            async with contextlib.aclosing(rounds):  # an early stop releases the pools at once
+                async for added in rounds:
+                    self._take(added)
+                    if delta := self._ready():
+                        yield delta
+                    if self.finish_reason is not None:
+                        break
         if self.detokenizer is not None and self.ends_held_text:
             self._text.append(self.detokenizer.flush())
         if tail := self._text.since(self._sent):

@@ -24,7 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0  # vLLM's: tokens below min_p x the likeliest one's probability dropped
     seed: int | None = None
-    max_tokens: int = 64
+    max_tokens: int = 64  # 0: nothing decoded (the completions API's echo of the prompt)
     stop: tuple[str, ...] = field(default_factory=tuple)
     # vLLM's: the stop string (or stop token) that ends the output is kept in its text
     include_stop_str_in_output: bool = False
@@ -68,8 +68,9 @@ class SamplingParams:
             errors.append(f"cache_salt must be a string, got {self.cache_salt!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             errors.append(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            errors.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or \
+                self.max_tokens < 0:
+            errors.append(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             errors.append(f"stop must be a list of non-empty strings, got {self.stop!r}")
         for name in ("presence_penalty", "frequency_penalty"):

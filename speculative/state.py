@@ -91,7 +91,8 @@ class RequestState:
         # the draft model's context is full (DraftBlock.context_full): the rounds left are
         # the target's alone, of plain_steps tokens, without a call to the drafter
         self.draft_context_full = False
-        self.finish_reason: str | None = None
+        # max_tokens 0 (the completions API's echo of the prompt alone): ended before a round
+        self.finish_reason: str | None = "length" if request.sampling.max_tokens == 0 else None
         self.logprobs: list[TokenLogprob] = []  # one per output token, when asked for
         self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
         self.round_tree = 0  # nodes of the tree the policy chose for this round (0: none)

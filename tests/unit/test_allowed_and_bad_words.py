@@ -255,10 +255,20 @@ def test_bad_words_tokenize_as_vllms_with_and_without_a_leading_space(reader):
                                       ids(" def foo"))
 
 
+def test_a_special_tokens_text_in_a_bad_word_bans_that_token_as_vllms(reader):
+    """vLLM's tokenizer reads a special token's text in a word as the token (its
+    update_from_tokenizer encodes each word so): the end text bans the end token, alone
+    or after a word's other tokens; it was a 400."""
+    end = reader.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    a = tuple(reader.tokenizer("a", add_special_tokens=False)["input_ids"])
+    sampling = read(reader, bad_words=["<|endoftext|>", "a<|endoftext|>"])
+    assert sampling.bad_words_ids[0] == (end,) and sampling.bad_words_ids[1] == (*a, end)
+    assert all(word[-1] == end for word in sampling.bad_words_ids)
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"allowed_token_ids": [4096]}, "allowed_token_ids must be in"),
     ({"bad_words": ["  "]}, "must tokenize to at least one token"),
-    ({"bad_words": ["a<|endoftext|>"]}, "special tokens"),
     ({"bad_words": ["the"] * 65}, "the limits are 128")])  # "the" and " the" each
 def test_what_the_vocabulary_refuses_is_a_400_naming_the_field(reader, fields, words):
     with pytest.raises(BadRequest, match=words) as refused:

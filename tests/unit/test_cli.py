@@ -121,7 +121,7 @@ BAD_GENERATE_FLAGS = [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
     (["--top-k", "-2"], "top_k"),
-    (["--max-tokens", "0"], "max_tokens"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["-k", "-1"], "num-speculative-tokens"),
     (["-k", "65"], "num-speculative-tokens"),  # over the drafters' bound
     (["--n", "0"], "--n"),

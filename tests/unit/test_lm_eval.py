@@ -70,3 +70,72 @@ def test_generate_until_takes_a_tasks_stop_strings_and_the_end_text():
                                      "model": "m", "max_tokens": 3, "temperature": 0,
                                      "stop": stop[:4], "seed": SEED}, chat=True)
     assert status == 200 and body["choices"][0]["message"]["content"] == "aaa"
+
+
+class Undecoded(Likeliest):
+    """Likeliest, recording every call of the decoding (a draft, a verification, a
+    release) as both pools."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoding: list[str] = []
+
+    async def propose(self, call):
+        self.decoding.append("propose")
+        return await super().propose(call)
+
+    async def score(self, call):
+        self.decoding.append("score")
+        return await super().score(call)
+
+    async def release(self, request_id):
+        self.decoding.append("release")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_older_harness_loglikelihood_of_no_tokens_is_the_prompt_alone(stream):
+    """lm-eval <= 0.4.3 sends max_tokens 0 with echo and reads token_logprobs[ctxlen:]: each
+    choice is its prompt alone (its text, its tokens' logprobs, the first null), ended
+    "length" with no output token, whole or streamed, and nothing is drafted or verified
+    (the prompt's logprobs are the one call). Without echo, 0 is refused, as vLLM's."""
+    verifier = Undecoded()
+    serve = served(verifier)
+    serve.router.pools = lambda kind=None: (verifier, verifier)
+    prompts, ctxlens = [[5, 6, 7, 8, 9], [10, 11, 12]], [3, 1]
+    options = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    status, answer = serve({**loglikelihood_body(prompts), "max_tokens": 0, **options})
+    assert status == 200
+    if stream:  # each choice's chunks joined, the usage on the last event
+        events, body = answer, {"usage": answer[-1]["usage"], "choices": []}
+        for index in (0, 1):
+            chunks = [e["choices"][0] for e in events if e["choices"]
+                      and e["choices"][0]["index"] == index]
+            body["choices"].append({
+                "index": index, "text": "".join(c["text"] or "" for c in chunks),
+                "finish_reason": chunks[-1]["finish_reason"],
+                "logprobs": {key: [v for c in chunks if c["logprobs"]
+                                   for v in c["logprobs"][key]]
+                             for key in ("token_logprobs", "top_logprobs")}})
+    else:
+        body = answer
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == \
+        [("aaaaa", "length"), ("aaa", "length")]
+    assert [c["logprobs"]["token_logprobs"] for c in body["choices"]] == \
+        [[None] + [-1.0] * 4, [None] + [-1.0] * 2]
+    assert [(sum(lps), greedy) for lps, greedy in read_older(body, ctxlens)] == \
+        [(-2.0, True), (-2.0, True)]
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == 8
+    assert verifier.decoding == [] and [ids for _, ids, _ in verifier.asked] == prompts
+    status, refused = serve({"prompt": "hi", "max_tokens": 0})
+    assert status == 400 and refused["error"]["param"] == "max_tokens"
+
+
+def read_older(body: dict, ctxlens: list[int]) -> list[tuple[list[float], bool]]:
+    """(the continuation's logprobs, is_greedy) as lm-eval <= 0.4.3 read them: all of
+    token_logprobs[ctxlen:], no output token after them."""
+    read = []
+    for choice, ctxlen in zip(sorted(body["choices"], key=lambda c: c["index"]), ctxlens):
+        logprobs = choice["logprobs"]["token_logprobs"][ctxlen:]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:]
+        read.append((logprobs, all(lp == max(top.values()) for lp, top in zip(logprobs, tops))))
+    return read

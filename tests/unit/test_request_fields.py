@@ -162,7 +162,7 @@ def test_vllms_top_k_of_minus_one_and_an_int64_seed_are_taken():
 @pytest.mark.parametrize("fields, param", [
     ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
     ({"n": 0}, "n"), ({"logit_bias": {"5": 200}}, "logit_bias.5"), ({"stop": 5}, "stop"),
-    ({"prompt": 5.5}, "prompt")])
+    ({"prompt": 5.5}, "prompt"), ({"max_tokens": 0}, "max_tokens")])  # 0: with echo alone
 def test_a_refusal_names_the_field_without_pydantics_own_names(fields, param):
     body = json.dumps({"prompt": "x", **fields}).encode()
     with pytest.raises(BadRequest) as refused:

@@ -253,3 +253,36 @@ def test_detokenize_checks_the_ids_off_the_event_loop(reader, monkeypatch):
     with pytest.raises(BadRequest, match=r": tokens\[0\] = -1, tokens\[4\] = 400$"):
         asyncio.run(detokenized(reader, DetokenizeRequest(tokens=[-1, 1, 2, 3, 400])))
     assert threads and all(thread is not loop_thread for thread in threads)
+
+
+def test_tokenizer_info_is_vllms_config_of_the_tokenizer_when_enabled():
+    """vLLM's GET /tokenizer_info (--enable-tokenizer-info-endpoint): the tokenizer's loaded
+    config (special tokens by their text, the files' local paths dropped), its class's name
+    and the chat template chat requests are rendered with; off by default (a 404), as
+    vLLM's, since a chat template may be private; behind the API key as /tokenize."""
+    from starlette.requests import Request
+
+    from deployments.router_args import RouterArgs
+    from engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer("models/demo/target")
+    router = SimpleNamespace(api_key=None, prompts=SimpleNamespace(tokenizer=tokenizer),
+                             args=RouterArgs())
+
+    def get(headers=()):
+        return asyncio.run(Router.tokenizer_info(router, Request(
+            {"type": "http", "method": "GET", "path": "/tokenizer_info", "query_string": b"",
+             "headers": list(headers)})))
+
+    assert get().status_code == 404 and "enable_tokenizer_info_endpoint" in get().body.decode()
+    router.args = RouterArgs(enable_tokenizer_info_endpoint=True)
+    info = json.loads(json.dumps(get()))  # as FastAPI sends it
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["chat_template"] == tokenizer.chat_template and "tool_call" in info["chat_template"]
+    assert (info["eos_token"], info["added_tokens_decoder"]) == \
+        ("<|endoftext|>", {"0": "<|endoftext|>"})
+    assert info["name_or_path"] == "models/demo/target"
+    assert not [key for key in info if key.endswith("_file")]
+    router.api_key = "k"
+    assert get().status_code == 401
+    assert get([(b"authorization", b"Bearer k")])["tokenizer_class"]
