@@ -168,8 +168,9 @@ class PromptReader:
         stays first, as transformers' truncation of vLLM's text prompts keeps it)."""
         keep = body.truncate_prompt_tokens
         if keep == -1:  # a length that cannot fit is refused by read, naming its field
-            keep = max(1, self.context_limit - body.max_tokens_or(
-                1 if chat else self.default_max_tokens))
+            # (an echo's max_tokens 0 leaves room for one, as a prompt must: token_ids)
+            keep = max(1, self.context_limit - max(1, body.max_tokens_or(
+                1 if chat else self.default_max_tokens)))
         if len(ids) <= keep:
             return ids
         text = chat or isinstance(body.prompt, str)

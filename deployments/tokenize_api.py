@@ -6,6 +6,7 @@ the text of token ids; `GET /tokenizer_info` (when the router enables it) the to
 config."""
 
 import asyncio
+import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -113,9 +114,12 @@ def tokenizer_info(tokenizer) -> dict:
 
 def plain(value):
     """A config value as JSON holds it: a special token (AddedToken) as its text, and what
-    JSON has no type for as its str."""
-    if hasattr(value, "content"):
+    JSON has no type for as its str (an object, a NaN or an infinity: Python's json reads
+    them from a tokenizer_config.json, and the answer that held one was a 500)."""
+    if isinstance(getattr(value, "content", None), str):
         return value.content
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if isinstance(value, dict):
         return {str(key): plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -30,6 +30,13 @@ MAX_GRAMMAR_SYMBOLS = 32 * 1024
 # a GBNF grammar's characters: converted to Lark in Python on the router's tokenizing
 # thread, in a time that grows with the square of its rules (16k in 800 rules: 0.27 s)
 MAX_GBNF_CHARS = 16 * 1024
+# llguidance's is_lark_syntax, whose leading `\s*` crosses lines: quadratic in a run of
+# blank lines, before any bound (32k newlines held the GIL 6 s, a body's million about an
+# hour and a half); here the blanks before a line's text alone, which finds the same lines
+LARK_START = re.compile(r"(?m)^[^\S\n]*(%llguidance\b|start\s*:)")
+# GBNF's \uXXXX and \UXXXXXXXX (llama.cpp's), or any other escape (read past, kept): the
+# converter writes \u00e9 as \ue9, which llguidance's Lark refuses (a "lexer error")
+UNICODE_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.DOTALL)
 # JSON laid out on one line with single spaces: with whitespace left free (llguidance's
 # default), a small model spends its max_tokens on newlines inside the object; a schema's own
 # "x-guidance" options override this
@@ -95,20 +102,30 @@ def lark_of(grammar: str) -> str:
     """A grammar in llguidance's Lark dialect: a GBNF one (llama.cpp's, as vLLM's default
     backend, xgrammar, takes it: `root ::= ...`) converted by llguidance's own converter,
     a Lark one as it is; GrammarError for GBNF that does not convert."""
-    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    if is_lark_syntax(grammar):  # a `start:` rule (or llguidance's options) at a line's start
+    if LARK_START.search(grammar):  # a `start:` rule (or llguidance's options)
         return grammar
     if len(grammar) > MAX_GBNF_CHARS:
         raise GrammarError("grammar", f"a GBNF grammar takes at most {MAX_GBNF_CHARS} "
                                       "characters")
     try:
-        return gbnf_to_lark(grammar)
+        return gbnf_to_lark(UNICODE_ESCAPE.sub(unescaped, grammar))
     except RecursionError:
         raise GrammarError("grammar", "nested too deeply") from None
     except Exception as error:  # the converter's GbnfToLarkError, or its parser's own
         raise GrammarError("grammar", f"neither Lark (it has no `start:` rule) nor GBNF: "
                                       f"{error}") from None
+
+
+def unescaped(escape: re.Match) -> str:
+    """A GBNF escape as the converter passes it on: a code point past ASCII as itself (no
+    syntax in a literal or a class), an ASCII one as a \\x escape; any other as it is."""
+    digits = escape.group(1) or escape.group(2)
+    point = None if digits is None else int(digits, 16)
+    if point is None or point > 0x10FFFF:  # (past Unicode: the converter's error)
+        return escape.group()
+    return f"\\x{point:02x}" if point < 0x80 else chr(point)
 
 
 def tagged_lark(tag: dict) -> str:

@@ -417,3 +417,21 @@ def test_documents_reach_the_template_as_vllm_passes_them(reader):
     body = ChatCompletionRequest(messages=hello, documents=[{"title": "a", "text": "x" * 96}])
     with pytest.raises(BadRequest, match="the prompt has 111 bytes"):
         citing.check_prompt_bytes(body, chat=True)
+
+
+def test_truncate_prompt_tokens_of_minus_one_fits_an_echo_of_no_tokens(reader):
+    """max_tokens 0 with echo (the prompt alone, as vLLM serves it: one token decoded and
+    dropped): -1 keeps the context less one, the longest prompt served; it kept the whole
+    context, then refused that prompt as too long."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.openai_api import CompletionRequest
+
+    reader = copy.copy(reader)
+    reader.max_prompt_bytes, reader.default_max_tokens, reader.end_ids = 1 << 16, 16, ()
+    reader.tokenizing, reader.grammar_tokenizer = ThreadPoolExecutor(1), None
+    body = CompletionRequest(prompt="hello world " * 600, max_tokens=0, echo=True,
+                             truncate_prompt_tokens=-1)
+    prompt = asyncio.run(reader.read(body, chat=False))
+    assert (len(prompt.token_ids), prompt.sampling.max_tokens) == (reader.context_limit - 1, 0)

@@ -121,6 +121,41 @@ def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
     assert refused.value.field == field
 
 
+@pytest.mark.parametrize("gbnf, text, other", [
+    ('root ::= "\\u00e9t\\u00E9"', "été", "ete"), ('root ::= [\\u00e0-\\u00ff]+', "àÿ", "a"),
+    ('root ::= "\\U0001F600"', "😀", "x"), ('root ::= "\\u0041\\u0022\\u005c"', 'A"\\', "A"),
+    ('root ::= [^\\u0000-\\u007f]', "é", "a"), ('root ::= "\\\\u0041"', "\\u0041", "A")])
+def test_gbnf_unicode_escapes_hold_their_characters(demo, gbnf, text, other):
+    """llama.cpp's \\uXXXX and \\UXXXXXXXX: llguidance's converter wrote \\u00e9 as \\ue9,
+    which its Lark refuses (a valid grammar was a 400: "3(13): lexer error"); an escaped
+    backslash before a `u` stays text."""
+    tokenizer, _, _, ll = demo
+    grammar = compile_spec("grammar", gbnf, ll)
+    for sample, taken in ((text, True), (other, False)):
+        ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+        matcher = TokenMasks(ll, grammar)
+        assert (matcher.advance(ids) == len(ids) and matcher.matcher.is_accepting()) == taken
+
+
+@pytest.mark.parametrize("blank", ["\n", " \n"])
+def test_a_grammar_of_blank_lines_is_refused_at_once(demo, blank, monkeypatch):
+    """Whether a grammar is Lark was read with llguidance's is_lark_syntax, quadratic in a
+    run of blank lines and before any bound: 32k newlines held the GIL 6 s (the body's
+    2 MiB, over an hour). Its own pattern (LARK_START: the blanks of one line alone) finds
+    the same lines, and llguidance's is not called."""
+    from llguidance import gbnf_to_lark
+
+    from speculative.grammar import LARK_START
+
+    texts = ["start: x", " \t start : x", "a\n  %llguidance {}", "root ::= x\n\n start:",
+             "x start: y", "\n\n", "  \n\tstart", "starts: x", "%llguidancex"]
+    assert [bool(LARK_START.search(t)) for t in texts] == \
+        [gbnf_to_lark.is_lark_syntax(t) for t in texts]
+    monkeypatch.setattr(gbnf_to_lark, "is_lark_syntax", None)  # called: a TypeError
+    with pytest.raises(GrammarError, match="at most 16384 characters"):
+        compile_spec("grammar", blank * 40_000 + 'root ::= "a"', demo[3])
+
+
 @pytest.mark.parametrize("kind, spec, said", [
     ("regex", r"\d+(?=x)", "look-around"), ("regex", r"(a)\1", "backreferences are not"),
     ("json", {"type": "string", "pattern": "[z-a]"}, "[z-a]: invalid character class")])

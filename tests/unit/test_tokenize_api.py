@@ -286,3 +286,21 @@ def test_tokenizer_info_is_vllms_config_of_the_tokenizer_when_enabled():
     router.api_key = "k"
     assert get().status_code == 401
     assert get([(b"authorization", b"Bearer k")])["tokenizer_class"]
+
+
+def test_tokenizer_info_answers_what_json_cannot_hold_as_text():
+    """A tokenizer's loaded config may hold what JSON cannot write (a NaN or an infinity,
+    which Python's json reads from a tokenizer_config.json; an object whose `content` is no
+    text): written as its str, as other objects are, where the answer was a 500."""
+    from starlette.responses import JSONResponse
+
+    from deployments.tokenize_api import tokenizer_info
+
+    odd = type("Odd", (), {"content": property(lambda self: object()),
+                           "__str__": lambda self: "odd"})()
+    tokenizer = SimpleNamespace(init_kwargs={"limit": float("inf"), "scale": float("nan"),
+                                             "odd": odd, "specials": [odd, 1.5]},
+                                chat_template=None)
+    info = json.loads(JSONResponse(tokenizer_info(tokenizer)).body)
+    assert {key: info[key] for key in ("limit", "scale", "odd", "specials")} == \
+        {"limit": "inf", "scale": "nan", "odd": "odd", "specials": ["odd", 1.5]}
