@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Executor
 
 from deployments.admission import Ticket
+from deployments.held_text import StreamedText
 from deployments.ingress import pool_failure
 from deployments.logprobs import (
     TokenBytes,
@@ -288,7 +289,7 @@ class Choices:
             await queue.put(text)
         return generation
 
-    def opening(self, chunk, echo, streamed: "StreamedText", prompt_ids) -> list[str]:
+    def opening(self, chunk, echo, streamed: StreamedText, prompt_ids) -> list[str]:
         """A chat's first chunk, its role (with tools, no content yet: a message of calls has
         none, null), sent with the first text: sent before the prefill, it was what clients
         time as the first token (vllm bench serve's TTFT: the first chunk with a choice);
@@ -369,40 +370,3 @@ class Choices:
             return chat_logprobs(entries, texts, self.token_bytes, end)
         return completion_logprobs(entries, texts, offset, end)
 
-
-class StreamedText:
-    """A streamed choice's text as it can go out now, each delta's (reasoning, content): the
-    reasoning split off (deployments.reasoning), the content held from where a call may
-    begin (deployments.tool_parsers.held_content); without either, the delta as content."""
-
-    def __init__(self, reasoning: ReasoningSplit | None, tools: ToolUse | None) -> None:
-        self.thinking = reasoning.stream() if reasoning is not None else None
-        self.shown = reasoning is not None and reasoning.shown  # its reasoning sent
-        self.held = tools.held_content() if tools is not None else None
-
-    @property
-    def parses(self) -> bool:
-        """Whether a parser reads the text (else each delta goes out whole, as it comes)."""
-        return self.thinking is not None or self.held is not None
-
-    def feed(self, delta: str) -> tuple[str, str] | None:
-        """(reasoning, content) to send now; None when a parser holds all of it."""
-        if not self.parses:
-            return "", delta
-        reasoning = ""
-        if self.thinking is not None:
-            reasoning, delta = self.thinking.feed(delta)
-            reasoning = reasoning if self.shown else ""
-        if self.held is not None:
-            delta = self.held.feed(delta)
-        return (reasoning, delta) if reasoning or delta else None
-
-    def rest(self, content: str | None) -> tuple[str, str] | None:
-        """(reasoning, content) held to the end and still to send, given the final content
-        (Choices.read_output's); None when nothing is, except an empty content under tools,
-        whose "" goes out (the role's chunk carried none)."""
-        reasoning = self.thinking.finish() if self.shown else ""
-        rest = self.held.rest(content) if self.held is not None else ""
-        if reasoning or rest or (self.held is not None and content == ""):
-            return reasoning, rest
-        return None

@@ -1,7 +1,14 @@
 """Streamed text held back while it may still turn into a tag (a reasoning parser's, a tool
 call parser's), each delta costing its own length: a tail that may grow into a tag
 (held_prefix), and an output's opening, until it is known whether it opens with one
-(Opening); what of a held content was sent (SentContent)."""
+(Opening); what of a held content was sent (SentContent); a streamed choice's text as
+it can go out now (StreamedText)."""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (each imports this module)
+    from deployments.reasoning import ReasoningSplit
+    from deployments.tools import ToolUse
 
 
 def held_prefix(text: str, tag: str) -> int:
@@ -54,3 +61,41 @@ class SentContent:
     def rest(self, content: str | None) -> str:
         """What remains to send of the final content (read_calls' content)."""
         return (content or "")[self.sent:]
+
+
+class StreamedText:
+    """A streamed choice's text as it can go out now, each delta's (reasoning, content): the
+    reasoning split off (deployments.reasoning), the content held from where a call may
+    begin (deployments.tool_parsers.held_content); without either, the delta as content."""
+
+    def __init__(self, reasoning: "ReasoningSplit | None", tools: "ToolUse | None") -> None:
+        self.thinking = reasoning.stream() if reasoning is not None else None
+        self.shown = reasoning is not None and reasoning.shown  # its reasoning sent
+        self.held = tools.held_content() if tools is not None else None
+
+    @property
+    def parses(self) -> bool:
+        """Whether a parser reads the text (else each delta goes out whole, as it comes)."""
+        return self.thinking is not None or self.held is not None
+
+    def feed(self, delta: str) -> tuple[str, str] | None:
+        """(reasoning, content) to send now; None when a parser holds all of it."""
+        if not self.parses:
+            return "", delta
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, delta = self.thinking.feed(delta)
+            reasoning = reasoning if self.shown else ""
+        if self.held is not None:
+            delta = self.held.feed(delta)
+        return (reasoning, delta) if reasoning or delta else None
+
+    def rest(self, content: str | None) -> tuple[str, str] | None:
+        """(reasoning, content) held to the end and still to send, given the final content
+        (Choices.read_output's); None when nothing is, except an empty content under tools,
+        whose "" goes out (the role's chunk carried none)."""
+        reasoning = self.thinking.finish() if self.shown else ""
+        rest = self.held.rest(content) if self.held is not None else ""
+        if reasoning or rest or (self.held is not None and content == ""):
+            return reasoning, rest
+        return None

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from deployments.admission import Admission
-from deployments.choices import Choices, StreamedText
+from deployments.choices import Choices
+from deployments.held_text import StreamedText
 from deployments.openai_api import ChatCompletionRequest
 from deployments.reasoning import ReasoningSplit, ReasoningStream, ThinkTokens, reasoning_split
 from deployments.router import Router
