@@ -33,7 +33,9 @@ from deployments.request_bounds import (
     MAX_STOP_TOTAL_CHARS,
     MAX_TEMPLATE_KWARGS,
     MAX_TOOL_CALLS,
+    check_logprob_token_ids,
     refuse_unserved,
+    served_prompt_logprobs,
 )
 from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
@@ -42,6 +44,7 @@ from speculative.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -140,6 +143,9 @@ class SamplingFields(BaseModel):
     # extension (as vLLM): each prompt token's logprob and its position's top n
     # (deployments.prompt_logprobs); not with a stream (as vLLM, for n > 0)
     prompt_logprobs: int | None = None
+    # extension (as vLLM): each output token's position's logprobs of these ids, not its top n
+    logprob_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)
 
     @model_validator(mode="before")
     @classmethod
@@ -153,16 +159,7 @@ class SamplingFields(BaseModel):
     @field_validator("prompt_logprobs")
     @classmethod
     def prompt_logprobs_served(cls, value, info):
-        if value is None:
-            return None
-        if value == -1:  # vLLM's: the whole vocabulary
-            raise ValueError(f"-1 (every token) is not served: give a top n of at most "
-                             f"{MAX_LOGPROBS}")
-        if not 0 <= value <= MAX_LOGPROBS:
-            raise ValueError(f"must be an integer in [0, {MAX_LOGPROBS}], got {value}")
-        if value > 0 and info.data.get("stream"):
-            raise ValueError("`prompt_logprobs` are not available when `stream=True`")
-        return value
+        return served_prompt_logprobs(value, info.data.get("stream"))
 
     @field_validator("suffix", check_fields=False)  # completions'
     @classmethod
@@ -190,6 +187,7 @@ class SamplingFields(BaseModel):
         if self.max_tokens == 0 and (not self.echo or hasattr(self, "messages")):
             raise FieldError("max_tokens", "must be at least 1, got 0 (0 is served with echo "
                                            "on /v1/completions: the prompt alone)")
+        check_logprob_token_ids(self)
         return self
 
     @field_validator("stream_options")
@@ -253,7 +251,8 @@ class SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=given["repetition_penalty"],
-                              logprobs=self.top_logprobs_asked(),
+                              logprobs=0 if self.logprob_token_ids else self.top_logprobs_asked(),
+                              logprob_token_ids=tuple(dict.fromkeys(self.logprob_token_ids or ())),
                               logit_bias=tuple(sorted((self.logit_bias or {}).items())),
                               min_tokens=self.min_tokens, cache_salt=self.cache_salt or "",
                               allowed_token_ids=tuple(self.allowed_token_ids or ()))

@@ -109,7 +109,7 @@ class PromptReader:
 
     def check_sizes(self, body, chat: bool) -> None:
         """What must hold before tokenizing: the prompt's size in bytes, top_k, the ids of
-        logit_bias and allowed_token_ids, the top logprobs asked."""
+        logit_bias, allowed_token_ids and logprob_token_ids, the top logprobs asked."""
         self.check_prompt_bytes(body, chat)
         if body.top_k > self.vocab_size:
             raise BadRequest(f"top_k must be at most the vocabulary size "
@@ -117,9 +117,9 @@ class PromptReader:
         if any(token >= self.vocab_size for token in body.logit_bias or {}):
             raise BadRequest(f"logit_bias token ids must be in [0, {self.vocab_size})",
                              param="logit_bias")
-        if any(token >= self.vocab_size for token in body.allowed_token_ids or ()):
-            raise BadRequest(f"allowed_token_ids must be in [0, {self.vocab_size})",
-                             param="allowed_token_ids")
+        for field in ("allowed_token_ids", "logprob_token_ids"):
+            if any(token >= self.vocab_size for token in getattr(body, field) or ()):
+                raise BadRequest(f"{field} must be in [0, {self.vocab_size})", param=field)
         if (body.top_logprobs_asked() or 0) > self.vocab_size:  # the pools' refusal: a 503
             field = "top_logprobs" if chat else "logprobs"
             raise BadRequest(f"{field} must be at most the vocabulary size "

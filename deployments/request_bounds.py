@@ -3,6 +3,7 @@ against the router's max_prompt_bytes and the context), and the vLLM fields this
 refuses rather than ignores (deployments.openai_api)."""
 
 from deployments.tools import FieldError
+from speculative.sampling import MAX_LOGPROBS
 
 # stop strings: as many as lm-evaluation-harness sends (a task's and the end text: 6 for
 # humaneval; vLLM bounds none), their characters bounded in all at OpenAI's 4 x 256: each
@@ -26,7 +27,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 # and its audio output), each of which changes the answer or what it carries, and the
 # values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
 UNSERVED = {"use_beam_search": (None, False),
-            "chat_template": (None,), "logprob_token_ids": (None,),
+            "chat_template": (None,),
             "functions": (None, []), "logits_processors": (None, []),
             "prompt_embeds": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}
@@ -44,3 +45,32 @@ def refuse_unserved(body: dict) -> None:
         value = repr(body[unserved[0]])  # a template or functions may be long
         value = value if len(value) <= 80 else value[:77] + "..."
         raise FieldError(unserved[0], f"{value} is not supported by this server")
+
+
+def served_prompt_logprobs(value: int | None, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs, a top n of at most MAX_LOGPROBS (its -1, the whole
+    vocabulary, is not served), and not with a stream unless 0 (as vLLM); else ValueError."""
+    if value is None:
+        return None
+    if value == -1:  # vLLM's: the whole vocabulary
+        raise ValueError(f"-1 (every token) is not served: give a top n of at most "
+                         f"{MAX_LOGPROBS}")
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+    if value > 0 and stream:
+        raise ValueError("`prompt_logprobs` are not available when `stream=True`")
+    return value
+
+
+def check_logprob_token_ids(body) -> None:
+    """FieldError unless vLLM's logprob_token_ids, when given, come with logprobs asked (a
+    chat's `logprobs: true`, a completion's `logprobs: n`: the ids' logprobs replace the top
+    n) and an output to score (not a completion's echo of its prompt alone), as vLLM's."""
+    if body.logprob_token_ids is None:
+        return
+    if body.top_logprobs_asked() is None:
+        raise FieldError("logprob_token_ids", "needs logprobs (a chat's true, a completion's "
+                                              "a count)")
+    if body.max_tokens == 0:
+        raise FieldError("logprob_token_ids", "not with max_tokens 0: no output token to "
+                                              "score")

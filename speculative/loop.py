@@ -223,7 +223,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     if continued:
         outcome = replace(outcome, output_token_ids=outcome.output_token_ids + continued)
         state.stats.plain_step_tokens += len(continued)
-    committed = state.commit(outcome.output_token_ids, round_logprobs(scores, outcome))
+    committed = state.commit(outcome.output_token_ids,
+                             round_logprobs(scores, outcome, state.request.sampling))
     if continued and state.finish_reason is None:
         state.confirm_fed(state.verifier_view, len(continued))
     cost = meter.finish(block, scores, outcome, beside=beside)
@@ -261,11 +262,18 @@ def round_tree(state: RequestState, policy: KPolicy, k: int, chosen_now: bool
     return policy.round_shape(chosen_now and state.request.tree_width <= 1) or (k, 0)
 
 
-def round_logprobs(scores: TargetScores, outcome: RoundOutcome) -> list | None:
-    """The logprobs of a round's output tokens, when the request asked for them."""
+def round_logprobs(scores: TargetScores, outcome: RoundOutcome,
+                   sampling: SamplingParams) -> list | None:
+    """The logprobs of a round's output tokens, when the request asked for them; for
+    logprob_token_ids, each token's own first, then the ids' (vLLM's: one entry an id)."""
     if scores.logprobs is None:
         return None
-    return scores.logprobs.committed(outcome.output_token_ids, outcome.num_accepted)
+    entries = scores.logprobs.committed(outcome.output_token_ids, outcome.num_accepted)
+    if not sampling.logprob_token_ids:
+        return entries
+    return [replace(entry, top=((entry.token_id, entry.logprob),
+                                *(pair for pair in entry.top if pair[0] != entry.token_id)))
+            for entry in entries]
 
 
 async def draft(state: RequestState, drafter: Drafter, k: int) -> DraftBlock | None:

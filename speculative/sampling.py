@@ -35,6 +35,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs; n >= 0: each output token's logprob and its position's top n
     logprobs: int | None = None
+    # vLLM's logprob_token_ids (with logprobs 0): each position's logprobs of these ids
+    # instead of its top n
+    logprob_token_ids: tuple[int, ...] = ()
     # structured output: llguidance's grammar text the output follows (speculative.grammar)
     grammar: str | None = None
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first
@@ -85,6 +88,11 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             errors.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                           f"{self.logprobs!r}")
+        given = self.logprob_token_ids
+        if given and (self.logprobs != 0 or len(given) > MAX_LOGPROB_TOKEN_IDS
+                      or not all(isinstance(t, int) and t >= 0 for t in given)):
+            errors.append(f"logprob_token_ids must be up to {MAX_LOGPROB_TOKEN_IDS} token ids "
+                          ">= 0, with logprobs 0")
         errors.extend(self.shaping_errors())
         if errors:
             raise ValueError("; ".join(errors))
@@ -191,6 +199,7 @@ MIN_SERVED_TEMPERATURE = 1e-2
 # it (min_tokens, a grammar: -inf) is NaN; long before, every law is uniform to float32
 MAX_TEMPERATURE = 1e30
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit, as vLLM's default)
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 # allowed_token_ids' length (every pool call checks the ids against its vocabulary)
 MAX_ALLOWED_TOKEN_IDS = 4096

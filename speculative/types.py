@@ -291,7 +291,8 @@ class TargetScores:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """An output token's log-probability under the target and its position's top n."""
+    """An output token's log-probability under the target and its position's top n (or
+    vLLM's logprob_token_ids': the token's own first, then theirs in their order)."""
 
     token_id: int
     logprob: float
@@ -314,8 +315,8 @@ class PositionLogprobs:
     under the grammar's mask, before logit_bias, penalties and temperature (vLLM's default,
     "raw_logprobs"): of each drafted token, of the target's own token at each position
     (greedy: the argmax; sampled: the residual draw, then the bonus) and each position's
-    top n (n may be 0). Only the positions a round commits reach the client
-    (`committed`)."""
+    top n (n may be 0; or those of the request's logprob_token_ids). Only the positions a
+    round commits reach the client (`committed`)."""
 
     drafted: tuple[float, ...]  # K
     chosen: tuple[float, ...]  # K + 1

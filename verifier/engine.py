@@ -120,6 +120,8 @@ class ModelVerifier:
         if (call.sampling.logprobs or 0) > vocab_size:  # else its topk fails the batch
             raise ValueError(f"logprobs asks for the top {call.sampling.logprobs} tokens of a "
                              f"vocabulary of {vocab_size}")
+        if max(call.sampling.logprob_token_ids, default=0) >= vocab_size:  # else its gather
+            raise ValueError(f"logprob_token_ids past a vocabulary of {vocab_size}")
         drafted = list(call.draft_token_ids)
         if call.draft_parents is not None:
             check_tree_call(call)
@@ -253,7 +255,7 @@ class ModelVerifier:
         drafted_rows = [parent + 1 for parent in call.draft_parents] if tree else None
         return replace(scores, logprobs=position_logprobs(
             raw, list(call.draft_token_ids), list(chosen), call.sampling.logprobs,
-            drafted_rows))
+            drafted_rows, call.sampling.logprob_token_ids))
 
 
 def greedy_scores(logits: list[torch.Tensor]) -> list[TargetScores]:
@@ -269,9 +271,11 @@ def greedy_scores(logits: list[torch.Tensor]) -> list[TargetScores]:
 
 
 def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int],
-                      top_n: int, drafted_rows: list[int] | None = None) -> PositionLogprobs:
+                      top_n: int, drafted_rows: list[int] | None = None,
+                      given: tuple[int, ...] = ()) -> PositionLogprobs:
     """The raw log-probabilities of [K + 1, V] logits at the drafted and the chosen tokens,
-    and each row's top n, with one transfer to the host (ids < 2**53 travel exactly as
+    and each row's top n (given: at those ids instead, in their order: vLLM's
+    logprob_token_ids), with one transfer to the host (ids < 2**53 travel exactly as
     float64). drafted_rows: the row each drafted token is read at (a tree's: its parent's;
     None: a chain's, row i for token i)."""
     logprobs = torch.log_softmax(logits.float(), -1)
@@ -284,7 +288,11 @@ def position_logprobs(logits: torch.Tensor, drafted: list[int], chosen: list[int
     last = logprobs.shape[-1] - 1
     tokens = torch.tensor(drafted + [min(token, last) for token in chosen], dtype=torch.long,
                           device=device)
-    values, ids = torch.topk(logprobs, top_n, dim=-1)  # [K + 1, n]
+    if given:
+        ids = torch.tensor(given, device=device).expand(logprobs.shape[0], -1)  # [K + 1, n]
+        values, top_n = logprobs.gather(1, ids), len(given)
+    else:
+        values, ids = torch.topk(logprobs, top_n, dim=-1)  # [K + 1, n]
     host = torch.cat([logprobs[torch.cat([at, rows]), tokens].double(),
                       values.double().flatten(), ids.double().flatten()]).tolist()
     picked, values, ids = host[:2 * k + 1], host[2 * k + 1:][:(k + 1) * top_n], \

@@ -63,7 +63,7 @@ def test_what_changes_nothing_passes():
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True),
     ("chat_template", "{{ x }}"),
-    ("logprob_token_ids", [5]), ("functions", [{"name": "f", "parameters": {}}]),
+    ("functions", [{"name": "f", "parameters": {}}]),
     ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),
     ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"})])
