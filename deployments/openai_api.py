@@ -114,6 +114,10 @@ class SamplingFields(BaseModel):
     speculative_tree: TreeArg | None = None
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
     ignore_eos: bool = False  # extension (as vLLM): do not stop at the model's end tokens
+    # extension (as vLLM): the n best beams of a beam search (deployments.beams), ranked by
+    # cumulative logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension (as vLLM)
     # OpenAI's: token id (a JSON key, so a string, read as an integer) -> a bias in
     # [-100, 100] added to its logit

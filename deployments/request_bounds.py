@@ -26,8 +26,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
 # and its audio output), each of which changes the answer or what it carries, and the
 # values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
-UNSERVED = {"use_beam_search": (None, False),
-            "chat_template": (None,),
+UNSERVED = {"chat_template": (None,),
             "functions": (None, []), "logits_processors": (None, []),
             "prompt_embeds": (None,),
             "modalities": (None, ["text"]), "audio": (None,)}

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from deployments.admission import Admission
-from deployments.choices import Choices
+from deployments.beams import choices_kind, refuse_unsearched
 from deployments.clients import channel_options
 from deployments.ingress import (
     BadRequest,
@@ -287,6 +287,7 @@ class Router:
             asked = await parse(request, schema, self.args.max_prompt_bytes)
             shape = answer_shape(asked, self.args.served_model_name)
             body = shape.body
+            refuse_unsearched(body, chat)  # a beam search's (deployments.beams)
             plan = await self.plan(body, chat)
             tools = self.tool_use(body) if chat else None  # checked by the prompt's reading
             ticket = self.admission.admit(len(plan.choices))
@@ -296,17 +297,18 @@ class Router:
             return error_response(shape.renamed(error) if shape is not None else error)
         decode = self.special_decode if not body.skip_special_tokens else \
             self.tool_decode if tools else self.decode  # tags kept: calls read
-        choices = Choices(plan, self.pools(plan.drafter_kind), decode, self.metrics,
-                          ticket, model=self.args.served_model_name, chat=chat,
-                          return_token_ids=body.return_token_ids,
-                          tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
-                          include_usage=body.include_usage,
-                          continuous_usage=body.continuous_usage,
-                          stop_token_ids=self.prompts.reported_stop_ids(body),
-                          token_bytes=self.token_bytes, render=self.rendering,
-                          reasoning=self.reasoning(body, plan) if chat else None,
-                          think_tokens=self.think_tokens if chat else None,
-                          prompt=self.prompt_answer(body, plan, chat))
+        kind = choices_kind(body, self.prompts)  # a beam search's, or Choices
+        choices = kind(plan, self.pools(plan.drafter_kind), decode, self.metrics,
+                       ticket, model=self.args.served_model_name, chat=chat,
+                       return_token_ids=body.return_token_ids,
+                       tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
+                       include_usage=body.include_usage,
+                       continuous_usage=body.continuous_usage,
+                       stop_token_ids=self.prompts.reported_stop_ids(body),
+                       token_bytes=self.token_bytes, render=self.rendering,
+                       reasoning=self.reasoning(body, plan) if chat else None,
+                       think_tokens=self.think_tokens if chat else None,
+                       prompt=self.prompt_answer(body, plan, chat))
         if body.stream:
             return ReleasingStream(shape.events(choices.events()), ticket)
         try:

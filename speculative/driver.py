@@ -291,6 +291,20 @@ class Generation:
             pass
         return self
 
+    def settle(self, token_ids: Sequence[int], logprobs: list, finish_reason: str,
+               stop_reason: int | None, shown: int) -> "Generation":
+        """Take an output searched elsewhere (a beam search's: speculative.beams): its ids,
+        their logprobs and how it ended; its text read from its first `shown` ids (an end
+        token left out, as the text of a stop id is)."""
+        self.state.committed.extend(token_ids)
+        self.state.logprobs.extend(logprobs)
+        self.state.finish_reason, self.stop_reason = finish_reason, stop_reason
+        if self.detokenizer is not None:
+            for token in token_ids[:shown]:
+                self._text.append(self.detokenizer.add(token))
+            self._text.append(self.detokenizer.flush())
+        return self
+
     def _take(self, added: list[int]) -> None:
         """Detokenize a round's committed tokens one by one, stopping at a stop string (once
         the output holds more than min_tokens tokens)."""

@@ -61,7 +61,6 @@ def test_what_changes_nothing_passes():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True),
     ("chat_template", "{{ x }}"),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),

@@ -87,7 +87,7 @@ def posted(body) -> object:
 
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": "hi", "model": "other"}, 404, "model"),
-    ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),  # not a field of it
+    ({"prompt": "hi", "logits_processors": ["m.P"]}, 400, "logits_processors"),  # unserved
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     (b"{", 400, None),
