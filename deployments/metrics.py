@@ -62,7 +62,11 @@ class RouterMetrics:
         # each of a request's n choices is one of vLLM's sequences
         self.running = Gauge(
             "num_requests_running", description="Choices running in this router replica "
-            "(n counts); at max_running_requests a request gets 429.")
+            "(n counts); at max_running_requests a request waits its turn.")
+        self.waiting = Gauge(
+            "num_requests_waiting", description="Requests waiting in this router replica for "
+            "their choices to run (first come first served); beyond max_waiting_requests a "
+            "request gets 429.")
         self.prompt_tokens = Counter("prompt_tokens", description="Prompt tokens of the "
                                      "requests decoded (each prompt once, as usage counts).")
         self.generation_tokens = Counter("generation_tokens",

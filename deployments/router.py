@@ -157,7 +157,9 @@ class Router:
         self.front_end = RequestFrontEnd(args.speculation_defaults())
         self.metrics = RouterMetrics()
         self.admission = Admission(args.max_running_requests,
-                                   lambda running: self.metrics.running.set(running))
+                                   lambda running: self.metrics.running.set(running),
+                                   max_waiting=args.max_waiting_requests,
+                                   on_waiting=lambda waiting: self.metrics.waiting.set(waiting))
         self.api_key = api_key(args.api_key)
         allow_cross_origin(args.cross_origin())
         self._channel: grpc.aio.Channel | None = None
@@ -290,7 +292,7 @@ class Router:
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)
             plan = await self.plan(body, chat)
             tools = self.tool_use(body) if chat else None  # checked by the prompt's reading
-            ticket = self.admission.admit(len(plan.choices))
+            ticket = await self.admission.wait_turn(len(plan.choices))  # queued while full
         except (BadRequest, ValueError) as error:
             error = error if isinstance(error, BadRequest) else \
                 BadRequest(str(error), param=getattr(error, "param", None))  # a FieldError's
@@ -363,7 +365,7 @@ class Router:
         """The body's prompt read (each of a completions batch's), its model checked, its
         choices planned."""
         self.check_model(body)
-        # refused before its prompts are read when it could not be admitted now
+        # refused before its prompts are read when it could neither run nor wait now
         self.admission.check(body.n * (1 if chat else len(body.prompts())))
         # the request's own id, which also keys its pool sessions: never the client's
         # x-request-id (two requests sharing one would share caches), which Serve's proxy

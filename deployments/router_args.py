@@ -173,10 +173,11 @@ class RouterArgs(BaseModel):
     # request goes to the least loaded replica. None (or direct_data_path false): by the
     # prefix alone, however many
     prefix_affinity_load_factor: float | None = Field(default=1.25, ge=1)
-    # admission: choices (n counts) running at once in this replica; beyond it a request
-    # gets 429 with Retry-After at once instead of queueing. Keep replicas x this within
-    # the pools' session and token bounds (max_cached_requests, max_cached_tokens), so that
-    # running requests are never evicted from the caches
+    # admission: choices (n counts) running at once in this replica; a request whose
+    # choices do not fit waits its turn, first come first served (deployments.admission; a
+    # request of more choices than this gets 400). Keep replicas x this within the pools'
+    # session and token bounds (max_cached_requests, max_cached_tokens), so that running
+    # requests are never evicted from the caches
     max_running_requests: int = Field(default=128, ge=1)
     # the committed tokens the sessions of each drafter the router runs itself (a request's
     # "drafter": "ngram" or "suffix") hold together, least recently used out beyond it (an
@@ -184,6 +185,11 @@ class RouterArgs(BaseModel):
     # 6 KB a token, so 1.5 GB at worst here. Keep max_running_requests x the context within
     # it, as the pools' max_cached_tokens
     local_drafter_cached_tokens: int = Field(default=262_144, ge=1)
+    # requests (not choices) waiting for their turn in this replica; beyond it a request
+    # gets 429 with Retry-After at once (0: none waits). The waiting hold Serve's slots on
+    # the router (its max_ongoing_requests): keep those above max_running_requests + this,
+    # or Serve's own queue, and its 503, fills first
+    max_waiting_requests: int = Field(default=128, ge=0)
     max_prompt_bytes: int = Field(default=1 << 20, ge=1)  # checked before tokenizing
     # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
     # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)

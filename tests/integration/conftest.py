@@ -98,8 +98,9 @@ def short_router(cluster):
 
 @pytest.fixture(scope="module")
 def limited(cluster):
-    """The path of a router with 2 running slots and an API key, for the module's tests."""
-    limits = {"max_running_requests": 2, "api_key": LIMITED_KEY}
+    """The path of a router with 2 running slots, 2 places in its queue and an API key, for
+    the module's tests."""
+    limits = {"max_running_requests": 2, "max_waiting_requests": 2, "api_key": LIMITED_KEY}
     with cluster.deployed(with_router(cluster.config, "limited", limits)):
         yield "/limited"
 

@@ -70,9 +70,10 @@ def test_requests_sharing_a_client_request_id_keep_their_own_sessions(cluster):
 
 @pytest.mark.slow
 def test_overload_gets_fast_429s_and_the_admitted_stay_exact(cluster, limited):
-    """4x the configured capacity at once: only 200s and 429s (with Retry-After), and the
-    200s are the target's own tokens. Also the API key: conftest's /limited router has
-    2 running slots and a key."""
+    """4x the running slots at once: only 200s and 429s (with Retry-After), the
+    requests that waited their turn answered too, and the 200s are the target's own tokens.
+    Also the API key: conftest's /limited router has 2 running slots, 2 places in its queue
+    and a key."""
     expected = {p: greedy(cluster, p, max_tokens=96).json()["choices"][0]["token_ids"]
                 for p in PROMPTS}
     key = {"Authorization": "Bearer " + LIMITED_KEY}
@@ -84,7 +85,7 @@ def test_overload_gets_fast_429s_and_the_admitted_stay_exact(cluster, limited):
     with ThreadPoolExecutor(len(prompts)) as pool:
         responses = list(pool.map(lambda p: greedy(cluster, p, key, 96, limited), prompts))
     codes = [r.status_code for r in responses]
-    assert set(codes) == {200, 429}, codes
+    assert set(codes) == {200, 429} and codes.count(200) >= 4, codes  # 2 ran, 2 waited
     for prompt, response in zip(prompts, responses):
         if response.status_code == 429:
             assert response.headers["Retry-After"] == "1"

@@ -240,12 +240,15 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
         for deployment in app["deployments"]:
             assert deployment.get("max_queued_requests", -1) > 0, (app["name"], "unbounded queue")
     router_deployment = apps["router"]["deployments"][0]
-    assert router_deployment["max_ongoing_requests"] > router.max_running_requests
+    # the running and the waiting each hold one of Serve's slots on the router: beyond both,
+    # a request still reaches the router and gets its 429, not a place in Serve's queue
+    assert router_deployment["max_ongoing_requests"] > \
+        router.max_running_requests + router.max_waiting_requests
     # a burst the router admits waits in Serve's queue while the router's loop is too busy
     # to answer the proxy's queue-length probe, instead of a 503 from Serve
     assert router_deployment["max_queued_requests"] >= router.max_running_requests
-    # a router replica holds at most max_running_requests (beyond them a 429): a target at
-    # or above it never scales the router up
+    # a router replica runs at most max_running_requests (beyond them requests wait): a
+    # target at or above it would scale the router up only once requests wait
     target = router_deployment.get("autoscaling_config", {}).get("target_ongoing_requests")
     assert target is None or target < router.max_running_requests
 

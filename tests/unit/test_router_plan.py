@@ -59,3 +59,17 @@ def test_a_request_that_admission_refuses_is_refused_before_its_prompts_are_read
     held.release()
     assert len(plan(CompletionRequest(prompt=["a", "b"], n=2)).choices) == 4
     assert read == ["a", "b"] and admission.running == 0  # checked, not taken
+
+
+def test_with_room_in_its_queue_a_request_beyond_the_free_slots_is_read_to_wait_its_turn():
+    """The early check refuses only what could neither run nor wait: with the slots held
+    and room in the queue the prompts are read (the request then waits in Router's
+    admission.wait_turn); more choices than the slots is still 400, unread."""
+    admission, read = Admission(4, max_waiting=1), []
+    plan = planner(admission, read)
+    admission.admit(4)
+    assert len(plan(CompletionRequest(prompt=["a", "b"], n=2)).choices) == 4
+    assert read == ["a", "b"] and admission.running == 4 and admission.waiting == 0
+    with pytest.raises(BadRequest) as never:
+        plan(CompletionRequest(prompt=["a", "b"], n=3))
+    assert never.value.status == 400 and read == ["a", "b"]
