@@ -170,6 +170,10 @@ CONSTRAINED = {
     "json_object": {"response_format": {"type": "json_object"}},
     "regex": {"extra_body": {"structured_outputs": {"regex": REGEX}}},
     "choice": {"extra_body": {"structured_outputs": {"choice": CHOICES}}},
+    # llama.cpp's GBNF of REGEX's language (converted to Lark by the router; the pools
+    # compile the Lark)
+    "gbnf": {"extra_body": {"structured_outputs": {
+        "grammar": 'root ::= "def " [a-z_]{1,12} "(self):"'}}},
 }
 
 
@@ -183,7 +187,7 @@ def follows(name: str, text: str) -> bool:
         value = json.loads(text)
         jsonschema.validate(value, SCHEMA if name == "json_schema" else {"type": "object"})
         return True
-    if name == "regex":
+    if name in ("regex", "gbnf"):
         return re.fullmatch(REGEX, text) is not None
     return text in CHOICES
 
@@ -211,6 +215,45 @@ def test_constrained_greedy_follows_its_constraint_and_equals_the_target_alone(c
     for label, speculation in SPECULATION.items():
         spec = constrained_chat(client, name, speculation, temperature=0)
         assert spec.choices[0].message.content == text, (name, label)
+
+
+def test_a_structural_tag_fires_and_holds_exactly_under_speculation(client):
+    """vLLM's structural tag through the pools: free text until `return (`, then a JSON
+    string and ")"; every speculation setting's greedy text equals K = 0's."""
+    import re
+
+    tag = {"type": "structural_tag", "triggers": ["return ("], "structures": [
+        {"begin": "return (", "schema": {"type": "string", "maxLength": 12}, "end": ")"}]}
+
+    def complete(speculation: dict) -> str:
+        return client.completions.create(
+            model="specserve-demo", prompt="raise ValueError(", max_tokens=40, temperature=0,
+            extra_body={"response_format": tag, **speculation}).choices[0].text
+
+    text = complete({"num_speculative_tokens": 0})
+    opened = [m.end() for m in re.finditer(re.escape("return ("), text)]
+    assert opened and all(re.match(r'"[^"]{0,12}"\)', text[at:]) for at in opened), text
+    for label, speculation in SPECULATION.items():
+        assert complete(speculation) == text, label
+
+
+def test_beam_search_answers_its_beams_and_a_width_of_one_is_greedy(client):
+    """vLLM's use_beam_search through the deployment: n beams, distinct, each max_tokens
+    long under ignore_eos; one beam is the greedy output (each step's likeliest token)."""
+    def beams(n: int):
+        return client.completions.create(
+            model="specserve-demo", prompt=PROMPTS[0], max_tokens=12, n=n, temperature=0,
+            extra_body={"use_beam_search": True, "ignore_eos": True,
+                        "return_token_ids": True}).choices
+
+    greedy = client.completions.create(model="specserve-demo", prompt=PROMPTS[0],
+                                       max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                   "num_speculative_tokens": 0})
+    assert beams(1)[0].token_ids == greedy.choices[0].token_ids
+    three = beams(3)
+    assert len({tuple(c.token_ids) for c in three}) == 3
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in three)
 
 
 @pytest.mark.slow
