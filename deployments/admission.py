@@ -1,22 +1,26 @@
 """Admission: choices (n counts) running at once in one router replica. A request whose
 choices do not fit waits its turn in a queue, first come first served as vLLM's scheduler
-takes its waiting requests; beyond max_waiting waiting requests it is refused at once with 429
-and Retry-After."""
+takes its waiting requests (or by priority, then arrival, under vLLM's priority policy);
+beyond max_waiting waiting requests it is refused at once with 429 and Retry-After."""
 
 import asyncio
-from collections import deque
+import bisect
+import itertools
 
 from deployments.ingress import BadRequest, retry_later
 
 
 class Admission:
     def __init__(self, max_running: int, on_change=lambda running: None, *,
-                 max_waiting: int = 0, on_waiting=lambda waiting: None) -> None:
+                 max_waiting: int = 0, on_waiting=lambda waiting: None,
+                 by_priority: bool = False) -> None:
         self.max_running = max_running
+        self.by_priority = by_priority  # vLLM's priority policy; else FCFS
         self.max_waiting = max_waiting  # requests (not choices) waiting; 0: none wait
         self._running = 0  # admitted choices not yet finished
-        # (choices, the future set once they are taken for it), oldest first
-        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+        # ((priority, arrival), choices, the future set once they are taken for it), in turn
+        self._waiting: list[tuple[tuple[int, int], int, asyncio.Future]] = []
+        self._arrivals = itertools.count()
         self.on_change = on_change  # told each new count (the router's running gauge)
         self.on_waiting = on_waiting  # told each new queue length (its waiting gauge)
 
@@ -33,9 +37,11 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def fits_now(self, num_choices: int) -> bool:
-        """Whether the choices would run now: slots free, and nobody waiting ahead of them."""
-        return not self._waiting and self.running + num_choices <= self.max_running
+    def fits_now(self, num_choices: int, priority: int = 0) -> bool:
+        """Whether the choices would run now: slots free, and nobody waiting ahead of them
+        (of its priority or before it: lower first, as vLLM's; one priority is FCFS)."""
+        ahead = self._waiting and self._waiting[0][0][0] <= priority
+        return not ahead and self.running + num_choices <= self.max_running
 
     def admit(self, num_choices: int) -> "Ticket":
         """A ticket for the request's choices at once, for a caller that does not wait: 429
@@ -46,34 +52,39 @@ class Admission:
         self.running += num_choices
         return Ticket(self, num_choices)
 
-    async def wait_turn(self, num_choices: int) -> "Ticket":
-        """A ticket for the request's choices once they fit and the requests queued before it
-        have theirs; 429 when the queue is full, 400 as check's. A waiter cancelled (its
+    async def wait_turn(self, num_choices: int, priority: int = 0) -> "Ticket":
+        """A ticket for the request's choices once they fit and the requests queued ahead of
+        it have theirs; 429 when the queue is full, 400 as check's. A waiter cancelled (its
         client gone: asyncio.CancelledError) leaves the queue holding no slot."""
-        self.check(num_choices)
-        if self.fits_now(num_choices):
+        self.check(num_choices, priority)
+        if self.fits_now(num_choices, priority):
             self.running += num_choices
             return Ticket(self, num_choices)
-        turn = (num_choices, asyncio.get_running_loop().create_future())
-        self._waiting.append(turn)
+        turn = ((priority, next(self._arrivals)), num_choices,
+                asyncio.get_running_loop().create_future())
+        bisect.insort(self._waiting, turn, key=lambda waiter: waiter[0])
         self.on_waiting(self.waiting)
         try:
-            await turn[1]
+            await turn[2]
         except BaseException:  # asyncio.CancelledError: its client went away
             self.leave(turn)
             raise
         return Ticket(self, num_choices)  # its slots were taken for it (hand_over)
 
-    def check(self, num_choices: int) -> None:
+    def check(self, num_choices: int, priority: int = 0) -> None:
         """wait_turn's refusal, if it would refuse now, without queueing: asked before a
         request's prompts are read, as vLLM does (tokenizing a 1 MiB prompt holds the
         router's one tokenizing thread 0.65 s and its event loop 0.26 s, spent for nothing on
         a request then refused)."""
+        if priority and not self.by_priority:  # as vLLM's FCFS refuses it
+            raise BadRequest(f"priority {priority} asks for priority scheduling, which this "
+                             "router does not run (its scheduling_policy: fcfs)",
+                             param="priority")
         if num_choices > self.max_running:  # it could never run
             raise BadRequest(f"the request's {num_choices} choices (its prompts x n) exceed the "
                              f"{self.max_running} this server runs at once (the router's "
                              "max_running_requests)", param="n")
-        if not self.fits_now(num_choices) and self.waiting >= self.max_waiting:
+        if not self.fits_now(num_choices, priority) and self.waiting >= self.max_waiting:
             raise self.at_capacity()
 
     def at_capacity(self) -> BadRequest:
@@ -86,27 +97,28 @@ class Admission:
         self.hand_over()
 
     def hand_over(self) -> None:
-        """Free slots taken for the waiters in order. Strictly first come first served, as
-        vLLM's scheduler: while the head's choices (n > 1) do not fit, none behind it is
-        admitted, so that a request of many choices is not overtaken by later small ones for
-        ever. A cancelled waiter at the head leaves, holding nothing."""
+        """Free slots taken for the waiters in turn (first come first served, as vLLM's
+        scheduler; by priority first under its priority policy): while the head's choices
+        (n > 1) do not fit, none behind it is admitted, so that a request of many choices is
+        not overtaken by later small ones for ever. A cancelled waiter at the head leaves,
+        holding nothing."""
         queued = self.waiting
         while self._waiting:
-            num_choices, future = self._waiting[0]
+            _, num_choices, future = self._waiting[0]
             if not future.done() and self.running + num_choices > self.max_running:
                 break
-            self._waiting.popleft()
+            self._waiting.pop(0)
             if not future.done():
                 self.running += num_choices  # taken now: nobody overtakes it before it runs
                 future.set_result(None)
         if self.waiting != queued:
             self.on_waiting(self.waiting)
 
-    def leave(self, turn: tuple[int, asyncio.Future]) -> None:
+    def leave(self, turn: tuple[tuple[int, int], int, asyncio.Future]) -> None:
         """A waiter cancelled: out of the queue; slots already taken for it (handed over as
         it was cancelled) go back. Either way the waiters behind it may now go: it may have
         been the head they waited behind, or the one a release woke."""
-        num_choices, future = turn
+        _, num_choices, future = turn
         if future.done() and not future.cancelled():
             self.running -= num_choices
         elif turn in self._waiting:

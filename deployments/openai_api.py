@@ -114,6 +114,8 @@ class SamplingFields(BaseModel):
     speculative_tree: TreeArg | None = None
     return_token_ids: bool = False  # extension (as vLLM): each choice carries its token ids
     ignore_eos: bool = False  # extension (as vLLM): do not stop at the model's end tokens
+    # extension (as vLLM): the place among the waiting under the router's priority policy
+    priority: int = Field(default=0, ge=-2**63, lt=2**63)
     # extension (as vLLM): the n best beams of a beam search (deployments.beams), ranked by
     # cumulative logprob / length ** length_penalty
     use_beam_search: bool = False

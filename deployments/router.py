@@ -159,7 +159,8 @@ class Router:
         self.admission = Admission(args.max_running_requests,
                                    lambda running: self.metrics.running.set(running),
                                    max_waiting=args.max_waiting_requests,
-                                   on_waiting=lambda waiting: self.metrics.waiting.set(waiting))
+                                   on_waiting=lambda waiting: self.metrics.waiting.set(waiting),
+                                   by_priority=args.scheduling_policy == "priority")
         self.api_key = api_key(args.api_key)
         allow_cross_origin(args.cross_origin())
         self._channel: grpc.aio.Channel | None = None
@@ -292,7 +293,8 @@ class Router:
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)
             plan = await self.plan(body, chat)
             tools = self.tool_use(body) if chat else None  # checked by the prompt's reading
-            ticket = await self.admission.wait_turn(len(plan.choices))  # queued while full
+            ticket = await self.admission.wait_turn(len(plan.choices),  # queued while full
+                                                    body.priority)
         except (BadRequest, ValueError) as error:
             error = error if isinstance(error, BadRequest) else \
                 BadRequest(str(error), param=getattr(error, "param", None))  # a FieldError's
@@ -366,7 +368,7 @@ class Router:
         choices planned."""
         self.check_model(body)
         # refused before its prompts are read when it could neither run nor wait now
-        self.admission.check(body.n * (1 if chat else len(body.prompts())))
+        self.admission.check(body.n * (1 if chat else len(body.prompts())), body.priority)
         # the request's own id, which also keys its pool sessions: never the client's
         # x-request-id (two requests sharing one would share caches), which Serve's proxy
         # logs and echoes

@@ -190,6 +190,10 @@ class RouterArgs(BaseModel):
     # the router (its max_ongoing_requests): keep those above max_running_requests + this,
     # or Serve's own queue, and its 503, fills first
     max_waiting_requests: int = Field(default=128, ge=0)
+    # vLLM's --scheduling-policy: "fcfs", the waiting in arrival order (a request's
+    # `priority` other than 0 is then a 400, as vLLM's), or "priority", by the requests'
+    # `priority` (lower first), then arrival; running requests are never preempted
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_prompt_bytes: int = Field(default=1 << 20, ge=1)  # checked before tokenizing
     # a bearer key /v1/* require (Authorization: Bearer <key>); default: the environment's
     # SPECSERVE_API_KEY, else none (open, as the embedded config on 127.0.0.1 is)

@@ -39,15 +39,18 @@ async def refusal(awaitable) -> BadRequest:
     return refused.value
 
 
-def turns(admission: Admission, wants: list[int], order: list) -> list[asyncio.Task]:
-    """A task per request, in this order, that waits for its turn (wants[i] choices) and
-    then notes (its index, the choices then running) in order."""
-    async def wait(index: int, num_choices: int):
-        ticket = await admission.wait_turn(num_choices)
+def turns(admission: Admission, wants: list[int], order: list,
+          priorities: list[int] | None = None) -> list[asyncio.Task]:
+    """A task per request, in this order, that waits for its turn (wants[i] choices, at
+    priorities[i]) and then notes (its index, the choices then running) in order."""
+    async def wait(index: int, num_choices: int, priority: int):
+        ticket = await admission.wait_turn(num_choices, priority)
         order.append((index, admission.running))
         return ticket
 
-    return [asyncio.create_task(wait(i, n)) for i, n in enumerate(wants)]
+    priorities = priorities or [0] * len(wants)
+    return [asyncio.create_task(wait(i, n, p)) for i, (n, p) in
+            enumerate(zip(wants, priorities))]
 
 
 def test_waiting_requests_are_admitted_in_arrival_order_as_slots_come_back():
@@ -248,5 +251,34 @@ def test_the_router_queues_a_request_beyond_its_slots_and_answers_it_in_turn():
         answers = [first.result(), second.result()]
         assert gone.cancelled() and [a.status_code for a in answers] == [200, 200]
         assert admission.running == 0 and admission.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_under_the_priority_policy_the_waiting_go_by_priority_then_arrival():
+    """vLLM's --scheduling-policy priority: lower first, ties in arrival order; a request
+    ahead of every waiter runs at once when it fits, one behind waits (none is preempted).
+    Under FCFS (the default) a priority other than 0 is a 400 naming it, as vLLM's."""
+    async def main():
+        admission, order = Admission(1, max_waiting=8, by_priority=True), []
+        held = admission.admit(1)
+        tasks = turns(admission, [1, 1, 1, 1], order, priorities=[5, 0, 5, -3])
+        await settled()
+        for expected in [3, 1, 0, 2]:
+            (held if expected == 3 else tasks[order[-1][0]].result()).release()
+            await settled()
+            assert order[-1][0] == expected
+        tasks[2].result().release()
+        assert admission.running == 0 and admission.waiting == 0
+        wide = admission.admit(1)
+        late = turns(admission, [1], order, priorities=[9])
+        await settled()
+        assert admission.check(1, priority=-1) is None  # ahead of the waiter: not refused
+        wide.release()
+        await settled()
+        late[0].result().release()
+        fcfs = Admission(1, max_waiting=8)
+        refused = await refusal(fcfs.wait_turn(1, priority=2))
+        assert refused.status == 400 and refused.param == "priority"
 
     asyncio.run(main())
