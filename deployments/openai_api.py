@@ -33,7 +33,9 @@ from deployments.request_bounds import (
     MAX_STOP_TOTAL_CHARS,
     MAX_TEMPLATE_KWARGS,
     MAX_TOOL_CALLS,
+    StreamOptions,
     check_logprob_token_ids,
+    needing,
     refuse_unserved,
     served_prompt_logprobs,
 )
@@ -51,26 +53,6 @@ from speculative.sampling import (
     SamplingParams,
     served_temperature,
 )
-
-
-def needing(value, info, field: str, message: str):
-    """A field's value, refused (ValueError(message)) when it is set and the field it needs
-    is not (a validator's info.data: the fields declared before it)."""
-    if value is not None and not info.data.get(field):
-        raise ValueError(message)
-    return value
-
-
-class StreamOptions(BaseModel):
-    # a last chunk with no choices, the usage and the speculative counters (as OpenAI)
-    include_usage: bool = False
-    # with include_usage, every chunk carries its choice's usage so far (vLLM's)
-    continuous_usage_stats: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def null_is_the_default(cls, data):  # as the body's own fields
-        return without_nulls(data)
 
 
 class SamplingFields(BaseModel):

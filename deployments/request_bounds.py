@@ -1,7 +1,10 @@
 """What a request body may ask, checked before any work (the prompt's own size is checked
 against the router's max_prompt_bytes and the context), and the vLLM fields this server
-refuses rather than ignores (deployments.openai_api)."""
+refuses rather than ignores (deployments.openai_api); the stream's options."""
 
+from pydantic import BaseModel, model_validator
+
+from deployments.formats import without_nulls
 from deployments.tools import FieldError
 from speculative.sampling import MAX_LOGPROBS
 
@@ -73,3 +76,23 @@ def check_logprob_token_ids(body) -> None:
     if body.max_tokens == 0:
         raise FieldError("logprob_token_ids", "not with max_tokens 0: no output token to "
                                               "score")
+
+
+def needing(value, info, field: str, message: str):
+    """A field's value, refused (ValueError(message)) when it is set and the field it needs
+    is not (a validator's info.data: the fields declared before it)."""
+    if value is not None and not info.data.get(field):
+        raise ValueError(message)
+    return value
+
+
+class StreamOptions(BaseModel):
+    # a last chunk with no choices, the usage and the speculative counters (as OpenAI)
+    include_usage: bool = False
+    # with include_usage, every chunk carries its choice's usage so far (vLLM's)
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_the_default(cls, data):  # as the body's own fields
+        return without_nulls(data)
