@@ -101,7 +101,7 @@ class SamplingFields(BaseModel):
     # extension (as vLLM): the n best beams of a beam search (deployments.beams), ranked by
     # cumulative logprob / length ** length_penalty
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)  # NaN: no ranking
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension (as vLLM)
     # OpenAI's: token id (a JSON key, so a string, read as an integer) -> a bias in
     # [-100, 100] added to its logit

@@ -16,6 +16,7 @@ session no beam continues is released at once.
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,7 +66,13 @@ def beam_score(sequence: Sequence[int], cum_logprob: float, eos_token_id: int | 
     """vLLM's get_beam_search_score: the cumulative logprob over the whole sequence's length
     (the prompt's tokens included, a last EOS not), to the power length_penalty."""
     length = len(sequence) - (sequence[-1] == eos_token_id)
-    return cum_logprob / length ** length_penalty
+    try:
+        scale = float(length) ** length_penalty
+    except OverflowError:  # past a float (a length_penalty far above 1): its limit, as
+        scale = math.inf  # IEEE division takes it (vLLM's search fails there: a 500)
+    if scale == 0.0:  # below the least float (one far below 0): the limit of the quotient
+        return -math.inf if cum_logprob < 0 else 0.0
+    return cum_logprob / scale
 
 
 def ranked(prompt: Sequence[int], beams: list[Beam], params: BeamParams) -> list[Beam]:
@@ -166,5 +173,12 @@ async def scored(verifier: Verifier, sessions: list[RequestState], top_n: int) -
 
 
 async def released(verifier: Verifier, sessions: list[RequestState]) -> None:
-    await asyncio.gather(*(verifier.release(s.request.request_id) for s in sessions),
-                         return_exceptions=True)
+    """Each session's release, awaited in turn in the caller's own task (a pool client's
+    returns at once, its Release sent in the background): tasks of their own, not yet
+    started when a repeated cancel of the search reached them, never ran (a leaked
+    session)."""
+    for state in sessions:
+        try:
+            await verifier.release(state.request.request_id)
+        except Exception:  # best effort, as any release: the pool's LRU and TTL evict it
+            pass

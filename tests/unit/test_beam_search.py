@@ -13,8 +13,9 @@ from deployments.admission import Admission
 from deployments.beams import choices_kind, refuse_unsearched
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.tools import FieldError
-from speculative.beams import BeamParams, beam_score
+from speculative.beams import BeamParams, BeamSearch, beam_score
 from speculative.frontend import RequestFrontEnd
+from speculative.sampling import SamplingParams
 from tests.tiny import tiny_llama
 from verifier.engine import ModelVerifier
 
@@ -154,6 +155,68 @@ def test_the_score_is_vllms_over_the_whole_sequence_without_a_last_eos():
     assert BeamParams(2, 4, None).length_penalty == 1.0
 
 
+def test_a_length_penalty_past_a_floats_range_ranks_by_the_scores_limit_not_a_500():
+    """length ** length_penalty past a float (OverflowError) or below its least (a division
+    by zero) failed the request after its whole search; the quotient's limits rank instead.
+    NaN (Python's json reads it) or an infinity ranks nothing: a 400 naming the field."""
+    long = list(range(100))
+    assert beam_score(long, -2.0, None, 400.0) == 0.0  # -2 / inf
+    assert beam_score(long, -2.0, None, -400.0) == float("-inf")
+    assert beam_score(long, 0.0, None, -400.0) == 0.0
+    assert beam_score([1], -2.0, None, 400.0) == -2.0  # 1 ** anything
+    for bad in ("NaN", "Infinity"):
+        with pytest.raises(ValueError, match="length_penalty"):
+            CompletionRequest.model_validate_json(
+                f'{{"prompt": "x", "use_beam_search": true, "length_penalty": {bad}}}')
+
+
+@pytest.mark.parametrize("length_penalty", [400.0, -400.0])
+def test_a_beam_search_with_an_extreme_length_penalty_answers(target, length_penalty):
+    body = CompletionRequest(prompt="x", **fields(2, False, length_penalty, False))
+    answer = asyncio.run(beam_choices(target, body, False).complete())
+    assert len(answer["choices"]) == 2
+
+
+class Held:
+    """A verifier whose calls never answer, noting the sessions called and released."""
+
+    def __init__(self) -> None:
+        self.called, self.released = set(), set()
+
+    async def score(self, call):
+        self.called.add(call.request_id)
+        await asyncio.Event().wait()
+
+    async def release(self, request_id):
+        self.released.add(request_id)
+
+
+@pytest.mark.parametrize("turns", range(8))
+def test_a_search_cancelled_again_as_it_releases_leaves_no_session(turns):
+    """A client gone mid-search cancels it; a second cancel (a stream's end repeated) that
+    came while its sessions' releases were tasks not yet started dropped them."""
+    plan = RequestFrontEnd().plan("cmpl-b", PROMPT, SamplingParams(temperature=0.0,
+                                                                   max_tokens=4), n=2)
+    verifier = Held()
+
+    async def main():
+        search = asyncio.ensure_future(
+            BeamSearch(plan.choices[0].request, BeamParams(2, 4, EOS)).run(verifier))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        search.cancel()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        search.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await search
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert verifier.called and verifier.called <= verifier.released
+
+
 @pytest.mark.parametrize("extra, chat, param", [
     ({"stream": True}, False, "stream"), ({"n": 11}, False, "n"),
     ({"top_p": 0.9}, False, "top_p"), ({"stop": ["x"]}, True, "stop"),
@@ -162,6 +225,8 @@ def test_the_score_is_vllms_over_the_whole_sequence_without_a_last_eos():
     ({"response_format": {"type": "json_object"}}, True, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, True,
      "tools"),
+    # the search's rows are the top 2 x width, not these ids' (it was answered without them)
+    ({"logprobs": True, "logprob_token_ids": [3, 4]}, True, "logprob_token_ids"),
 ])
 def test_what_a_beam_search_cannot_apply_is_refused_by_name(extra, chat, param):
     given = {"use_beam_search": True, "n": 2, **extra}

@@ -414,5 +414,11 @@ def test_the_api_key_the_model_and_admission_are_checked_as_a_chats():
     held = router.admission.admit(2)
     assert status({})[0] == 429
     held.release()
+    # vLLM's Responses take `priority` (it was dropped: 0 under the priority policy, and
+    # under FCFS none refused): one other than 0 under FCFS is the chat's 400
+    assert status({"priority": 3}) == (400, "priority")
+    router.admission.by_priority = True
+    assert status({"priority": 3}) == (200, None)
+    router.admission.by_priority = False
     assert status({"tools": TOOLS, "tool_choice": {"type": "function", "name": "later"}}
                   ) == (400, "tool_choice")
