@@ -24,6 +24,7 @@ from ray import serve
 
 from deployments.admission import Admission
 from deployments.beams import choices_kind, refuse_unsearched
+from deployments.choices import Choices
 from deployments.clients import channel_options
 from deployments.ingress import (
     BadRequest,
@@ -299,20 +300,11 @@ class Router:
             error = error if isinstance(error, BadRequest) else \
                 BadRequest(str(error), param=getattr(error, "param", None))  # a FieldError's
             return error_response(shape.renamed(error) if shape is not None else error)
-        decode = self.special_decode if not body.skip_special_tokens else \
-            self.tool_decode if tools else self.decode  # tags kept: calls read
-        kind = choices_kind(body, self.prompts)  # a beam search's, or Choices
-        choices = kind(plan, self.pools(plan.drafter_kind), decode, self.metrics,
-                       ticket, model=self.args.served_model_name, chat=chat,
-                       return_token_ids=body.return_token_ids,
-                       tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
-                       include_usage=body.include_usage,
-                       continuous_usage=body.continuous_usage,
-                       stop_token_ids=self.prompts.reported_stop_ids(body),
-                       token_bytes=self.token_bytes, render=self.rendering,
-                       reasoning=self.reasoning(body, plan) if chat else None,
-                       think_tokens=self.think_tokens if chat else None,
-                       prompt=self.prompt_answer(body, plan, chat))
+        try:
+            choices = self.choices(body, plan, tools, ticket, chat)
+        except BaseException:  # (none seen) the slots go back however it ends
+            ticket.release()
+            raise
         if body.stream:
             return ReleasingStream(shape.events(choices.events()), ticket)
         try:
@@ -325,6 +317,22 @@ class Router:
             return error_response(pool_failure(error, plan.request_id))
         finally:
             ticket.release()
+
+    def choices(self, body, plan: RequestPlan, tools, ticket, chat: bool) -> Choices:
+        """The request's choices to run (a beam search's, or Choices) on its admitted slots."""
+        decode = self.special_decode if not body.skip_special_tokens else \
+            self.tool_decode if tools else self.decode  # tags kept: calls read
+        kind = choices_kind(body, self.prompts)
+        return kind(plan, self.pools(plan.drafter_kind), decode, self.metrics, ticket,
+                    model=self.args.served_model_name, chat=chat,
+                    return_token_ids=body.return_token_ids,
+                    tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
+                    include_usage=body.include_usage, continuous_usage=body.continuous_usage,
+                    stop_token_ids=self.prompts.reported_stop_ids(body),
+                    token_bytes=self.token_bytes, render=self.rendering,
+                    reasoning=self.reasoning(body, plan) if chat else None,
+                    think_tokens=self.think_tokens if chat else None,
+                    prompt=self.prompt_answer(body, plan, chat))
 
     def prompt_answer(self, body, plan: RequestPlan, chat: bool) -> PromptAnswer | None:
         """What the request asked of its prompts (deployments.prompt_logprobs): their

@@ -241,6 +241,7 @@ def served(verifier: Scored):
         pools=lambda kind=None: (Agreeing(), verifier), plan=plan,
         tool_use=lambda body: None, reasoning=lambda body, plan: None)
     router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
+    router.choices = lambda *args: Router.choices(router, *args)
 
     def serve(body: dict, chat: bool = False):
         async def main():

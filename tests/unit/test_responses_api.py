@@ -184,6 +184,7 @@ def stand_in(text: str, parser: str | None = None, verifier=None) -> SimpleNames
     router.tool_use = MethodType(Router.tool_use, router)
     router.reasoning = MethodType(Router.reasoning, router)
     router.prompt_answer = MethodType(Router.prompt_answer, router)
+    router.choices = MethodType(Router.choices, router)
     return router
 
 

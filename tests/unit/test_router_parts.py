@@ -484,10 +484,12 @@ def router_of(max_running: int, verifier=None):
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
         pools=lambda kind=None: (Agreeing(), verifier or Agreeing()), plan=plan)
     router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
+    router.choices = lambda *args: Router.choices(router, *args)
 
     def serve(request, schema, chat):
         return Router.serve_request(router, request, schema, chat)
 
+    serve.router = router
     return serve, router.admission
 
 

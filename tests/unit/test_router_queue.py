@@ -282,3 +282,18 @@ def test_under_the_priority_policy_the_waiting_go_by_priority_then_arrival():
         assert refused.status == 400 and refused.param == "priority"
 
     asyncio.run(main())
+
+
+def test_a_request_that_fails_once_admitted_gives_its_slots_back():
+    """Between its admission and its answer (its choices built) nothing keeps the slots: a
+    failure there released them only if it came later."""
+    serve, admission = router_of(max_running=2)
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    serve.router.choices = broken
+    with pytest.raises(RuntimeError):
+        asyncio.run(serve(posted({"prompt": "hi", "max_tokens": 4}), CompletionRequest,
+                          chat=False))
+    assert admission.running == 0
