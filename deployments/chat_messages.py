@@ -89,22 +89,23 @@ SHORT_CALL_ID = 9  # Mistral's templates take tool call ids of 9 letters and dig
 OPENAI_CALL_ID = "call_" + "0" * 24
 
 
-def call_id_length(tokenizer) -> int | None:
-    """SHORT_CALL_ID where the model's chat template refuses a tool call id of OpenAI's length
-    and takes one of 9 characters (Mistral's raise on any other, and vLLM writes its ids so
-    for Mistral models); None otherwise. Probed by rendering a call and its result."""
+def call_id_length(tokenizer, template: str | None = None) -> int | None:
+    """SHORT_CALL_ID where the chat template (`template`, apply_chat_template's; None: the
+    model's) refuses a tool call id of OpenAI's length and takes one of 9 characters
+    (Mistral's raise on any other, and vLLM writes its ids so for Mistral models); None
+    otherwise. Probed by rendering a call and its result."""
     def renders(call_id: str) -> bool:
         call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": {}}}
         messages = [{"role": "user", "content": "x"},
                     {"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": call_id, "content": "1"}]
         try:
-            tokenizer.apply_chat_template(messages, tokenize=False)
+            tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
         except Exception:  # a template raises on what it refuses
             return False
         return True
 
-    if not getattr(tokenizer, "chat_template", None) or renders(OPENAI_CALL_ID):
+    if not (template or getattr(tokenizer, "chat_template", None)) or renders(OPENAI_CALL_ID):
         return None
     return SHORT_CALL_ID if renders("a" * SHORT_CALL_ID) else None
 

@@ -15,6 +15,7 @@ at a time."""
 
 import asyncio
 
+from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
 from speculative.types import ProposeCall, timed
 
 # below these a call is cheaper inline than a hop to a thread (about 0.1 ms): a round's few
@@ -77,3 +78,18 @@ class OffLoop:
         self.lock.release()
         if not done.cancelled():
             done.exception()  # retrieved: a cancelled caller's refusal is nobody's to raise
+
+
+def local_drafters(model: str, target, max_running_requests: int,
+                   max_cached_tokens: int) -> dict[str, OffLoop]:
+    """The drafters without a model that the router runs itself, by kind, each with sessions
+    for every choice the router runs and as many finished ones (the drafters' default 256,
+    below a larger admission, evicted running sessions every round: a suffix drafter then
+    indexed each whole prompt again), and at most max_cached_tokens committed tokens in
+    them (a few long contexts held gigabytes of suffix tries)."""
+    sessions = max(256, 2 * max_running_requests)
+    return {kind: OffLoop(build_drafter(DrafterSpec(kind=kind, target=model,
+                                                    max_cached_requests=sessions,
+                                                    max_cached_tokens=max_cached_tokens),
+                                        target))
+            for kind in router_side_kinds()}

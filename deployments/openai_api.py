@@ -24,6 +24,7 @@ from deployments.tools import (
 )
 from deployments.request_bounds import (
     MAX_CACHE_SALT,
+    MAX_CHAT_TEMPLATE,
     MAX_CHOICES,
     MAX_DOCUMENTS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -141,7 +142,7 @@ class SamplingFields(BaseModel):
         """OpenAI's fields are nullable (temperature, n, stream, ...): null means the default,
         as in vLLM."""
         if isinstance(data, dict):
-            refuse_unserved(data)
+            refuse_unserved(data, cls.model_fields)
         return without_nulls(data)
 
     @field_validator("prompt_logprobs")
@@ -315,6 +316,8 @@ def prompt_list(prompt) -> list:
 
 
 DocumentText = Annotated[str, AfterValidator(lambda text: encodable(text, "documents"))]
+TemplateText = Annotated[str, Field(max_length=MAX_CHAT_TEMPLATE),
+                         AfterValidator(lambda text: encodable(text, "chat_template"))]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -333,6 +336,10 @@ class ChatCompletionRequest(SamplingFields):
     # does not read are dropped, as vLLM drops them (deployments.prompts.template_kwargs)
     chat_template_kwargs: dict[str, Any] | None = Field(default=None,
                                                         max_length=MAX_TEMPLATE_KWARGS)
+    # vLLM's: the request's own chat template, rendered where the router trusts request
+    # templates (its trust_request_chat_template), else refused as vLLM's refuses it
+    # (deployments.chat_templates)
+    chat_template: TemplateText | None = None
     # vLLM's: documents a RAG template writes into the prompt (Command R's, Granite's), each
     # a dict of texts ({"title": ..., "text": ...}); a template that reads none drops them
     documents: list[dict[DocumentText, DocumentText]] | None = Field(default=None,

@@ -20,6 +20,7 @@ from deployments.chat_messages import (
     template_variables,
     with_call_ids_cut,
 )
+from deployments.chat_templates import UNTRUSTED, ChatTemplate, model_template, read_template
 from deployments.ingress import BadRequest
 from deployments.openai_api import SamplingFields
 from deployments.router_args import RouterArgs
@@ -43,8 +44,11 @@ class Prompt:
 
 
 class PromptReader:
+    trusts_request_templates = False  # the router's trust_request_chat_template
+
     def __init__(self, args: RouterArgs, tokenizer, target: Checkpoint) -> None:
         self.tokenizer, self.vocab_size = tokenizer, target.vocab_size
+        self.trusts_request_templates = args.trust_request_chat_template
         self.context_limit = context_limit(target, args.max_context_tokens)
         self.end_ids = end_token_ids(args.model, tokenizer)
         self.max_prompt_bytes = args.max_prompt_bytes
@@ -239,13 +243,23 @@ class PromptReader:
         anchor, anchored = ids(ANCHOR), ids(ANCHOR + piece)
         return anchored[len(anchor):] if anchored[:len(anchor)] == anchor else ids(piece)
 
-    def template_kwargs(self, body) -> dict:
+    def template_kwargs(self, body, template: ChatTemplate) -> dict:
         """The request's chat_template_kwargs the template reads (chat_messages')."""
         if not body.chat_template_kwargs:
             return {}
-        return template_kwargs(body.chat_template_kwargs, self.template_variables,
+        return template_kwargs(body.chat_template_kwargs, template.variables,
                                set(getattr(self.tokenizer, "special_tokens_map", {})),
                                special_pattern(self.tokenizer))
+
+    def chat_template(self, body) -> ChatTemplate:
+        """The template a chat renders with: its own (chat_template) where the router trusts
+        request templates (vLLM's 400 where it does not), else the model's."""
+        given = getattr(body, "chat_template", None)  # (a completion has none)
+        if given is None:
+            return model_template(self.tokenizer, self.template_variables, self.call_id_length)
+        if not self.trusts_request_templates:
+            raise BadRequest(UNTRUSTED, param="chat_template")
+        return read_template(self.tokenizer, given)
 
     @functools.cached_property
     def template_variables(self) -> frozenset[str] | None:
@@ -282,11 +296,13 @@ class PromptReader:
         return ([], []) if at is None else (full[:at], full[at + len(bare):])
 
     def chat_text(self, body, messages: list[dict]) -> str:
-        """The messages (for_template's) through the model's chat template, up to the
-        assistant's turn. A `developer` message (OpenAI's newer name for system) is a system
-        message to a template that does not name the role (Qwen2.5's would drop it, Llama 3's
-        write a header its model never saw), as vLLM and llama.cpp map it."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        """The messages (for_template's) through the chat template (the request's own where
+        trusted: chat_template), up to the assistant's turn. A `developer` message (OpenAI's
+        newer name for system) is a system message to a template that does not name the role
+        (Qwen2.5's would drop it, Llama 3's write a header its model never saw), as vLLM and
+        llama.cpp map it."""
+        template = self.chat_template(body)
+        if template.given is None and not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model has no chat template: use /v1/completions",
                              param="messages")
         try:  # the tools in effect are listed in the prompt (none for tool_choice "none")
@@ -296,21 +312,21 @@ class PromptReader:
                 check_forced(body.tools, use.forced)
         except ToolError as error:
             raise BadRequest(str(error), param=error.param) from None
-        if self.call_id_length is not None:
-            messages = with_call_ids_cut(messages, self.call_id_length)
-        if "developer" not in str(self.tokenizer.chat_template):
+        if template.call_id_length is not None:
+            messages = with_call_ids_cut(messages, template.call_id_length)
+        if not template.names_developer:
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m
                         for m in messages]
-        extra = self.template_kwargs(body)
+        extra = self.template_kwargs(body, template)
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=use.template_tools() if use else None,
                 documents=body.documents or None, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, **extra)
+                continue_final_message=body.continue_final_message,
+                chat_template=template.given, **extra)
         except Exception as error:  # a template may raise on roles or order it rejects
-            raise BadRequest(f"the model's chat template rejected the messages: "
-                             f"{str(error)[:200]}", param="messages") from None
+            raise template.rejected(error) from None
 
 
 def recommended_defaults(model: str, vocab_size: int) -> dict:

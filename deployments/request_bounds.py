@@ -23,12 +23,16 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CACHE_SALT = 256  # characters
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
 MAX_DOCUMENTS = 64  # a chat's documents (vLLM's, for RAG templates), each of text fields
+# a request's own chat template (characters; vLLM bounds none): the longest templates
+# checkpoints ship (Llama 3.1's with its tools, Command R's) are under 16k
+MAX_CHAT_TEMPLATE = 64 * 1024
 # vLLM's earlier constraint fields (refused: ignored, the output would be unconstrained)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object",
           "structural_tag")
 # vLLM's fields not served here (and OpenAI's deprecated `functions`, which tools replace,
 # and its audio output), each of which changes the answer or what it carries, and the
-# values that ask for nothing (vLLM's defaults, as this server behaves): any other is refused
+# values that ask for nothing (vLLM's defaults, as this server behaves): any other is
+# refused, by a body that does not declare the field (a chat's chat_template is its own)
 UNSERVED = {"chat_template": (None,),
             "functions": (None, []), "logits_processors": (None, []),
             "prompt_embeds": (None,),
@@ -36,14 +40,15 @@ UNSERVED = {"chat_template": (None,),
 MAX_CHOICES = 128  # n, as OpenAI's bound; the router's max_running_requests bounds it too
 
 
-def refuse_unserved(body: dict) -> None:
+def refuse_unserved(body: dict, declared=()) -> None:
     """FieldError for the first of vLLM's earlier constraint fields (GUIDED) given, then for
-    the first field of UNSERVED at a value that asks for something."""
+    the first field of UNSERVED, not among the body's `declared` fields, at a value that asks
+    for something."""
     if guided := sorted(key for key in GUIDED if body.get(key) is not None):
         raise FieldError(guided[0], "vLLM's earlier field, not served here: give the "
                          "constraint as structured_outputs or response_format")
     if unserved := sorted(key for key, served in UNSERVED.items()
-                          if key in body and body[key] not in served):
+                          if key in body and key not in declared and body[key] not in served):
         value = repr(body[unserved[0]])  # a template or functions may be long
         value = value if len(value) <= 80 else value[:77] + "..."
         raise FieldError(unserved[0], f"{value} is not supported by this server")

@@ -6,7 +6,9 @@ call to each pool. What a request goes through, each in its own module: the ingr
 key, body, errors: deployments.ingress), the prompt (deployments.prompts), the request front
 end shared with the CLI (choices, seeds, K: speculative.frontend), admission
 (deployments.admission) and the fan-out of its choices (deployments.choices); vLLM's
-tokenizer endpoints read prompts as requests do (deployments.tokenize_api).
+tokenizer endpoints read prompts as requests do (deployments.tokenize_api), its SageMaker
+routes serve a request by its body (deployments.invocations), and its served names are
+deployments.served_models'.
 """
 
 import asyncio
@@ -38,7 +40,8 @@ from deployments.ingress import (
     pool_failure,
     unauthorized,
 )
-from deployments.local_drafters import OffLoop
+from deployments.invocations import InvocationRequest
+from deployments.local_drafters import local_drafters
 from deployments.logprobs import token_bytes_of
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
@@ -55,6 +58,13 @@ from deployments.reasoning import (
 from deployments.responses_api import ResponsesRequest
 from deployments.responses_events import answer_shape
 from deployments.router_args import RouterArgs, tree_shape
+from deployments.served_models import (
+    check_model,
+    model_card,
+    model_list,
+    not_served,
+    served_names,
+)
 from deployments.tokenize_api import (
     DetokenizeRequest,
     TokenizeChat,
@@ -66,41 +76,11 @@ from deployments.tokenize_api import (
 )
 from deployments.tool_parsers import KEPT_TEXTS
 from deployments.tools import ToolUse
-from drafter.registry import DrafterSpec, build_drafter, router_side_kinds
 from engine.checkpoint import Checkpoint, check_vocabularies
 from engine.models import load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd, RequestPlan, joined
 from speculative.types import PoolUnavailable
-
-
-def model_card(name: str, model: str, context: int) -> dict:
-    """The served model as vLLM's /v1/models lists it: `root` the checkpoint it serves
-    (clients of vLLM load the tokenizer from `data[0].root`: without it, an AttributeError
-    in OpenAI's client), `max_model_len` the context, and vLLM's one permission entry."""
-    permission = {"id": "modelperm-specserve", "object": "model_permission", "created": 0,
-                  "allow_create_engine": False, "allow_sampling": True,
-                  "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                  "allow_fine_tuning": False, "organization": "*", "group": None,
-                  "is_blocking": False}
-    return {"id": name, "object": "model", "created": 0, "owned_by": "specserve",
-            "root": model, "parent": None, "max_model_len": context,
-            "permission": [permission]}
-
-
-def local_drafters(model: str, target, max_running_requests: int,
-                   max_cached_tokens: int) -> dict[str, OffLoop]:
-    """The drafters without a model that the router runs itself, by kind, each with sessions
-    for every choice the router runs and as many finished ones (the drafters' default 256,
-    below a larger admission, evicted running sessions every round: a suffix drafter then
-    indexed each whole prompt again), and at most max_cached_tokens committed tokens in
-    them (a few long contexts held gigabytes of suffix tries)."""
-    sessions = max(256, 2 * max_running_requests)
-    return {kind: OffLoop(build_drafter(DrafterSpec(kind=kind, target=model,
-                                                    max_cached_requests=sessions,
-                                                    max_cached_tokens=max_cached_tokens),
-                                        target))
-            for kind in router_side_kinds()}
 
 
 def served_tokenizer(model: str, tokenizer: str | None):
@@ -126,7 +106,8 @@ app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
                                 "/v1/chat/completions": [ChatCompletionRequest],
                                 "/v1/responses": [ResponsesRequest],
                                 "/tokenize": [TokenizeCompletion, TokenizeChat],
-                                "/detokenize": [DetokenizeRequest]})
+                                "/detokenize": [DetokenizeRequest],
+                                "/invocations": [ChatCompletionRequest, CompletionRequest]})
 
 
 # Serve's ingress serialises the app when it decorates the class, so everything it uses must
@@ -204,24 +185,30 @@ class Router:
     async def health(self) -> dict:
         return {"status": "ok"}
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping(self) -> dict:
+        """vLLM's SageMaker health check (deployments.invocations): /health's answer, open
+        as /health is."""
+        return await self.health()
+
     @app.get("/v1/models")
     async def models(self, request: Request):
         if refused := unauthorized(request, self.api_key):
             return refused
-        return {"object": "list", "data": [model_card(self.args.served_model_name,
-                                                      self.args.model,
-                                                      self.prompts.context_limit)]}
+        return model_list(served_names(self.args.served_model_name), self.args.model,
+                          self.prompts.context_limit)
 
     @app.get("/v1/models/{name:path}")
     async def model(self, name: str, request: Request):
-        """The served model's card by its name (OpenAI's models.retrieve); another name is a
-        404 (model_not_found), as a request naming it is. A name may hold "/"."""
+        """The served model's card by its name, any of them (OpenAI's models.retrieve);
+        another name is a 404 (model_not_found), as a request naming it is. A name may hold
+        "/"."""
         if refused := unauthorized(request, self.api_key):
             return refused
-        if name != self.args.served_model_name:
-            return error_response(BadRequest(f"model {name!r} does not exist; this server "
-                                             f"serves {self.args.served_model_name!r}", 404,
-                                             "model"))
+        names = served_names(self.args.served_model_name)
+        if name not in names:  # (an empty name too: a card has a name)
+            return error_response(not_served(name, names))
         return model_card(name, self.args.model, self.prompts.context_limit)
 
     @app.get("/version")
@@ -263,34 +250,38 @@ class Router:
             return error_response(error)
 
     def check_model(self, body) -> None:
-        # an empty name is the served model, as no name is (vLLM's: clients of servers that
-        # serve one model send "")
-        if body.model and body.model != self.args.served_model_name:
-            raise BadRequest(f"model {body.model!r} does not exist; this server serves "
-                             f"{self.args.served_model_name!r}", 404, "model")
+        check_model(body.model, served_names(self.args.served_model_name))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self.serve_request(request, CompletionRequest, chat=False)
+        return await self.serve_request(request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self.serve_request(request, ChatCompletionRequest, chat=True)
+        return await self.serve_request(request, ChatCompletionRequest)
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
         """OpenAI's Responses API, served as the chat it translates to
         (deployments.responses_api)."""
-        return await self.serve_request(request, ResponsesRequest, chat=True)
+        return await self.serve_request(request, ResponsesRequest)
 
-    async def serve_request(self, request: Request, schema, chat: bool):
+    @app.post("/invocations")
+    async def invocations(self, request: Request):
+        """vLLM's SageMaker route: a chat or a completion by its body
+        (deployments.invocations), behind the API key."""
+        return await self.serve_request(request, InvocationRequest)
+
+    async def serve_request(self, request: Request, schema):
+        """A chat (a Responses request's is one) or a completion, as its parsed body says."""
         if refused := unauthorized(request, self.api_key):
             return refused
         shape = None  # how the answer is shaped: its own API's, or a Response
         try:
             asked = await parse(request, schema, self.args.max_prompt_bytes)
-            shape = answer_shape(asked, self.args.served_model_name)
+            shape = answer_shape(asked, served_names(self.args.served_model_name)[0])
             body = shape.body
+            chat = isinstance(body, ChatCompletionRequest)
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)
             plan = await self.plan(body, chat)
             tools = self.tool_use(body) if chat else None  # checked by the prompt's reading
@@ -324,7 +315,7 @@ class Router:
             self.tool_decode if tools else self.decode  # tags kept: calls read
         kind = choices_kind(body, self.prompts)
         return kind(plan, self.pools(plan.drafter_kind), decode, self.metrics, ticket,
-                    model=self.args.served_model_name, chat=chat,
+                    model=served_names(self.args.served_model_name)[0], chat=chat,
                     return_token_ids=body.return_token_ids,
                     tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
                     include_usage=body.include_usage, continuous_usage=body.continuous_usage,
@@ -359,7 +350,8 @@ class Router:
         tools = body.tool_use()
         if tools is None:
             return None
-        return dataclasses.replace(tools, call_id_length=self.prompts.call_id_length,
+        template = self.prompts.chat_template(body)  # read by its prompt's, kept
+        return dataclasses.replace(tools, call_id_length=template.call_id_length,
                                    parser=self.args.tool_call_parser)
 
     def reasoning(self, body, plan: RequestPlan) -> ReasoningSplit | None:

@@ -98,7 +98,9 @@ class RouterArgs(BaseModel):
     # the target checkpoint: its end tokens, context length and vocabulary (no weights loaded)
     model: ModelPath = DEMO_TARGET
     tokenizer: ModelPath | None = None  # default: the model's (the pools only see token ids)
-    served_model_name: str = "specserve-demo"
+    # the name requests give as `model`, or several (vLLM's --served-model-name): a request
+    # may give any (or none), /v1/models lists each, and answers carry the first
+    served_model_name: str | Annotated[list[str], Field(min_length=1)] = "specserve-demo"
     grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
     drafter_app: str = "drafter"
     verifier_app: str = "verifier"
@@ -208,6 +210,12 @@ class RouterArgs(BaseModel):
     # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info answers the tokenizer's
     # config, its chat template among it (off, as vLLM: a template may be private); off: 404
     enable_tokenizer_info_endpoint: bool = False
+    # vLLM's --trust-request-chat-template: a chat (and /tokenize's chat) may bring its own
+    # chat template (`chat_template`), rendered in transformers' sandboxed Jinja environment
+    # on the router's tokenizing thread; off, such a request is refused (400), as vLLM's. The
+    # sandbox keeps a template from Python's internals, not from CPU or memory (a loop in a
+    # loop, a text repeated a billion times): turn it on for trusted clients only
+    trust_request_chat_template: bool = False
 
     def cross_origin(self) -> dict:
         """Starlette's CORSMiddleware's arguments (deployments.ingress.allow_cross_origin)."""

@@ -435,3 +435,96 @@ def test_truncate_prompt_tokens_of_minus_one_fits_an_echo_of_no_tokens(reader):
                              truncate_prompt_tokens=-1)
     prompt = asyncio.run(reader.read(body, chat=False))
     assert (len(prompt.token_ids), prompt.sampling.max_tokens) == (reader.context_limit - 1, 0)
+
+
+# a request's own template (vLLM's chat_template): another way with roles, and the developer
+# role named; it reads a variable the model's does not
+OWN = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + ':' + "
+       "message.content + '<|im_end|>' }}{%- endfor %}{%- if shout is defined and shout %}"
+       "{{- 'LOUD' }}{%- endif %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant:'"
+       " }}{%- endif %}{# developer #}")
+
+
+def trusting(reader):
+    trusted = copy.copy(reader)
+    trusted.trusts_request_templates = True
+    return trusted
+
+
+def test_a_requests_chat_template_is_refused_as_vllm_refuses_it_unless_trusted(reader):
+    """vLLM's --trust-request-chat-template, off by default: a chat (or /tokenize's chat)
+    bringing its own template gets vLLM's 400; before, it was always refused."""
+    from deployments.chat_templates import UNTRUSTED
+
+    hello = [{"role": "user", "content": "hello"}]
+    with pytest.raises(BadRequest) as refused:
+        prompt_ids(reader, hello, chat_template=OWN)
+    assert (str(refused.value), refused.value.param) == (UNTRUSTED, "chat_template")
+    decode = reader.tokenizer.decode
+    assert decode(prompt_ids(trusting(reader), hello, chat_template=OWN)) == \
+        "<|im_start|>user:hello<|im_end|><|im_start|>assistant:"
+    assert decode(prompt_ids(trusting(reader), hello)).startswith("<|im_start|>system\ndefault")
+
+
+def test_what_the_router_reads_of_a_template_it_reads_of_the_requests_own(reader):
+    """The chat_template_kwargs passed (those its template reads), the developer role kept
+    where it names it, the tool call ids it takes (Router.tool_use's): the request's
+    template's, not the model's (the model's would drop `shout`, map developer to system and
+    write OpenAI's ids)."""
+    from tests.unit.test_chat_families import NINE_CHAR_IDS
+
+    trusted = trusting(reader)
+    decode = reader.tokenizer.decode
+    messages = [{"role": "developer", "content": "terse"}, {"role": "user", "content": "hi"}]
+    text = decode(prompt_ids(trusted, messages, chat_template=OWN,
+                             chat_template_kwargs={"shout": True}))
+    assert text.startswith("<|im_start|>developer:terse") and "LOUD" in text
+    assert "LOUD" not in decode(prompt_ids(trusted, messages,
+                                           chat_template_kwargs={"shout": True}))
+    call = {"id": "call_" + "x" * 15 + "abcdefghi", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "1"}],
+        chat_template=NINE_CHAR_IDS)
+    assert "[TOOL_CALLS]abcdefghi" in trusted.chat_text(body, [m.for_template()
+                                                               for m in body.messages])
+    from types import SimpleNamespace
+
+    from deployments.router import Router
+    from deployments.router_args import RouterArgs
+
+    router = SimpleNamespace(args=RouterArgs(), prompts=trusted)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    asked = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                  chat_template=NINE_CHAR_IDS)
+    assert Router.tool_use(router, asked).call_id_length == 9  # the ids its calls get
+    model_s = asked.model_copy(update={"chat_template": None})
+    assert Router.tool_use(router, model_s).call_id_length is None
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% for m in messages %}{{ m.content }", "cannot compile"),
+    ("{{ raise_exception('no tools here') }}", "no tools here"),
+    ("{{ messages.__class__.__mro__ }}", "failed to render"),  # the sandbox's refusal
+    ("{{ messages[0].content.nope.deeper }}", "failed to render"),
+])
+def test_a_requests_template_that_cannot_compile_or_render_is_a_400_naming_it(reader, template,
+                                                                             says):
+    """Never a 500, nor the model's template's message naming `messages`."""
+    with pytest.raises(BadRequest, match=says) as refused:
+        prompt_ids(trusting(reader), [{"role": "user", "content": "hi"}],
+                   chat_template=template)
+    assert refused.value.param == "chat_template" and refused.value.status == 400
+
+
+def test_a_model_without_a_template_renders_a_requests_own(reader):
+    tokenizer = copy.deepcopy(reader.tokenizer)
+    tokenizer.chat_template = None
+    bare = trusting(reader_of(tokenizer))
+    hello = [{"role": "user", "content": "hello"}]
+    with pytest.raises(BadRequest, match="no chat template"):
+        prompt_ids(bare, hello)
+    assert tokenizer.decode(prompt_ids(bare, hello, chat_template=OWN)).startswith(
+        "<|im_start|>user:hello")

@@ -262,6 +262,7 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
     (DrafterArgs, {"draft_q_mass": 0}, "draft_q_mass"),
     (DrafterArgs, {"drafter": "ngram", "ngram_min": 0}, "ngram_min"),
     (RouterArgs, {"max_context_tokens": -5}, "max_context_tokens"),
+    (RouterArgs, {"served_model_name": []}, "served_model_name"),  # no name to answer with
     (VerifierArgs, {"session_ttl_s": float("inf")}, "session_ttl_s"),  # as the router's
     (DrafterArgs, {"health_stall_s": "inf"}, "health_stall_s"),
     (VerifierArgs, {"batch_linger": float("nan")}, "batch_linger"),
@@ -270,6 +271,17 @@ def test_pool_and_router_args_a_replica_would_refuse_fail_at_deploy(model, args,
     with pytest.raises(ValidationError) as refused:
         model.model_validate(args)
     assert refused.value.errors()[0]["loc"][0] == field
+
+
+def test_served_model_name_is_one_name_or_several_and_request_templates_are_untrusted():
+    """vLLM's --served-model-name takes several (deployments.served_models); vLLM's
+    --trust-request-chat-template is off by default (deployments.chat_templates)."""
+    from deployments.served_models import served_names
+
+    assert served_names(RouterArgs().served_model_name) == ("specserve-demo",)
+    several = RouterArgs.model_validate({"served_model_name": ["a", "org/b"]})
+    assert served_names(several.served_model_name) == ("a", "org/b")
+    assert RouterArgs().trust_request_chat_template is False
 
 
 def test_ngram_bounds_in_order_at_deploy():

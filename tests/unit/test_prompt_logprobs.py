@@ -246,7 +246,7 @@ def served(verifier: Scored):
     def serve(body: dict, chat: bool = False):
         async def main():
             answer = await Router.serve_request(router, posted(body), ChatCompletionRequest
-                                                if chat else CompletionRequest, chat)
+                                                if chat else CompletionRequest)
             if not body.get("stream"):
                 return answer.status_code, json.loads(answer.body)
             return answer.status_code, [json.loads(c[len("data: "):]) async for c in
@@ -379,7 +379,7 @@ def test_a_stream_whose_client_left_before_its_first_chunk_leaves_no_prompt_call
     async def main():
         answer = await Router.serve_request(serve.router, posted(
             {"prompt": ["hi", "ho"], "max_tokens": 4, "echo": True, "logprobs": 1,
-             "stream": True}), CompletionRequest, False)
+             "stream": True}), CompletionRequest)
         await asyncio.sleep(0.01)
         await answer.body_iterator.aclose()  # as ReleasingStream ends it
         answer.ticket.release()

@@ -61,7 +61,6 @@ def test_what_changes_nothing_passes():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("chat_template", "{{ x }}"),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("logits_processors", ["my.Processor"]), ("prompt_embeds", "AAAA"),
     ("modalities", ["text", "audio"]),
@@ -74,6 +73,22 @@ def test_vllms_fields_this_server_does_not_serve_are_refused_not_ignored(field, 
         ChatCompletionRequest(messages=CHAT, **{field: value})
     with pytest.raises(ValidationError, match=f"{field}: .* is not supported"):
         CompletionRequest(prompt="x", **{field: value})
+
+
+def test_a_chat_template_is_a_chats_field_bounded_and_a_completions_refusal():
+    """A chat's own template is read (deployments.chat_templates: rendered where the router
+    trusts request templates); a completion has none to render, so it asks for nothing this
+    server does: refused. A template past MAX_CHAT_TEMPLATE, or not Unicode, names the field."""
+    from deployments.request_bounds import MAX_CHAT_TEMPLATE
+
+    template = "{{ messages[0].content }}"
+    assert ChatCompletionRequest(messages=CHAT, chat_template=template).chat_template == template
+    with pytest.raises(ValidationError, match="chat_template: .* is not supported"):
+        CompletionRequest(prompt="x", chat_template=template)
+    for bad in ["x" * (MAX_CHAT_TEMPLATE + 1), "{{ 'a\ud800' }}"]:
+        with pytest.raises(ValidationError) as refused:
+            ChatCompletionRequest(messages=CHAT, chat_template=bad)
+        assert refused.value.errors()[0]["loc"] == ("chat_template",)
 
 
 def test_the_defaults_of_the_fields_refused_pass():

@@ -178,7 +178,8 @@ def stand_in(text: str, parser: str | None = None, verifier=None) -> SimpleNames
         metrics=SimpleNamespace(record_choice=lambda *choice: None),
         args=RouterArgs(reasoning_parser=parser, served_model_name="m"),
         decode=decode, tool_decode=decode, special_decode=decode, rendering=None,
-        prompts=SimpleNamespace(reported_stop_ids=lambda body: (), call_id_length=None),
+        prompts=SimpleNamespace(reported_stop_ids=lambda body: (),
+                                chat_template=lambda body: SimpleNamespace(call_id_length=None)),
         pools=lambda kind=None: (Scripted(tokens, prompt_len=2),
                                  verifier or Scripted(tokens, prompt_len=2)), plan=plan)
     router.tool_use = MethodType(Router.tool_use, router)
@@ -193,7 +194,7 @@ def router_for(text: str, **options):
     router = stand_in(text, **options)
 
     async def serve(body: dict):
-        answer = await Router.serve_request(router, posted(body), ResponsesRequest, True)
+        answer = await Router.serve_request(router, posted(body), ResponsesRequest)
         if not body.get("stream"):
             return json.loads(answer.body)
         return [event async for event in answer.body_iterator]
@@ -382,7 +383,7 @@ def test_the_official_client_reads_the_answer_and_iterates_the_stream():
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        return await Router.serve_request(stand_in(text), request, ResponsesRequest, True)
+        return await Router.serve_request(stand_in(text), request, ResponsesRequest)
 
     async def main():
         http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))
@@ -404,7 +405,7 @@ def test_the_api_key_the_model_and_admission_are_checked_as_a_chats():
     def status(body: dict, headers=()) -> tuple[int, str | None]:
         request = posted({"input": "hi", **body})
         request.scope["headers"] = [*request.scope["headers"], *headers]
-        answer = asyncio.run(Router.serve_request(router, request, ResponsesRequest, True))
+        answer = asyncio.run(Router.serve_request(router, request, ResponsesRequest))
         return answer.status_code, (json.loads(answer.body)["error"] or {}).get("param")
 
     router.api_key = "k"

@@ -486,8 +486,8 @@ def router_of(max_running: int, verifier=None):
     router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
     router.choices = lambda *args: Router.choices(router, *args)
 
-    def serve(request, schema, chat):
-        return Router.serve_request(router, request, schema, chat)
+    def serve(request, schema, chat=None):  # (the body says which)
+        return Router.serve_request(router, request, schema)
 
     serve.router = router
     return serve, router.admission

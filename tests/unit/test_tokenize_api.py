@@ -115,14 +115,16 @@ def test_the_openapi_document_describes_every_body_the_router_parses():
     document = app.openapi()
     schemas = document["components"]["schemas"]
     bodies = {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
-              for path, ops in document["paths"].items() if "post" in ops}
+              for path, ops in document["paths"].items() if "post" in ops
+              and path != "/ping"}  # SageMaker's health check: no body
     named = {path: [ref["$ref"].rsplit("/", 1)[1] for ref in body.get("anyOf", [body])]
              for path, body in bodies.items()}
     assert named == {"/v1/completions": ["CompletionRequest"],
                      "/v1/chat/completions": ["ChatCompletionRequest"],
                      "/v1/responses": ["ResponsesRequest"],
                      "/tokenize": ["TokenizeCompletion", "TokenizeChat"],
-                     "/detokenize": ["DetokenizeRequest"]}
+                     "/detokenize": ["DetokenizeRequest"],
+                     "/invocations": ["ChatCompletionRequest", "CompletionRequest"]}
     assert all(name in schemas for names in named.values() for name in names)
     assert "return_token_strs" in schemas["TokenizeChat"]["properties"]
 
@@ -200,6 +202,51 @@ def test_a_models_card_is_retrieved_by_its_name_and_another_name_is_a_404():
     missing = asyncio.run(Router.model(router, "other", request))
     assert missing.status_code == 404
     assert json.loads(missing.body)["error"]["code"] == "model_not_found"
+
+
+def test_several_served_names_are_each_listed_retrieved_and_asked_for(reader):
+    """vLLM's --served-model-name with several names: /v1/models lists a card for each (the
+    same checkpoint as root), in their order, and a request may name any."""
+    from starlette.requests import Request
+
+    router = SimpleNamespace(api_key=None, prompts=reader, check_model=None, args=SimpleNamespace(
+        served_model_name=["m", "org/alias"], model="org/target", max_prompt_bytes=1 << 16))
+    router.check_model = lambda body: Router.check_model(router, body)
+    request = Request({"type": "http", "method": "GET", "path": "/v1/models",
+                       "query_string": b"", "headers": []})
+    listed = asyncio.run(Router.models(router, request))["data"]
+    assert [(card["id"], card["root"]) for card in listed] == [("m", "org/target"),
+                                                              ("org/alias", "org/target")]
+    assert asyncio.run(Router.model(router, "org/alias", request))["id"] == "org/alias"
+    for other in ["org", ""]:  # (no card has an empty name, though a request may give one)
+        assert asyncio.run(Router.model(router, other, request)).status_code == 404
+    for model, status in [("org/alias", 200), ("m", 200), ("other", 404)]:
+        response = asyncio.run(Router.serve_tokenizer(
+            router, posted({"prompt": "hello", "model": model}), TokenizeRequest, tokenized))
+        assert response.status_code == status
+    refused = json.loads(response.body)["error"]["message"]
+    assert "'m', 'org/alias'" in refused
+
+
+def test_a_chats_own_template_is_tokenized_as_its_request_would_be_fed(reader):
+    """/tokenize's chat form renders with the request's chat_template where the router trusts
+    request templates (as the chat request it counts), and refuses it as vLLM does where it
+    does not."""
+    from tests.unit.test_chat_prompts import OWN, trusting
+
+    body = {"messages": CHAT, "chat_template": OWN}
+    trusted = trusting(reader)
+    fed = trusted.token_ids(ChatCompletionRequest(**body), chat=True)
+    got = answer(trusted, body)
+    assert got["tokens"] == list(fed)
+    assert reader.tokenizer.decode(fed).startswith("<|im_start|>system:answer in French")
+    router = SimpleNamespace(api_key=None, prompts=reader, check_model=lambda body: None,
+                             args=SimpleNamespace(max_prompt_bytes=1 << 16))
+    response = asyncio.run(Router.serve_tokenizer(router, posted(body), TokenizeRequest,
+                                                  tokenized))
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 400 and error["param"] == "chat_template"
+    assert "--trust-request-chat-template" in error["message"]
 
 
 @pytest.mark.parametrize("model, status", [(None, 200), ("", 200), ("m", 200), ("other", 404)])

@@ -264,7 +264,8 @@ def test_the_parsers_special_tokens_are_kept_in_the_decoded_output(parser, text)
 def test_the_router_reads_its_tool_call_parser_into_a_chats_tools():
     for parser in ["hermes", "llama3_json", "mistral", "pythonic"]:
         router = SimpleNamespace(args=RouterArgs(tool_call_parser=parser),
-                                 prompts=SimpleNamespace(call_id_length=9))
+                                 prompts=SimpleNamespace(chat_template=lambda body:
+                                                         SimpleNamespace(call_id_length=9)))
         body = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "?"}], "tools": TOOLS})
         use = Router.tool_use(router, body)

@@ -1,0 +1,59 @@
+"""A chat's template: the model's, or the request's own (vLLM's `chat_template` field,
+rendered only where the router's trust_request_chat_template is on, as vLLM's
+--trust-request-chat-template), and what the router reads of it before rendering: the
+variables it takes (the chat_template_kwargs it does not read are dropped), whether it names
+the `developer` role, and the length of the tool call ids it takes."""
+
+import functools
+from dataclasses import dataclass
+
+from deployments.chat_messages import call_id_length, template_variables
+from deployments.ingress import BadRequest
+
+# vLLM's refusal, a 400 (OpenAIServing._validate_chat_template)
+UNTRUSTED = ("Chat template is passed with request, but --trust-request-chat-template is not "
+             "set. Refused request with untrusted chat template.")
+# the request templates read (compiled, parsed, probed) kept: clients send one template with
+# every call. transformers keeps the 128 last compiled by their text (its lru_cache)
+KEPT_TEMPLATES = 32
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    given: str | None  # apply_chat_template's chat_template (None: the model's own)
+    variables: frozenset[str] | None  # the variables it reads (None: unparsed, all passed)
+    names_developer: bool  # whether it names the developer role (else: a system message)
+    call_id_length: int | None  # the length of tool call ids it takes, where it takes no other
+
+    def rejected(self, error: Exception) -> BadRequest:
+        """A 400 for the render's failure (a template raises on roles or order it refuses;
+        a request's may fail in any way), naming the field at fault."""
+        if self.given is None:
+            return BadRequest(f"the model's chat template rejected the messages: "
+                              f"{str(error)[:200]}", param="messages")
+        return BadRequest(f"chat_template failed to render the messages: {str(error)[:200]}",
+                          param="chat_template")
+
+
+def model_template(tokenizer, variables: frozenset[str] | None,
+                   call_ids: int | None) -> ChatTemplate:
+    """The model's template, as PromptReader read it once."""
+    return ChatTemplate(None, variables, "developer" in str(tokenizer.chat_template), call_ids)
+
+
+@functools.lru_cache(maxsize=KEPT_TEMPLATES)
+def read_template(tokenizer, given: str) -> ChatTemplate:
+    """`given` compiled in transformers' sandboxed environment (BadRequest naming the field
+    where it cannot), its variables found and its tool call ids probed (two renders), once
+    per text. A name among the model's named templates is that template."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
+    text = named.get(given, given)
+    try:
+        _compile_jinja_template(text)
+    except Exception as error:  # jinja2's TemplateSyntaxError; a RecursionError when deep
+        raise BadRequest(f"chat_template cannot compile: {str(error)[:200]}",
+                         param="chat_template") from None
+    return ChatTemplate(given, template_variables(text), "developer" in text,
+                        call_id_length(tokenizer, given))

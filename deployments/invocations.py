@@ -1,0 +1,24 @@
+"""vLLM's SageMaker routes: `GET`/`POST /ping`, the health check a SageMaker endpoint polls
+(the router's /health), and `POST /invocations`, a chat or a completion by its body (vLLM's
+vllm/entrypoints/sagemaker: its dispatch tries the chat's schema, then the completion's)."""
+
+from deployments.ingress import BadRequest
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+
+# vLLM's refusal of a body that is neither (the request types it tries, in its order)
+NO_HANDLER = ("Cannot find suitable handler for request. Expected one of: "
+              "['ChatCompletionRequest', 'CompletionRequest']")
+
+
+class InvocationRequest:
+    """A chat's body when it has messages, else a completion's when it has a prompt; told
+    apart by those fields, not by which schema validates (vLLM's order), so that a chat with
+    a bad field gets that field's 400, not the refusal of a body that is neither."""
+
+    @staticmethod
+    def model_validate(data):
+        if isinstance(data, dict) and "messages" in data:
+            return ChatCompletionRequest.model_validate(data)
+        if isinstance(data, dict) and "prompt" in data:
+            return CompletionRequest.model_validate(data)
+        raise BadRequest(NO_HANDLER)

@@ -1,0 +1,45 @@
+"""The names the router serves its model under, as vLLM's: its --served-model-name takes one
+or several; /v1/models lists a card for each, a request may name any of them (or none), and
+answers carry the first (vLLM's OpenAIServingModels: model_name() is base_model_paths[0]'s)."""
+
+from deployments.ingress import BadRequest
+
+
+def served_names(served_model_name: str | list[str]) -> tuple[str, ...]:
+    """The router's served_model_name as its names, the answered one first."""
+    if isinstance(served_model_name, str):
+        return (served_model_name,)
+    return tuple(served_model_name)
+
+
+def model_card(name: str, model: str, context: int) -> dict:
+    """The served model as vLLM's /v1/models lists it: `root` the checkpoint it serves
+    (clients of vLLM load the tokenizer from `data[0].root`: without it, an AttributeError
+    in OpenAI's client), `max_model_len` the context, and vLLM's one permission entry."""
+    permission = {"id": "modelperm-specserve", "object": "model_permission", "created": 0,
+                  "allow_create_engine": False, "allow_sampling": True,
+                  "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                  "allow_fine_tuning": False, "organization": "*", "group": None,
+                  "is_blocking": False}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "specserve",
+            "root": model, "parent": None, "max_model_len": context,
+            "permission": [permission]}
+
+
+def model_list(names: tuple[str, ...], model: str, context: int) -> dict:
+    """vLLM's /v1/models: a card for each name, in the order given."""
+    return {"object": "list", "data": [model_card(name, model, context) for name in names]}
+
+
+def check_model(asked: str | None, names: tuple[str, ...]) -> None:
+    """not_served's BadRequest unless `asked` is one of the names; an empty name is the
+    served model, as no name is (vLLM's: clients of servers that serve one model send "")."""
+    if asked and asked not in names:
+        raise not_served(asked, names)
+
+
+def not_served(asked: str, names: tuple[str, ...]) -> BadRequest:
+    """A 404 (model_not_found) for a name the router does not serve, naming those it does."""
+    served = ", ".join(repr(name) for name in names)
+    return BadRequest(f"model {asked!r} does not exist; this server serves {served}", 404,
+                      "model")
