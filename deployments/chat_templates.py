@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from deployments.chat_messages import call_id_length, template_variables
 from deployments.ingress import BadRequest
+from deployments.request_bounds import MAX_CHAT_TEMPLATE
 
 # vLLM's refusal, a 400 (OpenAIServing._validate_chat_template)
 UNTRUSTED = ("Chat template is passed with request, but --trust-request-chat-template is not "
@@ -16,6 +17,9 @@ UNTRUSTED = ("Chat template is passed with request, but --trust-request-chat-tem
 # the request templates read (compiled, parsed, probed) kept: clients send one template with
 # every call. transformers keeps the 128 last compiled by their text (its lru_cache)
 KEPT_TEMPLATES = 32
+# what a request's template may render, per byte max_prompt_bytes allows (beyond its own
+# 64 KiB): a prompt's texts written a few times over (tools' schemas indented), not a loop's
+RENDERED_PER_PROMPT_BYTE = 4
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,23 @@ class ChatTemplate:
                               f"{str(error)[:200]}", param="messages")
         return BadRequest(f"chat_template failed to render the messages: {str(error)[:200]}",
                           param="chat_template")
+
+    def checked(self, text: str, max_prompt_bytes: int) -> str:
+        """The prompt a request's template rendered, refused (a 400 naming it) where it wrote
+        a lone surrogate (a Jinja escape such as '\\ud800', or '%c' % 55296: the tokenizer's
+        TypeError was a 500) or more than a prompt of max_prompt_bytes could make of it
+        (RENDERED_PER_PROMPT_BYTE: 200 MB of text took the tokenizer tens of gigabytes, and
+        the replica was killed)."""
+        most = RENDERED_PER_PROMPT_BYTE * max_prompt_bytes + MAX_CHAT_TEMPLATE
+        if len(text) > most:
+            raise BadRequest(f"chat_template rendered {len(text)} characters; the limit is "
+                             f"{most}", param="chat_template")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("chat_template rendered text that is not valid Unicode (a lone "
+                             "surrogate)", param="chat_template") from None
+        return text
 
 
 def model_template(tokenizer, variables: frozenset[str] | None,

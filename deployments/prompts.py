@@ -319,7 +319,7 @@ class PromptReader:
                         for m in messages]
         extra = self.template_kwargs(body, template)
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages, tools=use.template_tools() if use else None,
                 documents=body.documents or None, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
@@ -327,6 +327,8 @@ class PromptReader:
                 chat_template=template.given, **extra)
         except Exception as error:  # a template may raise on roles or order it rejects
             raise template.rejected(error) from None
+        # (the model's writes the request's texts, checked before; a request's, anything)
+        return text if template.given is None else template.checked(text, self.max_prompt_bytes)
 
 
 def recommended_defaults(model: str, vocab_size: int) -> dict:

@@ -284,7 +284,7 @@ class Router:
             chat = isinstance(body, ChatCompletionRequest)
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)
             plan = await self.plan(body, chat)
-            tools = self.tool_use(body) if chat else None  # checked by the prompt's reading
+            tools = await self.tool_use(body) if chat else None  # checked by the prompt's reading
             ticket = await self.admission.wait_turn(len(plan.choices),  # queued while full
                                                     body.priority)
         except (BadRequest, ValueError) as error:
@@ -344,13 +344,17 @@ class Router:
                             echo, echo_top_n, self.decode,
                             self.special_decode, body.return_tokens_as_token_ids)
 
-    def tool_use(self, body) -> ToolUse | None:
+    async def tool_use(self, body) -> ToolUse | None:
         """A chat's tools in effect, their calls read in the router's tool_call_parser (a
-        forced call in its grammar's format) with the ids its chat template takes."""
+        forced call in its grammar's format) with the ids its chat template takes, a request's
+        own read on the tokenizing thread (read_template keeps a reading until 32 others push
+        it out: compiled and rendered again on the event loop, it held every stream)."""
         tools = body.tool_use()
         if tools is None:
             return None
-        template = self.prompts.chat_template(body)  # read by its prompt's, kept
+        template = self.prompts.chat_template(body) if body.chat_template is None else \
+            await asyncio.get_running_loop().run_in_executor(
+                self.prompts.tokenizing, self.prompts.chat_template, body)
         return dataclasses.replace(tools, call_id_length=template.call_id_length,
                                    parser=self.args.tool_call_parser)
 

@@ -2,7 +2,10 @@
 special token in what a client sends (read as text, as OpenAI reads it, never as the
 token)."""
 
+import asyncio
 import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -448,6 +451,7 @@ OWN = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + ':' + 
 def trusting(reader):
     trusted = copy.copy(reader)
     trusted.trusts_request_templates = True
+    trusted.max_prompt_bytes, trusted.tokenizing = 1 << 16, ThreadPoolExecutor(1)
     return trusted
 
 
@@ -499,9 +503,9 @@ def test_what_the_router_reads_of_a_template_it_reads_of_the_requests_own(reader
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     asked = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
                                   chat_template=NINE_CHAR_IDS)
-    assert Router.tool_use(router, asked).call_id_length == 9  # the ids its calls get
+    assert asyncio.run(Router.tool_use(router, asked)).call_id_length == 9  # its calls' ids
     model_s = asked.model_copy(update={"chat_template": None})
-    assert Router.tool_use(router, model_s).call_id_length is None
+    assert asyncio.run(Router.tool_use(router, model_s)).call_id_length is None
 
 
 @pytest.mark.parametrize("template, says", [
@@ -528,3 +532,50 @@ def test_a_model_without_a_template_renders_a_requests_own(reader):
         prompt_ids(bare, hello)
     assert tokenizer.decode(prompt_ids(bare, hello, chat_template=OWN)).startswith(
         "<|im_start|>user:hello")
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{{ '\\ud800' }}{{ messages[0].content }}", "not valid Unicode"),  # a Jinja escape
+    ("{{ '%c' % 55296 }}{{ messages[0].content }}", "not valid Unicode"),
+    ("{{ messages[0].content * 100000 }}", "rendered 200000 characters"),
+])
+def test_a_requests_template_that_renders_no_unicode_or_past_any_prompt_is_a_400(reader,
+                                                                                template, says):
+    """What a request's template writes is not the request's checked texts: a lone surrogate
+    was the tokenizer's TypeError (a 500, on /tokenize too), and a text far past what
+    max_prompt_bytes allows went to the tokenizer (200 MB of it killed the replica)."""
+    trusted = trusting(reader)
+    trusted.max_prompt_bytes = 1 << 10
+    with pytest.raises(BadRequest, match=says) as refused:
+        prompt_ids(trusted, [{"role": "user", "content": "hi"}], chat_template=template)
+    assert refused.value.param == "chat_template" and refused.value.status == 400
+
+
+def test_a_requests_template_is_read_for_its_tools_on_the_tokenizing_thread(reader,
+                                                                           monkeypatch):
+    """Router.tool_use reads the template again: kept from the prompt's reading only until 32
+    other templates push it out, it was compiled and rendered on the event loop (a 64 KiB
+    one: seconds during which no stream moved)."""
+    from types import SimpleNamespace
+
+    from deployments.chat_templates import KEPT_TEMPLATES, read_template
+    from deployments.router import Router
+    from deployments.router_args import RouterArgs
+
+    trusted = trusting(reader)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    hi = [{"role": "user", "content": "hi"}]
+    asked = ChatCompletionRequest(messages=hi, tools=tools, chat_template=OWN)
+    prompt_ids(trusted, hi, tools=tools, chat_template=OWN)
+    for other in range(KEPT_TEMPLATES):  # other requests' templates, read meanwhile
+        read_template(trusted.tokenizer, f"{{# {other} #}}{{{{ 'x' }}}}")
+    threads, render = [], trusted.tokenizer.apply_chat_template
+
+    def rendered(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(trusted.tokenizer, "apply_chat_template", rendered)
+    router = SimpleNamespace(args=RouterArgs(), prompts=trusted)
+    assert asyncio.run(Router.tool_use(router, asked)).call_id_length is None
+    assert threads and threading.main_thread() not in threads  # (the event loop's)

@@ -247,6 +247,13 @@ def test_a_chats_own_template_is_tokenized_as_its_request_would_be_fed(reader):
     error = json.loads(response.body)["error"]
     assert response.status_code == 400 and error["param"] == "chat_template"
     assert "--trust-request-chat-template" in error["message"]
+    # one that writes a lone surrogate: a 400 naming it (the tokenizer's TypeError, a 500)
+    router.prompts = trusted
+    unwritable = {"messages": CHAT, "chat_template": "{{ '\\udfff' }}"}
+    response = asyncio.run(Router.serve_tokenizer(router, posted(unwritable), TokenizeRequest,
+                                                  tokenized))
+    assert response.status_code == 400
+    assert json.loads(response.body)["error"]["param"] == "chat_template"
 
 
 @pytest.mark.parametrize("model, status", [(None, 200), ("", 200), ("m", 200), ("other", 404)])

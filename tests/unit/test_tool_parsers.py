@@ -268,6 +268,7 @@ def test_the_router_reads_its_tool_call_parser_into_a_chats_tools():
                                                          SimpleNamespace(call_id_length=9)))
         body = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "?"}], "tools": TOOLS})
-        use = Router.tool_use(router, body)
+        use = asyncio.run(Router.tool_use(router, body))
         assert (use.parser, use.call_id_length) == (parser, 9)
-        assert Router.tool_use(router, body.model_copy(update={"tool_choice": "none"})) is None
+        unused = body.model_copy(update={"tool_choice": "none"})
+        assert asyncio.run(Router.tool_use(router, unused)) is None
