@@ -36,7 +36,7 @@ def refuse_unsearched(body, chat: bool) -> None:
     if body.n > MAX_BEAM_WIDTH:
         raise FieldError("n", f"the beam width (n) is at most {MAX_BEAM_WIDTH} with beam "
                               f"search, got {body.n}")
-    if body.max_tokens == 0:
+    if body.max_tokens_or(1) == 0:
         raise FieldError("max_tokens", "must be at least 1 with beam search")
     for name, served in IGNORED.items():
         if getattr(body, name) not in served:

@@ -56,6 +56,20 @@ def features(sampling) -> list[str]:
     return [name for name, on in used.items() if on]
 
 
+def feature_counters() -> tuple[Counter, Counter, Counter]:
+    """Choices decoded with each feature (features'), their drafted and accepted
+    tokens."""
+    choices = Counter(
+        "specserve_feature_choices", description="Choices decoded with a feature "
+        "(structured_output, logprobs, penalties, logit_bias, min_tokens, "
+        "allowed_token_ids, bad_words).", tag_keys=("feature",))
+    drafted = Counter("specserve_feature_draft_tokens", description="Tokens drafted for "
+                      "choices with a feature.", tag_keys=("feature",))
+    accepted = Counter("specserve_feature_accepted_tokens", description="Drafted tokens "
+                       "accepted for choices with a feature.", tag_keys=("feature",))
+    return choices, drafted, accepted
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         # a request's life, under vLLM's names (without its `vllm:` prefix); per choice, as
@@ -110,17 +124,8 @@ class RouterMetrics:
             "(draft and verify compute, transport, router).",
             boundaries=ROUND_BOUNDARIES_S, tag_keys=("phase",))
         # what requests use beyond a prompt, and what it does to acceptance
-        self.feature_choices = Counter(
-            "specserve_feature_choices", description="Choices decoded with a feature "
-            "(structured_output, logprobs, penalties, logit_bias, min_tokens, "
-            "allowed_token_ids, bad_words).",
-            tag_keys=("feature",))
-        self.feature_draft_tokens = Counter(
-            "specserve_feature_draft_tokens", description="Tokens drafted for choices with a "
-            "feature.", tag_keys=("feature",))
-        self.feature_accepted_tokens = Counter(
-            "specserve_feature_accepted_tokens", description="Drafted tokens accepted for "
-            "choices with a feature.", tag_keys=("feature",))
+        self.feature_choices, self.feature_draft_tokens, self.feature_accepted_tokens = \
+            feature_counters()
 
     def record_choice(self, state: RequestState, prompt_tokens: int,
                       first_text_s: float | None, seconds: float) -> None:

@@ -173,7 +173,7 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def decodes(self):  # max_tokens 0: a completion's echo, the prompt alone (as vLLM's)
-        if self.max_tokens == 0 and (not self.echo or hasattr(self, "messages")):
+        if self.max_tokens_or(1) == 0 and (not self.echo or hasattr(self, "messages")):
             raise FieldError("max_tokens", "must be at least 1, got 0 (0 is served with echo "
                                            "on /v1/completions: the prompt alone)")
         check_logprob_token_ids(self)

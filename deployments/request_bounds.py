@@ -78,7 +78,7 @@ def check_logprob_token_ids(body) -> None:
     if body.top_logprobs_asked() is None:
         raise FieldError("logprob_token_ids", "needs logprobs (a chat's true, a completion's "
                                               "a count)")
-    if body.max_tokens == 0:
+    if body.max_tokens_or(1) == 0:
         raise FieldError("logprob_token_ids", "not with max_tokens 0: no output token to "
                                               "score")
 

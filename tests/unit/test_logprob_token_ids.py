@@ -159,6 +159,21 @@ def test_bad_ids_are_a_400_naming_the_field(chat, fields):
     assert "not supported" not in str(refused.value)
 
 
+def test_max_completion_tokens_read_first_decodes_beside_a_max_tokens_of_0():
+    """max_completion_tokens is read before max_tokens (vLLM's order): beside a max_tokens of
+    0 it still asks for an output, so that neither a chat, nor logprob_token_ids, nor a beam
+    search is refused as if it asked for none (each compared max_tokens alone)."""
+    from deployments.beams import refuse_unsearched
+
+    chat = ChatCompletionRequest(messages=CHAT, max_tokens=0, max_completion_tokens=5)
+    assert chat.sampling(16).max_tokens == 5
+    scored = CompletionRequest(prompt="x", echo=True, max_tokens=0, max_completion_tokens=3,
+                               logprobs=1, logprob_token_ids=[3])
+    assert scored.sampling(16).logprob_token_ids == (3,)
+    refuse_unsearched(CompletionRequest(prompt="x", max_tokens=0, max_completion_tokens=3,
+                                        echo=True, use_beam_search=True, n=2), chat=False)
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_ids_past_the_vocabulary_are_a_400_naming_the_field(chat):
     from deployments.prompts import PromptReader
