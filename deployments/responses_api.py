@@ -5,11 +5,13 @@ or as its stream of events (deployments.responses_events).
 
 Served: a text or message input, instructions, function tools and their calls and results,
 text.format, the sampling fields, top_logprobs, and vLLM's extensions the chat takes.
-Refused with a 400 naming the field: what needs stored state or other services
-(previous_response_id, background, conversation, prompt templates, item references,
-built-in tools), what a Response has no place for (vLLM's prompt_logprobs and
-return_token_ids) and input images, files and audio. Nothing is stored (`store` is read and
-ignored, as vLLM without its response store).
+Refused with a 400 naming the field: what needs state or services this server does not
+keep (background, conversation, prompt templates, item references, built-in tools), what a
+Response has no place for (vLLM's prompt_logprobs and return_token_ids) and input images,
+files and audio. previous_response_id continues a stored Response's conversation where the
+router keeps them (its responses_store, as vLLM's VLLM_ENABLE_RESPONSES_API_STORE:
+deployments.response_store); without, it is refused too and nothing is stored (`store` is
+read and ignored, as vLLM without its store).
 """
 
 import re
@@ -23,12 +25,13 @@ from deployments.tools import FieldError
 
 # fields of OpenAI's that need state or services this server does not have, and vLLM's that
 # ask for what a Response cannot carry: the values that ask for nothing, and why any other
-# is refused (naming the field)
+# is refused (naming the field); previous_response_id is refused where no response store
+# keeps them (deployments.responses_events.answer_shape)
 STATELESS = "this server stores no responses"
 UNCARRIED = "a Response has no field for it: ask /v1/chat/completions"
-REFUSED = {"previous_response_id": ((None,), STATELESS),
-           "conversation": ((None,), STATELESS + " and keeps no conversations"),
-           "background": ((None, False), STATELESS + ": it answers in the foreground"),
+REFUSED = {"conversation": ((None,), "this server keeps no conversations (where it "
+                                      "stores responses, give previous_response_id)"),
+           "background": ((None, False), "this server answers in the foreground"),
            "prompt": ((None,), "this server keeps no prompt templates: give the input"),
            "truncation": ((None, "disabled"), "only disabled: a prompt past the context "
                                               "is refused, not cut"),
@@ -58,13 +61,18 @@ RENAMED = [(re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
            (re.compile(r"\blogprobs\b"), "include")]
 
 
-def chat_messages(instructions: str | None, given: str | list) -> tuple[list, list]:
+def chat_messages(instructions: str | None, given: str | list,
+                  previous: list[dict] = ()) -> tuple[list, list]:
     """(the chat's messages, each one's place in the request): instructions first as a
-    system message, then the input's items (FieldError naming an item that is refused)."""
+    system message, then the `previous` conversation (a stored Response's: its own
+    instructions are not carried over, as OpenAI's), then the input's items (FieldError
+    naming an item that is refused)."""
     messages, places = [], []
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
         places.append("instructions")
+    messages += previous
+    places += ["previous_response_id"] * len(previous)
     if isinstance(given, str):
         return messages + [{"role": "user", "content": given}], places + ["input"]
     calls_open = False  # the last message is an assistant's to which calls may be added
@@ -210,7 +218,9 @@ class ResponsesRequest(BaseModel):
     text: dict | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
-    store: bool | None = None  # read and ignored: nothing is stored
+    # without a response store, read and ignored; with one, stored unless false
+    store: bool | None = None
+    previous_response_id: str | None = None  # refused without a response store
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict | None = None  # effort and summaries: no parser reads them here
@@ -244,9 +254,10 @@ class ResponsesRequest(BaseModel):
                                  f"it, as {'a string' if wanted is str else 'an object'}")
         return value
 
-    def chat_fields(self) -> tuple[dict, list[str]]:
-        """(the chat request's body, each message's place in this request)."""
-        messages, places = chat_messages(self.instructions, self.input)
+    def chat_fields(self, previous: list[dict] = ()) -> tuple[dict, list[str]]:
+        """(the chat request's body, each message's place in this request), after the
+        `previous` conversation."""
+        messages, places = chat_messages(self.instructions, self.input, previous)
         chat = {key: value for key, value in (self.model_extra or {}).items()
                 if key in PASSED and value is not None}
         chat.update({"model": self.model, "messages": messages, "stream": self.stream,
@@ -264,15 +275,17 @@ class ResponsesRequest(BaseModel):
         chat.update({key: value for key, value in optional.items() if value is not None})
         return chat, places
 
-    def chat_request(self) -> tuple[ChatCompletionRequest, list[str]]:
-        """(the chat request this asks for, each message's place); BadRequest naming the
-        Responses' field where the chat schema refuses it."""
+    def chat_request(self, previous: list[dict] = ()) -> tuple[ChatCompletionRequest,
+                                                                list[str], list[dict]]:
+        """(the chat request this asks for after the `previous` conversation, each
+        message's place, its messages as given to it); BadRequest naming the Responses'
+        field where the chat schema refuses it."""
         try:
-            chat, places = self.chat_fields()
+            chat, places = self.chat_fields(previous)
         except FieldError as error:
             raise BadRequest(str(error), param=error.param) from None
         try:
-            return ChatCompletionRequest.model_validate(chat), places
+            return ChatCompletionRequest.model_validate(chat), places, chat["messages"]
         except ValidationError as error:
             raise renamed(invalid_body(error), places) from None
 

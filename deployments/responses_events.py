@@ -1,15 +1,18 @@
 """The answers of OpenAI's Responses API, built from the chat path's (deployments.choices):
 a whole chat completion read into a Response, and a chat stream's chunks into the
 Responses' events (`event: <type>` and `data: {...}`, each with its sequence_number, in
-OpenAI's order). The request side: deployments.responses_api."""
+OpenAI's order), and kept in the router's response store (if any) before it goes out. The
+request side: deployments.responses_api."""
 
+import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from deployments.ingress import BadRequest
-from deployments.responses_api import ResponsesRequest, renamed
+from deployments.ingress import BadRequest, json_answer
+from deployments.response_store import ResponseStore, StoredResponse
+from deployments.responses_api import STATELESS, ResponsesRequest, chat_messages, renamed
 
 TEXT = {"type": "text"}  # the format OpenAI echoes for none
 
@@ -33,15 +36,51 @@ class AsAsked:
     def events(self, events):
         return events
 
+    async def answered(self, answer: dict, executor) -> object:
+        """The whole answer, encoded on `executor` (FastAPI's encoder would walk it on the
+        event loop: an 8-choice chat's 512 tokens each with their top 20 logprobs, 1.2 s)."""
+        return await asyncio.get_running_loop().run_in_executor(executor, json_answer, answer)
 
-def answer_shape(body, model: str) -> "AsAsked | AsResponse":
-    """How a parsed body is served: a Responses request as the chat it translates to,
-    answered as a Response of the served `model` (BadRequest naming its field where the
-    chat refuses it)."""
+
+def answer_shape(body, model: str, store: ResponseStore | None = None,
+                 previous: list[dict] | None = None) -> "AsAsked | AsResponse":
+    """How a parsed body is served: a Responses request as the chat it translates to, after
+    the `previous` conversation (its previous_response_id's, read from the `store`; without
+    a store, one is refused), answered as a Response of the served `model` and kept in the
+    store unless it says `store: false` (BadRequest naming its field where the chat refuses
+    it)."""
     if not isinstance(body, ResponsesRequest):
         return AsAsked(body)
-    chat, places = body.chat_request()
-    return AsResponse(chat, body, places, model)
+    if body.previous_response_id is not None and (store is None or previous is None):
+        raise BadRequest(f"previous_response_id: not served: {STATELESS} (the router's "
+                         "responses_store keeps them)", param="previous_response_id")
+    chat, places, messages = body.chat_request(previous or [])
+    kept = messages[1:] if body.instructions is not None else messages  # not carried over
+    return AsResponse(chat, body, places, model, None if body.store is False else store,
+                      kept)
+
+
+async def shaped(body, model: str, store: ResponseStore | None) -> "AsAsked | AsResponse":
+    """answer_shape, the conversation of a Responses request's previous_response_id read
+    from the store first (404 when it is not there, or no longer: vLLM's error)."""
+    asked = body.previous_response_id if isinstance(body, ResponsesRequest) else None
+    if asked is None or store is None:
+        return answer_shape(body, model, store)
+    stored = await store.get(asked)
+    if stored is None:
+        raise BadRequest(f"Response with id '{asked}' not found.", 404,
+                         param="previous_response_id")
+    previous = await asyncio.get_running_loop().run_in_executor(None, json.loads,
+                                                                stored.messages)
+    return answer_shape(body, model, store, previous)
+
+
+def stored_response(response: dict, messages: list[dict]) -> StoredResponse:
+    """A Response as stored: itself, and the conversation a continuation of it gives the
+    template (the messages it continued, then its output's, read as an input's items)."""
+    output = chat_messages(None, response["output"])[0]
+    return StoredResponse(json.dumps(response, ensure_ascii=False).encode(),
+                          json.dumps(messages + output, ensure_ascii=False).encode())
 
 
 def response_usage(usage: dict) -> dict:
@@ -97,6 +136,8 @@ class AsResponse:
     asked: ResponsesRequest
     places: list[str]  # each chat message's place in the request (its errors' names)
     model: str  # the served model's name
+    store: ResponseStore | None = None  # where the Response is kept; None: not kept
+    messages: list[dict] = field(default_factory=list)  # the chat's, less the instructions
     response_id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -119,7 +160,8 @@ class AsResponse:
                 "text": {"format": (asked.text or {}).get("format") or TEXT},
                 "top_logprobs": asked.top_logprobs,
                 "metadata": asked.metadata or {}, "user": asked.user,
-                "previous_response_id": None, "reasoning": None, "store": False,
+                "previous_response_id": asked.previous_response_id, "reasoning": None,
+                "store": self.store is not None,
                 "truncation": "disabled", "background": False, "usage": usage,
                 "completed_at": int(time.time()) if status == "completed" else None}
         return {**body, **(extra or {})}
@@ -143,6 +185,21 @@ class AsResponse:
                              {"speculative": answer["speculative"],
                               "metrics": answer["metrics"]})
 
+    async def answered(self, answer: dict, executor) -> object:
+        """The whole Response, built and encoded on `executor`, kept first."""
+        loop = asyncio.get_running_loop()
+        response = await loop.run_in_executor(executor, self.whole, answer)
+        await self.keep(response, executor)
+        return await loop.run_in_executor(executor, json_answer, response)
+
+    async def keep(self, response: dict, executor) -> None:
+        """The Response stored (encoded on `executor`), before it goes out: a client that
+        continues it at once finds it."""
+        if self.store is not None:
+            stored = await asyncio.get_running_loop().run_in_executor(
+                executor, stored_response, response, self.messages)
+            await self.store.put(response["id"], stored)
+
     async def events(self, chat_events):
         """The chat stream's chunks (deployments.choices: `data: {...}` texts) as the
         Responses' events; closing this closes the chat stream (its choices, its slot)."""
@@ -156,7 +213,10 @@ class AsResponse:
                     break
                 for event in stream.feed(json.loads(payload)):
                     yield event
-            for event in stream.closing():
+            closing = stream.closing()
+            if stream.final is not None:
+                await self.keep(stream.final, None)
+            for event in closing:
                 yield event
         finally:
             await chat_events.aclose()
@@ -178,6 +238,7 @@ class ResponseStream:
         self.failed = False
         self.logprobs: list = []  # entries not yet sent with a text delta
         self.calls: list[dict] = []  # the chat's calls, sent at the end (their status)
+        self.final: dict | None = None  # the whole Response, once closed
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -294,5 +355,6 @@ class ResponseStream:
             return []
         events = self.close()
         status = item_status(self.finish_reason)
-        response = self.shape.response(status, self.output, self.usage, self.extra)
+        response = self.final = self.shape.response(status, self.output, self.usage,
+                                                    self.extra)
         return events + [self.event(f"response.{status}", response=response)]

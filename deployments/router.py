@@ -35,7 +35,6 @@ from deployments.ingress import (
     api_key,
     error_response,
     ingress_app,
-    json_answer,
     parse,
     pool_failure,
     unauthorized,
@@ -56,7 +55,8 @@ from deployments.reasoning import (
     reasoning_split,
 )
 from deployments.responses_api import ResponsesRequest
-from deployments.responses_events import answer_shape
+from deployments.response_store import response_store, retrieved
+from deployments.responses_events import shaped
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.served_models import (
     check_model,
@@ -64,6 +64,7 @@ from deployments.served_models import (
     model_list,
     not_served,
     served_names,
+    served_tokenizer,
 )
 from deployments.tokenize_api import (
     DetokenizeRequest,
@@ -77,29 +78,9 @@ from deployments.tokenize_api import (
 from deployments.tool_parsers import KEPT_TEXTS
 from deployments.tools import ToolUse
 from engine.checkpoint import Checkpoint, check_vocabularies
-from engine.models import load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd, RequestPlan, joined
 from speculative.types import PoolUnavailable
-
-
-def served_tokenizer(model: str, tokenizer: str | None):
-    """The tokenizer the router reads prompts with: `tokenizer` when set, refused (naming it)
-    where the target ships its own and the two map text to other ids: the pools see token
-    ids only, so another vocabulary that fits the target's embedding rows served other
-    tokens than the prompts' and decoded the output as other text, silently."""
-    loaded = load_tokenizer(tokenizer or model)
-    if tokenizer is None or tokenizer == model:
-        return loaded
-    try:
-        own = load_tokenizer(model)
-    except (OSError, ValueError):  # a target folder without a tokenizer: the arg's
-        return loaded
-    if own.get_vocab() != loaded.get_vocab():
-        raise ValueError(f"tokenizer {tokenizer!r} maps text to other ids than the target "
-                         f"{model!r}'s own tokenizer: leave tokenizer unset, or name one "
-                         "of the same vocabulary")
-    return loaded
 
 
 app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
@@ -138,6 +119,7 @@ class Router:
                                              args.local_drafter_cached_tokens)
         self.front_end = RequestFrontEnd(args.speculation_defaults())
         self.metrics = RouterMetrics()
+        self.responses_store = response_store(args.responses_store)  # None: off
         self.admission = Admission(args.max_running_requests,
                                    lambda running: self.metrics.running.set(running),
                                    max_waiting=args.max_waiting_requests,
@@ -266,6 +248,12 @@ class Router:
         (deployments.responses_api)."""
         return await self.serve_request(request, ResponsesRequest)
 
+    @app.get("/v1/responses/{response_id}")
+    async def response(self, response_id: str, request: Request):
+        """A stored Response (deployments.response_store), behind the API key."""
+        return unauthorized(request, self.api_key) or \
+            await retrieved(self.responses_store, response_id)
+
     @app.post("/invocations")
     async def invocations(self, request: Request):
         """vLLM's SageMaker route: a chat or a completion by its body
@@ -279,7 +267,8 @@ class Router:
         shape = None  # how the answer is shaped: its own API's, or a Response
         try:
             asked = await parse(request, schema, self.args.max_prompt_bytes)
-            shape = answer_shape(asked, served_names(self.args.served_model_name)[0])
+            shape = await shaped(asked, served_names(self.args.served_model_name)[0],
+                                 self.responses_store)
             body = shape.body
             chat = isinstance(body, ChatCompletionRequest)
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)
@@ -299,11 +288,7 @@ class Router:
         if body.stream:
             return ReleasingStream(shape.events(choices.events()), ticket)
         try:
-            answer = await choices.complete()
-            # shaped and encoded off the event loop, where FastAPI's encoder would walk it
-            # (an 8-choice chat's 512 tokens each with their top 20 logprobs: 1.2 s)
-            return await asyncio.get_running_loop().run_in_executor(
-                self.rendering, lambda: json_answer(shape.whole(answer)))
+            return await shape.answered(await choices.complete(), self.rendering)
         except PoolUnavailable as error:  # a pool's (PoolError), or the router's check of one
             return error_response(pool_failure(error, plan.request_id))
         finally:

@@ -91,6 +91,18 @@ class AdaptiveKArgs(BaseModel):
         return self
 
 
+class ResponsesStoreArgs(BaseModel):
+    """The bounds of the router's response store (deployments.response_store): the least
+    recently used Response out past either bound, and each gone ttl_s after it was stored
+    (OpenAI keeps them 30 days; this keeps them in memory, in one actor)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_entries: int = Field(default=10_000, ge=1)
+    max_bytes: int = Field(default=256 << 20, ge=1)  # the Responses' and messages' JSON
+    ttl_s: float = Field(default=24 * 3600.0, gt=0)
+
+
 class RouterArgs(BaseModel):
     # (no infinite deadlines: nothing waits unbounded)
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
@@ -216,6 +228,13 @@ class RouterArgs(BaseModel):
     # sandbox keeps a template from Python's internals, not from CPU or memory (a loop in a
     # loop, a text repeated a billion times): turn it on for trusted clients only
     trust_request_chat_template: bool = False
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: /v1/responses stores each Response (unless
+    # the request says `store: false`) and the conversation it continued, in one Ray actor
+    # per application that every router replica calls, so that a request's
+    # previous_response_id continues it and GET /v1/responses/{id} returns it; bounded by
+    # these args ({} for their defaults). None (off, as vLLM): previous_response_id is
+    # refused (400), nothing is stored and GET answers 404
+    responses_store: ResponsesStoreArgs | None = None
 
     def cross_origin(self) -> dict:
         """Starlette's CORSMiddleware's arguments (deployments.ingress.allow_cross_origin)."""

@@ -1,8 +1,10 @@
 """The names the router serves its model under, as vLLM's: its --served-model-name takes one
 or several; /v1/models lists a card for each, a request may name any of them (or none), and
-answers carry the first (vLLM's OpenAIServingModels: model_name() is base_model_paths[0]'s)."""
+answers carry the first (vLLM's OpenAIServingModels: model_name() is base_model_paths[0]'s);
+the tokenizer the router reads prompts with (served_tokenizer)."""
 
 from deployments.ingress import BadRequest
+from engine.models import load_tokenizer
 
 
 def served_names(served_model_name: str | list[str]) -> tuple[str, ...]:
@@ -43,3 +45,22 @@ def not_served(asked: str, names: tuple[str, ...]) -> BadRequest:
     served = ", ".join(repr(name) for name in names)
     return BadRequest(f"model {asked!r} does not exist; this server serves {served}", 404,
                       "model")
+
+
+def served_tokenizer(model: str, tokenizer: str | None):
+    """The tokenizer the router reads prompts with: `tokenizer` when set, refused (naming it)
+    where the target ships its own and the two map text to other ids: the pools see token
+    ids only, so another vocabulary that fits the target's embedding rows served other
+    tokens than the prompts' and decoded the output as other text, silently."""
+    loaded = load_tokenizer(tokenizer or model)
+    if tokenizer is None or tokenizer == model:
+        return loaded
+    try:
+        own = load_tokenizer(model)
+    except (OSError, ValueError):  # a target folder without a tokenizer: the arg's
+        return loaded
+    if own.get_vocab() != loaded.get_vocab():
+        raise ValueError(f"tokenizer {tokenizer!r} maps text to other ids than the target "
+                         f"{model!r}'s own tokenizer: leave tokenizer unset, or name one "
+                         "of the same vocabulary")
+    return loaded

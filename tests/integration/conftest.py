@@ -98,9 +98,10 @@ def short_router(cluster):
 
 @pytest.fixture(scope="module")
 def limited(cluster):
-    """The path of a router with 2 running slots, 2 places in its queue and an API key, for
-    the module's tests."""
-    limits = {"max_running_requests": 2, "max_waiting_requests": 2, "api_key": LIMITED_KEY}
+    """The path of a router with 2 running slots, 2 places in its queue, an API key and a
+    Responses store (its Ray actor), for the module's tests."""
+    limits = {"max_running_requests": 2, "max_waiting_requests": 2, "api_key": LIMITED_KEY,
+              "responses_store": {}}
     with cluster.deployed(with_router(cluster.config, "limited", limits)):
         yield "/limited"
 

@@ -1,5 +1,5 @@
 """Every field bounded, never a 500; sessions that belong to requests; admission with 429;
-the optional API key."""
+the optional API key; the Responses store."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -95,3 +95,29 @@ def test_overload_gets_fast_429s_and_the_admitted_stay_exact(cluster, limited):
     print(f"\noverload: {len(prompts)} requests for 2 slots: {codes.count(200)} x 200, "
           f"{codes.count(429)} x 429 (slowest 429: "
           f"{max(r.elapsed.total_seconds() for r in responses if r.status_code == 429):.3f} s)")
+
+
+@pytest.mark.slow
+def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cluster,
+                                                                              limited):
+    """The /limited router's Responses store (a Ray actor): a turn continued by its id holds
+    the first exchange in its prompt; GET answers the stored Response; an unknown id is
+    vLLM's 404."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
+    first = client.responses.create(model="specserve-demo", input="write a loop",
+                                    max_output_tokens=8, temperature=0)
+    again = client.responses.create(model="specserve-demo", input="write a loop",
+                                    max_output_tokens=8, temperature=0, store=False)
+    second = client.responses.create(model="specserve-demo", input="and another",
+                                     previous_response_id=first.id, max_output_tokens=8,
+                                     temperature=0)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    for gone in (again.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="specserve-demo", input="x", max_output_tokens=4,
+                                previous_response_id="resp_unknown")

@@ -142,7 +142,7 @@ def test_a_routers_tokenizer_of_another_vocabulary_is_refused_at_start(tiny_pair
     """The router's `tokenizer` maps text to ids the pools take as the target's: one of fewer
     tokens than the target's rows passed the size check, and served other tokens than the
     prompts' (and decoded the output as other text) silently."""
-    from deployments.router import served_tokenizer
+    from deployments.served_models import served_tokenizer
     from specserve.demo import train_tokenizer
 
     target = str(tiny_pair_dir / "target")

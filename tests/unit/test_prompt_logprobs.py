@@ -238,7 +238,7 @@ def served(verifier: Scored):
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
         special_decode=lambda ids: "s" * len(ids), think_tokens=None,
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
-        pools=lambda kind=None: (Agreeing(), verifier), plan=plan,
+        responses_store=None, pools=lambda kind=None: (Agreeing(), verifier), plan=plan,
         tool_use=lambda body: asyncio.sleep(0), reasoning=lambda body, plan: None)  # no tools
     router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
     router.choices = lambda *args: Router.choices(router, *args)

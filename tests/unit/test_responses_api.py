@@ -158,7 +158,8 @@ def test_the_chats_own_names_in_a_refusal_are_renamed():
     assert "text.format or one field of structured_outputs" in str(both)
 
 
-def stand_in(text: str, parser: str | None = None, verifier=None) -> SimpleNamespace:
+def stand_in(text: str, parser: str | None = None, verifier=None,
+             store=None) -> SimpleNamespace:
     """A Router's parts that Router.serve_request uses, without Ray or a model: each
     request's output is `text`, a character a token (token 10 + j is its j-th), ended by
     token 0 (a stop id), planned with the body's max_tokens."""
@@ -175,6 +176,7 @@ def stand_in(text: str, parser: str | None = None, verifier=None) -> SimpleNames
 
     router = SimpleNamespace(
         api_key=None, token_bytes=None, admission=Admission(2), think_tokens=None,
+        responses_store=store,
         metrics=SimpleNamespace(record_choice=lambda *choice: None),
         args=RouterArgs(reasoning_parser=parser, served_model_name="m"),
         decode=decode, tool_decode=decode, special_decode=decode, rendering=None,

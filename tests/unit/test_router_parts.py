@@ -482,6 +482,7 @@ def router_of(max_running: int, verifier=None):
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
         special_decode=lambda ids: "s" * len(ids),  # skip_special_tokens: false
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
+        responses_store=None,
         pools=lambda kind=None: (Agreeing(), verifier or Agreeing()), plan=plan)
     router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
     router.choices = lambda *args: Router.choices(router, *args)

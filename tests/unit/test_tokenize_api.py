@@ -232,7 +232,7 @@ def test_a_chats_own_template_is_tokenized_as_its_request_would_be_fed(reader):
     """/tokenize's chat form renders with the request's chat_template where the router trusts
     request templates (as the chat request it counts), and refuses it as vLLM does where it
     does not."""
-    from tests.unit.test_chat_prompts import OWN, trusting
+    from tests.unit.test_request_chat_template import OWN, trusting
 
     body = {"messages": CHAT, "chat_template": OWN}
     trusted = trusting(reader)

@@ -1,0 +1,188 @@
+"""Where stored Responses live (the router's `responses_store`, vLLM's
+VLLM_ENABLE_RESPONSES_API_STORE): a bounded map of response id -> StoredResponse, least
+recently used out past its entries or bytes, each kept at most ttl_s from its storing.
+
+Every router replica must see one store (a conversation's next turn may reach another
+replica): the deployed router's is a named Ray actor per Serve application (ActorStore),
+created by whichever replica asks first; LocalStore keeps it in this process (the tests').
+Both are ResponseStore; BoundedStore is the map either holds.
+"""
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from fastapi.responses import Response
+
+from deployments.ingress import BadRequest, error_response
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A stored Response and the chat messages it continued (input and output), each as
+    JSON text: GET answers the first as it is, a continuation reads the second."""
+
+    response: bytes
+    messages: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.response) + len(self.messages)
+
+
+class ResponseStore(Protocol):
+    async def put(self, response_id: str, stored: StoredResponse) -> None: ...
+
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+
+class BoundedStore:
+    """The map: at most max_entries and max_bytes (the ids and both texts), the least
+    recently read or stored out first; an entry older than ttl_s reads as absent."""
+
+    def __init__(self, max_entries: int, max_bytes: int, ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
+        self.clock = clock
+        self.entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
+        self.nbytes = 0
+
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """Keeps it (False: larger than the whole store, not kept)."""
+        self.pop(response_id)
+        size = len(response_id) + stored.nbytes
+        if size > self.max_bytes:
+            return False
+        now = self.clock()
+        while self.entries and next(iter(self.entries.values()))[0] <= now:
+            self.pop(next(iter(self.entries)))  # expired at the cold end: out first
+        self.entries[response_id] = (now + self.ttl_s, stored)
+        self.nbytes += size
+        while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
+            self.pop(next(iter(self.entries)))
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        found = self.entries.get(response_id)
+        if found is None:
+            return None
+        if found[0] <= self.clock():  # expired: gone
+            self.pop(response_id)
+            return None
+        self.entries.move_to_end(response_id)
+        return found[1]
+
+    def pop(self, response_id: str) -> None:
+        found = self.entries.pop(response_id, None)
+        if found is not None:
+            self.nbytes -= len(response_id) + found[1].nbytes
+
+
+class LocalStore:
+    """A ResponseStore in this process (one replica's; the tests')."""
+
+    def __init__(self, store: BoundedStore) -> None:
+        self.store = store
+
+    async def put(self, response_id: str, stored: StoredResponse) -> None:
+        self.store.put(response_id, stored)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return self.store.get(response_id)
+
+
+class StoreActor:
+    """The Ray actor's class (ray.remote'd by ActorStore): one BoundedStore that every
+    replica of the application calls; its methods run one at a time."""
+
+    def __init__(self, max_entries: int, max_bytes: int, ttl_s: float) -> None:
+        self.store = BoundedStore(max_entries, max_bytes, ttl_s)
+
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        return self.store.put(response_id, stored)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self.store.get(response_id)
+
+    def size(self) -> tuple[int, int]:
+        """(entries, bytes) held."""
+        return len(self.store.entries), self.store.nbytes
+
+
+class ActorStore:
+    """A ResponseStore in the named actor `name` (one per Serve application), created on
+    first use by whichever replica comes first (get_if_exists; no CPU reserved: it only
+    holds bytes). Not detached: it lives as long as the replica that created it (as vLLM's
+    store lives as long as its server), so that `serve shutdown` leaves nothing running;
+    once it is gone, the next replica to use it creates it again, empty. Its calls are
+    awaited; the lookup or creation, a blocking call to Ray's GCS, runs off the event
+    loop, and a call that finds the actor gone looks it up again next time."""
+
+    def __init__(self, name: str, max_entries: int, max_bytes: int, ttl_s: float) -> None:
+        self.name, self.bounds = name, (max_entries, max_bytes, ttl_s)
+        self.handle: asyncio.Future | None = None  # the actor's, once looked up
+
+    def created(self):
+        import ray
+
+        actor = ray.remote(StoreActor).options(
+            name=self.name, get_if_exists=True, num_cpus=0, max_restarts=-1)
+        return actor.remote(*self.bounds)
+
+    async def actor(self):
+        if self.handle is None:  # one lookup per replica, however many ask at once
+            self.handle = asyncio.get_running_loop().run_in_executor(None, self.created)
+        try:  # shielded: one caller's cancelling leaves the others' lookup running
+            return await asyncio.shield(self.handle)
+        except Exception:
+            self.handle = None  # the next call tries again
+            raise
+
+    async def put(self, response_id: str, stored: StoredResponse) -> None:
+        """Stored, or logged when the store cannot be reached (the answer still goes out:
+        a continuation of it then finds no response)."""
+        from ray.exceptions import RayError
+
+        try:
+            if not await (await self.actor()).put.remote(response_id, stored):
+                logger.warning("response %s (%d bytes) exceeds the response store",
+                               response_id, stored.nbytes)
+        except RayError as error:
+            self.handle = None  # (its owner gone: found or created again next time)
+            logger.warning("response %s not stored: %s", response_id, error)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        from ray.exceptions import RayError
+
+        try:
+            return await (await self.actor()).get.remote(response_id)
+        except RayError as error:
+            self.handle = None
+            raise BadRequest(f"the response store is unavailable: {error}", 503) from None
+
+
+def response_store(args) -> ActorStore | None:
+    """The deployed router's store, as its `responses_store` args bound it (None: off):
+    the actor of this replica's Serve application, shared by its replicas."""
+    if args is None:
+        return None
+    from ray import serve
+
+    application = serve.get_replica_context().app_name
+    return ActorStore(f"specserve-responses-{application}", args.max_entries,
+                      args.max_bytes, args.ttl_s)
+
+
+async def retrieved(store: ResponseStore | None, response_id: str) -> Response:
+    """GET /v1/responses/{response_id}: the stored Response as it was answered; 404 (vLLM's
+    error) when it is not stored, no longer, or nothing is."""
+    stored = None if store is None else await store.get(response_id)
+    if stored is None:
+        return error_response(BadRequest(f"Response with id '{response_id}' not found.",
+                                         404, param="response_id"))
+    return Response(stored.response, media_type="application/json")
