@@ -35,15 +35,20 @@ BODY_TIMEOUT_S = 60
 
 
 class BadRequest(Exception):
+    """A refusal; its `code` OpenAI's for its status (error_body's) unless given (None:
+    null, as a 404 for what is no model: not model_not_found)."""
+
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, code: str | None = ...):
         super().__init__(message)
-        self.status, self.param, self.headers = status, param, headers
+        self.status, self.param, self.headers, self.code = status, param, headers, code
 
 
 def error_response(error: BadRequest) -> JSONResponse:
-    return JSONResponse(error_body(str(error), error.status, error.param), error.status,
-                        headers=error.headers)
+    body = error_body(str(error), error.status, error.param)
+    if error.code is not ...:
+        body["error"]["code"] = error.code
+    return JSONResponse(body, error.status, headers=error.headers)
 
 
 def json_answer(body: dict) -> Response:

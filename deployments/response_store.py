@@ -43,13 +43,16 @@ class ResponseStore(Protocol):
 
 class BoundedStore:
     """The map: at most max_entries and max_bytes (the ids and both texts), the least
-    recently read or stored out first; an entry older than ttl_s reads as absent."""
+    recently read or stored out first; an entry older than ttl_s reads as absent, and goes
+    before any live one (`stored`: the ids in their storing order, which is their expiry's,
+    however recently each was read)."""
 
     def __init__(self, max_entries: int, max_bytes: int, ttl_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
         self.clock = clock
         self.entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
+        self.stored: OrderedDict[str, None] = OrderedDict()
         self.nbytes = 0
 
     def put(self, response_id: str, stored: StoredResponse) -> bool:
@@ -59,9 +62,10 @@ class BoundedStore:
         if size > self.max_bytes:
             return False
         now = self.clock()
-        while self.entries and next(iter(self.entries.values()))[0] <= now:
-            self.pop(next(iter(self.entries)))  # expired at the cold end: out first
+        while self.stored and self.entries[next(iter(self.stored))][0] <= now:
+            self.pop(next(iter(self.stored)))  # expired (the first stored first): out first
         self.entries[response_id] = (now + self.ttl_s, stored)
+        self.stored[response_id] = None
         self.nbytes += size
         while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
             self.pop(next(iter(self.entries)))
@@ -80,6 +84,7 @@ class BoundedStore:
     def pop(self, response_id: str) -> None:
         found = self.entries.pop(response_id, None)
         if found is not None:
+            del self.stored[response_id]
             self.nbytes -= len(response_id) + found[1].nbytes
 
 
@@ -146,24 +151,29 @@ class ActorStore:
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         """Stored, or logged when the store cannot be reached (the answer still goes out:
         a continuation of it then finds no response)."""
-        from ray.exceptions import RayError
-
         try:
             if not await (await self.actor()).put.remote(response_id, stored):
                 logger.warning("response %s (%d bytes) exceeds the response store",
                                response_id, stored.nbytes)
-        except RayError as error:
+        except unreachable() as error:
             self.handle = None  # (its owner gone: found or created again next time)
             logger.warning("response %s not stored: %s", response_id, error)
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        from ray.exceptions import RayError
-
         try:
             return await (await self.actor()).get.remote(response_id)
-        except RayError as error:
+        except unreachable() as error:
             self.handle = None
             raise BadRequest(f"the response store is unavailable: {error}", 503) from None
+
+
+def unreachable() -> tuple[type[Exception], ...]:
+    """What a call to the store's actor raises when it cannot be reached: Ray's errors, and
+    get_if_exists's ValueError when the actor went (its replica with it) between its
+    lookup and its creation's (ray.get_actor's: no such actor)."""
+    from ray.exceptions import RayError
+
+    return RayError, ValueError
 
 
 def response_store(args) -> ActorStore | None:
@@ -180,9 +190,13 @@ def response_store(args) -> ActorStore | None:
 
 async def retrieved(store: ResponseStore | None, response_id: str) -> Response:
     """GET /v1/responses/{response_id}: the stored Response as it was answered; 404 (vLLM's
-    error) when it is not stored, no longer, or nothing is."""
-    stored = None if store is None else await store.get(response_id)
+    error) when it is not stored, no longer, or nothing is; 503 when the store cannot be
+    reached (ActorStore's BadRequest, answered here: raised, it was a bug's 500)."""
+    try:
+        stored = None if store is None else await store.get(response_id)
+    except BadRequest as error:
+        return error_response(error)
     if stored is None:
         return error_response(BadRequest(f"Response with id '{response_id}' not found.",
-                                         404, param="response_id"))
+                                         404, param="response_id", code=None))
     return Response(stored.response, media_type="application/json")

@@ -68,8 +68,9 @@ async def shaped(body, model: str, store: ResponseStore | None) -> "AsAsked | As
         return answer_shape(body, model, store)
     stored = await store.get(asked)
     if stored is None:
-        raise BadRequest(f"Response with id '{asked}' not found.", 404,
-                         param="previous_response_id")
+        raise BadRequest(f"Response with id '{asked}' not found.", 404,  # vLLM's; OpenAI's
+                         param="previous_response_id",  # code (not model_not_found)
+                         code="previous_response_not_found")
     previous = await asyncio.get_running_loop().run_in_executor(None, json.loads,
                                                                 stored.messages)
     return answer_shape(body, model, store, previous)

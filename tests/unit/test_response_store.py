@@ -7,6 +7,7 @@ first exchange), store false, an unknown id, GET /v1/responses/{id}, and the sto
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from openai.types.responses import Response
@@ -77,6 +78,22 @@ def test_an_entry_past_its_ttl_reads_as_absent_and_its_bytes_go():
     assert list(store.entries) == ["c"] and store.nbytes == 6
 
 
+def test_an_expired_entry_goes_before_a_live_one_however_recently_read():
+    """A read moves an entry to the warm end, not its expiry: past the bounds, the expired
+    one goes, not the least recently used live one."""
+    clock = Clock()
+    store = BoundedStore(max_entries=2, max_bytes=1 << 20, ttl_s=10, clock=clock)
+    store.put("a", entry(1))
+    clock.now = 5
+    store.put("b", entry(1))
+    clock.now = 6
+    assert store.get("a") is not None  # read: the warm end, still expiring at 10
+    clock.now = 11
+    store.put("c", entry(1))
+    assert list(store.entries) == list(store.stored) == ["b", "c"]
+    assert store.get("b") is not None and store.nbytes == 2 * 2
+
+
 def test_the_actors_class_keeps_what_its_calls_put():
     """The methods every replica calls on the one actor (ray.remote'd by ActorStore)."""
     actor = StoreActor(max_entries=1, max_bytes=100, ttl_s=60)
@@ -118,6 +135,47 @@ def test_the_actor_is_looked_up_once_off_the_event_loop():
         return await store.get("r3")
 
     assert asyncio.run(main()) == entry(1) and looked_up == [False]
+
+
+def test_get_is_a_503_when_the_store_cannot_be_reached():
+    """The actor gone (its calls a RayActorError): GET answers ActorStore's 503, not a
+    bug's 500; the answer it would have stored still went out (put logs it)."""
+    from ray.exceptions import RayActorError
+
+    async def gone(*args):
+        raise RayActorError()
+
+    store = ActorStore("specserve-responses-x", 10, 1 << 10, 60)
+    store.created = lambda: SimpleNamespace(put=SimpleNamespace(remote=gone),
+                                            get=SimpleNamespace(remote=gone))
+    asyncio.run(store.put("r", entry(1)))
+    answer = asyncio.run(retrieved(store, "r"))
+    assert answer.status_code == 503
+    assert json.loads(answer.body)["error"]["type"] == "server_error"
+
+
+def test_an_answer_goes_out_when_the_actor_cannot_be_found():
+    """get_if_exists's last lookup finds no actor (it went, with its replica, after its
+    creation lost the race: ray.get_actor's ValueError): the answer goes out unstored,
+    whole and streamed; GET is a 503."""
+    def vanished():
+        raise ValueError("Failed to look up actor with name 'specserve-responses-x'")
+
+    store = ActorStore("specserve-responses-x", 10, 1 << 10, 60)
+    store.created = vanished
+    router = stand_in("Paris.", store=store)
+
+    async def served(stream: bool) -> list[str]:
+        answer = await Router.serve_request(
+            router, posted({"model": "m", "input": "hi", "stream": stream}), ResponsesRequest)
+        assert answer.status_code == 200
+        return [answer.body.decode()] if not stream else \
+            [event async for event in answer.body_iterator]
+
+    assert json.loads(asyncio.run(served(False))[0])["status"] == "completed"
+    assert asyncio.run(served(True))[-1].startswith("event: response.completed")
+    assert router.admission.running == 0
+    assert asyncio.run(retrieved(store, "resp_x")).status_code == 503
 
 
 def test_its_args_default_to_off_and_bound_the_store():
@@ -227,9 +285,9 @@ def test_store_false_keeps_nothing(reader):
 def test_an_unknown_id_is_vllms_not_found(reader):
     served = Served("Paris.", reader)
     status, refused = served.post({"input": "hi", "previous_response_id": "resp_gone"})
-    assert status == 404 and refused["error"] == {
+    assert status == 404 and refused["error"] == {  # OpenAI's code: no model_not_found
         "message": "Response with id 'resp_gone' not found.", "type": "invalid_request_error",
-        "param": "previous_response_id", "code": refused["error"]["code"]}
+        "param": "previous_response_id", "code": "previous_response_not_found"}
     assert served.messages == []  # refused before its prompt was read
 
 
@@ -243,6 +301,7 @@ def test_get_returns_the_stored_response_behind_the_api_key(reader):
     assert Response.model_validate(got).output_text == "Paris."
     status, missing = served.get("resp_x")
     assert status == 404 and missing["error"]["param"] == "response_id"
+    assert missing["error"]["code"] is None  # a response is no model
     served.router.api_key = "k"
     assert served.get(whole["id"])[0] == 401
     assert served.get(whole["id"], [(b"authorization", b"Bearer k")]) == (200, whole)
