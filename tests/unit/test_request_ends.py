@@ -155,9 +155,13 @@ def test_a_stream_whose_client_goes_away_keeps_its_slots_until_its_choices_have_
                           Ignored(), admission.admit(2), model="m", chat=True,
                           return_token_ids=False)
         events = choices.events()
-        await events.__anext__()  # the role's chunk
+        # the first chunk (the role's, with the first text) waits for a verify that never
+        # answers: its task is cancelled as the client goes, as Starlette's stream is
+        first = asyncio.ensure_future(events.__anext__())
         await verifier.both_scoring.wait()  # both choices wait for their verify
-        await events.aclose()  # the client has gone
+        first.cancel()  # the client has gone
+        await asyncio.gather(first, return_exceptions=True)
+        await events.aclose()
         return verifier.running_at_release
 
     admission = Admission(2)
