@@ -19,6 +19,10 @@ from fastapi.responses import Response
 
 from deployments.ingress import BadRequest, error_response
 
+# a store call's longest wait (its actor restarting, or waiting to be placed): past it the
+# answer goes out unstored, or a continuation or GET is a 503
+STORE_TIMEOUT_S = 5.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -149,22 +153,27 @@ class ActorStore:
             raise
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
-        """Stored, or logged when the store cannot be reached (the answer still goes out:
-        a continuation of it then finds no response)."""
+        """Stored, or logged when the store cannot be reached within STORE_TIMEOUT_S (the
+        answer still goes out, and its admission slots back: a continuation of it then
+        finds no response)."""
         try:
-            if not await (await self.actor()).put.remote(response_id, stored):
+            if not await asyncio.wait_for(self.call("put", response_id, stored),
+                                          STORE_TIMEOUT_S):
                 logger.warning("response %s (%d bytes) exceeds the response store",
                                response_id, stored.nbytes)
-        except unreachable() as error:
+        except (*unreachable(), asyncio.TimeoutError) as error:
             self.handle = None  # (its owner gone: found or created again next time)
-            logger.warning("response %s not stored: %s", response_id, error)
+            logger.warning("response %s not stored: %r", response_id, error)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         try:
-            return await (await self.actor()).get.remote(response_id)
-        except unreachable() as error:
+            return await asyncio.wait_for(self.call("get", response_id), STORE_TIMEOUT_S)
+        except (*unreachable(), asyncio.TimeoutError) as error:
             self.handle = None
-            raise BadRequest(f"the response store is unavailable: {error}", 503) from None
+            raise BadRequest(f"the response store is unavailable: {error!r}", 503) from None
+
+    async def call(self, method: str, *args):
+        return await getattr(await self.actor(), method).remote(*args)
 
 
 def unreachable() -> tuple[type[Exception], ...]:

@@ -154,6 +154,22 @@ def test_get_is_a_503_when_the_store_cannot_be_reached():
     assert json.loads(answer.body)["error"]["type"] == "server_error"
 
 
+def test_a_store_that_does_not_answer_is_waited_for_within_its_timeout(monkeypatch):
+    """An actor restarting or not yet placed answers nothing: a put gives up after
+    STORE_TIMEOUT_S (the answer goes out unstored, its slots back), a GET is a 503."""
+    from deployments import response_store
+
+    async def never(*args):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(response_store, "STORE_TIMEOUT_S", 0.01)
+    store = ActorStore("specserve-responses-x", 10, 1 << 10, 60)
+    store.created = lambda: SimpleNamespace(put=SimpleNamespace(remote=never),
+                                            get=SimpleNamespace(remote=never))
+    asyncio.run(store.put("r", entry(1)))  # returns, logged
+    assert asyncio.run(retrieved(store, "r")).status_code == 503
+
+
 def test_an_answer_goes_out_when_the_actor_cannot_be_found():
     """get_if_exists's last lookup finds no actor (it went, with its replica, after its
     creation lost the race: ray.get_actor's ValueError): the answer goes out unstored,
