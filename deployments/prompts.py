@@ -215,7 +215,7 @@ class PromptReader:
             return self.tokenizer(text, add_special_tokens=special)["input_ids"]
         if any(text.count(marker) != 1 for marker in marked):
             raise BadRequest("a message holds the text of one of the model's special tokens, "
-                             "which this model's chat template does not render as written",
+                             "which the chat template does not render as written",
                              param="messages")
         ids, spaces = [], ""  # a piece's trailing spaces go with the next: " hello" is a word
         for piece in re.split("(" + "|".join(marked) + ")", text):

@@ -59,6 +59,15 @@ def bearer_key(key: str) -> str:
 
 
 TreeArg = SpeculativeTree | Literal["auto"]
+# a served model name: empty, answers carried `model: ""` (and its card had no name)
+ServedName = Annotated[str, Field(min_length=1)]
+
+
+def distinct_names(names):
+    """served_model_name's names, each once (a repeated one listed its card twice)."""
+    if isinstance(names, list) and len(set(names)) != len(names):
+        raise ValueError("served_model_name lists a name more than once")
+    return names
 
 
 def tree_shape(tree: TreeArg | None) -> TreeShape | None:
@@ -112,7 +121,8 @@ class RouterArgs(BaseModel):
     tokenizer: ModelPath | None = None  # default: the model's (the pools only see token ids)
     # the name requests give as `model`, or several (vLLM's --served-model-name): a request
     # may give any (or none), /v1/models lists each, and answers carry the first
-    served_model_name: str | Annotated[list[str], Field(min_length=1)] = "specserve-demo"
+    served_model_name: Annotated[ServedName | Annotated[list[ServedName], Field(min_length=1)],
+                                 AfterValidator(distinct_names)] = "specserve-demo"
     grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
     drafter_app: str = "drafter"
     verifier_app: str = "verifier"

@@ -263,6 +263,9 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
     (DrafterArgs, {"drafter": "ngram", "ngram_min": 0}, "ngram_min"),
     (RouterArgs, {"max_context_tokens": -5}, "max_context_tokens"),
     (RouterArgs, {"served_model_name": []}, "served_model_name"),  # no name to answer with
+    (RouterArgs, {"served_model_name": ""}, "served_model_name"),  # answers' model ""
+    (RouterArgs, {"served_model_name": ["a", ""]}, "served_model_name"),
+    (RouterArgs, {"served_model_name": ["a", "b", "a"]}, "served_model_name"),  # listed twice
     (VerifierArgs, {"session_ttl_s": float("inf")}, "session_ttl_s"),  # as the router's
     (DrafterArgs, {"health_stall_s": "inf"}, "health_stall_s"),
     (VerifierArgs, {"batch_linger": float("nan")}, "batch_linger"),
