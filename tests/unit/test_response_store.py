@@ -24,10 +24,9 @@ from deployments.response_store import (
 from deployments.responses_api import ResponsesRequest
 from deployments.router import Router
 from deployments.router_args import RouterArgs
-from tests.unit.test_chat_prompts import QWEN_LIKE, SPECIALS, reader_of
+from tests.unit.test_chat_prompts import qwen_like_reader
 from tests.unit.test_responses_api import CALL, TOOLS, stand_in
 from tests.unit.test_router_parts import posted
-from specserve.demo import train_tokenizer
 
 
 def entry(size: int) -> StoredResponse:
@@ -204,10 +203,7 @@ def test_its_args_default_to_off_and_bound_the_store():
 
 @pytest.fixture(scope="module")
 def reader():
-    tokenizer = train_tokenizer(["hello world, answer in French\n"] * 8, vocab_size=300)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
-    tokenizer.chat_template = QWEN_LIKE
-    reader = reader_of(tokenizer)
+    reader = qwen_like_reader()
     reader.max_prompt_bytes, reader.tokenizing = 1 << 16, ThreadPoolExecutor(1)
     return reader
 
