@@ -1,6 +1,7 @@
 """Tiny randomly initialised causal LMs built from a config, for tests that need no language."""
 
 import asyncio
+import tracemalloc
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -329,3 +330,13 @@ def run_concurrently(drafter, verifier, prompts, params: SamplingParams, k: int 
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
     return asyncio.run(main())
+
+
+def traced_peak(work):
+    """(work(), the peak of the bytes Python allocated while it ran): a feed that copies what
+    it holds shows as a peak of that size."""
+    tracemalloc.start()
+    try:
+        return work(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

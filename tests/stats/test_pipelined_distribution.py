@@ -83,6 +83,26 @@ def chi2_passes(counts, law) -> tuple[bool, str]:
     return statistic < threshold, f"chi2 = {statistic:.1f}, threshold {threshold:.1f} (df {df})"
 
 
+def assert_follows(law, target, draft, pipelined: bool, samples: int,
+                   params: SamplingParams) -> None:
+    """The window of `samples` seeded requests under `params` passes the check against law,
+    with drafts tested and some rejected, and rounds pipelined as asked (a shaped law's
+    tests: test_shaping_law, test_masks_law)."""
+    counts, totals = sample_counts(target, draft, pipelined, samples, params=params)
+    passes, message = chi2_passes(counts, law)
+    assert passes, f"{message}: a correct implementation fails with probability 1e-6"
+    assert 0 < totals["accepted"] < totals["drafted"]
+    assert (totals["pipelined_rounds"] > samples / 10) == pipelined
+
+
+def assert_caught(law, target, draft, samples: int, params: SamplingParams,
+                  mutant: str) -> None:
+    """A mutant's sequential run fails the check against law (stopped once it does)."""
+    counts, _ = sample_counts(target, draft, False, samples, stop_law=law, params=params)
+    passes, message = chi2_passes(counts, law)
+    assert not passes, f"the {mutant} mutant passed: {message}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelined, policy", [(False, None), (True, None),
                                                 (True, lambda: DraftsFirst(K))],

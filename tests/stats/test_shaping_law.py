@@ -22,9 +22,9 @@ from speculative.shaping import Shaping
 from tests.stats.laws import law_after_first, sequence_law
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     PROMPT,
-    chi2_passes,
+    assert_caught,
+    assert_follows,
     draft,
-    sample_counts,
     target,
 )
 from verifier import engine as verifier_engine
@@ -57,11 +57,7 @@ def test_the_shaped_law_bans_and_holds_back(shaped_law):
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
 def test_shaped_tokens_follow_the_shaped_law(target, draft, shaped_law, pipelined):
-    counts, totals = sample_counts(target, draft, pipelined, SAMPLES, params=PARAMS)
-    passes, message = chi2_passes(counts, shaped_law)
-    assert passes, f"{message}: a correct implementation fails with probability 1e-6"
-    assert 0 < totals["accepted"] < totals["drafted"]
-    assert (totals["pipelined_rounds"] > SAMPLES / 10) == pipelined
+    assert_follows(shaped_law, target, draft, pipelined, SAMPLES, PARAMS)
 
 
 real_shape_batch = verifier_engine.shape_batch
@@ -93,7 +89,4 @@ def shaped_without_min_tokens(logits, shapings, in_place=False):
                          ids=["committed-only", "bias-left-out", "min-tokens-left-out"])
 def test_the_check_catches_wrong_shaping(target, draft, shaped_law, monkeypatch, mutant):
     monkeypatch.setattr(verifier_engine, "shape_batch", mutant)
-    counts, _ = sample_counts(target, draft, False, SAMPLES, stop_law=shaped_law,
-                              params=PARAMS)
-    passes, message = chi2_passes(counts, shaped_law)
-    assert not passes, f"the {mutant.__name__} mutant passed: {message}"
+    assert_caught(shaped_law, target, draft, SAMPLES, PARAMS, mutant.__name__)

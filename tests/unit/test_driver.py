@@ -1,7 +1,6 @@
 """The request driver: stop ids, stop strings, incremental text, exact output ids."""
 
 import asyncio
-import tracemalloc
 from unittest import mock
 
 import pytest
@@ -18,6 +17,7 @@ from tests.tiny import (
     Scripted,
     byte_fallback_tokenizer,
     byte_level_tokenizer,
+    traced_peak,
 )
 
 ALPHABET = "ab\n"
@@ -110,12 +110,7 @@ def test_each_token_costs_the_output_text_its_own_length():
         return generation._ready()
 
     text = "".join(one_token() for _ in range(4_000))
-    tracemalloc.start()
-    try:
-        last = one_token()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    last, peak = traced_peak(one_token)
     assert len(text) > 80_000 and peak < 20_000
     assert text + last == generation.text == long_decode([1] * 4_001)
 

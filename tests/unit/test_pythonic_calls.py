@@ -5,7 +5,6 @@ bounded on hostile outputs (deep nesting, long chains, past MAX_CALLS_CHARS)."""
 
 import copy
 import time
-import tracemalloc
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +16,7 @@ from deployments.pythonic_calls import MAX_CALLS_CHARS, CallHead, HeldPythonic, 
 from deployments.tool_parsers import KEPT_TEXTS
 from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.driver import text_decoder
+from tests.tiny import traced_peak
 from tests.unit.test_tool_parsers import PARIS, PYTHONIC, named, use_of
 
 NAMES = {"get_weather", "now", "f"}
@@ -147,12 +147,7 @@ def test_a_held_pythonic_output_costs_each_delta_its_own_length():
     for head, more in [("\n", "\n"), ("[now(x='", "abcd")]:
         held = HeldPythonic()
         assert held.feed(head) == "" and all(held.feed(more) == "" for _ in range(10_000))
-        tracemalloc.start()
-        try:
-            last = held.feed(more)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        last, peak = traced_peak(lambda: held.feed(more))
         assert last == "" and peak < 10_000
         rest = "x" * MAX_CALLS_CHARS
         assert held.feed(rest) == head + more * 10_001 + rest and held.feed("y") == "y"

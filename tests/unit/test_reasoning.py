@@ -5,7 +5,6 @@ parser off or out of the request's way (the output unchanged)."""
 
 import asyncio
 import json
-import tracemalloc
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +21,7 @@ from deployments.router import Router
 from deployments.router_args import RouterArgs
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
-from tests.tiny import Scripted, char_tokenizer
+from tests.tiny import Scripted, char_tokenizer, traced_peak
 
 CALL = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "now"}}]
@@ -95,14 +94,7 @@ def test_an_opening_of_whitespace_costs_each_delta_its_own_length():
     the pieces grows now and then: one of two feeds in a row is without)."""
     stream = ReasoningStream()
     assert all(stream.feed("\n") == ("", "") for _ in range(40_000))
-    peaks = []
-    for _ in range(2):
-        tracemalloc.start()
-        try:
-            stream.feed(" ")
-            peaks.append(tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
+    peaks = [traced_peak(lambda: stream.feed(" "))[1] for _ in range(2)]
     assert min(peaks) < 10_000
     assert stream.feed("<think>hm</th") == ("hm", "")
     assert stream.feed("ink> yes") == ("", " yes")

@@ -8,7 +8,6 @@ import asyncio
 import copy
 import dataclasses
 import json
-import tracemalloc
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +26,7 @@ from engine.models import DEMO_TARGET, load_tokenizer
 from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
-from tests.tiny import Scripted
+from tests.tiny import Scripted, traced_peak
 from tests.unit.test_tools import CALL, TOOLS
 
 PARIS = '{"city": "Paris", "unit": "celsius"}'
@@ -233,12 +232,7 @@ def test_an_opening_held_for_llama_costs_each_delta_its_own_length():
         streamed = "".join(held.feed(" \n") for _ in range(100_000)) + held.feed(then)
         more = "word " if then else " \n"
         streamed += "".join(held.feed(more) for _ in range(1_000))
-        tracemalloc.start()
-        try:
-            last = held.feed(more)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        last, peak = traced_peak(lambda: held.feed(more))
         assert peak < 10_000 and streamed + last == sent + (more if then else "")
         whole = " \n" * 100_000 + then + more * 1_001  # its content: no call
         assert streamed + last + held.rest(whole) == whole

@@ -7,7 +7,6 @@ import asyncio
 import copy
 import json
 import threading
-import tracemalloc
 
 import jsonschema
 import pytest
@@ -33,7 +32,7 @@ from speculative.driver import text_decoder
 from speculative.frontend import RequestFrontEnd
 from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
 from speculative.sampling import SamplingParams
-from tests.tiny import Scripted
+from tests.tiny import Scripted, traced_peak
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 16},
@@ -354,12 +353,7 @@ def test_held_content_costs_each_delta_its_own_length():
     a feed after 200k characters makes no copy of them."""
     held = HeldContent()
     sent = "".join(held.feed("word ") for _ in range(40_000))
-    tracemalloc.start()
-    try:
-        last = held.feed("word ")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    last, peak = traced_peak(lambda: held.feed("word "))
     assert peak < 10_000 and sent + last == "word " * 40_001
 
 
