@@ -79,10 +79,9 @@ class BeamChoices(Choices):
     async def all_choices(self, run):
         """Each prompt searched (concurrently), then run(index) for every choice."""
         started, n = time.monotonic(), self.plan.n
-        firsts = [self.plan.choices[i].request for i in range(0, len(self.plan.choices), n)]
         verifier = self.pools[1]
         found = await all_or_none(BeamSearch(request, self.params(request)).run(verifier)
-                                  for request in firsts)
+                                  for request in self.plan.prompt_requests())
         self.seconds = time.monotonic() - started
         self.outputs = [self.generation(p * n + i, beam)
                         for p, beams in enumerate(found) for i, beam in enumerate(beams)]

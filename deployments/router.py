@@ -317,13 +317,12 @@ class Router:
         if not body.echo:
             echo = None
         elif chat:  # the last message's text, if any (no logprobs, as vLLM's)
-            echo = [body.echoed()] if body.echoed() else None
+            echo = [echoed] if (echoed := body.echoed()) else None
         else:
             echo = [p if isinstance(p, str) else self.decode(p) for p in body.prompts()]
         if top_n is None and echo is None:
             return None
-        prompts = [plan.choices[i].request.prompt_token_ids
-                   for i in range(0, len(plan.choices), plan.n)]
+        prompts = [request.prompt_token_ids for request in plan.prompt_requests()]
         echo_top_n = body.logprobs if echo is not None and not chat else None
         return PromptAnswer(self.pools(plan.drafter_kind)[1], plan.request_id, prompts, top_n,
                             echo, echo_top_n, self.decode,

@@ -84,8 +84,8 @@ def ranked(prompt: Sequence[int], beams: list[Beam], params: BeamParams) -> list
 
 
 def step(beams: list[Beam], rows: list[Row], params: BeamParams
-         ) -> tuple[list[tuple[int, int]], list[Beam]]:
-    """One step's choice: ((the live beam each new beam extends, its token) for the
+         ) -> tuple[list[tuple[int, Beam]], list[Beam]]:
+    """One step's choice: ((the live beam each new beam extends, the new beam) for the
     beam_width best candidates, the beams that end at EOS now). rows: each live beam's top
     2 x beam_width."""
     candidates, ended = [], []
@@ -98,7 +98,9 @@ def step(beams: list[Beam], rows: list[Row], params: BeamParams
             else:
                 candidates.append((total, parent, token))
     best = sorted(candidates, key=lambda c: -c[0])[:params.beam_width]  # stable
-    return [(parent, token) for _, parent, token in best], ended
+    return [(parent, Beam(beams[parent].tokens + (token,), total,
+                          beams[parent].rows + (rows[parent],)))
+            for total, parent, token in best], ended
 
 
 class BeamSearch:
@@ -131,24 +133,23 @@ class BeamSearch:
                 rows = await scored(verifier, sessions, 2 * self.params.beam_width)
                 chosen, ended = step(beams, rows, self.params)
                 finished.extend(ended)
-                beams = [Beam(beams[p].tokens + (t,), beams[p].cum_logprob + dict(rows[p])[t],
-                              beams[p].rows + (rows[p],)) for p, t in chosen]
-                sessions = await self.carried(verifier, sessions, chosen, beams)
+                beams = [beam for _, beam in chosen]
+                sessions = await self.carried(verifier, sessions, chosen)
         finally:
             await released(verifier, sessions)
         return ranked(self.prompt, finished + beams, self.params)
 
     async def carried(self, verifier: Verifier, sessions: list[RequestState],
-                      chosen: list[tuple[int, int]], beams: list[Beam]) -> list[RequestState]:
+                      chosen: list[tuple[int, Beam]]) -> list[RequestState]:
         """The next step's sessions: a parent's first chosen child keeps its session (its
         token committed there), the others open new ones; the sessions left are released."""
         kept, carried = set(), []
-        for (parent, token), beam in zip(chosen, beams):
+        for parent, beam in chosen:
             if parent in kept:
                 carried.append(self.session(beam.tokens))
             else:
                 kept.add(parent)
-                sessions[parent].committed.append(token)
+                sessions[parent].committed.append(beam.tokens[-1])
                 carried.append(sessions[parent])
         await released(verifier, [s for i, s in enumerate(sessions) if i not in kept])
         return carried

@@ -47,6 +47,11 @@ class RequestPlan:
     drafter_kind: str | None  # keys the shared costs (the router: None for its pool's model)
     n: int = 1  # choices per prompt (a completions batch: the prompts' n choices in turn)
 
+    def prompt_requests(self) -> list[Request]:
+        """Each prompt's request: its first choice's (a completions batch's prompts in
+        turn)."""
+        return [self.choices[i].request for i in range(0, len(self.choices), self.n)]
+
     def prompt_tokens(self, index: int) -> int:
         """Choice `index`'s share of the prompt tokens: its prompt's, counted with the first
         of the prompt's n choices (as usage counts each prompt once)."""
