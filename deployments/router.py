@@ -46,6 +46,7 @@ from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.placement import LoadBound, running_replicas
 from deployments.pool_handles import GrpcDrafter, GrpcVerifier
+from deployments.prometheus import NodeMetrics
 from deployments.prompts import PromptReader
 from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import (
@@ -119,6 +120,8 @@ class Router:
                                              args.local_drafter_cached_tokens)
         self.front_end = RequestFrontEnd(args.speculation_defaults())
         self.metrics = RouterMetrics()
+        self.node_metrics = NodeMetrics(served_names(args.served_model_name)[0],
+                                        (args.drafter_app, args.verifier_app))
         self.responses_store = response_store(args.responses_store)  # None: off
         self.admission = Admission(args.max_running_requests,
                                    lambda running: self.metrics.running.set(running),
@@ -173,6 +176,11 @@ class Router:
         """vLLM's SageMaker health check (deployments.invocations): /health's answer, open
         as /health is."""
         return await self.health()
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(self):
+        """vLLM's Prometheus metrics (deployments.prometheus), open as vLLM's /metrics is."""
+        return await self.node_metrics.response()
 
     @app.get("/v1/models")
     async def models(self, request: Request):

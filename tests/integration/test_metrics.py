@@ -50,3 +50,34 @@ def test_pool_batch_metrics_are_exported(cluster):
         time.sleep(1)
     assert pools == {"drafter", "verifier"}
     assert "ray_specserve_pool_batch_occupancy" in text
+
+
+def test_the_routers_metrics_path_serves_vllms_names(cluster):
+    """GET /metrics on the router's port: the router's metrics under vLLM's `vllm:` names,
+    each tagged with the served model's name, and nothing of Ray's own."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    name = requests.get(cluster.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    response = cluster.post("/v1/completions", {"prompt": "def main():\n", "max_tokens": 16,
+                                                "temperature": 0, "num_speculative_tokens": 3})
+    tokens = response.json()["usage"]["completion_tokens"]
+    generated = re.compile(r'^vllm:generation_tokens_total\{[^}]*model_name="'
+                           + re.escape(name) + r'"[^}]*\} ([0-9.e+]+)$', re.MULTILINE)
+    deadline, text, answer = time.monotonic() + 60, "", None
+    while time.monotonic() < deadline:  # replicas push their metrics every few seconds
+        answer = requests.get(cluster.base_url + "/metrics", timeout=10)
+        text = answer.text
+        counted = sum(float(value) for value in generated.findall(text))
+        if counted >= tokens > 0 and "vllm:e2e_request_latency_seconds_bucket{" in text \
+                and "specserve_pool_batch_size_count" in text:
+            break
+        time.sleep(1)
+    assert answer.status_code == 200, text
+    assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert sum(float(value) for value in generated.findall(text)) >= tokens > 0, text[:2000]
+    assert "vllm:e2e_request_latency_seconds_bucket{" in text
+    assert not any(line.startswith("ray_") for line in text.splitlines())
+    families = list(text_string_to_metric_families(text))
+    assert all("model_name" in sample.labels for family in families
+               for sample in family.samples if sample.name.startswith("vllm:"))
+    assert "specserve_pool_batch_size_count" in text
