@@ -104,7 +104,9 @@ class ModelVerifier:
                 self.sessions.drop(call.request_id)
             raise
         results = host.refusing_lawless(results, self.vocab_size)
-        return [self.steps.advance(call, result, progress)
+        ends = self.steps.cohort_ends([(call, progress) for call, (_, progress)
+                                       in zip(calls, steps)])
+        return [self.steps.advance(call, result, progress, ends)
                 for call, result, (_, progress) in zip(calls, results, steps)]
 
     def prepare(self, call: ScoreCall, limit: int | None = None):

@@ -99,11 +99,23 @@ class Steps:
     def forget(self, request_id: str) -> None:
         self.running.pop(request_id, None)
 
-    def advance(self, call: ScoreCall, result, progress: Progress | None):
+    @staticmethod
+    def cohort_ends(steps: list[tuple[ScoreCall, Progress | None]]) -> bool:
+        """Whether a call of several steps in the batch (as `current` gave them) runs its
+        last step now: then every such call ends with it (`advance`), so that they all
+        come back in one group and their next calls form one batch, not two that take
+        turns with the router's (measured: 11.7 calls a batch out of 16 before)."""
+        return any(call.steps > 1 and call.steps == 1 + len(progress.tokens if progress
+                                                             else ())
+                   for call, progress in steps)
+
+    def advance(self, call: ScoreCall, result, progress: Progress | None,
+                cohort_ends: bool = False):
         """The call's answer after the step just run (its result; progress as `current`
-        gave it): UNFINISHED while steps remain, else the scores of them all; a refusal
-        ends the call, and so does a newer call of the request in the same batch (the
-        answer then has the steps run so far: each followed the one before)."""
+        gave it): UNFINISHED while steps remain and no other call's steps end in this
+        batch (cohort_ends), else the scores of them all; a refusal ends the call, and so
+        does a newer call of the request in the same batch (the answer then has the steps
+        run so far: each followed the one before)."""
         if call.steps <= 1 or result is UNFINISHED:
             return result
         latest = self.running.get(call.request_id) is progress  # no other call took over
@@ -121,8 +133,8 @@ class Steps:
         progress.fed += load.batch_tokens
         steps = len(progress.tokens)
         sequence = self.sessions.get(call.request_id)
-        if steps < call.steps and token not in call.stop_token_ids and sequence is not None \
-                and latest:
+        if steps < call.steps and not cohort_ends and token not in call.stop_token_ids \
+                and sequence is not None and latest:
             progress.current = replace(
                 call, sync=PrefixSync(len(sequence.committed), sequence.committed_hash,
                                       (token,)),

@@ -33,29 +33,31 @@ def exact_law(target) -> np.ndarray:
 
 
 def step_counts(target, stop_law=None) -> tuple[np.ndarray, int]:
-    """Counts of the three tokens after the first over SAMPLES seeded requests, and their
-    rounds; with stop_law, stops early once the counts fail the check against it (a
-    mutant's run)."""
+    """Counts of the three tokens after the first over SAMPLES seeded requests, and how
+    many requests drew all three in one call; with stop_law, stops early once the counts
+    fail the check against it (a mutant's run)."""
     verifier = Batched(ModelVerifier(target))
-    counts, rounds = np.zeros((VOCAB,) * 3), 0
+    counts, in_one_call = np.zeros((VOCAB,) * 3), 0
     for i, (out, state) in enumerate(run_seeded(Batched(ModelDrafter(target)), verifier,
                                                 PROMPT, PARAMS, 0, SAMPLES,
                                                 plain_steps=STEPS)):
         counts[tuple(out[1:4])] += 1
-        rounds += state.stats.rounds
+        in_one_call += state.stats.rounds == 2  # the first token alone, then one call
         if stop_law is not None and (i + 1) % 500 == 0 and not chi2_passes(counts,
                                                                           stop_law)[0]:
             break
-    return counts, rounds
+    return counts, in_one_call
 
 
 @pytest.mark.slow
 def test_steps_follow_the_shaped_target_law(target, exact_law):
-    counts, rounds = step_counts(target)
+    counts, in_one_call = step_counts(target)
     passes, message = chi2_passes(counts, exact_law)
     assert passes, f"{message}: a correct implementation fails with probability 1e-6"
-    # five tokens a request (max_tokens): the first alone, then one call of four steps
-    assert rounds == 2 * SAMPLES
+    # five tokens a request (max_tokens): the first alone, then a call of four steps, cut
+    # short where it joined a batch whose other calls' steps ended first (verifier.steps
+    # cohort_ends: 100 requests take two batches of at most 64)
+    assert in_one_call >= SAMPLES // 2
 
 
 @pytest.mark.slow

@@ -138,6 +138,23 @@ def test_a_released_request_forgets_its_steps(target):
     assert len(scores.continued_token_ids) == 2 and not verifier.steps.running
 
 
+def test_calls_of_several_steps_end_together(target):
+    """A call of several steps that joins a batch in which another's steps end ends with
+    it (its tokens so far), so that the two come back in one group and their next calls
+    share batches (the law tests check each step's tokens)."""
+    verifier = ModelVerifier(target)
+    early = ScoreCall("early", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), (), GREEDY,
+                      steps=4)
+    late = ScoreCall("late", PrefixSync(0, EMPTY_PREFIX_HASH, (4, 5, 6)), (), GREEDY,
+                     steps=4)
+    assert verifier.score_batch([early]) == [UNFINISHED]
+    assert verifier.score_batch([early]) == [UNFINISHED]
+    assert verifier.score_batch([early, late]) == [UNFINISHED] * 2
+    first, second = verifier.score_batch([early, late])  # early's fourth step, late's second
+    assert len(first.continued_token_ids) == 3 and len(second.continued_token_ids) == 1
+    assert not verifier.steps.running  # (a call alone runs all its steps: the tests above)
+
+
 def test_the_steps_of_a_request_never_released_go_with_its_session(target):
     """A request that ends between two steps and whose release never comes (its router
     gone): its session goes by the store's bound (or its TTL), and the progress of its
