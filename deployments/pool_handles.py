@@ -95,3 +95,16 @@ class GrpcVerifier:
                                            top_n=top_n)
         response = await self.pool.unplaced("PromptLogprobs", message, request_id)
         return wire.prompt_logprobs_from_proto(response, token_ids)
+
+
+def pool_clients(channel, args, channel_options,
+                 load_bound) -> tuple[GrpcDrafter, GrpcVerifier]:
+    """The router's clients of its two pools over `channel` (args: RouterArgs; load_bound:
+    a pool application's name -> its LoadBound)."""
+    timeout, direct, streams = args.call_timeout_s, args.direct_data_path, args.direct_streams
+    placed_by = args.prefix_affinity_tokens
+    drafter = GrpcDrafter(channel, args.drafter_app, timeout, direct, args.draft_timeout_s,
+                          streams, placed_by, channel_options, load_bound(args.drafter_app))
+    verifier = GrpcVerifier(channel, args.verifier_app, timeout, direct, streams, placed_by,
+                            channel_options, load_bound(args.verifier_app))
+    return drafter, verifier

@@ -5,7 +5,9 @@ recently used out past its entries or bytes, each kept at most ttl_s from its st
 Every router replica must see one store (a conversation's next turn may reach another
 replica): the deployed router's is a named Ray actor per Serve application (ActorStore),
 created by whichever replica asks first; LocalStore keeps it in this process (the tests').
-Both are ResponseStore; BoundedStore is the map either holds.
+Both are ResponseStore; BoundedStore is the map either holds. A background Response
+(deployments.background) is stored queued, then replaced as it runs and ends, each step only
+while the stored one still runs: a cancel or DELETE, from any replica, is never overwritten.
 """
 
 import asyncio
@@ -19,6 +21,8 @@ from fastapi.responses import Response
 
 from deployments.ingress import BadRequest, error_response
 
+# a Response's statuses while it may still change (a background one's)
+RUNNING = ("queued", "in_progress")
 # a store call's longest wait (its actor restarting, or waiting to be placed): past it the
 # answer goes out unstored, or a continuation or GET is a 503
 STORE_TIMEOUT_S = 5.0
@@ -29,10 +33,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StoredResponse:
     """A stored Response and the chat messages it continued (input and output), each as
-    JSON text: GET answers the first as it is, a continuation reads the second."""
+    JSON text: GET answers the first as it is, a continuation reads the second; `status`
+    the Response's (which the store reads to replace a running one only)."""
 
     response: bytes
     messages: bytes
+    status: str = "completed"
 
     @property
     def nbytes(self) -> int:
@@ -43,6 +49,10 @@ class ResponseStore(Protocol):
     async def put(self, response_id: str, stored: StoredResponse) -> None: ...
 
     async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def replace(self, response_id: str, stored: StoredResponse) -> bool: ...
+
+    async def delete(self, response_id: str) -> bool: ...
 
 
 class BoundedStore:
@@ -85,6 +95,18 @@ class BoundedStore:
         self.entries.move_to_end(response_id)
         return found[1]
 
+    def replace(self, response_id: str, stored: StoredResponse) -> bool:
+        """Stored in place of one still RUNNING (False: none such, cancelled, ended or gone:
+        nothing stored). Its TTL runs again from now."""
+        found = self.get(response_id)
+        return found is not None and found.status in RUNNING and self.put(response_id, stored)
+
+    def delete(self, response_id: str) -> bool:
+        """Gone (False: it was not there)."""
+        found = self.get(response_id) is not None
+        self.pop(response_id)
+        return found
+
     def pop(self, response_id: str) -> None:
         found = self.entries.pop(response_id, None)
         if found is not None:
@@ -104,6 +126,12 @@ class LocalStore:
     async def get(self, response_id: str) -> StoredResponse | None:
         return self.store.get(response_id)
 
+    async def replace(self, response_id: str, stored: StoredResponse) -> bool:
+        return self.store.replace(response_id, stored)
+
+    async def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)
+
 
 class StoreActor:
     """The Ray actor's class (ray.remote'd by ActorStore): one BoundedStore that every
@@ -117,6 +145,12 @@ class StoreActor:
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self.store.get(response_id)
+
+    def replace(self, response_id: str, stored: StoredResponse) -> bool:
+        return self.store.replace(response_id, stored)
+
+    def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)
 
     def size(self) -> tuple[int, int]:
         """(entries, bytes) held."""
@@ -166,8 +200,19 @@ class ActorStore:
             logger.warning("response %s not stored: %r", response_id, error)
 
     async def get(self, response_id: str) -> StoredResponse | None:
+        return await self.answer("get", response_id)
+
+    async def replace(self, response_id: str, stored: StoredResponse) -> bool:
+        return await self.answer("replace", response_id, stored)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.answer("delete", response_id)
+
+    async def answer(self, method: str, *args):
+        """A call whose answer the caller needs: a 503 (BadRequest) when the store cannot be
+        reached within STORE_TIMEOUT_S."""
         try:
-            return await asyncio.wait_for(self.call("get", response_id), STORE_TIMEOUT_S)
+            return await asyncio.wait_for(self.call(method, *args), STORE_TIMEOUT_S)
         except (*unreachable(), asyncio.TimeoutError) as error:
             self.handle = None
             raise BadRequest(f"the response store is unavailable: {error!r}", 503) from None
@@ -206,6 +251,11 @@ async def retrieved(store: ResponseStore | None, response_id: str) -> Response:
     except BadRequest as error:
         return error_response(error)
     if stored is None:
-        return error_response(BadRequest(f"Response with id '{response_id}' not found.",
-                                         404, param="response_id", code=None))
+        return error_response(not_found(response_id))
     return Response(stored.response, media_type="application/json")
+
+
+def not_found(response_id: str) -> BadRequest:
+    """vLLM's 404 for a response id not stored (its code null: a response is no model)."""
+    return BadRequest(f"Response with id '{response_id}' not found.", 404,
+                      param="response_id", code=None)

@@ -6,12 +6,12 @@ or as its stream of events (deployments.responses_events).
 Served: a text or message input, instructions, function tools and their calls and results,
 text.format, the sampling fields, top_logprobs, and vLLM's extensions the chat takes.
 Refused with a 400 naming the field: what needs state or services this server does not
-keep (background, conversation, prompt templates, item references, built-in tools), what a
-Response has no place for (vLLM's prompt_logprobs and return_token_ids) and input images,
-files and audio. previous_response_id continues a stored Response's conversation where the
-router keeps them (its responses_store, as vLLM's VLLM_ENABLE_RESPONSES_API_STORE:
-deployments.response_store); without, it is refused too and nothing is stored (`store` is
-read and ignored, as vLLM without its store).
+keep (conversation, prompt templates, item references, built-in tools), what a Response has
+no place for (vLLM's prompt_logprobs and return_token_ids) and input images, files and
+audio. previous_response_id continues a stored Response's conversation, and background runs
+one later (deployments.background), where the router keeps them (its responses_store, as
+vLLM's VLLM_ENABLE_RESPONSES_API_STORE: deployments.response_store); without, both are
+refused too and nothing is stored (`store` is read and ignored, as vLLM without its store).
 """
 
 import re
@@ -25,13 +25,12 @@ from deployments.tools import FieldError
 
 # fields of OpenAI's that need state or services this server does not have, and vLLM's that
 # ask for what a Response cannot carry: the values that ask for nothing, and why any other
-# is refused (naming the field); previous_response_id is refused where no response store
-# keeps them (deployments.responses_events.answer_shape)
+# is refused (naming the field); previous_response_id and background are refused where no
+# response store keeps them (deployments.responses_events.answer_shape)
 STATELESS = "this server stores no responses"
 UNCARRIED = "a Response has no field for it: ask /v1/chat/completions"
 REFUSED = {"conversation": ((None,), "this server keeps no conversations (where it "
                                       "stores responses, give previous_response_id)"),
-           "background": ((None, False), "this server answers in the foreground"),
            "prompt": ((None,), "this server keeps no prompt templates: give the input"),
            "truncation": ((None, "disabled"), "only disabled: a prompt past the context "
                                               "is refused, not cut"),
@@ -59,6 +58,25 @@ RENAMED = [(re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
            (re.compile(r"\btools(\[\d+\]|\.\d+)\.function\b"), r"tools\1"),
            (re.compile(r"\btool_choice\.function\b"), "tool_choice"),
            (re.compile(r"\blogprobs\b"), "include")]
+
+
+def refused_background(asked: "ResponsesRequest", stores: bool) -> None:
+    """BadRequest for a `background` request this router cannot run: without a response
+    store (`stores`: the router's responses_store, as vLLM's needs its store), or with
+    `store: false` (vLLM's rule and error), or streamed (vLLM replays a background stream
+    from memory one replica holds: polled here instead)."""
+    if not asked.background:
+        return
+    if not stores:
+        raise BadRequest("background: not served: this server answers in the foreground (the "
+                         "router's responses_store runs background responses)",
+                         param="background")
+    if asked.store is False:
+        raise BadRequest("background can only be used when `store` is true",
+                         param="background")
+    if asked.stream:
+        raise BadRequest("stream: not served with background: poll GET /v1/responses/{id}",
+                         param="stream")
 
 
 def chat_messages(instructions: str | None, given: str | list,
@@ -224,6 +242,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict | None = None  # effort and summaries: no parser reads them here
+    background: bool = False  # served where a response store keeps them (refused_background)
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 
 from deployments.ingress import BadRequest, json_answer
 from deployments.response_store import ResponseStore, StoredResponse
-from deployments.responses_api import STATELESS, ResponsesRequest, chat_messages, renamed
+from deployments.responses_api import (
+    STATELESS,
+    ResponsesRequest,
+    chat_messages,
+    refused_background,
+    renamed,
+)
 
 TEXT = {"type": "text"}  # the format OpenAI echoes for none
 
@@ -26,6 +32,7 @@ class AsAsked:
     """A chat or completions request, answered in its own API's shape."""
 
     body: object
+    background = False  # answered now (deployments.background runs a Response's later)
 
     def renamed(self, error: BadRequest) -> BadRequest:
         return error
@@ -54,6 +61,7 @@ def answer_shape(body, model: str, store: ResponseStore | None = None,
     if body.previous_response_id is not None and (store is None or previous is None):
         raise BadRequest(f"previous_response_id: not served: {STATELESS} (the router's "
                          "responses_store keeps them)", param="previous_response_id")
+    refused_background(body, store is not None)
     chat, places, messages = body.chat_request(previous or [])
     kept = messages[1:] if body.instructions is not None else messages  # not carried over
     return AsResponse(chat, body, places, model, None if body.store is False else store,
@@ -81,7 +89,8 @@ def stored_response(response: dict, messages: list[dict]) -> StoredResponse:
     template (the messages it continued, then its output's, read as an input's items)."""
     output = chat_messages(None, response["output"])[0]
     return StoredResponse(json.dumps(response, ensure_ascii=False).encode(),
-                          json.dumps(messages + output, ensure_ascii=False).encode())
+                          json.dumps(messages + output, ensure_ascii=False).encode(),
+                          response["status"])
 
 
 def response_usage(usage: dict) -> dict:
@@ -145,6 +154,10 @@ class AsResponse:
     def renamed(self, error: BadRequest) -> BadRequest:
         return renamed(error, self.places)
 
+    @property
+    def background(self) -> bool:
+        return self.asked.background
+
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  extra: dict | None = None) -> dict:
         """The Response: its output and the request's parameters echoed, as OpenAI's."""
@@ -163,7 +176,7 @@ class AsResponse:
                 "metadata": asked.metadata or {}, "user": asked.user,
                 "previous_response_id": asked.previous_response_id, "reasoning": None,
                 "store": self.store is not None,
-                "truncation": "disabled", "background": False, "usage": usage,
+                "truncation": "disabled", "background": asked.background, "usage": usage,
                 "completed_at": int(time.time()) if status == "completed" else None}
         return {**body, **(extra or {})}
 
@@ -186,12 +199,16 @@ class AsResponse:
                              {"speculative": answer["speculative"],
                               "metrics": answer["metrics"]})
 
+    async def built(self, answer: dict, executor) -> dict:
+        """The whole Response, built on `executor`."""
+        return await asyncio.get_running_loop().run_in_executor(executor, self.whole, answer)
+
     async def answered(self, answer: dict, executor) -> object:
         """The whole Response, built and encoded on `executor`, kept first."""
-        loop = asyncio.get_running_loop()
-        response = await loop.run_in_executor(executor, self.whole, answer)
+        response = await self.built(answer, executor)
         await self.keep(response, executor)
-        return await loop.run_in_executor(executor, json_answer, response)
+        return await asyncio.get_running_loop().run_in_executor(executor, json_answer,
+                                                                response)
 
     async def keep(self, response: dict, executor) -> None:
         """The Response stored (encoded on `executor`), before it goes out: a client that

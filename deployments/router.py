@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from deployments.admission import Admission
+from deployments.background import BackgroundRuns, generated
 from deployments.beams import choices_kind, refuse_unsearched
 from deployments.choices import Choices
 from deployments.clients import channel_options
@@ -45,7 +46,7 @@ from deployments.logprobs import token_bytes_of
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.placement import LoadBound, running_replicas
-from deployments.pool_handles import GrpcDrafter, GrpcVerifier
+from deployments.pool_handles import pool_clients
 from deployments.prometheus import NodeMetrics
 from deployments.prompts import PromptReader
 from deployments.prompt_logprobs import PromptAnswer
@@ -60,10 +61,9 @@ from deployments.response_store import response_store, retrieved
 from deployments.responses_events import shaped
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.served_models import (
+    card_named,
     check_model,
-    model_card,
     model_list,
-    not_served,
     served_names,
     served_tokenizer,
 )
@@ -128,6 +128,8 @@ class Router:
                                    max_waiting=args.max_waiting_requests,
                                    on_waiting=lambda waiting: self.metrics.waiting.set(waiting),
                                    by_priority=args.scheduling_policy == "priority")
+        self.background = BackgroundRuns(self.responses_store,  # as many as admission holds
+                                         args.max_running_requests + args.max_waiting_requests)
         self.api_key = api_key(args.api_key)
         allow_cross_origin(args.cross_origin())
         self._channel: grpc.aio.Channel | None = None
@@ -143,17 +145,8 @@ class Router:
         if self._channel is None:  # grpc.aio objects belong to the running event loop
             self._channel = grpc.aio.insecure_channel(self.args.grpc_address,
                                                       options=self.channel_options)
-            timeout = self.args.call_timeout_s
-            direct, streams = self.args.direct_data_path, self.args.direct_streams
-            placed_by = self.args.prefix_affinity_tokens
-            drafters, verifiers = (self.load_bound(self.args.drafter_app),
-                                   self.load_bound(self.args.verifier_app))
-            self._drafter = GrpcDrafter(self._channel, self.args.drafter_app, timeout, direct,
-                                        self.args.draft_timeout_s, streams, placed_by,
-                                        self.channel_options, drafters)
-            self._verifier = GrpcVerifier(self._channel, self.args.verifier_app, timeout,
-                                          direct, streams, placed_by, self.channel_options,
-                                          verifiers)
+            self._drafter, self._verifier = pool_clients(self._channel, self.args,
+                                                         self.channel_options, self.load_bound)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
 
     def load_bound(self, application: str) -> LoadBound:
@@ -194,12 +187,9 @@ class Router:
         """The served model's card by its name, any of them (OpenAI's models.retrieve);
         another name is a 404 (model_not_found), as a request naming it is. A name may hold
         "/"."""
-        if refused := unauthorized(request, self.api_key):
-            return refused
-        names = served_names(self.args.served_model_name)
-        if name not in names:  # (an empty name too: a card has a name)
-            return error_response(not_served(name, names))
-        return model_card(name, self.args.model, self.prompts.context_limit)
+        return unauthorized(request, self.api_key) or card_named(
+            name, served_names(self.args.served_model_name), self.args.model,
+            self.prompts.context_limit)
 
     @app.get("/version")
     async def version(self) -> dict:
@@ -262,6 +252,20 @@ class Router:
         return unauthorized(request, self.api_key) or \
             await retrieved(self.responses_store, response_id)
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request):
+        """A background Response cancelled (deployments.background), behind the API key."""
+        return unauthorized(request, self.api_key) or await self.background.cancel(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request):
+        """A stored Response deleted (cancelled first if it runs), behind the API key."""
+        return unauthorized(request, self.api_key) or await self.background.delete(response_id)
+
+    async def __del__(self) -> None:
+        """Serve's shutdown of this replica (awaited): no background Response left running."""
+        await self.background.shutdown()
+
     @app.post("/invocations")
     async def invocations(self, request: Request):
         """vLLM's SageMaker route: a chat or a completion by its body
@@ -282,6 +286,9 @@ class Router:
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)
             plan = await self.plan(body, chat)
             tools = await self.tool_use(body) if chat else None  # checked by the prompt's reading
+            if shape.background:  # answered queued, run later (deployments.background)
+                return await self.background.start(shape, lambda: generated(self, shape, body,
+                                                                            plan, tools))
             ticket = await self.admission.wait_turn(len(plan.choices),  # queued while full
                                                     body.priority)
         except (BadRequest, ValueError) as error:

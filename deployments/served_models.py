@@ -3,7 +3,7 @@ or several; /v1/models lists a card for each, a request may name any of them (or
 answers carry the first (vLLM's OpenAIServingModels: model_name() is base_model_paths[0]'s);
 the tokenizer the router reads prompts with (served_tokenizer)."""
 
-from deployments.ingress import BadRequest
+from deployments.ingress import BadRequest, error_response
 from engine.models import load_tokenizer
 
 
@@ -26,6 +26,15 @@ def model_card(name: str, model: str, context: int) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "specserve",
             "root": model, "parent": None, "max_model_len": context,
             "permission": [permission]}
+
+
+def card_named(name: str, names: tuple[str, ...], model: str, context: int):
+    """/v1/models/{name}: the card of any served name (OpenAI's models.retrieve); another
+    name (an empty one too: a card has a name) is not_served's 404, as a request naming it
+    is."""
+    if name not in names:
+        return error_response(not_served(name, names))
+    return model_card(name, model, context)
 
 
 def model_list(names: tuple[str, ...], model: str, context: int) -> dict:

@@ -1,6 +1,7 @@
 """Every field bounded, never a 500; sessions that belong to requests; admission with 429;
 the optional API key; the Responses store."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -121,3 +122,35 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="specserve-demo", input="x", max_output_tokens=4,
                                 previous_response_id="resp_unknown")
+
+
+@pytest.mark.slow
+def test_a_background_response_runs_is_retrieved_cancelled_and_deleted(cluster, limited):
+    """The /limited router's background Responses through the official client: answered
+    queued, then retrieved ended as the foreground answer (greedy); one cancelled
+    while it runs ends cancelled; a deleted one is gone; background with store false is vLLM's
+    400."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
+    body = {"model": "specserve-demo", "input": "write a loop", "max_output_tokens": 12,
+            "temperature": 0}
+    foreground = client.responses.create(**body)
+    queued = client.responses.create(**body, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background
+    deadline, done = time.monotonic() + 120, queued
+    while done.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)  # (a deadline on the wait, not on its speed)
+        done = client.responses.retrieve(queued.id)
+    assert done.status == foreground.status  # incomplete: its max_output_tokens reached
+    assert done.output_text == foreground.output_text
+    long = client.responses.create(**{**body, "max_output_tokens": 2000}, background=True,
+                                   extra_body={"ignore_eos": True})
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    client.responses.delete(done.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(done.id)
+    with pytest.raises(openai.BadRequestError, match="store"):
+        client.responses.create(**body, background=True, store=False)

@@ -110,9 +110,10 @@ def test_the_openapi_document_describes_every_body_the_router_parses():
 
     document = app.openapi()
     schemas = document["components"]["schemas"]
+    unread = ("/ping", "/v1/responses/{response_id}/cancel")  # POSTs without a body
     bodies = {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
               for path, ops in document["paths"].items() if "post" in ops
-              and path != "/ping"}  # SageMaker's health check: no body
+              and path not in unread}
     named = {path: [ref["$ref"].rsplit("/", 1)[1] for ref in body.get("anyOf", [body])]
              for path, body in bodies.items()}
     assert named == {"/v1/completions": ["CompletionRequest"],
