@@ -15,6 +15,11 @@ drawn from the target's (shaped, masked) law there with its own seed (step_seed)
 penalties, min_tokens and grammar counting the tokens of the steps before (they are
 committed in the verifier's sequence by then).
 
+Calls of several steps end together: when one of them runs its last step, every other in
+the batch ends with it (`cohort_ends`), with the tokens it has, so that they come back in
+one group and their next calls share batches, where calls out of step had the verifier's
+batches carry part of the requests each (docs/engine.md).
+
 The answer is the first step's scores with the later tokens in `continued_token_ids`: the
 verifier's committed prefix then holds all but the last, and the router says so in its next
 call's sync (speculative.loop). A refusal or failure at any step is the call's: the tokens
