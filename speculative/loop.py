@@ -16,7 +16,7 @@ from speculative.meter import RoundMeter
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.accept import accept, depth
 from speculative.rejection import RoundOutcome, accept_first_predrafted
-from speculative.sampling import SEED_BLOCK, SEED_LOW_BITS, SamplingParams
+from speculative.sampling import SEED_BLOCK, SEED_LOW_BITS, SamplingParams, step_seed
 from speculative.state import RequestState
 from speculative.tree import main_chain_length
 from speculative.types import (
@@ -204,9 +204,9 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
         block = await draft(state, drafter, k)
         meter.fell_back = block is None
     block = meter.drafted(block or NO_DRAFT)
-    verify_seed = draw_seed(state)  # seeds are drawn in a fixed order: seeded requests repeat
+    verify_seed, held = round_seed(state, block, beside)  # in a fixed order: seeded repeat
     predraft = start_predraft(state, drafter, policy, block, beside, pipelined)
-    steps = plain_steps(state, block, predraft)
+    steps = plain_steps(state, block, predraft, held)
     greedy = state.request.sampling.greedy
     try:
         block, scores = await verify_tree_or_chain(state, verifier, policy, block, verify_seed,
@@ -220,6 +220,7 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
             predraft.cancel()
         raise
     continued = scores.continued_token_ids[:steps - 1]
+    hold_steps(state, block, verify_seed, held or steps, 1 + len(continued))
     if continued:
         outcome = replace(outcome, output_token_ids=outcome.output_token_ids + continued)
         state.stats.plain_step_tokens += len(continued)
@@ -239,19 +240,38 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     return committed, None if state.finish_reason is not None else next_block
 
 
-def plain_steps(state: RequestState, block: DraftBlock, predraft) -> int:
+def round_seed(state: RequestState, block: DraftBlock, beside: int | None
+               ) -> tuple[int, int | None]:
+    """(the verify call's seed, the steps left of a seeded call cut short, or None): after
+    such a call a round without a draft goes on with its seeds (sampling.step_seed), so a
+    seeded request's tokens never follow where batches ended its steps (cohort_ends)."""
+    held, state.held_steps = state.held_steps, None
+    if held is not None and not block.token_ids and beside is None:
+        return held
+    return draw_seed(state), None
+
+
+def hold_steps(state: RequestState, block: DraftBlock, seed: int, asked: int, made: int):
+    """Keeps what a seeded round without a draft asked and did not make (round_seed)."""
+    if made < asked and not block.token_ids and state.request.sampling.seeded:
+        state.held_steps = (step_seed(seed, made), asked - made)
+
+
+def plain_steps(state: RequestState, block: DraftBlock, predraft,
+                most: int | None = None) -> int:
     """The verifier's steps for this round's call (verifier.steps): the request's
     plain_steps for a round without a draft (and none beside it: a pre-draft or a fresh
     draft assumes the round makes one token) and without logprobs, within its tokens
-    left and its context; else 1. A request's first token comes alone (its time to first
-    token is a prefill's, not a prefill's and the steps')."""
+    left and its context (and `most`: a held call's steps left, round_seed); else 1. A
+    request's first token comes alone (its time to first token is a prefill's, not a
+    prefill's and the steps')."""
     request = state.request
     if block.token_ids or predraft is not None or request.sampling.logprobs is not None \
             or not state.num_output_tokens:
         return 1
     room = state.remaining if request.context_limit is None else \
         min(state.remaining, request.context_limit - len(state.committed) + 1)
-    return max(1, min(request.plain_steps, room))
+    return max(1, min(request.plain_steps, room, most or request.plain_steps))
 
 
 def round_tree(state: RequestState, policy: KPolicy, k: int, chosen_now: bool

@@ -290,6 +290,13 @@ SEED_LOW_BITS = (1 << 32) - 1
 SEED_BLOCK = MAX_PLAIN_STEPS
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The seed of a call's step: the call's own for the first, then the next values of its
+    low 32 bits, which a CPU generator reads (SEED_BLOCK: a request's calls leave room for
+    their steps); a seeded request's steps draw the same tokens every time."""
+    return (seed & ~SEED_LOW_BITS) | ((seed + step) & SEED_LOW_BITS)
+
+
 def seeded_generator(seed: int, device) -> torch.Generator:
     """A generator on the device its draws run on (a CPU generator cannot draw from CUDA
     probabilities): a seed repeats its tokens on the same kind of device."""

@@ -85,6 +85,10 @@ class RequestState:
         )
         self.stats = SpecStats()
         self.seeds_drawn, self.seed_low = 0, 0  # the calls' seeds so far (loop.draw_seed)
+        # a seeded call of several steps that ended before its last (verifier.steps
+        # cohort_ends): its next step's seed and the steps left, for the next call
+        # (loop.round_seed)
+        self.held_steps: tuple[int, int] | None = None
         self.drafter_view, self.verifier_view = PoolView(), PoolView()
         self.draft_backoff = DraftBackoff()
         self.drafter_called = False  # the drafter may hold a cache for it: release at the end

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from engine.batch import UNFINISHED
 from engine.kv import SessionStore
 from speculative.options import MAX_PLAIN_STEPS
-from speculative.sampling import SEED_LOW_BITS
+from speculative.sampling import step_seed
 from speculative.types import BatchLoad, PrefixSync, ScoreCall, TargetScores
 
 
@@ -49,13 +49,6 @@ def check_steps(call: ScoreCall, vocab_size: int) -> None:
     bad = [t for t in call.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop token ids out of range [0, {vocab_size}): {bad[:5]}")
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The seed of a call's step: the call's own for the first, then the next values of its
-    low 32 bits, which a CPU generator reads (sampling.SEED_BLOCK: a request's calls leave
-    room for their steps); a seeded request's steps draw the same tokens every time."""
-    return (seed & ~SEED_LOW_BITS) | ((seed + step) & SEED_LOW_BITS)
 
 
 @dataclass

@@ -11,11 +11,13 @@ import pytest
 from drafter.model import ModelDrafter
 from engine.batch import UNFINISHED
 from speculative.costs import CostModel, RoundCost
+from speculative.driver import Generation
 from speculative.fixed_k import FixedK
 from speculative.policy import AdaptiveK, KBounds
 from speculative.sampling import SamplingParams
+from speculative.state import Request
 from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
-from tests.tiny import Batched, noisy_copy, run, run_concurrently
+from tests.tiny import Batched, decoded, noisy_copy, run, run_concurrently
 from tests.unit.test_oracle import (  # noqa: F401 (fixtures)
     MAX_TOKENS,
     prompts,
@@ -153,6 +155,30 @@ def test_calls_of_several_steps_end_together(target):
     first, second = verifier.score_batch([early, late])  # early's fourth step, late's second
     assert len(first.continued_token_ids) == 3 and len(second.continued_token_ids) == 1
     assert not verifier.steps.running  # (a call alone runs all its steps: the tests above)
+
+
+def test_a_seeded_request_repeats_whatever_ends_its_steps(target):
+    """A seeded sampled request of K = 0 whose calls of steps end with another request's
+    (cohort_ends: it started three turns later) draws the tokens it draws alone: its next
+    call goes on with the seeds of the steps it was cut from (loop.round_seed)."""
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
+
+    async def one(verifier, request_id, prompt, params, turns=0):
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        request = Request(request_id, tuple(prompt), params, (), plain_steps=4)
+        generation = await decoded(ModelDrafter(target), verifier, Generation(request), 0)
+        return generation.token_ids, generation.state.stats.rounds
+
+    async def both():
+        verifier = Batched(ModelVerifier(target))
+        return await asyncio.gather(one(verifier, "s", [1, 2, 3], seeded, turns=3),
+                                    one(verifier, "o", [5, 6, 7], GREEDY))
+
+    alone, rounds = asyncio.run(one(Batched(ModelVerifier(target)), "s", [1, 2, 3], seeded))
+    (together, cut_rounds), _ = asyncio.run(both())
+    assert cut_rounds > rounds  # its steps were cut short
+    assert together == alone
 
 
 def test_the_steps_of_a_request_never_released_go_with_its_session(target):
