@@ -49,6 +49,10 @@ def failure(error: Exception) -> dict:
             "message": str(error) or type(error).__name__}
 
 
+def failed(shape: AsResponse, error: Exception) -> dict:
+    return shape.response("failed", [], extra={"error": failure(error)})
+
+
 class BackgroundRuns:
     """This replica's running background Responses (response id -> task), at most `limit`
     (the slots and waiting places its admission has: each also counts there as a request);
@@ -82,36 +86,58 @@ class BackgroundRuns:
     async def run(self, shape: AsResponse, stored: asyncio.Future,
                   generated: Callable[[], Awaitable[dict]]) -> None:
         """One background Response: generated, watched for a cancel written elsewhere, its
-        end stored unless a cancel or DELETE came first."""
-        await asyncio.shield(stored)  # (the foreground's answer awaits it too)
-        response_id = shape.response_id
-        watch = asyncio.ensure_future(self.watch(response_id, asyncio.current_task()))
+        end stored unless a cancel or DELETE came first (they wrote the store themselves).
+        Cancelled otherwise (the replica's shutdown, or a CancelledError that no cancel
+        asked for: a library's), it ends `failed`."""
         try:
-            response = await generated()
+            await asyncio.shield(stored)  # (the foreground's answer awaits it too)
+            response = await self.watched(shape.response_id, generated)
         except asyncio.CancelledError:
-            if self.closing:  # (a cancel or DELETE wrote the store itself)
-                await self.end(response_id, shape, shape.response("failed", [], extra={
-                    "error": failure(RuntimeError("the router replica shut down"))}))
-            raise
+            task = asyncio.current_task()  # (Python 3.10 has no cancelling(): asked)
+            asked = not hasattr(task, "cancelling") or task.cancelling() > 0
+            if asked and not self.closing:
+                raise  # a cancel or DELETE
+            if not asked:
+                logger.exception("background response %s: a CancelledError no cancel asked "
+                                 "for", shape.response_id)
+            await asyncio.shield(stored)  # (cancelled before it was stored)
+            await self.end(shape, failed(shape, RuntimeError(
+                "the router replica shut down" if asked else "its generation was cancelled "
+                "unexpectedly (by no cancel, DELETE or shutdown)")))
+            if asked:
+                raise
+            return
         except Exception as error:  # a pool's failure, the admission queue's 429, a bug's
             if not isinstance(error, BadRequest):
-                logger.exception("background response %s failed", response_id)
-            response = shape.response("failed", [], extra={"error": failure(error)})
+                logger.exception("background response %s failed", shape.response_id)
+            response = failed(shape, error)
+        await self.end(shape, response)
+
+    async def watched(self, response_id: str,
+                      generated: Callable[[], Awaitable[dict]]) -> dict:
+        """generated(), its task cancelled once the store says it no longer runs."""
+        watch = asyncio.ensure_future(self.watch(response_id, asyncio.current_task()))
+        try:
+            return await generated()
         finally:
             watch.cancel()
-        await self.end(response_id, shape, response)
 
-    async def end(self, response_id: str, shape: AsResponse, response: dict) -> None:
-        """Its last state stored, unless it was cancelled or deleted meanwhile."""
+    async def end(self, shape: AsResponse, response: dict) -> None:
+        """Its last state stored, unless it was cancelled or deleted meanwhile; one larger
+        than the store holds (the store keeping its running state) stored `failed`."""
+        response_id, kept = shape.response_id, self.kept(shape, response)
         try:
-            await self.store.replace(response_id, self.kept(shape, response))
+            if not await self.store.replace(response_id, kept):  # ended, gone or too large
+                await self.store.replace(response_id, self.kept(shape, failed(shape, ValueError(
+                    f"the response ({kept.nbytes} bytes with its conversation) is too large "
+                    "to store: larger than the response store's max_bytes"))))
         except BadRequest as error:  # the store unreachable: a GET reads it running
             logger.warning("background response %s: its end not stored: %s", response_id,
                            error)
 
     async def begun(self, shape: AsResponse) -> None:
         """Admitted: stored `in_progress` (unless cancelled meanwhile)."""
-        await self.end(shape.response_id, shape, shape.response("in_progress", []))
+        await self.end(shape, shape.response("in_progress", []))
 
     async def watch(self, response_id: str, task: asyncio.Task) -> None:
         """Cancels `task` once the store says its Response no longer runs (another

@@ -12,6 +12,7 @@ agent every metrics_report_interval_ms (Ray's default 10 s): a scrape reads the 
 """
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,8 @@ SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*"
 LABEL = re.compile(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"')
 SHARED_S = 1.0  # scrapes closer than this share one read
 FETCH_TIMEOUT_S = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsUnavailable(Exception):
@@ -147,7 +150,9 @@ class NodeMetrics:
         self.model_name, self.pools, self.shared_s = model_name, pools, shared_s
         self.locate, self.fetch = locate, fetch
         self._export: NodeExport | None = None
+        self._locating: asyncio.Future | None = None  # the GCS lookup under way
         self._read: tuple[float, asyncio.Future] | None = None  # (its start, the read)
+        self._failed = ""  # the last unexpected error logged (once, however many scrapes)
 
     async def text(self) -> str:
         now = time.monotonic()
@@ -157,9 +162,7 @@ class NodeMetrics:
         return await asyncio.shield(self._read[1])
 
     async def read(self) -> str:
-        if self._export is None:
-            self._export = await asyncio.to_thread(self.locate)
-        export = self._export
+        export = self._export = self._export or await self.located()
         try:
             text = await self.fetch(export.url)
         except MetricsUnavailable:
@@ -168,10 +171,29 @@ class NodeMetrics:
         applications = frozenset({export.application, *self.pools})
         return await asyncio.to_thread(translated, text, self.model_name, applications)
 
+    async def located(self) -> NodeExport:
+        """The GCS lookup (locate) within FETCH_TIMEOUT_S; one that does not answer is left
+        running, and a later scrape waits for it again rather than start another thread."""
+        if self._locating is None:
+            self._locating = asyncio.ensure_future(asyncio.to_thread(self.locate))
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._locating), FETCH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise MetricsUnavailable(f"Ray's GCS did not say within {FETCH_TIMEOUT_S:g} s "
+                                     "where this node exports its metrics") from None
+        finally:
+            if self._locating.done():
+                self._locating = None  # answered or failed: the next lookup is a new one
+
     async def response(self) -> Response:
         try:
             return Response(await self.text(), media_type=CONTENT_TYPE)
-        except MetricsUnavailable as error:
+        except Exception as error:  # MetricsUnavailable, or another's (a bug's: logged once)
+            cause = (error if isinstance(error, MetricsUnavailable)
+                     else f"{type(error).__name__}: {error}")
+            if not isinstance(error, MetricsUnavailable) and cause != self._failed:
+                self._failed = cause
+                logger.exception("/metrics failed")
             return error_response(retry_later(
-                f"metrics are unavailable: {error}; the router's /metrics reads its node's Ray "
+                f"metrics are unavailable: {cause}; the router's /metrics reads its node's Ray "
                 "metrics export (Ray's metrics agent, one on each node)", 503))

@@ -70,11 +70,12 @@ class BoundedStore:
         self.nbytes = 0
 
     def put(self, response_id: str, stored: StoredResponse) -> bool:
-        """Keeps it (False: larger than the whole store, not kept)."""
-        self.pop(response_id)
+        """Keeps it (False: larger than the whole store, not kept, and what the id held
+        stays: a running Response's last state, which its end then replaces `failed`)."""
         size = len(response_id) + stored.nbytes
         if size > self.max_bytes:
             return False
+        self.pop(response_id)
         now = self.clock()
         while self.stored and self.entries[next(iter(self.stored))][0] <= now:
             self.pop(next(iter(self.stored)))  # expired (the first stored first): out first
@@ -96,8 +97,8 @@ class BoundedStore:
         return found[1]
 
     def replace(self, response_id: str, stored: StoredResponse) -> bool:
-        """Stored in place of one still RUNNING (False: none such, cancelled, ended or gone:
-        nothing stored). Its TTL runs again from now."""
+        """Stored in place of one still RUNNING (False: none such, cancelled, ended or gone,
+        or it is larger than the store: nothing stored). Its TTL runs again from now."""
         found = self.get(response_id)
         return found is not None and found.status in RUNNING and self.put(response_id, stored)
 
@@ -218,7 +219,12 @@ class ActorStore:
             raise BadRequest(f"the response store is unavailable: {error!r}", 503) from None
 
     async def call(self, method: str, *args):
-        return await getattr(await self.actor(), method).remote(*args)
+        call = getattr(await self.actor(), method, None)
+        if call is None:  # a rolling update: an older router's replica created the actor
+            raise BadRequest(f"the response store ({self.name}) was created by an older "
+                             f"version of the router, without `{method}`: retry once its "
+                             "older replicas are gone", 503)
+        return await call.remote(*args)
 
 
 def unreachable() -> tuple[type[Exception], ...]:

@@ -186,3 +186,51 @@ def test_an_export_that_cannot_be_reached_is_metrics_unavailable():
 
     with pytest.raises(MetricsUnavailable, match="cannot be reached"):
         asyncio.run(main())
+
+
+def test_a_gcs_lookup_that_does_not_answer_is_a_503_and_is_not_started_again(monkeypatch):
+    """locate blocked (Ray's GCS not answering): each scrape is a 503 within FETCH_TIMEOUT_S,
+    and waits for the same lookup (no thread more per scrape); once it answers, read."""
+    import threading
+
+    monkeypatch.setattr(prometheus, "FETCH_TIMEOUT_S", 0.05)
+    answer, lookups = threading.Event(), []
+
+    def locate():
+        lookups.append("locate")
+        answer.wait(10)
+        return NodeExport("http://node:8080/metrics", "router")
+
+    async def fetch(url):
+        return RAY_EXPORT
+
+    async def main():
+        metrics = NodeMetrics("demo", ("drafter", "verifier"), locate, fetch, shared_s=0.0)
+        refused = [await asyncio.wait_for(metrics.response(), 2) for _ in range(2)]
+        answer.set()
+        await asyncio.sleep(0.05)
+        return refused, await asyncio.wait_for(metrics.text(), 2)
+
+    try:
+        refused, text = asyncio.run(main())
+    finally:
+        answer.set()
+    assert [response.status_code for response in refused] == [503, 503]
+    assert "did not say within 0.05 s" in refused[0].body.decode()
+    assert text == EXPECTED and lookups == ["locate"]
+
+
+def test_an_unexpected_error_is_a_503_naming_it_logged_once(caplog):
+    """Outside a replica (serve.get_replica_context's error) or a bug: a 503 naming the
+    error, not a 500; logged at its first scrape only."""
+    def locate():
+        raise RuntimeError("not called from within a replica")
+
+    async def main():
+        metrics = NodeMetrics("demo", ("drafter",), locate, shared_s=0.0)
+        return [await metrics.response() for _ in range(3)]
+
+    answers = asyncio.run(main())
+    assert [answer.status_code for answer in answers] == [503] * 3
+    assert "RuntimeError: not called from within a replica" in answers[0].body.decode()
+    assert [record.message for record in caplog.records] == ["/metrics failed"]
