@@ -47,8 +47,16 @@ class Admission:
         """A ticket for the request's choices at once, for a caller that does not wait: 429
         while others hold or wait for the slots it needs, 400 as check's."""
         self.check(num_choices)
-        if not self.fits_now(num_choices):
+        ticket = self.taken(num_choices)
+        if ticket is None:
             raise self.at_capacity()
+        return ticket
+
+    def taken(self, num_choices: int, priority: int = 0) -> "Ticket | None":
+        """A ticket for the choices if they run now (fits_now), their slots taken; else
+        None."""
+        if not self.fits_now(num_choices, priority):
+            return None
         self.running += num_choices
         return Ticket(self, num_choices)
 
@@ -57,9 +65,8 @@ class Admission:
         it have theirs; 429 when the queue is full, 400 as check's. A waiter cancelled (its
         client gone: asyncio.CancelledError) leaves the queue holding no slot."""
         self.check(num_choices, priority)
-        if self.fits_now(num_choices, priority):
-            self.running += num_choices
-            return Ticket(self, num_choices)
+        if (ticket := self.taken(num_choices, priority)) is not None:
+            return ticket
         turn = ((priority, next(self._arrivals)), num_choices,
                 asyncio.get_running_loop().create_future())
         bisect.insort(self._waiting, turn, key=lambda waiter: waiter[0])

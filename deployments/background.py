@@ -41,16 +41,12 @@ def with_status(stored: StoredResponse, status: str) -> StoredResponse:
                           stored.messages, status)
 
 
-def failure(error: Exception) -> dict:
-    """A failed Response's `error`, in OpenAI's codes: a full admission queue's 429 is
-    rate_limit_exceeded, anything else (a pool's failure) server_error."""
-    status = getattr(error, "status", 500)
-    return {"code": "rate_limit_exceeded" if status == 429 else "server_error",
-            "message": str(error) or type(error).__name__}
-
-
 def failed(shape: AsResponse, error: Exception) -> dict:
-    return shape.response("failed", [], extra={"error": failure(error)})
+    """The Response `failed` with its `error` in OpenAI's codes: a full admission queue's
+    429 is rate_limit_exceeded, anything else (a pool's failure) server_error."""
+    code = "rate_limit_exceeded" if getattr(error, "status", 500) == 429 else "server_error"
+    return shape.response("failed", [], extra={"error": {
+        "code": code, "message": str(error) or type(error).__name__}})
 
 
 class BackgroundRuns:
