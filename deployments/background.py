@@ -38,7 +38,7 @@ def with_status(stored: StoredResponse, status: str) -> StoredResponse:
     response = json.loads(stored.response)
     response["status"] = status
     return StoredResponse(json.dumps(response, ensure_ascii=False).encode(),
-                          stored.messages, status)
+                          stored.messages, status, stored.input_items)
 
 
 def failed(shape: AsResponse, error: Exception) -> dict:
@@ -77,7 +77,7 @@ class BackgroundRuns:
         return JSONResponse(queued)
 
     def kept(self, shape: AsResponse, response: dict) -> StoredResponse:
-        return stored_response(response, shape.messages)
+        return stored_response(response, shape.messages, shape.items)
 
     async def run(self, shape: AsResponse, stored: asyncio.Future,
                   generated: Callable[[], Awaitable[dict]]) -> None:

@@ -2,12 +2,19 @@
 (deployments.clients) places them, their messages as deployments.wire writes them, and a
 drafter's failures logged (a round without its draft runs the target alone)."""
 
+import functools
+
 import grpc
 
 from deployments import wire
 from deployments.clients import PoolClient
 from deployments.health import FailureLog
-from deployments.placement import ROUTE_PREFIX_TOKENS, LoadBound, prefix_route_key
+from deployments.placement import (
+    ROUTE_PREFIX_TOKENS,
+    LoadBound,
+    prefix_route_key,
+    running_replicas,
+)
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.types import (
@@ -97,14 +104,20 @@ class GrpcVerifier:
         return wire.prompt_logprobs_from_proto(response, token_ids)
 
 
-def pool_clients(channel, args, channel_options,
-                 load_bound) -> tuple[GrpcDrafter, GrpcVerifier]:
-    """The router's clients of its two pools over `channel` (args: RouterArgs; load_bound:
-    a pool application's name -> its LoadBound)."""
+def pool_clients(channel, args, channel_options) -> tuple[GrpcDrafter, GrpcVerifier]:
+    """The router's clients of its two pools over `channel` (args: RouterArgs)."""
     timeout, direct, streams = args.call_timeout_s, args.direct_data_path, args.direct_streams
     placed_by = args.prefix_affinity_tokens
     drafter = GrpcDrafter(channel, args.drafter_app, timeout, direct, args.draft_timeout_s,
-                          streams, placed_by, channel_options, load_bound(args.drafter_app))
+                          streams, placed_by, channel_options,
+                          load_bound(args, args.drafter_app))
     verifier = GrpcVerifier(channel, args.verifier_app, timeout, direct, streams, placed_by,
-                            channel_options, load_bound(args.verifier_app))
+                            channel_options, load_bound(args, args.verifier_app))
     return drafter, verifier
+
+
+def load_bound(args, application: str) -> LoadBound:
+    """How requests of a hot prefix spread over a pool's replicas (deployments.placement),
+    the pool's replica count read from Serve."""
+    return LoadBound(args.prefix_affinity_load_factor,
+                     functools.partial(running_replicas, application))

@@ -34,15 +34,18 @@ logger = logging.getLogger(__name__)
 class StoredResponse:
     """A stored Response and the chat messages it continued (input and output), each as
     JSON text: GET answers the first as it is, a continuation reads the second; `status`
-    the Response's (which the store reads to replace a running one only)."""
+    the Response's (which the store reads to replace a running one only); `input_items`
+    the items it was generated from, as GET .../input_items lists them
+    (deployments.response_items; empty: none, as an entry an older router stored reads)."""
 
     response: bytes
     messages: bytes
     status: str = "completed"
+    input_items: bytes = b""
 
     @property
     def nbytes(self) -> int:
-        return len(self.response) + len(self.messages)
+        return len(self.response) + len(self.messages) + len(self.input_items)
 
 
 class ResponseStore(Protocol):
@@ -56,7 +59,7 @@ class ResponseStore(Protocol):
 
 
 class BoundedStore:
-    """The map: at most max_entries and max_bytes (the ids and both texts), the least
+    """The map: at most max_entries and max_bytes (the ids and the texts), the least
     recently read or stored out first; an entry older than ttl_s reads as absent, and goes
     before any live one (`stored`: the ids in their storing order, which is their expiry's,
     however recently each was read)."""

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deployments.ingress import BadRequest, json_answer
+from deployments.response_items import continued, request_items
 from deployments.response_store import ResponseStore, StoredResponse
 from deployments.responses_api import (
     STATELESS,
@@ -50,12 +51,13 @@ class AsAsked:
 
 
 def answer_shape(body, model: str, store: ResponseStore | None = None,
-                 previous: list[dict] | None = None) -> "AsAsked | AsResponse":
+                 previous: list[dict] | None = None,
+                 earlier: list[dict] = ()) -> "AsAsked | AsResponse":
     """How a parsed body is served: a Responses request as the chat it translates to, after
     the `previous` conversation (its previous_response_id's, read from the `store`; without
     a store, one is refused), answered as a Response of the served `model` and kept in the
-    store unless it says `store: false` (BadRequest naming its field where the chat refuses
-    it)."""
+    store, after the `earlier` input items, unless it says `store: false` (BadRequest
+    naming its field where the chat refuses it)."""
     if not isinstance(body, ResponsesRequest):
         return AsAsked(body)
     if body.previous_response_id is not None and (store is None or previous is None):
@@ -64,8 +66,9 @@ def answer_shape(body, model: str, store: ResponseStore | None = None,
     refused_background(body, store is not None)
     chat, places, messages = body.chat_request(previous or [])
     kept = messages[1:] if body.instructions is not None else messages  # not carried over
-    return AsResponse(chat, body, places, model, None if body.store is False else store,
-                      kept)
+    store = None if body.store is False else store
+    items = [] if store is None else request_items(body.input, list(earlier))
+    return AsResponse(chat, body, places, model, store, kept, items)
 
 
 async def shaped(body, model: str, store: ResponseStore | None) -> "AsAsked | AsResponse":
@@ -79,18 +82,20 @@ async def shaped(body, model: str, store: ResponseStore | None) -> "AsAsked | As
         raise BadRequest(f"Response with id '{asked}' not found.", 404,  # vLLM's; OpenAI's
                          param="previous_response_id",  # code (not model_not_found)
                          code="previous_response_not_found")
-    previous = await asyncio.get_running_loop().run_in_executor(None, json.loads,
-                                                                stored.messages)
-    return answer_shape(body, model, store, previous)
+    previous, earlier = await asyncio.get_running_loop().run_in_executor(None, continued,
+                                                                         stored)
+    return answer_shape(body, model, store, previous, earlier)
 
 
-def stored_response(response: dict, messages: list[dict]) -> StoredResponse:
-    """A Response as stored: itself, and the conversation a continuation of it gives the
-    template (the messages it continued, then its output's, read as an input's items)."""
+def stored_response(response: dict, messages: list[dict],
+                    items: list[dict] = ()) -> StoredResponse:
+    """A Response as stored: itself, the conversation a continuation of it gives the
+    template (the messages it continued, then its output's, read as an input's items) and
+    its input items (deployments.response_items)."""
     output = chat_messages(None, response["output"])[0]
     return StoredResponse(json.dumps(response, ensure_ascii=False).encode(),
                           json.dumps(messages + output, ensure_ascii=False).encode(),
-                          response["status"])
+                          response["status"], json.dumps(list(items), ensure_ascii=False).encode())
 
 
 def response_usage(usage: dict) -> dict:
@@ -148,6 +153,7 @@ class AsResponse:
     model: str  # the served model's name
     store: ResponseStore | None = None  # where the Response is kept; None: not kept
     messages: list[dict] = field(default_factory=list)  # the chat's, less the instructions
+    items: list[dict] = field(default_factory=list)  # its input items, as stored
     response_id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -215,7 +221,7 @@ class AsResponse:
         continues it at once finds it."""
         if self.store is not None:
             stored = await asyncio.get_running_loop().run_in_executor(
-                executor, stored_response, response, self.messages)
+                executor, stored_response, response, self.messages, self.items)
             await self.store.put(response["id"], stored)
 
     async def events(self, chat_events):

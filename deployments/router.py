@@ -13,7 +13,6 @@ deployments.served_models'.
 
 import asyncio
 import dataclasses
-import functools
 import gc
 import importlib.metadata
 import uuid
@@ -45,7 +44,6 @@ from deployments.local_drafters import local_drafters
 from deployments.logprobs import token_bytes_of
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
-from deployments.placement import LoadBound, running_replicas
 from deployments.pool_handles import pool_clients
 from deployments.prometheus import NodeMetrics
 from deployments.prompts import PromptReader
@@ -57,6 +55,7 @@ from deployments.reasoning import (
     reasoning_split,
 )
 from deployments.responses_api import ResponsesRequest
+from deployments.response_items import listed_items
 from deployments.response_store import response_store, retrieved
 from deployments.responses_events import shaped
 from deployments.router_args import RouterArgs, tree_shape
@@ -146,14 +145,8 @@ class Router:
             self._channel = grpc.aio.insecure_channel(self.args.grpc_address,
                                                       options=self.channel_options)
             self._drafter, self._verifier = pool_clients(self._channel, self.args,
-                                                         self.channel_options, self.load_bound)
+                                                         self.channel_options)
         return self.local_drafters.get(drafter_kind, self._drafter), self._verifier
-
-    def load_bound(self, application: str) -> LoadBound:
-        """How requests of a hot prefix spread over a pool's replicas (deployments.placement),
-        the pool's replica count read from Serve."""
-        return LoadBound(self.args.prefix_affinity_load_factor,
-                         functools.partial(running_replicas, application))
 
     def memory(self) -> dict:
         """This replica's resident memory (MB) and admitted choices (for the soak)."""
@@ -251,6 +244,11 @@ class Router:
         """A stored Response (deployments.response_store), behind the API key."""
         return unauthorized(request, self.api_key) or \
             await retrieved(self.responses_store, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(self, response_id: str, request: Request):
+        """A page of a stored Response's input items (deployments.response_items)."""
+        return await listed_items(request, self.api_key, self.responses_store, response_id)
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(self, response_id: str, request: Request):

@@ -102,8 +102,8 @@ def test_overload_gets_fast_429s_and_the_admitted_stay_exact(cluster, limited):
 def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cluster,
                                                                               limited):
     """The /limited router's Responses store (a Ray actor): a turn continued by its id holds
-    the first exchange in its prompt; GET answers the stored Response; an unknown id is
-    vLLM's 404."""
+    the first exchange in its prompt; GET answers the stored Response, input_items its
+    context's items a page at a time; an unknown id is vLLM's 404."""
     import openai
 
     client = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
@@ -116,6 +116,9 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
                                      temperature=0)
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    items = list(client.responses.input_items.list(second.id, order="asc", limit=1))
+    assert [item.type for item in items] == ["message", "message", "message"]  # paged by 1
+    assert items[0].content[0].text == "write a loop" and items[1].id == first.output[0].id
     for gone in (again.id, "resp_unknown"):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(gone)
