@@ -224,7 +224,7 @@ class ReleasingStream(StreamingResponse):
     skips a background task and a generator never started runs no `finally`; one paused at
     a chunk would run it only when collected."""
 
-    def __init__(self, events, ticket) -> None:  # an admission Ticket
+    def __init__(self, events, ticket) -> None:  # an admission Ticket (None: holds none)
         super().__init__(events, media_type="text/event-stream")
         self.ticket = ticket
 
@@ -237,7 +237,8 @@ class ReleasingStream(StreamingResponse):
             log.info("the client of %s went away mid-stream", scope.get("path"))
         finally:  # the events' own end (their choices' tasks cancelled), then the slot
             await self.body_iterator.aclose()
-            self.ticket.release()
+            if self.ticket is not None:
+                self.ticket.release()
 
 
 def openapi_document(app: FastAPI, bodies: dict) -> dict:

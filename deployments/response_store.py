@@ -8,6 +8,8 @@ created by whichever replica asks first; LocalStore keeps it in this process (th
 Both are ResponseStore; BoundedStore is the map either holds. A background Response
 (deployments.background) is stored queued, then replaced as it runs and ends, each step only
 while the stored one still runs: a cancel or DELETE, from any replica, is never overwritten.
+A streamed one's events (deployments.background_stream) are kept with it, appended while it
+runs, counted in its bytes and gone with it: any replica's GET replays and follows them.
 """
 
 import asyncio
@@ -48,6 +50,32 @@ class StoredResponse:
         return len(self.response) + len(self.messages) + len(self.input_items)
 
 
+@dataclass(frozen=True)
+class StoredEvents:
+    """A stored Response's events after a sequence number, and what a follower needs besides:
+    the Response's `status`, whether it was `streamed` (a streamed background one: its events
+    kept) and whether they were `dropped` (past the store's bytes: none kept any more)."""
+
+    texts: tuple[str, ...]
+    status: str
+    streamed: bool
+    dropped: bool = False
+
+
+class EventLog:
+    """One streamed Response's events (each an SSE text, its index its sequence_number)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.nbytes = 0
+        self.dropped = False
+
+    def drop(self) -> int:
+        """Its events gone (too large to keep): the bytes that frees."""
+        freed, self.texts, self.nbytes, self.dropped = self.nbytes, [], 0, True
+        return freed
+
+
 class ResponseStore(Protocol):
     async def put(self, response_id: str, stored: StoredResponse) -> None: ...
 
@@ -56,6 +84,10 @@ class ResponseStore(Protocol):
     async def replace(self, response_id: str, stored: StoredResponse) -> bool: ...
 
     async def delete(self, response_id: str) -> bool: ...
+
+    async def append(self, response_id: str, first: int, texts: list[str]) -> bool: ...
+
+    async def events(self, response_id: str, after: int) -> StoredEvents | None: ...
 
 
 class BoundedStore:
@@ -70,15 +102,23 @@ class BoundedStore:
         self.clock = clock
         self.entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
         self.stored: OrderedDict[str, None] = OrderedDict()
+        self.logs: dict[str, EventLog] = {}  # the streamed ones' events, kept across states
         self.nbytes = 0
 
     def put(self, response_id: str, stored: StoredResponse) -> bool:
         """Keeps it (False: larger than the whole store, not kept, and what the id held
-        stays: a running Response's last state, which its end then replaces `failed`)."""
+        stays: a running Response's last state, which its end then replaces `failed`); its
+        events stay with it unless both outgrow the store: then they are dropped."""
         size = len(response_id) + stored.nbytes
         if size > self.max_bytes:
             return False
+        log = self.logs.get(response_id)
+        if log is not None and size + log.nbytes > self.max_bytes:
+            self.nbytes -= log.drop()
         self.pop(response_id)
+        if log is not None:
+            self.logs[response_id] = log
+            size += log.nbytes
         now = self.clock()
         while self.stored and self.entries[next(iter(self.stored))][0] <= now:
             self.pop(next(iter(self.stored)))  # expired (the first stored first): out first
@@ -111,11 +151,46 @@ class BoundedStore:
         self.pop(response_id)
         return found
 
+    def append(self, response_id: str, first: int, texts: list[str]) -> bool:
+        """A running Response's events `first`, `first` + 1, ... kept after those it holds
+        (False: none such, not the next ones, or they were dropped: past max_bytes with
+        their Response, they are, and none kept after)."""
+        found = self.get(response_id)
+        if found is None or found.status not in RUNNING:
+            return False
+        log = self.logs.setdefault(response_id, EventLog())
+        if log.dropped or first != len(log.texts):
+            return False
+        size = sum(len(text.encode()) for text in texts)
+        if len(response_id) + found.nbytes + log.nbytes + size > self.max_bytes:
+            self.nbytes -= log.drop()
+            return False
+        log.texts += texts
+        log.nbytes += size
+        self.nbytes += size
+        self.entries.move_to_end(response_id)
+        while self.nbytes > self.max_bytes:  # others out (this one, the most recent, fits)
+            self.pop(next(iter(self.entries)))
+        return True
+
+    def events(self, response_id: str, after: int) -> StoredEvents | None:
+        """Its events after sequence number `after` (None: not stored)."""
+        found = self.get(response_id)
+        if found is None:
+            return None
+        log = self.logs.get(response_id)
+        if log is None:
+            return StoredEvents((), found.status, False)
+        return StoredEvents(tuple(log.texts[after + 1:]), found.status, True, log.dropped)
+
     def pop(self, response_id: str) -> None:
         found = self.entries.pop(response_id, None)
         if found is not None:
             del self.stored[response_id]
             self.nbytes -= len(response_id) + found[1].nbytes
+        log = self.logs.pop(response_id, None)
+        if log is not None:
+            self.nbytes -= log.nbytes
 
 
 class LocalStore:
@@ -136,6 +211,12 @@ class LocalStore:
     async def delete(self, response_id: str) -> bool:
         return self.store.delete(response_id)
 
+    async def append(self, response_id: str, first: int, texts: list[str]) -> bool:
+        return self.store.append(response_id, first, texts)
+
+    async def events(self, response_id: str, after: int) -> StoredEvents | None:
+        return self.store.events(response_id, after)
+
 
 class StoreActor:
     """The Ray actor's class (ray.remote'd by ActorStore): one BoundedStore that every
@@ -155,6 +236,12 @@ class StoreActor:
 
     def delete(self, response_id: str) -> bool:
         return self.store.delete(response_id)
+
+    def append(self, response_id: str, first: int, texts: list[str]) -> bool:
+        return self.store.append(response_id, first, texts)
+
+    def events(self, response_id: str, after: int) -> StoredEvents | None:
+        return self.store.events(response_id, after)
 
     def size(self) -> tuple[int, int]:
         """(entries, bytes) held."""
@@ -211,6 +298,12 @@ class ActorStore:
 
     async def delete(self, response_id: str) -> bool:
         return await self.answer("delete", response_id)
+
+    async def append(self, response_id: str, first: int, texts: list[str]) -> bool:
+        return await self.answer("append", response_id, first, texts)
+
+    async def events(self, response_id: str, after: int) -> StoredEvents | None:
+        return await self.answer("events", response_id, after)
 
     async def answer(self, method: str, *args):
         """A call whose answer the caller needs: a 503 (BadRequest) when the store cannot be

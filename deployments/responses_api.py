@@ -63,8 +63,8 @@ RENAMED = [(re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
 def refused_background(asked: "ResponsesRequest", stores: bool) -> None:
     """BadRequest for a `background` request this router cannot run: without a response
     store (`stores`: the router's responses_store, as vLLM's needs its store), or with
-    `store: false` (vLLM's rule and error), or streamed (vLLM replays a background stream
-    from memory one replica holds: polled here instead)."""
+    `store: false` (vLLM's rule and error). Streamed, it is served: its events kept in the
+    store (deployments.background_stream)."""
     if not asked.background:
         return
     if not stores:
@@ -74,9 +74,6 @@ def refused_background(asked: "ResponsesRequest", stores: bool) -> None:
     if asked.store is False:
         raise BadRequest("background can only be used when `store` is true",
                          param="background")
-    if asked.stream:
-        raise BadRequest("stream: not served with background: poll GET /v1/responses/{id}",
-                         param="stream")
 
 
 def chat_messages(instructions: str | None, given: str | list,

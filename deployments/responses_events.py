@@ -28,6 +28,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def sse_event(kind: str, sequence: int, **fields) -> str:
+    """One of the Responses' events, as its server-sent text."""
+    data = {"type": kind, "sequence_number": sequence, **fields}
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 @dataclass(frozen=True)
 class AsAsked:
     """A chat or completions request, answered in its own API's shape."""
@@ -231,11 +237,8 @@ class AsResponse:
         try:
             for event in stream.opening():
                 yield event
-            async for text in chat_events:
-                payload = text[len("data: "):].strip()
-                if payload == "[DONE]":
-                    break
-                for event in stream.feed(json.loads(payload)):
+            async for events in stream.fed(chat_events):
+                for event in events:
                     yield event
             closing = stream.closing()
             if stream.final is not None:
@@ -259,25 +262,42 @@ class ResponseStream:
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.extra: dict = {}
-        self.failed = False
+        self.error: dict | None = None  # the chat stream's error, which ended it
         self.logprobs: list = []  # entries not yet sent with a text delta
         self.calls: list[dict] = []  # the chat's calls, sent at the end (their status)
         self.final: dict | None = None  # the whole Response, once closed
 
     def event(self, kind: str, **fields) -> str:
-        data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return sse_event(kind, self.sequence - 1, **fields)
 
     def opening(self) -> list[str]:
         head = self.shape.response("in_progress", [])
         return [self.event("response.created", response=head),
                 self.event("response.in_progress", response=head)]
 
+    def queued(self) -> list[str]:
+        """A background stream's opening, as OpenAI's: the Response created and queued."""
+        head = self.shape.response("queued", [])
+        return [self.event("response.created", response=head),
+                self.event("response.queued", response=head)]
+
+    def admitted(self) -> list[str]:
+        """A background stream's Response, admitted: in progress."""
+        return [self.event("response.in_progress",
+                           response=self.shape.response("in_progress", []))]
+
+    async def fed(self, chat_events):
+        """The chat stream's chunks (`data: {...}` texts) fed in, each one's events."""
+        async for text in chat_events:
+            payload = text[len("data: "):].strip()
+            if payload == "[DONE]":
+                return
+            yield self.feed(json.loads(payload))
+
     def feed(self, chunk: dict) -> list[str]:
         if "error" in chunk:  # the chat stream's error, then its end
-            self.failed = True
-            error = chunk["error"]
+            error = self.error = chunk["error"]
             return [self.event("error", code=error.get("code") or error.get("type"),
                                message=error["message"], param=error.get("param"))]
         if not chunk.get("choices"):  # the usage chunk
@@ -375,7 +395,7 @@ class ResponseStream:
     def closing(self) -> list[str]:
         """response.completed (or .incomplete at max_output_tokens) with the whole
         Response; nothing after an error."""
-        if self.failed:
+        if self.error is not None:
             return []
         events = self.close()
         status = item_status(self.finish_reason)

@@ -25,6 +25,7 @@ from ray import serve
 
 from deployments.admission import Admission
 from deployments.background import BackgroundRuns, generated
+from deployments.background_stream import retrieved
 from deployments.beams import choices_kind, refuse_unsearched
 from deployments.choices import Choices
 from deployments.clients import channel_options
@@ -56,7 +57,7 @@ from deployments.reasoning import (
 )
 from deployments.responses_api import ResponsesRequest
 from deployments.response_items import listed_items
-from deployments.response_store import response_store, retrieved
+from deployments.response_store import response_store
 from deployments.responses_events import shaped
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.served_models import (
@@ -241,9 +242,9 @@ class Router:
 
     @app.get("/v1/responses/{response_id}")
     async def response(self, response_id: str, request: Request):
-        """A stored Response (deployments.response_store), behind the API key."""
+        """A stored Response or its events (deployments.background_stream), behind the API key."""
         return unauthorized(request, self.api_key) or \
-            await retrieved(self.responses_store, response_id)
+            await retrieved(self.responses_store, response_id, request.query_params)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(self, response_id: str, request: Request):

@@ -132,7 +132,7 @@ def test_a_background_response_runs_is_retrieved_cancelled_and_deleted(cluster, 
     """The /limited router's background Responses through the official client: answered
     queued, then retrieved ended as the foreground answer (greedy); one cancelled
     while it runs ends cancelled; a deleted one is gone; background with store false is vLLM's
-    400."""
+    400; a streamed one's events, resumed from a sequence number, are the rest of them."""
     import openai
 
     client = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
@@ -157,3 +157,10 @@ def test_a_background_response_runs_is_retrieved_cancelled_and_deleted(cluster, 
         client.responses.retrieve(done.id)
     with pytest.raises(openai.BadRequestError, match="store"):
         client.responses.create(**body, background=True, store=False)
+    events = list(client.responses.create(**body, background=True, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.queued"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == foreground.output_text
+    resumed = list(client.responses.retrieve(events[0].response.id, stream=True,
+                                             starting_after=2))
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[3:]]

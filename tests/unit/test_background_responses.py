@@ -1,7 +1,7 @@
 """Background Responses (deployments.background) without Ray or a model: the router's
 request path with the in-process store, answered `queued` and then read `in_progress` and
 ended by GET; cancelled while it runs (its slots and pool sessions released), also from
-another replica through the store; DELETE; the refusals (no store, store false, stream),
+another replica through the store; DELETE; the refusals (no store, store false),
 the bound on a replica's runs and its shutdown."""
 
 import asyncio
@@ -214,9 +214,9 @@ def test_delete_removes_a_stored_response_and_cancels_a_running_one():
     asyncio.run(main())
 
 
-def test_background_needs_the_store_store_true_and_no_stream():
+def test_background_needs_the_store_and_store_true():
     """The router's store off: today's 400 naming background, and cancel and DELETE find
-    nothing; on: store false is vLLM's 400, a stream a 400 naming it."""
+    nothing; on: store false is vLLM's 400 (a stream is served: test_background_stream)."""
     async def main():
         off = replica(None)
         status, refused = await post(off, {"background": True})
@@ -229,8 +229,6 @@ def test_background_needs_the_store_store_true_and_no_stream():
         assert status == 400 and refused["error"] == {
             "message": "background can only be used when `store` is true",
             "type": "invalid_request_error", "param": "background", "code": None}
-        status, refused = await post(on, {"background": True, "stream": True})
-        assert status == 400 and refused["error"]["param"] == "stream"
         assert (await post(on, {"background": False}))[1]["background"] is False
         assert not on.background.tasks and on.admission.running == 0
 

@@ -1,0 +1,232 @@
+"""A background Response's stream (`background: true` with `stream: true`), as OpenAI's: the
+POST answers the events a foreground stream sends (its Response `queued` first, then
+`response.queued`, `response.in_progress` once admitted), while its task runs as any
+background Response's (deployments.background). The task keeps every event for the POST's
+client, which may leave (the task goes on), and appends them to the response store in
+batches (at most one store call per FLUSH_S), so that `GET /v1/responses/{id}?stream=true
+&starting_after=N` on any replica replays those after N and follows the rest, reading the
+store every FOLLOW_S, until the Response's last event. A Response that ended without one
+(cancelled, failed, its replica shut down) ends its stream with `response.<status>` and the
+stored Response (`response.cancelled`: specserve's; OpenAI names no event for a cancel).
+Events the store could not keep (past its max_bytes) end a follower's stream with an
+`error` event saying so; the Response itself is still stored as it ends.
+"""
+
+import asyncio
+import json
+import logging
+
+from fastapi.responses import Response
+
+from deployments.ingress import BadRequest, ReleasingStream, error_response
+from deployments.response_store import (
+    RUNNING,
+    ResponseStore,
+    StoredEvents,
+    not_found,
+    retrieved as whole_retrieved,
+)
+from deployments.responses_events import ResponseStream, sse_event
+
+# how long a streamed background Response's new events wait to be appended to the store
+# together (one store call for them all, not one per token)
+FLUSH_S = 0.05
+# how often a follower (GET with stream) reads the store for new events
+FOLLOW_S = 0.1
+# the heads of the events after which a Response's stream has no more
+LAST = tuple(f"event: response.{status}\n"
+             for status in ("completed", "incomplete", "failed", "cancelled"))
+DROPPED = ("its stream's events outgrew the response store's max_bytes and were dropped: "
+           "GET /v1/responses/{id} without stream reads the Response once it ends")
+
+logger = logging.getLogger(__name__)
+
+
+def last(text: str) -> bool:
+    """Whether an event's text is its stream's last."""
+    return text.startswith(LAST)
+
+
+class EventFeed:
+    """A streamed background Response's events as its task makes them (`stream` numbers
+    them): all kept here for the POST's client, and appended to the store in order, those
+    made within FLUSH_S of each other in one call, until the store keeps no more."""
+
+    def __init__(self, store: ResponseStore, stream: ResponseStream,
+                 flush_s: float = FLUSH_S) -> None:
+        self.store, self.stream, self.flush_s = store, stream, flush_s
+        self.response_id = stream.shape.response_id
+        self.texts: list[str] = []
+        self.stored = 0  # how many of them the store holds
+        self.kept = True  # False: the store took no more (ended, gone, dropped, unreachable)
+        self.flushing: asyncio.Future | None = None  # the appends under way
+        self.changed = asyncio.Event()  # new events, or the task's end
+        self.done = False  # the task ended: no more events
+
+    async def opened(self) -> None:
+        """Its opening events made and stored with its queued state, before the POST's
+        answer: a GET with stream right after it finds the Response streamed."""
+        self.texts = self.stream.queued()
+        self.changed.set()
+        await self.append(self.texts)
+
+    def add(self, texts: list[str]) -> None:
+        self.texts += texts
+        self.changed.set()
+        if self.flushing is None and self.kept:
+            self.flushing = asyncio.ensure_future(self.flush())
+
+    async def flush(self) -> None:
+        """The events not yet stored appended, each call FLUSH_S after the last, one at a
+        time (the next ones follow the store's count)."""
+        try:
+            while self.kept and self.stored < len(self.texts):
+                await asyncio.sleep(self.flush_s)
+                await self.append(self.texts[self.stored:])
+        finally:
+            self.flushing = None
+
+    async def append(self, texts: list[str]) -> None:
+        """The next events appended to the store (once it refuses, or cannot be reached,
+        none after: logged)."""
+        try:
+            self.kept = await self.store.append(self.response_id, self.stored, texts)
+        except BadRequest as error:  # unreachable, or an older router's actor
+            logger.warning("background response %s: its events not stored: %s",
+                           self.response_id, error)
+            self.kept = False
+        self.stored += len(texts) if self.kept else 0
+
+    async def flushed(self) -> None:
+        """Every event made so far stored (or the store took no more)."""
+        if self.flushing is not None:
+            await self.flushing
+
+    def stop(self) -> None:
+        """The task's end: no more events, nor appends."""
+        if self.flushing is not None:
+            self.flushing.cancel()
+        self.done = True
+        self.changed.set()
+
+    async def generated(self, chat_events) -> dict:
+        """The admitted Response's events, from the chat stream's chunks, all stored before
+        its final Response is returned; BadRequest for the chat stream's error (it ends
+        `failed`)."""
+        self.add(self.stream.admitted())
+        fed = self.stream.fed(chat_events)
+        try:
+            async for events in fed:
+                self.add(events)
+        finally:
+            await fed.aclose()
+            await chat_events.aclose()
+        self.add(self.stream.closing())
+        await self.flushed()
+        if self.stream.error is not None:
+            raise BadRequest(self.stream.error["message"], 503)
+        return self.stream.final
+
+    async def live(self):
+        """The POST's stream: the events as the task makes them, the last once its task
+        ended (its end stored: a GET then reads it, as after a foreground stream); after an
+        end without one (cancelled, failed), the stored Response's (ended_event)."""
+        after = -1
+        while True:
+            while after + 1 < len(self.texts) and (self.done or not last(self.texts[after + 1])):
+                after += 1
+                yield self.texts[after]
+                if last(self.texts[after]):
+                    return
+            if self.done:
+                break
+            self.changed.clear()
+            await self.changed.wait()
+        yield await ended_event(self.store, self.response_id, after + 1)
+
+
+def error_event(sequence: int, message: str) -> str:
+    return sse_event("error", sequence, code=None, message=message, param=None)
+
+
+async def ended_event(store: ResponseStore, response_id: str, sequence: int) -> str:
+    """A Response's stream's last event when its events have none: `response.<status>`
+    with the stored Response; an `error` event when it is gone or cannot be read."""
+    try:
+        whole = await store.get(response_id)
+    except BadRequest as error:
+        return error_event(sequence, f"{error} (resume with starting_after)")
+    if whole is None:
+        return error_event(sequence, f"Response with id '{response_id}' was deleted.")
+    if whole.status in RUNNING:  # its task gone without its end stored (its replica's)
+        return error_event(sequence, f"Response with id '{response_id}' is still "
+                           f"{whole.status}, its events unknown here")
+    return sse_event(f"response.{whole.status}", sequence,
+                     response=json.loads(whole.response))
+
+
+async def followed(store: ResponseStore, response_id: str, after: int,
+                   follow_s: float = FOLLOW_S):
+    """A stored stream's events after sequence number `after`, read every `follow_s` until
+    its last (or, the Response ended without it, ended_event's); an `error` event when it
+    is gone, its events were dropped or the store cannot be read (resume with
+    starting_after)."""
+    while True:
+        try:
+            found = await store.events(response_id, after)
+        except BadRequest as error:
+            yield error_event(after + 1, f"{error} (resume with starting_after)")
+            return
+        if found is None:
+            yield error_event(after + 1, f"Response with id '{response_id}' was deleted.")
+            return
+        for text in found.texts:
+            after += 1
+            yield text
+            if last(text):
+                return
+        if found.dropped:
+            yield error_event(after + 1, DROPPED.format(id=response_id))
+            return
+        if found.status not in RUNNING and not found.texts:
+            yield await ended_event(store, response_id, after + 1)
+            return
+        await asyncio.sleep(follow_s)
+
+
+def stream_query(query) -> tuple[bool, int]:
+    """(stream, starting_after) of a GET's query; BadRequest naming a bad one."""
+    stream = query.get("stream", "false").lower()
+    if stream not in ("true", "false", "1", "0"):
+        raise BadRequest(f"stream must be true or false, not {query['stream']!r}",
+                         param="stream")
+    after = query.get("starting_after", "-1")
+    try:
+        starting_after = int(after)
+    except ValueError:
+        starting_after = -2
+    if starting_after < -1:
+        raise BadRequest(f"starting_after must be an integer >= -1 (a sequence number), "
+                         f"not {after!r}", param="starting_after")
+    return stream in ("true", "1"), starting_after
+
+
+async def retrieved(store: ResponseStore | None, response_id: str, query) -> Response:
+    """GET /v1/responses/{response_id}: the stored Response (response_store.retrieved),
+    or with `stream=true` its events after `starting_after` (-1: all), followed; a
+    Response that was not streamed in the background is a 400 naming `stream`."""
+    try:
+        stream, after = stream_query(query)
+        if not stream:
+            return await whole_retrieved(store, response_id)
+        found: StoredEvents | None = None if store is None else \
+            await store.events(response_id, after)
+        if found is None:
+            raise not_found(response_id)
+        if not found.streamed:
+            raise BadRequest(f"Response with id '{response_id}' was not created with "
+                             "background and stream: only those can be streamed; GET it "
+                             "without stream", param="stream")
+    except BadRequest as error:
+        return error_response(error)
+    return ReleasingStream(followed(store, response_id, after), None)
