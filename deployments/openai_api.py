@@ -24,6 +24,7 @@ from deployments.tools import (
 )
 from deployments.request_bounds import (
     MAX_CACHE_SALT,
+    MAX_PROMPT_CACHE_KEY,
     MAX_CHAT_TEMPLATE,
     MAX_CHOICES,
     MAX_DOCUMENTS,
@@ -122,6 +123,9 @@ class SamplingFields(BaseModel):
     # extension (as vLLM): the pools' prefix caches share prompt blocks only among requests
     # of the same salt (a tenant's cache hits then say nothing of another's prompts)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
+    # OpenAI's: requests of one key (a conversation's turns, a user's) are placed together on
+    # the pools, their prefix caches shared (deployments.placement.prefix_route_key)
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_PROMPT_CACHE_KEY)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # extension (as vLLM)
     # OpenAI's completions' echo: the prompt before the output (vLLM's chat's: the last

@@ -19,6 +19,7 @@ every REFRESH_S, off the event loop); until it is known, the replicas seen stand
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 from collections import Counter, OrderedDict
@@ -34,15 +35,22 @@ COUNT_TIMEOUT_S = 5.0  # a count not read by then is unreadable (a controller th
 
 
 def prefix_route_key(request_id: str, sync, tokens: int = ROUTE_PREFIX_TOKENS,
-                     placement: str = "") -> str:
+                     placement: str = "", cache_key: str = "") -> str:
     """What a call that carries a whole prompt is placed by: the hash of its first `tokens`
     tokens, so requests that start alike land on the replica that holds that prefix in its
     cache (a hint: any replica answers exactly; the call's later calls go to the replica it
     landed on, pinned); a shorter prompt (or every prompt when tokens is 0): `placement`,
-    which the choices of one HTTP request share, else the request id. Other calls: the
+    which the choices of one HTTP request share, else the request id. A call with a
+    `cache_key` (OpenAI's prompt_cache_key, after its cache salt): the key's hash, whatever
+    the prompt's length, so that the turns of a conversation that names one meet its cache
+    (its first turn shorter than `tokens`, its later ones not) and a hot prefix's requests
+    of several keys spread by key; bounded as a prefix's (LoadBound). Other calls: the
     request id."""
     if sync.known_len != 0:
         return request_id
+    if cache_key:
+        digest = hashlib.blake2b(cache_key.encode("utf-8", "surrogatepass"), digest_size=8)
+        return f"{PREFIX}key-{digest.hexdigest()}"
     if tokens <= 0 or len(sync.new_token_ids) < tokens:
         return placement or request_id
     return f"{PREFIX}{prefix_hash(list(sync.new_token_ids[:tokens])):x}"

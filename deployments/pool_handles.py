@@ -55,7 +55,8 @@ class GrpcDrafter:
                                             None if call.sampling.seeded else
                                             self.draft_timeout_s,
                                             prefix_route_key(call.request_id, call.sync,
-                                                             self.prefix_tokens, call.placement),
+                                                             self.prefix_tokens, call.placement,
+                                                             call.cache_key),
                                             call.placement or None)
         except PoolUnavailable as error:
             self.failures.failure(error)
@@ -87,7 +88,8 @@ class GrpcVerifier:
         response = await self.pool.call("Score", message, call.request_id,
                                         route_key=prefix_route_key(
                                             call.request_id, call.sync, self.prefix_tokens,
-                                            call.placement), spill_key=call.placement or None)
+                                            call.placement, call.cache_key),
+                                        spill_key=call.placement or None)
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
         return wire.scores_from_proto(response, message.ByteSize() + response.ByteSize())

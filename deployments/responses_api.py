@@ -47,7 +47,7 @@ PASSED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequen
           "truncate_prompt_tokens", "chat_template_kwargs", "include_reasoning",
           "structured_outputs", "allowed_token_ids", "bad_words",
           "return_tokens_as_token_ids", "num_speculative_tokens", "pipelined", "plain_steps",
-          "drafter", "speculative_tree", "priority")
+          "drafter", "speculative_tree", "priority", "prompt_cache_key")
 ROLES = ("user", "system", "developer", "assistant")
 # a message's content parts that carry text, and where
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}

@@ -394,6 +394,7 @@ class Router:
                                    num_speculative_tokens=body.num_speculative_tokens,
                                    pipelined=body.pipelined, drafter_kind=body.drafter,
                                    plain_steps=body.plain_steps,
+                                   cache_key=body.prompt_cache_key or "",
                                    running=self.admission.running + others,
                                    tree=tree_shape(body.speculative_tree),
                                    context_limit=self.prompts.context_limit)

@@ -98,11 +98,13 @@ class RequestFrontEnd:
              num_speculative_tokens: NumSpeculativeTokens | None = None,
              pipelined: bool | None = None, drafter_kind: str | None = None,
              tree: TreeShape | None = None, context_limit: int | None = None,
-             plain_steps: int | None = None, running: int = 0) -> RequestPlan:
+             plain_steps: int | None = None, running: int = 0,
+             cache_key: str = "") -> RequestPlan:
         """n choices of the request; sampling carries the request's seed, from which each
         choice's is derived. None for K, pipelined, tree or plain_steps: the defaults.
         running: the choices of other requests running now (an adaptive K starts at the
-        load they and the n choices make)."""
+        load they and the n choices make). cache_key: OpenAI's prompt_cache_key, which
+        places the request's first calls with those of its key and cache salt (Request)."""
         steps = plain_steps or self.defaults.plain_steps
         # what a round without a draft really makes (speculative.loop.plain_steps: one token
         # with logprobs), for the K policy's rate of K = 0
@@ -123,7 +125,8 @@ class RequestFrontEnd:
             Choice(Request(f"{request_id}-{index}", prompt,
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
                            self.defaults.busy_wait_s, width, nodes, context_limit,
-                           placement=request_id, plain_steps=steps, prompt_hash=hashed),
+                           placement=request_id, plain_steps=steps, prompt_hash=hashed,
+                           cache_key=cache_key and f"{sampling.cache_salt}\0{cache_key}"),
                    self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees,
                                  running + n, policy_steps))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))

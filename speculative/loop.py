@@ -62,7 +62,7 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
                         len(request.prompt_token_ids), *tree_shape(state, k, beside),
                         draft_confidence=state.draft_confidence,
-                        placement=request.placement)),
+                        placement=request.placement, cache_key=request.cache_key)),
     )
 
 
@@ -337,7 +337,8 @@ async def verify(state: RequestState, verifier: Verifier, block: DraftBlock, see
         # a sampled y1 is tested against p(K+1) (greedy needs only the argmax)
         return_bonus_probs=predraft is not None and bonus and not request.sampling.greedy
         and request.sampling.logprobs is None, draft_parents=block.parents,
-        placement=request.placement, steps=steps, stop_token_ids=request.stop_token_ids))
+        placement=request.placement, cache_key=request.cache_key, steps=steps,
+        stop_token_ids=request.stop_token_ids))
     return await retried_while_busy(request.busy_wait_s, state.stats,
                                     lambda: state.call_pool(state.verifier_view, score))
 

@@ -34,6 +34,10 @@ class Request:
     # the key the pools place its first calls by (the choices of one HTTP request share it:
     # deployments.clients); empty: its own id
     placement: str = ""
+    # what its first calls are placed by instead of its prompt's start, among the calls of
+    # the same key (OpenAI's prompt_cache_key, after its cache salt: deployments.placement);
+    # empty: its prompt's start
+    cache_key: str = ""
     # a round without a draft asks the verifier for up to this many tokens (verifier.steps):
     # it draws and feeds them itself, one forward each, and the round's call and turn are
     # paid once for them all

@@ -99,6 +99,7 @@ class ProposeCall:
     # what a call carrying a whole short prompt is placed by, beside the calls of the other
     # choices of its HTTP request (deployments.placement.prefix_route_key); not on the wire
     placement: str = ""
+    cache_key: str = ""  # what a call carrying a whole prompt is placed by (Request's)
 
 
 @dataclass(frozen=True, eq=False)
@@ -248,6 +249,7 @@ class ScoreCall:
     return_bonus_probs: bool = False
     draft_parents: tuple[int, ...] | None = None  # a draft tree's (DraftBlock.parents)
     placement: str = ""  # as ProposeCall's: router-side, not on the wire
+    cache_key: str = ""  # as ProposeCall's
     # a call without a draft may ask for several tokens (verifier.steps): the verifier feeds
     # each token it draws and draws the next, up to `steps` tokens or a stop id
     steps: int = 1

@@ -195,3 +195,35 @@ def test_requests_beside_each_other_in_a_full_kv_pool_all_finish_exactly():
     done = asyncio.run(main())
     assert [g.token_ids for g in done] == alone
     assert sum(g.stats.busy_retries for g in done) > 0
+
+
+class Recording:
+    """A pool that records each call's cache key (the placement key the router's clients
+    route its first calls by) and answers through the real one."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.keys = pool, []
+
+    async def score(self, call):
+        self.keys.append(call.cache_key)
+        return await self.pool.score(call)
+
+    async def propose(self, call):
+        self.keys.append(call.cache_key)
+        return await self.pool.propose(call)
+
+    async def release(self, request_id):
+        await self.pool.release(request_id)
+
+
+def test_every_pool_call_carries_the_requests_cache_key(pair):
+    """The round loop hands each drafter and verifier call its request's cache_key (OpenAI's
+    prompt_cache_key), which deployments.pool_handles places its first calls by."""
+    target, draft = pair
+    drafter = Recording(ModelDrafter(draft))
+    verifier = Recording(ModelVerifier(target))
+    generation = Generation(Request("r", tuple(PROMPT), SamplingParams(max_tokens=12),
+                                    cache_key="\0conv-1"))
+    asyncio.run(decoded(drafter, verifier, generation, 3))
+    assert drafter.keys and verifier.keys
+    assert set(drafter.keys) == set(verifier.keys) == {"\0conv-1"}

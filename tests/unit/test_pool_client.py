@@ -83,6 +83,28 @@ def test_whole_prompts_that_start_alike_are_placed_alike():
     assert prefix_route_key("f", whole, tokens=0) == "f"  # the router's knob: off
 
 
+def test_a_prompt_cache_key_places_a_conversations_turns_together_and_spreads_a_prefix():
+    """OpenAI's prompt_cache_key (Request.cache_key): a first call is placed by its key's hash
+    whatever its prompt, so a conversation's short first turn and its longer later ones meet
+    on one replica, and a hot prefix's requests of several keys spread by key; the key is a
+    prefix's (bounded: LoadBound); a later call still by its request."""
+    from deployments.placement import PREFIX, ROUTE_PREFIX_TOKENS, LoadBound, prefix_route_key
+    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
+
+    shared = tuple(range(1, ROUTE_PREFIX_TOKENS + 1))
+    first_turn = PrefixSync(0, EMPTY_PREFIX_HASH, (9, 8, 7))
+    later_turn = PrefixSync(0, EMPTY_PREFIX_HASH, (9, 8, 7) + shared)
+    hot = PrefixSync(0, EMPTY_PREFIX_HASH, shared + (5,))
+    key = prefix_route_key("a", first_turn, placement="a", cache_key="\0conv-1")
+    assert key == prefix_route_key("b", later_turn, placement="b", cache_key="\0conv-1")
+    assert key == prefix_route_key("c", hot, cache_key="\0conv-1") and key.startswith(PREFIX)
+    keys = {prefix_route_key(f"d{i}", hot, cache_key=f"\0conv-{i}") for i in range(8)}
+    assert len(keys) == 8 and prefix_route_key("e", hot) not in keys
+    assert prefix_route_key("f", hot, cache_key="salt\0conv-1") != key  # another salt's
+    assert prefix_route_key("g", PrefixSync(3, 123, (1,)), cache_key="\0conv-1") == "g"
+    assert LoadBound(1.25).bounds(key)
+
+
 def test_only_a_pools_refusal_for_want_of_room_is_busy():
     """RESOURCE_EXHAUSTED from the pool (its KV cache or its calls in flight full) is
     PoolBusy, which the round loop waits out; gRPC's own for an oversized message, and any

@@ -87,6 +87,7 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     assert function.parameters == TOOLS[0]["parameters"]
     assert chat.tool_choice.function.name == "now" and chat.parallel_tool_calls is False
     assert (chat.seed, chat.top_k, chat.num_speculative_tokens) == (3, 5, 2)
+    assert chat_of({"input": "hi", "prompt_cache_key": "conv-1"}).prompt_cache_key == "conv-1"
     masked = chat_of({"input": "hi", "bad_words": ["Paris"], "allowed_token_ids": [5, 6],
                       "return_tokens_as_token_ids": True})  # vLLM's, as the chat takes them
     assert (masked.bad_words, masked.allowed_token_ids) == (["Paris"], [5, 6])

@@ -73,3 +73,18 @@ def test_with_room_in_its_queue_a_request_beyond_the_free_slots_is_read_to_wait_
     with pytest.raises(BadRequest) as never:
         plan(CompletionRequest(prompt=["a", "b"], n=3))
     assert never.value.status == 400 and read == ["a", "b"]
+
+
+def test_a_prompt_cache_key_reaches_every_choice_after_its_cache_salt():
+    """OpenAI's prompt_cache_key is each choice's placement key (Request.cache_key, read by
+    deployments.placement), after the request's cache salt so that two tenants' keys never
+    meet; none: empty, placed by the prompt's start."""
+    plan = planner(Admission(16), [])
+    choices = plan(CompletionRequest(prompt="a", n=2, prompt_cache_key="conv-1")).choices
+    assert [choice.request.cache_key for choice in choices] == ["\0conv-1"] * 2
+    assert plan(CompletionRequest(prompt="a")).choices[0].request.cache_key == ""
+    salted = RequestFrontEnd().plan("r", (2, 3), SamplingParams(cache_salt="t1"),
+                                    cache_key="conv-1")
+    assert salted.choices[0].request.cache_key == "t1\0conv-1"
+    with pytest.raises(ValueError, match="prompt_cache_key"):
+        CompletionRequest(prompt="a", prompt_cache_key="k" * 1025)
