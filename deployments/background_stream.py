@@ -168,9 +168,9 @@ async def ended_event(store: ResponseStore, response_id: str, sequence: int) -> 
 async def followed(store: ResponseStore, response_id: str, after: int,
                    follow_s: float = FOLLOW_S):
     """A stored stream's events after sequence number `after`, read every `follow_s` until
-    its last (or, the Response ended without it, ended_event's); an `error` event when it
-    is gone, its events were dropped or the store cannot be read (resume with
-    starting_after)."""
+    its last, sent once the Response's end is stored (or, the Response ended without it,
+    ended_event's); an `error` event when it is gone, its events were dropped or the store
+    cannot be read (resume with starting_after)."""
     while True:
         try:
             found = await store.events(response_id, after)
@@ -181,6 +181,8 @@ async def followed(store: ResponseStore, response_id: str, after: int,
             yield error_event(after + 1, f"Response with id '{response_id}' was deleted.")
             return
         for text in found.texts:
+            if last(text) and found.status in RUNNING:
+                break  # its end not stored yet: sent once it is (as the POST's stream)
             after += 1
             yield text
             if last(text):

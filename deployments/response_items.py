@@ -28,9 +28,14 @@ ORDERS = ("asc", "desc")  # the items' order in the request, or the reverse (the
 
 
 def input_items(given: str | list) -> list[dict]:
-    """A request's input as listed items (its items checked already: chat_messages)."""
+    """A request's input as listed items (its items checked already: chat_messages, but
+    for their ids: BadRequest naming one that is no string)."""
     if isinstance(given, str):
         given = [{"role": "user", "content": given}]
+    for index, item in enumerate(given):
+        if not isinstance(item.get("id"), (str, type(None))):
+            raise BadRequest(f"Invalid type for 'input[{index}].id': expected a string, but "
+                             f"got {item['id']!r} instead.", param=f"input[{index}].id")
     return [listed_item(item) for item in given]
 
 

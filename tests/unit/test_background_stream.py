@@ -313,3 +313,27 @@ def test_an_older_store_actor_streams_from_its_replica_and_get_is_a_503_naming_i
         assert status == 503 and "`events`" in refused["error"]["message"]
 
     asyncio.run(main())
+
+
+def test_a_followers_last_event_comes_once_get_reads_the_ended_response():
+    """The end stored after its events (the store slow to take it): a follower on another
+    replica holds response.completed back until then, as the POST's stream does, so that a
+    GET (or a continuation) right after it reads the Response completed."""
+    class SlowEnd(LocalStore):
+        async def replace(self, response_id, stored):
+            if stored.status not in ("queued", "in_progress"):
+                await asyncio.sleep(0.5)
+            return await super().replace(response_id, stored)
+
+    async def main():
+        store = SlowEnd(BoundedStore(100, 1 << 20, 60))
+        running, other = replica(store), replica(store)
+        stream = await opened(running, {"background": True})
+        response_id = parsed(await stream.__anext__())["response"]["id"]
+        events = await followed(other, response_id, -1)
+        assert events[-1]["type"] == "response.completed"
+        assert (await call(Router.response, other, response_id))[1]["status"] == "completed"
+        await read(stream)
+        await ended(running)
+
+    asyncio.run(main())

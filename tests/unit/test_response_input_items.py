@@ -173,3 +173,14 @@ def test_an_entry_stored_without_items_lists_none_and_items_count_in_its_bytes()
     assert listed(router, "resp_old")[1] == {"object": "list", "data": [], "first_id": None,
                                              "last_id": None, "has_more": False}
     assert StoredResponse(b"ab", b"c", input_items=b"[1]").nbytes == 6 and old.nbytes == 16
+
+
+def test_an_input_item_id_that_is_no_string_is_a_400_naming_it(reader):
+    """An id that is an object or a list (unhashable) or a number: a 400 naming it, as
+    OpenAI's, not a 500 (nor a number kept, which no cursor names)."""
+    served = Served("Paris.", reader)
+    for item_id in ({"a": 1}, ["x"], 5):
+        status, refused = served.post({"input": [{"role": "user", "content": "hi"},
+                                                 {"role": "user", "content": "hi",
+                                                  "id": item_id}]})
+        assert status == 400 and refused["error"]["param"] == "input[1].id", refused
