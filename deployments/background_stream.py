@@ -20,6 +20,7 @@ from fastapi.responses import Response
 
 from deployments.ingress import BadRequest, ReleasingStream, error_response
 from deployments.response_store import (
+    FINAL_EVENTS,
     RUNNING,
     ResponseStore,
     StoredEvents,
@@ -33,9 +34,6 @@ from deployments.responses_events import ResponseStream, sse_event
 FLUSH_S = 0.05
 # how often a follower (GET with stream) reads the store for new events
 FOLLOW_S = 0.1
-# the heads of the events after which a Response's stream has no more
-LAST = tuple(f"event: response.{status}\n"
-             for status in ("completed", "incomplete", "failed", "cancelled"))
 DROPPED = ("its stream's events outgrew the response store's max_bytes and were dropped: "
            "GET /v1/responses/{id} without stream reads the Response once it ends")
 
@@ -44,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 def last(text: str) -> bool:
     """Whether an event's text is its stream's last."""
-    return text.startswith(LAST)
+    return text.startswith(FINAL_EVENTS)
 
 
 class EventFeed:
@@ -191,7 +189,8 @@ async def followed(store: ResponseStore, response_id: str, after: int,
             yield error_event(after + 1, DROPPED.format(id=response_id))
             return
         if found.status not in RUNNING and not found.texts:
-            yield await ended_event(store, response_id, after + 1)
+            if not found.ended:  # (its last event sent already, or asked past: none more)
+                yield await ended_event(store, response_id, after + 1)
             return
         await asyncio.sleep(follow_s)
 

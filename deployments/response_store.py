@@ -31,6 +31,10 @@ STORE_TIMEOUT_S = 5.0
 
 logger = logging.getLogger(__name__)
 
+# the heads of the events after which a Response's stream has no more
+FINAL_EVENTS = tuple(f"event: response.{status}\n"
+                     for status in ("completed", "incomplete", "failed", "cancelled"))
+
 
 @dataclass(frozen=True)
 class StoredResponse:
@@ -54,12 +58,14 @@ class StoredResponse:
 class StoredEvents:
     """A stored Response's events after a sequence number, and what a follower needs besides:
     the Response's `status`, whether it was `streamed` (a streamed background one: its events
-    kept) and whether they were `dropped` (past the store's bytes: none kept any more)."""
+    kept), whether they were `dropped` (past the store's bytes: none kept any more) and
+    whether they `ended` with the stream's last event (FINAL_EVENTS), wherever that lies."""
 
     texts: tuple[str, ...]
     status: str
     streamed: bool
     dropped: bool = False
+    ended: bool = False
 
 
 class EventLog:
@@ -181,7 +187,9 @@ class BoundedStore:
         log = self.logs.get(response_id)
         if log is None:
             return StoredEvents((), found.status, False)
-        return StoredEvents(tuple(log.texts[after + 1:]), found.status, True, log.dropped)
+        ended = bool(log.texts) and log.texts[-1].startswith(FINAL_EVENTS)
+        return StoredEvents(tuple(log.texts[after + 1:]), found.status, True, log.dropped,
+                            ended)
 
     def pop(self, response_id: str) -> None:
         found = self.entries.pop(response_id, None)

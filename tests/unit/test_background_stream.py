@@ -100,7 +100,7 @@ def test_a_streamed_background_response_sends_a_foreground_streams_events_queued
 
 def test_get_with_starting_after_replays_exactly_the_later_events():
     """Once it ended, any replica's GET with stream replays the stored events after
-    starting_after (-1 or none: all), each as the POST sent it."""
+    starting_after (-1 or none: all), each as the POST sent it; none at or past its last."""
     async def main():
         store = in_process_store()
         router, other = replica(store), replica(store)
@@ -108,8 +108,9 @@ def test_get_with_starting_after_replays_exactly_the_later_events():
         await ended(router)
         response_id = sent[0]["response"]["id"]
         assert (await read((await got(other, response_id, "stream=true"))[1])) == sent
-        for after in (-1, 0, 4, len(sent) - 2):
-            assert await followed(other, response_id, after) == sent[after + 1:]
+        for after in (-1, 0, 4, len(sent) - 2, len(sent) - 1, len(sent) + 5):
+            assert await followed(other, response_id, after) == sent[after + 1:]  # at or
+            # past its last: none (its last event was sent again, numbered after it)
 
     asyncio.run(main())
 
