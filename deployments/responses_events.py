@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from deployments.ingress import BadRequest, json_answer
 from deployments.response_items import continued, request_items
-from deployments.response_store import ResponseStore, StoredResponse
+from deployments.response_store import RUNNING, ResponseStore, StoredResponse
 from deployments.responses_api import (
     STATELESS,
     ResponsesRequest,
@@ -79,7 +79,8 @@ def answer_shape(body, model: str, store: ResponseStore | None = None,
 
 async def shaped(body, model: str, store: ResponseStore | None) -> "AsAsked | AsResponse":
     """answer_shape, the conversation of a Responses request's previous_response_id read
-    from the store first (404 when it is not there, or no longer: vLLM's error)."""
+    from the store first (404 when it is not there, or no longer: vLLM's error; 400 while
+    it runs in the background: it has no output yet to continue)."""
     asked = body.previous_response_id if isinstance(body, ResponsesRequest) else None
     if asked is None or store is None:
         return answer_shape(body, model, store)
@@ -88,6 +89,9 @@ async def shaped(body, model: str, store: ResponseStore | None) -> "AsAsked | As
         raise BadRequest(f"Response with id '{asked}' not found.", 404,  # vLLM's; OpenAI's
                          param="previous_response_id",  # code (not model_not_found)
                          code="previous_response_not_found")
+    if stored.status in RUNNING:
+        raise BadRequest(f"Previous response with id '{asked}' is still {stored.status}: "
+                         "continue it once it has ended", param="previous_response_id")
     previous, earlier = await asyncio.get_running_loop().run_in_executor(None, continued,
                                                                          stored)
     return answer_shape(body, model, store, previous, earlier)

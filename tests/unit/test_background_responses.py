@@ -12,8 +12,10 @@ from openai.types.responses import Response
 
 from deployments.admission import Admission
 from deployments.background import BackgroundRuns
+from deployments.ingress import BadRequest
 from deployments.response_store import BoundedStore, LocalStore, StoredResponse
 from deployments.responses_api import ResponsesRequest
+from deployments.responses_events import shaped
 from deployments.router import Router
 from speculative.types import PoolUnavailable
 from tests.tiny import Scripted
@@ -334,3 +336,15 @@ def test_the_actor_replaces_and_deletes_and_an_unreachable_one_is_a_503():
         with pytest.raises(BadRequest) as refused:
             asyncio.run(getattr(unreachable, method)(*args))
         assert refused.value.status == 503
+
+
+def test_continuing_a_response_that_still_runs_is_a_400():
+    """A running background Response has no output yet: a request continuing it is a 400
+    naming previous_response_id (it ran without the answer it meant to continue)."""
+    store = in_process_store()
+    for status in ("queued", "in_progress"):
+        asyncio.run(store.put("resp_running", StoredResponse(b"{}", b"[]", status)))
+        asked = ResponsesRequest(model="m", input="go on", previous_response_id="resp_running")
+        with pytest.raises(BadRequest) as refused:
+            asyncio.run(shaped(asked, "m", store))
+        assert (refused.value.status, refused.value.param) == (400, "previous_response_id")
