@@ -148,7 +148,9 @@ class BackgroundRuns:
         than the store holds (the store keeping its running state) stored `failed`."""
         response_id, kept = shape.response_id, self.kept(shape, response)
         try:
-            if not await self.store.replace(response_id, kept):  # ended, gone or too large
+            if await self.store.replace(response_id, kept):
+                await shape.ended(response)  # (its conversation's turn added at its end)
+            else:  # ended, gone or too large
                 await self.store.replace(response_id, self.kept(shape, failed(shape, ValueError(
                     f"the response ({kept.nbytes} bytes with its conversation) is too large "
                     "to store: larger than the response store's max_bytes"))))

@@ -1,6 +1,8 @@
 """Where stored Responses live (the router's `responses_store`, vLLM's
 VLLM_ENABLE_RESPONSES_API_STORE): a bounded map of response id -> StoredResponse, least
-recently used out past its entries or bytes, each kept at most ttl_s from its storing.
+recently used out past its entries or bytes, each kept at most ttl_s from its storing. The
+conversations of OpenAI's Conversations API live in it too, by their conv_ ids, each changed
+in one call (edit: deployments.conversation_store); an entry reads only as its own kind.
 
 Every router replica must see one store (a conversation's next turn may reach another
 replica): the deployed router's is a named Ray actor per Serve application (ActorStore),
@@ -95,6 +97,8 @@ class ResponseStore(Protocol):
 
     async def events(self, response_id: str, after: int) -> StoredEvents | None: ...
 
+    async def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None: ...
+
 
 class BoundedStore:
     """The map: at most max_entries and max_bytes (the ids and the texts), the least
@@ -135,9 +139,10 @@ class BoundedStore:
             self.pop(next(iter(self.entries)))
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, kind: type = StoredResponse):
+        """The entry of type `kind` (another's id, a conversation's, reads as absent)."""
         found = self.entries.get(response_id)
-        if found is None:
+        if found is None or not isinstance(found[1], kind):
             return None
         if found[0] <= self.clock():  # expired: gone
             self.pop(response_id)
@@ -154,8 +159,24 @@ class BoundedStore:
     def delete(self, response_id: str) -> bool:
         """Gone (False: it was not there)."""
         found = self.get(response_id) is not None
-        self.pop(response_id)
+        if found:
+            self.pop(response_id)
         return found
+
+    def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
+        """The entry `key` of type `kind` changed in one step (in the actor, one call: two
+        replicas' changes of one entry both land) by change(entry, *args) -> (its new entry,
+        None: gone, or itself: unchanged; an answer): (the answer, whether the change was
+        kept: not where the new entry outgrows the store); None: no such entry."""
+        found = self.get(key, kind)
+        if found is None:
+            return None
+        changed, answer = change(found, *args)
+        if changed is None:
+            self.pop(key)
+        elif changed is not found and not self.put(key, changed):
+            return answer, False
+        return answer, True
 
     def append(self, response_id: str, first: int, texts: list[str]) -> bool:
         """A running Response's events `first`, `first` + 1, ... kept after those it holds
@@ -225,6 +246,9 @@ class LocalStore:
     async def events(self, response_id: str, after: int) -> StoredEvents | None:
         return self.store.events(response_id, after)
 
+    async def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
+        return self.store.edit(key, kind, change, *args)
+
 
 class StoreActor:
     """The Ray actor's class (ray.remote'd by ActorStore): one BoundedStore that every
@@ -250,6 +274,9 @@ class StoreActor:
 
     def events(self, response_id: str, after: int) -> StoredEvents | None:
         return self.store.events(response_id, after)
+
+    def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
+        return self.store.edit(key, kind, change, *args)
 
     def size(self) -> tuple[int, int]:
         """(entries, bytes) held."""
@@ -312,6 +339,9 @@ class ActorStore:
 
     async def events(self, response_id: str, after: int) -> StoredEvents | None:
         return await self.answer("events", response_id, after)
+
+    async def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
+        return await self.answer("edit", key, kind, change, *args)
 
     async def answer(self, method: str, *args):
         """A call whose answer the caller needs: a 503 (BadRequest) when the store cannot be

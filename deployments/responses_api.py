@@ -6,12 +6,13 @@ or as its stream of events (deployments.responses_events).
 Served: a text or message input, instructions, function tools and their calls and results,
 text.format, the sampling fields, top_logprobs, and vLLM's extensions the chat takes.
 Refused with a 400 naming the field: what needs state or services this server does not
-keep (conversation, prompt templates, item references, built-in tools), what a Response has
-no place for (vLLM's prompt_logprobs and return_token_ids) and input images, files and
-audio. previous_response_id continues a stored Response's conversation, and background runs
-one later (deployments.background), where the router keeps them (its responses_store, as
-vLLM's VLLM_ENABLE_RESPONSES_API_STORE: deployments.response_store); without, both are
-refused too and nothing is stored (`store` is read and ignored, as vLLM without its store).
+keep (prompt templates, item references, built-in tools), what a Response has no place for
+(vLLM's prompt_logprobs and return_token_ids) and input images, files and audio.
+previous_response_id continues a stored Response's conversation, conversation a stored
+conversation (deployments.conversation_turns), and background runs one later
+(deployments.background), where the router keeps them (its responses_store, as vLLM's
+VLLM_ENABLE_RESPONSES_API_STORE: deployments.response_store); without, they are refused too
+and nothing is stored (`store` is read and ignored, as vLLM without its store).
 """
 
 import re
@@ -29,9 +30,7 @@ from deployments.tools import FieldError
 # response store keeps them (deployments.responses_events.answer_shape)
 STATELESS = "this server stores no responses"
 UNCARRIED = "a Response has no field for it: ask /v1/chat/completions"
-REFUSED = {"conversation": ((None,), "this server keeps no conversations (where it "
-                                      "stores responses, give previous_response_id)"),
-           "prompt": ((None,), "this server keeps no prompt templates: give the input"),
+REFUSED = {"prompt": ((None,), "this server keeps no prompt templates: give the input"),
            "truncation": ((None, "disabled"), "only disabled: a prompt past the context "
                                               "is refused, not cut"),
            # the chat's extensions that add what a Response has no field for (passed on,
@@ -236,6 +235,8 @@ class ResponsesRequest(BaseModel):
     # without a response store, read and ignored; with one, stored unless false
     store: bool | None = None
     previous_response_id: str | None = None  # refused without a response store
+    # "conv_..." or {"id": "conv_..."} (deployments.conversation_turns), as previous_response_id
+    conversation: str | dict | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict | None = None  # effort and summaries: no parser reads them here
@@ -252,6 +253,13 @@ class ResponsesRequest(BaseModel):
                 raise FieldError(refused[0], f"not served: {REFUSED[refused[0]][1]}")
             data = {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("conversation")
+    @classmethod
+    def conversation_named(cls, value):
+        if isinstance(value, dict) and not isinstance(value.get("id"), str):
+            raise FieldError("conversation.id", "is required, as a string")
+        return value
 
     @field_validator("text")
     @classmethod

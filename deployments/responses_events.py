@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from deployments.ingress import BadRequest, json_answer
-from deployments.response_items import continued, request_items
-from deployments.response_store import RUNNING, ResponseStore, StoredResponse
+from deployments.response_items import request_items
+from deployments.response_store import ResponseStore, StoredResponse
 from deployments.responses_api import (
     STATELESS,
     ResponsesRequest,
@@ -75,26 +75,6 @@ def answer_shape(body, model: str, store: ResponseStore | None = None,
     store = None if body.store is False else store
     items = [] if store is None else request_items(body.input, list(earlier))
     return AsResponse(chat, body, places, model, store, kept, items)
-
-
-async def shaped(body, model: str, store: ResponseStore | None) -> "AsAsked | AsResponse":
-    """answer_shape, the conversation of a Responses request's previous_response_id read
-    from the store first (404 when it is not there, or no longer: vLLM's error; 400 while
-    it runs in the background: it has no output yet to continue)."""
-    asked = body.previous_response_id if isinstance(body, ResponsesRequest) else None
-    if asked is None or store is None:
-        return answer_shape(body, model, store)
-    stored = await store.get(asked)
-    if stored is None:
-        raise BadRequest(f"Response with id '{asked}' not found.", 404,  # vLLM's; OpenAI's
-                         param="previous_response_id",  # code (not model_not_found)
-                         code="previous_response_not_found")
-    if stored.status in RUNNING:
-        raise BadRequest(f"Previous response with id '{asked}' is still {stored.status}: "
-                         "continue it once it has ended", param="previous_response_id")
-    previous, earlier = await asyncio.get_running_loop().run_in_executor(None, continued,
-                                                                         stored)
-    return answer_shape(body, model, store, previous, earlier)
 
 
 def stored_response(response: dict, messages: list[dict],
@@ -233,6 +213,11 @@ class AsResponse:
             stored = await asyncio.get_running_loop().run_in_executor(
                 executor, stored_response, response, self.messages, self.items)
             await self.store.put(response["id"], stored)
+        await self.ended(response)
+
+    async def ended(self, response: dict) -> None:
+        """What follows its end, once kept (a conversation's turn added to it:
+        deployments.conversation_turns); a background one's too (deployments.background)."""
 
     async def events(self, chat_events):
         """The chat stream's chunks (deployments.choices: `data: {...}` texts) as the

@@ -29,6 +29,8 @@ from deployments.background_stream import retrieved
 from deployments.beams import choices_kind, refuse_unsearched
 from deployments.choices import Choices
 from deployments.clients import channel_options
+from deployments.conversation_turns import shaped
+from deployments.conversations import CONVERSATIONS_PATH, METHODS, conversations_route
 from deployments.ingress import (
     BadRequest,
     ReleasingStream,
@@ -58,7 +60,6 @@ from deployments.reasoning import (
 from deployments.responses_api import ResponsesRequest
 from deployments.response_items import listed_items
 from deployments.response_store import response_store
-from deployments.responses_events import shaped
 from deployments.router_args import RouterArgs, tree_shape
 from deployments.served_models import (
     card_named,
@@ -74,7 +75,7 @@ from deployments.tokenize_api import (
     TokenizeRequest,
     detokenized,
     tokenized,
-    tokenizer_info,
+    tokenizer_info_answer,
 )
 from deployments.tool_parsers import KEPT_TEXTS
 from deployments.tools import ToolUse
@@ -160,8 +161,7 @@ class Router:
     @app.get("/ping")
     @app.post("/ping")
     async def ping(self) -> dict:
-        """vLLM's SageMaker health check (deployments.invocations): /health's answer, open
-        as /health is."""
+        """vLLM's SageMaker health check (deployments.invocations): /health's, as open."""
         return await self.health()
 
     @app.get("/metrics", include_in_schema=False)
@@ -171,10 +171,9 @@ class Router:
 
     @app.get("/v1/models")
     async def models(self, request: Request):
-        if refused := unauthorized(request, self.api_key):
-            return refused
-        return model_list(served_names(self.args.served_model_name), self.args.model,
-                          self.prompts.context_limit)
+        return unauthorized(request, self.api_key) or model_list(
+            served_names(self.args.served_model_name), self.args.model,
+            self.prompts.context_limit)
 
     @app.get("/v1/models/{name:path}")
     async def model(self, name: str, request: Request):
@@ -199,14 +198,9 @@ class Router:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(self, request: Request):
-        """vLLM's (deployments.tokenize_api.tokenizer_info), behind the API key; 404 unless
-        the router enables it, as vLLM's flag does."""
-        if refused := unauthorized(request, self.api_key):
-            return refused
-        if not self.args.enable_tokenizer_info_endpoint:
-            return error_response(BadRequest("/tokenizer_info is off: the router's "
-                                             "enable_tokenizer_info_endpoint enables it", 404))
-        return tokenizer_info(self.prompts.tokenizer)
+        """vLLM's (deployments.tokenize_api.tokenizer_info_answer), behind the API key."""
+        return unauthorized(request, self.api_key) or tokenizer_info_answer(
+            self.prompts.tokenizer, self.args.enable_tokenizer_info_endpoint)
 
     async def serve_tokenizer(self, request: Request, schema, answer):
         """vLLM's tokenizer endpoints (deployments.tokenize_api), behind the API key."""
@@ -260,6 +254,12 @@ class Router:
     async def delete_response(self, response_id: str, request: Request):
         """A stored Response deleted (cancelled first if it runs), behind the API key."""
         return unauthorized(request, self.api_key) or await self.background.delete(response_id)
+
+    @app.api_route(CONVERSATIONS_PATH, methods=METHODS, include_in_schema=False)
+    async def conversations(self, path: str, request: Request):
+        """OpenAI's Conversations API (deployments.conversations), behind the API key."""
+        return unauthorized(request, self.api_key) or await conversations_route(
+            request, path, self.responses_store, self.args.max_prompt_bytes)
 
     async def __del__(self) -> None:
         """Serve's shutdown of this replica (awaited): no background Response left running."""

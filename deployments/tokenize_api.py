@@ -11,7 +11,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.chat_messages import encodable
-from deployments.ingress import BadRequest
+from deployments.ingress import BadRequest, error_response
 from deployments.openai_api import ChatCompletionRequest, SamplingFields
 
 
@@ -97,6 +97,15 @@ def check_in_vocabulary(tokens: list[int], vocab_size: int) -> None:
     named = ", ".join(f"tokens[{i}] = {t}" for i, t in bad[:3])  # the first few
     raise BadRequest(f"tokens must be in [0, {vocab_size}): {named}"
                      + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""), param="tokens")
+
+
+def tokenizer_info_answer(tokenizer, enabled: bool):
+    """GET /tokenizer_info's answer: tokenizer_info, or a 404 unless the router enables it
+    (its enable_tokenizer_info_endpoint), as vLLM's flag does."""
+    if not enabled:
+        return error_response(BadRequest("/tokenizer_info is off: the router's "
+                                         "enable_tokenizer_info_endpoint enables it", 404))
+    return tokenizer_info(tokenizer)
 
 
 def tokenizer_info(tokenizer) -> dict:

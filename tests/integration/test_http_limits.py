@@ -103,7 +103,8 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
                                                                               limited):
     """The /limited router's Responses store (a Ray actor): a turn continued by its id holds
     the first exchange in its prompt; GET answers the stored Response, input_items its
-    context's items a page at a time; an unknown id is vLLM's 404."""
+    context's items a page at a time; a conversation's turn sees its items and is added to
+    it; an unknown id is vLLM's 404."""
     import openai
 
     client = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
@@ -119,6 +120,18 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     items = list(client.responses.input_items.list(second.id, order="asc", limit=1))
     assert [item.type for item in items] == ["message", "message", "message"]  # paged by 1
     assert items[0].content[0].text == "write a loop" and items[1].id == first.output[0].id
+    conversation = client.conversations.create(items=[
+        {"type": "message", "role": "user", "content": "write a loop"}])
+    turn = client.responses.create(model="specserve-demo", input="and another",
+                                   conversation=conversation.id, max_output_tokens=8,
+                                   temperature=0)
+    lone = client.responses.create(model="specserve-demo", input="and another",
+                                   max_output_tokens=1, store=False)
+    assert turn.usage.input_tokens > lone.usage.input_tokens  # the conversation's item first
+    listed = list(client.conversations.items.list(conversation.id, order="asc"))
+    assert [item.type for item in listed] == ["message"] * 3  # its turn added at its end
+    assert listed[-1].id == turn.output[0].id
+    client.conversations.delete(conversation.id)
     for gone in (again.id, "resp_unknown"):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(gone)

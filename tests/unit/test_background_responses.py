@@ -15,7 +15,7 @@ from deployments.background import BackgroundRuns
 from deployments.ingress import BadRequest
 from deployments.response_store import BoundedStore, LocalStore, StoredResponse
 from deployments.responses_api import ResponsesRequest
-from deployments.responses_events import shaped
+from deployments.conversation_turns import continued_shape
 from deployments.router import Router
 from speculative.types import PoolUnavailable
 from tests.tiny import Scripted
@@ -346,5 +346,5 @@ def test_continuing_a_response_that_still_runs_is_a_400():
         asyncio.run(store.put("resp_running", StoredResponse(b"{}", b"[]", status)))
         asked = ResponsesRequest(model="m", input="go on", previous_response_id="resp_running")
         with pytest.raises(BadRequest) as refused:
-            asyncio.run(shaped(asked, "m", store))
+            asyncio.run(continued_shape(asked, "m", store))
         assert (refused.value.status, refused.value.param) == (400, "previous_response_id")

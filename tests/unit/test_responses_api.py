@@ -108,7 +108,7 @@ def test_tools_choice_format_and_extensions_become_the_chats():
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": {"name": "conv_1"}}, "conversation.id"),  # (served: its id)
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
