@@ -85,10 +85,9 @@ def test_a_cancelled_error_that_no_cancel_asked_for_ends_it_failed():
     asyncio.run(main())
 
 
-def test_a_store_actor_without_replace_or_delete_is_a_503_naming_it():
-    """A rolling update: the application's store actor was created by an older router,
-    whose class lacks replace and delete (a Ray handle's AttributeError): cancel and DELETE
-    answer a 503 that says so, not a bug's 500."""
+def older_store(*methods: str) -> ActorStore:
+    """An ActorStore whose actor an older router created: its handle has only `methods` (a
+    Ray handle's AttributeError for the others), each answered in this process."""
     older = StoreActor(10, 1 << 20, 60)
 
     def remote(method):
@@ -96,10 +95,18 @@ def test_a_store_actor_without_replace_or_delete_is_a_503_naming_it():
             return method(*args)
         return SimpleNamespace(remote=called)
 
+    store = ActorStore("specserve-responses-x", 10, 1 << 20, 60)
+    store.created = lambda: SimpleNamespace(**{name: remote(getattr(older, name))
+                                               for name in methods})
+    return store
+
+
+def test_a_store_actor_without_replace_or_delete_is_a_503_naming_it():
+    """A rolling update: the application's store actor was created by an older router,
+    whose class lacks replace and delete (a Ray handle's AttributeError): cancel and DELETE
+    answer a 503 that says so, not a bug's 500."""
     async def main():
-        store = ActorStore("specserve-responses-x", 10, 1 << 20, 60)
-        store.created = lambda: SimpleNamespace(put=remote(older.put), get=remote(older.get))
-        router = replica(store)
+        router = replica(older_store("put", "get"))
         _, queued = await post(router, {"background": True})
         for route, method in ((Router.cancel_response, "POST"),
                               (Router.delete_response, "DELETE")):

@@ -6,15 +6,15 @@ followed, events past the store's bytes, GET's refusals and an older store actor
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 from openai.types.responses import Response
 
-from deployments.response_store import ActorStore, BoundedStore, LocalStore, StoreActor
+from deployments.response_store import BoundedStore, LocalStore
 from deployments.responses_api import ResponsesRequest
 from deployments.router import Router
 from speculative.types import PoolUnavailable
 from tests.tiny import Scripted
+from tests.unit.test_background_ends import older_store
 from tests.unit.test_background_responses import (
     TEXT,
     Blocking,
@@ -293,18 +293,8 @@ def test_an_older_store_actor_streams_from_its_replica_and_get_is_a_503_naming_i
     """A rolling update: the store's actor lacks append and events. The POST's client
     still gets every event (its replica's), the Response still ends stored, and GET with
     stream is a 503 saying why."""
-    older = StoreActor(10, 1 << 20, 60)
-
-    def remote(method):
-        async def called(*args):
-            return method(*args)
-        return SimpleNamespace(remote=called)
-
     async def main():
-        store = ActorStore("specserve-responses-x", 10, 1 << 20, 60)
-        store.created = lambda: SimpleNamespace(**{name: remote(getattr(older, name))
-                                                   for name in ("put", "get", "replace")})
-        router = replica(store)
+        router = replica(older_store("put", "get", "replace"))
         events = await read(await opened(router, {"background": True}))
         await ended(router)
         assert events[-1]["type"] == "response.completed"
