@@ -47,9 +47,18 @@ class Refusal:
     status: int = 400
 
 
-def encoded(items: list[dict]) -> tuple[tuple[str, bytes], ...]:
-    return tuple((item["id"], json.dumps(item, ensure_ascii=False).encode())
-                 for item in items)
+def encoded(items: list[dict], param: str = "items") -> tuple[tuple[str, bytes], ...]:
+    """The items as kept; BadRequest naming `param`[i] for one that UTF-8 cannot encode (JSON
+    may carry a lone surrogate, "\\ud800", where no tokenizer reads it: a reasoning item's,
+    an unread field's)."""
+    kept = []
+    for index, item in enumerate(items):
+        try:
+            kept.append((item["id"], json.dumps(item, ensure_ascii=False).encode()))
+        except UnicodeEncodeError:
+            raise BadRequest(f"{param}[{index}]: contains text that is not valid Unicode (a "
+                             "lone surrogate?)", param=f"{param}[{index}]") from None
+    return tuple(kept)
 
 
 def read(entry: StoredConversation):

@@ -13,7 +13,7 @@ it, as previous_response_id is.
 import asyncio
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deployments.conversation_store import appended, edited, encoded, read
 from deployments.ingress import BadRequest
@@ -30,11 +30,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class InConversation(AsResponse):
     """A Responses request in a conversation: its Response names it, and its end adds the
-    `turn` (its input's items) and its output to it."""
+    `turn` (its input's items, encoded: conversation_store.encoded) and its output to it."""
 
     conversation: str = ""
     conversations: ResponseStore | None = None  # the store the conversation is in
-    turn: list[dict] = field(default_factory=list)
+    turn: tuple = ()
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  extra: dict | None = None) -> dict:
@@ -46,10 +46,11 @@ class InConversation(AsResponse):
         where they cannot be: the conversation gone, outgrowing the store, unreachable)."""
         if response["status"] not in ENDED:
             return
-        items = await asyncio.get_running_loop().run_in_executor(
-            None, encoded, [*self.turn, *response["output"]])
         try:
-            await edited(self.conversations, self.conversation, appended, items, "input")
+            output = await asyncio.get_running_loop().run_in_executor(
+                None, encoded, response["output"], "output")
+            await edited(self.conversations, self.conversation, appended,
+                         self.turn + output, "input")
         except BadRequest as error:
             logger.warning("response %s: its items not added to conversation %s: %s",
                            response["id"], self.conversation, error)
@@ -118,8 +119,10 @@ async def shaped(body, model: str, store: ResponseStore | None) -> AsAsked | AsR
     shape.places = ["conversation" if place == "previous_response_id" else place
                     for place in shape.places]  # a conversation's message, in a refusal
     # its input's items as its Response keeps them (their ids), or made here (store: false)
+    # (encoded now: an item UTF-8 cannot encode is refused before it is generated, naming it)
     turn = shape.items[len(items):] if shape.store is not None else \
         request_items(body.input, items)[len(items):]
+    turn = await loop.run_in_executor(None, encoded, turn, "input")
     fields = {name.name: getattr(shape, name.name) for name in dataclasses.fields(shape)}
     return InConversation(**fields, conversation=conversation, conversations=store,
                           turn=turn)

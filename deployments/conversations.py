@@ -57,9 +57,15 @@ def checked_metadata(value: dict | None) -> dict | None:
     if value is not None and len(value) > pairs:
         raise FieldError("metadata", f"at most {pairs} key-value pairs, not {len(value)}")
     for key, text in (value or {}).items():
+        named = f"metadata.{key[:key_length]}".encode(errors="replace").decode()
         if len(key) > key_length or len(text) > value_length:
-            raise FieldError(f"metadata.{key[:key_length]}", f"keys of at most {key_length} "
-                             f"characters, values of at most {value_length}")
+            raise FieldError(named, f"keys of at most {key_length} characters, values of at "
+                             f"most {value_length}")
+        try:  # (a lone surrogate, "\ud800", which JSON carries and UTF-8 cannot)
+            f"{key}{text}".encode()
+        except UnicodeEncodeError:
+            raise FieldError(named, "contains text that is not valid Unicode (a lone "
+                             "surrogate?)") from None
     return value
 
 
@@ -99,8 +105,8 @@ def checked_items(given: list, param: str = "items") -> list[dict]:
     except FieldError as error:  # named as an input's: input[i]...
         raise BadRequest(str(error).replace("input", param, 1),
                          param=error.param.replace("input", param, 1)) from None
-    except BadRequest as error:  # a duplicate id, named input[i].id
-        raise BadRequest(str(error), error.status,
+    except BadRequest as error:  # an id that is no string, or a duplicate: input[i].id
+        raise BadRequest(str(error).replace("'input[", f"'{param}[", 1), error.status,
                          error.param.replace("input", param, 1)) from None
 
 

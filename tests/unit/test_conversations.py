@@ -137,6 +137,31 @@ def test_refusals_name_their_field():
     assert routed(router, "PUT", f"/{made['id']}")[0] == 405
 
 
+def test_text_utf8_cannot_encode_is_a_400_naming_it_not_a_500(reader):
+    """A lone surrogate ("\\ud800", which JSON carries) where no tokenizer reads it: an item's
+    unread field, a reasoning item's, metadata; a Response's turn refused before it runs."""
+    served = Served("Rome.", reader)
+    lone = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "\ud800"}]}
+    _, made = routed(served.router, "POST", body={"items": TURN})
+    for path, body, param in [
+            ("", {"items": [{"role": "user", "content": "x", "note": "\ud800"}]}, "items[0]"),
+            ("", {"items": [TURN[0], lone]}, "items[1]"),
+            ("", {"metadata": {"topic": "\ud800"}}, "metadata.topic"),
+            ("", {"metadata": {"\ud800" * 65: "v"}}, "metadata." + "?" * 64),
+            (f"/{made['id']}", {"metadata": {"\ud800": "v"}}, "metadata.?"),
+            (f"/{made['id']}/items", {"items": [lone]}, "items[0]")]:
+        status, refused = routed(served.router, "POST", path, body)
+        assert status == 400 and refused["error"]["param"] == param, body
+    status, refused = routed(served.router, "POST", "", {"items": [{**TURN[0], "id": 5}]})
+    assert refused["error"]["message"].startswith("Invalid type for 'items[0].id'")
+    for store in (True, False):
+        status, refused = served.post({"input": [lone, {"role": "user", "content": "hi"}],
+                                       "conversation": made["id"], "store": store})
+        assert status == 400 and refused["error"]["param"] == "input[0]"
+    assert len(served.prompts) == 0  # (refused before its prompt was read)
+    assert len(routed(served.router, "GET", f"/{made['id']}/items")[1]["data"]) == 2
+
+
 def test_no_store_is_a_404_and_the_api_key_guards_them(reader):
     off = Served("Paris.", reader, store=False)
     status, refused = routed(off.router, "POST", body={})
