@@ -63,7 +63,9 @@ def content_parts(role: str, content: str | list) -> list[dict]:
 def request_items(given: str | list, earlier: list[dict]) -> list[dict]:
     """The items a Response is stored with: the `earlier` ones (its previous Response's,
     continued), then its input's; BadRequest naming an input item whose id is already
-    there (OpenAI's refusal: a cursor names one item)."""
+    there (OpenAI's refusal: a cursor names one item), or one that UTF-8 cannot encode (a
+    lone surrogate in a field no tokenizer reads: its storing would fail after its
+    generation)."""
     items = input_items(given)
     seen = {item["id"] for item in earlier}
     for index, item in enumerate(items):
@@ -71,6 +73,11 @@ def request_items(given: str | list, earlier: list[dict]) -> list[dict]:
             raise BadRequest(f"Duplicate item found with id {item['id']}. Remove duplicate "
                              "items from your input and try again.", param=f"input[{index}].id")
         seen.add(item["id"])
+        try:
+            json.dumps(item, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest(f"input[{index}] contains text that is not valid Unicode (a lone "
+                             "surrogate?)", param=f"input[{index}]") from None
     return [*earlier, *items]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from deployments.chat_messages import encodable
 from deployments.ingress import BadRequest, invalid_body
 from deployments.openai_api import ChatCompletionRequest
 from deployments.tools import FieldError
@@ -253,6 +254,16 @@ class ResponsesRequest(BaseModel):
                 raise FieldError(refused[0], f"not served: {REFUSED[refused[0]][1]}")
             data = {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("metadata", "user")
+    @classmethod
+    def echoed_text(cls, value, info):
+        """Text the Response echoes: what UTF-8 can encode (its answer is UTF-8 JSON)."""
+        texts = [] if value is None else [value] if isinstance(value, str) else \
+            [text for pair in value.items() for text in pair]
+        for text in texts:
+            encodable(text, info.field_name)
+        return value
 
     @field_validator("conversation")
     @classmethod

@@ -184,3 +184,14 @@ def test_an_input_item_id_that_is_no_string_is_a_400_naming_it(reader):
                                                  {"role": "user", "content": "hi",
                                                   "id": item_id}]})
         assert status == 400 and refused["error"]["param"] == "input[1].id", refused
+
+
+def test_an_item_utf8_cannot_encode_is_a_400_before_its_generation(reader):
+    """A lone surrogate in a field no tokenizer reads (a message's extra key): a 400 naming
+    the item where the Response is stored (its storing failed after its generation: a
+    500), and served where it is not."""
+    served = Served("Paris.", reader)
+    item = {"role": "user", "content": "hi", "note": "\ud800"}
+    status, refused = served.post({"input": [item]})
+    assert status == 400 and refused["error"]["param"] == "input[0]", refused
+    assert served.post({"input": [item], "store": False})[0] == 200

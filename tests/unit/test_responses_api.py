@@ -132,6 +132,9 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     ({"input": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]},
      "input[1]"),
     ({"input": "hi", "instructions": "\ud800"}, "instructions"),
+    ({"metadata": {"a": "\ud800"}}, "metadata"),  # echoed: its answer's JSON (was a 500)
+    ({"metadata": {"\ud800": "a"}}, "metadata"),
+    ({"user": "\udfff"}, "user"),
     # vLLM's, which the chat serves: a Response has no field for them (they were dropped)
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"return_token_ids": True}, "return_token_ids"),
