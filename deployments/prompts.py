@@ -26,6 +26,7 @@ from deployments.openai_api import SamplingFields
 from deployments.router_args import RouterArgs
 from deployments.special_texts import check_special_texts, marked_contents, special_pattern
 from deployments.tools import ToolError, check_forced, check_tools
+from deployments.truncation import auto_truncated, fitted
 from engine.checkpoint import (Checkpoint, context_limit, end_token_ids, recommended_sampling,
                                reported_stop_ids, stop_token_ids)
 from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
@@ -153,9 +154,11 @@ class PromptReader:
         return reported_stop_ids(self.end_ids, body.stop_token_ids or (), body.ignore_eos)
 
     def token_ids(self, body, chat: bool) -> tuple[int, ...]:
-        """The prompt's ids (truncate_prompt_tokens: its last ones, `truncated`), refused when
-        empty or with no room left in the context."""
-        ids = self.tokenized(body, chat)
+        """The prompt's ids (a Responses' truncation auto: its oldest turns dropped to fit,
+        deployments.truncation; truncate_prompt_tokens: its last ones, `truncated`), refused
+        when empty or with no room left in the context."""
+        ids = fitted(body, lambda kept: self.tokenized(kept, chat), self.context_limit) \
+            if chat and auto_truncated(body) else self.tokenized(body, chat)
         if body.truncate_prompt_tokens is not None:
             ids = self.truncated(ids, body, chat)
         if not ids:

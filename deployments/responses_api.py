@@ -4,7 +4,8 @@ errors named back in the Responses' fields); the chat answer turned into a Respo
 or as its stream of events (deployments.responses_events).
 
 Served: a text or message input, instructions, function tools and their calls and results,
-text.format, the sampling fields, top_logprobs, and vLLM's extensions the chat takes.
+text.format, the sampling fields, top_logprobs, truncation (auto: deployments.truncation),
+and vLLM's extensions the chat takes.
 Refused with a 400 naming the field: what needs state or services this server does not
 keep (prompt templates, item references, built-in tools), what a Response has no place for
 (vLLM's prompt_logprobs and return_token_ids) and input images, files and audio.
@@ -16,7 +17,7 @@ and nothing is stored (`store` is read and ignored, as vLLM without its store).
 """
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
@@ -32,8 +33,6 @@ from deployments.tools import FieldError
 STATELESS = "this server stores no responses"
 UNCARRIED = "a Response has no field for it: ask /v1/chat/completions"
 REFUSED = {"prompt": ((None,), "this server keeps no prompt templates: give the input"),
-           "truncation": ((None, "disabled"), "only disabled: a prompt past the context "
-                                              "is refused, not cut"),
            # the chat's extensions that add what a Response has no field for (passed on,
            # they would be dropped from the answer: silently unanswered)
            "prompt_logprobs": ((None,), UNCARRIED),
@@ -74,6 +73,13 @@ def refused_background(asked: "ResponsesRequest", stores: bool) -> None:
     if asked.store is False:
         raise BadRequest("background can only be used when `store` is true",
                          param="background")
+
+
+class ResponsesChat(ChatCompletionRequest):
+    """The chat request a Responses request translates to: the chat's, with its
+    `truncation` (auto: its oldest turns dropped to fit the context, deployments.truncation)."""
+
+    truncation: Literal["auto", "disabled"] = "disabled"
 
 
 def chat_messages(instructions: str | None, given: str | list,
@@ -242,6 +248,8 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     reasoning: dict | None = None  # effort and summaries: no parser reads them here
     background: bool = False  # served where a response store keeps them (refused_background)
+    # auto: the oldest turns dropped where the prompt does not fit (deployments.truncation)
+    truncation: Literal["auto", "disabled"] = "disabled"
 
     @model_validator(mode="before")
     @classmethod
@@ -296,7 +304,8 @@ class ResponsesRequest(BaseModel):
         chat = {key: value for key, value in (self.model_extra or {}).items()
                 if key in PASSED and value is not None}
         chat.update({"model": self.model, "messages": messages, "stream": self.stream,
-                     "parallel_tool_calls": self.parallel_tool_calls})
+                     "parallel_tool_calls": self.parallel_tool_calls,
+                     "truncation": self.truncation})
         if self.stream:  # the usage goes with response.completed
             chat["stream_options"] = {"include_usage": True}
         optional = {"temperature": self.temperature, "top_p": self.top_p,
@@ -310,8 +319,8 @@ class ResponsesRequest(BaseModel):
         chat.update({key: value for key, value in optional.items() if value is not None})
         return chat, places
 
-    def chat_request(self, previous: list[dict] = ()) -> tuple[ChatCompletionRequest,
-                                                                list[str], list[dict]]:
+    def chat_request(self, previous: list[dict] = ()) -> tuple[ResponsesChat, list[str],
+                                                                list[dict]]:
         """(the chat request this asks for after the `previous` conversation, each
         message's place, its messages as given to it); BadRequest naming the Responses'
         field where the chat schema refuses it."""
@@ -320,7 +329,7 @@ class ResponsesRequest(BaseModel):
         except FieldError as error:
             raise BadRequest(str(error), param=error.param) from None
         try:
-            return ChatCompletionRequest.model_validate(chat), places, chat["messages"]
+            return ResponsesChat.model_validate(chat), places, chat["messages"]
         except ValidationError as error:
             raise renamed(invalid_body(error), places) from None
 

@@ -172,7 +172,7 @@ class AsResponse:
                 "metadata": asked.metadata or {}, "user": asked.user,
                 "previous_response_id": asked.previous_response_id, "reasoning": None,
                 "store": self.store is not None,
-                "truncation": "disabled", "background": asked.background, "usage": usage,
+                "truncation": asked.truncation, "background": asked.background, "usage": usage,
                 "completed_at": int(time.time()) if status == "completed" else None}
         return {**body, **(extra or {})}
 

@@ -110,7 +110,7 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     ({"background": True}, "background"),
     ({"conversation": {"name": "conv_1"}}, "conversation.id"),  # (served: its id)
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),  # (auto is served: test_truncation)
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"input": [{"role": "user", "content": [

@@ -1,0 +1,62 @@
+"""A Responses request's `truncation: "auto"` (OpenAI's: an input past the model's context
+window is fitted to it "by dropping items from the beginning of the conversation"): where
+the rendered prompt and the output's room (max_output_tokens, or one token) do not fit
+the context, its oldest turns are dropped, whole, and the rest rendered again. A turn is a
+user message and what follows it up to the next (the assistant's answers, its calls and
+their results: a call is never dropped without its result, nor a result without its call),
+so what is kept starts at a user message, as every chat template takes it (Gemma's and
+Mistral's refuse a conversation that starts with the assistant). System and developer
+messages (the instructions first) are kept, and the last user turn always: where even that
+does not fit, the prompt is refused as a disabled truncation's is. The request's stored
+conversation keeps every message (deployments.responses_events): each later turn is
+fitted again, as OpenAI's input items keep the whole conversation."""
+
+from collections.abc import Callable
+
+KEPT_ROLES = ("system", "developer")  # never dropped
+
+
+def auto_truncated(body) -> bool:
+    """Whether a chat body asks for its oldest turns dropped to fit (a Responses request's
+    truncation: "auto"; deployments.responses_api.ResponsesChat)."""
+    return getattr(body, "truncation", "disabled") == "auto"
+
+
+def turn_starts(messages) -> list[int]:
+    """The index of each user message: where a turn starts."""
+    return [index for index, message in enumerate(messages) if message.role == "user"]
+
+
+def without_turns(body, starts: list[int], dropped: int):
+    """The body with its first `dropped` turns left out (and any message before the first
+    user message), its system and developer messages kept."""
+    if dropped == 0:
+        return body
+    messages = [message for index, message in enumerate(body.messages)
+                if index >= starts[dropped] or message.role in KEPT_ROLES]
+    return body.model_copy(update={"messages": messages})
+
+
+def fitted(body, ids_of: Callable, limit: int) -> tuple[int, ...]:
+    """The prompt's ids (`ids_of` a body: its rendered, tokenized prompt) with the fewest
+    of its oldest turns dropped that let it and its output's room fit the `limit`; the
+    prompt with all but the last turn dropped where none does (which the caller refuses).
+    Rendered at most 2 + log2(turns) times: whole, with all but the last turn dropped, then
+    a binary search between (a prompt shrinks as turns go)."""
+    ids = ids_of(body)
+    room = max(1, body.max_tokens_or(1))
+    starts = turn_starts(body.messages)
+    if len(ids) + room <= limit or len(starts) < 2:
+        return ids
+    fits, fewest = ids_of(without_turns(body, starts, len(starts) - 1)), len(starts) - 1
+    if len(fits) + room > limit:
+        return fits
+    lowest = 0  # the most dropped turns known not to fit
+    while fewest - lowest > 1:
+        middle = (lowest + fewest) // 2
+        tried = ids_of(without_turns(body, starts, middle))
+        if len(tried) + room <= limit:
+            fits, fewest = tried, middle
+        else:
+            lowest = middle
+    return fits
