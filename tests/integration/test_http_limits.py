@@ -104,7 +104,7 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     """The /limited router's Responses store (a Ray actor): a turn continued by its id holds
     the first exchange in its prompt; GET answers the stored Response, input_items its
     context's items a page at a time; a conversation's turn sees its items and is added to
-    it; an unknown id is vLLM's 404."""
+    it; truncation auto fits a conversation past the context; an unknown id is vLLM's 404."""
     import openai
 
     client = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
@@ -132,6 +132,14 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     assert [item.type for item in listed] == ["message"] * 3  # its turn added at its end
     assert listed[-1].id == turn.output[0].id
     client.conversations.delete(conversation.id)
+    long = [{"role": role, "content": f"value_{i} = {i}\n" * 300}
+            for i, role in enumerate(["user", "assistant"] * 3)]
+    with pytest.raises(openai.BadRequestError):  # past the demo's 2,048 tokens
+        client.responses.create(model="specserve-demo", input=[*long, *long[:1]],
+                                max_output_tokens=4, store=False)
+    fitted = client.responses.create(model="specserve-demo", input=[*long, *long[:1]],
+                                     max_output_tokens=4, store=False, truncation="auto")
+    assert fitted.truncation == "auto" and fitted.usage.input_tokens + 4 <= 2048
     for gone in (again.id, "resp_unknown"):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(gone)
