@@ -9,13 +9,11 @@ tokens the verifier took from its prefix cache (usage.prompt_tokens_details.cach
 """
 
 import argparse
-import threading
-import time
 
 import requests
 
 from bench.newcomer import fresh_serve_run
-from bench.spread import SHARED, config_with
+from bench.spread import SHARED, all_at_once, config_with
 
 TOKENS = 48  # each turn's output
 
@@ -42,14 +40,8 @@ def conversation(port: int, index: int, turns: int, keyed: bool, usages: list) -
 def run(conversations: int, turns: int, replicas: int, keyed: bool) -> dict:
     with fresh_serve_run(config_with(1.25, replicas)) as (port, _):
         usages: list = []
-        threads = [threading.Thread(target=conversation, args=(port, i, turns, keyed, usages))
-                   for i in range(conversations)]
-        started = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - started
+        seconds = all_at_once(lambda i: conversation(port, i, turns, keyed, usages),
+                              conversations)
     later = [(prompt, cached) for turn, prompt, cached in usages if turn > 0]
     first = [(prompt, cached) for turn, prompt, cached in usages if turn == 0]
     return {"keyed": keyed, "turns_answered": len(usages), "seconds": seconds,

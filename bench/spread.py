@@ -61,6 +61,17 @@ def poll_sessions(streams: int, seconds: float = 120.0) -> None:
     print(json.dumps(best), flush=True)
 
 
+def all_at_once(work, count: int) -> float:
+    """Seconds for work(0), ..., work(count - 1), each on its own thread, all at once."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
 def run(load_factor: float | None, streams: int, replicas: int) -> dict:
     with fresh_serve_run(config_with(load_factor, replicas)) as (port, _):
         statuses, watching = [], poller(streams)
@@ -72,13 +83,7 @@ def run(load_factor: float | None, streams: int, replicas: int) -> dict:
                 json={"prompt": SHARED + f"def f{i}(", "max_tokens": 200, "temperature": 0,
                       "ignore_eos": True}).status_code)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-        started = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - started
+        seconds = all_at_once(one, streams)
         spread = json.loads(watching.communicate(timeout=180)[0].strip().splitlines()[-1])
     return {"load_factor": load_factor, "sessions_per_replica": spread,
             "ok": statuses.count(200), "seconds": seconds}
