@@ -21,6 +21,7 @@ from deployments.response_items import continued, request_items
 from deployments.response_store import RUNNING, ResponseStore
 from deployments.responses_api import ResponsesRequest, chat_messages
 from deployments.responses_events import AsAsked, AsResponse, answer_shape
+from deployments.stored_chats import stored_shape
 
 ENDED = ("completed", "incomplete")  # the Responses whose turns a conversation keeps
 
@@ -96,11 +97,12 @@ async def continued_shape(body, model: str, store: ResponseStore | None
 
 
 async def shaped(body, model: str, store: ResponseStore | None) -> AsAsked | AsResponse:
-    """continued_shape, a Responses request's conversation read from
-    the store first: 404 naming `conversation` when it is not there (or no longer)."""
+    """continued_shape (a chat asked to be stored: stored_chats.stored_shape), a Responses
+    request's conversation read from the store first: 404 naming `conversation` when it is
+    not there (or no longer)."""
     conversation = conversation_id(body) if isinstance(body, ResponsesRequest) else None
     if conversation is None:
-        return await continued_shape(body, model, store)
+        return stored_shape(body, store) or await continued_shape(body, model, store)
     if body.previous_response_id is not None:
         raise BadRequest("Mutually exclusive parameters: Ensure you are only providing one "
                          "of: 'previous_response_id' or 'conversation'.",

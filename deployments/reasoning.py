@@ -46,6 +46,16 @@ def prompt_ended_reasoning(continued: str | None) -> bool:
     return continued is not None and continued.rfind(THINK_CLOSE) > continued.rfind(THINK_OPEN)
 
 
+def request_split(parser: ReasoningParserName | None, body,
+                  plan) -> "ReasoningSplit | None":
+    """reasoning_split for a chat `body` planned as `plan`: not where a grammar constrains
+    its outputs, nor after a continued message that ended its reasoning."""
+    constrained = any(c.request.sampling.grammar is not None for c in plan.choices)
+    continued = body.messages[-1].content if body.continue_final_message else None
+    return reasoning_split(parser, body.chat_template_kwargs, constrained,
+                           body.include_reasoning, prompt_ended_reasoning(continued))
+
+
 @dataclass(frozen=True)
 class ReasoningSplit:
     parser: ReasoningParserName

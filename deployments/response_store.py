@@ -99,6 +99,8 @@ class ResponseStore(Protocol):
 
     async def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None: ...
 
+    async def survey(self, kind: type, reading: Callable, *args): ...
+
 
 class BoundedStore:
     """The map: at most max_entries and max_bytes (the ids and the texts), the least
@@ -178,6 +180,12 @@ class BoundedStore:
             return answer, False
         return answer, True
 
+    def survey(self, kind: type, reading: Callable, *args):
+        """reading(the live entries of type `kind`, (key, entry) in storing order, *args)."""
+        now, entries = self.clock(), self.entries
+        return reading([(key, entries[key][1]) for key in self.stored
+                        if entries[key][0] > now and isinstance(entries[key][1], kind)], *args)
+
     def append(self, response_id: str, first: int, texts: list[str]) -> bool:
         """A running Response's events `first`, `first` + 1, ... kept after those it holds
         (False: none such, not the next ones, or they were dropped: past max_bytes with
@@ -249,6 +257,9 @@ class LocalStore:
     async def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
         return self.store.edit(key, kind, change, *args)
 
+    async def survey(self, kind: type, reading: Callable, *args):
+        return self.store.survey(kind, reading, *args)
+
 
 class StoreActor:
     """The Ray actor's class (ray.remote'd by ActorStore): one BoundedStore that every
@@ -277,6 +288,9 @@ class StoreActor:
 
     def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
         return self.store.edit(key, kind, change, *args)
+
+    def survey(self, kind: type, reading: Callable, *args):
+        return self.store.survey(kind, reading, *args)
 
     def size(self) -> tuple[int, int]:
         """(entries, bytes) held."""
@@ -343,6 +357,9 @@ class ActorStore:
     async def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
         return await self.answer("edit", key, kind, change, *args)
 
+    async def survey(self, kind: type, reading: Callable, *args):
+        return await self.answer("survey", kind, reading, *args)
+
     async def answer(self, method: str, *args):
         """A call whose answer the caller needs: a 503 (BadRequest) when the store cannot be
         reached within STORE_TIMEOUT_S."""
@@ -368,18 +385,6 @@ def unreachable() -> tuple[type[Exception], ...]:
     from ray.exceptions import RayError
 
     return RayError, ValueError
-
-
-def response_store(args) -> ActorStore | None:
-    """The deployed router's store, as its `responses_store` args bound it (None: off):
-    the actor of this replica's Serve application, shared by its replicas."""
-    if args is None:
-        return None
-    from ray import serve
-
-    application = serve.get_replica_context().app_name
-    return ActorStore(f"specserve-responses-{application}", args.max_entries,
-                      args.max_bytes, args.ttl_s)
 
 
 async def retrieved(store: ResponseStore | None, response_id: str) -> Response:

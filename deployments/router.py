@@ -51,16 +51,10 @@ from deployments.pool_handles import pool_clients
 from deployments.prometheus import NodeMetrics
 from deployments.prompts import PromptReader
 from deployments.prompt_logprobs import PromptAnswer
-from deployments.reasoning import (
-    ReasoningSplit,
-    ThinkTokens,
-    prompt_ended_reasoning,
-    reasoning_split,
-)
+from deployments.reasoning import ReasoningSplit, ThinkTokens, request_split
 from deployments.responses_api import ResponsesRequest
 from deployments.response_items import listed_items
-from deployments.response_store import response_store
-from deployments.router_args import RouterArgs, tree_shape
+from deployments.router_args import RouterArgs, response_store, tree_shape
 from deployments.served_models import (
     card_named,
     check_model,
@@ -68,6 +62,7 @@ from deployments.served_models import (
     served_names,
     served_tokenizer,
 )
+from deployments.stored_chats import CHATS_PATH, StoredChatRequest, chats_route
 from deployments.tokenize_api import (
     DetokenizeRequest,
     TokenizeChat,
@@ -226,7 +221,13 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self.serve_request(request, ChatCompletionRequest)
+        return await self.serve_request(request, StoredChatRequest)  # `store` read
+
+    @app.api_route(CHATS_PATH, methods=METHODS, include_in_schema=False)
+    async def stored_chats(self, path: str, request: Request):
+        """OpenAI's stored chat completions (deployments.stored_chats), behind the API key."""
+        return unauthorized(request, self.api_key) or await chats_route(
+            request, path, self.responses_store, self.args.max_prompt_bytes)
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
@@ -358,12 +359,8 @@ class Router:
 
     def reasoning(self, body, plan: RequestPlan) -> ReasoningSplit | None:
         """How a chat's outputs are split into reasoning and content (the router's
-        reasoning_parser), for this request: not where a grammar constrains them."""
-        constrained = any(c.request.sampling.grammar is not None for c in plan.choices)
-        continued = body.messages[-1].content if body.continue_final_message else None
-        return reasoning_split(self.args.reasoning_parser, body.chat_template_kwargs,
-                               constrained, body.include_reasoning,
-                               prompt_ended_reasoning(continued))
+        reasoning_parser), for this request (deployments.reasoning.request_split)."""
+        return request_split(self.args.reasoning_parser, body, plan)
 
     async def plan(self, body, chat: bool) -> RequestPlan:
         """The body's prompt read (each of a completions batch's), its model checked, its

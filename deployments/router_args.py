@@ -259,3 +259,17 @@ class RouterArgs(BaseModel):
                                    self.busy_wait_s,
                                    tree_shape(self.speculative_tree) or TreeShape(),
                                    self.draft_confidence, self.plain_steps)
+
+
+def response_store(args: ResponsesStoreArgs | None):
+    """The deployed router's store, as its `responses_store` args bound it (None: off):
+    the actor of this replica's Serve application, shared by its replicas."""
+    if args is None:
+        return None
+    from ray import serve
+
+    from deployments.response_store import ActorStore
+
+    application = serve.get_replica_context().app_name
+    return ActorStore(f"specserve-responses-{application}", args.max_entries,
+                      args.max_bytes, args.ttl_s)

@@ -104,7 +104,8 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     """The /limited router's Responses store (a Ray actor): a turn continued by its id holds
     the first exchange in its prompt; GET answers the stored Response, input_items its
     context's items a page at a time; a conversation's turn sees its items and is added to
-    it; truncation auto fits a conversation past the context; an unknown id is vLLM's 404."""
+    it; truncation auto fits a conversation past the context; a chat asked to be stored is
+    retrieved, listed, its messages listed and deleted; an unknown id is vLLM's 404."""
     import openai
 
     client = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
@@ -140,6 +141,15 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     fitted = client.responses.create(model="specserve-demo", input=[*long, *long[:1]],
                                      max_output_tokens=4, store=False, truncation="auto")
     assert fitted.truncation == "auto" and fitted.usage.input_tokens + 4 <= 2048
+    chat = client.chat.completions.create(
+        model="specserve-demo", messages=[{"role": "user", "content": "write a loop"}],
+        max_tokens=8, temperature=0, store=True, metadata={"run": "limits"})
+    assert client.chat.completions.retrieve(chat.id).choices[0].message.content == \
+        chat.choices[0].message.content
+    assert chat.id in [c.id for c in client.chat.completions.list(metadata={"run": "limits"})]
+    assert [m.content for m in client.chat.completions.messages.list(chat.id)] == \
+        ["write a loop"]
+    assert client.chat.completions.delete(chat.id).deleted
     for gone in (again.id, "resp_unknown"):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(gone)
