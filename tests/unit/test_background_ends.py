@@ -4,6 +4,7 @@ queued state was stored, a CancelledError that no cancel asked for, and a store'
 an older router without the calls a cancel or DELETE needs. Never left running or gone."""
 
 import asyncio
+import pickle
 from types import SimpleNamespace
 
 from deployments.response_store import ActorStore, BoundedStore, LocalStore, StoreActor
@@ -85,18 +86,22 @@ def test_a_cancelled_error_that_no_cancel_asked_for_ends_it_failed():
     asyncio.run(main())
 
 
-def older_store(*methods: str) -> ActorStore:
-    """An ActorStore whose actor an older router created: its handle has only `methods` (a
-    Ray handle's AttributeError for the others), each answered in this process."""
-    older = StoreActor(10, 1 << 20, 60)
+def older_store(*methods: str, max_bytes: int = 1 << 20, calls: list | None = None
+                ) -> ActorStore:
+    """An ActorStore whose actor's handle has only `methods` (an older router's actor: a Ray
+    handle's AttributeError for the others), each answered by a StoreActor in this process,
+    its arguments and answer pickled as Ray carries them, its name appended to `calls`."""
+    actor = StoreActor(10, max_bytes, 60)
 
     def remote(method):
         async def called(*args):
-            return method(*args)
+            if calls is not None:
+                calls.append(method.__name__)
+            return pickle.loads(pickle.dumps(method(*pickle.loads(pickle.dumps(args)))))
         return SimpleNamespace(remote=called)
 
-    store = ActorStore("specserve-responses-x", 10, 1 << 20, 60)
-    store.created = lambda: SimpleNamespace(**{name: remote(getattr(older, name))
+    store = ActorStore("specserve-responses-x", 10, max_bytes, 60)
+    store.created = lambda: SimpleNamespace(**{name: remote(getattr(actor, name))
                                                for name in methods})
     return store
 

@@ -296,23 +296,12 @@ def test_the_actor_edits_a_conversation_in_one_call_its_change_carried_by_name()
     """ActorStore's edit: one call of the actor (its class in this process), whose arguments
     (the entry's type, the change, its items) travel pickled, as Ray carries them; an actor
     of an older router, without edit, is a 503 saying so."""
-    import pickle
-    from types import SimpleNamespace
-
-    from deployments.conversation_store import appended, edited, encoded
+    from deployments.conversation_store import appended, edited, encoded, read
     from deployments.ingress import BadRequest
-    from deployments.response_store import ActorStore, StoreActor
+    from tests.unit.test_background_ends import older_store
 
-    local, calls = StoreActor(10, 1 << 12, 60), []
-
-    def remote(method):
-        async def call(*args):
-            calls.append(method.__name__)
-            return pickle.loads(pickle.dumps(method(*pickle.loads(pickle.dumps(args)))))
-        return SimpleNamespace(remote=call)
-
-    store = ActorStore("specserve-responses-x", 10, 1 << 12, 60)
-    store.created = lambda: SimpleNamespace(put=remote(local.put), edit=remote(local.edit))
+    calls = []
+    store = older_store("put", "edit", max_bytes=1 << 12, calls=calls)
     entry = StoredConversation(b'{"id": "conv_a"}')
     items = encoded([{"id": "msg_1", "type": "message"}])
 
@@ -321,9 +310,7 @@ def test_the_actor_edits_a_conversation_in_one_call_its_change_carried_by_name()
         return await edited(store, "conv_a", appended, items, "items")
 
     assert asyncio.run(main()) == 1 and calls == ["put", "edit"]
-    assert local.store.get("conv_a", StoredConversation).items == items
-    older = ActorStore("specserve-responses-x", 10, 1 << 12, 60)
-    older.created = lambda: SimpleNamespace(put=remote(local.put))
+    assert asyncio.run(edited(store, "conv_a", read)).items == items
     with pytest.raises(BadRequest) as refused:
-        asyncio.run(edited(older, "conv_a", appended, items, "items"))
+        asyncio.run(edited(older_store("put"), "conv_a", appended, items, "items"))
     assert refused.value.status == 503 and "`edit`" in str(refused.value)

@@ -203,21 +203,10 @@ def test_the_refusals_are_named_and_without_a_store_it_is_off():
 def test_the_actor_lists_them_in_one_call_its_answer_pickled():
     """Through ActorStore, as the deployed router calls it: the page is read inside the
     actor (listed_page carried by name), and only the page comes back."""
-    import pickle
-    from types import SimpleNamespace
+    from tests.unit.test_background_ends import older_store
 
-    from deployments.response_store import ActorStore, StoreActor
-
-    local, calls = StoreActor(10, 1 << 16, 60), []
-
-    def remote(method):
-        async def call(*args):
-            calls.append(method.__name__)
-            return pickle.loads(pickle.dumps(method(*pickle.loads(pickle.dumps(args)))))
-        return SimpleNamespace(remote=call)
-
-    store = ActorStore("specserve-responses-x", 10, 1 << 16, 60)
-    store.created = lambda: SimpleNamespace(put=remote(local.put), survey=remote(local.survey))
+    calls = []
+    store = older_store("put", "survey", max_bytes=1 << 16, calls=calls)
     router = chat_router(store)
     ids = [chatted(router, store=True)[1]["id"] for _ in range(3)]
     status, page = routed(router, "GET", limit=2, order="desc")
