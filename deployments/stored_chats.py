@@ -15,14 +15,16 @@ is a 404 saying so, and `store: true` keeps nothing.
 import asyncio
 import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import field_validator
+from pydantic import model_validator
 
 from deployments.conversation_store import Refusal, read
 from deployments.conversations import MetadataBody, checked_metadata
 from deployments.ingress import BadRequest, error_response, parse
 from deployments.openai_api import ChatCompletionRequest
+from deployments.tools import FieldError
 from deployments.response_items import page, page_asked
 from deployments.response_store import ResponseStore
 from deployments.responses_events import AsAsked
@@ -35,12 +37,21 @@ OFF = ("stored chat completions are off: the router's responses_store keeps them
 
 class StoredChatRequest(ChatCompletionRequest):
     """A chat asked on /v1/chat/completions: OpenAI's `store` and `metadata` read (the
-    chats a Responses request or /invocations makes store nothing)."""
+    chats a Responses request or /invocations makes store nothing). The metadata of a chat
+    not stored is taken and unused, whatever it holds (as vLLM takes it); a stored one's
+    is OpenAI's: string pairs within its bounds (a 400 naming `metadata`)."""
 
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Any = None
 
-    metadata_bounds = field_validator("metadata")(checked_metadata)
+    @model_validator(mode="after")
+    def stored_metadata(self):
+        if self.store and self.metadata is not None:
+            if not isinstance(self.metadata, dict) or not all(
+                    isinstance(text, str) for pair in self.metadata.items() for text in pair):
+                raise FieldError("metadata", "must be an object of string keys and values")
+            checked_metadata(self.metadata)
+        return self
 
 
 @dataclass(frozen=True)

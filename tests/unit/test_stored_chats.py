@@ -185,8 +185,10 @@ def test_the_refusals_are_named_and_without_a_store_it_is_off():
     status, refused = routed(router, "GET", f"/{answer_id}/messages", after="nope")
     assert status == 400 and refused["error"]["param"] == "after"
     too_many = {f"k{i}": "v" for i in range(17)}
-    status, refused = chatted(router, store=True, metadata=too_many)
-    assert status == 400 and refused["error"]["param"] == "metadata"
+    for metadata in (too_many, {"k": 1}, ["k"]):
+        status, refused = chatted(router, store=True, metadata=metadata)
+        assert status == 400 and refused["error"]["param"] == "metadata", metadata
+        assert chatted(router, metadata=metadata)[0] == 200  # not stored: unused (as vLLM)
     status, refused = routed(router, "POST", f"/{answer_id}", {"metadata": too_many})
     assert status == 400 and refused["error"]["param"] == "metadata"
     assert routed(router, "POST", "/a/b/c")[0] == 404
