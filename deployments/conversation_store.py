@@ -47,20 +47,6 @@ class Refusal:
     status: int = 400
 
 
-def encoded(items: list[dict], param: str = "items") -> tuple[tuple[str, bytes], ...]:
-    """The items as kept; BadRequest naming `param`[i] for one that UTF-8 cannot encode (JSON
-    may carry a lone surrogate, "\\ud800", where no tokenizer reads it: a reasoning item's,
-    an unread field's)."""
-    kept = []
-    for index, item in enumerate(items):
-        try:
-            kept.append((item["id"], json.dumps(item, ensure_ascii=False).encode()))
-        except UnicodeEncodeError:
-            raise BadRequest(f"{param}[{index}]: contains text that is not valid Unicode (a "
-                             "lone surrogate?)", param=f"{param}[{index}]") from None
-    return tuple(kept)
-
-
 def read(entry: StoredConversation):
     """The change that changes nothing: the entry, as it is."""
     return entry, entry
@@ -107,19 +93,27 @@ def not_found(conversation_id: str, param: str = "conversation_id") -> BadReques
                       param=param, code=None)
 
 
-async def edited(store: ResponseStore, conversation_id: str, change, *args,
-                 param: str = "conversation_id"):
-    """The answer of `change` made to the stored conversation; BadRequest: 404 naming
-    `param` where it is not stored, the change's refusal, or a 400 where the conversation
-    would outgrow the store (nothing changed)."""
-    done = await store.edit(conversation_id, StoredConversation, change, *args)
+async def entry_edited(store: ResponseStore, key: str, kind: type, missing: BadRequest,
+                       noun: str, change, *args):
+    """The answer of `change` made to the stored entry `key` of type `kind` (a conversation,
+    a stored chat completion); BadRequest: `missing` where it is not stored, the change's
+    refusal, or a 400 where the `noun`, so changed, would outgrow the store (nothing
+    changed)."""
+    done = await store.edit(key, kind, change, *args)
     if done is None:
-        raise not_found(conversation_id, param)
+        raise missing
     answer, kept = done
     if isinstance(answer, Refusal):
         raise BadRequest(answer.message, answer.status, answer.param,
                          code=None if answer.status == 404 else ...)
     if not kept:
-        raise BadRequest("the conversation, so changed, would be larger than the response "
-                         "store holds (its max_bytes): not changed")
+        raise BadRequest(f"the {noun}, so changed, would be larger than the response store "
+                         "holds (its max_bytes): not changed")
     return answer
+
+
+async def edited(store: ResponseStore, conversation_id: str, change, *args,
+                 param: str = "conversation_id"):
+    """entry_edited of the stored conversation, a 404 naming `param` where it is not."""
+    return await entry_edited(store, conversation_id, StoredConversation,
+                              not_found(conversation_id, param), "conversation", change, *args)

@@ -15,9 +15,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from deployments.conversation_store import appended, edited, encoded, read
+from deployments.conversation_store import appended, edited, read
 from deployments.ingress import BadRequest
-from deployments.response_items import continued, request_items
+from deployments.response_items import continued, encoded, request_items
 from deployments.response_store import RUNNING, ResponseStore
 from deployments.responses_api import ResponsesRequest, chat_messages
 from deployments.responses_events import AsAsked, AsResponse, answer_shape
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class InConversation(AsResponse):
     """A Responses request in a conversation: its Response names it, and its end adds the
-    `turn` (its input's items, encoded: conversation_store.encoded) and its output to it."""
+    `turn` (its input's items, encoded: response_items.encoded) and its output to it."""
 
     conversation: str = ""
     conversations: ResponseStore | None = None  # the store the conversation is in
@@ -120,8 +120,8 @@ async def shaped(body, model: str, store: ResponseStore | None) -> AsAsked | AsR
         raise in_conversation(error) from None
     shape.places = ["conversation" if place == "previous_response_id" else place
                     for place in shape.places]  # a conversation's message, in a refusal
-    # its input's items as its Response keeps them (their ids), or made here (store: false)
-    # (encoded now: an item UTF-8 cannot encode is refused before it is generated, naming it)
+    # its input's items as its Response keeps them (their ids), or made here (store: false),
+    # encoded now for its end (request_items refused those UTF-8 cannot encode)
     turn = shape.items[len(items):] if shape.store is not None else \
         request_items(body.input, items)[len(items):]
     turn = await loop.run_in_executor(None, encoded, turn, "input")

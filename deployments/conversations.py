@@ -31,14 +31,13 @@ from deployments.conversation_store import (
     appended,
     deleted,
     edited,
-    encoded,
     item_deleted,
     item_not_found,
     read,
     updated,
 )
 from deployments.ingress import BadRequest, error_response, parse
-from deployments.response_items import page, page_asked, request_items
+from deployments.response_items import encoded, page, page_asked, request_items
 from deployments.response_store import ResponseStore
 from deployments.responses_api import chat_messages
 from deployments.tools import FieldError
@@ -203,12 +202,19 @@ ROUTES = {(0, "POST"): created, (1, "GET"): retrieved, (1, "POST"): metadata_upd
           (3, "GET"): item, (3, "DELETE"): item_removed}
 
 
+def path_parts(path: str, below: str, most: int) -> list[str]:
+    """The segments of a catch-all route's path ("", or /{id}, /{id}/`below`...), at most
+    `most` of them; 404 for another path."""
+    parts = [] if path == "" else path.split("/")[1:] if path.startswith("/") else None
+    if parts is None or "" in parts or len(parts) > most or parts[1:2] not in ([], [below]):
+        raise BadRequest("Not Found", 404, code=None)
+    return parts
+
+
 def routed(method: str, path: str) -> tuple:
     """(the route, its ids) of a path after /v1/conversations: "", /{id}, /{id}/items or
     /{id}/items/{item_id}; 404 for another, 405 for another method."""
-    parts = [] if path == "" else path.split("/")[1:] if path.startswith("/") else None
-    if parts is None or "" in parts or len(parts) > 3 or parts[1:2] not in ([], ["items"]):
-        raise BadRequest("Not Found", 404, code=None)
+    parts = path_parts(path, "items", 3)
     route = ROUTES.get((len(parts), method))
     if route is None:
         raise BadRequest("Method Not Allowed", 405)

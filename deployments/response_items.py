@@ -60,6 +60,20 @@ def content_parts(role: str, content: str | list) -> list[dict]:
     return [{"type": "input_text", "text": content}]
 
 
+def encoded(items: list[dict], param: str = "items") -> tuple[tuple[str, bytes], ...]:
+    """The items as kept; BadRequest naming `param`[i] for one that UTF-8 cannot encode (JSON
+    may carry a lone surrogate, "\\ud800", where no tokenizer reads it: a reasoning item's,
+    an unread field's)."""
+    kept = []
+    for index, item in enumerate(items):
+        try:
+            kept.append((item["id"], json.dumps(item, ensure_ascii=False).encode()))
+        except UnicodeEncodeError:
+            raise BadRequest(f"{param}[{index}]: contains text that is not valid Unicode (a "
+                             "lone surrogate?)", param=f"{param}[{index}]") from None
+    return tuple(kept)
+
+
 def request_items(given: str | list, earlier: list[dict]) -> list[dict]:
     """The items a Response is stored with: the `earlier` ones (its previous Response's,
     continued), then its input's; BadRequest naming an input item whose id is already
@@ -73,11 +87,7 @@ def request_items(given: str | list, earlier: list[dict]) -> list[dict]:
             raise BadRequest(f"Duplicate item found with id {item['id']}. Remove duplicate "
                              "items from your input and try again.", param=f"input[{index}].id")
         seen.add(item["id"])
-        try:
-            json.dumps(item, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise BadRequest(f"input[{index}] contains text that is not valid Unicode (a lone "
-                             "surrogate?)", param=f"input[{index}]") from None
+    encoded(items, "input")
     return [*earlier, *items]
 
 

@@ -20,8 +20,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 from pydantic import model_validator
 
-from deployments.conversation_store import Refusal, read
-from deployments.conversations import MetadataBody, checked_metadata
+from deployments.conversation_store import Refusal, entry_edited, read
+from deployments.conversations import MetadataBody, checked_metadata, path_parts
 from deployments.ingress import BadRequest, error_response, parse
 from deployments.openai_api import ChatCompletionRequest
 from deployments.tools import FieldError
@@ -207,14 +207,8 @@ def not_found(completion_id: str) -> BadRequest:
 
 
 async def edited(store: ResponseStore, completion_id: str, change, *args):
-    done = await store.edit(completion_id, StoredChat, change, *args)
-    if done is None:
-        raise not_found(completion_id)
-    answer, kept_change = done
-    if not kept_change:
-        raise BadRequest("the chat completion, so changed, would be larger than the response "
-                         "store holds (its max_bytes): not changed")
-    return answer
+    return await entry_edited(store, completion_id, StoredChat, not_found(completion_id),
+                              "chat completion", change, *args)
 
 
 async def listed(request, store: ResponseStore) -> Response:
@@ -271,9 +265,6 @@ async def chats_route(request, path: str, store: ResponseStore | None,
     try:
         if store is None:
             raise BadRequest(OFF, 404, code=None)
-        parts = [] if path == "" else path.split("/")[1:] if path.startswith("/") else None
-        if parts is None or "" in parts or len(parts) > 2 or parts[1:] not in ([], ["messages"]):
-            raise BadRequest("Not Found", 404, code=None)
-        return await route(request, store, max_bytes, parts)
+        return await route(request, store, max_bytes, path_parts(path, "messages", 2))
     except BadRequest as error:
         return error_response(error)

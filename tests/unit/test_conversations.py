@@ -296,7 +296,8 @@ def test_the_actor_edits_a_conversation_in_one_call_its_change_carried_by_name()
     """ActorStore's edit: one call of the actor (its class in this process), whose arguments
     (the entry's type, the change, its items) travel pickled, as Ray carries them; an actor
     of an older router, without edit, is a 503 saying so."""
-    from deployments.conversation_store import appended, edited, encoded, read
+    from deployments.conversation_store import appended, edited, read
+    from deployments.response_items import encoded
     from deployments.ingress import BadRequest
     from tests.unit.test_background_ends import older_store
 
