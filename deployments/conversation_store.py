@@ -93,12 +93,20 @@ def not_found(conversation_id: str, param: str = "conversation_id") -> BadReques
                       param=param, code=None)
 
 
+def too_large(what: str, max_bytes: int, param: str | None) -> BadRequest:
+    """The 400 of `what` a client asked to store, larger than the response store holds (its
+    bound named), naming `param`: what the client gave that made it so."""
+    named = "" if param is None else f"Invalid '{param}': "
+    return BadRequest(f"{named}{what} would be larger than the response store holds "
+                      f"({max_bytes} bytes: its max_bytes)", param=param)
+
+
 async def entry_edited(store: ResponseStore, key: str, kind: type, missing: BadRequest,
-                       noun: str, change, *args):
+                       noun: str, change, *args, field: str | None = None):
     """The answer of `change` made to the stored entry `key` of type `kind` (a conversation,
     a stored chat completion); BadRequest: `missing` where it is not stored, the change's
-    refusal, or a 400 where the `noun`, so changed, would outgrow the store (nothing
-    changed)."""
+    refusal, or a 400 naming `field` (what the change brings) where the `noun`, so changed,
+    would outgrow the store (nothing changed)."""
     done = await store.edit(key, kind, change, *args)
     if done is None:
         raise missing
@@ -106,14 +114,14 @@ async def entry_edited(store: ResponseStore, key: str, kind: type, missing: BadR
     if isinstance(answer, Refusal):
         raise BadRequest(answer.message, answer.status, answer.param,
                          code=None if answer.status == 404 else ...)
-    if not kept:
-        raise BadRequest(f"the {noun}, so changed, would be larger than the response store "
-                         "holds (its max_bytes): not changed")
+    if not kept:  # (nothing changed)
+        raise too_large(f"the {noun}, so changed,", store.max_bytes, field)
     return answer
 
 
 async def edited(store: ResponseStore, conversation_id: str, change, *args,
-                 param: str = "conversation_id"):
+                 param: str = "conversation_id", field: str | None = None):
     """entry_edited of the stored conversation, a 404 naming `param` where it is not."""
     return await entry_edited(store, conversation_id, StoredConversation,
-                              not_found(conversation_id, param), "conversation", change, *args)
+                              not_found(conversation_id, param), "conversation", change, *args,
+                              field=field)

@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, field_validator
@@ -34,6 +35,7 @@ from deployments.conversation_store import (
     item_deleted,
     item_not_found,
     read,
+    too_large,
     updated,
 )
 from deployments.ingress import BadRequest, error_response, parse
@@ -128,13 +130,16 @@ async def created(asked: Asked) -> Response:
                     "created_at": int(time.time()), "metadata": body.metadata or {}}
     entry = StoredConversation(json.dumps(conversation, ensure_ascii=False).encode(),
                                encoded(items))
+    nbytes = len(conversation["id"]) + entry.nbytes  # as the store counts it
+    if nbytes > asked.store.max_bytes:  # the client's: a 400, not the store's 503
+        raise too_large(f"the conversation ({nbytes} bytes)", asked.store.max_bytes,
+                        "items" if items else "metadata")
     await asked.store.put(conversation["id"], entry)
-    try:  # (put keeps no answer: an entry past max_bytes, or an unreachable store, logged)
+    try:  # (put keeps no answer: an unreachable store, logged)
         await edited(asked.store, conversation["id"], read)
     except BadRequest:
-        raise BadRequest("the conversation was not stored: it is larger than the response "
-                         "store holds (its max_bytes), or the store could not be reached",
-                         503) from None
+        raise BadRequest("the conversation was not stored: the response store could not be "
+                         "reached", 503) from None
     return JSONResponse(conversation)
 
 
@@ -146,7 +151,7 @@ async def retrieved(asked: Asked, conversation_id: str) -> Response:
 async def metadata_updated(asked: Asked, conversation_id: str) -> Response:
     body = await asked.body(MetadataBody)
     return JSONResponse(await edited(asked.store, conversation_id, updated,
-                                     body.metadata or {}))
+                                     body.metadata or {}, field="metadata"))
 
 
 async def removed(asked: Asked, conversation_id: str) -> Response:
@@ -178,7 +183,8 @@ async def added(asked: Asked, conversation_id: str) -> Response:
     if not body.items:
         raise BadRequest("Invalid 'items': expected at least one item.", param="items")
     items = checked_items(body.items)
-    await edited(asked.store, conversation_id, appended, encoded(items), "items")
+    await edited(asked.store, conversation_id, appended, encoded(items), "items",
+                 field="items")
     return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"],
                          "last_id": items[-1]["id"], "has_more": False})
 
@@ -202,19 +208,36 @@ ROUTES = {(0, "POST"): created, (1, "GET"): retrieved, (1, "POST"): metadata_upd
           (3, "GET"): item, (3, "DELETE"): item_removed}
 
 
-def path_parts(path: str, below: str, most: int) -> list[str]:
+def raw_segments(path: str, raw: bytes | None, most: int) -> list[str] | None:
+    """The catch-all `path`'s segments as the request's raw path (ASGI's raw_path) spells
+    them, each percent-decoded on its own, so that an id may hold "/" (sent as %2F): the
+    raw path's last segments (at most `most`) whose decoding is `path`; None where there is
+    no raw path or none such (Serve's route prefix is in the raw path, before them)."""
+    spelt = [] if raw is None else raw.decode("latin-1").split("/")
+    for count in range(min(most, len(spelt) - 1) + 1):
+        segments = [unquote(text) for text in spelt[len(spelt) - count:]] if count else []
+        if "".join(f"/{segment}" for segment in segments) == path:
+            return segments
+    return None
+
+
+def path_parts(path: str, below: str, most: int, raw: bytes | None = None) -> list[str]:
     """The segments of a catch-all route's path ("", or /{id}, /{id}/`below`...), at most
-    `most` of them; 404 for another path."""
-    parts = [] if path == "" else path.split("/")[1:] if path.startswith("/") else None
+    `most` of them, split where the raw path (`raw`) has "/" (raw_segments); 404 for
+    another path."""
+    parts = raw_segments(path, raw, most)
+    if parts is None:
+        parts = [] if path == "" else path.split("/")[1:] if path.startswith("/") else None
     if parts is None or "" in parts or len(parts) > most or parts[1:2] not in ([], [below]):
         raise BadRequest("Not Found", 404, code=None)
     return parts
 
 
-def routed(method: str, path: str) -> tuple:
+def routed(method: str, path: str, raw: bytes | None = None) -> tuple:
     """(the route, its ids) of a path after /v1/conversations: "", /{id}, /{id}/items or
-    /{id}/items/{item_id}; 404 for another, 405 for another method."""
-    parts = path_parts(path, "items", 3)
+    /{id}/items/{item_id} (an id percent-encoded: `raw`, the request's raw path); 404 for
+    another, 405 for another method."""
+    parts = path_parts(path, "items", 3, raw)
     route = ROUTES.get((len(parts), method))
     if route is None:
         raise BadRequest("Method Not Allowed", 405)
@@ -229,7 +252,7 @@ async def conversations_route(request, path: str, store: ResponseStore | None,
     try:
         if store is None:
             raise BadRequest(OFF, 404, code=None)
-        route, ids = routed(request.method, path)
+        route, ids = routed(request.method, path, request.scope.get("raw_path"))
         return await route(Asked(request, store, max_bytes), *ids)
     except BadRequest as error:
         return error_response(error)

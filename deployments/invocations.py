@@ -1,9 +1,12 @@
 """vLLM's SageMaker routes: `GET`/`POST /ping`, the health check a SageMaker endpoint polls
 (the router's /health), and `POST /invocations`, a chat or a completion by its body (vLLM's
-vllm/entrypoints/sagemaker: its dispatch tries the chat's schema, then the completion's)."""
+vllm/entrypoints/sagemaker: its dispatch tries the chat's schema, then the completion's, and
+serves the body with that route's own handler: a chat as /v1/chat/completions serves it,
+its `store` and `metadata` read: deployments.stored_chats)."""
 
 from deployments.ingress import BadRequest
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.openai_api import CompletionRequest
+from deployments.stored_chats import StoredChatRequest
 
 # vLLM's refusal of a body that is neither (the request types it tries, in its order)
 NO_HANDLER = ("Cannot find suitable handler for request. Expected one of: "
@@ -18,7 +21,7 @@ class InvocationRequest:
     @staticmethod
     def model_validate(data):
         if isinstance(data, dict) and "messages" in data:
-            return ChatCompletionRequest.model_validate(data)
+            return StoredChatRequest.model_validate(data)
         if isinstance(data, dict) and "prompt" in data:
             return CompletionRequest.model_validate(data)
         raise BadRequest(NO_HANDLER)

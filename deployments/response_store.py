@@ -85,6 +85,8 @@ class EventLog:
 
 
 class ResponseStore(Protocol):
+    max_bytes: int  # the most one entry (with its id) may be: the store's bound
+
     async def put(self, response_id: str, stored: StoredResponse) -> None: ...
 
     async def get(self, response_id: str) -> StoredResponse | None: ...
@@ -236,6 +238,10 @@ class LocalStore:
     def __init__(self, store: BoundedStore) -> None:
         self.store = store
 
+    @property
+    def max_bytes(self) -> int:
+        return self.store.max_bytes
+
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         self.store.put(response_id, stored)
 
@@ -307,7 +313,7 @@ class ActorStore:
     loop, and a call that finds the actor gone looks it up again next time."""
 
     def __init__(self, name: str, max_entries: int, max_bytes: int, ttl_s: float) -> None:
-        self.name, self.bounds = name, (max_entries, max_bytes, ttl_s)
+        self.name, self.bounds, self.max_bytes = name, (max_entries, max_bytes, ttl_s), max_bytes
         self.handle: asyncio.Future | None = None  # the actor's, once looked up
 
     def created(self):

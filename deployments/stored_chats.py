@@ -36,10 +36,11 @@ OFF = ("stored chat completions are off: the router's responses_store keeps them
 
 
 class StoredChatRequest(ChatCompletionRequest):
-    """A chat asked on /v1/chat/completions: OpenAI's `store` and `metadata` read (the
-    chats a Responses request or /invocations makes store nothing). The metadata of a chat
-    not stored is taken and unused, whatever it holds (as vLLM takes it); a stored one's
-    is OpenAI's: string pairs within its bounds (a 400 naming `metadata`)."""
+    """A chat asked on /v1/chat/completions (or /invocations, which serves a chat as it
+    does): OpenAI's `store` and `metadata` read (the chats a Responses request makes store
+    nothing). The metadata of a chat not stored is taken and unused, whatever it holds (as
+    vLLM takes it); a stored one's is OpenAI's: string pairs within its bounds (a 400 naming
+    `metadata`)."""
 
     store: bool | None = None
     metadata: Any = None
@@ -206,9 +207,10 @@ def not_found(completion_id: str) -> BadRequest:
                       param="completion_id", code=None)
 
 
-async def edited(store: ResponseStore, completion_id: str, change, *args):
+async def edited(store: ResponseStore, completion_id: str, change, *args,
+                 field: str | None = None):
     return await entry_edited(store, completion_id, StoredChat, not_found(completion_id),
-                              "chat completion", change, *args)
+                              "chat completion", change, *args, field=field)
 
 
 async def listed(request, store: ResponseStore) -> Response:
@@ -253,7 +255,8 @@ async def route(request, store: ResponseStore, max_bytes: int, parts: list[str])
         return Response(entry.completion, media_type="application/json")
     if method == "POST":
         body = await parse(request, MetadataBody, max_bytes)
-        return JSONResponse(await edited(store, completion_id, updated, body.metadata or {}))
+        return JSONResponse(await edited(store, completion_id, updated, body.metadata or {},
+                                         field="metadata"))
     return JSONResponse(await edited(store, completion_id, deleted))
 
 
@@ -265,6 +268,7 @@ async def chats_route(request, path: str, store: ResponseStore | None,
     try:
         if store is None:
             raise BadRequest(OFF, 404, code=None)
-        return await route(request, store, max_bytes, path_parts(path, "messages", 2))
+        parts = path_parts(path, "messages", 2, request.scope.get("raw_path"))
+        return await route(request, store, max_bytes, parts)
     except BadRequest as error:
         return error_response(error)

@@ -104,7 +104,7 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     """The /limited router's Responses store (a Ray actor): a turn continued by its id holds
     the first exchange in its prompt; GET answers the stored Response, input_items its
     context's items a page at a time; a conversation's turn sees its items and is added to
-    it; truncation auto fits a conversation past the context; a chat asked to be stored is
+    it, an item whose id holds "/" read on its own; truncation auto fits a conversation past the context; a chat asked to be stored is
     retrieved, listed, its messages listed and deleted; an unknown id is vLLM's 404."""
     import openai
 
@@ -121,8 +121,8 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     items = list(client.responses.input_items.list(second.id, order="asc", limit=1))
     assert [item.type for item in items] == ["message", "message", "message"]  # paged by 1
     assert items[0].content[0].text == "write a loop" and items[1].id == first.output[0].id
-    conversation = client.conversations.create(items=[
-        {"type": "message", "role": "user", "content": "write a loop"}])
+    conversation = client.conversations.create(items=[  # an id of the client's, with a "/"
+        {"type": "message", "role": "user", "content": "write a loop", "id": "msg_own/1"}])
     turn = client.responses.create(model="specserve-demo", input="and another",
                                    conversation=conversation.id, max_output_tokens=8,
                                    temperature=0)
@@ -132,6 +132,8 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
     listed = list(client.conversations.items.list(conversation.id, order="asc"))
     assert [item.type for item in listed] == ["message"] * 3  # its turn added at its end
     assert listed[-1].id == turn.output[0].id
+    own = client.conversations.items.retrieve("msg_own/1", conversation_id=conversation.id)
+    assert own.content[0].text == "write a loop"  # (its path's id sent as msg_own%2F1)
     client.conversations.delete(conversation.id)
     long = [{"role": role, "content": f"value_{i} = {i}\n" * 300}
             for i, role in enumerate(["user", "assistant"] * 3)]

@@ -6,9 +6,11 @@ at its end); two replicas adding to one conversation at once; the refusals, each
 
 import asyncio
 import json
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
 from openai.types.conversations import (
     Conversation,
     ConversationDeletedResource,
@@ -17,8 +19,9 @@ from openai.types.conversations import (
 from openai.types.responses import Response
 
 from deployments.conversation_store import MAX_ITEMS, StoredConversation
+from deployments.conversations import CONVERSATIONS_PATH, METHODS, path_parts
 from deployments.openai_api import ChatCompletionRequest
-from deployments.response_store import LocalStore
+from deployments.response_store import BoundedStore, LocalStore
 from deployments.router import Router
 from tests.unit.test_background_responses import TEXT, call, ended, in_process_store, post, replica
 from tests.unit.test_response_store import Served, reader  # noqa: F401 (a fixture)
@@ -41,6 +44,18 @@ async def route(router, method: str, path: str = "", body=None, headers=(),
 
 def routed(router, method: str, path: str = "", body=None, **query) -> tuple[int, dict]:
     return asyncio.run(route(router, method, path, body, **query))
+
+
+def client(router) -> TestClient:
+    """A client of the router's conversation routes through Starlette's routing: the path
+    decoded, the raw path kept (ASGI's raw_path, as uvicorn and Serve's proxy pass it)."""
+    app = FastAPI()
+
+    @app.api_route(CONVERSATIONS_PATH, methods=METHODS)
+    async def conversations(path: str, request: Request):
+        return await Router.conversations(router, path, request)
+
+    return TestClient(app)
 
 
 def texts(page: dict) -> list[str]:
@@ -135,6 +150,50 @@ def test_refusals_name_their_field():
         status, missing = routed(router, method, path, {"items": TURN})
         assert status == 404 and missing["error"]["param"] == param, path
     assert routed(router, "PUT", f"/{made['id']}")[0] == 405
+
+
+def test_an_item_id_holding_a_slash_is_read_and_deleted_percent_encoded():
+    """A client's item id may hold "/" (listed as it is): read and deleted by its segment
+    percent-encoded (quote(id, safe="")), the raw path split, each segment decoded on its
+    own; so behind a route prefix (Serve's: in the raw path, not in the route's path)."""
+    http = client(replica(in_process_store()))
+    given = "msg_a/b c"  # (not "%": TestClient decodes its path twice, uvicorn once)
+    made = http.post("/v1/conversations", json={"items": [{**TURN[1], "id": given}]}).json()
+    conversation = f"/v1/conversations/{quote(made['id'], safe='')}"
+    assert http.get(conversation).json() == made
+    items = f"{conversation}/items"
+    assert [item["id"] for item in http.get(items).json()["data"]] == [given]
+    one = f"{items}/{quote(given, safe='')}"
+    answer = http.get(one)
+    assert answer.status_code == 200 and answer.json()["id"] == given
+    assert http.get(f"{items}/msg_a/b").status_code == 404  # not encoded: another path
+    assert http.delete(one).json() == made and http.get(one).status_code == 404
+    assert http.get(items).json()["data"] == []
+    raw = b"/app/v1/conversations/conv_a/items/a%2Fb"
+    assert path_parts("/conv_a/items/a/b", "items", 3, raw) == ["conv_a", "items", "a/b"]
+
+
+def test_a_conversation_too_large_for_the_store_is_a_400_naming_its_bound():
+    """The client's items (or metadata) past the store's max_bytes: a 400 naming them and
+    the bound, nothing stored or changed (not the 503 of a store that cannot be reached)."""
+    store = LocalStore(BoundedStore(100, 4096, 60))
+    router = replica(store)
+    large = [{"role": "user", "content": "x" * 5000}]
+    status, refused = routed(router, "POST", body={"items": large})
+    assert status == 400 and refused["error"]["param"] == "items"
+    assert "(4096 bytes: its max_bytes)" in refused["error"]["message"]
+    assert len(store.store.entries) == 0
+    _, made = routed(router, "POST", body={"items": TURN})
+    items = f"/{made['id']}/items"
+    status, refused = routed(router, "POST", items, {"items": large})
+    assert status == 400 and refused["error"]["param"] == "items"
+    assert "(4096 bytes: its max_bytes)" in refused["error"]["message"]
+    routed(router, "POST", items, {"items": [{"role": "user", "content": "y" * 1000}] * 3})
+    metadata = {f"k{i}": "v" * 512 for i in range(16)}
+    status, refused = routed(router, "POST", f"/{made['id']}", {"metadata": metadata})
+    assert status == 400 and refused["error"]["param"] == "metadata"
+    assert routed(router, "GET", f"/{made['id']}") == (200, made)
+    assert len(routed(router, "GET", items)[1]["data"]) == 5
 
 
 def test_text_utf8_cannot_encode_is_a_400_naming_it_not_a_500(reader):

@@ -80,3 +80,22 @@ def test_an_answer_names_the_first_served_name_whichever_the_request_gave(named)
     assert status == 200 and answer["model"] == "first"
     status, answer = invoked({**body, "model": "third"}, router)
     assert status == 404 and answer["error"]["param"] == "model"
+
+
+def test_an_invoked_chat_with_store_is_stored_as_on_its_own_route():
+    """vLLM's /invocations serves a chat with /v1/chat/completions' own handler: `store` and
+    `metadata` read as there (deployments.stored_chats), a bad metadata its 400."""
+    from tests.unit.test_background_responses import in_process_store
+    from tests.unit.test_stored_chats import chat_router, routed
+
+    router = chat_router(in_process_store())
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    status, answer = invoked({**body, "store": True, "metadata": {"topic": "geo"}}, router)
+    assert status == 200 and answer["object"] == "chat.completion"
+    status, listed = routed(router, "GET")
+    assert [c["id"] for c in listed["data"]] == [answer["id"]]
+    assert listed["data"][0]["metadata"] == {"topic": "geo"}
+    assert invoked(body, router)[0] == 200  # not asked to be: not stored
+    assert len(routed(router, "GET")[1]["data"]) == 1
+    status, refused = invoked({**body, "store": True, "metadata": {"k": 1}}, router)
+    assert status == 400 and refused["error"]["param"] == "metadata"

@@ -175,6 +175,40 @@ def test_the_store_bounds_them_and_reads_them_only_as_their_own_kind():
     assert routed(router, "GET")[1]["data"] == []
 
 
+def test_a_chat_too_large_to_store_is_answered_unstored_and_metadata_past_it_a_400():
+    """A completion past the store's max_bytes still goes out (its storing is the server's
+    to fail, logged); a metadata update that would take one past it is the client's: a 400
+    naming `metadata` and the bound, nothing changed."""
+    store = LocalStore(BoundedStore(100, 1 << 20, 60))
+    router = chat_router(store)
+    kept = chatted(router, store=True)[1]
+    store.store.max_bytes = bound = store.store.nbytes + 100  # room for little more
+    metadata = {f"k{i}": "v" * 512 for i in range(16)}
+    status, answer = chatted(router, store=True, metadata=metadata)
+    assert status == 200 and answer["choices"][0]["message"]["content"] == TEXT
+    assert routed(router, "GET", f"/{answer['id']}")[0] == 404
+    status, refused = routed(router, "POST", f"/{kept['id']}", {"metadata": metadata})
+    assert status == 400 and refused["error"]["param"] == "metadata"
+    assert f"({bound} bytes: its max_bytes)" in refused["error"]["message"]
+    assert routed(router, "GET", f"/{kept['id']}")[1]["metadata"] == {}
+
+
+def test_a_stored_chats_id_is_read_percent_encoded_as_a_conversations_is():
+    """Its route's path split where the raw path has "/" (conversations.path_parts)."""
+    from deployments.conversations import path_parts
+
+    raw = b"/app/v1/chat/completions/chatcmpl-a%2Fb/messages"
+    assert path_parts("/chatcmpl-a/b/messages", "messages", 2, raw) == ["chatcmpl-a/b",
+                                                                         "messages"]
+    router = chat_router(in_process_store())
+    answer_id = chatted(router, store=True)[1]["id"]
+    request = posted({})
+    request.scope.update(method="GET", query_string=b"",
+                         raw_path=f"/v1/chat/completions/{answer_id}/messages".encode())
+    answer = asyncio.run(Router.stored_chats(router, f"/{answer_id}/messages", request))
+    assert answer.status_code == 200 and len(json.loads(answer.body)["data"]) == 2
+
+
 def test_the_refusals_are_named_and_without_a_store_it_is_off():
     router = chat_router(in_process_store())
     answer_id = chatted(router, store=True)[1]["id"]
