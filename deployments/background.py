@@ -149,14 +149,20 @@ class BackgroundRuns:
         response_id, kept = shape.response_id, self.kept(shape, response)
         try:
             if await self.store.replace(response_id, kept):
+                self.settled(response_id, response["status"])
                 await shape.ended(response)  # (its conversation's turn added at its end)
-            else:  # ended, gone or too large
-                await self.store.replace(response_id, self.kept(shape, failed(shape, ValueError(
+            elif await self.store.replace(response_id, self.kept(shape, failed(shape, ValueError(
                     f"the response ({kept.nbytes} bytes with its conversation) is too large "
-                    "to store: larger than the response store's max_bytes"))))
+                    "to store: larger than the response store's max_bytes")))):
+                self.settled(response_id, "failed")  # (else a cancel or DELETE came first)
         except BadRequest as error:  # the store unreachable: a GET reads it running
             logger.warning("background response %s: its end not stored: %s", response_id,
                            error)
+
+    def settled(self, response_id: str, status: str) -> None:
+        """Its stream's feed told the status it stored: the POST's stream ends with it."""
+        if (feed := self.feeds.get(response_id)) is not None:
+            feed.settled = status
 
     async def begun(self, shape: AsResponse) -> None:
         """Admitted: stored `in_progress` (unless cancelled meanwhile)."""

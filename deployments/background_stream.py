@@ -3,13 +3,16 @@ POST answers the events a foreground stream sends (its Response `queued` first, 
 `response.queued`, `response.in_progress` once admitted), while its task runs as any
 background Response's (deployments.background). The task keeps every event for the POST's
 client, which may leave (the task goes on), and appends them to the response store in
-batches (at most one store call per FLUSH_S), so that `GET /v1/responses/{id}?stream=true
-&starting_after=N` on any replica replays those after N and follows the rest, reading the
-store every FOLLOW_S, until the Response's last event. A Response that ended without one
-(cancelled, failed, its replica shut down) ends its stream with `response.<status>` and the
-stored Response (`response.cancelled`: specserve's; OpenAI names no event for a cancel).
-Events the store could not keep (past its max_bytes) end a follower's stream with an
-`error` event saying so; the Response itself is still stored as it ends.
+batches (at most one store call per FLUSH_S; a store that cannot be reached tried again,
+less often), so that `GET /v1/responses/{id}?stream=true&starting_after=N` on any replica
+replays those after N and follows the rest, reading the store every FOLLOW_S, until the
+Response's last event, sent once its end is stored. A Response whose stored end is not its
+last event's (it ended without one: cancelled, failed, its replica shut down; or a cancel
+landed between its last event and its end) ends its stream with `response.<status>` and the
+stored Response, as GET reads it (`response.cancelled`: specserve's; OpenAI names no event
+for a cancel). Events the store could not keep (past its max_bytes, or given up while it
+could not be reached) end a follower's stream with an `error` event saying so; the Response
+itself is still stored as it ends.
 """
 
 import asyncio
@@ -22,6 +25,8 @@ from deployments.ingress import BadRequest, ReleasingStream, error_response
 from deployments.response_store import (
     FINAL_EVENTS,
     RUNNING,
+    STORE_TIMEOUT_S,
+    Outdated,
     ResponseStore,
     StoredEvents,
     not_found,
@@ -34,8 +39,15 @@ from deployments.responses_events import ResponseStream, sse_event
 FLUSH_S = 0.05
 # how often a follower (GET with stream) reads the store for new events
 FOLLOW_S = 0.1
+# the longest wait before an unreachable store is tried again with a Response's events
+RETRY_S = 1.0
+# the ends a stream's last event tells (response.<status>): the others' streams have none
+CLOSED = ("completed", "incomplete")
 DROPPED = ("its stream's events outgrew the response store's max_bytes and were dropped: "
            "GET /v1/responses/{id} without stream reads the Response once it ends")
+UNSTORED = ("its stream's events after sequence number {after} were not stored (the response "
+            "store could not be reached): GET /v1/responses/{id} without stream reads the "
+            "Response whole")
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +57,18 @@ def last(text: str) -> bool:
     return text.startswith(FINAL_EVENTS)
 
 
+def ends(text: str, status: str | None) -> bool:
+    """Whether a last event's text is the Response's end with `status`."""
+    return text.startswith(f"event: response.{status}\n")
+
+
 class EventFeed:
     """A streamed background Response's events as its task makes them (`stream` numbers
     them): all kept here for the POST's client, and appended to the store in order, those
-    made within FLUSH_S of each other in one call, until the store keeps no more."""
+    made within FLUSH_S of each other in one call, until the store refuses them. A store
+    that cannot be reached is tried again at the next flush, each wait twice the last (at
+    most RETRY_S), the events kept in order (append skips those a call that timed out
+    stored after all); at the task's end they wait at most STORE_TIMEOUT_S for it."""
 
     def __init__(self, store: ResponseStore, stream: ResponseStream,
                  flush_s: float = FLUSH_S) -> None:
@@ -56,49 +76,72 @@ class EventFeed:
         self.response_id = stream.shape.response_id
         self.texts: list[str] = []
         self.stored = 0  # how many of them the store holds
-        self.kept = True  # False: the store took no more (ended, gone, dropped, unreachable)
+        self.kept = True  # False: the store takes no more (ended, gone, dropped, outdated)
+        self.wait_s = flush_s  # the next flush's wait (longer while the store is away)
         self.flushing: asyncio.Future | None = None  # the appends under way
         self.changed = asyncio.Event()  # new events, or the task's end
         self.done = False  # the task ended: no more events
+        self.settled: str | None = None  # the status its task stored as its end
 
     async def opened(self) -> None:
         """Its opening events made and stored with its queued state, before the POST's
-        answer: a GET with stream right after it finds the Response streamed."""
+        answer: a GET with stream right after it finds the Response streamed (the store
+        unreachable: they are flushed later)."""
         self.texts = self.stream.queued()
         self.changed.set()
         await self.append(self.texts)
+        self.flushes()
 
     def add(self, texts: list[str]) -> None:
         self.texts += texts
         self.changed.set()
-        if self.flushing is None and self.kept:
+        self.flushes()
+
+    def flushes(self) -> None:
+        """The unstored events' flush started, unless one runs or the store takes none."""
+        if self.flushing is None and self.kept and self.stored < len(self.texts):
             self.flushing = asyncio.ensure_future(self.flush())
 
     async def flush(self) -> None:
-        """The events not yet stored appended, each call FLUSH_S after the last, one at a
+        """The events not yet stored appended, each call wait_s after the last, one at a
         time (the next ones follow the store's count)."""
         try:
             while self.kept and self.stored < len(self.texts):
-                await asyncio.sleep(self.flush_s)
+                await asyncio.sleep(self.wait_s)
                 await self.append(self.texts[self.stored:])
         finally:
             self.flushing = None
 
     async def append(self, texts: list[str]) -> None:
-        """The next events appended to the store (once it refuses, or cannot be reached,
-        none after: logged)."""
+        """The next events appended to the store: once it refuses them (or its actor is an
+        older router's), none after; unreachable, tried again later (logged)."""
         try:
             self.kept = await self.store.append(self.response_id, self.stored, texts)
-        except BadRequest as error:  # unreachable, or an older router's actor
+        except Outdated as error:
             logger.warning("background response %s: its events not stored: %s",
                            self.response_id, error)
             self.kept = False
+        except BadRequest as error:  # unreachable: the next flush tries again, later
+            self.wait_s = min(2 * self.wait_s, RETRY_S)
+            logger.warning("background response %s: its events not stored yet (again in "
+                           "%.2f s): %s", self.response_id, self.wait_s, error)
+            return
+        self.wait_s = self.flush_s
         self.stored += len(texts) if self.kept else 0
 
     async def flushed(self) -> None:
-        """Every event made so far stored (or the store took no more)."""
-        if self.flushing is not None:
-            await self.flushing
+        """Every event made so far stored, or the store takes no more, or it could not be
+        reached for STORE_TIMEOUT_S: the rest given up (a follower's stream then ends with
+        an error event saying so)."""
+        if (flushing := self.flushing) is None:
+            return
+        if (await asyncio.wait({flushing}, timeout=STORE_TIMEOUT_S))[0]:
+            flushing.result()  # (a bug's error raised here)
+            return
+        logger.warning("background response %s: its events from %d on not stored: the "
+                       "response store is unavailable", self.response_id, self.stored)
+        flushing.cancel()
+        self.kept = False
 
     def stop(self) -> None:
         """The task's end: no more events, nor appends."""
@@ -127,20 +170,22 @@ class EventFeed:
 
     async def live(self):
         """The POST's stream: the events as the task makes them, the last once its task
-        ended (its end stored: a GET then reads it, as after a foreground stream); after an
-        end without one (cancelled, failed), the stored Response's (ended_event)."""
+        ended with it stored as its end (a GET then reads it, as after a foreground
+        stream); else (cancelled, failed, its end not stored: a cancel landed between its
+        last event and its end) the stored Response's (ended_event), as GET reads it."""
         after = -1
         while True:
-            while after + 1 < len(self.texts) and (self.done or not last(self.texts[after + 1])):
+            while after + 1 < len(self.texts) and not last(self.texts[after + 1]):
                 after += 1
                 yield self.texts[after]
-                if last(self.texts[after]):
-                    return
             if self.done:
                 break
             self.changed.clear()
             await self.changed.wait()
-        yield await ended_event(self.store, self.response_id, after + 1)
+        if after + 1 < len(self.texts) and ends(self.texts[after + 1], self.settled):
+            yield self.texts[after + 1]
+        else:
+            yield await ended_event(self.store, self.response_id, after + 1)
 
 
 def error_event(sequence: int, message: str) -> str:
@@ -148,8 +193,9 @@ def error_event(sequence: int, message: str) -> str:
 
 
 async def ended_event(store: ResponseStore, response_id: str, sequence: int) -> str:
-    """A Response's stream's last event when its events have none: `response.<status>`
-    with the stored Response; an `error` event when it is gone or cannot be read."""
+    """A Response's stream's last event when its events have none, or not the stored end:
+    `response.<status>` with the stored Response; an `error` event when it is gone or
+    cannot be read."""
     try:
         whole = await store.get(response_id)
     except BadRequest as error:
@@ -166,9 +212,9 @@ async def ended_event(store: ResponseStore, response_id: str, sequence: int) -> 
 async def followed(store: ResponseStore, response_id: str, after: int,
                    follow_s: float = FOLLOW_S):
     """A stored stream's events after sequence number `after`, read every `follow_s` until
-    its last, sent once the Response's end is stored (or, the Response ended without it,
-    ended_event's); an `error` event when it is gone, its events were dropped or the store
-    cannot be read (resume with starting_after)."""
+    its last, sent once the Response's end is stored and is that event's (or else,
+    ended_event's: the stored end); an `error` event when it is gone, its events were
+    dropped or not all stored, or the store cannot be read (resume with starting_after)."""
     while True:
         try:
             found = await store.events(response_id, after)
@@ -181,6 +227,9 @@ async def followed(store: ResponseStore, response_id: str, after: int,
         for text in found.texts:
             if last(text) and found.status in RUNNING:
                 break  # its end not stored yet: sent once it is (as the POST's stream)
+            if last(text) and not ends(text, found.status):  # (a cancel stored first)
+                yield await ended_event(store, response_id, after + 1)
+                return
             after += 1
             yield text
             if last(text):
@@ -189,7 +238,11 @@ async def followed(store: ResponseStore, response_id: str, after: int,
             yield error_event(after + 1, DROPPED.format(id=response_id))
             return
         if found.status not in RUNNING and not found.texts:
-            if not found.ended:  # (its last event sent already, or asked past: none more)
+            if found.ended:  # its last event sent already, or asked past: none more
+                return
+            if found.status in CLOSED:  # its last event (and those before) not stored
+                yield error_event(after + 1, UNSTORED.format(id=response_id, after=after))
+            else:
                 yield await ended_event(store, response_id, after + 1)
             return
         await asyncio.sleep(follow_s)

@@ -191,13 +191,18 @@ class BoundedStore:
     def append(self, response_id: str, first: int, texts: list[str]) -> bool:
         """A running Response's events `first`, `first` + 1, ... kept after those it holds
         (False: none such, not the next ones, or they were dropped: past max_bytes with
-        their Response, they are, and none kept after)."""
+        their Response, they are, and none kept after). Those it holds (a timed-out call
+        landed, then its retry) are skipped: one feed numbers a Response's events, so the
+        same numbers are the same events; of two such calls, in either order, the later
+        adds only what it lacks (True)."""
         found = self.get(response_id)
         if found is None or found.status not in RUNNING:
             return False
         log = self.logs.setdefault(response_id, EventLog())
-        if log.dropped or first != len(log.texts):
+        held = len(log.texts) - first
+        if log.dropped or held < 0 or log.texts[first:first + len(texts)] != texts[:held]:
             return False
+        texts = texts[held:]
         size = sum(len(text.encode()) for text in texts)
         if len(response_id) + found.nbytes + log.nbytes + size > self.max_bytes:
             self.nbytes -= log.drop()
@@ -378,10 +383,14 @@ class ActorStore:
     async def call(self, method: str, *args):
         call = getattr(await self.actor(), method, None)
         if call is None:  # a rolling update: an older router's replica created the actor
-            raise BadRequest(f"the response store ({self.name}) was created by an older "
-                             f"version of the router, without `{method}`: retry once its "
-                             "older replicas are gone", 503)
+            raise Outdated(f"the response store ({self.name}) was created by an older "
+                           f"version of the router, without `{method}`: retry once its "
+                           "older replicas are gone", 503)
         return await call.remote(*args)
+
+
+class Outdated(BadRequest):
+    """A 503: the actor, an older router's, lacks the method (no retry mends it yet)."""
 
 
 def unreachable() -> tuple[type[Exception], ...]:

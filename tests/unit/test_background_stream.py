@@ -270,14 +270,17 @@ def test_events_are_appended_in_batches():
 
 
 def test_the_store_keeps_a_running_responses_events_in_order_within_its_bytes():
-    """BoundedStore: events appended only next and while it runs, counted in its bytes,
-    kept across its states, dropped (none after) past max_bytes, gone with it."""
+    """BoundedStore: events appended only next (those it holds skipped: a retry's) and
+    while it runs, counted in its bytes, kept across its states, dropped (none after) past
+    max_bytes, gone with it."""
     from deployments.response_store import StoredResponse
 
     store = BoundedStore(10, 200, 60)
     store.put("a", StoredResponse(b"q" * 20, b"", "queued"))
-    assert store.append("a", 0, ["e0", "e1"]) and not store.append("a", 1, ["e1"])
-    assert store.append("a", 2, ["e2"]) and store.events("a", 0).texts == ("e1", "e2")
+    assert store.append("a", 0, ["e0", "e1"]) and not store.append("a", 3, ["e3"])
+    assert not store.append("a", 1, ["x1", "e2"])  # not the events it holds
+    assert store.append("a", 1, ["e1", "e2"]) and store.events("a", 0).texts == ("e1", "e2")
+    assert store.append("a", 0, ["e0"]) and store.events("a", -1).texts == ("e0", "e1", "e2")
     assert store.nbytes == 1 + 20 + 6
     assert store.put("a", StoredResponse(b"c" * 30, b"", "completed"))
     assert store.events("a", -1).texts == ("e0", "e1", "e2") and store.nbytes == 1 + 30 + 6
