@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from deployments.conversation_store import appended, edited, read
 from deployments.ingress import BadRequest
+from deployments.messages_api import MessagesRequest
+from deployments.messages_events import AsMessage, message_shape
 from deployments.response_items import continued, encoded, request_items
 from deployments.response_store import RUNNING, ResponseStore
 from deployments.responses_api import ResponsesRequest, chat_messages
@@ -96,10 +98,13 @@ async def continued_shape(body, model: str, store: ResponseStore | None
     return answer_shape(body, model, store, previous, earlier)
 
 
-async def shaped(body, model: str, store: ResponseStore | None) -> AsAsked | AsResponse:
-    """continued_shape (a chat asked to be stored: stored_chats.stored_shape), a Responses
-    request's conversation read from the store first: 404 naming `conversation` when it is
-    not there (or no longer)."""
+async def shaped(body, model: str, store: ResponseStore | None
+                 ) -> AsAsked | AsResponse | AsMessage:
+    """continued_shape (a chat asked to be stored: stored_chats.stored_shape; a Messages
+    request: deployments.messages_events), a Responses request's conversation read from the
+    store first: 404 naming `conversation` when it is not there (or no longer)."""
+    if isinstance(body, MessagesRequest):
+        return message_shape(body)
     conversation = conversation_id(body) if isinstance(body, ResponsesRequest) else None
     if conversation is None:
         return stored_shape(body, store) or await continued_shape(body, model, store)

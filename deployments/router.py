@@ -7,7 +7,8 @@ key, body, errors: deployments.ingress), the prompt (deployments.prompts), the r
 end shared with the CLI (choices, seeds, K: speculative.frontend), admission
 (deployments.admission) and the fan-out of its choices (deployments.choices); vLLM's
 tokenizer endpoints read prompts as requests do (deployments.tokenize_api), its SageMaker
-routes serve a request by its body (deployments.invocations), and its served names are
+routes serve a request by its body (deployments.invocations), Anthropic's Messages API is a
+chat translated (deployments.messages_api), and its served names are
 deployments.served_models'.
 """
 
@@ -31,20 +32,13 @@ from deployments.choices import Choices
 from deployments.clients import channel_options
 from deployments.conversation_turns import shaped
 from deployments.conversations import CONVERSATIONS_PATH, METHODS, conversations_route
-from deployments.ingress import (
-    BadRequest,
-    ReleasingStream,
-    allow_cross_origin,
-    api_key,
-    error_response,
-    ingress_app,
-    parse,
-    pool_failure,
-    unauthorized,
-)
+from deployments.ingress import (BadRequest, ReleasingStream, allow_cross_origin, api_key,
+                                 error_response, ingress_app, parse, pool_failure, unauthorized)
 from deployments.invocations import InvocationRequest
 from deployments.local_drafters import local_drafters
 from deployments.logprobs import token_bytes_of
+from deployments.messages_api import CountTokensRequest, MessagesRequest, counted
+from deployments.messages_events import anthropic_error, with_api_key
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.pool_handles import pool_clients
@@ -63,15 +57,9 @@ from deployments.served_models import (
     served_tokenizer,
 )
 from deployments.stored_chats import CHATS_PATH, StoredChatRequest, chats_route
-from deployments.tokenize_api import (
-    DetokenizeRequest,
-    TokenizeChat,
-    TokenizeCompletion,
-    TokenizeRequest,
-    detokenized,
-    tokenized,
-    tokenizer_info_answer,
-)
+from deployments.tokenize_api import (DetokenizeRequest, TokenizeChat, TokenizeCompletion,
+                                      TokenizeRequest, detokenized, tokenized,
+                                      tokenizer_info_answer)
 from deployments.tool_parsers import KEPT_TEXTS
 from deployments.tools import ToolUse
 from engine.checkpoint import Checkpoint, check_vocabularies
@@ -83,6 +71,8 @@ from speculative.types import PoolUnavailable
 app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
                                 "/v1/chat/completions": [ChatCompletionRequest],
                                 "/v1/responses": [ResponsesRequest],
+                                "/v1/messages": [MessagesRequest],
+                                "/v1/messages/count_tokens": [CountTokensRequest],
                                 "/tokenize": [TokenizeCompletion, TokenizeChat],
                                 "/detokenize": [DetokenizeRequest],
                                 "/invocations": [ChatCompletionRequest, CompletionRequest]})
@@ -234,6 +224,19 @@ class Router:
         """OpenAI's Responses API, served as the chat it translates to
         (deployments.responses_api)."""
         return await self.serve_request(request, ResponsesRequest)
+
+    @app.post("/v1/messages")
+    async def messages(self, request: Request):
+        """Anthropic's Messages API, served as the chat it translates to
+        (deployments.messages_api), behind the API key (also as x-api-key)."""
+        return anthropic_error(await self.serve_request(with_api_key(request, self.api_key),
+                                                        MessagesRequest))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request):
+        """A Messages request's prompt tokens, counted as /tokenize counts a chat's."""
+        return anthropic_error(await self.serve_tokenizer(
+            with_api_key(request, self.api_key), CountTokensRequest, counted))
 
     @app.get("/v1/responses/{response_id}")
     async def response(self, response_id: str, request: Request):

@@ -161,6 +161,36 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
 
 
 @pytest.mark.slow
+def test_the_messages_api_answers_the_anthropic_client_as_the_chat_does(cluster, limited):
+    """Anthropic's Messages API through the official anthropic client, behind the /limited
+    router's key (as x-api-key too): a greedy message is the same chat's answer, whole and
+    streamed; count_tokens counts its prompt; a wrong key is Anthropic's 401."""
+    import anthropic
+    import openai
+
+    ask = {"model": "specserve-demo", "max_tokens": 8,
+           "messages": [{"role": "user", "content": "write a loop"}]}
+    chat = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY) \
+        .chat.completions.create(**ask, temperature=0)
+    client = anthropic.Anthropic(base_url=cluster.base_url + limited, api_key="unused",
+                                 default_headers={"x-api-key": LIMITED_KEY,
+                                                  "authorization": ""})
+    message = client.messages.create(**ask, extra_body={"temperature": 0})
+    assert message.content[0].text == chat.choices[0].message.content
+    assert (message.usage.input_tokens + message.usage.cache_read_input_tokens,
+            message.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                             chat.usage.completion_tokens)
+    with client.messages.stream(**ask, extra_body={"temperature": 0}) as stream:
+        assert [block.text for block in stream.get_final_message().content] == \
+            [message.content[0].text]
+    counted = client.messages.count_tokens(model=ask["model"], messages=ask["messages"])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=cluster.base_url + limited, api_key="wrong") \
+            .messages.create(**ask)
+
+
+@pytest.mark.slow
 def test_a_background_response_runs_is_retrieved_cancelled_and_deleted(cluster, limited):
     """The /limited router's background Responses through the official client: answered
     queued, then retrieved ended as the foreground answer (greedy); one cancelled

@@ -119,6 +119,8 @@ def test_the_openapi_document_describes_every_body_the_router_parses():
     assert named == {"/v1/completions": ["CompletionRequest"],
                      "/v1/chat/completions": ["ChatCompletionRequest"],
                      "/v1/responses": ["ResponsesRequest"],
+                     "/v1/messages": ["MessagesRequest"],
+                     "/v1/messages/count_tokens": ["CountTokensRequest"],
                      "/tokenize": ["TokenizeCompletion", "TokenizeChat"],
                      "/detokenize": ["DetokenizeRequest"],
                      "/invocations": ["ChatCompletionRequest", "CompletionRequest"]}
