@@ -110,6 +110,11 @@ class Choices:
         return all_or_none(run(index) for index in range(len(self.plan.choices)))
 
     async def complete(self) -> dict:
+        return await self.off_loop(self.whole_body, *await self.finished())
+
+    async def finished(self) -> tuple[list[Generation], list]:
+        """(the choices' generations, the prompts' logprobs or []): whole_body's arguments
+        (a batch of chats reads several: deployments.chat_batch)."""
         async def ignore(generation, delta):
             pass
 
@@ -121,7 +126,7 @@ class Choices:
         finally:
             if self.prompt is not None:
                 self.prompt.cancel()
-        return await self.off_loop(self.whole_body, done, scores)
+        return done, scores
 
     def off_loop(self, work, *args):
         """work(*args) on the render executor: reading a finished output's calls and its

@@ -28,6 +28,7 @@ from deployments.admission import Admission
 from deployments.background import BackgroundRuns, generated
 from deployments.background_stream import retrieved
 from deployments.beams import choices_kind, refuse_unsearched
+from deployments.chat_batch import BATCH_PATH, BatchChatCompletionRequest, ChatBatchRoute
 from deployments.choices import Choices
 from deployments.clients import channel_options
 from deployments.conversation_turns import shaped
@@ -49,13 +50,8 @@ from deployments.reasoning import ReasoningSplit, ThinkTokens, request_split
 from deployments.responses_api import ResponsesRequest
 from deployments.response_items import listed_items
 from deployments.router_args import RouterArgs, response_store, tree_shape
-from deployments.served_models import (
-    card_named,
-    check_model,
-    model_list,
-    served_names,
-    served_tokenizer,
-)
+from deployments.served_models import (card_named, check_model, model_list, served_names,
+                                       served_tokenizer)
 from deployments.stored_chats import CHATS_PATH, StoredChatRequest, chats_route
 from deployments.tokenize_api import (DetokenizeRequest, TokenizeChat, TokenizeCompletion,
                                       TokenizeRequest, detokenized, tokenized,
@@ -70,12 +66,14 @@ from speculative.types import PoolUnavailable
 
 app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
                                 "/v1/chat/completions": [ChatCompletionRequest],
+                                BATCH_PATH: [BatchChatCompletionRequest],
                                 "/v1/responses": [ResponsesRequest],
                                 "/v1/messages": [MessagesRequest],
                                 "/v1/messages/count_tokens": [CountTokensRequest],
                                 "/tokenize": [TokenizeCompletion, TokenizeChat],
                                 "/detokenize": [DetokenizeRequest],
                                 "/invocations": [ChatCompletionRequest, CompletionRequest]})
+app.post(BATCH_PATH)(ChatBatchRoute.chat_completions_batch)  # ahead of CHATS_PATH's (a Router's)
 
 
 # Serve's ingress serialises the app when it decorates the class, so everything it uses must
@@ -83,7 +81,7 @@ app = ingress_app("specserve", {"/v1/completions": [CompletionRequest],
 # deployment is deployments.apps's, by import path (the replica imports this module, an app
 # build does not).
 @serve.ingress(app)
-class Router:
+class Router(ChatBatchRoute):
     def __init__(self, args: RouterArgs) -> None:
         self.args = args
         tokenizer = served_tokenizer(args.model, args.tokenizer)

@@ -118,6 +118,7 @@ def test_the_openapi_document_describes_every_body_the_router_parses():
              for path, body in bodies.items()}
     assert named == {"/v1/completions": ["CompletionRequest"],
                      "/v1/chat/completions": ["ChatCompletionRequest"],
+                     "/v1/chat/completions/batch": ["BatchChatCompletionRequest"],
                      "/v1/responses": ["ResponsesRequest"],
                      "/v1/messages": ["MessagesRequest"],
                      "/v1/messages/count_tokens": ["CountTokensRequest"],
