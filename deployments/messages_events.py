@@ -68,24 +68,37 @@ def message_usage(usage: dict | None) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def stop_of(finish_reason: str | None, stop_reason, called: bool) -> tuple[str, str | None]:
+def stop_of(finish_reason: str | None, stop_reason, called: bool,
+            cut: bool = False) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence), as vLLM maps a chat's end: max_tokens at the length, a
     call's tool_use, the stop string a stop_sequence (a stop token id is none), else
-    end_turn."""
+    end_turn; a stop string wins over a call it `cut` short (which must not run)."""
     if finish_reason == "length":
         return "max_tokens", None
-    if called:
+    if called and not cut:
         return "tool_use", None
     if isinstance(stop_reason, str):
         return "stop_sequence", stop_reason
-    return "end_turn", None
+    return ("tool_use" if called else "end_turn"), None
+
+
+def call_input(call: dict) -> dict | None:
+    """A chat tool call's arguments as a tool_use block's input; None where they are no
+    JSON object: a forced call cut short (by max_tokens or a stop string) has its
+    arguments as far as they came (docs/serving.md), which the block cannot carry."""
+    try:
+        found = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def tool_use(call: dict) -> dict:
-    """A chat tool call as a tool_use block; its id toolu_ (the call's tail, which a
-    template that cuts ids keeps, deployments.chat_messages.with_call_ids_cut)."""
+    """A chat tool call as a tool_use block (a call cut short: its input {}); its id toolu_
+    (the call's tail, which a template that cuts ids keeps,
+    deployments.chat_messages.with_call_ids_cut)."""
     return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
-            "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
+            "name": call["function"]["name"], "input": call_input(call) or {}}
 
 
 def opened(kind: str) -> dict:
@@ -120,8 +133,10 @@ class AsMessage:
         content = [{"type": "thinking", "thinking": message["reasoning"], "signature": ""}] \
             if message.get("reasoning") else []
         content += [{"type": "text", "text": message["content"]}] if message["content"] else []
-        calls = [tool_use(call) for call in message.get("tool_calls") or ()]
-        stop = stop_of(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
+        chat_calls = message.get("tool_calls") or ()
+        calls = [tool_use(call) for call in chat_calls]
+        stop = stop_of(choice["finish_reason"], choice.get("stop_reason"), bool(calls),
+                       any(call_input(call) is None for call in chat_calls))
         return {**self.message(answer["model"], content + calls or [opened("text")], stop,
                                message_usage(answer["usage"])),
                 "speculative": answer["speculative"]}
@@ -163,6 +178,7 @@ class MessageStream:
         self.open: str | None = None  # the type of the block being streamed
         self.end: tuple = (None, None)  # the chat's finish_reason and stop_reason
         self.called = False  # a tool_use block sent
+        self.cut = False  # one of a call cut short (its input {}: call_input)
 
     @staticmethod
     def event(kind: str, **fields) -> str:
@@ -209,14 +225,15 @@ class MessageStream:
 
     def call(self, call: dict) -> list[str]:
         """A tool call (the chat stream sends each whole, at its end): its block's events,
-        its arguments one input_json_delta."""
-        block = {**tool_use(call), "input": {}}
-        events = self.close() + [
-            self.event("content_block_start", index=self.index, content_block=block),
-            self.event("content_block_delta", index=self.index, delta={
-                "type": "input_json_delta", "partial_json": call["function"]["arguments"]}),
-            self.event("content_block_stop", index=self.index)]
-        self.index, self.called = self.index + 1, True
+        its arguments one input_json_delta (none for a call cut short: input {}, as the
+        whole message's)."""
+        events, cut = self.close(), call_input(call) is None
+        events.append(self.event("content_block_start", index=self.index,
+                                 content_block={**tool_use(call), "input": {}}))
+        events += [] if cut else [self.event("content_block_delta", index=self.index, delta={
+            "type": "input_json_delta", "partial_json": call["function"]["arguments"]})]
+        events.append(self.event("content_block_stop", index=self.index))
+        self.index, self.called, self.cut = self.index + 1, True, self.cut or cut
         return events
 
     def close(self) -> list[str]:
@@ -232,7 +249,7 @@ class MessageStream:
         if self.index == 0:
             events += [self.event("content_block_start", index=0, content_block=opened("text")),
                        self.event("content_block_stop", index=0)]
-        stop_reason, stop_sequence = stop_of(*self.end, self.called)
+        stop_reason, stop_sequence = stop_of(*self.end, self.called, self.cut)
         return events + [self.event("message_delta", usage=message_usage(usage), delta={
                              "stop_reason": stop_reason, "stop_sequence": stop_sequence}),
                          self.event("message_stop")]

@@ -213,6 +213,24 @@ def test_a_call_is_a_tool_use_block_whose_input_validates():
         jsonschema.validate(call.input, TOOLS[0]["input_schema"])
 
 
+@pytest.mark.parametrize("fields, stop", [
+    ({"max_tokens": 40}, ("max_tokens", None)),
+    ({"stop_sequences": ["UT"]}, ("stop_sequence", "UT")),
+])
+def test_a_forced_call_cut_short_is_a_tool_use_block_that_does_not_run(fields, stop):
+    """The chat's call as far as it came (its arguments no JSON) is a tool_use block with
+    input {}, whole and streamed alike; the stop reason says why it ended (a stop string
+    wins over the call it cut, as vLLM's), never tool_use."""
+    router = messages_router(CALL)
+    forced = {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "now"}, **fields}
+    whole = created(router, **forced)
+    assert [(block.type, block.name, block.input) for block in whole.content] == [
+        ("tool_use", "now", {})]
+    assert (whole.stop_reason, whole.stop_sequence) == stop
+    assert kept(streamed(router, **forced)) == kept(whole)
+    assert router.admission.running == 0
+
+
 def test_count_tokens_counts_the_prompt_the_request_renders(reader):
     """The system prompt counted too, as the chat renders it."""
     router = messages_router()
