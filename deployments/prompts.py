@@ -61,24 +61,34 @@ class PromptReader:
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.grammar_tokenizer = grammar_tokenizer_or_none(tokenizer, target.vocab_size)
 
+    def within_context(self, body, sampling, prompt_tokens: int):
+        """The sampling's max_tokens cut to the room the prompt leaves in the context (at
+        least one token: token_ids), as vLLM 0.32 cuts it (its get_max_tokens); a 400 naming
+        the field where it alone exceeds the context, or min_tokens the tokens left."""
+        limit = self.context_limit
+        # the field the client gave (OpenAI's newer one is read first)
+        named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        if sampling.max_tokens > limit:
+            raise BadRequest(f"{named} ({sampling.max_tokens}) exceeds the context limit of "
+                             f"{limit}", param=named)
+        room = limit - prompt_tokens
+        cut = ", the room the prompt leaves" if sampling.max_tokens > room else ""
+        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, room))
+        if body.min_tokens > sampling.max_tokens:
+            raise BadRequest(f"min_tokens ({body.min_tokens}) must be at most {named} "
+                             f"({sampling.max_tokens}{cut})", param="min_tokens")
+        return sampling
+
     async def read(self, body, chat: bool) -> Prompt:
         self.check_sizes(body, chat)
         prompt_ids = await asyncio.get_running_loop().run_in_executor(
             self.tokenizing, self.token_ids, body, chat)
-        limit = self.context_limit
         # completions default to OpenAI's 16 tokens; chat may use the rest of the context
-        default = self.default_max_tokens if not chat else limit - len(prompt_ids)
-        default = min(default, limit - len(prompt_ids))
-        sampling = body.sampling(default, self.sampling_defaults)
-        # the field the client gave (OpenAI's newer one is read first)
-        named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        if body.min_tokens > sampling.max_tokens:
-            raise BadRequest(f"min_tokens ({body.min_tokens}) must be at most {named} "
-                             f"({sampling.max_tokens})", param="min_tokens")
-        if len(prompt_ids) + sampling.max_tokens > limit:
-            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus {named} "
-                             f"({sampling.max_tokens}) exceed the context limit of {limit}",
-                             param=named)
+        # (either cut to the room the prompt leaves: within_context)
+        limit = self.context_limit
+        default = limit if chat else min(self.default_max_tokens, limit)
+        sampling = self.within_context(body, body.sampling(default, self.sampling_defaults),
+                                       len(prompt_ids))
         constraint = self.constraint(body)
         if constraint is not None:  # compiled off the event loop too
             field, kind, spec = constraint

@@ -326,7 +326,8 @@ def test_a_batch_of_chats_answers_each_conversation_as_its_own_chat(cluster):
 
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster):
     """Not capped at the completions default of 16: a prompt that leaves 40 tokens of the
-    demo target's 2048 gets up to 40."""
+    demo target's 2048 gets up to 40; a max_tokens past that room is cut to it (vLLM 0.32's
+    get_max_tokens), one past the context itself is a 400."""
     from engine.models import DEMO_TARGET, load_tokenizer
 
     tokenizer = load_tokenizer(DEMO_TARGET)
@@ -343,6 +344,13 @@ def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster):
                                                  "temperature": 0, "ignore_eos": True}).json()
     left = 2048 - body["usage"]["prompt_tokens"]
     assert 16 < left <= 48 and body["usage"]["completion_tokens"] == left
+    asked = {"messages": [{"role": "user", "content": content}], "temperature": 0,
+             "ignore_eos": True, "max_tokens": 2048}
+    cut = cluster.post("/v1/chat/completions", asked).json()
+    assert cut["usage"]["completion_tokens"] == left and \
+        cut["choices"][0]["finish_reason"] == "length"
+    refused = cluster.post("/v1/chat/completions", {**asked, "max_tokens": 2049})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 def test_the_openai_client_works_plain_and_streaming(cluster):

@@ -12,8 +12,7 @@ from starlette.routing import Match
 
 from deployments.admission import Admission
 from deployments.chat_batch import BATCH_PATH, ChatBatchRoute
-from deployments.ingress import BadRequest
-from deployments.prompts import Prompt
+from deployments.prompts import Prompt, PromptReader
 from deployments.router import Router, app
 from deployments.router_args import RouterArgs
 from deployments.stored_chats import StoredChatRequest
@@ -43,11 +42,8 @@ class Prompts:
 
     async def read(self, body, chat: bool) -> Prompt:
         ids = tuple(2 + ord(c) % 62 for m in body.messages for c in f"{m.role}{m.content}")
-        sampling = body.sampling(self.context_limit - len(ids))
-        if len(ids) + sampling.max_tokens > self.context_limit:  # PromptReader's refusal
-            raise BadRequest("the prompt plus max_tokens exceed the context",
-                             param="max_tokens")
-        return Prompt(ids, sampling, ())
+        sampling = body.sampling(self.context_limit)  # cut to the room left, or refused:
+        return Prompt(ids, PromptReader.within_context(self, body, sampling, len(ids)), ())
 
     def reported_stop_ids(self, body):
         return ()
@@ -164,18 +160,22 @@ def test_a_batch_it_does_not_serve_is_refused_naming_the_field(pair, fields, par
 
 
 def test_max_tokens_is_bounded_by_each_conversations_own_prompt(pair):
-    """As each one's chat: the context's rest after its own prompt by default; asked for, a
-    conversation it does not fit refuses the batch, saying which."""
+    """As each one's chat: the context's rest after its own prompt by default, and a length
+    asked for cut to it; one past the context refuses the batch, saying which conversation
+    (the first planned)."""
     long = [{"role": "user", "content": "x" * 100}]  # 104 of the 128 tokens (the other: 6)
     status, answer = batched(router_of(pair), {**BODY, "max_tokens": None, "temperature": 0,
                                                "messages": [CONVERSATIONS[2], long]})
     assert status == 200
     assert [c["finish_reason"] for c in answer["choices"]] == ["length"] * 2
     assert answer["usage"]["completion_tokens"] == (128 - 6) + (128 - 104)
-    status, answer = batched(router_of(pair), {**BODY, "max_tokens": 30,
+    status, answer = batched(router_of(pair), {**BODY, "max_tokens": 30, "temperature": 0,
+                                               "messages": [CONVERSATIONS[2], long]})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 30 + (128 - 104)
+    status, answer = batched(router_of(pair), {**BODY, "max_tokens": 129,
                                                "messages": [CONVERSATIONS[2], long]})
     assert status == 400 and answer["error"]["param"] == "max_tokens"
-    assert answer["error"]["message"].startswith("messages.1: ")
+    assert answer["error"]["message"].startswith("messages.0: ")
 
 
 def test_the_defaults_asked_for_explicitly_are_served(pair):

@@ -164,18 +164,26 @@ def test_without_max_tokens_a_chat_may_use_the_rest_of_the_context_a_completion_
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_a_length_past_the_context_is_refused_naming_the_field_given(reader, field):
-    """The 400 names the field the client sent (OpenAI's newer one too), as its param."""
+    """As vLLM 0.32: a length within the context is cut to the room the prompt leaves; one
+    past the context itself is a 400 naming the field the client sent (OpenAI's newer one
+    too), as is a min_tokens past the room left."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
     reader = copy.copy(reader)
     reader.max_prompt_bytes, reader.end_ids = 1 << 16, ()
     reader.tokenizing, reader.grammar_tokenizer = ThreadPoolExecutor(1), None
+    limit = reader.context_limit
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}],
-                                 **{field: reader.context_limit})
-    with pytest.raises(BadRequest, match=f"plus {field} ") as refused:
-        asyncio.run(reader.read(body, chat=True))
+                                 **{field: limit})
+    prompt = asyncio.run(reader.read(body, chat=True))
+    assert prompt.sampling.max_tokens == limit - len(prompt.token_ids)
+    with pytest.raises(BadRequest, match=f"{field} \\({limit + 1}\\) exceeds") as refused:
+        asyncio.run(reader.read(body.model_copy(update={field: limit + 1}), chat=True))
     assert refused.value.param == field and refused.value.status == 400
+    with pytest.raises(BadRequest, match="the room the prompt leaves") as refused:
+        asyncio.run(reader.read(body.model_copy(update={"min_tokens": limit}), chat=True))
+    assert refused.value.param == "min_tokens"
 
 
 def test_a_reply_the_client_began_is_continued_not_answered(reader):
@@ -283,9 +291,9 @@ def test_truncate_prompt_tokens_of_minus_one_leaves_room_for_max_tokens(
                                      chat))
     assert len(prompt.token_ids) == kept
     assert prompt.sampling.max_tokens == reader.context_limit - kept
-    with pytest.raises(BadRequest, match="exceed the context") as refused:  # cannot fit
+    with pytest.raises(BadRequest, match="exceeds the context") as refused:  # cannot fit
         asyncio.run(reader.read(body.model_copy(update={
-            "truncate_prompt_tokens": -1, "max_tokens": reader.context_limit,
+            "truncate_prompt_tokens": -1, "max_tokens": reader.context_limit + 1,
             "max_completion_tokens": None}), chat))
     assert refused.value.param == "max_tokens"
 
