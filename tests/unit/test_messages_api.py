@@ -24,7 +24,7 @@ from speculative.sampling import SamplingParams
 from speculative.types import PoolUnavailable
 from tests.tiny import Scripted
 from tests.unit.test_chat_prompts import qwen_like_reader
-from tests.unit.test_responses_api import CALL, stand_in
+from tests.unit.test_responses_api import CALL, UNFINISHED, FailsAfterARound, stand_in
 from tests.unit.test_router_parts import posted
 
 EVENTS = TypeAdapter(RawMessageStreamEvent)
@@ -274,15 +274,7 @@ def test_the_client_raises_anthropics_errors_with_the_routers_status():
 
 
 def test_an_error_mid_stream_is_an_error_event_and_the_slot_goes_back():
-    class Unavailable(Scripted):  # the verifier's pool fails after a round
-        async def score(self, call):
-            if call.sync.committed_len > 2:
-                raise PoolUnavailable("verifier: UNAVAILABLE")
-            return await super().score(call)
-
-    text = "a long answer that the verifier never finishes"
-    router = messages_router(text, verifier=Unavailable(list(range(10, 10 + len(text))),
-                                                        prompt_len=2))
+    router = messages_router(UNFINISHED, verifier=FailsAfterARound(UNFINISHED))
     events = raw_events(router, {"model": "m", "max_tokens": 100, "messages": HI})
     assert [e["type"] for e in events[:2]] == ["message_start", "content_block_start"]
     assert events[-1]["type"] == "error" and "verifier" in events[-1]["error"]["message"]

@@ -333,16 +333,24 @@ def test_every_streamed_response_is_its_whole_one(pieces, limit, parser, tools):
                    ) == Response.model_validate(whole).output_text
 
 
-def test_an_error_mid_stream_is_openais_error_event_and_the_slot_goes_back():
-    class Unavailable(Scripted):  # the verifier's pool fails after a round
-        async def score(self, call):
-            if call.sync.committed_len > 2:
-                raise PoolUnavailable("verifier: UNAVAILABLE")
-            return await super().score(call)
+class FailsAfterARound(Scripted):
+    """A verifier's pool that answers `text`'s first round (one token an id from 10 on, the
+    prompt 2 ids), then fails."""
 
-    text = "a long answer that the verifier never finishes"
-    serve, admission = router_for(text, verifier=Unavailable(list(range(10, 10 + len(text))),
-                                                             prompt_len=2))
+    def __init__(self, text: str) -> None:
+        super().__init__(list(range(10, 10 + len(text))), prompt_len=2)
+
+    async def score(self, call):
+        if call.sync.committed_len > 2:
+            raise PoolUnavailable("verifier: UNAVAILABLE")
+        return await super().score(call)
+
+
+UNFINISHED = "a long answer that the verifier never finishes"
+
+
+def test_an_error_mid_stream_is_openais_error_event_and_the_slot_goes_back():
+    serve, admission = router_for(UNFINISHED, verifier=FailsAfterARound(UNFINISHED))
     raw = asyncio.run(serve({"input": "hi", "stream": True}))
     events = [json.loads(r.split("\n")[1].removeprefix("data: ")) for r in raw]
     for event in events:
