@@ -235,7 +235,8 @@ class SamplingFields(BaseModel):
                       if name not in self.model_fields_set})
         max_tokens = self.max_tokens_or(default_max_tokens)
         temperature = served_temperature(given["temperature"])
-        seed = None if self.seed is None else self.seed % 2**64  # int64 -> its bits, unsigned
+        # int64 -> its bits, unsigned; -1 is no seed, as vLLM takes it (a new draw each time)
+        seed = None if self.seed in (None, -1) else self.seed % 2**64
         return SamplingParams(temperature=temperature, top_k=max(given["top_k"], 0),
                               top_p=given["top_p"], min_p=given["min_p"], seed=seed,
                               max_tokens=max_tokens,
@@ -319,6 +320,7 @@ def prompt_list(prompt) -> list:
     return [prompt] if one else list(prompt)
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 DocumentText = Annotated[str, AfterValidator(lambda text: encodable(text, "documents"))]
 TemplateText = Annotated[str, Field(max_length=MAX_CHAT_TEMPLATE),
                          AfterValidator(lambda text: encodable(text, "chat_template"))]
@@ -351,6 +353,17 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: false, a reasoning parser's reasoning is split off and not sent
     # (deployments.reasoning)
     include_reasoning: bool = True
+    reasoning_effort: ReasoningEffort | None = None  # OpenAI's, read as vLLM 0.32 reads it
+
+    @model_validator(mode="after")
+    def with_effort(self):
+        """reasoning_effort a template variable (over chat_template_kwargs'), and
+        enable_thinking (false for "none") unless those set it, as vLLM 0.32 passes them."""
+        if self.reasoning_effort is not None:
+            given = self.chat_template_kwargs or {}
+            self.chat_template_kwargs = {"enable_thinking": self.reasoning_effort != "none",
+                                         **given, "reasoning_effort": self.reasoning_effort}
+        return self
 
     def echoed(self) -> str:
         """vLLM's chat echo, put before each choice's content: the last message's text when

@@ -20,7 +20,7 @@ MAX_MESSAGES = 1024
 # 0.17 s of the event loop to validate)
 MAX_TOOL_CALLS = MAX_MESSAGES
 MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_CACHE_SALT = 256  # characters
+MAX_CACHE_SALT = 1024  # characters, as vLLM 0.32's bound
 MAX_PROMPT_CACHE_KEY = 1024  # characters (OpenAI's prompt_cache_key)
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
 MAX_DOCUMENTS = 64  # a chat's documents (vLLM's, for RAG templates), each of text fields

@@ -166,7 +166,7 @@ def test_k_is_bounded_as_the_pools_bound_it():
 def test_vllms_top_k_of_minus_one_and_an_int64_seed_are_taken():
     assert CompletionRequest(prompt="x", top_k=-1).sampling(16).top_k == 0
     seeds = {CompletionRequest(prompt="x", seed=seed).sampling(16).seed
-             for seed in (-2**63, -1, 0, 2**63 - 1)}
+             for seed in (-2**63, -2, 0, 2**63 - 1)}
     assert len(seeds) == 4 and all(0 <= seed < 2**64 for seed in seeds)
     for bad in ({"top_k": -2}, {"seed": 2**63}, {"seed": -2**63 - 1}):
         with pytest.raises(ValidationError):
@@ -405,8 +405,25 @@ def test_stop_takes_up_to_its_bounds_exactly():
 
 
 def test_int64_seeds_of_opposite_signs_stay_apart():
-    seeds = {CompletionRequest(prompt="x", seed=seed).sampling(16).seed for seed in (1, -1)}
-    assert len(seeds) == 2
+    seeds = {CompletionRequest(prompt="x", seed=seed).sampling(16).seed for seed in (2, -2)}
+    assert len(seeds) == 2 and None not in seeds
+
+
+@pytest.mark.parametrize("schema, fields", [(CompletionRequest, {"prompt": "x"}),
+                                            (ChatCompletionRequest, {"messages": CHAT})])
+def test_a_seed_of_minus_one_is_no_seed_as_vllms(schema, fields):
+    """vLLM's SamplingParams takes seed -1 as none: each request a new draw (it was the
+    seed 2**64 - 1 here, so every such request repeated the same output)."""
+    assert schema(**fields, seed=-1).sampling(16).seed is None
+    assert schema(**fields, seed=-2).sampling(16).seed == 2**64 - 2
+
+
+def test_a_cache_salt_is_bounded_as_vllms():
+    """vLLM 0.32 takes a cache_salt of 1 to 1,024 characters."""
+    assert CompletionRequest(prompt="x", cache_salt="s" * 1024).sampling(16).cache_salt
+    for salt in ("", "s" * 1025):
+        with pytest.raises(ValidationError, match="cache_salt"):
+            CompletionRequest(prompt="x", cache_salt=salt)
 
 
 @pytest.mark.parametrize("chat, fields, param", [
