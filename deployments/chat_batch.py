@@ -150,7 +150,8 @@ async def batch_answer(router, request: Request):
                 for chat, plan in zip(batch.chats, plans)]
         finished = await all_or_none(run.finished() for run in runs)
         loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(router.rendering, batch_body, request_id, runs,
+        answer_id = request_id if first.request_id is None else f"chatcmpl-{first.request_id}"
+        body = await loop.run_in_executor(router.rendering, batch_body, answer_id, runs,
                                           finished)
         return await loop.run_in_executor(router.rendering, json_answer, body)
     except PoolUnavailable as error:  # a pool's, as the chat's

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Executor
 
 from deployments.admission import Ticket
-from deployments.held_text import StreamedText
+from deployments.held_text import StreamedText, StreamInterval
 from deployments.ingress import pool_failure
 from deployments.logprobs import (
     TokenBytes,
@@ -62,7 +62,7 @@ class Choices:
                  render: Executor | None = None,
                  reasoning: ReasoningSplit | None = None,
                  think_tokens: ThinkTokens | None = None,
-                 prompt: PromptAnswer | None = None) -> None:
+                 prompt: PromptAnswer | None = None, stream_interval: int = 1) -> None:
         self.plan, self.pools, self.decode = plan, pools, decode
         self.metrics, self.ticket = metrics, ticket
         self.model, self.chat, self.return_token_ids = model, chat, return_token_ids
@@ -77,6 +77,7 @@ class Choices:
         self.prompt = prompt
         self.include_usage = include_usage  # streamed: a last chunk with the usage
         self.continuous_usage = continuous_usage  # and every chunk its choice's so far
+        self.stream_interval = stream_interval  # the tokens a chunk waits for (StreamInterval)
         self.stop_token_ids = stop_token_ids  # the request's own (a stop_reason), not EOS
         self.token_bytes = token_bytes  # chat logprobs' bytes (deployments.logprobs)
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens by id (vLLM's option)
@@ -87,7 +88,8 @@ class Choices:
 
     @property
     def request_id(self) -> str:
-        return self.plan.request_id
+        """The answer's id: the client's request_id's where it gave one (RequestPlan)."""
+        return self.plan.answer_id or self.plan.request_id
 
     async def run_choice(self, index: int, on_text) -> Generation:
         """Choice `index` decoded, on_text(generation, delta) awaited at each text delta."""
@@ -144,6 +146,8 @@ class Choices:
         body = completion_body(self.request_id, self.model, choices, self.usage(done),
                                self.plan.merged_stats(done), self.chat, self.created,
                                self.prompt_ids(0) if self.chat else None)
+        if self.plan.prompt_text is not None:  # vLLM's return_prompt_text (a chat's)
+            body["prompt_text"] = self.plan.prompt_text
         if asked is not None and self.chat:
             if asked.top_n is not None:
                 body["prompt_logprobs"] = asked.listed(0, scores)
@@ -259,6 +263,12 @@ class Choices:
             return thoughts(reasoning) if reasoning else texts(delta)
 
         async def push(generation, delta):
+            finished = generation.finish_reason is not None
+            delta = interval.take(delta, generation.state.num_output_tokens, finished)
+            if delta is not None:
+                await send(generation, delta)
+
+        async def send(generation, delta):
             if opening:
                 await queue.put(opening.pop())
             if generation.finish_reason is not None and not streamed.parses:  # on the last
@@ -288,7 +298,10 @@ class Choices:
         opening, last = self.opening(chunk, echo, streamed, prompt_ids), []
         if echo is not None:  # the prompt's text (and logprobs) first (as vLLM's)
             await queue.put(opening.pop() if opening else chunk(echo[0], logprobs=echo[1]))
+        interval = StreamInterval(self.stream_interval)
         generation = await self.run_choice(index, push)
+        if held := interval.rest():  # no delta came with the end
+            await send(generation, held)
         # off the event loop: all from where a call may begin was held, its tokens' logprobs too
         for text in [*opening, *await self.off_loop(ending, generation)]:
             await queue.put(text)
@@ -302,7 +315,8 @@ class Choices:
         if not self.chat:
             return []
         head = echo[0] if echo is not None else "" if streamed.held is None else None
-        return [chunk(head, role="assistant", prompt_token_ids=prompt_ids)]
+        return [chunk(head, role="assistant", prompt_token_ids=prompt_ids,
+                      prompt_text=self.plan.prompt_text)]
 
     def chunker(self, index: int):
         """chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):

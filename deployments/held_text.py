@@ -99,3 +99,30 @@ class StreamedText:
         if reasoning or rest or (self.held is not None and content == ""):
             return reasoning, rest
         return None
+
+
+class StreamInterval:
+    """vLLM's stream_interval: a choice's deltas held until `interval` tokens came since
+    its last chunk; its first chunk and its last go at once (as vLLM's output processor
+    sends them), each carrying the text held before it, so the chunks still concatenate
+    to the whole text. Rounds commit several tokens at once, as vLLM's speculative steps
+    do: a chunk then carries all of a round's."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.sent_tokens = 0  # the output's tokens when the last chunk went (0: none yet)
+        self.held: list[str] = []
+
+    def take(self, delta: str, num_tokens: int, finished: bool) -> str | None:
+        """The delta to send now (with what was held), or None to hold it."""
+        if self.interval > 1 and not finished and self.sent_tokens and \
+                num_tokens - self.sent_tokens < self.interval:
+            self.held.append(delta)
+            return None
+        self.sent_tokens = num_tokens
+        return self.rest() + delta
+
+    def rest(self) -> str:
+        """What is held (sent with the choice's end), released."""
+        held, self.held = "".join(self.held), []
+        return held

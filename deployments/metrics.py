@@ -87,7 +87,7 @@ class RouterMetrics:
                                          description="Tokens output by the choices.")
         self.request_success = Counter(
             "request_success", description="Choices that finished, by finish reason (stop, "
-            "length).", tag_keys=("finished_reason",))
+            "length, repetition).", tag_keys=("finished_reason",))
         self.time_to_first_token = Histogram(
             "time_to_first_token_seconds", description="Seconds from a choice's start to its "
             "first text (a stream's first content chunk).", boundaries=LATENCY_BOUNDARIES_S)

@@ -4,7 +4,7 @@ deployments.responses)."""
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from deployments.chat_messages import ChatMessage, encodable
 from deployments.formats import (
@@ -36,6 +36,7 @@ from deployments.request_bounds import (
     MAX_TEMPLATE_KWARGS,
     MAX_TOOL_CALLS,
     StreamOptions,
+    VllmAnswerFields,
     check_logprob_token_ids,
     needing,
     refuse_unserved,
@@ -57,8 +58,9 @@ from speculative.sampling import (
 )
 
 
-class SamplingFields(BaseModel):
-    """The fields both endpoints share: sampling, n, streaming and the speculative extensions."""
+class SamplingFields(VllmAnswerFields):
+    """The fields both endpoints share: sampling, n, streaming and the speculative extensions
+    (and vLLM's that shape the answer: VllmAnswerFields)."""
 
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
@@ -249,7 +251,9 @@ class SamplingFields(BaseModel):
                               logprob_token_ids=tuple(dict.fromkeys(self.logprob_token_ids or ())),
                               logit_bias=tuple(sorted((self.logit_bias or {}).items())),
                               min_tokens=self.min_tokens, cache_salt=self.cache_salt or "",
-                              allowed_token_ids=tuple(self.allowed_token_ids or ()))
+                              allowed_token_ids=tuple(self.allowed_token_ids or ()),
+                              repetition_detection=self.repetition_detection and
+                              self.repetition_detection.detection())
 
     def max_tokens_or(self, default: int) -> int:
         given = self.max_completion_tokens or self.max_tokens  # max_tokens may be 0
@@ -353,17 +357,20 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: false, a reasoning parser's reasoning is split off and not sent
     # (deployments.reasoning)
     include_reasoning: bool = True
-    reasoning_effort: ReasoningEffort | None = None  # OpenAI's, read as vLLM 0.32 reads it
+    # OpenAI's, passed to the chat template as vLLM passes it (template_kwargs)
+    reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: the prompt the chat template rendered, as the answer's `prompt_text` (streamed:
+    # on each choice's first chunk)
+    return_prompt_text: bool = False
 
-    @model_validator(mode="after")
-    def with_effort(self):
-        """reasoning_effort a template variable (over chat_template_kwargs'), and
-        enable_thinking (false for "none") unless those set it, as vLLM 0.32 passes them."""
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs as vLLM gives them to the template: reasoning_effort's over
+        its own, and enable_thinking (false for "none") where they give none."""
+        given = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
-            given = self.chat_template_kwargs or {}
-            self.chat_template_kwargs = {"enable_thinking": self.reasoning_effort != "none",
-                                         **given, "reasoning_effort": self.reasoning_effort}
-        return self
+            given["reasoning_effort"] = self.reasoning_effort
+            given.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return given
 
     def echoed(self) -> str:
         """vLLM's chat echo, put before each choice's content: the last message's text when

@@ -42,6 +42,7 @@ class Prompt:
     token_ids: tuple[int, ...]
     sampling: SamplingParams  # the request's seed: the front end derives each choice's
     stop_token_ids: tuple[int, ...]
+    text: str | None = None  # vLLM's return_prompt_text: the chat's rendered prompt
 
 
 class PromptReader:
@@ -113,7 +114,15 @@ class PromptReader:
             # min_tokens though it ends nothing)
             sampling = replace(sampling, min_tokens_end_ids=stop_token_ids(
                 self.end_ids, stop_ids))
-        return Prompt(prompt_ids, sampling, stop_ids)
+        text = None if not (chat and getattr(body, "return_prompt_text", False)) else \
+            await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.rendered,
+                                                             body)
+        return Prompt(prompt_ids, sampling, stop_ids, text)
+
+    def rendered(self, body) -> str:
+        """A chat's prompt as its template renders it, the messages' texts as written (vLLM's
+        prompt_text; the ids read a special token's text in them as text: chat_ids)."""
+        return self.chat_text(body, [m.for_template() for m in body.messages])
 
     def constraint(self, body):
         try:
@@ -182,7 +191,9 @@ class PromptReader:
         """The prompt's last truncate_prompt_tokens ids, as vLLM keeps them: -1 as many as
         leave room for the output's max tokens (a chat that names none: one), and a text's
         ids truncated inside what the tokenizer adds around them (a Llama checkpoint's BOS
-        stays first, as transformers' truncation of vLLM's text prompts keeps it)."""
+        stays first, as transformers' truncation of vLLM's text prompts keeps it). A
+        truncation_side given is vLLM's cut of the whole ids instead: "left" their last
+        ones (a BOS then cut too), "right" their first ones."""
         keep = body.truncate_prompt_tokens
         if keep == -1:  # a length that cannot fit is refused by read, naming its field
             # (an echo's max_tokens 0 leaves room for one, as a prompt must: token_ids)
@@ -190,6 +201,8 @@ class PromptReader:
                 1 if chat else self.default_max_tokens)))
         if len(ids) <= keep:
             return ids
+        if body.truncation_side is not None:
+            return ids[:keep] if body.truncation_side == "right" else ids[-keep:]
         text = chat or isinstance(body.prompt, str)
         head, tail = self.added_around if text and body.add_special_tokens else ([], [])
         room = keep - len(head) - len(tail)
@@ -257,10 +270,12 @@ class PromptReader:
         return anchored[len(anchor):] if anchored[:len(anchor)] == anchor else ids(piece)
 
     def template_kwargs(self, body, template: ChatTemplate) -> dict:
-        """The request's chat_template_kwargs the template reads (chat_messages')."""
-        if not body.chat_template_kwargs:
+        """The request's chat_template_kwargs the template reads (chat_messages'), with
+        reasoning_effort's (ChatCompletionRequest.template_kwargs)."""
+        given = body.template_kwargs()
+        if not given:
             return {}
-        return template_kwargs(body.chat_template_kwargs, template.variables,
+        return template_kwargs(given, template.variables,
                                set(getattr(self.tokenizer, "special_tokens_map", {})),
                                special_pattern(self.tokenizer))
 

@@ -52,7 +52,7 @@ def request_split(parser: ReasoningParserName | None, body,
     its outputs, nor after a continued message that ended its reasoning."""
     constrained = any(c.request.sampling.grammar is not None for c in plan.choices)
     continued = body.messages[-1].content if body.continue_final_message else None
-    return reasoning_split(parser, body.chat_template_kwargs, constrained,
+    return reasoning_split(parser, body.template_kwargs(), constrained,
                            body.include_reasoning, prompt_ended_reasoning(continued))
 
 

@@ -2,10 +2,14 @@
 against the router's max_prompt_bytes and the context), and the vLLM fields this server
 refuses rather than ignores (deployments.openai_api); the stream's options."""
 
-from pydantic import BaseModel, model_validator
+from typing import Annotated, Literal
 
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
+
+from deployments.chat_messages import encodable
 from deployments.formats import without_nulls
 from deployments.tools import FieldError
+from speculative.repetition import MAX_PATTERN_SIZE, RepetitionDetection, repetition_error
 from speculative.sampling import MAX_LOGPROBS
 
 # stop strings: as many as lm-evaluation-harness sends (a task's and the end text: 6 for
@@ -22,6 +26,7 @@ MAX_TOOL_CALLS = MAX_MESSAGES
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CACHE_SALT = 1024  # characters, as vLLM 0.32's bound
 MAX_PROMPT_CACHE_KEY = 1024  # characters (OpenAI's prompt_cache_key)
+MAX_REQUEST_ID = 256  # characters (vLLM's request_id: each chunk of a stream repeats it)
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs' entries
 MAX_DOCUMENTS = 64  # a chat's documents (vLLM's, for RAG templates), each of text fields
 # a request's own chat template (characters; vLLM bounds none): the longest templates
@@ -102,3 +107,52 @@ class StreamOptions(BaseModel):
     @classmethod
     def null_is_the_default(cls, data):  # as the body's own fields
         return without_nulls(data)
+
+
+class RepetitionDetectionArg(BaseModel):
+    """vLLM's repetition_detection (speculative.repetition): its fields (unknown ones
+    ignored, as vLLM's) and refusals, each naming the field."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0
+
+    @model_validator(mode="after")
+    def as_vllm_takes_it(self):
+        error = repetition_error(self.max_pattern_size, self.min_pattern_size, self.min_count)
+        if error is not None:
+            raise FieldError("repetition_detection", error)
+        if self.max_pattern_size > MAX_PATTERN_SIZE:
+            raise FieldError("repetition_detection.max_pattern_size",
+                             f"at most {MAX_PATTERN_SIZE} here, got {self.max_pattern_size}")
+        return self
+
+    def detection(self) -> RepetitionDetection | None:
+        """What the router checks; None for vLLM's off (max_pattern_size 0)."""
+        if not self.max_pattern_size:
+            return None
+        return RepetitionDetection(self.max_pattern_size, self.min_pattern_size,
+                                   self.min_count)
+
+
+class VllmAnswerFields(BaseModel):
+    """vLLM's fields of both endpoints that shape the answer, not its sampling."""
+
+    # the answer's id, "cmpl-<id>" ("chatcmpl-<id>"), never the pools' sessions' key
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID),
+                          AfterValidator(lambda text: encodable(text, "request_id"))] | None = None
+    # with truncate_prompt_tokens: "left" (the last k: the whole ids cut, a BOS too) or
+    # "right" (the first k); unset: vLLM's default, the tokenizer's left truncation
+    # (deployments.prompts.PromptReader.truncated)
+    truncation_side: Literal["left", "right"] | None = None
+    # a streamed choice's chunk waits for this many tokens (its first and last go at once:
+    # deployments.held_text.StreamInterval); unread without a stream
+    stream_interval: int | None = Field(default=None, ge=1)
+    # the output ends (finish_reason "repetition") where its tail is a pattern repeated
+    # min_count times (speculative.repetition); max_pattern_size 0: off
+    repetition_detection: RepetitionDetectionArg | None = None
+
+    @field_validator("repetition_detection")
+    @classmethod
+    def detecting(cls, value):  # vLLM's off (max_pattern_size 0) is no detection
+        return value if value is not None and value.max_pattern_size else None

@@ -95,7 +95,7 @@ def chunk_body(request_id: str, model: str, index: int, text: str | None,
                stop_reason=None, token_ids: list[int] | None = None,
                logprobs: dict | None = None, tool_calls: list[dict] | None = None,
                created: int | None = None, prompt_token_ids: list[int] | None = None,
-               reasoning: str | None = None) -> dict:
+               reasoning: str | None = None, prompt_text: str | None = None) -> dict:
     """One choice's chunk; created: the request's (OpenAI: the same on every chunk), else
     now; prompt_token_ids where vLLM puts them (a chat's on the chunk, else on its choice);
     reasoning: a chat's reasoning delta (deployments.reasoning), in vLLM's field."""
@@ -128,6 +128,8 @@ def chunk_body(request_id: str, model: str, index: int, text: str | None,
     }
     if prompt_token_ids is not None and chat:
         body["prompt_token_ids"] = prompt_token_ids
+    if prompt_text is not None:  # vLLM's return_prompt_text, on a chat's first chunk
+        body["prompt_text"] = prompt_text
     return body
 
 

@@ -43,7 +43,8 @@ REFUSED = {"prompt": ((None,), "this server keeps no prompt templates: give the 
 PASSED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
           "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "cache_salt",
-          "truncate_prompt_tokens", "chat_template_kwargs", "include_reasoning",
+          "truncate_prompt_tokens", "truncation_side", "chat_template_kwargs",
+          "include_reasoning",
           "structured_outputs", "allowed_token_ids", "bad_words",
           "return_tokens_as_token_ids", "num_speculative_tokens", "pipelined", "plain_steps",
           "drafter", "speculative_tree", "priority", "prompt_cache_key")

@@ -324,7 +324,8 @@ class Router(ChatBatchRoute):
                     token_bytes=self.token_bytes, render=self.rendering,
                     reasoning=self.reasoning(body, plan) if chat else None,
                     think_tokens=self.think_tokens if chat else None,
-                    prompt=self.prompt_answer(body, plan, chat))
+                    prompt=self.prompt_answer(body, plan, chat),
+                    stream_interval=body.stream_interval or 1)
 
     def prompt_answer(self, body, plan: RequestPlan, chat: bool) -> PromptAnswer | None:
         """What the request asked of its prompts (deployments.prompt_logprobs): their
@@ -370,24 +371,24 @@ class Router(ChatBatchRoute):
         # refused before its prompts are read when it could neither run nor wait now
         self.admission.check(body.n * (1 if chat else len(body.prompts())), body.priority)
         # the request's own id, which also keys its pool sessions: never the client's
-        # x-request-id (two requests sharing one would share caches), which Serve's proxy
-        # logs and echoes
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if chat:
-            return await self.plan_one(request_id, body, chat)
-        prompts = [body.model_copy(update={"prompt": p}) for p in body.prompts()]
-        if len(prompts) == 1:
-            return await self.plan_one(request_id, prompts[0], chat)
-        # each prompt's choices run beside the other prompts' (an adaptive K's load)
-        others = (len(prompts) - 1) * body.n
-        return joined(request_id, [await self.plan_one(f"{request_id}-{i}", one, chat, others)
-                                   for i, one in enumerate(prompts)])
+        # x-request-id nor its request_id (two requests sharing one would share caches),
+        # which names the answer alone, as vLLM's ("chatcmpl-<id>")
+        kind = "chatcmpl" if chat else "cmpl"
+        request_id = f"{kind}-{uuid.uuid4().hex}"
+        prompts = [body] if chat else \
+            [body.model_copy(update={"prompt": p}) for p in body.prompts()]
+        others = (len(prompts) - 1) * body.n  # a batch's prompts' choices run side by side
+        plan = await self.plan_one(request_id, prompts[0], chat) if len(prompts) == 1 else \
+            joined(request_id, [await self.plan_one(f"{request_id}-{i}", one, chat, others)
+                                for i, one in enumerate(prompts)])
+        return plan if body.request_id is None else \
+            dataclasses.replace(plan, answer_id=f"{kind}-{body.request_id}")
 
     async def plan_one(self, request_id: str, body, chat: bool, others: int = 0) -> RequestPlan:
         """One prompt's choices planned; others: the request's choices beside them (a
         completions batch's other prompts'), which run with them as the admitted ones do."""
         prompt = await self.prompts.read(body, chat)
-        return self.front_end.plan(request_id, prompt.token_ids, prompt.sampling, body.n,
+        plan = self.front_end.plan(request_id, prompt.token_ids, prompt.sampling, body.n,
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,
                                    pipelined=body.pipelined, drafter_kind=body.drafter,
@@ -396,3 +397,4 @@ class Router(ChatBatchRoute):
                                    running=self.admission.running + others,
                                    tree=tree_shape(body.speculative_tree),
                                    context_limit=self.prompts.context_limit)
+        return plan if prompt.text is None else dataclasses.replace(plan, prompt_text=prompt.text)

@@ -52,6 +52,9 @@ class StoredChatRequest(ChatCompletionRequest):
                     isinstance(text, str) for pair in self.metadata.items() for text in pair):
                 raise FieldError("metadata", "must be an object of string keys and values")
             checked_metadata(self.metadata)
+        if self.store and self.request_id is not None:  # the router's own: unique
+            raise FieldError("request_id", "not with store: a stored chat's id names its "
+                                           "entry, and is the router's own")
         return self
 
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from speculative.fixed_k import KPolicy
 from speculative.loop import run_rounds
+from speculative.repetition import REPETITION_DETECTED
 from speculative.state import Request, RequestState
 from speculative.types import Drafter, Verifier
 
@@ -265,7 +266,8 @@ class Generation:
         """Whether the text has ended, with what the detokenizer held (an incomplete
         character's U+FFFD): not while it runs, nor when a stop string, which the text is
         cut at, ended it."""
-        return self.finish_reason is not None and self.stop_reason not in self.stop
+        return self.finish_reason is not None and not (
+            self.finish_reason == "stop" and self.stop_reason in self.stop)
 
     async def stream(self, drafter: Drafter, verifier: Verifier, policy: KPolicy,
                      pipelined: bool = False) -> AsyncIterator[str]:
@@ -312,6 +314,8 @@ class Generation:
         at_stop_id = self.finish_reason == "stop" and added and added[-1] in stop_ids
         if at_stop_id and (reported is None or added[-1] in reported):
             self.stop_reason = added[-1]
+        if self.finish_reason == "repetition":  # vLLM's; a stop string in `added` overrides
+            self.stop_reason = REPETITION_DETECTED
         if self.detokenizer is None:
             return
         first_output = self.state.num_output_tokens - len(added)

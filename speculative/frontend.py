@@ -46,6 +46,11 @@ class RequestPlan:
     pipelined: bool
     drafter_kind: str | None  # keys the shared costs (the router: None for its pool's model)
     n: int = 1  # choices per prompt (a completions batch: the prompts' n choices in turn)
+    # the answer's id where it is not request_id (vLLM's "chatcmpl-<the client's
+    # request_id>"; request_id keys the pools' sessions, never the client's)
+    answer_id: str = ""
+    # vLLM's return_prompt_text: a chat's rendered prompt, answered as it is (None: unasked)
+    prompt_text: str | None = None
 
     def prompt_requests(self) -> list[Request]:
         """Each prompt's request: its first choice's (a completions batch's prompts in

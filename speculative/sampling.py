@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from speculative.options import MAX_PLAIN_STEPS
+from speculative.repetition import RepetitionDetection
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class SamplingParams:
     # vLLM's cache_salt: the pools' prefix caches share prompt blocks only among requests
     # of the same salt ("": none, every request's)
     cache_salt: str = ""
+    # vLLM's repetition_detection: the output ends where its tail repeats a pattern (read
+    # by the router alone, at each committed token: speculative.state)
+    repetition_detection: RepetitionDetection | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -67,6 +71,8 @@ class SamplingParams:
             errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             errors.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.repetition_detection, (RepetitionDetection, type(None))):
+            errors.append("repetition_detection must be a RepetitionDetection or None")
         if not isinstance(self.cache_salt, str):
             errors.append(f"cache_salt must be a string, got {self.cache_salt!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculative.busy import DraftBackoff
+from speculative.repetition import RepetitionDetection
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.types import (
@@ -124,20 +125,33 @@ class RequestState:
         return self.request.sampling.max_tokens - self.num_output_tokens
 
     def commit(self, token_ids: tuple[int, ...], logprobs: list | None = None) -> list[int]:
-        """Append a round's output (and its logprobs), cut at a stop token or max_tokens;
-        returns what was added."""
+        """Append a round's output (and its logprobs), cut at a stop token, max_tokens or a
+        repeated pattern (speculative.repetition: each token checked as vLLM's scheduler
+        checks it, after the stop ids and the length); returns what was added."""
         added: list[int] = []
-        for token in token_ids[: self.remaining]:
+        limit = self.remaining
+        detect = self.request.sampling.repetition_detection
+        for token in token_ids[:limit]:
             added.append(token)
+            self.committed.append(token)
             if token in self.request.stop_token_ids:
                 self.finish_reason = "stop"
                 break
-        self.committed.extend(added)
+            if detect is not None and len(added) < limit and self._repeats(detect):
+                self.finish_reason = "repetition"
+                break
         if logprobs is not None:
             self.logprobs.extend(logprobs[:len(added)])
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return added
+
+    def _repeats(self, detect: RepetitionDetection) -> bool:
+        """Whether the output ends in a repeated pattern; not before it holds min_tokens
+        tokens (vLLM's order)."""
+        length = self.num_output_tokens
+        return length >= self.request.sampling.min_tokens and \
+            detect.repeats(self.committed, length)
 
     def stop_after(self, num_output_tokens: int) -> None:
         """End the request after its first num_output_tokens (a stop string ended there)."""

@@ -365,33 +365,6 @@ def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(reader):
 
 
 
-def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(reader):
-    """OpenAI's reasoning_effort, as vLLM 0.32 reads it: the template's reasoning_effort
-    (over chat_template_kwargs'), and enable_thinking false for "none" unless
-    chat_template_kwargs sets it (Qwen3's template closes an empty think block, and the
-    qwen3 parser splits nothing); a value vLLM does not take is a 400, as there."""
-    from pydantic import ValidationError
-
-    from deployments.reasoning import reasoning_split
-
-    tokenizer = copy.deepcopy(reader.tokenizer)
-    tokenizer.chat_template = THINKING + "{{- reasoning_effort | default('') }}"
-    thinking = reader_of(tokenizer)
-    hello = [{"role": "user", "content": "hello"}]
-    off = tokenizer.decode(prompt_ids(thinking, hello, reasoning_effort="none"))
-    assert off.endswith("assistant\n<think>\n\n</think>\n\nnone")
-    assert tokenizer.decode(prompt_ids(thinking, hello, reasoning_effort="low")) \
-        .endswith("assistant\nlow")
-    kept = prompt_ids(thinking, hello, reasoning_effort="none", chat_template_kwargs={
-        "enable_thinking": True, "reasoning_effort": "high"})
-    assert tokenizer.decode(kept).endswith("assistant\nnone")
-    body = ChatCompletionRequest(messages=hello, reasoning_effort="none")
-    assert reasoning_split("qwen3", body.chat_template_kwargs, False) is None
-    assert prompt_ids(reader, hello, reasoning_effort="none") == prompt_ids(reader, hello)
-    with pytest.raises(ValidationError, match="reasoning_effort"):
-        ChatCompletionRequest(messages=hello, reasoning_effort="extreme")
-
-
 # a template that writes a text it is given (Llama 3's date_string) where one is given
 DATED = "{%- if date_string is defined %}{{- 'Today: ' + date_string + '\\n' }}{%- endif %}"
 

@@ -21,7 +21,7 @@ def planner(admission: Admission, read_prompts: list):
 
     async def read(body, chat):
         read_prompts.append(body.prompt)
-        return SimpleNamespace(token_ids=(2, 3), stop_token_ids=(),
+        return SimpleNamespace(token_ids=(2, 3), stop_token_ids=(), text=None,
                                sampling=SamplingParams(temperature=1.0, max_tokens=4))
 
     router = SimpleNamespace(  # not a Router: Serve's ingress wrapper wants its event loop
