@@ -7,55 +7,21 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from deployments.chat_messages import ChatMessage, encodable
-from deployments.formats import (
-    ResponseFormat,
-    StructuredOutputs,
-    constraint_of,
-    without_nulls,
-)
-from deployments.tools import (
-    MAX_TOOLS,
-    FieldError,
-    Tool,
-    ToolChoice,
-    ToolError,
-    ToolUse,
-    tool_use,
-)
-from deployments.request_bounds import (
-    MAX_CACHE_SALT,
-    MAX_PROMPT_CACHE_KEY,
-    MAX_CHAT_TEMPLATE,
-    MAX_CHOICES,
-    MAX_DOCUMENTS,
-    MAX_LOGIT_BIAS_ENTRIES,
-    MAX_MESSAGES,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOTAL_CHARS,
-    MAX_TEMPLATE_KWARGS,
-    MAX_TOOL_CALLS,
-    StreamOptions,
-    VllmAnswerFields,
-    check_logprob_token_ids,
-    needing,
-    refuse_unserved,
-    served_prompt_logprobs,
-)
+from deployments.formats import ResponseFormat, StructuredOutputs, constraint_of, without_nulls
+from deployments.tools import (MAX_TOOLS, FieldError, Tool, ToolChoice, ToolError, ToolUse,
+                               tool_use)
+from deployments.request_bounds import (MAX_CACHE_SALT, MAX_PROMPT_CACHE_KEY, MAX_CHAT_TEMPLATE,
+                                        MAX_CHOICES, MAX_DOCUMENTS, MAX_LOGIT_BIAS_ENTRIES,
+                                        MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                        MAX_STOP_TOTAL_CHARS, MAX_TEMPLATE_KWARGS, MAX_TOOL_CALLS,
+                                        StreamOptions, VllmAnswerFields, check_logprob_token_ids,
+                                        needing, refuse_unserved, served_prompt_logprobs)
 from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
 from speculative.options import MAX_PLAIN_STEPS, MAX_SPECULATIVE_TOKENS
-from speculative.sampling import (
-    MAX_ALLOWED_TOKEN_IDS,
-    MAX_BAD_WORDS,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROB_TOKEN_IDS,
-    MAX_LOGPROBS,
-    MAX_REPETITION_PENALTY,
-    MIN_REPETITION_PENALTY,
-    SamplingParams,
-    served_temperature,
-)
+from speculative.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                                  MAX_LOGPROB_TOKEN_IDS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                                  MIN_REPETITION_PENALTY, SamplingParams, served_temperature)
 
 
 class SamplingFields(VllmAnswerFields):

@@ -3,7 +3,6 @@
 parameters with max_tokens settled, the stop token ids."""
 
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
@@ -29,7 +28,7 @@ from deployments.tools import ToolError, check_forced, check_tools
 from deployments.truncation import auto_truncated, fitted
 from engine.checkpoint import (Checkpoint, context_limit, end_token_ids, recommended_sampling,
                                reported_stop_ids, stop_token_ids)
-from speculative.grammar import GrammarError, compile_spec, grammar_tokenizer_or_none
+from speculative.grammar import GrammarError, compile_cached, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
 
 log = logging.getLogger("ray.serve")
@@ -394,28 +393,3 @@ def chat_texts(body) -> list[str]:
         except RecursionError:  # a schema the body's parser read, a few frames shallower
             raise BadRequest("tools: a schema is nested too deeply", param="tools") from None
     return texts
-
-
-@dataclass(frozen=True)
-class Constraint:
-    kind: str
-    text: str  # the spec as JSON text: what the cache compares
-    spec: object = dataclasses.field(compare=False, hash=False)
-
-
-def compile_cached(kind: str, spec, tokenizer) -> str:
-    """compile_spec, kept for the requests that repeat a spec: a completions batch's prompts
-    share their request's (128 prompts of a 900-property schema compiled it 128 times, 3-4 s
-    of the tokenizing thread that every request waits on), and clients send one schema with
-    every call. A spec that fails is compiled again; one nested past what JSON text holds,
-    uncached (compile_spec refuses it)."""
-    try:
-        text = json.dumps(spec)
-    except (TypeError, ValueError, RecursionError):
-        return compile_spec(kind, spec, tokenizer)
-    return compiled(Constraint(kind, text, spec), tokenizer)
-
-
-@functools.lru_cache(maxsize=64)
-def compiled(constraint: Constraint, tokenizer) -> str:
-    return compile_spec(constraint.kind, constraint.spec, tokenizer)

@@ -316,28 +316,28 @@ def test_a_repeated_spec_compiles_once_and_a_failing_one_each_time(demo, monkeyp
     batch's prompts share their request's: 128 prompts of a large schema compiled it 128
     times on the one tokenizing thread); a refusal is not kept, and a spec nested past what
     JSON text holds is refused uncached."""
-    from deployments import prompts
+    from speculative import grammar
 
     calls = []
-    real = prompts.compile_spec
-    monkeypatch.setattr(prompts, "compile_spec", lambda *args: calls.append(args[0]) or
+    real = grammar.compile_spec
+    monkeypatch.setattr(grammar, "compile_spec", lambda *args: calls.append(args[0]) or
                         real(*args))
-    prompts.compiled.cache_clear()
+    grammar.spec_compiled.cache_clear()
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    grammars = [prompts.compile_cached("json", json.loads(json.dumps(schema)), demo[3])
+    grammars = [grammar.compile_cached("json", json.loads(json.dumps(schema)), demo[3])
                 for _ in range(3)]
     assert calls == ["json"] and grammars[0] == grammars[1] == grammars[2]
-    prompts.compile_cached("regex", "[0-9]+", demo[3])  # another spec: its own grammar
+    grammar.compile_cached("regex", "[0-9]+", demo[3])  # another spec: its own grammar
     assert calls == ["json", "regex"]
     for _ in range(2):
         with pytest.raises(GrammarError):
-            prompts.compile_cached("regex", "(a)\\1", demo[3])
+            grammar.compile_cached("regex", "(a)\\1", demo[3])
     assert calls == ["json", "regex", "regex", "regex"]
     nested: list = []
     for _ in range(100_000):
         nested = [nested]
     with pytest.raises(GrammarError, match="nested too deeply"):
-        prompts.compile_cached("json", nested, demo[3])
+        grammar.compile_cached("json", nested, demo[3])
 
 
 def test_a_constrained_outputs_logprobs_are_of_the_masked_law_as_vllms_raw_logprobs(demo):
