@@ -25,13 +25,12 @@ from deployments.ingress import BadRequest, ReleasingStream, error_response
 from deployments.response_store import (
     FINAL_EVENTS,
     RUNNING,
-    STORE_TIMEOUT_S,
-    Outdated,
     ResponseStore,
     StoredEvents,
     not_found,
     retrieved as whole_retrieved,
 )
+from deployments.store_actor import STORE_TIMEOUT_S, Outdated
 from deployments.responses_events import ResponseStream, sse_event
 
 # how long a streamed background Response's new events wait to be appended to the store

@@ -268,7 +268,7 @@ def response_store(args: ResponsesStoreArgs | None):
         return None
     from ray import serve
 
-    from deployments.response_store import ActorStore
+    from deployments.store_actor import ActorStore
 
     application = serve.get_replica_context().app_name
     return ActorStore(f"specserve-responses-{application}", args.max_entries,

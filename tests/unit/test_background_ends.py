@@ -7,7 +7,8 @@ import asyncio
 import pickle
 from types import SimpleNamespace
 
-from deployments.response_store import ActorStore, BoundedStore, LocalStore, StoreActor
+from deployments.response_store import BoundedStore, LocalStore
+from deployments.store_actor import ActorStore, StoreActor
 from deployments.router import Router
 from tests.tiny import Scripted
 from tests.unit.test_background_responses import TEXT, call, ended, post, replica

@@ -307,7 +307,7 @@ def test_the_actor_replaces_and_deletes_and_an_unreachable_one_is_a_503():
     from ray.exceptions import RayActorError
 
     from deployments.ingress import BadRequest
-    from deployments.response_store import ActorStore, StoreActor
+    from deployments.store_actor import ActorStore, StoreActor
 
     local = StoreActor(10, 1 << 10, 60)
 

@@ -13,14 +13,8 @@ import pytest
 from openai.types.responses import Response
 
 from deployments.openai_api import ChatCompletionRequest
-from deployments.response_store import (
-    ActorStore,
-    BoundedStore,
-    LocalStore,
-    StoredResponse,
-    StoreActor,
-    retrieved,
-)
+from deployments.response_store import BoundedStore, LocalStore, StoredResponse, retrieved
+from deployments.store_actor import ActorStore, StoreActor
 from deployments.responses_api import ResponsesRequest
 from deployments.router import Router
 from deployments.router_args import RouterArgs
@@ -156,12 +150,12 @@ def test_get_is_a_503_when_the_store_cannot_be_reached():
 def test_a_store_that_does_not_answer_is_waited_for_within_its_timeout(monkeypatch):
     """An actor restarting or not yet placed answers nothing: a put gives up after
     STORE_TIMEOUT_S (the answer goes out unstored, its slots back), a GET is a 503."""
-    from deployments import response_store
+    from deployments import store_actor
 
     async def never(*args):
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(response_store, "STORE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(store_actor, "STORE_TIMEOUT_S", 0.01)
     store = ActorStore("specserve-responses-x", 10, 1 << 10, 60)
     store.created = lambda: SimpleNamespace(put=SimpleNamespace(remote=never),
                                             get=SimpleNamespace(remote=never))

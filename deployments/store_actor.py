@@ -1,0 +1,146 @@
+"""The deployed router's ResponseStore: one BoundedStore in a named Ray actor per Serve
+application (StoreActor), which every router replica reaches through ActorStore, created by
+whichever replica asks first (deployments.response_store has the map and its contract)."""
+
+import asyncio
+import logging
+from typing import Callable
+
+from deployments.ingress import BadRequest
+from deployments.response_store import BoundedStore, StoredEvents, StoredResponse
+
+# a store call's longest wait (its actor restarting, or waiting to be placed): past it the
+# answer goes out unstored, or a continuation or GET is a 503
+STORE_TIMEOUT_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+class StoreActor:
+    """The Ray actor's class (ray.remote'd by ActorStore): one BoundedStore that every
+    replica of the application calls; its methods run one at a time."""
+
+    def __init__(self, max_entries: int, max_bytes: int, ttl_s: float) -> None:
+        self.store = BoundedStore(max_entries, max_bytes, ttl_s)
+
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        return self.store.put(response_id, stored)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self.store.get(response_id)
+
+    def replace(self, response_id: str, stored: StoredResponse) -> bool:
+        return self.store.replace(response_id, stored)
+
+    def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)
+
+    def append(self, response_id: str, first: int, texts: list[str]) -> bool:
+        return self.store.append(response_id, first, texts)
+
+    def events(self, response_id: str, after: int) -> StoredEvents | None:
+        return self.store.events(response_id, after)
+
+    def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
+        return self.store.edit(key, kind, change, *args)
+
+    def survey(self, kind: type, reading: Callable, *args):
+        return self.store.survey(kind, reading, *args)
+
+    def size(self) -> tuple[int, int]:
+        """(entries, bytes) held."""
+        return len(self.store.entries), self.store.nbytes
+
+
+class ActorStore:
+    """A ResponseStore in the named actor `name` (one per Serve application), created on
+    first use by whichever replica comes first (get_if_exists; no CPU reserved: it only
+    holds bytes). Not detached: it lives as long as the replica that created it (as vLLM's
+    store lives as long as its server), so that `serve shutdown` leaves nothing running;
+    once it is gone, the next replica to use it creates it again, empty. Its calls are
+    awaited; the lookup or creation, a blocking call to Ray's GCS, runs off the event
+    loop, and a call that finds the actor gone looks it up again next time."""
+
+    def __init__(self, name: str, max_entries: int, max_bytes: int, ttl_s: float) -> None:
+        self.name, self.bounds, self.max_bytes = name, (max_entries, max_bytes, ttl_s), max_bytes
+        self.handle: asyncio.Future | None = None  # the actor's, once looked up
+
+    def created(self):
+        import ray
+
+        actor = ray.remote(StoreActor).options(
+            name=self.name, get_if_exists=True, num_cpus=0, max_restarts=-1)
+        return actor.remote(*self.bounds)
+
+    async def actor(self):
+        if self.handle is None:  # one lookup per replica, however many ask at once
+            self.handle = asyncio.get_running_loop().run_in_executor(None, self.created)
+        try:  # shielded: one caller's cancelling leaves the others' lookup running
+            return await asyncio.shield(self.handle)
+        except Exception:
+            self.handle = None  # the next call tries again
+            raise
+
+    async def put(self, response_id: str, stored: StoredResponse) -> None:
+        """Stored, or logged when the store cannot be reached within STORE_TIMEOUT_S (the
+        answer still goes out, and its admission slots back: a continuation of it then
+        finds no response)."""
+        try:
+            if not await asyncio.wait_for(self.call("put", response_id, stored),
+                                          STORE_TIMEOUT_S):
+                logger.warning("response %s (%d bytes) exceeds the response store",
+                               response_id, stored.nbytes)
+        except (*unreachable(), asyncio.TimeoutError) as error:
+            self.handle = None  # (its owner gone: found or created again next time)
+            logger.warning("response %s not stored: %r", response_id, error)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return await self.answer("get", response_id)
+
+    async def replace(self, response_id: str, stored: StoredResponse) -> bool:
+        return await self.answer("replace", response_id, stored)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.answer("delete", response_id)
+
+    async def append(self, response_id: str, first: int, texts: list[str]) -> bool:
+        return await self.answer("append", response_id, first, texts)
+
+    async def events(self, response_id: str, after: int) -> StoredEvents | None:
+        return await self.answer("events", response_id, after)
+
+    async def edit(self, key: str, kind: type, change: Callable, *args) -> tuple | None:
+        return await self.answer("edit", key, kind, change, *args)
+
+    async def survey(self, kind: type, reading: Callable, *args):
+        return await self.answer("survey", kind, reading, *args)
+
+    async def answer(self, method: str, *args):
+        """A call whose answer the caller needs: a 503 (BadRequest) when the store cannot be
+        reached within STORE_TIMEOUT_S."""
+        try:
+            return await asyncio.wait_for(self.call(method, *args), STORE_TIMEOUT_S)
+        except (*unreachable(), asyncio.TimeoutError) as error:
+            self.handle = None
+            raise BadRequest(f"the response store is unavailable: {error!r}", 503) from None
+
+    async def call(self, method: str, *args):
+        call = getattr(await self.actor(), method, None)
+        if call is None:  # a rolling update: an older router's replica created the actor
+            raise Outdated(f"the response store ({self.name}) was created by an older "
+                           f"version of the router, without `{method}`: retry once its "
+                           "older replicas are gone", 503)
+        return await call.remote(*args)
+
+
+class Outdated(BadRequest):
+    """A 503: the actor, an older router's, lacks the method (no retry mends it yet)."""
+
+
+def unreachable() -> tuple[type[Exception], ...]:
+    """What a call to the store's actor raises when it cannot be reached: Ray's errors, and
+    get_if_exists's ValueError when the actor went (its replica with it) between its
+    lookup and its creation's (ray.get_actor's: no such actor)."""
+    from ray.exceptions import RayError
+
+    return RayError, ValueError
