@@ -7,8 +7,9 @@ stream of events (deployments.messages_events).
 Served: user and assistant messages of text, tool_use and tool_result blocks (thinking
 blocks sent back are dropped, as the chat drops an earlier answer's reasoning), a system
 prompt, stop_sequences, temperature, top_p, top_k, tools and tool_choice,
-output_config.format (a JSON schema), and vLLM's extensions the chat takes. metadata,
-thinking and output_config.effort are read and ignored (no reasoning budget here).
+output_config.format (a JSON schema), output_config.effort and thinking (as vLLM maps them:
+deployments.messages_api.reasoning_effort), and vLLM's extensions the chat takes. metadata
+is read and ignored.
 Refused with a 400 naming the field: images, documents and any other block, server tools
 (those with a `type`), and a tool_result in an assistant's message.
 """
@@ -35,6 +36,10 @@ PASSED = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
           "pipelined", "plain_steps", "drafter", "speculative_tree", "priority",
           "prompt_cache_key")
 ROLES = ("user", "assistant")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort's, as vLLM's
+THINKING = ("enabled", "disabled", "adaptive")  # thinking's types
+DISPLAYS = ("summarized", "omitted", "updates")  # thinking.display's (read and ignored)
+MIN_BUDGET = 1024  # Anthropic's least budget_tokens, and vLLM's
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and tool: named
 # Claude Code's first system block: a hash per request, which vLLM drops (it would change
 # the prompt's prefix every turn, and the prefix cache would miss)
@@ -205,6 +210,31 @@ def response_format(output_config: dict | None) -> dict | None:
                                                    "schema": form["schema"]}}
 
 
+def reasoning_effort(output_config: dict | None, thinking: dict | None) -> str | None:
+    """The chat's reasoning_effort, as vLLM 0.32 maps them: output_config.effort, over it
+    "none" for thinking disabled (vLLM's default; vLLM probes the template and sends "low"
+    where it would ignore "none", this server does not). Thinking enabled would set vLLM's
+    thinking_token_budget, which the chat here does not have: the budget is checked and
+    ignored (the output is bounded by max_tokens alone), where vLLM without a
+    --reasoning-config refuses the request: a client asking for thinking expects an
+    answer. Adaptive pins nothing, as vLLM. FieldError naming a value vLLM refuses."""
+    effort = (output_config or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise FieldError("output_config.effort", f"must be one of {list(EFFORTS)}")
+    if thinking is None:
+        return effort
+    kind = thinking.get("type")
+    if kind not in THINKING:
+        raise FieldError("thinking.type", f"must be one of {list(THINKING)}")
+    if thinking.get("display") not in (None, *DISPLAYS):
+        raise FieldError("thinking.display", f"must be one of {list(DISPLAYS)}")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (type(budget) is not int or budget < MIN_BUDGET):
+        raise FieldError("thinking.budget_tokens", "is required with thinking enabled, "
+                         f"as an integer of at least {MIN_BUDGET}")
+    return "none" if kind == "disabled" else effort
+
+
 def renamed(error: BadRequest, places: list[str]) -> BadRequest:
     """A chat request's refusal in the Messages' names: a chat message's place (system, or
     messages[i] of the request), tools[i].input_schema, stop_sequences, ..."""
@@ -234,7 +264,9 @@ class CountTokensRequest(BaseModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     output_config: dict | None = None
-    thinking: dict | None = None  # read and ignored: no reasoning budget here
+    # with output_config.effort, the chat's reasoning_effort (reasoning_effort(): an
+    # enabled one's budget_tokens checked, then ignored: no thinking budget here)
+    thinking: dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -253,7 +285,8 @@ class CountTokensRequest(BaseModel):
         optional = {"tools": None if self.tools is None else
                     [chat_tool(tool, index) for index, tool in enumerate(self.tools)],
                     "tool_choice": choice, "parallel_tool_calls": parallel,
-                    "response_format": response_format(self.output_config)}
+                    "response_format": response_format(self.output_config),
+                    "reasoning_effort": reasoning_effort(self.output_config, self.thinking)}
         chat.update({key: value for key, value in optional.items() if value is not None})
         chat.update({"model": self.model, "messages": messages})
         return chat, places
@@ -292,6 +325,9 @@ class MessagesRequest(CountTokensRequest):
 
     def chat_fields(self) -> tuple[dict, list[str]]:
         chat, places = super().chat_fields()
+        budget = (self.thinking or {}).get("budget_tokens")
+        if (self.thinking or {}).get("type") == "enabled" and budget >= self.max_tokens:
+            raise FieldError("thinking.budget_tokens", "must be less than max_tokens")
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "stop": self.stop_sequences}
         chat.update({key: value for key, value in optional.items() if value is not None})

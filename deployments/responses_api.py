@@ -5,7 +5,8 @@ or as its stream of events (deployments.responses_events).
 
 Served: a text or message input, instructions, function tools and their calls and results,
 text.format, the sampling fields, top_logprobs, truncation (auto: deployments.truncation),
-and vLLM's extensions the chat takes.
+reasoning.effort (the chat's reasoning_effort, as vLLM passes it; a summary is checked and
+echoed, none written), and vLLM's extensions the chat takes.
 Refused with a 400 naming the field: what needs state or services this server does not
 keep (prompt templates, item references, built-in tools), what a Response has no place for
 (vLLM's prompt_logprobs and return_token_ids) and input images, files and audio.
@@ -17,13 +18,13 @@ and nothing is stored (`store` is read and ignored, as vLLM without its store).
 """
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from deployments.chat_messages import encodable
 from deployments.ingress import BadRequest, invalid_body
-from deployments.openai_api import ChatCompletionRequest
+from deployments.openai_api import ChatCompletionRequest, ReasoningEffort
 from deployments.tools import FieldError
 
 # fields of OpenAI's that need state or services this server does not have, and vLLM's that
@@ -52,6 +53,10 @@ ROLES = ("user", "system", "developer", "assistant")
 # a message's content parts that carry text, and where
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get them
+# reasoning's fields as OpenAI's Reasoning (vLLM's type) takes them: effort the chat's
+# reasoning_effort; a summary (generate_summary its old name) is read and written by none
+EFFORTS = get_args(ReasoningEffort)
+SUMMARIES = ("auto", "concise", "detailed")
 # the chat's field names (as an error's param or message gives them) -> the Responses'
 RENAMED = [(re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
            (re.compile(r"\bresponse_format(\.json_schema)?(\.[\w.]+)?"), "text.format"),
@@ -247,7 +252,8 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    reasoning: dict | None = None  # effort and summaries: no parser reads them here
+    # effort: the chat's reasoning_effort; summaries: read, checked and echoed, none written
+    reasoning: dict | None = None
     background: bool = False  # served where a response store keeps them (refused_background)
     # auto: the oldest turns dropped where the prompt does not fit (deployments.truncation)
     truncation: Literal["auto", "disabled"] = "disabled"
@@ -273,6 +279,25 @@ class ResponsesRequest(BaseModel):
         for text in texts:
             encodable(text, info.field_name)
         return value
+
+    @field_validator("reasoning")
+    @classmethod
+    def known_reasoning(cls, value):
+        """reasoning's effort and summary: values OpenAI's Reasoning takes, else a 400
+        naming the field (as vLLM's, whose request reads it as that type)."""
+        for name, known in (("effort", EFFORTS), ("summary", SUMMARIES),
+                            ("generate_summary", SUMMARIES)):
+            if value is not None and value.get(name) is not None and \
+                    value[name] not in known:
+                raise FieldError(f"reasoning.{name}", f"must be one of {list(known)}")
+        return value
+
+    def reasoning_echoed(self) -> dict | None:
+        """The Response's reasoning: the effort and summary asked for (vLLM echoes them)."""
+        given = self.reasoning
+        return None if given is None else {
+            "effort": given.get("effort"),
+            "summary": given.get("summary") or given.get("generate_summary")}
 
     @field_validator("conversation")
     @classmethod
@@ -314,7 +339,8 @@ class ResponsesRequest(BaseModel):
                     "tools": None if self.tools is None else
                     [chat_tool(tool, index) for index, tool in enumerate(self.tools)],
                     "tool_choice": chat_tool_choice(self.tool_choice),
-                    "response_format": response_format(self.text)}
+                    "response_format": response_format(self.text),
+                    "reasoning_effort": (self.reasoning or {}).get("effort")}
         if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
             optional.update(logprobs=True, top_logprobs=self.top_logprobs)
         chat.update({key: value for key, value in optional.items() if value is not None})

@@ -170,7 +170,8 @@ class AsResponse:
                 "text": {"format": (asked.text or {}).get("format") or TEXT},
                 "top_logprobs": asked.top_logprobs,
                 "metadata": asked.metadata or {}, "user": asked.user,
-                "previous_response_id": asked.previous_response_id, "reasoning": None,
+                "previous_response_id": asked.previous_response_id,
+                "reasoning": asked.reasoning_echoed(),
                 "store": self.store is not None,
                 "truncation": asked.truncation, "background": asked.background, "usage": usage,
                 "completed_at": int(time.time()) if status == "completed" else None}
