@@ -118,6 +118,31 @@ def test_a_last_turn_that_does_not_fit_alone_is_refused(reader, items):
     assert refused.value.status == 400 and "; the limit is 79" in str(refused.value)
 
 
+def read_of(reader, body: dict):
+    return asyncio.run(reader.read(chat_of(body), chat=True))
+
+
+def test_an_output_room_out_of_reach_keeps_the_turns_that_fit_and_cuts_the_output(reader):
+    """max_output_tokens past what even the last turn alone leaves: the prompt alone is
+    fitted (whole where it fits, as a disabled truncation's) and the output cut to the room
+    it leaves, not the whole conversation dropped for a room no dropping gives."""
+    items = conversation(2)
+    asked = {"input": items, "truncation": "auto", "max_output_tokens": 70}
+    whole = rendered(reader, items)
+    assert len(whole) < reader.context_limit  # (and the last turn + 70 does not fit)
+    assert len(rendered(reader, items[-1:])) + 70 > reader.context_limit
+    for body in (asked, {**asked, "truncation": "disabled"}):
+        prompt = read_of(reader, body)
+        assert prompt.token_ids == whole
+        assert prompt.sampling.max_tokens == reader.context_limit - len(whole)
+    longer = conversation(6)  # past the context itself: the fewest turns that let it fit
+    prompt = read_of(reader, {**asked, "input": longer})
+    kept = next(k for k in range(1, len(longer) + 1, 2)
+                if len(rendered(reader, longer[-k:])) >= reader.context_limit) - 2
+    assert prompt.token_ids == rendered(reader, longer[-kept:]) and kept > 1
+    assert prompt.sampling.max_tokens == reader.context_limit - len(prompt.token_ids)
+
+
 def test_the_fewest_turns_that_fit_are_dropped_in_a_few_renders():
     """A binary search over how many turns go: 64 turns rendered at most 2 + 6 times."""
     renders = []
