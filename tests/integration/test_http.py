@@ -308,22 +308,6 @@ def test_chat_through_the_openai_client_plain_and_streaming(cluster):
         plain.choices[0].finish_reason
 
 
-def test_a_batch_of_chats_answers_each_conversation_as_its_own_chat(cluster):
-    """vLLM's /v1/chat/completions/batch on the served Router (its route bound there, ahead
-    of the stored chats' catch-all): choice i is conversation i's own greedy chat."""
-    conversations = [[{"role": "user", "content": "Parse a config file."}],
-                     [{"role": "user", "content": "write a loop"}]]
-    ask = {"max_tokens": 12, "temperature": 0, "num_speculative_tokens": 4}
-    batch = cluster.post("/v1/chat/completions/batch", {**ask, "messages": conversations})
-    assert batch.status_code == 200, batch.text
-    alone = [cluster.post("/v1/chat/completions", {**ask, "messages": messages}).json()
-             for messages in conversations]
-    assert [choice["message"]["content"] for choice in batch.json()["choices"]] == \
-        [answer["choices"][0]["message"]["content"] for answer in alone]
-    assert batch.json()["usage"]["completion_tokens"] == \
-        sum(answer["usage"]["completion_tokens"] for answer in alone)
-
-
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster):
     """Not capped at the completions default of 16: a prompt that leaves 40 tokens of the
     demo target's 2048 gets up to 40; a max_tokens past that room is cut to it (vLLM 0.32's

@@ -72,27 +72,6 @@ def test_logit_bias_and_min_tokens_hold_and_equal_the_target_alone(client):
         assert spec.token_ids == alone.token_ids, name
 
 
-def test_repetition_detection_ends_where_k0_ends_and_stream_interval_joins(client):
-    """vLLM's repetition_detection on a prompt the demo target repeats: its output ends
-    (finish_reason "repetition") at the same token with each speculation setting as at
-    K = 0; vLLM's stream_interval's chunks join into the same text."""
-    detect = {"repetition_detection": {"max_pattern_size": 12, "min_count": 3},
-              "return_token_ids": True, "ignore_eos": True}
-    prompt = "x = 1\n" * 6
-    alone = complete(client, prompt, {"extra_body": detect}, {"num_speculative_tokens": 0})
-    ended = alone.choices[0]
-    assert ended.finish_reason == "repetition" and len(ended.token_ids) < 40
-    for name, speculation in SPECULATION.items():
-        spec = complete(client, prompt, {"extra_body": detect}, speculation).choices[0]
-        assert (spec.token_ids, spec.finish_reason) == (ended.token_ids, "repetition"), name
-    chunks = list(client.completions.create(
-        model="specserve-demo", prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,
-        extra_body={"stream_interval": 5, "num_speculative_tokens": 3}))
-    whole = complete(client, PROMPTS[0], {}, {"num_speculative_tokens": 3}).choices[0].text
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
-    assert len(chunks) < 40 // 5 + 4  # about one chunk a 5 tokens (a round may pass more)
-
-
 def test_a_hundred_choices_and_vllms_speculative_metrics(client):
     """n = 100 in one request (OpenAI's bound is 128), each choice sampled; the response
     carries vLLM's per-request speculative metrics beside the speculative block."""
