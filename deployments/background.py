@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 
 from fastapi.responses import JSONResponse, Response
 
-from deployments.background_stream import EventFeed
+from deployments.background_stream import EventFeed, Followers
 from deployments.ingress import (
     BadRequest,
     ReleasingStream,
@@ -59,14 +59,16 @@ def failed(shape: AsResponse, error: Exception) -> dict:
 
 class BackgroundRuns:
     """This replica's running background Responses (response id -> task), at most `limit`
-    (the slots and waiting places its admission has: each also counts there as a request);
-    `store` None: the router stores none, and runs none."""
+    (the slots and waiting places its admission has: each also counts there as a request),
+    and the streams it follows for GETs with stream, as many; `store` None: the router
+    stores none, and runs none."""
 
     def __init__(self, store: ResponseStore | None, limit: int,
                  poll_s: float = CANCEL_POLL_S) -> None:
         self.store, self.limit, self.poll_s = store, limit, poll_s
         self.tasks: dict[str, asyncio.Task] = {}
         self.feeds: dict[str, EventFeed] = {}  # the streamed ones' events, as they run
+        self.followers = Followers(limit)  # GETs with stream (any replica's Responses)
         self.closing = False  # the replica shuts down: its tasks end `failed`
 
     async def start(self, shape: AsResponse,

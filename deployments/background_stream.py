@@ -5,8 +5,10 @@ background Response's (deployments.background). The task keeps every event for t
 client, which may leave (the task goes on), and appends them to the response store in
 batches (at most one store call per FLUSH_S; a store that cannot be reached tried again,
 less often), so that `GET /v1/responses/{id}?stream=true&starting_after=N` on any replica
-replays those after N and follows the rest, reading the store every FOLLOW_S, until the
-Response's last event, sent once its end is stored. A Response whose stored end is not its
+replays those after N and follows the rest, reading the store every FOLLOW_S (each wait
+twice the last while none came, at most MAX_FOLLOW_S), until the Response's last event, sent
+once its end is stored; a replica follows at most as many streams at once as it runs
+background Responses (Followers: a 429 beyond). A Response whose stored end is not its
 last event's (it ended without one: cancelled, failed, its replica shut down; or a cancel
 landed between its last event and its end) ends its stream with `response.<status>` and the
 stored Response, as GET reads it (`response.cancelled`: specserve's; OpenAI names no event
@@ -21,7 +23,8 @@ import logging
 
 from fastapi.responses import Response
 
-from deployments.ingress import BadRequest, ReleasingStream, error_response
+from deployments.admission import Ticket
+from deployments.ingress import BadRequest, ReleasingStream, error_response, retry_later
 from deployments.response_store import (
     FINAL_EVENTS,
     RUNNING,
@@ -36,8 +39,10 @@ from deployments.responses_events import ResponseStream, sse_event
 # how long a streamed background Response's new events wait to be appended to the store
 # together (one store call for them all, not one per token)
 FLUSH_S = 0.05
-# how often a follower (GET with stream) reads the store for new events
+# how often a follower (GET with stream) reads the store for new events: each wait twice
+# the last while none came (a queued Response's, a slow pool's), at most MAX_FOLLOW_S
 FOLLOW_S = 0.1
+MAX_FOLLOW_S = 1.0
 # the longest wait before an unreachable store is tried again with a Response's events
 RETRY_S = 1.0
 # the ends a stream's last event tells (response.<status>): the others' streams have none
@@ -208,13 +213,34 @@ async def ended_event(store: ResponseStore, response_id: str, sequence: int) -> 
                      response=json.loads(whole.response))
 
 
+class Followers:
+    """The streams (GETs with stream) a replica follows at once, at most `limit`: each
+    reads the store until its client leaves; a 429 beyond. A Ticket holds one."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.following = limit, 0
+
+    def admit(self) -> Ticket:
+        if self.following >= self.limit:
+            raise retry_later(f"the server follows {self.limit} response streams at once; "
+                              "retry later", 429)
+        self.following += 1
+        return Ticket(self, 1)
+
+    def release(self, count: int) -> None:
+        self.following -= count
+
+
 async def followed(store: ResponseStore, response_id: str, after: int,
                    follow_s: float = FOLLOW_S):
-    """A stored stream's events after sequence number `after`, read every `follow_s` until
-    its last, sent once the Response's end is stored and is that event's (or else,
-    ended_event's: the stored end); an `error` event when it is gone, its events were
-    dropped or not all stored, or the store cannot be read (resume with starting_after)."""
+    """A stored stream's events after sequence number `after`, read every `follow_s` (each
+    wait twice the last while no new one came, at most MAX_FOLLOW_S) until its last, sent
+    once the Response's end is stored and is that event's (or else, ended_event's: the
+    stored end); an `error` event when it is gone, its events were dropped or not all
+    stored, or the store cannot be read (resume with starting_after)."""
+    wait_s = follow_s
     while True:
+        sent = after
         try:
             found = await store.events(response_id, after)
         except BadRequest as error:
@@ -244,7 +270,19 @@ async def followed(store: ResponseStore, response_id: str, after: int,
             else:
                 yield await ended_event(store, response_id, after + 1)
             return
-        await asyncio.sleep(follow_s)
+        wait_s = follow_s if after > sent else min(2 * wait_s, max(follow_s, MAX_FOLLOW_S))
+        await asyncio.sleep(wait_s)
+
+
+async def released(events, ticket: Ticket):
+    """A follower's events, its place given back as they end (or by ReleasingStream,
+    should they never start)."""
+    try:
+        async for text in events:
+            yield text
+    finally:
+        await events.aclose()
+        ticket.release()
 
 
 def stream_query(query) -> tuple[bool, int]:
@@ -264,10 +302,13 @@ def stream_query(query) -> tuple[bool, int]:
     return stream in ("true", "1"), starting_after
 
 
-async def retrieved(store: ResponseStore | None, response_id: str, query) -> Response:
+async def retrieved(store: ResponseStore | None, response_id: str, query,
+                    followers: Followers) -> Response:
     """GET /v1/responses/{response_id}: the stored Response (response_store.retrieved),
-    or with `stream=true` its events after `starting_after` (-1: all), followed; a
-    Response that was not streamed in the background is a 400 naming `stream`."""
+    or with `stream=true` its events after `starting_after` (-1: all), followed, holding
+    one of `followers` until its stream ends (however it ends: ReleasingStream), a 429 when
+    none is free; a Response that was not streamed in the background is a 400 naming
+    `stream`."""
     try:
         stream, after = stream_query(query)
         if not stream:
@@ -280,6 +321,7 @@ async def retrieved(store: ResponseStore | None, response_id: str, query) -> Res
             raise BadRequest(f"Response with id '{response_id}' was not created with "
                              "background and stream: only those can be streamed; GET it "
                              "without stream", param="stream")
+        ticket = followers.admit()  # (no await after it: the stream releases it)
     except BadRequest as error:
         return error_response(error)
-    return ReleasingStream(followed(store, response_id, after), None)
+    return ReleasingStream(released(followed(store, response_id, after), ticket), ticket)

@@ -239,8 +239,8 @@ class Router(ChatBatchRoute):
     @app.get("/v1/responses/{response_id}")
     async def response(self, response_id: str, request: Request):
         """A stored Response or its events (deployments.background_stream), behind the API key."""
-        return unauthorized(request, self.api_key) or \
-            await retrieved(self.responses_store, response_id, request.query_params)
+        return unauthorized(request, self.api_key) or await retrieved(
+            self.responses_store, response_id, request.query_params, self.background.followers)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(self, response_id: str, request: Request):

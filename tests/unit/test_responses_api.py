@@ -14,6 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from deployments.admission import Admission
+from deployments.background import BackgroundRuns
 from deployments.ingress import BadRequest, parse
 from deployments.responses_api import ResponsesRequest, renamed
 from deployments.responses_events import AsResponse, ResponseStream, answer_shape
@@ -180,7 +181,7 @@ def stand_in(text: str, parser: str | None = None, verifier=None,
 
     router = SimpleNamespace(
         api_key=None, token_bytes=None, admission=Admission(2), think_tokens=None,
-        responses_store=store,
+        responses_store=store, background=BackgroundRuns(store, 2),
         metrics=SimpleNamespace(record_choice=lambda *choice: None),
         args=RouterArgs(reasoning_parser=parser, served_model_name="m"),
         decode=decode, tool_decode=decode, special_decode=decode, rendering=None,
