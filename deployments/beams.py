@@ -24,7 +24,8 @@ IGNORED = {"top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty
            "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,),
            "stop": (None, []), "stop_token_ids": (None, []), "logit_bias": (None, {}),
            "allowed_token_ids": (None,), "bad_words": (None, []),
-           "logprob_token_ids": (None,), "repetition_detection": (None,)}
+           "logprob_token_ids": (None,), "repetition_detection": (None,),
+           "thinking_token_budget": (None,)}
 
 
 def refuse_unsearched(body, chat: bool) -> None:

@@ -213,11 +213,12 @@ def response_format(output_config: dict | None) -> dict | None:
 def reasoning_effort(output_config: dict | None, thinking: dict | None) -> str | None:
     """The chat's reasoning_effort, as vLLM 0.32 maps them: output_config.effort, over it
     "none" for thinking disabled (vLLM's default; vLLM probes the template and sends "low"
-    where it would ignore "none", this server does not). Thinking enabled would set vLLM's
-    thinking_token_budget, which the chat here does not have: the budget is checked and
-    ignored (the output is bounded by max_tokens alone), where vLLM without a
-    --reasoning-config refuses the request: a client asking for thinking expects an
-    answer. Adaptive pins nothing, as vLLM. FieldError naming a value vLLM refuses."""
+    where it would ignore "none", this server does not). Thinking enabled sets the chat's
+    thinking_token_budget (MessagesRequest.chat_fields) where the router has a reasoning
+    parser; without one the budget is checked and ignored (the output is bounded by
+    max_tokens alone), where vLLM without a --reasoning-config refuses the request: a client
+    asking for thinking expects an answer. Adaptive pins nothing, as vLLM. FieldError naming
+    a value vLLM refuses."""
     effort = (output_config or {}).get("effort")
     if effort is not None and effort not in EFFORTS:
         raise FieldError("output_config.effort", f"must be one of {list(EFFORTS)}")
@@ -265,7 +266,8 @@ class CountTokensRequest(BaseModel):
     tool_choice: Any = None
     output_config: dict | None = None
     # with output_config.effort, the chat's reasoning_effort (reasoning_effort(): an
-    # enabled one's budget_tokens checked, then ignored: no thinking budget here)
+    # enabled one's budget_tokens checked, then the chat's thinking_token_budget where the
+    # router has a reasoning parser, else ignored)
     thinking: dict | None = None
 
     @model_validator(mode="before")
@@ -276,7 +278,7 @@ class CountTokensRequest(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    def chat_fields(self) -> tuple[dict, list[str]]:
+    def chat_fields(self, budgeted: bool = False) -> tuple[dict, list[str]]:
         """(the chat request's body, each message's place in this request)."""
         messages, places = chat_messages(self.system, self.messages)
         chat = {key: value for key, value in (self.model_extra or {}).items()
@@ -291,12 +293,14 @@ class CountTokensRequest(BaseModel):
         chat.update({"model": self.model, "messages": messages})
         return chat, places
 
-    def chat_request(self, schema=ChatCompletionRequest
+    def chat_request(self, schema=ChatCompletionRequest, budgeted: bool = False
                      ) -> tuple[ChatCompletionRequest, list[str]]:
         """(the chat request this asks for, as `schema`, each message's place); BadRequest
-        naming the Messages' field where the chat refuses it."""
+        naming the Messages' field where the chat refuses it. budgeted: an enabled thinking's
+        budget_tokens is the chat's thinking_token_budget (the router has a reasoning
+        parser)."""
         try:
-            chat, places = self.chat_fields()
+            chat, places = self.chat_fields(budgeted)
         except FieldError as error:
             raise BadRequest(str(error), param=error.param) from None
         try:
@@ -323,11 +327,14 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict | None = None  # read and ignored (its user_id names no one here)
 
-    def chat_fields(self) -> tuple[dict, list[str]]:
+    def chat_fields(self, budgeted: bool = False) -> tuple[dict, list[str]]:
         chat, places = super().chat_fields()
         budget = (self.thinking or {}).get("budget_tokens")
-        if (self.thinking or {}).get("type") == "enabled" and budget >= self.max_tokens:
+        enabled = (self.thinking or {}).get("type") == "enabled"
+        if enabled and budget >= self.max_tokens:
             raise FieldError("thinking.budget_tokens", "must be less than max_tokens")
+        if enabled and budgeted:  # as vLLM maps it (reasoning_effort())
+            chat["thinking_token_budget"] = budget
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "stop": self.stop_sequences}
         chat.update({key: value for key, value in optional.items() if value is not None})

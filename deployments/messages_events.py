@@ -161,10 +161,10 @@ class AsMessage:
             await chat_events.aclose()
 
 
-def message_shape(body: MessagesRequest) -> AsMessage:
+def message_shape(body: MessagesRequest, budgeted: bool = False) -> AsMessage:
     """How a Messages request is served (BadRequest naming its field where the chat refuses
-    it)."""
-    return AsMessage(*body.chat_request())
+    it); budgeted: thinking's budget_tokens applied (MessagesRequest.chat_request)."""
+    return AsMessage(*body.chat_request(budgeted=budgeted))
 
 
 class MessageStream:

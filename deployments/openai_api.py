@@ -15,7 +15,8 @@ from deployments.request_bounds import (MAX_CACHE_SALT, MAX_PROMPT_CACHE_KEY, MA
                                         MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                         MAX_STOP_TOTAL_CHARS, MAX_TEMPLATE_KWARGS, MAX_TOOL_CALLS,
                                         StreamOptions, VllmAnswerFields, check_logprob_token_ids,
-                                        needing, refuse_unserved, served_prompt_logprobs)
+                                        check_thinking_budget, needing, refuse_unserved,
+                                        served_prompt_logprobs)
 from deployments.router_args import TreeArg
 from drafter.registry import router_side_kinds
 from speculative.options import MAX_PLAIN_STEPS, MAX_SPECULATIVE_TOKENS
@@ -149,6 +150,7 @@ class SamplingFields(VllmAnswerFields):
             raise FieldError("max_tokens", "must be at least 1, got 0 (0 is served with echo "
                                            "on /v1/completions: the prompt alone)")
         check_logprob_token_ids(self)
+        check_thinking_budget(self)
         return self
 
     @field_validator("stream_options")

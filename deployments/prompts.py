@@ -22,6 +22,7 @@ from deployments.chat_messages import (
 from deployments.chat_templates import UNTRUSTED, ChatTemplate, model_template, read_template
 from deployments.ingress import BadRequest
 from deployments.openai_api import SamplingFields
+from deployments.reasoning import NO_REASONING_CONFIG, ThinkTokens, thinking_budget
 from deployments.router_args import RouterArgs
 from deployments.special_texts import check_special_texts, marked_contents, special_pattern
 from deployments.tools import ToolError, check_forced, check_tools
@@ -60,6 +61,7 @@ class PromptReader:
         # safe to share between threads)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.grammar_tokenizer = grammar_tokenizer_or_none(tokenizer, target.vocab_size)
+        self.think_tokens = ThinkTokens.of(tokenizer) if args.reasoning_parser else None
 
     def within_context(self, body, sampling, prompt_tokens: int):
         """The sampling's max_tokens cut to the room the prompt leaves in the context (at
@@ -107,6 +109,11 @@ class PromptReader:
                 self.tokenizing, bad_words_ids, self.tokenizer, body.bad_words,
                 self.vocab_size)
             sampling = replace(sampling, bad_words_ids=words)
+        if body.thinking_token_budget is not None:  # the parser's ids forced (vLLM's 400)
+            if self.think_tokens is None:
+                raise BadRequest(NO_REASONING_CONFIG, param="thinking_token_budget")
+            sampling = replace(sampling, thinking_budget=thinking_budget(
+                body.thinking_token_budget, self.think_tokens, constraint is not None))
         stop_ids = self.stop_ids(body, constraint is not None)
         if sampling.min_tokens:  # what min_tokens holds back: the end tokens and stop ids,
             # under ignore_eos too (vLLM's all_stop_token_ids: the end token is held until

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deployments.held_text import Opening, held_prefix
+from speculative.thinking import ThinkingBudget
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
@@ -144,6 +145,22 @@ class ThinkTokens:
         start = len(self.start) if self.start and ids[:len(self.start)] == list(self.start) \
             else 0
         return max(0, found(ids, self.end, start) - start)
+
+
+# vLLM's refusal of a thinking_token_budget without a reasoning parser (its ids)
+NO_REASONING_CONFIG = ("thinking_token_budget is set but reasoning_config is not configured. "
+                       "Please set --reasoning-parser and/or --reasoning-config to use "
+                       "thinking_token_budget.")
+
+
+def thinking_budget(budget: int | None, think_tokens: ThinkTokens,
+                    constrained: bool) -> ThinkingBudget | None:
+    """A request's thinking_token_budget with the parser's ids (speculative.thinking); None
+    under a constraint: its grammar holds from the output's first token here, leaving no
+    thinking section (reasoning_split)."""
+    if budget is None or constrained:
+        return None
+    return ThinkingBudget(budget, think_tokens.start, think_tokens.end)
 
 
 def found(ids: list[int], part: tuple[int, ...], start: int) -> int:

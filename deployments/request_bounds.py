@@ -4,7 +4,8 @@ refuses rather than ignores (deployments.openai_api); the stream's options."""
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, Field, field_validator,
+                      model_validator)
 
 from deployments.chat_messages import encodable
 from deployments.formats import without_nulls
@@ -135,6 +136,26 @@ class RepetitionDetectionArg(BaseModel):
                                    self.min_count)
 
 
+def budget_value(value):
+    """vLLM's thinking_token_budget: a non-negative integer, -1 (and null) unlimited."""
+    if value is None or value == -1 and type(value) is int:
+        return None
+    if type(value) is not int or value < 0:
+        raise FieldError("thinking_token_budget", "`thinking_token_budget` must be a "
+                         "non-negative integer or -1 for unlimited.")
+    return value
+
+
+def check_thinking_budget(body) -> None:
+    """FieldError for a thinking_token_budget with logprobs: vLLM's of a forced id are the
+    model's own (its raw logprobs, before the forcing), which no call here computes (the
+    router commits those ids itself: speculative.thinking)."""
+    if body.thinking_token_budget is not None and (
+            body.top_logprobs_asked() is not None or body.logprob_token_ids):
+        raise FieldError("thinking_token_budget", "not served with logprobs: a forced "
+                         "id's logprob would be the model's, which is not computed here")
+
+
 class VllmAnswerFields(BaseModel):
     """vLLM's fields of both endpoints that shape the answer, not its sampling."""
 
@@ -151,6 +172,9 @@ class VllmAnswerFields(BaseModel):
     # the output ends (finish_reason "repetition") where its tail is a pattern repeated
     # min_count times (speculative.repetition); max_pattern_size 0: off
     repetition_detection: RepetitionDetectionArg | None = None
+    # the end-of-thinking ids forced once a thinking section spent this many tokens
+    # (speculative.thinking); needs the router's reasoning parser (its ids)
+    thinking_token_budget: Annotated[int | None, BeforeValidator(budget_value)] = None
 
     @field_validator("repetition_detection")
     @classmethod

@@ -281,7 +281,7 @@ class Router(ChatBatchRoute):
         try:
             asked = await parse(request, schema, self.args.max_prompt_bytes)
             shape = await shaped(asked, served_names(self.args.served_model_name)[0],
-                                 self.responses_store)
+                                 self.responses_store, self.args.reasoning_parser is not None)
             body = shape.body
             chat = isinstance(body, ChatCompletionRequest)
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)

@@ -237,7 +237,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
                       outcome.num_accepted + outcome.predraft_accepted, cost)
     if block.confidences is not None and block.parents is None:
         policy.observe_confidences(block.confidences, outcome.num_accepted)
-    return committed, None if state.finish_reason is not None else next_block
+    forced = state.round_kept != len(committed)  # a thinking budget's ids: no pre-draft's
+    return committed, None if state.finish_reason is not None or forced else next_block
 
 
 def round_seed(state: RequestState, block: DraftBlock, beside: int | None
@@ -269,9 +270,7 @@ def plain_steps(state: RequestState, block: DraftBlock, predraft,
     if block.token_ids or predraft is not None or request.sampling.logprobs is not None \
             or not state.num_output_tokens:
         return 1
-    room = state.remaining if request.context_limit is None else \
-        min(state.remaining, request.context_limit - len(state.committed) + 1)
-    return max(1, min(request.plain_steps, room, most or request.plain_steps))
+    return max(1, min(request.plain_steps, state.steps_room(), most or request.plain_steps))
 
 
 def round_tree(state: RequestState, policy: KPolicy, k: int, chosen_now: bool

@@ -14,6 +14,7 @@ import torch
 
 from speculative.options import MAX_PLAIN_STEPS
 from speculative.repetition import RepetitionDetection
+from speculative.thinking import ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class SamplingParams:
     # vLLM's repetition_detection: the output ends where its tail repeats a pattern (read
     # by the router alone, at each committed token: speculative.state)
     repetition_detection: RepetitionDetection | None = None
+    # vLLM's thinking_token_budget with the reasoning parser's ids: the end ids forced once
+    # a thinking section spent it (read by the router alone: speculative.thinking)
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -73,6 +77,8 @@ class SamplingParams:
             errors.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.repetition_detection, (RepetitionDetection, type(None))):
             errors.append("repetition_detection must be a RepetitionDetection or None")
+        if not isinstance(self.thinking_budget, (ThinkingBudget, type(None))):
+            errors.append("thinking_budget must be a ThinkingBudget or None")
         if not isinstance(self.cache_salt, str):
             errors.append(f"cache_salt must be a string, got {self.cache_salt!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):

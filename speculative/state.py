@@ -11,6 +11,7 @@ from speculative.busy import DraftBackoff
 from speculative.repetition import RepetitionDetection
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
+from speculative.thinking import ThinkingTracker
 from speculative.types import (
     EMPTY_PREFIX_HASH,
     GrowingPrefixHash,
@@ -106,6 +107,10 @@ class RequestState:
         self.draft_confidence: float | None = None  # this round's draft calls' (the policy's)
         self.round_tree = 0  # nodes of the tree the policy chose for this round (0: none)
         self._hasher = self._prompt_hasher()
+        thinking = request.sampling.thinking_budget
+        self.thinking = None if thinking is None else \
+            ThinkingTracker(thinking, request.prompt_token_ids)
+        self.round_kept = 0  # the last round's ids its commit kept (a thinking budget's cut)
 
     def _prompt_hasher(self) -> GrowingPrefixHash:
         shared = self.request.prompt_hash
@@ -127,13 +132,21 @@ class RequestState:
     def commit(self, token_ids: tuple[int, ...], logprobs: list | None = None) -> list[int]:
         """Append a round's output (and its logprobs), cut at a stop token, max_tokens or a
         repeated pattern (speculative.repetition: each token checked as vLLM's scheduler
-        checks it, after the stop ids and the length); returns what was added."""
+        checks it, after the stop ids and the length); returns what was added. Where a
+        thinking budget forces its end ids (speculative.thinking), the round is cut there
+        and they are committed in its place (self.round_kept: the round's ids kept)."""
         added: list[int] = []
         limit = self.remaining
         detect = self.request.sampling.repetition_detection
-        for token in token_ids[:limit]:
+        self.round_kept = len(token_ids)
+        while len(added) < limit:
+            token = self._next(token_ids, len(added))
+            if token is None:
+                break
             added.append(token)
             self.committed.append(token)
+            if self.thinking is not None:
+                self.thinking.advance(token)
             if token in self.request.stop_token_ids:
                 self.finish_reason = "stop"
                 break
@@ -141,10 +154,29 @@ class RequestState:
                 self.finish_reason = "repetition"
                 break
         if logprobs is not None:
-            self.logprobs.extend(logprobs[:len(added)])
+            self.logprobs.extend(logprobs[:min(len(added), self.round_kept)])
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return added
+
+    def _next(self, token_ids: tuple[int, ...], at: int) -> int | None:
+        """The round's id at `at`, a forced id in its place (the round cut there unless it
+        is that id), or None at the round's end (a forced id still goes in after it)."""
+        forced = None if self.thinking is None else self.thinking.forced()
+        if forced is not None and at < self.round_kept and token_ids[at] != forced:
+            self.round_kept = at
+        if forced is not None:
+            return forced
+        return token_ids[at] if at < self.round_kept else None
+
+    def steps_room(self) -> int:
+        """The most tokens a call of plain steps may make: within max_tokens and the
+        context, and none fed past where a thinking budget may force an id (the pool commits
+        what it feeds)."""
+        request = self.request
+        room = self.remaining if request.context_limit is None else \
+            min(self.remaining, request.context_limit - len(self.committed) + 1)
+        return room if self.thinking is None else min(room, self.thinking.free() + 1)
 
     def _repeats(self, detect: RepetitionDetection) -> bool:
         """Whether the output ends in a repeated pattern; not before it holds min_tokens

@@ -1,5 +1,6 @@
 """vLLM 0.32's extensions beyond the OpenAI API, over HTTP on the shared deployment, exact
-under speculation: repetition_detection, stream_interval, the batch of chats."""
+under speculation: repetition_detection, stream_interval, the batch of chats; a thinking
+budget's refusal without a reasoning parser."""
 
 import pytest
 
@@ -48,3 +49,11 @@ def test_a_batch_of_chats_answers_each_conversation_as_its_own_chat(cluster):
         [answer["choices"][0]["message"]["content"] for answer in alone]
     assert batch.json()["usage"]["completion_tokens"] == \
         sum(answer["usage"]["completion_tokens"] for answer in alone)
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_vllms_400(cluster):
+    """The demo router has no reasoning_parser (vLLM's reasoning config): vLLM's refusal."""
+    response = cluster.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "thinking_token_budget": 8})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "thinking_token_budget"

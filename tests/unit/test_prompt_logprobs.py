@@ -234,7 +234,8 @@ def served(verifier: Scored):
 
     router = SimpleNamespace(
         api_key=None, token_bytes=None, admission=Admission(16), metrics=Recorded(),
-        args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m"),
+        args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m",
+                             reasoning_parser=None),
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
         special_decode=lambda ids: "s" * len(ids), think_tokens=None,
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,

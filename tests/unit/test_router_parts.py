@@ -164,7 +164,8 @@ def router_of(max_running: int, verifier=None):
 
     router = SimpleNamespace(  # not a Router: Serve's ingress wrapper wants its event loop
         api_key=None, token_bytes=None, admission=Admission(max_running), metrics=Recorded(),
-        args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m"),
+        args=SimpleNamespace(max_prompt_bytes=1 << 16, served_model_name="m",
+                             reasoning_parser=None),
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
         special_decode=lambda ids: "s" * len(ids),  # skip_special_tokens: false
         prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
