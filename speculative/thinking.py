@@ -3,13 +3,15 @@ thinking section, the end-of-thinking ids are forced, one a step, then it decode
 
 As vLLM's ThinkingBudgetStateHolder reads a plain decode (one token a step): a section opens
 at the start ids (in the output, or in the prompt where its last start ids come after its
-last end ids: the tokens after them there count too) and closes at the first end ids after
-its start, or once the forced ones are in. Its count is the tokens after the start ids; when
-it reaches the budget, the next tokens are the end ids. As vLLM's too, end ids that stood in
-the output before a section's start ids (after the last section) leave that section without
-a natural close: only the forced ids end it. Forced ids need no model, so the router commits
-them itself, cutting the round there (speculative.state.RequestState.commit): the output is
-the target's own decode under vLLM's forcing whatever the rounds commit at once.
+last end ids: the tokens after them there count too, less len(start) - 1 unless they spent
+the budget already, as vLLM counts them from the start ids' last id) and closes at the first
+end ids after its start, or once the forced ones are in. Its count is the tokens after the
+start ids; when it reaches the budget, the next tokens are the end ids. As vLLM's too, end
+ids that stood in the output before a section's start ids (after the last section) leave
+that section without a natural close: only the forced ids end it. Forced ids need no model,
+so the router commits them itself, cutting the round there
+(speculative.state.RequestState.commit): the output is the target's own decode under vLLM's
+forcing whatever the rounds commit at once.
 """
 
 from collections.abc import Sequence
@@ -56,6 +58,9 @@ class ThinkingTracker:
         start, end = last_at(prompt, budget.start), last_at(prompt, budget.end)
         self.inside = start > end  # the prompt opened a section (a template's <think>)
         self.count = len(prompt) - start - len(budget.start) if self.inside else 0
+        if self.inside and self.count < budget.budget:  # as vLLM's count after the prompt:
+            # from the start ids' last id, not past them (len(start) - 1 tokens later)
+            self.count -= len(budget.start) - 1
         self.ending: int | None = None  # the end ids forced so far, while forcing
         self.pinned = False  # end ids stood in the output before this section's start
         self.tail: list[int] = []  # the output since the last section closed (vLLM's scan)

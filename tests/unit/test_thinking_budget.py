@@ -23,8 +23,9 @@ MAX_TOKENS = 40
 def forced_next(prompt, output, budget: ThinkingBudget) -> int | None:
     """The reference: the id vLLM forces after `output` (None: the model's choice), read
     from the whole sequence again at each step: the sections, each from its start ids (or
-    the prompt's unclosed last one) to its first end ids or its forced ones; end ids in the
-    output before a section's start (since the last close) leave it no natural close."""
+    the prompt's unclosed last one, its tokens counted from the start ids' last id unless
+    they spent the budget) to its first end ids or its forced ones; end ids in the output
+    before a section's start (since the last close) leave it no natural close."""
     start, end, limit = list(budget.start), list(budget.end), budget.budget
 
     def at(ids, i, part):
@@ -34,6 +35,8 @@ def forced_next(prompt, output, budget: ThinkingBudget) -> int | None:
     ends = [i for i in range(len(prompt)) if at(prompt, i, end)]
     inside = bool(starts) and (not ends or starts[-1] > ends[-1])
     count = len(prompt) - 1 - starts[-1] if inside else 0
+    if inside and count < limit:  # vLLM's: from the start ids' last id
+        count -= len(start) - 1
     forcing, seen_end, since = None, False, []
     for token in output:
         if forcing is None and inside and count >= limit:
@@ -126,6 +129,23 @@ def test_a_budget_the_prompt_spent_forces_the_first_ids():
     assert state.output_token_ids == [8, 9] and state.round_kept == 0
     state.commit((4, 4))
     assert state.output_token_ids == [8, 9, 4, 4]
+
+
+@pytest.mark.parametrize("prompt, budget, start, end, expected", [
+    ([5, 1, 2], 2, (1, 2), (8,), [4, 4, 4, 8, 4, 4, 4, 4]),
+    ([1, 2, 3], 3, (1, 2), (8,), [4, 4, 4, 8, 4, 4, 4, 4]),
+    ([0, 1, 2, 3], 2, (1, 2, 3), (8, 9), [4, 4, 4, 4, 8, 9, 4, 4]),
+    ([1, 2, 3, 3], 2, (1, 2, 3), (8, 9), [4, 4, 4, 8, 9, 4, 4, 4]),
+    ([1, 2, 3], 1, (1, 2), (8, 9), [8, 9, 4, 4, 4, 4, 4, 4])])
+def test_a_prompts_section_of_several_start_ids_is_counted_as_vllm_counts_it(
+        prompt, budget, start, end, expected):
+    """vLLM (ThinkingBudgetStateHolder, its outputs here) counts a section the prompt
+    opened from its start ids' last id: len(start) - 1 tokens more of the model's before
+    the forced ids, unless the prompt spent the budget (then they come first)."""
+    think = ThinkingBudget(budget, start, end)
+    state = committed_by_rounds(prompt, [(4,) * 8] * 2, think, max_tokens=8)
+    assert state.output_token_ids == expected
+    assert expected == [forced_next(prompt, expected[:n], think) or 4 for n in range(8)]
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
