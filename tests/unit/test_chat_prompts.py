@@ -298,19 +298,26 @@ def test_truncate_prompt_tokens_of_minus_one_leaves_room_for_max_tokens(
     assert refused.value.param == "max_tokens"
 
 
-def test_a_truncated_text_prompt_keeps_what_the_tokenizer_adds_around_it(reader):
-    """vLLM truncates a text prompt in transformers' tokenizer (from the left), which keeps
-    what it adds around the text (a Llama checkpoint's BOS) and the text's last ids: cut
-    from the whole ids, the model saw the prompt without its BOS. Ids are cut as given."""
+def with_bos(reader) -> tuple:
+    """(a copy of the reader's tokenizer that puts a BOS <s> before a text, as a Llama
+    checkpoint's does, that BOS's id)."""
     from tokenizers.processors import TemplateProcessing
-
-    from deployments.openai_api import CompletionRequest
 
     tokenizer = copy.deepcopy(reader.tokenizer)
     tokenizer.add_special_tokens({"bos_token": "<s>"})
     bos = tokenizer.convert_tokens_to_ids("<s>")
     tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", bos)])
+    return tokenizer, bos
+
+
+def test_a_truncated_text_prompt_keeps_what_the_tokenizer_adds_around_it(reader):
+    """vLLM truncates a text prompt in transformers' tokenizer (from the left), which keeps
+    what it adds around the text (a Llama checkpoint's BOS) and the text's last ids: cut
+    from the whole ids, the model saw the prompt without its BOS. Ids are cut as given."""
+    from deployments.openai_api import CompletionRequest
+
+    tokenizer, bos = with_bos(reader)
     reader, text = reader_of(tokenizer), "hello world " * 5
     ids = reader.token_ids(CompletionRequest(prompt=text, truncate_prompt_tokens=4), False)
     tokenizer.truncation_side = "left"

@@ -13,6 +13,7 @@ from tests.unit.test_chat_prompts import (  # noqa: F401 (reader: a fixture)
     prompt_ids,
     reader,
     reader_of,
+    with_bos,
 )
 
 
@@ -21,15 +22,9 @@ def test_a_truncation_side_given_cuts_the_whole_ids_from_that_side(reader, side)
     """vLLM's truncation_side, given: the tokenizer does not truncate and the whole ids are
     cut, "left" keeping their last k (a BOS cut with the rest), "right" their first k; a
     text, ids and a chat alike. Unset, the tokenizer's left truncation (test_chat_prompts)."""
-    from tokenizers.processors import TemplateProcessing
-
     from deployments.openai_api import CompletionRequest
 
-    tokenizer = copy.deepcopy(reader.tokenizer)
-    tokenizer.add_special_tokens({"bos_token": "<s>"})
-    bos = tokenizer.convert_tokens_to_ids("<s>")
-    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer, bos = with_bos(reader)
     reader, text = reader_of(tokenizer), "hello world, answer in French " * 3
     whole = tokenizer(text)["input_ids"]
     cut = tuple(whole[-4:] if side == "left" else whole[:4])
