@@ -9,7 +9,8 @@ no beam search, no tools (`tool_choice` "none" alone); `max_tokens` bounds each
 conversation's output against its own prompt, as its chat's does. A stream, asked for, is
 refused here (vLLM's takes the field as unknown and answers whole), as are prompt_logprobs,
 which a batch's answer has no place for; `store` is not read (vLLM's has none). The answer's
-id is the chat's (`chatcmpl-...`), each conversation's pool sessions `<id>_<index>`, and the
+id is the chat's (`chatcmpl-...`; `chatcmpl-<request_id>` where the batch gives vLLM's
+request_id), each conversation's pool sessions `<the router's id>_<index>`, and the
 conversations are admitted together, as a chat's n choices are (deployments.admission).
 """
 

@@ -247,20 +247,11 @@ class Choices:
         end, then sent as content or calls; with a reasoning parser, each delta's reasoning
         and content in their fields, as vLLM's)."""
         chunk = self.chunker(index)
-        texts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
-        thoughts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created,
-                               reasoning=True) if self.reasoning is not None else None
         streamed = StreamedText(self.reasoning, self.tools)
         echo, echoed = (None, 0) if self.prompt is None or self.prompt.echo is None else \
             await self.echo(index)
         logged = self.streamed_logprobs(index, echoed)
-
-        def delta_text(generation, reasoning, delta, encode=json.dumps) -> str:
-            if logged or self.continuous_usage or (reasoning and delta):
-                return chunk(delta if delta or not reasoning else None, generation=generation,
-                             encode=encode, logprobs=logged(generation) if logged else None,
-                             reasoning=reasoning or None)
-            return thoughts(reasoning) if reasoning else texts(delta)
+        delta_text = self.delta_texts(index, chunk, logged)
 
         async def push(generation, delta):
             finished = generation.finish_reason is not None
@@ -306,6 +297,24 @@ class Choices:
         for text in [*opening, *await self.off_loop(ending, generation)]:
             await queue.put(text)
         return generation
+
+    def delta_texts(self, index: int, chunk, logged):
+        """delta_text(generation, reasoning, delta, encode=json.dumps): choice `index`'s
+        chunk of a delta (its reasoning and content, as StreamedText.feed parts them), with
+        its tokens' logprobs (`logged`) or its usage so far where asked for, else
+        DeltaChunks' cheaper text."""
+        texts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created)
+        thoughts = DeltaChunks(self.request_id, self.model, index, self.chat, self.created,
+                               reasoning=True) if self.reasoning is not None else None
+
+        def delta_text(generation, reasoning, delta, encode=json.dumps) -> str:
+            if logged or self.continuous_usage or (reasoning and delta):
+                return chunk(delta if delta or not reasoning else None, generation=generation,
+                             encode=encode, logprobs=logged(generation) if logged else None,
+                             reasoning=reasoning or None)
+            return thoughts(reasoning) if reasoning else texts(delta)
+
+        return delta_text
 
     def opening(self, chunk, echo, streamed: StreamedText, prompt_ids) -> list[str]:
         """A chat's first chunk, its role (with tools, no content yet: a message of calls has

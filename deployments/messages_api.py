@@ -11,7 +11,8 @@ output_config.format (a JSON schema), output_config.effort and thinking (as vLLM
 deployments.messages_api.reasoning_effort), and vLLM's extensions the chat takes. metadata
 is read and ignored.
 Refused with a 400 naming the field: images, documents and any other block, server tools
-(those with a `type`), and a tool_result in an assistant's message.
+(those with a `type` other than "custom"), a tool_result in an assistant's message (a
+tool_use in a user's), and a `system` role in messages.
 """
 
 import json
@@ -71,19 +72,24 @@ def text_of(block: dict, place: str) -> str:
     return text
 
 
+def block_texts(blocks: list, place: str) -> list[str]:
+    """The texts of `place`'s list of text blocks (FieldError naming any other block)."""
+    texts = []
+    for index, block in enumerate(blocks):
+        where = f"{place}[{index}]"
+        if (kind := block_kind(block, where)) != "text":
+            raise refused_block(kind, where)
+        texts.append(text_of(block, where))
+    return texts
+
+
 def system_text(system: str | list | None) -> str | None:
     """The system prompt's text: its text blocks joined (as vLLM joins them, with nothing
     between), Claude Code's billing header dropped (as vLLM drops it)."""
     if system is None or isinstance(system, str):
         return system or None
-    texts = []
-    for index, block in enumerate(system):
-        place = f"system[{index}]"
-        if (kind := block_kind(block, place)) != "text":
-            raise refused_block(kind, place)
-        if (text := text_of(block, place)) and not text.startswith(BILLING_HEADER):
-            texts.append(text)
-    return "".join(texts) or None
+    return "".join(text for text in block_texts(system, "system")
+                   if not text.startswith(BILLING_HEADER)) or None
 
 
 def tool_call(block: dict, place: str) -> dict:
@@ -107,12 +113,7 @@ def tool_message(block: dict, place: str) -> dict:
         return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content or ""}
     if not isinstance(content, list):
         raise FieldError(f"{place}.content", "must be a string or a list of text blocks")
-    texts = []
-    for index, part in enumerate(content):
-        where = f"{place}.content[{index}]"
-        if (kind := block_kind(part, where)) != "text":
-            raise refused_block(kind, where)
-        texts.append(text_of(part, where))
+    texts = block_texts(content, f"{place}.content")
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": "\n".join(texts)}
 
 

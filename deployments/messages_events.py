@@ -102,7 +102,8 @@ def tool_use(call: dict) -> dict:
 
 
 def opened(kind: str) -> dict:
-    """A block as it opens in a stream (its text empty, a tool's input {})."""
+    """A thinking or text block as it opens in a stream, its text empty (a tool_use block
+    opens in MessageStream.call, its input {})."""
     return {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
         else {"type": "text", "text": ""}
 

@@ -201,8 +201,8 @@ class PromptReader:
         truncation_side given is vLLM's cut of the whole ids instead: "left" their last
         ones (a BOS then cut too), "right" their first ones."""
         keep = body.truncate_prompt_tokens
-        if keep == -1:  # a length that cannot fit is refused by read, naming its field
-            # (an echo's max_tokens 0 leaves room for one, as a prompt must: token_ids)
+        if keep == -1:  # a length past the context is refused (within_context), one that
+            # leaves no room cut; an echo's max_tokens 0 leaves room for one id (token_ids)
             keep = max(1, self.context_limit - max(1, body.max_tokens_or(
                 1 if chat else self.default_max_tokens)))
         if len(ids) <= keep:
