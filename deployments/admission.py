@@ -78,19 +78,21 @@ class Admission:
             raise
         return Ticket(self, num_choices)  # its slots were taken for it (hand_over)
 
-    def check(self, num_choices: int, priority: int = 0) -> None:
+    def check(self, num_choices: int, priority: int = 0, param: str = "n",
+              counted: str = "the request's {} choices (its prompts x n)") -> None:
         """wait_turn's refusal, if it would refuse now, without queueing: asked before a
         request's prompts are read, as vLLM does (tokenizing a 1 MiB prompt holds the
         router's one tokenizing thread 0.65 s and its event loop 0.26 s, spent for nothing on
-        a request then refused)."""
+        a request then refused). Choices that could never run at once: a 400 naming `param`,
+        saying what they are (`counted`, formatted with their number)."""
         if priority and not self.by_priority:  # as vLLM's FCFS refuses it
             raise BadRequest(f"priority {priority} asks for priority scheduling, which this "
                              "router does not run (its scheduling_policy: fcfs)",
                              param="priority")
         if num_choices > self.max_running:  # it could never run
-            raise BadRequest(f"the request's {num_choices} choices (its prompts x n) exceed the "
-                             f"{self.max_running} this server runs at once (the router's "
-                             "max_running_requests)", param="n")
+            raise BadRequest(f"{counted.format(num_choices)} exceed the {self.max_running} "
+                             "this server runs at once (the router's max_running_requests)",
+                             param=param)
         if not self.fits_now(num_choices, priority) and self.waiting >= self.max_waiting:
             raise self.at_capacity()
 

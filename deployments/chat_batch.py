@@ -136,7 +136,8 @@ async def batch_answer(router, request: Request):
         batch = await parse(request, BatchChatRequest, router.args.max_prompt_bytes)
         first = batch.chats[0]
         router.check_model(first)
-        admissible(router.admission, len(batch.chats), first.priority)
+        router.admission.check(len(batch.chats), first.priority, "messages",
+                               "messages: the batch's {} conversations")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         plans = [await planned(router, f"{request_id}_{i}", chat, i, len(batch.chats) - 1)
                  for i, chat in enumerate(batch.chats)]
@@ -159,16 +160,6 @@ async def batch_answer(router, request: Request):
         return error_response(pool_failure(error, request_id))
     finally:
         ticket.release()
-
-
-def admissible(admission, conversations: int, priority: int) -> None:
-    """admission.check for the conversations, before their prompts are read (as a chat's n
-    choices): more than run at once, a 400 naming them."""
-    if conversations > admission.max_running:
-        raise BadRequest(f"messages: the batch's {conversations} conversations exceed the "
-                         f"{admission.max_running} this server runs at once (the router's "
-                         "max_running_requests)", param="messages")
-    admission.check(conversations, priority)
 
 
 async def planned(router, request_id: str, chat: ChatCompletionRequest, index: int,
