@@ -1,7 +1,8 @@
 """Admission: choices (n counts) running at once in one router replica. A request whose
 choices do not fit waits its turn in a queue, first come first served as vLLM's scheduler
 takes its waiting requests (or by priority, then arrival, under vLLM's priority policy);
-beyond max_waiting waiting requests it is refused at once with 429 and Retry-After."""
+beyond max_waiting waiting requests it is refused at once with 429 and Retry-After. Its
+load (vLLM's /load) is the requests admitted or waiting."""
 
 import asyncio
 import bisect
@@ -18,6 +19,7 @@ class Admission:
         self.by_priority = by_priority  # vLLM's priority policy; else FCFS
         self.max_waiting = max_waiting  # requests (not choices) waiting; 0: none wait
         self._running = 0  # admitted choices not yet finished
+        self.admitted = 0  # the requests those choices are of
         # ((priority, arrival), choices, the future set once they are taken for it), in turn
         self._waiting: list[tuple[tuple[int, int], int, asyncio.Future]] = []
         self._arrivals = itertools.count()
@@ -36,6 +38,11 @@ class Admission:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def load(self) -> int:
+        """vLLM's server_load: requests (not choices) admitted or waiting for their turn."""
+        return self.admitted + self.waiting
 
     def fits_now(self, num_choices: int, priority: int = 0) -> bool:
         """Whether the choices would run now: slots free, and nobody waiting ahead of them
@@ -58,6 +65,7 @@ class Admission:
         if not self.fits_now(num_choices, priority):
             return None
         self.running += num_choices
+        self.admitted += 1
         return Ticket(self, num_choices)
 
     async def wait_turn(self, num_choices: int, priority: int = 0) -> "Ticket":
@@ -103,6 +111,7 @@ class Admission:
     def release(self, num_choices: int) -> None:
         """A ticket's choices given back: the slots go to the waiters whose turn it is."""
         self.running -= num_choices
+        self.admitted -= 1
         self.hand_over()
 
     def hand_over(self) -> None:
@@ -119,6 +128,7 @@ class Admission:
             self._waiting.pop(0)
             if not future.done():
                 self.running += num_choices  # taken now: nobody overtakes it before it runs
+                self.admitted += 1
                 future.set_result(None)
         if self.waiting != queued:
             self.on_waiting(self.waiting)
@@ -130,6 +140,7 @@ class Admission:
         _, num_choices, future = turn
         if future.done() and not future.cancelled():
             self.running -= num_choices
+            self.admitted -= 1
         elif turn in self._waiting:
             self._waiting.remove(turn)
             self.on_waiting(self.waiting)

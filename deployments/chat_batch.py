@@ -10,8 +10,9 @@ conversation's output against its own prompt, as its chat's does. A stream, aske
 refused here (vLLM's takes the field as unknown and answers whole), as are prompt_logprobs,
 which a batch's answer has no place for; `store` is not read (vLLM's has none). The answer's
 id is the chat's (`chatcmpl-...`; `chatcmpl-<request_id>` where the batch gives vLLM's
-request_id), each conversation's pool sessions `<the router's id>_<index>`, and the
-conversations are admitted together, as a chat's n choices are (deployments.admission).
+request_id, or its X-Request-Id header: deployments.request_headers), each conversation's
+pool sessions `<the router's id>_<index>`, and the conversations are admitted together, as a
+chat's n choices are (deployments.admission).
 """
 
 import asyncio
@@ -35,6 +36,7 @@ from deployments.ingress import (
 )
 from deployments.openai_api import ChatCompletionRequest
 from deployments.request_bounds import MAX_CHOICES, MAX_MESSAGES
+from deployments.request_headers import header_request_id
 from deployments.responses import completion_body
 from deployments.tools import FieldError
 from speculative.stats import SpecStats
@@ -134,7 +136,7 @@ async def batch_answer(router, request: Request):
         return refused
     try:
         batch = await parse(request, BatchChatRequest, router.args.max_prompt_bytes)
-        first = batch.chats[0]
+        first = header_request_id(request, batch.chats[0])  # its request_id names the batch
         router.check_model(first)
         router.admission.check(len(batch.chats), first.priority, "messages",
                                "messages: the batch's {} conversations")

@@ -47,6 +47,7 @@ from deployments.prometheus import NodeMetrics
 from deployments.prompts import PromptReader
 from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import ReasoningSplit, ThinkTokens, request_split
+from deployments.request_headers import header_request_id
 from deployments.responses_api import ResponsesRequest
 from deployments.response_items import listed_items
 from deployments.router_args import RouterArgs, response_store, tree_shape
@@ -167,6 +168,11 @@ class Router(ChatBatchRoute):
             name, served_names(self.args.served_model_name), self.args.model,
             self.prompts.context_limit)
 
+    @app.get("/load")
+    async def load(self) -> dict:
+        """vLLM's server load: the requests admitted or waiting here (Admission.load), open."""
+        return {"server_load": self.admission.load}
+
     @app.get("/version")
     async def version(self) -> dict:
         return {"version": importlib.metadata.version("specserve")}
@@ -279,7 +285,8 @@ class Router(ChatBatchRoute):
             return refused
         shape = None  # how the answer is shaped: its own API's, or a Response
         try:
-            asked = await parse(request, schema, self.args.max_prompt_bytes)
+            asked = header_request_id(request, await parse(request, schema,
+                                                           self.args.max_prompt_bytes))
             shape = await shaped(asked, served_names(self.args.served_model_name)[0],
                                  self.responses_store, self.args.reasoning_parser is not None)
             body = shape.body
@@ -371,8 +378,8 @@ class Router(ChatBatchRoute):
         # refused before its prompts are read when it could neither run nor wait now
         self.admission.check(body.n * (1 if chat else len(body.prompts())), body.priority)
         # the request's own id, which also keys its pool sessions: never the client's
-        # x-request-id nor its request_id (two requests sharing one would share caches),
-        # which names the answer alone, as vLLM's ("chatcmpl-<id>")
+        # request_id nor its x-request-id (two requests sharing one would share caches),
+        # which name the answer alone, as vLLM's ("chatcmpl-<id>": header_request_id)
         kind = "chatcmpl" if chat else "cmpl"
         request_id = f"{kind}-{uuid.uuid4().hex}"
         prompts = [body] if chat else \
