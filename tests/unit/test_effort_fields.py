@@ -12,7 +12,7 @@ from openai.types.responses import Response
 from deployments.ingress import BadRequest, parse
 from deployments.messages_api import CountTokensRequest, MessagesRequest
 from deployments.router import Router
-from tests.unit.test_chat_prompts import THINKING
+from tests.unit.test_chat_template_kwargs import THINKING
 from tests.unit.test_messages_api import (  # noqa: F401 (reader: a fixture)
     HI,
     messages_router,
@@ -20,7 +20,8 @@ from tests.unit.test_messages_api import (  # noqa: F401 (reader: a fixture)
     reader,
 )
 from tests.unit.test_prompt_fields import EFFORT
-from tests.unit.test_responses_api import answered, chat_of, refusal
+from tests.unit.test_responses_api import answered
+from tests.unit.test_responses_request import chat_of, refusal
 from tests.unit.test_router_parts import posted
 
 

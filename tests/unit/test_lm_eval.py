@@ -6,7 +6,7 @@ answers read where its `parse_logprobs` and `parse_generations` read them."""
 import pytest
 
 from speculative.types import PromptLogprobs, TokenLogprob
-from tests.unit.test_prompt_logprobs import Scored, served
+from tests.unit.test_prompt_answers import Scored, served
 
 SEED = 1234  # lm-eval's default, sent with every body
 

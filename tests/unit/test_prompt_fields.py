@@ -9,12 +9,12 @@ from pydantic import ValidationError
 
 from deployments.openai_api import ChatCompletionRequest
 from tests.unit.test_chat_prompts import (  # noqa: F401 (reader: a fixture)
-    THINKING,
     prompt_ids,
     reader,
     reader_of,
     with_bos,
 )
+from tests.unit.test_chat_template_kwargs import THINKING
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

@@ -17,7 +17,7 @@ from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
 from speculative.driver import text_decoder
-from speculative.grammar import GrammarError, TokenMasks, compile_spec, ll_tokenizer
+from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
 from speculative.sampling import SamplingParams
 from tests.tiny import run
 from verifier.engine import ModelVerifier
@@ -38,12 +38,17 @@ PROMPT = "# settings\n"
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def demo():
+def demo_pair() -> tuple:
+    """(the demo target's tokenizer, the target, the draft, the target's llguidance tokenizer)."""
     tokenizer = load_tokenizer(DEMO_TARGET)
     target = load_causal_lm(DEMO_TARGET)
     vocab = target.config.vocab_size
     return tokenizer, target, load_causal_lm(DEMO_DRAFT), ll_tokenizer(tokenizer, vocab)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return demo_pair()
 
 
 def reference(target, ll, grammar: str, prompt: list[int], eos: int) -> list[int]:
@@ -99,124 +104,6 @@ def test_constrained_greedy_equals_the_masked_target_alone(demo, name):
         assert out == expected, (name, kind, k, pipelined)
         drafted += state.stats.num_draft_tokens
     assert drafted > 0
-
-
-@pytest.mark.parametrize("kind, spec, field", [
-    ("json", "{not json", "json"), ("json", {"type": "nonsense"}, "json"),
-    ("regex", "[0-9", "regex"), ("choice", [], "choice"), ("choice", "one", "choice"),
-    ("grammar", "start: undefined_rule", "grammar"), ("json", "[" * 100000, "json"),
-    ("regex", "a\ud800", "regex"), ("choice", ["\udc00"], "choice"),
-    # no sentence at all, or none that ends: refused here, not failed mid-request
-    ("regex", "[^\\s\\S]", "regex"), ("regex", "abc[^\\s\\S]", "regex"),
-    ("grammar", 'start: "abc" B\nB: /[^\\s\\S]/', "grammar"),
-    ("grammar", 'start: "abc" b\nb: "d" b', "grammar"),
-    ("grammar", 'root ::= ("a"', "grammar"), ("grammar", "root ::= undefined", "grammar"),
-    ("grammar", 'root ::= "a"\n' + "# a comment\n" * 2000, "grammar"),
-    ("grammar", 'root ::= "a"' + ' ("b"' * 4000 + ")" * 4000, "grammar"),
-    ("json", {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
-                              "required": ["c"]}}, "$ref": "#/$defs/n"}, "json")])
-def test_specs_that_cannot_compile_name_their_field(demo, kind, spec, field):
-    with pytest.raises(GrammarError) as refused:
-        compile_spec(kind, spec, demo[3])
-    assert refused.value.field == field
-
-
-@pytest.mark.parametrize("gbnf, text, other", [
-    ('root ::= "\\u00e9t\\u00E9"', "été", "ete"), ('root ::= [\\u00e0-\\u00ff]+', "àÿ", "a"),
-    ('root ::= "\\U0001F600"', "😀", "x"), ('root ::= "\\u0041\\u0022\\u005c"', 'A"\\', "A"),
-    ('root ::= [^\\u0000-\\u007f]', "é", "a"), ('root ::= "\\\\u0041"', "\\u0041", "A")])
-def test_gbnf_unicode_escapes_hold_their_characters(demo, gbnf, text, other):
-    """llama.cpp's \\uXXXX and \\UXXXXXXXX: llguidance's converter wrote \\u00e9 as \\ue9,
-    which its Lark refuses (a valid grammar was a 400: "3(13): lexer error"); an escaped
-    backslash before a `u` stays text."""
-    tokenizer, _, _, ll = demo
-    grammar = compile_spec("grammar", gbnf, ll)
-    for sample, taken in ((text, True), (other, False)):
-        ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
-        matcher = TokenMasks(ll, grammar)
-        assert (matcher.advance(ids) == len(ids) and matcher.matcher.is_accepting()) == taken
-
-
-@pytest.mark.parametrize("blank", ["\n", " \n"])
-def test_a_grammar_of_blank_lines_is_refused_at_once(demo, blank, monkeypatch):
-    """Whether a grammar is Lark was read with llguidance's is_lark_syntax, quadratic in a
-    run of blank lines and before any bound: 32k newlines held the GIL 6 s (the body's
-    2 MiB, over an hour). Its own pattern (LARK_START: the blanks of one line alone) finds
-    the same lines, and llguidance's is not called."""
-    from llguidance import gbnf_to_lark
-
-    from speculative.grammar import LARK_START
-
-    texts = ["start: x", " \t start : x", "a\n  %llguidance {}", "root ::= x\n\n start:",
-             "x start: y", "\n\n", "  \n\tstart", "starts: x", "%llguidancex"]
-    assert [bool(LARK_START.search(t)) for t in texts] == \
-        [gbnf_to_lark.is_lark_syntax(t) for t in texts]
-    monkeypatch.setattr(gbnf_to_lark, "is_lark_syntax", None)  # called: a TypeError
-    with pytest.raises(GrammarError, match="at most 16384 characters"):
-        compile_spec("grammar", blank * 40_000 + 'root ::= "a"', demo[3])
-
-
-@pytest.mark.parametrize("kind, spec, said", [
-    ("regex", r"\d+(?=x)", "look-around"), ("regex", r"(a)\1", "backreferences are not"),
-    ("json", {"type": "string", "pattern": "[z-a]"}, "[z-a]: invalid character class")])
-def test_a_regex_that_does_not_parse_says_why(demo, kind, spec, said):
-    """llguidance puts what is wrong below its first line, which alone ended at "regex
-    parse error:" (a schema's pattern was not even named)."""
-    with pytest.raises(GrammarError, match=re.escape(said)):
-        compile_spec(kind, spec, demo[3])
-
-
-def expanding_schema(depth: int, properties: int) -> dict:
-    """An object whose property is `depth` levels of allOf with an anyOf of the level below:
-    a kilobyte or so that llguidance multiplies into as many symbols as the levels
-    allow (depth 4, 16 properties: 240k)."""
-    levels = {"d0": {"type": "object", "properties": {f"x{j}": {"type": "integer"}
-                                                      for j in range(properties)}}}
-    for i in range(1, depth + 1):
-        below = {"$ref": f"#/$defs/d{i - 1}"}
-        levels[f"d{i}"] = {"allOf": [below, {"anyOf": [below, {
-            "type": "object", "properties": {f"y{i}": {"type": "string"}}}]}]}
-    return {"type": "object", "$defs": levels, "required": ["a"],
-            "properties": {"a": {"$ref": f"#/$defs/d{depth}"}}}
-
-
-@pytest.mark.parametrize("spec", [[], [""], ["yes", ""], "yes"])
-def test_a_choice_that_chooses_nothing_says_what_it_takes(demo, spec):
-    with pytest.raises(GrammarError, match="a non-empty list of non-empty strings"):
-        compile_spec("choice", spec, demo[3])
-
-
-def test_a_schema_that_expands_past_the_symbols_bound_is_refused_as_it_compiles(demo):
-    """1.2 KB of schema that llguidance expanded to 240k symbols took 2 s of the tokenizing
-    thread and then broke the matcher (a ValueError carrying Rust's backtrace, no field):
-    compiling stops at MAX_GRAMMAR_SYMBOLS and names the field and the bound."""
-    schema = expanding_schema(4, 16)
-    assert len(json.dumps(schema)) < 1500
-    with pytest.raises(GrammarError, match="symbols") as refused:
-        compile_spec("json", schema, demo[3])
-    assert refused.value.field == "json"
-
-
-def test_a_schema_far_past_the_size_bound_is_refused_before_llguidance_reads_it(monkeypatch):
-    """llguidance reads a schema holding the GIL (a 2 MiB one: 0.5 s of the event loop),
-    and the grammar it made was then refused as too long: a schema whose own text is past
-    twice the bound is refused unread."""
-    from types import SimpleNamespace
-
-    from speculative import grammar
-
-    read, real = [], grammar.llguidance().LLMatcher
-
-    def reading(*args, **options):
-        read.append(args)
-        return real.grammar_from_json_schema(*args, **options)
-
-    monkeypatch.setattr(grammar, "llguidance", lambda: SimpleNamespace(
-        LLMatcher=SimpleNamespace(grammar_from_json_schema=reading)))
-    schema = {"type": "object", "properties": {f"p{i}": {} for i in range(20_000)}}
-    with pytest.raises(GrammarError, match="characters"):
-        grammar.grammar_text("json", schema)
-    assert read == []
 
 
 def test_grammars_survive_rebuilds_and_drafter_failures(demo):
@@ -309,35 +196,6 @@ def test_a_row_the_grammar_leaves_nothing_stays_whole_not_nan():
     allowed = torch.tensor([[True, False, True], [False, False, False]])
     out = masked(logits, allowed)
     assert out[0].tolist() == [1.0, float("-inf"), 3.0] and torch.equal(out[1], logits[1])
-
-
-def test_a_repeated_spec_compiles_once_and_a_failing_one_each_time(demo, monkeypatch):
-    """The router compiles a spec once for the requests that repeat it (a completions
-    batch's prompts share their request's: 128 prompts of a large schema compiled it 128
-    times on the one tokenizing thread); a refusal is not kept, and a spec nested past what
-    JSON text holds is refused uncached."""
-    from speculative import grammar
-
-    calls = []
-    real = grammar.compile_spec
-    monkeypatch.setattr(grammar, "compile_spec", lambda *args: calls.append(args[0]) or
-                        real(*args))
-    grammar.spec_compiled.cache_clear()
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    grammars = [grammar.compile_cached("json", json.loads(json.dumps(schema)), demo[3])
-                for _ in range(3)]
-    assert calls == ["json"] and grammars[0] == grammars[1] == grammars[2]
-    grammar.compile_cached("regex", "[0-9]+", demo[3])  # another spec: its own grammar
-    assert calls == ["json", "regex"]
-    for _ in range(2):
-        with pytest.raises(GrammarError):
-            grammar.compile_cached("regex", "(a)\\1", demo[3])
-    assert calls == ["json", "regex", "regex", "regex"]
-    nested: list = []
-    for _ in range(100_000):
-        nested = [nested]
-    with pytest.raises(GrammarError, match="nested too deeply"):
-        grammar.compile_cached("json", nested, demo[3])
 
 
 def test_a_constrained_outputs_logprobs_are_of_the_masked_law_as_vllms_raw_logprobs(demo):
@@ -439,26 +297,3 @@ def test_a_structural_tag_holds_each_structure_its_trigger_opens_exact_under_spe
         out, _ = run(drafter, verifier, prompt, params, k, request_id=f"t{i}", stop=(eos,),
                      pipelined=pipelined)
         assert out == expected, (k, pipelined)
-
-
-@pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f"]}},
-     "response_format"),
-    ({"response_format": {"type": "structural_tag", "triggers": ["<f"], "structures": [
-        {"begin": "<g>", "schema": {}, "end": ""}]}}, "response_format"),
-    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
-     "response_format.format"),
-    ({"structured_outputs": {"structural_tag": '{"structures": 1}'}},
-     "structured_outputs.structural_tag")])
-def test_a_structural_tag_that_cannot_be_is_refused_naming_its_field(fields, param):
-    from pydantic import ValidationError
-
-    from deployments.openai_api import CompletionRequest
-    from deployments.tools import FieldError
-
-    with pytest.raises((ValidationError, FieldError)) as refused:
-        CompletionRequest.model_validate({"prompt": "x", **fields}).constraint()
-    error = refused.value
-    named = error.param if isinstance(error, FieldError) else \
-        ".".join(map(str, error.errors()[0]["loc"]))
-    assert named == param
