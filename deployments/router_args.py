@@ -271,5 +271,7 @@ def response_store(args: ResponsesStoreArgs | None):
     from deployments.store_actor import ActorStore
 
     application = serve.get_replica_context().app_name
-    return ActorStore(f"specserve-responses-{application}", args.max_entries,
-                      args.max_bytes, args.ttl_s)
+    store = ActorStore(f"specserve-responses-{application}", args.max_entries,
+                       args.max_bytes, args.ttl_s)
+    store.start()  # its worker up by the first request's call
+    return store

@@ -3,6 +3,7 @@ application (StoreActor), which every router replica reaches through ActorStore,
 whichever replica asks first (deployments.response_store has the map and its contract)."""
 
 import asyncio
+import concurrent.futures
 import logging
 from typing import Callable
 
@@ -14,6 +15,8 @@ from deployments.response_store import BoundedStore, StoredEvents, StoredRespons
 STORE_TIMEOUT_S = 5.0
 
 logger = logging.getLogger(__name__)
+# the actor's lookups (a blocking call to Ray's GCS), off the replica's event loop
+_LOOKUPS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-lookup")
 
 
 class StoreActor:
@@ -53,17 +56,19 @@ class StoreActor:
 
 
 class ActorStore:
-    """A ResponseStore in the named actor `name` (one per Serve application), created on
-    first use by whichever replica comes first (get_if_exists; no CPU reserved: it only
-    holds bytes). Not detached: it lives as long as the replica that created it (as vLLM's
-    store lives as long as its server), so that `serve shutdown` leaves nothing running;
-    once it is gone, the next replica to use it creates it again, empty. Its calls are
-    awaited; the lookup or creation, a blocking call to Ray's GCS, runs off the event
-    loop, and a call that finds the actor gone looks it up again next time."""
+    """A ResponseStore in the named actor `name` (one per Serve application), created by
+    whichever replica comes first (get_if_exists; no CPU reserved: it only holds bytes). Not
+    detached: it lives as long as the replica that created it (as vLLM's store lives as long
+    as its server), so that `serve shutdown` leaves nothing running; once it is gone, the
+    next replica to use it creates it again, empty. Each replica looks it up at its start
+    (start), off the event loop: the actor's worker starting under load took 10 s, past
+    STORE_TIMEOUT_S, where the first Response asked for it. The handle is held until a call
+    shows the actor gone (ActorStore.gone): Ray destroys an actor no handle refers to, so a
+    handle dropped on a slow call destroyed the store it waited for, and what it held."""
 
     def __init__(self, name: str, max_entries: int, max_bytes: int, ttl_s: float) -> None:
         self.name, self.bounds, self.max_bytes = name, (max_entries, max_bytes, ttl_s), max_bytes
-        self.handle: asyncio.Future | None = None  # the actor's, once looked up
+        self.lookup: concurrent.futures.Future | None = None  # the actor's handle, once found
 
     def created(self):
         import ray
@@ -72,26 +77,43 @@ class ActorStore:
             name=self.name, get_if_exists=True, num_cpus=0, max_restarts=-1)
         return actor.remote(*self.bounds)
 
+    def start(self) -> None:
+        """The actor looked up (or created) on a thread, once however many ask."""
+        if self.lookup is None:
+            self.lookup = _LOOKUPS.submit(self.created)
+
     async def actor(self):
-        if self.handle is None:  # one lookup per replica, however many ask at once
-            self.handle = asyncio.get_running_loop().run_in_executor(None, self.created)
-        try:  # shielded: one caller's cancelling leaves the others' lookup running
-            return await asyncio.shield(self.handle)
+        self.start()
+        lookup = self.lookup
+        try:  # shielded: one caller's cancelling (its timeout) leaves the lookup running
+            return await asyncio.shield(asyncio.wrap_future(lookup))
         except Exception:
-            self.handle = None  # the next call tries again
+            self.forget(lookup)  # the next call tries again
             raise
+
+    def forget(self, lookup: concurrent.futures.Future | None) -> None:
+        if self.lookup is lookup:
+            self.lookup = None
+
+    @staticmethod
+    def gone(error: Exception) -> bool:
+        """Whether the error shows the actor gone for good (its replica with it, or the
+        lookup's race lost: get_if_exists's ValueError), so that the next call finds or
+        creates it again; a timeout or a restarting actor keeps the handle."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        return isinstance(error, ValueError) or (
+            isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError))
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         """Stored, or logged when the store cannot be reached within STORE_TIMEOUT_S (the
         answer still goes out, and its admission slots back: a continuation of it then
-        finds no response)."""
+        finds no response; a put sent before the timeout still lands)."""
         try:
-            if not await asyncio.wait_for(self.call("put", response_id, stored),
-                                          STORE_TIMEOUT_S):
+            if not await self.within("put", response_id, stored):
                 logger.warning("response %s (%d bytes) exceeds the response store",
                                response_id, stored.nbytes)
         except (*unreachable(), asyncio.TimeoutError) as error:
-            self.handle = None  # (its owner gone: found or created again next time)
             logger.warning("response %s not stored: %r", response_id, error)
 
     async def get(self, response_id: str) -> StoredResponse | None:
@@ -119,10 +141,21 @@ class ActorStore:
         """A call whose answer the caller needs: a 503 (BadRequest) when the store cannot be
         reached within STORE_TIMEOUT_S."""
         try:
+            return await self.within(method, *args)
+        except (*unreachable(), asyncio.TimeoutError) as error:
+            raise BadRequest(f"the response store is unavailable: {error!r}", 503) from None
+
+    async def within(self, method: str, *args):
+        """The call's answer within STORE_TIMEOUT_S; where its error shows the actor gone,
+        the lookup it used forgotten."""
+        self.start()
+        lookup = self.lookup
+        try:
             return await asyncio.wait_for(self.call(method, *args), STORE_TIMEOUT_S)
         except (*unreachable(), asyncio.TimeoutError) as error:
-            self.handle = None
-            raise BadRequest(f"the response store is unavailable: {error!r}", 503) from None
+            if self.gone(error):
+                self.forget(lookup)
+            raise
 
     async def call(self, method: str, *args):
         call = getattr(await self.actor(), method, None)

@@ -1,0 +1,97 @@
+"""The store actor's handle in a router replica (deployments.store_actor.ActorStore), without
+Ray: Ray destroys an actor no handle refers to, so the handle is held through slow calls and
+dropped only when a call shows the actor gone; the lookup starts with the replica."""
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from deployments import store_actor
+from deployments.response_store import StoredResponse
+from deployments.store_actor import ActorStore, StoreActor
+
+ENTRY = StoredResponse(b"{}", b"[]")
+
+
+class Actor:
+    """A stand-in for the actor's handle: its calls run on a StoreActor in this process,
+    after `failures` (errors to raise, or "hang": answer nothing) are used up."""
+
+    def __init__(self, failures: list) -> None:
+        self.local, self.failures = StoreActor(10, 1 << 10, 60), failures
+
+    def __getattr__(self, method: str):
+        async def remote(*args):
+            if self.failures:
+                failure = self.failures.pop(0)
+                if failure == "hang":
+                    await asyncio.Event().wait()
+                raise failure
+            return getattr(self.local, method)(*args)
+        return SimpleNamespace(remote=remote)
+
+
+def counted_store(failures: list) -> tuple[ActorStore, list]:
+    """An ActorStore whose lookups are counted (each on the thread that made it)."""
+    lookups = []
+    store = ActorStore("specserve-responses-x", 10, 1 << 10, 60)
+
+    def created():
+        lookups.append(threading.current_thread() is threading.main_thread())
+        return Actor(failures)
+
+    store.created = created
+    return store, lookups
+
+
+def test_a_slow_call_keeps_the_actors_handle(monkeypatch):
+    """A put past STORE_TIMEOUT_S goes out unstored, a GET past it is a 503, and neither drops
+    the handle: dropped, the actor (starting under load, or slow) was destroyed with what it
+    held, and the next call created another, empty (the shared cluster's store lost a stored
+    Response between its continuation and its GET). An actor restarting keeps it too."""
+    monkeypatch.setattr(store_actor, "STORE_TIMEOUT_S", 0.01)
+    store, lookups = counted_store(["hang", "hang", ActorUnavailableError("restarting", None)])
+
+    async def main():
+        await store.put("r", ENTRY)  # timed out: logged
+        for _ in range(2):  # timed out, then the actor restarting: 503s
+            assert (await store_answer(store, "r")) == 503
+        await store.put("r", ENTRY)
+        return await store.get("r")
+
+    assert asyncio.run(main()) == ENTRY and lookups == [False]
+
+
+def test_a_call_that_finds_the_actor_gone_looks_it_up_again():
+    """Its replica gone (ActorDiedError): the handle dropped, the next call finds or creates
+    the actor again."""
+    store, lookups = counted_store([ActorDiedError()])
+
+    async def main():
+        await store.put("r", ENTRY)  # the actor gone: logged
+        await store.put("r", ENTRY)
+        return await store.get("r")
+
+    assert asyncio.run(main()) == ENTRY and lookups == [False, False]
+
+
+def test_the_lookup_starts_before_any_request_off_the_event_loop():
+    """start() (the replica's constructor, no event loop running) looks the actor up on a
+    thread; the requests then use that lookup."""
+    store, lookups = counted_store([])
+    store.start()
+    store.lookup.result(timeout=10)
+    assert lookups == [False]
+    asyncio.run(store.put("r", ENTRY))
+    assert asyncio.run(store.get("r")) == ENTRY and lookups == [False]
+
+
+async def store_answer(store: ActorStore, response_id: str):
+    """A GET's status: 200 with the entry, else its BadRequest's status."""
+    try:
+        await store.get(response_id)
+    except store_actor.BadRequest as error:
+        return error.status
+    return 200
