@@ -20,6 +20,10 @@ KEPT_TEMPLATES = 32
 # what a request's template may render, per byte max_prompt_bytes allows (beyond its own
 # 64 KiB): a prompt's texts written a few times over (tools' schemas indented), not a loop's
 RENDERED_PER_PROMPT_BYTE = 4
+# vLLM 0.32's probe of a template that wants the system prompt first (its
+# _detect_merge_inline_system): a system message after the first
+LATER_SYSTEM = ({"role": "system", "content": "t"}, {"role": "user", "content": "t"},
+                {"role": "system", "content": "t"}, {"role": "user", "content": "t"})
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,17 @@ def read_template(tokenizer, given: str) -> ChatTemplate:
                          param="chat_template") from None
     return ChatTemplate(given, template_variables(text), "developer" in text,
                         call_id_length(tokenizer, given))
+
+
+def wants_system_first(tokenizer) -> bool:
+    """Whether the model's chat template refuses a system message after the first (Qwen3.5's
+    raises on one), rendered as a chat is, with no tools and with tools (a model's named
+    templates differ), as vLLM 0.32 probes it to merge the Messages API's system messages
+    into the system prompt."""
+    for tools in (None, []):
+        try:
+            tokenizer.apply_chat_template(list(LATER_SYSTEM), tools=tools, tokenize=False,
+                                          add_generation_prompt=False)
+        except Exception:  # a template raises on roles or order it refuses (or has none)
+            return True
+    return False

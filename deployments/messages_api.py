@@ -6,13 +6,14 @@ stream of events (deployments.messages_events).
 
 Served: user and assistant messages of text, tool_use and tool_result blocks (thinking
 blocks sent back are dropped, as the chat drops an earlier answer's reasoning), a system
-prompt, stop_sequences, temperature, top_p, top_k, tools and tool_choice,
+prompt, system messages among the messages (as vLLM 0.32 reads them: inline_system),
+stop_sequences, temperature, top_p, top_k, tools and tool_choice,
 output_config.format (a JSON schema), output_config.effort and thinking (as vLLM maps them:
 deployments.messages_api.reasoning_effort), and vLLM's extensions the chat takes. metadata
 is read and ignored.
 Refused with a 400 naming the field: images, documents and any other block, server tools
 (those with a `type` other than "custom"), a tool_result in an assistant's message (a
-tool_use in a user's), and a `system` role in messages.
+tool_use in a user's), and any block but text in a system prompt or system message.
 """
 
 import json
@@ -36,7 +37,7 @@ PASSED = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
           "structured_outputs", "allowed_token_ids", "bad_words", "num_speculative_tokens",
           "pipelined", "plain_steps", "drafter", "speculative_tree", "priority",
           "prompt_cache_key")
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort's, as vLLM's
 THINKING = ("enabled", "disabled", "adaptive")  # thinking's types
 DISPLAYS = ("summarized", "omitted", "updates")  # thinking.display's (read and ignored)
@@ -83,13 +84,24 @@ def block_texts(blocks: list, place: str) -> list[str]:
     return texts
 
 
-def system_text(system: str | list | None) -> str | None:
+def system_text(system: str | list | None, place: str = "system") -> str | None:
     """The system prompt's text: its text blocks joined (as vLLM joins them, with nothing
     between), Claude Code's billing header dropped (as vLLM drops it)."""
     if system is None or isinstance(system, str):
         return system or None
-    return "".join(text for text in block_texts(system, "system")
+    return "".join(text for text in block_texts(system, place)
                    if not text.startswith(BILLING_HEADER)) or None
+
+
+def inline_system(content, place: str) -> str | None:
+    """A system message's text (None: it adds no message), as vLLM 0.32 reads one among the
+    messages: a string (the billing header dropped there too), or text blocks as the system
+    prompt's. vLLM skips its other blocks; they are refused here, as in the system prompt."""
+    if isinstance(content, str):
+        return None if content.startswith(BILLING_HEADER) else content or None
+    if not isinstance(content, list):
+        raise FieldError(f"{place}.content", "must be a string or a list of text blocks")
+    return system_text(content, f"{place}.content")
 
 
 def tool_call(block: dict, place: str) -> dict:
@@ -143,13 +155,24 @@ def block_messages(role: str, blocks: list, place: str) -> list[dict]:
     return [{**message, "tool_calls": calls}] if calls else [message]
 
 
-def chat_messages(system, given: list) -> tuple[list[dict], list[str]]:
+def message_of(role: str, content, place: str) -> list[dict]:
+    """A user's or assistant's message as chat messages."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if isinstance(content, list):
+        return block_messages(role, content, place)
+    raise FieldError(f"{place}.content", "must be a string or a list of blocks")
+
+
+def chat_messages(system, given: list, merged: bool = False) -> tuple[list[dict], list[str]]:
     """(the chat's messages, each one's place in the request): the system prompt first, then
-    each message's (FieldError naming what is refused)."""
-    messages, places = [], []
-    if (text := system_text(system)) is not None:
-        messages.append({"role": "system", "content": text})
-        places.append("system")
+    each message's (FieldError naming what is refused). A system message is one in its place,
+    or, `merged` (the template wants the system prompt first: PromptReader.system_first), its
+    text is added to the system prompt's, as vLLM 0.32 merges it (joined with nothing
+    between); that one's place is then the first part's."""
+    top = system_text(system)
+    texts, messages, places = [top] if top is not None else [], [], []
+    first = ["system"] if top is not None else []  # the merged system message's place
     for index, message in enumerate(given):
         place = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -157,15 +180,20 @@ def chat_messages(system, given: list) -> tuple[list[dict], list[str]]:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise FieldError(f"{place}.role", f"must be one of {list(ROLES)}, not {role!r}")
-        if isinstance(content, str):
-            added = [{"role": role, "content": content}]
-        elif isinstance(content, list):
-            added = block_messages(role, content, place)
+        if role != "system":
+            added = message_of(role, content, place)
+        elif (text := inline_system(content, place)) is None:
+            continue
+        elif merged:
+            texts, first = texts + [text], first or [place]
+            continue
         else:
-            raise FieldError(f"{place}.content", "must be a string or a list of blocks")
+            added = [{"role": "system", "content": text}]
         messages += added
         places += [place] * len(added)
-    return messages, places
+    if not texts:
+        return messages, places
+    return [{"role": "system", "content": "".join(texts)}, *messages], first[:1] + places
 
 
 def chat_tool(tool, index: int) -> dict:
@@ -279,9 +307,11 @@ class CountTokensRequest(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    def chat_fields(self, budgeted: bool = False) -> tuple[dict, list[str]]:
-        """(the chat request's body, each message's place in this request)."""
-        messages, places = chat_messages(self.system, self.messages)
+    def chat_fields(self, budgeted: bool = False, merged: bool = False
+                    ) -> tuple[dict, list[str]]:
+        """(the chat request's body, each message's place in this request); merged: system
+        messages merged into the system prompt (chat_messages)."""
+        messages, places = chat_messages(self.system, self.messages, merged)
         chat = {key: value for key, value in (self.model_extra or {}).items()
                 if key in PASSED and value is not None}
         choice, parallel = chat_tool_choice(self.tool_choice)
@@ -294,14 +324,15 @@ class CountTokensRequest(BaseModel):
         chat.update({"model": self.model, "messages": messages})
         return chat, places
 
-    def chat_request(self, schema=ChatCompletionRequest, budgeted: bool = False
-                     ) -> tuple[ChatCompletionRequest, list[str]]:
+    def chat_request(self, schema=ChatCompletionRequest, budgeted: bool = False,
+                     merged: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
         """(the chat request this asks for, as `schema`, each message's place); BadRequest
         naming the Messages' field where the chat refuses it. budgeted: an enabled thinking's
         budget_tokens is the chat's thinking_token_budget (the router has a reasoning
-        parser)."""
+        parser); merged: system messages merged into the system prompt (the model's template
+        wants it first: PromptReader.system_first)."""
         try:
-            chat, places = self.chat_fields(budgeted)
+            chat, places = self.chat_fields(budgeted, merged)
         except FieldError as error:
             raise BadRequest(str(error), param=error.param) from None
         try:
@@ -313,7 +344,7 @@ class CountTokensRequest(BaseModel):
 async def counted(prompts, body: CountTokensRequest) -> dict:
     """count_tokens's answer: the prompt's tokens, as /tokenize counts the chat's (a
     prompt past the context is counted, not refused)."""
-    chat, _ = body.chat_request(TokenizeChat)
+    chat, _ = body.chat_request(TokenizeChat, merged=prompts.system_first)
     return {"input_tokens": (await tokenized(prompts, chat))["count"]}
 
 
@@ -328,8 +359,9 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict | None = None  # read and ignored (its user_id names no one here)
 
-    def chat_fields(self, budgeted: bool = False) -> tuple[dict, list[str]]:
-        chat, places = super().chat_fields()
+    def chat_fields(self, budgeted: bool = False, merged: bool = False
+                    ) -> tuple[dict, list[str]]:
+        chat, places = super().chat_fields(merged=merged)
         budget = (self.thinking or {}).get("budget_tokens")
         enabled = (self.thinking or {}).get("type") == "enabled"
         if enabled and budget >= self.max_tokens:

@@ -19,7 +19,8 @@ from deployments.chat_messages import (
     template_variables,
     with_call_ids_cut,
 )
-from deployments.chat_templates import UNTRUSTED, ChatTemplate, model_template, read_template
+from deployments.chat_templates import (UNTRUSTED, ChatTemplate, model_template, read_template,
+                                        wants_system_first)
 from deployments.ingress import BadRequest
 from deployments.openai_api import SamplingFields
 from deployments.reasoning import NO_REASONING_CONFIG, ThinkTokens, thinking_budget
@@ -305,6 +306,11 @@ class PromptReader:
         """The length the chat template takes tool call ids of, where it takes no other
         (deployments.chat_messages.call_id_length: 9 for Mistral's); probed once."""
         return call_id_length(self.tokenizer)
+
+    @functools.cached_property
+    def system_first(self) -> bool:
+        """Whether the model's template wants the system prompt first (probed once)."""
+        return wants_system_first(self.tokenizer)
 
     @functools.cached_property
     def marks_start(self) -> bool:

@@ -288,7 +288,8 @@ class Router(ChatBatchRoute):
             asked = header_request_id(request, await parse(request, schema,
                                                            self.args.max_prompt_bytes))
             shape = await shaped(asked, served_names(self.args.served_model_name)[0],
-                                 self.responses_store, self.args.reasoning_parser is not None)
+                                 self.responses_store, self.args.reasoning_parser is not None,
+                                 isinstance(asked, MessagesRequest) and self.prompts.system_first)
             body = shape.body
             chat = isinstance(body, ChatCompletionRequest)
             refuse_unsearched(body, chat)  # a beam search's (deployments.beams)

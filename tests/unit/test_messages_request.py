@@ -104,7 +104,7 @@ def test_a_tool_result_sent_back_renders_after_its_call():
      "messages[0].content[0].content[0].type"),
     ({"messages": [{"role": "assistant", "content": [
         {"type": "tool_result", "tool_use_id": "t"}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
     ({"system": [{"type": "image"}]}, "system[0].type"),
     ({"tools": TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice"),
@@ -145,7 +145,8 @@ BLOCK = st.fixed_dictionaries({"type": st.sampled_from(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
+@given(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system",
+                                                                 "x"]),
                                        "content": st.one_of(st.text(max_size=5),
                                                             st.lists(BLOCK, max_size=3),
                                                             JSON)}), max_size=3),

@@ -53,7 +53,7 @@ def stand_in(text: str, parser: str | None = None, verifier=None,
         metrics=SimpleNamespace(record_choice=lambda *choice: None),
         args=RouterArgs(reasoning_parser=parser, served_model_name="m"),
         decode=decode, tool_decode=decode, special_decode=decode, rendering=None,
-        prompts=SimpleNamespace(reported_stop_ids=lambda body: (),
+        prompts=SimpleNamespace(reported_stop_ids=lambda body: (), system_first=False,
                                 chat_template=lambda body: SimpleNamespace(call_id_length=None)),
         pools=lambda kind=None: (Scripted(tokens, prompt_len=2),
                                  verifier or Scripted(tokens, prompt_len=2)), plan=plan)
