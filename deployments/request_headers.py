@@ -17,7 +17,8 @@ REQUEST_ID_HEADER = "x-request-id"
 
 def header_request_id(request, body):
     """The body, its `request_id` the X-Request-Id header's where it gives none and is a
-    chat's or a completion's (vLLM's Responses and Messages ids are their own) not stored
+    chat's or a completion's (vLLM's Responses ids are their own; a Message's is Anthropic's
+    msg_ id here, where vLLM's repeats the chat's) not stored
     (a stored chat's id, which names its entry, is the router's own: deployments.stored_chats);
     a header past the body's bound is a 400. An empty header is none."""
     if not isinstance(body, VllmAnswerFields) or body.request_id is not None or \

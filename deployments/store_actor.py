@@ -99,9 +99,12 @@ class ActorStore:
     def gone(error: Exception) -> bool:
         """Whether the error shows the actor gone for good (its replica with it, or the
         lookup's race lost: get_if_exists's ValueError), so that the next call finds or
-        creates it again; a timeout or a restarting actor keeps the handle."""
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        creates it again; a timeout, a restarting actor or an error its method raised (a
+        RayTaskError, an instance of its cause's class: a ValueError's is one) keeps it."""
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+        if isinstance(error, RayTaskError):  # raised in the actor: it lives
+            return False
         return isinstance(error, ValueError) or (
             isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError))
 

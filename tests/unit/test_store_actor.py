@@ -6,7 +6,7 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from deployments import store_actor
 from deployments.response_store import StoredResponse
@@ -75,6 +75,25 @@ def test_a_call_that_finds_the_actor_gone_looks_it_up_again():
         return await store.get("r")
 
     assert asyncio.run(main()) == ENTRY and lookups == [False, False]
+
+
+def test_an_error_the_actors_method_raised_keeps_the_handle():
+    """An error raised in the actor (Ray's RayTaskError, an instance of its cause's class: a
+    ValueError's is a ValueError) shows the actor alive: the handle is kept (dropped on the
+    replica that created the actor, Ray destroyed the store and what it held)."""
+    try:
+        b"\xff".decode()
+    except ValueError as cause:
+        raised = RayTaskError("StoreActor.edit", "", cause).as_instanceof_cause()
+    assert isinstance(raised, ValueError)
+    store, lookups = counted_store([raised])
+
+    async def main():
+        assert (await store_answer(store, "r")) == 503  # (unreachable's, as before)
+        await store.put("r", ENTRY)
+        return await store.get("r")
+
+    assert asyncio.run(main()) == ENTRY and lookups == [False]
 
 
 def test_the_lookup_starts_before_any_request_off_the_event_loop():
