@@ -41,7 +41,8 @@ from engine.batch import UNFINISHED
 from engine.kv import PoolEngine
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
-from speculative.grammar import GrammarDeadEnd, grammar_tokenizer_at
+from speculative.grammar import grammar_tokenizer_at
+from speculative.token_masks import GrammarDeadEnd
 from speculative.sampling import SamplingParams
 from speculative.types import (
     EMPTY_PREFIX_HASH,

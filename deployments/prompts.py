@@ -23,7 +23,7 @@ from deployments.chat_templates import (UNTRUSTED, ChatTemplate, model_template,
                                         wants_system_first)
 from deployments.ingress import BadRequest
 from deployments.openai_api import SamplingFields
-from deployments.reasoning import NO_REASONING_CONFIG, ThinkTokens, thinking_budget
+from deployments.reasoning import NO_REASONING_CONFIG, ThinkTokens, grammar_gate, thinking_budget
 from deployments.router_args import RouterArgs
 from deployments.special_texts import check_special_texts, marked_contents, special_pattern
 from deployments.tools import ToolError, check_forced, check_tools
@@ -62,6 +62,7 @@ class PromptReader:
         # safe to share between threads)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.grammar_tokenizer = grammar_tokenizer_or_none(tokenizer, target.vocab_size)
+        self.reasoning_parser = args.reasoning_parser
         self.think_tokens = ThinkTokens.of(tokenizer) if args.reasoning_parser else None
 
     def within_context(self, body, sampling, prompt_tokens: int):
@@ -104,7 +105,9 @@ class PromptReader:
                     self.tokenizing, compile_cached, kind, spec, self.grammar_tokenizer)
             except GrammarError as error:
                 raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
-            sampling = replace(sampling, grammar=grammar)
+            # under a reasoning parser, the grammar holds after the reasoning (vLLM 0.32's)
+            sampling = replace(sampling, grammar=grammar, grammar_after=grammar_gate(
+                self.reasoning_parser, self.think_tokens, body, chat, prompt_ids))
         if body.bad_words:  # tokenized off the event loop too
             words = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizing, bad_words_ids, self.tokenizer, body.bad_words,
@@ -114,7 +117,8 @@ class PromptReader:
             if self.think_tokens is None:
                 raise BadRequest(NO_REASONING_CONFIG, param="thinking_token_budget")
             sampling = replace(sampling, thinking_budget=thinking_budget(
-                body.thinking_token_budget, self.think_tokens, constraint is not None))
+                body.thinking_token_budget, self.think_tokens,
+                constraint is not None and not sampling.grammar_after))
         stop_ids = self.stop_ids(body, constraint is not None)
         if sampling.min_tokens:  # what min_tokens holds back: the end tokens and stop ids,
             # under ignore_eos too (vLLM's all_stop_token_ids: the end token is held until

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deployments.held_text import Opening, held_prefix
-from speculative.thinking import ThinkingBudget
+from speculative.thinking import ThinkingBudget, last_at
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")  # ChatML's, vLLM's qwen3 parser's
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
@@ -29,10 +30,9 @@ def reasoning_split(parser: ReasoningParserName | None, chat_template_kwargs: di
     """The split a chat request's output gets; None where its text is all content: no
     parser, Qwen3 asked not to think (`chat_template_kwargs.enable_thinking` false: its
     template closes an empty think block in the prompt, as vLLM reads the prompt as ended
-    reasoning), or an output a grammar constrains from its first token (a forced tool call,
-    response_format: vLLM lets the model think first, here the grammar leaves no room);
-    shown: the request's include_reasoning; ended: the prompt ended the reasoning already
-    (prompt_ended_reasoning)."""
+    reasoning), or an output a grammar constrains from its first token (grammar_gate gave
+    it no room to think); shown: the request's include_reasoning; ended: the prompt ended
+    the reasoning already (prompt_ended_reasoning)."""
     if parser is None or constrained or ended:
         return None
     if parser == "qwen3" and (chat_template_kwargs or {}).get("enable_thinking", True) is False:
@@ -47,14 +47,50 @@ def prompt_ended_reasoning(continued: str | None) -> bool:
     return continued is not None and continued.rfind(THINK_CLOSE) > continued.rfind(THINK_OPEN)
 
 
+def continued_text(body) -> str | None:
+    """The assistant message a chat continues (continue_final_message), or None."""
+    return body.messages[-1].content if body.continue_final_message else None
+
+
 def request_split(parser: ReasoningParserName | None, body,
                   plan) -> "ReasoningSplit | None":
     """reasoning_split for a chat `body` planned as `plan`: not where a grammar constrains
-    its outputs, nor after a continued message that ended its reasoning."""
-    constrained = any(c.request.sampling.grammar is not None for c in plan.choices)
-    continued = body.messages[-1].content if body.continue_final_message else None
+    its outputs from their first token (a grammar after the reasoning splits them as any),
+    nor after a continued message that ended its reasoning."""
+    constrained = any(c.request.sampling.grammar is not None
+                      and not c.request.sampling.grammar_after for c in plan.choices)
     return reasoning_split(parser, body.template_kwargs(), constrained,
-                           body.include_reasoning, prompt_ended_reasoning(continued))
+                           body.include_reasoning, prompt_ended_reasoning(continued_text(body)))
+
+
+def grammar_gate(parser: ReasoningParserName | None, tags: "ThinkTokens | None", body,
+                 chat: bool, prompt: Sequence[int]) -> tuple[int, ...]:
+    """A constrained request's SamplingParams.grammar_after: `</think>`'s ids where its
+    grammar holds only after the reasoning, () where from the output's first token. As vLLM
+    0.32 decides it (its structured outputs' reasoning_ended, without
+    `enable_in_reasoning`): with a reasoning parser, a chat's grammar waits for the
+    reasoning's end unless include_reasoning is false, or its prompt ended the reasoning
+    (reasoning_split's reading: Qwen3 asked not to think, a continued message that closed
+    it; and prompt_ids_ended); a completion's, unless its prompt's ids ended it."""
+    if parser is None or tags is None or not tags.end:
+        return ()
+    if chat and (not body.include_reasoning or reasoning_split(
+            parser, body.template_kwargs(), False,
+            ended=prompt_ended_reasoning(continued_text(body))) is None):
+        return ()
+    return () if prompt_ids_ended(parser, tags, prompt) else tags.end
+
+
+def prompt_ids_ended(parser: ReasoningParserName, tags: "ThinkTokens",
+                     prompt: Sequence[int]) -> bool:
+    """vLLM's is_reasoning_end of the prompt's ids: its last `</think>` after its last
+    `<think>` (deepseek_r1's, over the whole prompt), and for qwen3 after its last turn
+    boundary too (`<|im_start|>`, `<|im_end|>`: the reply's own turn alone)."""
+    end = last_at(prompt, tags.end)
+    after = [last_at(prompt, tags.start)] if tags.start else []
+    if parser == "qwen3":
+        after += [last_at(prompt, (turn,)) for turn in tags.turns]
+    return end > max(after, default=-1)
 
 
 @dataclass(frozen=True)
@@ -129,13 +165,17 @@ class ThinkTokens:
     `completion_tokens_details.reasoning_tokens`, as vLLM's thinking parsers count them)."""
     start: tuple[int, ...]
     end: tuple[int, ...]
+    # Qwen3's turn boundaries' ids, those in the vocabulary (prompt_ids_ended)
+    turns: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, tokenizer) -> "ThinkTokens":
         def ids(tag: str) -> tuple[int, ...]:
             return tuple(tokenizer.encode(tag, add_special_tokens=False))
 
-        return cls(ids(THINK_OPEN), ids(THINK_CLOSE))
+        vocab = tokenizer.get_vocab()
+        turns = tuple(vocab[turn] for turn in TURN_BOUNDARIES if turn in vocab)
+        return cls(ids(THINK_OPEN), ids(THINK_CLOSE), turns)
 
     def count(self, token_ids: Sequence[int]) -> int:
         """The output's tokens before its first `</think>`'s (all of them without one), less
@@ -156,8 +196,10 @@ NO_REASONING_CONFIG = ("thinking_token_budget is set but reasoning_config is not
 def thinking_budget(budget: int | None, think_tokens: ThinkTokens,
                     constrained: bool) -> ThinkingBudget | None:
     """A request's thinking_token_budget with the parser's ids (speculative.thinking); None
-    under a constraint: its grammar holds from the output's first token here, leaving no
-    thinking section (reasoning_split)."""
+    under a grammar that holds from the output's first token (constrained: no grammar_gate),
+    which leaves no thinking section. Under a grammar after the reasoning, the forced
+    `</think>` ends the reasoning as the model's own would, and the grammar starts after
+    it (every id is allowed before it, so the forced ones are too)."""
     if budget is None or constrained:
         return None
     return ThinkingBudget(budget, think_tokens.start, think_tokens.end)

@@ -35,7 +35,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         min_tokens=params.min_tokens, min_tokens_end_ids=params.min_tokens_end_ids,
         cache_salt=params.cache_salt, allowed_token_ids=params.allowed_token_ids,
         bad_words=[pb.TokenIds(ids=word) for word in params.bad_words_ids],
-        logprob_token_ids=params.logprob_token_ids,
+        logprob_token_ids=params.logprob_token_ids, grammar_after_ids=params.grammar_after,
     )
 
 
@@ -53,6 +53,7 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(message.allowed_token_ids),
         bad_words_ids=tuple(tuple(word.ids) for word in message.bad_words),
         logprob_token_ids=tuple(message.logprob_token_ids),
+        grammar_after=tuple(message.grammar_after_ids),
     )
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv import Sequence
-from speculative.grammar import TokenMasks, masked
+from speculative.token_masks import TokenMasks, masked
 from speculative.shaping import Shaping, committed_history, shape_batch
 from speculative.types import ProposeCall
 

@@ -10,7 +10,7 @@ from engine.runner import ModelRunner, serving_runner
 from engine.batch import UNFINISHED
 from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.checks import check_call, check_confidence, check_prompt_len, check_tree_width
-from speculative.grammar import matcher_after
+from speculative.token_masks import matcher_after
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.draft_truncation import kept_entries
 from speculative.sampling import (
@@ -329,7 +329,7 @@ class ModelDrafter:
         matcher = None
         if call.sampling.grammar is not None:  # follows the output and the assumed tokens
             if self.grammar_tokenizer is not None:
-                matcher = matcher_after(sequence, call.sampling.grammar, self.grammar_tokenizer,
+                matcher = matcher_after(sequence, call.sampling, self.grammar_tokenizer,
                                         sequence.committed[call.prompt_len:] + assumed)
             if matcher is None:
                 num_tokens = 0

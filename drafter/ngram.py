@@ -22,7 +22,7 @@ import torch
 
 from engine.kv import SessionStore
 from speculative.checks import check_call, check_confidence, check_prompt_len, check_tree_width
-from speculative.grammar import matcher_after
+from speculative.token_masks import matcher_after
 from speculative.shaping import unmasked_prefix
 from speculative.types import DraftBlock, DraftDists, ProposeCall, StaleBase, timed
 
@@ -167,5 +167,5 @@ class NgramDrafter:
                        token_ids: list[int]) -> list[int]:
         """The proposal's longest prefix the request's grammar allows after the context."""
         matcher = None if self.grammar_tokenizer is None else matcher_after(
-            sequence, call.sampling.grammar, self.grammar_tokenizer, context[call.prompt_len:])
-        return [] if matcher is None else token_ids[:matcher.matcher.validate_tokens(token_ids)]
+            sequence, call.sampling, self.grammar_tokenizer, context[call.prompt_len:])
+        return [] if matcher is None else token_ids[:matcher.allowed_prefix(token_ids)]

@@ -6,7 +6,8 @@ vLLM. Under speculation every party masks by the same rule: the drafter masks q 
 own draft, the verifier masks p at each drafted position given the tokens drafted before
 it, and a router-side drafter drops proposals the grammar forbids. Each keeps a matcher per
 request that follows the committed output and rolls back whatever a round did not commit,
-so a rebuild, a fallback or a pre-draft only moves it to another prefix.
+so a rebuild, a fallback or a pre-draft only moves it to another prefix
+(speculative.token_masks).
 
 Grammars travel as llguidance's own grammar text (what `LLMatcher.grammar_from_*`
 returns); `compile_spec` builds it from the API's fields and says which field is wrong.
@@ -18,9 +19,8 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from speculative.prefixes import common_prefix_len
+from speculative.token_masks import compiled, llguidance
 
 MAX_GRAMMAR_CHARS = 64 * 1024
 # llguidance's symbols in a grammar (its default bound is 500,000): what a compile costs
@@ -50,18 +50,6 @@ class GrammarError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-class GrammarDeadEnd(ValueError):
-    """A request's committed output that its grammar's matcher refuses: a token the mask
-    allowed broke the matcher (a rule deeper than `dead_end` probes, recursing forever).
-    The request cannot go on (its pool answers OUT_OF_RANGE, the router a 400)."""
-
-
-def llguidance():
-    import llguidance as module
-
-    return module
 
 
 def grammar_text(kind: str, spec) -> str:
@@ -225,106 +213,6 @@ def grammar_tokenizer_or_none(hf_tokenizer, vocab_size: int):
         return ll_tokenizer(hf_tokenizer, vocab_size)
     except ValueError:
         return None
-
-
-class TokenMasks:
-    """One request's matcher: follows its output (`follow`) and gives the allowed tokens of
-    the next positions of a block (`masks`), or of one position at a time (`next_mask`,
-    `advance`) for a drafter drawing token by token."""
-
-    def __init__(self, tokenizer, grammar: str) -> None:
-        self.tokenizer, self.grammar = tokenizer, grammar
-        self.matcher = compiled(tokenizer, grammar).deep_copy()
-        self.consumed: list[int] = []
-
-    def follow(self, output: list[int]) -> int:
-        """Move to `output` (rolling back what it does not share); returns how many of its
-        tokens the grammar allows (len(output) when all). The tokens it shares with those
-        consumed are found in C: a scan in Python cost 1.35 ms a call at 32k output tokens,
-        at the verifier's calls and the drafter's (measured)."""
-        shared = common_prefix_len(self.consumed, output)
-        if shared < len(self.consumed):
-            self.matcher.rollback(len(self.consumed) - shared)
-            del self.consumed[shared:]
-        if self.matcher.is_error():
-            # llguidance keeps an error through rollbacks: one that a token past the output
-            # raised (a rejected draft that broke the matcher, or its rollback) ended outputs
-            # the grammar allows, so the state is the output's alone: a fresh matcher replays
-            # it (an output that breaks it still ends, as the target alone's would)
-            self.matcher = compiled(self.tokenizer, self.grammar).deep_copy()
-            shared = 0
-            del self.consumed[:]
-        return shared + self.advance(output[shared:])
-
-    def advance(self, tokens: list[int]) -> int:
-        """Consume the allowed prefix of tokens; returns its length."""
-        taken = self.matcher.try_consume_tokens(list(tokens)) if tokens else 0
-        self.consumed.extend(tokens[:taken])
-        return taken
-
-    def next_mask(self, vocab_size: int, device=None) -> torch.Tensor:
-        """[vocab_size] bool: the tokens allowed at the next position."""
-        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()),
-                                   dtype=torch.uint8)[:vocab_size] > 0
-        if allowed.shape[0] < vocab_size:
-            allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[0]))
-        return allowed.to(device)
-
-    def masks(self, output: list[int], drafted: list[int], vocab_size: int,
-              device=None) -> torch.Tensor:
-        """[len(drafted) + 1, vocab_size] bool: row i allows what may follow output plus
-        drafted[:i]. Past a drafted token the grammar forbids, the rows repeat the last
-        reachable one (those positions are never committed: that token is rejected)."""
-        taken = self.follow(output)
-        if taken < len(output):
-            raise GrammarDeadEnd(f"the committed output breaks the request's grammar after "
-                                 f"{taken} tokens: {self.matcher.get_error() or 'refused'}")
-        rows = [self.next_mask(vocab_size, device)]
-        for token in drafted:
-            if self.advance([token]) == 0:
-                rows += [rows[-1]] * (len(drafted) + 1 - len(rows))
-                break
-            rows.append(self.next_mask(vocab_size, device))
-        return torch.stack(rows)
-
-
-@functools.lru_cache(maxsize=64)
-def compiled(tokenizer, grammar: str):
-    """A matcher at the start of `grammar`, never advanced: each request's is a copy of it.
-    Compiling takes a millisecond or more (measured: 1.2-1.4 ms for a small regex or JSON
-    schema over the demo vocabulary), a copy 2 us, and a pool and the router's drafter each
-    start one matcher per constrained request; the n choices of a request share a grammar."""
-    matcher = llguidance().LLMatcher(tokenizer, grammar, log_level=0)
-    if matcher.is_error():
-        raise ValueError(f"grammar does not compile: {matcher.get_error()}")
-    return matcher
-
-
-def request_matcher(holder, grammar: str, tokenizer) -> TokenMasks:
-    """The matcher a pool keeps on a request's sequence (`holder.constraint`): a new one
-    when the grammar is new to it."""
-    if tokenizer is None:
-        raise ValueError("this pool has no tokenizer for grammars (structured outputs)")
-    current = getattr(holder, "constraint", None)
-    if current is None or current.grammar != grammar:
-        current = holder.constraint = TokenMasks(tokenizer, grammar)
-    return current
-
-
-def matcher_after(holder, grammar: str, tokenizer, output: list[int]) -> TokenMasks | None:
-    """request_matcher moved to `output`, or None when the grammar forbids some of it (a
-    drafter then proposes nothing: a forbidden token it builds on will be rejected)."""
-    matcher = request_matcher(holder, grammar, tokenizer)
-    return matcher if matcher.follow(output) == len(output) else None
-
-
-def masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """logits with the disallowed tokens at -inf; a row allowing nothing (a grammar with no
-    way on, not even the end token) is left whole rather than turned into NaNs."""
-    if allowed is None:
-        return logits
-    allowed = allowed | ~allowed.any(-1, keepdim=True)
-    return logits.masked_fill(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The prefix two token id lists share, compared in C (a pool's cache against its feed, a
-grammar's matcher against the output it follows)."""
+grammar's matcher against the output it follows), and where a run of ids first ends."""
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -22,3 +22,13 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return end  # not reached: a[:end] != b[:end]
+
+
+def found_in(ids: list[int], part: tuple[int, ...], start: int) -> int | None:
+    """The end of part's first occurrence in ids at or after start, or None (a grammar's
+    gate: the reasoning's end ids in its output)."""
+    width = len(part)
+    for at in range(start, len(ids) - width + 1):
+        if ids[at] == part[0] and tuple(ids[at:at + width]) == part:
+            return at + width
+    return None

@@ -42,6 +42,10 @@ class SamplingParams:
     logprob_token_ids: tuple[int, ...] = ()
     # structured output: llguidance's grammar text the output follows (speculative.grammar)
     grammar: str | None = None
+    # vLLM 0.32's grammar after the reasoning: the reasoning's end ids, the grammar holding
+    # only on the tokens after their first occurrence in the output (everything allowed
+    # before); empty: from the output's first token (speculative.grammar.TokenMasks)
+    grammar_after: tuple[int, ...] = ()
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's min_tokens: min_tokens_end_ids (the end tokens and stop ids) are masked until
@@ -81,6 +85,9 @@ class SamplingParams:
             errors.append("thinking_budget must be a ThinkingBudget or None")
         if not isinstance(self.cache_salt, str):
             errors.append(f"cache_salt must be a string, got {self.cache_salt!r}")
+        if self.grammar_after and (self.grammar is None or not all(
+                isinstance(t, int) and t >= 0 for t in self.grammar_after)):
+            errors.append("grammar_after must be token ids >= 0, with a grammar")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             errors.append(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or \

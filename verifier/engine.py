@@ -16,7 +16,7 @@ from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
 from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.checks import check_call, check_prompt_len
-from speculative.grammar import masked, request_matcher
+from speculative.token_masks import masked, request_matcher
 from speculative.rejection import residual_rows
 from speculative.sampling import grouped, logits_to_probs, sample_each, seeded_generator
 from speculative.shaping import Shaping, committed_history, shape_batch
@@ -157,7 +157,7 @@ class ModelVerifier:
         """[K + 1, V] bool: what the request's grammar allows at each position, or None."""
         if call.sampling.grammar is None:
             return None
-        matcher = request_matcher(sequence, call.sampling.grammar, self.grammar_tokenizer)
+        matcher = request_matcher(sequence, call.sampling, self.grammar_tokenizer)
         return matcher.masks(sequence.committed[call.prompt_len:], drafted,
                              self.vocab_size, self.device)
 

@@ -6,7 +6,8 @@ regex over a character tokenizer of the pair's 8 ids whose allowed letters alter
 the position: ([ab][cd]){3,}. The exact law masks each position to what the grammar allows
 after the output before it (a fresh llguidance matcher) and renormalises. A verifier that
 masks every drafted position as the block's first (the committed output only) must fail
-the same check at the same sample size, or be refused by the verifier's own guard. Chi-square at a false-failure rate of 1e-6.
+the same check at the same sample size, or be refused by the verifier's own guard.
+Chi-square at a false-failure rate of 1e-6.
 """
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 
 import tests.stats.laws as laws
 from drafter.model import ModelDrafter
-from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
+from speculative.grammar import compile_spec, ll_tokenizer
+from speculative.token_masks import TokenMasks
 from speculative.sampling import SamplingParams
 from tests.stats.laws import law_after_first, sequence_law
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)

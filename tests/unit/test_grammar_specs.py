@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from speculative.grammar import GrammarError, TokenMasks, compile_spec
+from speculative.grammar import GrammarError, compile_spec
+from speculative.token_masks import TokenMasks
 from tests.unit.test_structured import demo_pair
 
 

@@ -17,7 +17,8 @@ from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
 from speculative.driver import text_decoder
-from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
+from speculative.grammar import compile_spec, ll_tokenizer
+from speculative.token_masks import TokenMasks
 from speculative.sampling import SamplingParams
 from tests.tiny import run
 from verifier.engine import ModelVerifier
@@ -172,7 +173,7 @@ def test_an_output_the_grammar_refuses_is_a_dead_end_the_client_learns_of(demo):
     from deployments.ingress import pool_failure
     from deployments.pools import PoolReplica
     from protos import specserve_pb2 as pb
-    from speculative.grammar import GrammarDeadEnd
+    from speculative.token_masks import GrammarDeadEnd
 
     tokenizer, _, _, ll = demo
     masks = TokenMasks(ll, compile_spec("regex", "[a-z]+", ll))
@@ -190,7 +191,7 @@ def test_an_output_the_grammar_refuses_is_a_dead_end_the_client_learns_of(demo):
 def test_a_row_the_grammar_leaves_nothing_stays_whole_not_nan():
     """speculative.grammar.masked: a row allowing no token is left as it was (a softmax of
     all -inf would be NaN), the other rows masked."""
-    from speculative.grammar import masked
+    from speculative.token_masks import masked
 
     logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
     allowed = torch.tensor([[True, False, True], [False, False, False]])

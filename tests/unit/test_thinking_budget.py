@@ -251,10 +251,17 @@ def test_the_budget_takes_the_reasoning_parsers_ids_and_without_one_is_vllms_400
         with pytest.raises(BadRequest, match="reasoning_config is not configured") as refused:
             asyncio.run(demo_reader().read(body, chat))
         assert refused.value.param == "thinking_token_budget"
-    # a constrained output has no thinking section here (deployments.reasoning)
+    # a grammar after the reasoning leaves the budget its section; one from the output's
+    # first token (include_reasoning false: vLLM's reasoning_ended) leaves none
+    # (deployments.reasoning.grammar_gate)
     constrained = ChatCompletionRequest(messages=CHAT, thinking_token_budget=3,
                                         response_format={"type": "json_object"})
-    assert asyncio.run(reader.read(constrained, True)).sampling.thinking_budget is None
+    sampling = asyncio.run(reader.read(constrained, True)).sampling
+    assert sampling.grammar_after == think.end
+    assert sampling.thinking_budget == ThinkingBudget(3, think.start, think.end)
+    hidden = constrained.model_copy(update={"include_reasoning": False})
+    sampling = asyncio.run(reader.read(hidden, True)).sampling
+    assert sampling.grammar_after == () and sampling.thinking_budget is None
 
 
 def test_a_messages_enabled_thinking_is_the_budget_where_the_router_has_a_parser():

@@ -20,7 +20,8 @@ from deployments.tools import (
     check_tools,
 )
 from engine.models import DEMO_TARGET, load_tokenizer
-from speculative.grammar import TokenMasks, compile_spec, ll_tokenizer
+from speculative.grammar import compile_spec, ll_tokenizer
+from speculative.token_masks import TokenMasks
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 16},
