@@ -5,12 +5,9 @@ parameters with max_tokens settled, the stop token ids."""
 import asyncio
 import functools
 import json
-import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-
-from pydantic import ValidationError
 
 from deployments.bad_words import bad_words_ids
 from deployments.chat_messages import (
@@ -19,21 +16,20 @@ from deployments.chat_messages import (
     template_variables,
     with_call_ids_cut,
 )
+from deployments.generation_defaults import recommended_defaults
 from deployments.chat_templates import (UNTRUSTED, ChatTemplate, model_template, read_template,
                                         wants_system_first)
 from deployments.ingress import BadRequest
-from deployments.openai_api import SamplingFields
 from deployments.reasoning import NO_REASONING_CONFIG, ThinkTokens, grammar_gate, thinking_budget
 from deployments.router_args import RouterArgs
 from deployments.special_texts import check_special_texts, marked_contents, special_pattern
 from deployments.tools import ToolError, check_forced, check_tools
 from deployments.truncation import auto_truncated, fitted
-from engine.checkpoint import (Checkpoint, context_limit, end_token_ids, recommended_sampling,
-                               reported_stop_ids, stop_token_ids)
+from engine.checkpoint import (Checkpoint, context_limit, end_token_ids, reported_stop_ids,
+                               stop_token_ids)
 from speculative.grammar import GrammarError, compile_cached, grammar_tokenizer_or_none
 from speculative.sampling import SamplingParams
 
-log = logging.getLogger("ray.serve")
 # a text a piece of the prompt is tokenized after, then cut off (PromptReader.piece_ids)
 ANCHOR = "\n"
 
@@ -373,28 +369,6 @@ class PromptReader:
             raise template.rejected(error) from None
         # (the model's writes the request's texts, checked before; a request's, anything)
         return text if template.given is None else template.checked(text, self.max_prompt_bytes)
-
-
-def recommended_defaults(model: str, vocab_size: int) -> dict:
-    """The target's generation_config.json's sampling settings (vLLM's defaults for a
-    request that leaves them unset), checked as a request's fields are: a checkpoint whose
-    settings no request could give fails at start, naming them."""
-    defaults = recommended_sampling(model)
-    try:
-        SamplingFields.model_validate(defaults)
-        problems = [] if defaults.get("top_k", 0) <= vocab_size else \
-            [f"top_k: above the vocabulary size ({vocab_size})"]
-    except ValidationError as error:
-        problems = [f"{e['loc'][0]}: {e['msg']}" for e in error.errors()]
-    if problems:
-        raise ValueError(f"{model}'s generation_config.json recommends sampling settings a "
-                         f"request could not give ({'; '.join(problems)}); set the router's "
-                         "generation_config to \"vllm\" to leave them unused")
-    if defaults:
-        log.warning("requests that leave them unset sample with the target's "
-                    "generation_config.json's %s (generation_config: vllm for OpenAI's "
-                    "defaults)", defaults)
-    return defaults
 
 
 def chat_texts(body) -> list[str]:
