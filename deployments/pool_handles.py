@@ -92,7 +92,8 @@ class GrpcVerifier:
                                         spill_key=call.placement or None)
         if response.status == pb.REBUILD:
             raise StaleBase(f"verifier replica {response.replica_id} asks for the full prefix")
-        return wire.scores_from_proto(response, message.ByteSize() + response.ByteSize())
+        return gated(call, wire.scores_from_proto(response,
+                                                  message.ByteSize() + response.ByteSize()))
 
     async def release(self, request_id: str) -> None:
         self.pool.release(request_id)
@@ -104,6 +105,17 @@ class GrpcVerifier:
                                            top_n=top_n)
         response = await self.pool.unplaced("PromptLogprobs", message, request_id)
         return wire.prompt_logprobs_from_proto(response, token_ids)
+
+
+def gated(call: ScoreCall, scores: TargetScores) -> TargetScores:
+    """scores, unless the call's grammar holds after the reasoning and the verifier did not
+    say it masked so: one that predates the gate (SamplingParams field 18, which it ignores)
+    applies the grammar from the output's first token, a law other than the request's."""
+    if call.sampling.grammar_after and not scores.grammar_gated:
+        raise PoolUnavailable("verifier: applied the grammar from the output's first token, "
+                              "not after the reasoning (a version without the grammar's "
+                              "gate?): serve both pools from one version")
+    return scores
 
 
 def pool_clients(channel, args, channel_options) -> tuple[GrpcDrafter, GrpcVerifier]:

@@ -278,7 +278,8 @@ def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
     response = pb.ScoreResponse(compute_us=round(scores.compute_seconds * 1e6),
                                 cached_tokens=scores.cached_tokens,
                                 tree_nodes=scores.tree_nodes,
-                                continued_token_ids=scores.continued_token_ids)
+                                continued_token_ids=scores.continued_token_ids,
+                                grammar_gated=scores.grammar_gated)
     if scores.accept_probs:  # a sampled tree
         response.sampled.accept_probs.extend(scores.accept_probs)
         response.sampled.recovered_token_ids.extend(scores.recovered_token_ids)
@@ -323,7 +324,8 @@ def scores_from_proto(message: pb.ScoreResponse, wire_bytes: int = 0) -> TargetS
     timing = {"compute_seconds": message.compute_us / 1e6, "load": load_from_proto(message),
               "logprobs": logprobs_from_proto(message), "cached_tokens": message.cached_tokens,
               "tree_nodes": message.tree_nodes, "wire_bytes": wire_bytes,
-              "continued_token_ids": tuple(message.continued_token_ids)}
+              "continued_token_ids": tuple(message.continued_token_ids),
+              "grammar_gated": message.grammar_gated}
     kind = message.WhichOneof("scores")
     if kind == "greedy":
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)

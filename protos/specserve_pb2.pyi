@@ -172,7 +172,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ..., return_bonus_probs: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs", "cached_tokens", "tree_nodes", "continued_token_ids")
+    __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs", "cached_tokens", "tree_nodes", "continued_token_ids", "grammar_gated")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class ScoreResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     CONTINUED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_GATED_FIELD_NUMBER: _ClassVar[int]
     status: Status
     replica_id: str
     direct_address: str
@@ -195,7 +196,8 @@ class ScoreResponse(_message.Message):
     cached_tokens: int
     tree_nodes: int
     continued_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., greedy: _Optional[_Union[GreedyScores, _Mapping]] = ..., sampled: _Optional[_Union[SampledScores, _Mapping]] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., continued_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar_gated: bool
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., greedy: _Optional[_Union[GreedyScores, _Mapping]] = ..., sampled: _Optional[_Union[SampledScores, _Mapping]] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., continued_token_ids: _Optional[_Iterable[int]] = ..., grammar_gated: _Optional[bool] = ...) -> None: ...
 
 class PositionLogprobs(_message.Message):
     __slots__ = ("drafted", "chosen", "top_n", "top_ids", "top_logprobs")

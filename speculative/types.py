@@ -289,6 +289,9 @@ class TargetScores:
     # a call of several steps: the tokens drawn after the call's own position, each fed
     # before the next was drawn (the verifier's committed prefix holds all but the last)
     continued_token_ids: tuple[int, ...] = ()
+    # the call's grammar held after SamplingParams.grammar_after (a verifier's echo: one that
+    # predates the gate masks from the output's first token; deployments.pool_handles)
+    grammar_gated: bool = False
 
 
 @dataclass(frozen=True)

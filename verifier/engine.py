@@ -243,6 +243,8 @@ class ModelVerifier:
             scores = replace(scores, bonus_probs=DraftDists.of_row(target_probs[-1]).to("cpu"))
         if call.draft_parents is not None:
             scores = replace(scores, tree_nodes=len(call.draft_token_ids))
+        if call.sampling.grammar_after:  # masked after the reasoning (allowed): said
+            scores = replace(scores, grammar_gated=True)
         if sequence.cached_tokens:  # reported once, by the call whose cache took them; a
             # rebuild may take its own output back too: usage counts the prompt's tokens
             scores = replace(scores, cached_tokens=min(sequence.cached_tokens, call.prompt_len))

@@ -258,3 +258,32 @@ def test_the_gate_travels_with_the_sampling_parameters():
     assert sampling_from_proto(sampling_to_proto(params)) == params
     with pytest.raises(ValueError, match="grammar_after"):
         SamplingParams(grammar_after=(7,))
+
+
+def test_the_router_takes_gated_scores_only_from_a_verifier_that_says_it_gated(demo):
+    """A verifier that predates the gate ignores grammar_after_ids and masks from the
+    output's first token, a law other than the request's: each verifier says it gated
+    (ScoreResponse.grammar_gated), and the router refuses a gated call's scores without
+    it, as it refuses a tree scored as a chain, rather than take them."""
+    from deployments import wire
+    from deployments.pool_handles import gated
+    from protos import specserve_pb2 as pb
+    from speculative.types import EMPTY_PREFIX_HASH, PoolUnavailable, PrefixSync, ScoreCall
+    from verifier.host import to_host
+
+    _, target, _, ll, prompt, grammar = demo
+    verifier = ModelVerifier(target, grammar_tokenizer=ll)
+    calls = {ends: ScoreCall(f"echo{len(ends)}", PrefixSync(0, EMPTY_PREFIX_HASH, tuple(
+        prompt)), (), SamplingParams(temperature=0, grammar=grammar, grammar_after=ends),
+        prompt_len=len(prompt)) for ends in ((), ENDS["one id"])}
+    for ends, call in calls.items():
+        [scores] = to_host(verifier.score_batch([call]))
+        back = wire.scores_from_proto(pb.ScoreResponse.FromString(
+            wire.scores_to_proto(scores).SerializeToString()))
+        assert back.grammar_gated == bool(ends)
+        assert gated(call, back) is back
+    older = wire.scores_from_proto(pb.ScoreResponse(greedy=pb.GreedyScores(
+        target_token_ids=[1])))  # an answer without the field
+    assert gated(calls[()], older) is older
+    with pytest.raises(PoolUnavailable, match="one version"):
+        gated(calls[ENDS["one id"]], older)
