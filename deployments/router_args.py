@@ -273,5 +273,5 @@ def response_store(args: ResponsesStoreArgs | None):
     application = serve.get_replica_context().app_name
     store = ActorStore(f"specserve-responses-{application}", args.max_entries,
                        args.max_bytes, args.ttl_s)
-    store.start()  # its worker up by the first request's call
+    store.wait_started()  # its worker up before the replica is (by the first request's call)
     return store

@@ -13,6 +13,9 @@ from deployments.response_store import BoundedStore, StoredEvents, StoredRespons
 # a store call's longest wait (its actor restarting, or waiting to be placed): past it the
 # answer goes out unstored, or a continuation or GET is a 503
 STORE_TIMEOUT_S = 5.0
+# how long a replica's start waits for its store's worker to run (a guard against a hang, not
+# a speed check: past it the replica starts, and the calls wait STORE_TIMEOUT_S as before)
+STORE_START_TIMEOUT_S = 120.0
 
 logger = logging.getLogger(__name__)
 # the actor's lookups (a blocking call to Ray's GCS), off the replica's event loop
@@ -61,8 +64,10 @@ class ActorStore:
     detached: it lives as long as the replica that created it (as vLLM's store lives as long
     as its server), so that `serve shutdown` leaves nothing running; once it is gone, the
     next replica to use it creates it again, empty. Each replica looks it up at its start
-    (start), off the event loop: the actor's worker starting under load took 10 s, past
-    STORE_TIMEOUT_S, where the first Response asked for it. The handle is held until a call
+    (start), off the event loop, and its start waits until the actor's worker runs
+    (wait_started): that worker (a process importing torch) took 10 s to start under load,
+    past STORE_TIMEOUT_S, and the lookup alone returns before it runs, so a Response
+    answered soon after the replica was up went unstored. The handle is held until a call
     shows the actor gone (ActorStore.gone): Ray destroys an actor no handle refers to, so a
     handle dropped on a slow call destroyed the store it waited for, and what it held."""
 
@@ -81,6 +86,25 @@ class ActorStore:
         """The actor looked up (or created) on a thread, once however many ask."""
         if self.lookup is None:
             self.lookup = _LOOKUPS.submit(self.created)
+
+    def wait_started(self, timeout_s: float = STORE_START_TIMEOUT_S) -> bool:
+        """Block (the replica's start) until the actor's worker runs: whether it did within
+        timeout_s. Past it (or when the lookup failed) the replica starts anyway, logged."""
+        self.start()
+        try:
+            _LOOKUPS.submit(self.started, self.lookup, timeout_s).result()
+        except Exception as error:  # a call then finds it gone, or waits for it, as before
+            logger.warning("the response store %s is not running at its replica's start: %r",
+                           self.name, error)
+            return False
+        return True
+
+    @staticmethod
+    def started(lookup: concurrent.futures.Future, timeout_s: float) -> None:
+        """On the lookup thread: once the actor's worker answers (Ray's __ray_ready__)."""
+        import ray
+
+        ray.get(lookup.result().__ray_ready__.remote(), timeout=timeout_s)
 
     async def actor(self):
         self.start()

@@ -107,6 +107,45 @@ def test_the_lookup_starts_before_any_request_off_the_event_loop():
     assert asyncio.run(store.get("r")) == ENTRY and lookups == [False]
 
 
+class SlowStart(Actor):
+    """The stand-in of an actor whose worker runs `delay_s` after its creation (a process
+    that imports torch: 10 s under load): its calls wait for it."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__([])
+        self.running = threading.Event()
+        threading.Timer(delay_s, self.running.set).start()
+
+    def __getattr__(self, method: str):
+        call = getattr(self.local, method)
+
+        async def remote(*args):
+            while not self.running.is_set():
+                await asyncio.sleep(0.01)
+            return call(*args)
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_replica_starts_once_its_stores_worker_runs(monkeypatch):
+    """The lookup returns the handle before the actor's worker runs: the replica's start
+    (router_args.response_store) waits for the worker, so the first Response, answered as
+    soon as the replica is up, is stored (past STORE_TIMEOUT_S it went out unstored, and its
+    continuation was a 404)."""
+    from ray import serve
+
+    from deployments.router_args import ResponsesStoreArgs, response_store
+
+    monkeypatch.setattr(store_actor, "STORE_TIMEOUT_S", 0.05)
+    actor = SlowStart(0.3)
+    monkeypatch.setattr(ActorStore, "created", lambda self: actor)
+    monkeypatch.setattr(ActorStore, "started", staticmethod(
+        lambda lookup, timeout_s: lookup.result().running.wait(timeout_s)))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(app_name="x"))
+    store = response_store(ResponsesStoreArgs())
+    asyncio.run(store.put("r", ENTRY))
+    assert asyncio.run(store.get("r")) == ENTRY
+
+
 async def store_answer(store: ActorStore, response_id: str):
     """A GET's status: 200 with the entry, else its BadRequest's status."""
     try:
