@@ -110,11 +110,16 @@ class GrpcVerifier:
 def gated(call: ScoreCall, scores: TargetScores) -> TargetScores:
     """scores, unless the call's grammar holds after the reasoning and the verifier did not
     say it masked so: one that predates the gate (SamplingParams field 18, which it ignores)
-    applies the grammar from the output's first token, a law other than the request's."""
+    applies the grammar from the output's first token, and one that predates the implicit
+    ends (field 19) waits for the end ids alone: laws other than the request's."""
     if call.sampling.grammar_after and not scores.grammar_gated:
         raise PoolUnavailable("verifier: applied the grammar from the output's first token, "
                               "not after the reasoning (a version without the grammar's "
                               "gate?): serve both pools from one version")
+    if call.sampling.grammar_at and not scores.grammar_at_gated:
+        raise PoolUnavailable("verifier: did not end the reasoning at its implicit end (a "
+                              "version without grammar_at_ids?): serve both pools from one "
+                              "version")
     return scores
 
 

@@ -59,7 +59,8 @@ class PromptReader:
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.grammar_tokenizer = grammar_tokenizer_or_none(tokenizer, target.vocab_size)
         self.reasoning_parser = args.reasoning_parser
-        self.think_tokens = ThinkTokens.of(tokenizer) if args.reasoning_parser else None
+        self.think_tokens = ThinkTokens.of(tokenizer, args.reasoning_parser) \
+            if args.reasoning_parser else None
 
     def within_context(self, body, sampling, prompt_tokens: int):
         """The sampling's max_tokens cut to the room the prompt leaves in the context (at
@@ -102,8 +103,9 @@ class PromptReader:
             except GrammarError as error:
                 raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
             # under a reasoning parser, the grammar holds after the reasoning (vLLM 0.32's)
-            sampling = replace(sampling, grammar=grammar, grammar_after=grammar_gate(
-                self.reasoning_parser, self.think_tokens, body, chat, prompt_ids))
+            after, at = grammar_gate(self.reasoning_parser, self.think_tokens, body, chat,
+                                     prompt_ids)
+            sampling = replace(sampling, grammar=grammar, grammar_after=after, grammar_at=at)
         if body.bad_words:  # tokenized off the event loop too
             words = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizing, bad_words_ids, self.tokenizer, body.bad_words,

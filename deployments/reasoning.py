@@ -8,8 +8,10 @@ output may start inside the reasoning without one (DeepSeek-R1's and Qwen3.5's t
 the prompt with `<think>`); the first `</think>` ends the reasoning, and the text after it
 is the content (null when empty; tool calls are read out of it alone); an output that
 never reaches `</think>` (max_tokens inside the reasoning) is all reasoning, its content
-null. The reasoning goes out in current vLLM's field, `reasoning` (earlier vLLM's
-`reasoning_content`, which it no longer sends).
+null. vLLM 0.32's `qwen3` alone also ends the reasoning implicitly at a `<tool_call>`, which
+starts the content (kept in it, a call's opening); `deepseek_r1` reads it as reasoning. The
+reasoning goes out in current vLLM's field, `reasoning` (earlier vLLM's `reasoning_content`,
+which it no longer sends).
 """
 
 from collections.abc import Sequence
@@ -20,6 +22,9 @@ from deployments.held_text import Opening, held_prefix
 from speculative.thinking import ThinkingBudget, last_at
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# vLLM 0.32's qwen3 parser: a `<tool_call>` inside the reasoning ends it where it stands, the
+# tag itself the content's (its grammar's transition REASONING -> TOOL_PREAMBLE)
+IMPLICIT_ENDS = {"qwen3": ("<tool_call>",)}
 TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")  # ChatML's, vLLM's qwen3 parser's
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
@@ -40,11 +45,15 @@ def reasoning_split(parser: ReasoningParserName | None, chat_template_kwargs: di
     return ReasoningSplit(parser, shown)
 
 
-def prompt_ended_reasoning(continued: str | None) -> bool:
+def prompt_ended_reasoning(continued: str | None,
+                           parser: ReasoningParserName | None = None) -> bool:
     """Whether a continued assistant message (continue_final_message's) closed its
-    reasoning: its last `</think>` after its last `<think>`, so the output carries on in the
-    content (as vLLM reads a prompt that ends the reasoning)."""
-    return continued is not None and continued.rfind(THINK_CLOSE) > continued.rfind(THINK_OPEN)
+    reasoning: its last `</think>` (for qwen3, or `<tool_call>`) after its last `<think>`, so
+    the output carries on in the content (as vLLM reads a prompt that ends the reasoning)."""
+    if continued is None:
+        return False
+    ends = (THINK_CLOSE, *IMPLICIT_ENDS.get(parser, ()))
+    return max(continued.rfind(end) for end in ends) > continued.rfind(THINK_OPEN)
 
 
 def continued_text(body) -> str | None:
@@ -59,34 +68,41 @@ def request_split(parser: ReasoningParserName | None, body,
     nor after a continued message that ended its reasoning."""
     constrained = any(c.request.sampling.grammar is not None
                       and not c.request.sampling.grammar_after for c in plan.choices)
-    return reasoning_split(parser, body.template_kwargs(), constrained,
-                           body.include_reasoning, prompt_ended_reasoning(continued_text(body)))
+    return reasoning_split(parser, body.template_kwargs(), constrained, body.include_reasoning,
+                           prompt_ended_reasoning(continued_text(body), parser))
+
+
+Gate = tuple[tuple[int, ...], tuple[int, ...]]  # SamplingParams.grammar_after, grammar_at
+UNGATED: Gate = ((), ())
 
 
 def grammar_gate(parser: ReasoningParserName | None, tags: "ThinkTokens | None", body,
-                 chat: bool, prompt: Sequence[int]) -> tuple[int, ...]:
-    """A constrained request's SamplingParams.grammar_after: `</think>`'s ids where its
-    grammar holds only after the reasoning, () where from the output's first token. As vLLM
-    0.32 decides it (its structured outputs' reasoning_ended, without
-    `enable_in_reasoning`): with a reasoning parser, a chat's grammar waits for the
-    reasoning's end unless include_reasoning is false, or its prompt ended the reasoning
-    (reasoning_split's reading: Qwen3 asked not to think, a continued message that closed
-    it; and prompt_ids_ended); a completion's, unless its prompt's ids ended it."""
+                 chat: bool, prompt: Sequence[int]) -> Gate:
+    """A constrained request's SamplingParams (grammar_after, grammar_at): `</think>`'s ids
+    where its grammar holds only after the reasoning, and the ids that end it implicitly
+    (qwen3's `<tool_call>`: the grammar holds from that token itself); ((), ()) where from
+    the output's first token. As vLLM 0.32 decides it (its structured outputs'
+    reasoning_ended, without `enable_in_reasoning`): with a reasoning parser, a chat's
+    grammar waits for the reasoning's end unless include_reasoning is false, or its prompt
+    ended the reasoning (reasoning_split's reading: Qwen3 asked not to think, a continued
+    message that closed it; and prompt_ids_ended); a completion's, unless its prompt's ids
+    ended it."""
     if parser is None or tags is None or not tags.end:
-        return ()
+        return UNGATED
     if chat and (not body.include_reasoning or reasoning_split(
             parser, body.template_kwargs(), False,
-            ended=prompt_ended_reasoning(continued_text(body))) is None):
-        return ()
-    return () if prompt_ids_ended(parser, tags, prompt) else tags.end
+            ended=prompt_ended_reasoning(continued_text(body), parser)) is None):
+        return UNGATED
+    return UNGATED if prompt_ids_ended(parser, tags, prompt) else (tags.end, tags.implicit)
 
 
 def prompt_ids_ended(parser: ReasoningParserName, tags: "ThinkTokens",
                      prompt: Sequence[int]) -> bool:
     """vLLM's is_reasoning_end of the prompt's ids: its last `</think>` after its last
     `<think>` (deepseek_r1's, over the whole prompt), and for qwen3 after its last turn
-    boundary too (`<|im_start|>`, `<|im_end|>`: the reply's own turn alone)."""
-    end = last_at(prompt, tags.end)
+    boundary too (`<|im_start|>`, `<|im_end|>`: the reply's own turn alone), its last
+    `<tool_call>` (tags.implicit) ending it as a `</think>` does."""
+    end = max([last_at(prompt, tags.end)] + [last_at(prompt, (i,)) for i in tags.implicit])
     after = [last_at(prompt, tags.start)] if tags.start else []
     if parser == "qwen3":
         after += [last_at(prompt, (turn,)) for turn in tags.turns]
@@ -107,21 +123,24 @@ class ReasoningSplit:
         return reasoning + stream.finish(), content or None
 
     def stream(self) -> "ReasoningStream":
-        return ReasoningStream()
+        return ReasoningStream(IMPLICIT_ENDS.get(self.parser, ()))
 
 
 class ReasoningStream:
     """A streamed output's text split as it comes, in HeldContent's manner: each delta goes
     out at once as reasoning or content, except a tail that may grow into a tag, held to the
     next delta (a `</think>` split across deltas, or a `<think>` opening the output), so that
-    a delta costs its own length and the deltas add up to the whole output's split."""
+    a delta costs its own length and the deltas add up to the whole output's split.
+    implicit: the tags that also end the reasoning, each kept as the content's beginning
+    (qwen3's `<tool_call>`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, implicit: tuple[str, ...] = ()) -> None:
         # until it is known whether the output opens with `<think>` (dropped, and the
         # whitespace before it) or starts inside the reasoning
         self.opening: Opening | None = Opening(THINK_OPEN)
-        self.ended = False  # past the first `</think>`: the rest is content
-        self.held = ""  # after the opening, a tail that may grow into `</think>`
+        self.ends = (THINK_CLOSE, *implicit)
+        self.ended = False  # past the reasoning's end: the rest is content
+        self.held = ""  # after the opening, a tail that may grow into an end's tag
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, content) of the delta that can go out now."""
@@ -131,11 +150,13 @@ class ReasoningStream:
             text = self.held + delta
         elif (text := self.opened(delta)) is None:
             return "", ""
-        end = text.find(THINK_CLOSE)
-        if end >= 0:
+        found = [(at, tag) for tag in self.ends if (at := text.find(tag)) >= 0]
+        if found:
+            end, tag = min(found)
             self.ended, self.held = True, ""
-            return text[:end], text[end + len(THINK_CLOSE):]
-        keep = held_prefix(text, THINK_CLOSE)
+            after = end + len(tag) if tag == THINK_CLOSE else end  # an implicit end's kept
+            return text[:end], text[after:]
+        keep = max(held_prefix(text, tag) for tag in self.ends)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
@@ -167,24 +188,31 @@ class ThinkTokens:
     end: tuple[int, ...]
     # Qwen3's turn boundaries' ids, those in the vocabulary (prompt_ids_ended)
     turns: tuple[int, ...] = ()
+    # the ids that end the reasoning implicitly, each its own token the content's: qwen3's
+    # `<tool_call>` where the vocabulary holds it whole (vLLM 0.32 finds it by its one id)
+    implicit: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, tokenizer) -> "ThinkTokens":
+    def of(cls, tokenizer, parser: ReasoningParserName | None = None) -> "ThinkTokens":
         def ids(tag: str) -> tuple[int, ...]:
             return tuple(tokenizer.encode(tag, add_special_tokens=False))
 
         vocab = tokenizer.get_vocab()
         turns = tuple(vocab[turn] for turn in TURN_BOUNDARIES if turn in vocab)
-        return cls(ids(THINK_OPEN), ids(THINK_CLOSE), turns)
+        implicit = tuple(vocab[tag] for tag in IMPLICIT_ENDS.get(parser, ()) if tag in vocab)
+        return cls(ids(THINK_OPEN), ids(THINK_CLOSE), turns, implicit)
 
     def count(self, token_ids: Sequence[int]) -> int:
-        """The output's tokens before its first `</think>`'s (all of them without one), less
-        an opening `<think>`'s: the tags themselves are not reasoning. Read by ids, as vLLM
-        does: a tag the model spelt in other tokens than the tokenizer's is not found."""
+        """The output's tokens before its first `</think>`'s or implicit end's (all of them
+        without one), less an opening `<think>`'s: the tags themselves are not reasoning.
+        Read by ids, as vLLM does: a tag the model spelt in other tokens than the
+        tokenizer's is not found."""
         ids = list(token_ids)
         start = len(self.start) if self.start and ids[:len(self.start)] == list(self.start) \
             else 0
-        return max(0, found(ids, self.end, start) - start)
+        end = min([found(ids, self.end, start)] + [found(ids, (i,), start)
+                                                    for i in self.implicit])
+        return max(0, end - start)
 
 
 # vLLM's refusal of a thinking_token_budget without a reasoning parser (its ids)
@@ -199,7 +227,9 @@ def thinking_budget(budget: int | None, think_tokens: ThinkTokens,
     under a grammar that holds from the output's first token (constrained: no grammar_gate),
     which leaves no thinking section. Under a grammar after the reasoning, the forced
     `</think>` ends the reasoning as the model's own would, and the grammar starts after
-    it (every id is allowed before it, so the forced ones are too)."""
+    it (every id is allowed before it, so the forced ones are too). As vLLM 0.32's budget
+    (its ThinkingBudgetStateHolder reads the `</think>` ids alone), an implicit end (qwen3's
+    `<tool_call>`) does not end a section: its tokens count on."""
     if budget is None or constrained:
         return None
     return ThinkingBudget(budget, think_tokens.start, think_tokens.end)
@@ -211,6 +241,11 @@ def found(ids: list[int], part: tuple[int, ...], start: int) -> int:
     if width == 0:
         return len(ids)
     first = part[0]
+    if width == 1:  # one id (an implicit end's): found at C speed
+        try:
+            return ids.index(first, start)
+        except ValueError:
+            return len(ids)
     for at in range(start, len(ids) - width + 1):
         if ids[at] == first and tuple(ids[at:at + width]) == part:
             return at

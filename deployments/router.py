@@ -91,7 +91,8 @@ class Router(ChatBatchRoute):
         self.tool_decode = text_decoder(tokenizer, keep=KEPT_TEXTS[args.tool_call_parser])
         self.special_decode = text_decoder(tokenizer, skip_special=False)  # every token's text
         # the reasoning parser's tags, by which usage counts a chat's reasoning tokens
-        self.think_tokens = ThinkTokens.of(tokenizer) if args.reasoning_parser else None
+        self.think_tokens = ThinkTokens.of(tokenizer, args.reasoning_parser) \
+            if args.reasoning_parser else None
         target = Checkpoint.load(args.model)
         check_vocabularies(target, target, len(tokenizer))
         # room for any message the pools of this target send or take (a q of 64 rows)

@@ -36,6 +36,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         cache_salt=params.cache_salt, allowed_token_ids=params.allowed_token_ids,
         bad_words=[pb.TokenIds(ids=word) for word in params.bad_words_ids],
         logprob_token_ids=params.logprob_token_ids, grammar_after_ids=params.grammar_after,
+        grammar_at_ids=params.grammar_at,
     )
 
 
@@ -53,7 +54,7 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(message.allowed_token_ids),
         bad_words_ids=tuple(tuple(word.ids) for word in message.bad_words),
         logprob_token_ids=tuple(message.logprob_token_ids),
-        grammar_after=tuple(message.grammar_after_ids),
+        grammar_after=tuple(message.grammar_after_ids), grammar_at=tuple(message.grammar_at_ids),
     )
 
 
@@ -279,7 +280,8 @@ def scores_to_proto(scores: TargetScores) -> pb.ScoreResponse:
                                 cached_tokens=scores.cached_tokens,
                                 tree_nodes=scores.tree_nodes,
                                 continued_token_ids=scores.continued_token_ids,
-                                grammar_gated=scores.grammar_gated)
+                                grammar_gated=scores.grammar_gated,
+                                grammar_at_gated=scores.grammar_at_gated)
     if scores.accept_probs:  # a sampled tree
         response.sampled.accept_probs.extend(scores.accept_probs)
         response.sampled.recovered_token_ids.extend(scores.recovered_token_ids)
@@ -325,7 +327,8 @@ def scores_from_proto(message: pb.ScoreResponse, wire_bytes: int = 0) -> TargetS
               "logprobs": logprobs_from_proto(message), "cached_tokens": message.cached_tokens,
               "tree_nodes": message.tree_nodes, "wire_bytes": wire_bytes,
               "continued_token_ids": tuple(message.continued_token_ids),
-              "grammar_gated": message.grammar_gated}
+              "grammar_gated": message.grammar_gated,
+              "grammar_at_gated": message.grammar_at_gated}
     kind = message.WhichOneof("scores")
     if kind == "greedy":
         return TargetScores(target_token_ids=tuple(message.greedy.target_token_ids), **timing)

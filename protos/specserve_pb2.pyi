@@ -35,7 +35,7 @@ class Distributions(_message.Message):
     def __init__(self, ids: _Optional[_Union[Tensor, _Mapping]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "grammar", "logit_bias", "min_tokens", "min_tokens_end_ids", "min_p", "cache_salt", "allowed_token_ids", "bad_words", "logprob_token_ids", "grammar_after_ids")
+    __slots__ = ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "grammar", "logit_bias", "min_tokens", "min_tokens_end_ids", "min_p", "cache_salt", "allowed_token_ids", "bad_words", "logprob_token_ids", "grammar_after_ids", "grammar_at_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class SamplingParams(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_AFTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_AT_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -79,7 +80,8 @@ class SamplingParams(_message.Message):
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenIds]
     logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
     grammar_after_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_end_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., cache_salt: _Optional[str] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., grammar_after_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar_at_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_end_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., cache_salt: _Optional[str] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., grammar_after_ids: _Optional[_Iterable[int]] = ..., grammar_at_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -172,7 +174,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sync: _Optional[_Union[PrefixSync, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ..., return_bonus_probs: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs", "cached_tokens", "tree_nodes", "continued_token_ids", "grammar_gated")
+    __slots__ = ("status", "replica_id", "direct_address", "compute_us", "load", "greedy", "sampled", "logprobs", "cached_tokens", "tree_nodes", "continued_token_ids", "grammar_gated", "grammar_at_gated")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +187,7 @@ class ScoreResponse(_message.Message):
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     CONTINUED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_GATED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_AT_GATED_FIELD_NUMBER: _ClassVar[int]
     status: Status
     replica_id: str
     direct_address: str
@@ -197,7 +200,8 @@ class ScoreResponse(_message.Message):
     tree_nodes: int
     continued_token_ids: _containers.RepeatedScalarFieldContainer[int]
     grammar_gated: bool
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., greedy: _Optional[_Union[GreedyScores, _Mapping]] = ..., sampled: _Optional[_Union[SampledScores, _Mapping]] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., continued_token_ids: _Optional[_Iterable[int]] = ..., grammar_gated: _Optional[bool] = ...) -> None: ...
+    grammar_at_gated: bool
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replica_id: _Optional[str] = ..., direct_address: _Optional[str] = ..., compute_us: _Optional[int] = ..., load: _Optional[_Union[BatchLoad, _Mapping]] = ..., greedy: _Optional[_Union[GreedyScores, _Mapping]] = ..., sampled: _Optional[_Union[SampledScores, _Mapping]] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., continued_token_ids: _Optional[_Iterable[int]] = ..., grammar_gated: _Optional[bool] = ..., grammar_at_gated: _Optional[bool] = ...) -> None: ...
 
 class PositionLogprobs(_message.Message):
     __slots__ = ("drafted", "chosen", "top_n", "top_ids", "top_logprobs")

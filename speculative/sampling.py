@@ -46,6 +46,10 @@ class SamplingParams:
     # only on the tokens after their first occurrence in the output (everything allowed
     # before); empty: from the output's first token (speculative.grammar.TokenMasks)
     grammar_after: tuple[int, ...] = ()
+    # with grammar_after, vLLM 0.32's implicit ends of the reasoning (qwen3's `<tool_call>`):
+    # ids each of which, where it stands first, ends the reasoning as the end ids do, itself
+    # the grammar's first token (allowed where it is drawn, then consumed by the grammar)
+    grammar_at: tuple[int, ...] = ()
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's min_tokens: min_tokens_end_ids (the end tokens and stop ids) are masked until
@@ -88,6 +92,9 @@ class SamplingParams:
         if self.grammar_after and (self.grammar is None or not all(
                 isinstance(t, int) and t >= 0 for t in self.grammar_after)):
             errors.append("grammar_after must be token ids >= 0, with a grammar")
+        if self.grammar_at and (not self.grammar_after or not all(
+                isinstance(t, int) and t >= 0 for t in self.grammar_at)):
+            errors.append("grammar_at must be token ids >= 0, with grammar_after")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             errors.append(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or \

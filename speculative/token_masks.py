@@ -32,15 +32,25 @@ class TokenMasks:
     they stand whole in the output is unconstrained (every id allowed, the end token and the
     special ones too), and the grammar, from its start, holds on the tokens after them. The
     drafter, the verifier and the router's drafters all mask through this class, so each
-    drafted position is gated by the same rule."""
+    drafted position is gated by the same rule.
 
-    def __init__(self, tokenizer, grammar: str, after: tuple[int, ...] = ()) -> None:
+    at: with `after`, the ids that end the reasoning implicitly (vLLM 0.32's qwen3
+    `<tool_call>`, SamplingParams.grammar_at): where one stands before the end ids are whole,
+    the reasoning ends there and the grammar holds from that id itself (vLLM's grammar_start
+    at it, its constraint_start after it: its own position is unconstrained, as every
+    reasoning position, and the grammar consumes it; one the grammar refuses breaks it)."""
+
+    def __init__(self, tokenizer, grammar: str, after: tuple[int, ...] = (),
+                 at: tuple[int, ...] = ()) -> None:
         self.tokenizer, self.grammar, self.after = tokenizer, grammar, tuple(after)
+        self.at = tuple(at) if self.after else ()
         self.matcher = compiled(tokenizer, grammar).deep_copy()
         # the followed tokens before the grammar (the reasoning, through its end ids once
-        # `opened`), then those the matcher consumed: together, the sequence followed
+        # `opened`; before the `at` id that ended it where `implicit`), then those the
+        # matcher consumed: together, the sequence followed
         self.head: list[int] = []
         self.opened = not self.after
+        self.implicit = False
         self.consumed: list[int] = []
 
     def follow(self, output: list[int]) -> int:
@@ -49,14 +59,21 @@ class TokenMasks:
         followed are found in C: a scan in Python cost 1.35 ms a call at 32k output tokens,
         at the verifier's calls and the drafter's (measured)."""
         shared = common_prefix_len(self.head, output)
-        if shared < len(self.head) or not self.opened:  # still inside the reasoning, or
-            # moved to another one: the grammar has consumed nothing
+        if shared < len(self.head) or not self.opened or self.left_its_end(output):
+            # still inside the reasoning, or moved to another one (or off the id that ended
+            # it implicitly): the grammar has consumed nothing
             del self.head[shared:]
-            self.opened = False
+            self.opened = self.implicit = False
             self.restart()
             return shared + self.advance(output[shared:])
         start = len(self.head)
         return start + self.follow_grammar(output[start:])
+
+    def left_its_end(self, output: list[int]) -> bool:
+        """Whether the reasoning ended implicitly but `output` (which holds the head) does
+        not go on with an implicit end's id there (a rejected draft's)."""
+        at = len(self.head)
+        return self.implicit and first_of(output, self.at, at, at + 1) is None
 
     def follow_grammar(self, output: list[int]) -> int:
         """follow for the tokens after the reasoning."""
@@ -98,6 +115,9 @@ class TokenMasks:
         width, start = len(self.after), len(self.head)
         self.head.extend(tokens)
         end = found_in(self.head, self.after, max(0, start - width + 1))
+        at = first_of(self.head, self.at, start, len(self.head) if end is None else end - 1)
+        if at is not None:  # an implicit end first: its id is the grammar's
+            end, self.implicit = at, True
         if end is None:
             return len(tokens)
         del self.head[end:]
@@ -112,7 +132,10 @@ class TokenMasks:
         # the head's last ids that may begin the end ids with the proposal's (no copy of a
         # long reasoning a proposal)
         window = self.head[len(self.head) - len(self.after) + 1:] if len(self.after) > 1 else []
-        end = found_in(window + list(tokens), self.after, 0)
+        joined = window + list(tokens)
+        end = found_in(joined, self.after, 0)
+        at = first_of(joined, self.at, len(window), len(joined) if end is None else end - 1)
+        end = at if at is not None else end
         if end is None:
             return len(tokens)
         taken = end - len(window)
@@ -134,7 +157,9 @@ class TokenMasks:
         """[len(drafted) + 1, vocab_size] bool: row i allows what may follow output plus
         drafted[:i] (all ids while the reasoning goes on: a block may end it at any row).
         Past a drafted token the grammar forbids, the rows repeat the last reachable one
-        (those positions are never committed: that token is rejected)."""
+        (those positions are never committed: that token is rejected; an implicit end's id
+        the grammar refuses is allowed where it stands, as vLLM's, and breaks the output
+        once committed)."""
         taken = self.follow(output)
         if taken < len(output):
             raise GrammarDeadEnd(f"the committed output breaks the request's grammar after "
@@ -162,16 +187,28 @@ def compiled(tokenizer, grammar: str):
 
 def request_matcher(holder, sampling, tokenizer) -> TokenMasks:
     """The matcher a pool keeps on a request's sequence (`holder.constraint`) for its
-    sampling's grammar and gate (SamplingParams.grammar, grammar_after): a new one when
-    either is new to it."""
+    sampling's grammar and gate (SamplingParams.grammar, grammar_after, grammar_at): a new
+    one when any is new to it."""
     if tokenizer is None:
         raise ValueError("this pool has no tokenizer for grammars (structured outputs)")
     current = getattr(holder, "constraint", None)
     if current is None or current.grammar != sampling.grammar or \
-            current.after != sampling.grammar_after:
+            current.after != sampling.grammar_after or current.at != sampling.grammar_at:
         current = holder.constraint = TokenMasks(tokenizer, sampling.grammar,
-                                                 sampling.grammar_after)
+                                                 sampling.grammar_after, sampling.grammar_at)
     return current
+
+
+def first_of(ids: list[int], wanted: tuple[int, ...], start: int, stop: int) -> int | None:
+    """Where one of the `wanted` ids first stands in ids[start:stop], or None (found at C
+    speed: an implicit end of the reasoning in the output followed)."""
+    places = []
+    for token in wanted:
+        try:
+            places.append(ids.index(token, start, stop))
+        except ValueError:
+            pass
+    return min(places, default=None)
 
 
 def matcher_after(holder, sampling, tokenizer, output: list[int]) -> TokenMasks | None:

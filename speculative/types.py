@@ -292,6 +292,9 @@ class TargetScores:
     # the call's grammar held after SamplingParams.grammar_after (a verifier's echo: one that
     # predates the gate masks from the output's first token; deployments.pool_handles)
     grammar_gated: bool = False
+    # the call's grammar also held from SamplingParams.grammar_at (an implicit end: the echo
+    # of a verifier that knows them)
+    grammar_at_gated: bool = False
 
 
 @dataclass(frozen=True)

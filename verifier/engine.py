@@ -244,7 +244,8 @@ class ModelVerifier:
         if call.draft_parents is not None:
             scores = replace(scores, tree_nodes=len(call.draft_token_ids))
         if call.sampling.grammar_after:  # masked after the reasoning (allowed): said
-            scores = replace(scores, grammar_gated=True)
+            scores = replace(scores, grammar_gated=True,
+                             grammar_at_gated=bool(call.sampling.grammar_at))
         if sequence.cached_tokens:  # reported once, by the call whose cache took them; a
             # rebuild may take its own output back too: usage counts the prompt's tokens
             scores = replace(scores, cached_tokens=min(sequence.cached_tokens, call.prompt_len))
