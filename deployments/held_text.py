@@ -94,8 +94,11 @@ class StreamedText:
         """(reasoning, content) held to the end and still to send, given the final content
         (Choices.read_output's); None when nothing is, except an empty content under tools,
         whose "" goes out (the role's chunk carried none)."""
-        reasoning = self.thinking.finish() if self.shown else ""
-        rest = self.held.rest(content) if self.held is not None else ""
+        reasoning, tail = self.thinking.finish() if self.thinking is not None else ("", "")
+        reasoning = reasoning if self.shown else ""
+        # the content's held tail (a `</think>` begun: qwen3's) is in the final content, whose
+        # rest a held content sends
+        rest = self.held.rest(content) if self.held is not None else tail
         if reasoning or rest or (self.held is not None and content == ""):
             return reasoning, rest
         return None

@@ -8,8 +8,11 @@ output may start inside the reasoning without one (DeepSeek-R1's and Qwen3.5's t
 the prompt with `<think>`); the first `</think>` ends the reasoning, and the text after it
 is the content (null when empty; tool calls are read out of it alone); an output that
 never reaches `</think>` (max_tokens inside the reasoning) is all reasoning, its content
-null. vLLM 0.32's `qwen3` alone also ends the reasoning implicitly at a `<tool_call>`, which
-starts the content (kept in it, a call's opening); `deepseek_r1` reads it as reasoning. The
+null. vLLM 0.32's `qwen3` (its parser engine's grammar) differs in three ways: a
+`<tool_call>` ends the reasoning implicitly too, and starts the content (kept in it, a
+call's opening; `deepseek_r1` reads it as reasoning); every `<think>` inside the reasoning is
+dropped (not only an opening one, and the whitespace before it is reasoning); and every
+`</think>` after the end is dropped from the content (a call's text included). The
 reasoning goes out in current vLLM's field, `reasoning` (earlier vLLM's `reasoning_content`,
 which it no longer sends).
 """
@@ -25,6 +28,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # vLLM 0.32's qwen3 parser: a `<tool_call>` inside the reasoning ends it where it stands, the
 # tag itself the content's (its grammar's transition REASONING -> TOOL_PREAMBLE)
 IMPLICIT_ENDS = {"qwen3": ("<tool_call>",)}
+CALL_CLOSE = "</tool_call>"
 TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")  # ChatML's, vLLM's qwen3 parser's
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
@@ -120,27 +124,26 @@ class ReasoningSplit:
         """(reasoning, content) of a whole output: what a stream of it sends, as one."""
         stream = self.stream()
         reasoning, content = stream.feed(text)
-        return reasoning + stream.finish(), content or None
+        held, tail = stream.finish()
+        return reasoning + held, (content + tail) or None
 
-    def stream(self) -> "ReasoningStream":
-        return ReasoningStream(IMPLICIT_ENDS.get(self.parser, ()))
+    def stream(self) -> "ReasoningStream | Qwen3Stream":
+        return Qwen3Stream() if self.parser == "qwen3" else ReasoningStream()
 
 
 class ReasoningStream:
-    """A streamed output's text split as it comes, in HeldContent's manner: each delta goes
-    out at once as reasoning or content, except a tail that may grow into a tag, held to the
-    next delta (a `</think>` split across deltas, or a `<think>` opening the output), so that
-    a delta costs its own length and the deltas add up to the whole output's split.
-    implicit: the tags that also end the reasoning, each kept as the content's beginning
-    (qwen3's `<tool_call>`)."""
+    """A streamed output's text split as it comes (deepseek_r1's), in HeldContent's manner:
+    each delta goes out at once as reasoning or content, except a tail that may grow into a
+    tag, held to the next delta (a `</think>` split across deltas, or a `<think>` opening the
+    output), so that a delta costs its own length and the deltas add up to the whole
+    output's split."""
 
-    def __init__(self, implicit: tuple[str, ...] = ()) -> None:
+    def __init__(self) -> None:
         # until it is known whether the output opens with `<think>` (dropped, and the
         # whitespace before it) or starts inside the reasoning
         self.opening: Opening | None = Opening(THINK_OPEN)
-        self.ends = (THINK_CLOSE, *implicit)
-        self.ended = False  # past the reasoning's end: the rest is content
-        self.held = ""  # after the opening, a tail that may grow into an end's tag
+        self.ended = False  # past the first `</think>`: the rest is content
+        self.held = ""  # after the opening, a tail that may grow into `</think>`
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, content) of the delta that can go out now."""
@@ -150,13 +153,11 @@ class ReasoningStream:
             text = self.held + delta
         elif (text := self.opened(delta)) is None:
             return "", ""
-        found = [(at, tag) for tag in self.ends if (at := text.find(tag)) >= 0]
-        if found:
-            end, tag = min(found)
+        end = text.find(THINK_CLOSE)
+        if end >= 0:
             self.ended, self.held = True, ""
-            after = end + len(tag) if tag == THINK_CLOSE else end  # an implicit end's kept
-            return text[:end], text[after:]
-        keep = max(held_prefix(text, tag) for tag in self.ends)
+            return text[:end], text[end + len(THINK_CLOSE):]
+        keep = held_prefix(text, THINK_CLOSE)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
@@ -172,12 +173,58 @@ class ReasoningStream:
             return start[len(THINK_OPEN):]
         return space + start
 
-    def finish(self) -> str:
-        """The reasoning held at the end of the output (a tag's beginning that never came
-        whole is text)."""
+    def finish(self) -> tuple[str, str]:
+        """(reasoning, content) held at the end of the output (a tag's beginning that never
+        came whole is text): the reasoning's alone."""
         rest = self.opening.held() if self.opening is not None else self.held
         self.held = ""
-        return rest
+        return rest, ""
+
+
+class Qwen3Stream:
+    """vLLM 0.32's `qwen3` split as the output streams (its parser engine's grammar, as
+    reasoning.split reads it whole): inside the reasoning every `<think>` is dropped (its
+    transition REASONING -> REASONING emits nothing) and the first `</think>` or
+    `<tool_call>` ends it (the `<tool_call>` kept, the content's); in the content every
+    `</think>` is dropped (CONTENT -> CONTENT, nothing emitted: a duplicate end absorbed), a
+    call's text included, as vLLM's tool parser reads the content without it. A tail that
+    may grow into a tag is held to the next delta. (vLLM's own
+    stream stops feeding its parser once the reasoning ended, so it drops a later delta's
+    `</think>` only in its whole answer: here the stream adds up to the whole answer.)"""
+
+    REASONING_TAGS = (THINK_OPEN, THINK_CLOSE, *IMPLICIT_ENDS["qwen3"])
+
+    def __init__(self) -> None:
+        self.ended = False  # past the reasoning's end: the rest is content
+        self.held = ""  # a tail that may grow into a tag (the text not yet read)
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning, content) of the delta that can go out now."""
+        text, self.held = self.held + delta, ""
+        if self.ended:
+            return "", self.content(text)
+        ends = [(at, tag) for tag in self.REASONING_TAGS[1:] if (at := text.find(tag)) >= 0]
+        if ends:
+            end, tag = min(ends)
+            self.ended = True
+            after = end + len(tag) if tag == THINK_CLOSE else end  # an implicit end's kept
+            return text[:end].replace(THINK_OPEN, ""), self.content(text[after:])
+        keep = max(held_prefix(text, tag) for tag in self.REASONING_TAGS)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep].replace(THINK_OPEN, ""), ""
+
+    def content(self, text: str) -> str:
+        """The content of `text` (read from where the last delta's left off) that can go
+        out now: its `</think>`s dropped, a tail that may grow into one held."""
+        keep = held_prefix(text, THINK_CLOSE)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep].replace(THINK_CLOSE, "")
+
+    def finish(self) -> tuple[str, str]:
+        """(reasoning, content) held at the end of the output: a tag's beginning that never
+        came whole is text."""
+        held, self.held = self.held, ""
+        return ("", held) if self.ended else (held, "")
 
 
 @dataclass(frozen=True)
@@ -191,6 +238,13 @@ class ThinkTokens:
     # the ids that end the reasoning implicitly, each its own token the content's: qwen3's
     # `<tool_call>` where the vocabulary holds it whole (vLLM 0.32 finds it by its one id)
     implicit: tuple[int, ...] = ()
+    # qwen3's: every `<think>` inside the reasoning is dropped, its ids not counted (vLLM
+    # 0.32's engine counts the reasoning's text events alone); else only an opening one's
+    inner_starts: bool = False
+    # qwen3's `</tool_call>` where the vocabulary holds it whole: inside the reasoning its
+    # text is reasoning but vLLM 0.32 counts no token for it (a tag found by its id that
+    # has no transition there goes out as text without its token)
+    uncounted: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, tokenizer, parser: ReasoningParserName | None = None) -> "ThinkTokens":
@@ -200,18 +254,25 @@ class ThinkTokens:
         vocab = tokenizer.get_vocab()
         turns = tuple(vocab[turn] for turn in TURN_BOUNDARIES if turn in vocab)
         implicit = tuple(vocab[tag] for tag in IMPLICIT_ENDS.get(parser, ()) if tag in vocab)
-        return cls(ids(THINK_OPEN), ids(THINK_CLOSE), turns, implicit)
+        qwen3 = parser == "qwen3"
+        uncounted = (vocab[CALL_CLOSE],) if qwen3 and CALL_CLOSE in vocab else ()
+        return cls(ids(THINK_OPEN), ids(THINK_CLOSE), turns, implicit, qwen3, uncounted)
 
     def count(self, token_ids: Sequence[int]) -> int:
         """The output's tokens before its first `</think>`'s or implicit end's (all of them
-        without one), less an opening `<think>`'s: the tags themselves are not reasoning.
-        Read by ids, as vLLM does: a tag the model spelt in other tokens than the
-        tokenizer's is not found."""
+        without one), less an opening `<think>`'s (inner_starts: every `<think>`'s before the
+        end, and the uncounted ids'): the tags themselves are not reasoning. Read by ids, as
+        vLLM does: a tag the model spelt in other tokens than the tokenizer's is not
+        found."""
         ids = list(token_ids)
         start = len(self.start) if self.start and ids[:len(self.start)] == list(self.start) \
             else 0
         end = min([found(ids, self.end, start)] + [found(ids, (i,), start)
                                                     for i in self.implicit])
+        if self.inner_starts:  # (each found at C speed: a usage per streamed chunk)
+            head = ids[:end]
+            start = len(self.start) * occurrences(head, self.start) if self.start else 0
+            start += sum(head.count(i) for i in self.uncounted)
         return max(0, end - start)
 
 
@@ -233,6 +294,15 @@ def thinking_budget(budget: int | None, think_tokens: ThinkTokens,
     if budget is None or constrained:
         return None
     return ThinkingBudget(budget, think_tokens.start, think_tokens.end)
+
+
+def occurrences(ids: list[int], part: tuple[int, ...]) -> int:
+    """How many times `part` (not empty) stands in ids, each after the last (as its text's
+    find reads it)."""
+    count, at = 0, found(ids, part, 0)
+    while at < len(ids):
+        count, at = count + 1, found(ids, part, at + len(part))
+    return count
 
 
 def found(ids: list[int], part: tuple[int, ...], start: int) -> int:
