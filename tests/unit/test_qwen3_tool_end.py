@@ -13,10 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from deployments.held_text import StreamedText
 from deployments.openai_api import ChatCompletionRequest
 from deployments.reasoning import (ReasoningSplit, ThinkTokens, grammar_gate, prompt_ids_ended,
                                    request_split)
@@ -28,7 +25,7 @@ from speculative.thinking import ThinkingBudget, ThinkingTracker
 from speculative.token_masks import GrammarDeadEnd, TokenMasks, matcher_after
 from specserve.demo import train_tokenizer
 from tests.tiny import run
-from tests.unit.test_reasoning import (CALL, PIECES, TOOLS, accumulated, usages,
+from tests.unit.test_reasoning import (CALL, TOOLS, accumulated, usages,
                                        whole_and_streamed)
 from tests.unit.test_reasoning_grammar import CASES, ENDS, MAX_TOKENS, PROMPT
 from tests.unit.test_structured import SPECS, demo_pair
@@ -73,30 +70,6 @@ def test_qwen3_ends_the_reasoning_at_a_tool_call_whole_and_streamed(text, split)
         assert (reasoning + held, (content + tail) or None) == split, (text, size)
     if "</think>" not in text:  # deepseek_r1's: all of it reasoning
         assert ReasoningSplit("deepseek_r1").split(text)[1] is None
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(PIECES, max_size=10), st.lists(st.integers(1, 9), min_size=1, max_size=20),
-       st.booleans(), st.booleans())
-def test_every_split_of_a_qwen3_output_streams_as_its_whole_answer(pieces, cuts, tools, shown):
-    text = "".join(pieces)
-    split = ReasoningSplit("qwen3", shown)
-    use = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "?"}], "tools": TOOLS}).tool_use()
-    reasoning, content = split.split(text)
-    if tools and content is not None:
-        content, _, _ = use.read(content, "stop")
-    streamed, sent, at = StreamedText(split, use if tools else None), [], 0
-    for cut in cuts * len(text):
-        if at >= len(text):
-            break
-        if (parts := streamed.feed(text[at:at + cut])) is not None:
-            sent.append(parts)
-        at += cut
-    if (rest := streamed.rest(content)) is not None:
-        sent.append(rest)
-    assert "".join(r for r, _ in sent) == (reasoning if shown else "")
-    assert "".join(c for _, c in sent) == (content or "")
 
 
 def test_a_call_that_ends_the_reasoning_is_read_out_of_the_content():

@@ -115,14 +115,17 @@ PIECES = st.sampled_from(["<think>", "</think>", "<th", "</th", "ink>", "<", ">"
 
 
 @settings(max_examples=300, deadline=None)
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 @given(st.lists(PIECES, max_size=10), st.lists(st.integers(1, 9), min_size=1, max_size=20),
        st.booleans(), st.booleans())
-def test_every_split_of_an_output_streams_as_its_whole_answer(pieces, cuts, tools, shown):
+def test_every_split_of_an_output_streams_as_its_whole_answer(parser, pieces, cuts, tools,
+                                                              shown):
     """Whatever the deltas (a tag or a call cut anywhere, whitespace alone, none at all),
-    with tools or without, the reasoning shown or not: what a stream sends (StreamedText,
-    then its rest at the end) adds up to the whole answer's reasoning and content."""
+    with tools or without, the reasoning shown or not, under either parser (qwen3's implicit
+    end at a `<tool_call>` and its dropped tags): what a stream sends (StreamedText, then its
+    rest at the end) adds up to the whole answer's reasoning and content."""
     text = "".join(pieces)
-    split = ReasoningSplit("deepseek_r1", shown)
+    split = ReasoningSplit(parser, shown)
     use = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "?"}], "tools": TOOLS}).tool_use()
     reasoning, content = split.split(text)
