@@ -158,11 +158,12 @@ class Choices:
 
     def usage(self, done: list[Generation]) -> dict:
         """OpenAI's usage; under a reasoning parser, with the reasoning's share of the
-        completion tokens (`completion_tokens_details`, as vLLM sends it then)."""
+        completion tokens (`completion_tokens_details`, as vLLM sends it then): 0 where the
+        output is not split, but deepseek_r1's (vLLM 0.32 counts its outputs' ids alone)."""
         usage = self.plan.usage(done)
         if self.think_tokens is not None:
-            reasoning = 0 if self.reasoning is None else \
-                sum(self.think_tokens.count(g.token_ids) for g in done)
+            counted = self.reasoning is not None or self.think_tokens.nested
+            reasoning = sum(self.think_tokens.count(g.token_ids) for g in done) if counted else 0
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return usage
 

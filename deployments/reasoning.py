@@ -8,13 +8,15 @@ output may start inside the reasoning without one (DeepSeek-R1's and Qwen3.5's t
 the prompt with `<think>`); the first `</think>` ends the reasoning, and the text after it
 is the content (null when empty; tool calls are read out of it alone); an output that
 never reaches `</think>` (max_tokens inside the reasoning) is all reasoning, its content
-null. vLLM 0.32's `qwen3` (its parser engine's grammar) differs in three ways: a
-`<tool_call>` ends the reasoning implicitly too, and starts the content (kept in it, a
-call's opening; `deepseek_r1` reads it as reasoning); every `<think>` inside the reasoning is
-dropped (not only an opening one, and the whitespace before it is reasoning); and every
-`</think>` after the end is dropped from the content (a call's text included). The
-reasoning goes out in current vLLM's field, `reasoning` (earlier vLLM's `reasoning_content`,
-which it no longer sends).
+null; under deepseek_r1 a `<think>` after text is text where it stands (vLLM 0.32's whole
+`deepseek_r1` answer drops all before its first `<think>` anywhere, a reasoning already
+streamed included: no stream can follow it, vLLM's own neither). vLLM 0.32's `qwen3` (its
+parser engine's grammar) differs in three ways: a `<tool_call>` ends the reasoning
+implicitly too, and starts the content (kept in it, a call's opening; `deepseek_r1` reads
+it as reasoning); every `<think>` inside the reasoning is dropped (not only an opening one,
+and the whitespace before it is reasoning); and every `</think>` after the end is dropped
+from the content (a call's text included). The reasoning goes out in current vLLM's field,
+`reasoning` (earlier vLLM's `reasoning_content`, which it no longer sends).
 """
 
 from collections.abc import Sequence
@@ -230,7 +232,7 @@ class Qwen3Stream:
 @dataclass(frozen=True)
 class ThinkTokens:
     """The tags' token ids, which count an output's reasoning tokens (usage's
-    `completion_tokens_details.reasoning_tokens`, as vLLM's thinking parsers count them)."""
+    `completion_tokens_details.reasoning_tokens`, as vLLM 0.32's parsers count them)."""
     start: tuple[int, ...]
     end: tuple[int, ...]
     # Qwen3's turn boundaries' ids, those in the vocabulary (prompt_ids_ended)
@@ -239,7 +241,8 @@ class ThinkTokens:
     # `<tool_call>` where the vocabulary holds it whole (vLLM 0.32 finds it by its one id)
     implicit: tuple[int, ...] = ()
     # qwen3's: every `<think>` inside the reasoning is dropped, its ids not counted (vLLM
-    # 0.32's engine counts the reasoning's text events alone); else only an opening one's
+    # 0.32's engine counts the reasoning's text events alone); else the count is
+    # deepseek_r1's depth count (nested)
     inner_starts: bool = False
     # qwen3's `</tool_call>` where the vocabulary holds it whole: inside the reasoning its
     # text is reasoning but vLLM 0.32 counts no token for it (a tag found by its id that
@@ -258,21 +261,29 @@ class ThinkTokens:
         uncounted = (vocab[CALL_CLOSE],) if qwen3 and CALL_CLOSE in vocab else ()
         return cls(ids(THINK_OPEN), ids(THINK_CLOSE), turns, implicit, qwen3, uncounted)
 
+    @property
+    def nested(self) -> bool:
+        """Whether the count is deepseek_r1's (every parser's but qwen3's): vLLM 0.32's depth
+        count of the output's ids alone, whether or not the output is split."""
+        return not self.inner_starts
+
     def count(self, token_ids: Sequence[int]) -> int:
-        """The output's tokens before its first `</think>`'s or implicit end's (all of them
-        without one), less an opening `<think>`'s (inner_starts: every `<think>`'s before the
-        end, and the uncounted ids'): the tags themselves are not reasoning. Read by ids, as
-        vLLM does: a tag the model spelt in other tokens than the tokenizer's is not
-        found."""
+        """The output's reasoning tokens, read by ids as vLLM does (a tag the model spelt in
+        other tokens than the tokenizer's is not found). deepseek_r1's (nested_count): the
+        tokens inside `<think>...</think>` spans, 0 for an output without `<think>` (one
+        whose prompt opened the block too). qwen3's (inner_starts): those before the first
+        `</think>` or implicit end (all without one), less every `<think>`'s and uncounted
+        id's among them: the tags themselves are not reasoning."""
         ids = list(token_ids)
+        if self.nested:
+            return nested_count(ids, self.start, self.end)
         start = len(self.start) if self.start and ids[:len(self.start)] == list(self.start) \
             else 0
         end = min([found(ids, self.end, start)] + [found(ids, (i,), start)
                                                     for i in self.implicit])
-        if self.inner_starts:  # (each found at C speed: a usage per streamed chunk)
-            head = ids[:end]
-            start = len(self.start) * occurrences(head, self.start) if self.start else 0
-            start += sum(head.count(i) for i in self.uncounted)
+        head = ids[:end]  # (each found at C speed: a usage per streamed chunk)
+        start = len(self.start) * occurrences(head, self.start) if self.start else 0
+        start += sum(head.count(i) for i in self.uncounted)
         return max(0, end - start)
 
 
@@ -294,6 +305,33 @@ def thinking_budget(budget: int | None, think_tokens: ThinkTokens,
     if budget is None or constrained:
         return None
     return ThinkingBudget(budget, think_tokens.start, think_tokens.end)
+
+
+def nested_count(ids: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> int:
+    """vLLM 0.32's count_reasoning_tokens (its thinking parsers' base, deepseek_r1's): a
+    depth counter read left to right, a `<think>` one deeper, a `</think>` one shallower
+    (never below 0), the tags not counted, every other id counted at a depth above 0. Each
+    tag is found at C speed (a usage per streamed chunk), the ids between counted at once;
+    a tag of several ids (vLLM takes only one) is read where it stands whole, a `<think>`
+    before a `</think>` that starts at the same id."""
+    tags = sorted([(at, 0, len(start)) for at in positions(ids, start)]
+                  + [(at, 1, len(end)) for at in positions(ids, end)])
+    count = depth = after = 0
+    for at, closes, width in tags:
+        if at < after:  # inside a tag read before it
+            continue
+        count += at - after if depth else 0
+        depth, after = (max(depth - 1, 0) if closes else depth + 1), at + width
+    return count + (len(ids) - after if depth else 0)
+
+
+def positions(ids: list[int], part: tuple[int, ...]) -> list[int]:
+    """Every place `part` stands in ids, overlapping ones too (none for an empty part)."""
+    places, at = [], found(ids, part, 0)
+    while at < len(ids):
+        places.append(at)
+        at = found(ids, part, at + 1)
+    return places
 
 
 def occurrences(ids: list[int], part: tuple[int, ...]) -> int:

@@ -308,18 +308,18 @@ def test_the_router_reads_include_reasoning():
         assert Router.reasoning(router, body, plan) == ReasoningSplit("qwen3", include)
 
 
-@pytest.mark.parametrize("ids, count", [
+@pytest.mark.parametrize("ids, count", [  # vLLM 0.32's deepseek_r1 count_reasoning_tokens
     ([5, 1, 2, 6, 3], 2),  # `<think>` a b `</think>` c: the tags are not reasoning
-    ([1, 2, 6, 3], 2),  # the prompt opened the block
+    ([1, 2, 6, 3], 0),  # the prompt opened the block: no `<think>` in the output, none counted
     ([5, 1, 2], 2),  # max_tokens inside the reasoning: all of it
     ([6, 3], 0),
     ([], 0),
     ([5], 0),
-    ([1, 5, 2, 6], 3),  # a `<think>` inside the reasoning is reasoning, as its text is
-    ([1, 7, 1, 7, 8, 2, 7, 8], 3),  # a tag of two tokens: its first whole occurrence
+    ([1, 5, 2, 6], 1),  # what comes before the `<think>` is not counted
+    ([7, 9, 1, 7, 1, 7, 8, 2, 7, 8], 3),  # tags of two tokens: read where they stand whole
 ])
-def test_reasoning_tokens_are_counted_up_to_the_end_of_thinking(ids, count):
-    tags = ThinkTokens(start=(5,), end=(6,)) if 7 not in ids else ThinkTokens((), (7, 8))
+def test_reasoning_tokens_are_counted_inside_the_think_blocks(ids, count):
+    tags = ThinkTokens(start=(5,), end=(6,)) if 7 not in ids else ThinkTokens((7, 9), (7, 8))
     assert tags.count(ids) == count
 
 
@@ -335,15 +335,21 @@ def usages(text: str, **options) -> tuple[dict, dict]:
 
 
 def test_usage_counts_a_chats_reasoning_tokens_whole_and_streamed():
-    """A character a token: the reasoning's 14 tokens before `</think>`'s 8 (ids 24 to 31),
-    reported as vLLM's usage does under a reasoning parser; 0 where the request's output is
-    all content (a grammar's); absent without a parser."""
-    text = "Paris is nice.</think>Yes."
-    tags = ThinkTokens(start=(), end=tuple(range(24, 32)))
+    """A character a token: the reasoning's 14 tokens between `<think>`'s 7 (ids 10 to 16)
+    and `</think>`'s 8 (ids 31 to 38), reported as vLLM's usage does under a reasoning
+    parser; 0 where the output holds no `<think>` (deepseek_r1's count: the prompt opened
+    the block) or, for qwen3, where the request's output is all content (a grammar's);
+    absent without a parser."""
+    text = "<think>Paris is nice.</think>Yes."
+    tags = ThinkTokens(start=tuple(range(10, 17)), end=tuple(range(31, 39)))
     for usage in usages(text, think_tokens=tags):
         assert usage["completion_tokens"] == len(text)
         assert usage["completion_tokens_details"] == {"reasoning_tokens": 14}
-    for usage in usages(text, think_tokens=tags, split=False):
+    for usage in usages("Paris is nice.</think>Yes.",
+                        think_tokens=ThinkTokens((99,), tuple(range(24, 32)))):
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
+    qwen3 = ThinkTokens(tags.start, tags.end, inner_starts=True)
+    for usage in usages(text, parser="qwen3", think_tokens=qwen3, split=False):
         assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
     for usage in usages(text, parser=None):
         assert "completion_tokens_details" not in usage
