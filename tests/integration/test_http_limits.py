@@ -167,14 +167,15 @@ def test_a_stored_response_is_continued_and_retrieved_through_the_store_actor(cl
 def test_the_messages_api_answers_the_anthropic_client_as_the_chat_does(cluster, limited):
     """Anthropic's Messages API through the official anthropic client, behind the /limited
     router's key (as x-api-key too): a greedy message is the same chat's answer, whole and
-    streamed; count_tokens counts its prompt; a wrong key is Anthropic's 401."""
+    streamed, a system message among its messages too (vLLM 0.32's reading); count_tokens
+    counts its prompt; a wrong key is Anthropic's 401."""
     import anthropic
     import openai
 
     ask = {"model": "specserve-demo", "max_tokens": 8,
            "messages": [{"role": "user", "content": "write a loop"}]}
-    chat = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY) \
-        .chat.completions.create(**ask, temperature=0)
+    chats = openai.OpenAI(base_url=cluster.base_url + limited + "/v1", api_key=LIMITED_KEY)
+    chat = chats.chat.completions.create(**ask, temperature=0)
     client = anthropic.Anthropic(base_url=cluster.base_url + limited, api_key="unused",
                                  default_headers={"x-api-key": LIMITED_KEY,
                                                   "authorization": ""})
@@ -188,6 +189,9 @@ def test_the_messages_api_answers_the_anthropic_client_as_the_chat_does(cluster,
             [message.content[0].text]
     counted = client.messages.count_tokens(model=ask["model"], messages=ask["messages"])
     assert counted.input_tokens == chat.usage.prompt_tokens
+    inline = {**ask, "messages": [{"role": "system", "content": "be brief"}, *ask["messages"]]}
+    assert client.messages.create(**inline, extra_body={"temperature": 0}).content[0].text == \
+        chats.chat.completions.create(**inline, temperature=0).choices[0].message.content
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=cluster.base_url + limited, api_key="wrong") \
             .messages.create(**ask)
