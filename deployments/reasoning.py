@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deployments.held_text import Opening, held_prefix
+from speculative.prefixes import find_ids
 from speculative.thinking import ThinkingBudget, last_at
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -344,17 +345,7 @@ def occurrences(ids: list[int], part: tuple[int, ...]) -> int:
 
 
 def found(ids: list[int], part: tuple[int, ...], start: int) -> int:
-    """Where `part` first occurs in ids at or after start; len(ids) where it does not."""
-    width = len(part)
-    if width == 0:
-        return len(ids)
-    first = part[0]
-    if width == 1:  # one id (an implicit end's): found at C speed
-        try:
-            return ids.index(first, start)
-        except ValueError:
-            return len(ids)
-    for at in range(start, len(ids) - width + 1):
-        if ids[at] == first and tuple(ids[at:at + width]) == part:
-            return at
-    return len(ids)
+    """Where `part` first occurs in ids at or after start; len(ids) where it does not (or
+    where part is empty)."""
+    at = find_ids(ids, part, start) if part else -1
+    return len(ids) if at < 0 else at

@@ -1,5 +1,5 @@
 """The prefix two token id lists share, compared in C (a pool's cache against its feed, a
-grammar's matcher against the output it follows), and where a run of ids first ends."""
+grammar's matcher against the output it follows), and where a run of ids first stands."""
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -24,11 +24,23 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return end  # not reached: a[:end] != b[:end]
 
 
+def find_ids(ids: list[int], part: tuple[int, ...], start: int = 0) -> int:
+    """Where `part` (not empty) first stands in ids at or after start, or -1 (as str.find):
+    each candidate found by its first id at C speed (a reasoning's tags in a long output,
+    its count redone at every streamed chunk)."""
+    first, width = part[0], len(part)
+    while True:
+        try:
+            at = ids.index(first, start)
+        except ValueError:
+            return -1
+        if tuple(ids[at:at + width]) == part:
+            return at
+        start = at + 1
+
+
 def found_in(ids: list[int], part: tuple[int, ...], start: int) -> int | None:
     """The end of part's first occurrence in ids at or after start, or None (a grammar's
     gate: the reasoning's end ids in its output)."""
-    width = len(part)
-    for at in range(start, len(ids) - width + 1):
-        if ids[at] == part[0] and tuple(ids[at:at + width]) == part:
-            return at + width
-    return None
+    at = find_ids(ids, part, start)
+    return None if at < 0 else at + len(part)

@@ -112,17 +112,22 @@ class TokenMasks:
         head; 0 once the grammar holds."""
         if self.opened:
             return 0
-        width, start = len(self.after), len(self.head)
+        start = len(self.head)
         self.head.extend(tokens)
-        end = found_in(self.head, self.after, max(0, start - width + 1))
-        at = first_of(self.head, self.at, start, len(self.head) if end is None else end - 1)
-        if at is not None:  # an implicit end first: its id is the grammar's
-            end, self.implicit = at, True
+        end, self.implicit = self.reasoning_end(self.head, start)
         if end is None:
             return len(tokens)
         del self.head[end:]
         self.opened = True
         return end - start
+
+    def reasoning_end(self, ids: list[int], start: int) -> tuple[int | None, bool]:
+        """(where the grammar starts in ids, whether at an implicit end), looking from
+        `start` on (the end ids may begin before it, with the ids before it); None: the
+        reasoning goes on. An implicit end first: its id is the grammar's."""
+        end = found_in(ids, self.after, max(0, start - len(self.after) + 1))
+        at = first_of(ids, self.at, start, len(ids) if end is None else end - 1)
+        return (end, False) if at is None else (at, True)
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many first tokens of a proposal after the followed sequence the rule allows
@@ -132,10 +137,7 @@ class TokenMasks:
         # the head's last ids that may begin the end ids with the proposal's (no copy of a
         # long reasoning a proposal)
         window = self.head[len(self.head) - len(self.after) + 1:] if len(self.after) > 1 else []
-        joined = window + list(tokens)
-        end = found_in(joined, self.after, 0)
-        at = first_of(joined, self.at, len(window), len(joined) if end is None else end - 1)
-        end = at if at is not None else end
+        end, _ = self.reasoning_end(window + list(tokens), len(window))
         if end is None:
             return len(tokens)
         taken = end - len(window)
