@@ -1,7 +1,13 @@
-"""The README and docs/ stay runnable: every documented command parses, every file it names
-exists, every relative link resolves, and the README opens with CI's own test command."""
+"""The README and docs/ stay runnable: every documented command parses (in a bash block or in
+the prose's inline code; `specserve` and `python -m bench.<name>` against their parsers), every
+file it names exists, every relative link resolves, and the README opens with CI's own test
+command."""
+import argparse
+import importlib
+import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +22,7 @@ MAX_README_LINES = 260
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+INLINE = re.compile(r"`([^`]+)`")
 # a token naming a file of this repository (a test module, a config, the proto)
 REPO_FILE = re.compile(r"^[\w.-]+(/[\w.-]+)*\.(py|yaml|proto|md)$")
 SEPARATORS = {"&&", "||", ";", "|"}
@@ -47,6 +54,17 @@ def page_commands(path: Path) -> list[list[str]]:
     return [c for block in fenced(path.read_text(), "bash") for c in commands(block)]
 
 
+def inline_commands(path: Path) -> list[list[str]]:
+    """The commands the prose gives as inline code (`specserve bench --quick`, `python -m
+    bench.trees --pair demo`), joined over line breaks, an optional part's brackets dropped."""
+    found = []
+    for span in INLINE.findall(FENCE.sub("", path.read_text())):
+        text = " ".join(span.replace("[", " ").replace("]", " ").split())
+        if text.startswith(("specserve ", "python -m ", "python3 -m ")):
+            found.append(shlex.split(text))
+    return found
+
+
 def specserve_argv(command: list[str]) -> list[str] | None:
     """The CLI's argv when the command runs `specserve` (or `python -m specserve`), else None."""
     if command[0] == "specserve":
@@ -61,9 +79,23 @@ def all_commands() -> list[tuple[str, list[str]]]:
             for path in PAGES for command in page_commands(path)]
 
 
+def every_command() -> list[tuple[str, list[str]]]:
+    """all_commands and the prose's inline ones."""
+    inline = [(path.relative_to(ROOT).as_posix(), command)
+              for path in PAGES for command in inline_commands(path)]
+    return all_commands() + inline
+
+
 def cli_commands() -> list[tuple[str, list[str]]]:
-    return [(page, argv) for page, command in all_commands()
+    return [(page, argv) for page, command in every_command()
             if (argv := specserve_argv(command)) is not None]
+
+
+def bench_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, module, argv) of each `python -m bench.<name>` command."""
+    return [(page, command[2], command[3:]) for page, command in every_command()
+            if command[0] in ("python", "python3") and command[1:2] == ["-m"]
+            and command[2].startswith("bench.")]
 
 
 def test_the_pages_document_cli_commands():
@@ -82,9 +114,44 @@ def test_each_specserve_command_parses(page, argv, capsys):
                         f"{capsys.readouterr().err.strip()}")
 
 
+class Parsed(Exception):
+    """A benchmark's flags parsed: raised in place of running it."""
+
+
+@pytest.mark.parametrize("page,module,argv", bench_commands(),
+                         ids=lambda value: " ".join(value) if isinstance(value, list) else value)
+def test_each_bench_command_parses(page, module, argv, monkeypatch, capsys):
+    """The benchmark's own parser (built in its main) reads the command's flags; the run itself
+    never starts: the parse raises Parsed."""
+    source = ROOT / (module.replace(".", "/") + ".py")
+    assert source.exists(), f"{page}: no module {module}"
+    if "parse_args(" not in source.read_text():  # it takes no flags: main would run it
+        assert not argv, f"{page}: {module} takes no flags, given {shlex.join(argv)}"
+        return
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parsed(parser, args=None, namespace=None):
+        parse_args(parser, args, namespace)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parsed)
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # what a main sets before parsing
+    try:
+        importlib.import_module(module).main()
+    except Parsed:
+        return
+    except SystemExit as exit_:
+        if not exit_.code:  # --help exits 0
+            return
+        pytest.fail(f"{page}: `python -m {module} {shlex.join(argv)}` does not parse: "
+                    f"{capsys.readouterr().err.strip()}")
+    pytest.fail(f"{page}: {module}'s main returned without parsing its flags")
+
+
 def test_each_named_file_and_module_exists():
     missing = []
-    for page, command in all_commands():
+    for page, command in every_command():
         if command[:2] in (["serve", "run"], ["serve", "deploy"]):
             names = [command[2]]
         elif command[:2] == ["kubectl", "apply"] and "-f" in command:
@@ -151,7 +218,9 @@ def test_the_readme_is_short():
 
 def ci_command() -> str:
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    return [line for line in lines if line.strip() and not line.startswith(("#", "set ", "cd "))][-1]
+    commands = [line for line in lines
+                if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    return commands[-1]
 
 
 def test_the_readme_opens_with_the_two_commands_and_tests_as_ci_does():
