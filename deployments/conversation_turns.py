@@ -98,15 +98,14 @@ async def continued_shape(body, model: str, store: ResponseStore | None
     return answer_shape(body, model, store, previous, earlier)
 
 
-async def shaped(body, model: str, store: ResponseStore | None, budgeted: bool = False,
+async def shaped(body, model: str, store: ResponseStore | None,
                  merged: bool = False) -> AsAsked | AsResponse | AsMessage:
     """continued_shape (a chat asked to be stored: stored_chats.stored_shape; a Messages
-    request: deployments.messages_events, its thinking budget applied where `budgeted`, its
-    system messages merged into the system prompt where `merged`), a Responses request's
-    conversation read from the store first: 404 naming `conversation` when it is not there
-    (or no longer)."""
+    request: deployments.messages_events, its system messages merged into the system
+    prompt where `merged`), a Responses request's conversation read from the store first:
+    404 naming `conversation` when it is not there (or no longer)."""
     if isinstance(body, MessagesRequest):
-        return message_shape(body, budgeted, merged)
+        return message_shape(body, merged)
     conversation = conversation_id(body) if isinstance(body, ResponsesRequest) else None
     if conversation is None:
         return stored_shape(body, store) or await continued_shape(body, model, store)

@@ -243,11 +243,10 @@ def reasoning_effort(output_config: dict | None, thinking: dict | None) -> str |
     """The chat's reasoning_effort, as vLLM 0.32 maps them: output_config.effort, over it
     "none" for thinking disabled (vLLM's default; vLLM probes the template and sends "low"
     where it would ignore "none", this server does not). Thinking enabled sets the chat's
-    thinking_token_budget (MessagesRequest.chat_fields) where the router has a reasoning
-    parser; without one the budget is checked and ignored (the output is bounded by
-    max_tokens alone), where vLLM without a --reasoning-config refuses the request: a client
-    asking for thinking expects an answer. Adaptive pins nothing, as vLLM. FieldError naming
-    a value vLLM refuses."""
+    thinking_token_budget (MessagesRequest.chat_fields), which without the router's
+    reasoning parser is the chat's 400 (vLLM's, whose engine refuses a budget without a
+    reasoning config). Adaptive pins nothing, as vLLM. FieldError naming a value vLLM
+    refuses."""
     effort = (output_config or {}).get("effort")
     if effort is not None and effort not in EFFORTS:
         raise FieldError("output_config.effort", f"must be one of {list(EFFORTS)}")
@@ -295,8 +294,7 @@ class CountTokensRequest(BaseModel):
     tool_choice: Any = None
     output_config: dict | None = None
     # with output_config.effort, the chat's reasoning_effort (reasoning_effort(): an
-    # enabled one's budget_tokens checked, then the chat's thinking_token_budget where the
-    # router has a reasoning parser, else ignored)
+    # enabled one's budget_tokens checked, then the chat's thinking_token_budget)
     thinking: dict | None = None
 
     @model_validator(mode="before")
@@ -307,8 +305,7 @@ class CountTokensRequest(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    def chat_fields(self, budgeted: bool = False, merged: bool = False
-                    ) -> tuple[dict, list[str]]:
+    def chat_fields(self, merged: bool = False) -> tuple[dict, list[str]]:
         """(the chat request's body, each message's place in this request); merged: system
         messages merged into the system prompt (chat_messages)."""
         messages, places = chat_messages(self.system, self.messages, merged)
@@ -324,15 +321,14 @@ class CountTokensRequest(BaseModel):
         chat.update({"model": self.model, "messages": messages})
         return chat, places
 
-    def chat_request(self, schema=ChatCompletionRequest, budgeted: bool = False,
+    def chat_request(self, schema=ChatCompletionRequest,
                      merged: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
         """(the chat request this asks for, as `schema`, each message's place); BadRequest
-        naming the Messages' field where the chat refuses it. budgeted: an enabled thinking's
-        budget_tokens is the chat's thinking_token_budget (the router has a reasoning
-        parser); merged: system messages merged into the system prompt (the model's template
-        wants it first: PromptReader.system_first)."""
+        naming the Messages' field where the chat refuses it. merged: system messages merged
+        into the system prompt (the model's template wants it first:
+        PromptReader.system_first)."""
         try:
-            chat, places = self.chat_fields(budgeted, merged)
+            chat, places = self.chat_fields(merged)
         except FieldError as error:
             raise BadRequest(str(error), param=error.param) from None
         try:
@@ -359,14 +355,13 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict | None = None  # read and ignored (its user_id names no one here)
 
-    def chat_fields(self, budgeted: bool = False, merged: bool = False
-                    ) -> tuple[dict, list[str]]:
+    def chat_fields(self, merged: bool = False) -> tuple[dict, list[str]]:
         chat, places = super().chat_fields(merged=merged)
         budget = (self.thinking or {}).get("budget_tokens")
         enabled = (self.thinking or {}).get("type") == "enabled"
         if enabled and budget >= self.max_tokens:
             raise FieldError("thinking.budget_tokens", "must be less than max_tokens")
-        if enabled and budgeted:  # as vLLM maps it (reasoning_effort())
+        if enabled:  # as vLLM maps it (reasoning_effort()): without a parser, its 400
             chat["thinking_token_budget"] = budget
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "stop": self.stop_sequences}

@@ -162,12 +162,11 @@ class AsMessage:
             await chat_events.aclose()
 
 
-def message_shape(body: MessagesRequest, budgeted: bool = False,
-                  merged: bool = False) -> AsMessage:
+def message_shape(body: MessagesRequest, merged: bool = False) -> AsMessage:
     """How a Messages request is served (BadRequest naming its field where the chat refuses
-    it); budgeted: thinking's budget_tokens applied, merged: system messages merged into the
-    system prompt (MessagesRequest.chat_request)."""
-    return AsMessage(*body.chat_request(budgeted=budgeted, merged=merged))
+    it); merged: system messages merged into the system prompt
+    (MessagesRequest.chat_request)."""
+    return AsMessage(*body.chat_request(merged=merged))
 
 
 class MessageStream:

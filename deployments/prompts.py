@@ -20,7 +20,8 @@ from deployments.generation_defaults import recommended_defaults
 from deployments.chat_templates import (UNTRUSTED, ChatTemplate, model_template, read_template,
                                         wants_system_first)
 from deployments.ingress import BadRequest
-from deployments.reasoning import NO_REASONING_CONFIG, ThinkTokens, grammar_gate, thinking_budget
+from deployments.reasoning import (NO_REASONING_CONFIG, UNGATED, ThinkTokens, grammar_gate,
+                                  thinking_budget)
 from deployments.router_args import RouterArgs
 from deployments.special_texts import check_special_texts, marked_contents, special_pattern
 from deployments.tools import ToolError, check_forced, check_tools
@@ -40,6 +41,9 @@ class Prompt:
     sampling: SamplingParams  # the request's seed: the front end derives each choice's
     stop_token_ids: tuple[int, ...]
     text: str | None = None  # vLLM's return_prompt_text: the chat's rendered prompt
+    # the end tokens under ignore_eos with a grammar after the reasoning: no stop inside it
+    # (vLLM's engine samples and ignores them there), its grammar's stops after it
+    free_in_reasoning: tuple[int, ...] = ()
 
 
 class PromptReader:
@@ -61,6 +65,7 @@ class PromptReader:
         self.reasoning_parser = args.reasoning_parser
         self.think_tokens = ThinkTokens.of(tokenizer, args.reasoning_parser) \
             if args.reasoning_parser else None
+        self.grammar_in_reasoning = args.structured_outputs_enable_in_reasoning
 
     def within_context(self, body, sampling, prompt_tokens: int):
         """The sampling's max_tokens cut to the room the prompt leaves in the context (at
@@ -91,6 +96,7 @@ class PromptReader:
         sampling = self.within_context(body, body.sampling(default, self.sampling_defaults),
                                        len(prompt_ids))
         constraint = self.constraint(body)
+        gated = False  # a grammar after the reasoning, as vLLM's front end reads it
         if constraint is not None:  # compiled off the event loop too
             field, kind, spec = constraint
             if self.grammar_tokenizer is None:
@@ -102,9 +108,12 @@ class PromptReader:
                     self.tokenizing, compile_cached, kind, spec, self.grammar_tokenizer)
             except GrammarError as error:
                 raise BadRequest(f"{field} cannot compile: {error}", param=field) from None
-            # under a reasoning parser, the grammar holds after the reasoning (vLLM 0.32's)
+            # under a reasoning parser, the grammar holds after the reasoning (vLLM 0.32's),
+            # from the first token all the same under enable_in_reasoning (its engine's)
             after, at = grammar_gate(self.reasoning_parser, self.think_tokens, body, chat,
                                      prompt_ids)
+            gated = bool(after)
+            after, at = UNGATED if self.grammar_in_reasoning else (after, at)
             sampling = replace(sampling, grammar=grammar, grammar_after=after, grammar_at=at)
         if body.bad_words:  # tokenized off the event loop too
             words = await asyncio.get_running_loop().run_in_executor(
@@ -116,7 +125,7 @@ class PromptReader:
                 raise BadRequest(NO_REASONING_CONFIG, param="thinking_token_budget")
             sampling = replace(sampling, thinking_budget=thinking_budget(
                 body.thinking_token_budget, self.think_tokens,
-                constraint is not None and not sampling.grammar_after))
+                constraint is not None and not gated))
         stop_ids = self.stop_ids(body, constraint is not None)
         if sampling.min_tokens:  # what min_tokens holds back: the end tokens and stop ids,
             # under ignore_eos too (vLLM's all_stop_token_ids: the end token is held until
@@ -126,7 +135,9 @@ class PromptReader:
         text = None if not (chat and getattr(body, "return_prompt_text", False)) else \
             await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.rendered,
                                                              body)
-        return Prompt(prompt_ids, sampling, stop_ids, text)
+        free = tuple(t for t in self.end_ids if t not in (body.stop_token_ids or ())) \
+            if body.ignore_eos and sampling.grammar_after else ()
+        return Prompt(prompt_ids, sampling, stop_ids, text, free)
 
     def rendered(self, body) -> str:
         """A chat's prompt as its template renders it, the messages' texts as written (vLLM's

@@ -68,14 +68,25 @@ def continued_text(body) -> str | None:
     return body.messages[-1].content if body.continue_final_message else None
 
 
-def request_split(parser: ReasoningParserName | None, body,
-                  plan) -> "ReasoningSplit | None":
+def request_split(parser: ReasoningParserName | None, body, plan,
+                  in_reasoning: "ThinkTokens | None" = None) -> "ReasoningSplit | None":
     """reasoning_split for a chat `body` planned as `plan`: not where a grammar constrains
     its outputs from their first token (a grammar after the reasoning splits them as any),
-    nor after a continued message that ended its reasoning."""
-    constrained = any(c.request.sampling.grammar is not None
-                      and not c.request.sampling.grammar_after for c in plan.choices)
-    return reasoning_split(parser, body.template_kwargs(), constrained, body.include_reasoning,
+    nor after a continued message that ended its reasoning. in_reasoning: the parser's tags
+    under the router's structured_outputs_enable_in_reasoning, whose grammars all hold from
+    the first token: the split is the one grammar_gate's gate gives, as vLLM's front end
+    splits the text whatever its engine's gate."""
+    def constrained(request) -> bool:
+        if request.sampling.grammar is None:
+            return False
+        if in_reasoning is not None:
+            return grammar_gate(parser, in_reasoning, body, True,
+                                request.prompt_token_ids) == UNGATED
+        return not request.sampling.grammar_after
+
+    return reasoning_split(parser, body.template_kwargs(),
+                           any(constrained(c.request) for c in plan.choices),
+                           body.include_reasoning,
                            prompt_ended_reasoning(continued_text(body), parser))
 
 

@@ -289,7 +289,7 @@ class Router(ChatBatchRoute):
             asked = header_request_id(request, await parse(request, schema,
                                                            self.args.max_prompt_bytes))
             shape = await shaped(asked, served_names(self.args.served_model_name)[0],
-                                 self.responses_store, self.args.reasoning_parser is not None,
+                                 self.responses_store,
                                  isinstance(asked, MessagesRequest) and self.prompts.system_first)
             body = shape.body
             chat = isinstance(body, ChatCompletionRequest)
@@ -371,7 +371,8 @@ class Router(ChatBatchRoute):
     def reasoning(self, body, plan: RequestPlan) -> ReasoningSplit | None:
         """How a chat's outputs are split into reasoning and content (the router's
         reasoning_parser), for this request (deployments.reasoning.request_split)."""
-        return request_split(self.args.reasoning_parser, body, plan)
+        return request_split(self.args.reasoning_parser, body, plan, self.think_tokens
+                             if self.args.structured_outputs_enable_in_reasoning else None)
 
     async def plan(self, body, chat: bool) -> RequestPlan:
         """The body's prompt read (each of a completions batch's), its model checked, its
@@ -405,5 +406,6 @@ class Router(ChatBatchRoute):
                                    cache_key=body.prompt_cache_key or "",
                                    running=self.admission.running + others,
                                    tree=tree_shape(body.speculative_tree),
-                                   context_limit=self.prompts.context_limit)
+                                   context_limit=self.prompts.context_limit,
+                                   free_in_reasoning=prompt.free_in_reasoning)
         return plan if prompt.text is None else dataclasses.replace(plan, prompt_text=prompt.text)

@@ -159,6 +159,11 @@ class RouterArgs(BaseModel):
     # the message's `reasoning` (streamed: the deltas'), the rest as its content (the tokens,
     # usage and logprobs stay the output's own: deployments.reasoning); None: off, as vLLM
     reasoning_parser: ReasoningParserName | None = None
+    # vLLM's --structured-outputs-config.enable_in_reasoning: under a reasoning_parser, a
+    # grammar holds from the output's first token (none waits for the reasoning's end: the
+    # grammar must allow the thinking itself); the text is split as without it
+    # (deployments.reasoning.grammar_gate)
+    structured_outputs_enable_in_reasoning: bool = False
     # vLLM's --tool-call-parser: the format an "auto" chat output's calls are read in
     # (deployments.tool_parsers): "hermes" (`<tool_call>{...}</tool_call>`, the demo's),
     # "llama3_json" (Llama 3's bare JSON with "parameters"), "mistral" (`[TOOL_CALLS]`),

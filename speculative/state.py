@@ -12,6 +12,7 @@ from speculative.repetition import RepetitionDetection
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.thinking import ThinkingTracker
+from speculative.token_masks import reasoning_end
 from speculative.types import (
     EMPTY_PREFIX_HASH,
     GrowingPrefixHash,
@@ -47,6 +48,10 @@ class Request:
     # the prompt hashed (its fingerprint's state), shared by the choices of one HTTP request:
     # each choice's state grows a copy (None: it hashes its prompt itself)
     prompt_hash: GrowingPrefixHash | None = field(default=None, compare=False, repr=False)
+    # stop ids that stop nothing inside the reasoning of a grammar after it (its sampling's
+    # grammar_after): the end tokens under ignore_eos, which vLLM 0.32 samples and ignores
+    # there (no grammar holds yet), the grammar keeping them its stops once it holds
+    free_in_reasoning: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -147,7 +152,7 @@ class RequestState:
             self.committed.append(token)
             if self.thinking is not None:
                 self.thinking.advance(token)
-            if token in self.request.stop_token_ids:
+            if token in self.request.stop_token_ids and not self._reasoning_at(token):
                 self.finish_reason = "stop"
                 break
             if detect is not None and len(added) < limit and self._repeats(detect):
@@ -158,6 +163,15 @@ class RequestState:
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return added
+
+    def _reasoning_at(self, token: int) -> bool:
+        """Whether the stop id just committed is one the reasoning ignores
+        (Request.free_in_reasoning), in the reasoning of a grammar after it."""
+        sampling = self.request.sampling
+        if token not in self.request.free_in_reasoning or not sampling.grammar_after:
+            return False
+        before = self.committed[len(self.request.prompt_token_ids):-1]
+        return reasoning_end(before, 0, sampling.grammar_after, sampling.grammar_at)[0] is None
 
     def _next(self, token_ids: tuple[int, ...], at: int) -> int | None:
         """The round's id at `at`, a forced id in its place (the round cut there unless it

@@ -125,9 +125,7 @@ class TokenMasks:
         """(where the grammar starts in ids, whether at an implicit end), looking from
         `start` on (the end ids may begin before it, with the ids before it); None: the
         reasoning goes on. An implicit end first: its id is the grammar's."""
-        end = found_in(ids, self.after, max(0, start - len(self.after) + 1))
-        at = first_of(ids, self.at, start, len(ids) if end is None else end - 1)
-        return (end, False) if at is None else (at, True)
+        return reasoning_end(ids, start, self.after, self.at)
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many first tokens of a proposal after the followed sequence the rule allows
@@ -199,6 +197,15 @@ def request_matcher(holder, sampling, tokenizer) -> TokenMasks:
         current = holder.constraint = TokenMasks(tokenizer, sampling.grammar,
                                                  sampling.grammar_after, sampling.grammar_at)
     return current
+
+
+def reasoning_end(ids: list[int], start: int, after: tuple[int, ...],
+                  at: tuple[int, ...] = ()) -> tuple[int | None, bool]:
+    """TokenMasks.reasoning_end for the gate (after, at): where the grammar starts in ids
+    (after the end ids, or at an implicit end's id), whether implicitly; None: it does not."""
+    end = found_in(ids, after, max(0, start - len(after) + 1))
+    implicit = first_of(ids, at, start, len(ids) if end is None else end - 1)
+    return (end, False) if implicit is None else (implicit, True)
 
 
 def first_of(ids: list[int], wanted: tuple[int, ...], start: int, stop: int) -> int | None:

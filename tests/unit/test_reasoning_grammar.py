@@ -44,9 +44,11 @@ def demo():
 
 
 def reference(target, ll, grammar: str, ends: tuple[int, ...], prompt: list[int],
-              eos: int) -> list[int]:
+              eos: int, free: tuple[int, ...] = ()) -> list[int]:
     """Gated greedy decoding written out: every id until the end ids are in the output,
-    then a fresh matcher on the tokens after them; a full forward per token."""
+    then a fresh matcher on the tokens after them; a full forward per token. free: stop
+    ids (besides eos) that stop the output only once the grammar holds (vLLM's end tokens
+    under ignore_eos)."""
     matcher, output, start = TokenMasks(ll, grammar), [], None
     with torch.no_grad():
         while len(output) < MAX_TOKENS:
@@ -56,7 +58,7 @@ def reference(target, ll, grammar: str, ends: tuple[int, ...], prompt: list[int]
                 logits = logits.masked_fill(~allowed, float("-inf"))
             token = int(logits.argmax())
             output.append(token)
-            if token == eos:
+            if token == eos or token in free and start is not None:
                 break
             if start is not None:
                 assert matcher.advance([token]) == 1
@@ -99,6 +101,35 @@ def test_greedy_under_a_grammar_after_the_reasoning_equals_the_gated_target_alon
         assert out == expected, (kind, k, pipelined, steps)
         drafted += state.stats.num_draft_tokens
     assert drafted > 0
+
+
+def test_ignore_eos_goes_on_past_the_end_token_inside_the_reasoning_alone(demo):
+    """vLLM 0.32 under ignore_eos: the end token inside the reasoning is sampled (no grammar
+    masks it yet) and ends nothing; once the grammar holds it is the grammar's stop, as
+    this server keeps it for a constrained output. Here an id the target writes inside the
+    reasoning plays the end token (Request.free_in_reasoning): the output goes on past it,
+    equal to the reference, at K = 0 (one plain step a call, or several: the verifier's
+    steps end at it, the next call goes on), 3, auto and pipelined."""
+    tokenizer, target, draft, ll, prompt, grammar = demo
+    eos, ends = tokenizer.eos_token_id, ENDS["two ids"]
+    gated = reference(target, ll, grammar, ends, prompt, eos)
+    # an id inside the reasoning (which ends at 12), not after it
+    end = next((token,) for at, token in enumerate(gated[:12]) if token not in gated[at + 1:])
+    expected = reference(target, ll, grammar, ends, prompt, eos, free=end)
+    assert expected == gated
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, grammar=grammar,
+                            grammar_after=ends)
+    verifier, pools = ModelVerifier(target, grammar_tokenizer=ll), drafters(target, draft, ll)
+    for i, (kind, k, pipelined, steps) in enumerate(CASES):
+        out, _ = run(pools[kind], verifier, prompt, params, k, request_id=f"e{i}",
+                     stop=(eos, *end), pipelined=pipelined, plain_steps=steps,
+                     free_in_reasoning=end)
+        assert out == expected, (kind, k, pipelined, steps)
+    # after the reasoning, the same id is a stop: the grammar's first token plays it
+    after = (gated[12],)
+    out, _ = run(pools["model"], verifier, prompt, params, 3, request_id="after",
+                 stop=(eos, *after), free_in_reasoning=after)
+    assert out == gated[:13]
 
 
 def test_every_party_gates_a_drafted_block_where_the_end_ids_fall_in_it(demo):
@@ -249,6 +280,63 @@ def test_the_router_gates_a_grammar_unless_the_prompt_ended_the_reasoning():
     plain = asyncio.run(demo_reader().read(ChatCompletionRequest(
         messages=CHAT, response_format=schema), True))
     assert plain.sampling.grammar is not None and plain.sampling.grammar_after == ()
+
+
+def test_enable_in_reasoning_asks_for_no_gate_and_splits_as_without_it():
+    """The router's structured_outputs_enable_in_reasoning (vLLM's enable_in_reasoning):
+    every grammar holds from the output's first token, a chat's and a completion's, where
+    the gate would have waited for `</think>`; the text is split, and a thinking budget
+    kept, as without it (vLLM's front end splits whatever its engine's gate)."""
+    import asyncio
+
+    from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+    from deployments.reasoning import ThinkTokens, request_split
+    from tests.unit.test_thinking_budget import CHAT, demo_reader
+
+    schema = {"type": "json_object"}
+    chats = {"chat": {"thinking_token_budget": 4}, "hidden": {"include_reasoning": False},
+             "no thinking": {"chat_template_kwargs": {"enable_thinking": False}}}
+    reader = demo_reader("qwen3", structured_outputs_enable_in_reasoning=True)
+    tags = ThinkTokens.of(reader.tokenizer, "qwen3")
+    for name, fields in chats.items():
+        body = ChatCompletionRequest(messages=CHAT, response_format=schema, **fields)
+        prompt = asyncio.run(reader.read(body, True))
+        assert prompt.sampling.grammar is not None, name
+        assert (prompt.sampling.grammar_after, prompt.sampling.grammar_at) == ((), ()), name
+        plan = SimpleNamespace(choices=[SimpleNamespace(request=SimpleNamespace(
+            sampling=prompt.sampling, prompt_token_ids=prompt.token_ids))])
+        split = request_split("qwen3", body, plan, tags)
+        assert (split is not None) == (name == "chat"), name
+        assert request_split("qwen3", body, plan) is None  # without the option's reading
+        assert (prompt.sampling.thinking_budget is not None) == (name == "chat"), name
+    body = CompletionRequest(prompt="x", response_format=schema)
+    assert asyncio.run(reader.read(body, False)).sampling.grammar_after == ()
+    assert asyncio.run(demo_reader("qwen3").read(body, False)).sampling.grammar_after == \
+        tags.end  # off (the default): unchanged
+
+
+def test_the_router_frees_the_end_tokens_in_the_reasoning_under_ignore_eos_alone():
+    """The prompt reader's Prompt.free_in_reasoning: the end tokens (still stops) under
+    ignore_eos with a gated grammar, not one asked for in stop_token_ids; none without
+    ignore_eos, without a gate, or without a grammar."""
+    import asyncio
+
+    from deployments.openai_api import ChatCompletionRequest
+    from tests.unit.test_thinking_budget import CHAT, demo_reader
+
+    reader, schema = demo_reader("qwen3"), {"type": "json_object"}
+    eos = reader.tokenizer.eos_token_id
+
+    def read(**fields):
+        return asyncio.run(reader.read(ChatCompletionRequest(messages=CHAT, **fields), True))
+
+    freed = read(response_format=schema, ignore_eos=True)
+    assert freed.free_in_reasoning == (eos,) and eos in freed.stop_token_ids
+    assert read(response_format=schema, ignore_eos=True,
+                stop_token_ids=[eos]).free_in_reasoning == ()
+    for fields in ({"response_format": schema}, {"ignore_eos": True},
+                   {"response_format": schema, "ignore_eos": True, "include_reasoning": False}):
+        assert read(**fields).free_in_reasoning == (), fields
 
 
 def test_the_gate_travels_with_the_sampling_parameters():

@@ -9,6 +9,7 @@ import pytest
 from deployments.admission import Admission
 from deployments.ingress import BadRequest
 from deployments.openai_api import CompletionRequest
+from deployments.prompts import Prompt
 from deployments.router import Router
 from speculative.frontend import RequestFrontEnd
 from speculative.options import SpeculationDefaults
@@ -21,8 +22,7 @@ def planner(admission: Admission, read_prompts: list):
 
     async def read(body, chat):
         read_prompts.append(body.prompt)
-        return SimpleNamespace(token_ids=(2, 3), stop_token_ids=(), text=None,
-                               sampling=SamplingParams(temperature=1.0, max_tokens=4))
+        return Prompt((2, 3), SamplingParams(temperature=1.0, max_tokens=4), ())
 
     router = SimpleNamespace(  # not a Router: Serve's ingress wrapper wants its event loop
         admission=admission, check_model=lambda body: None,

@@ -227,14 +227,14 @@ def test_logprobs_with_a_budget_are_a_400_naming_it(schema, logprobs):
     assert parsed(schema, **logprobs).thinking_token_budget is None
 
 
-def demo_reader(parser=None):
+def demo_reader(parser=None, **args):
     from deployments.prompts import PromptReader
     from deployments.router_args import RouterArgs
     from engine.checkpoint import Checkpoint
     from engine.models import load_tokenizer
 
     model = "models/demo/target"
-    return PromptReader(RouterArgs(model=model, reasoning_parser=parser),
+    return PromptReader(RouterArgs(model=model, reasoning_parser=parser, **args),
                         load_tokenizer(model), Checkpoint.load(model))
 
 
@@ -264,16 +264,18 @@ def test_the_budget_takes_the_reasoning_parsers_ids_and_without_one_is_vllms_400
     assert sampling.grammar_after == () and sampling.thinking_budget is None
 
 
-def test_a_messages_enabled_thinking_is_the_budget_where_the_router_has_a_parser():
+def test_a_messages_enabled_thinking_is_the_budget_whatever_the_parser():
+    """vLLM 0.32's anthropic serving sets the chat's thinking_token_budget from an enabled
+    thinking's budget_tokens (its engine then refuses it without a reasoning config: the
+    Messages route's test below); adaptive pins nothing."""
     from deployments.messages_api import MessagesRequest
 
     asked = parsed(MessagesRequest, model="m", max_tokens=4000, messages=CHAT,
                    thinking={"type": "enabled", "budget_tokens": 1024})
-    assert asked.chat_request(budgeted=True)[0].thinking_token_budget == 1024
-    assert asked.chat_request()[0].thinking_token_budget is None  # checked, ignored
+    assert asked.chat_request()[0].thinking_token_budget == 1024
     off = parsed(MessagesRequest, model="m", max_tokens=4000, messages=CHAT,
                  thinking={"type": "adaptive"})
-    assert off.chat_request(budgeted=True)[0].thinking_token_budget is None
+    assert off.chat_request()[0].thinking_token_budget is None
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -302,19 +304,28 @@ def test_sampled_outputs_take_the_forced_ids_at_the_budget_and_repeat_by_seed(k,
 
 
 @pytest.mark.parametrize("parser", [None, "qwen3"])
-def test_a_messages_request_reaches_the_chat_with_its_budget_only_under_a_parser(parser):
+def test_a_messages_request_reaches_the_chat_with_its_budget_refused_without_a_parser(parser):
     """Through the router's Messages route: the chat it plans carries budget_tokens as its
-    thinking_token_budget where the router has a reasoning parser, else none (as before)."""
+    thinking_token_budget, which the prompt's reading refuses without a reasoning parser,
+    vLLM 0.32's 400 in Anthropic's error shape."""
+    from deployments.reasoning import NO_REASONING_CONFIG
     from tests.unit.test_messages_api import messages_router, posted_to
 
     router, planned = messages_router(parser=parser), []
-    plan = router.plan
+    plan, reader = router.plan, demo_reader(parser)
 
-    async def recorded(body, chat):
+    async def recorded(body, chat):  # the stand-in's plan, after the prompt's own reading
         planned.append(body.thinking_token_budget)
+        await reader.read(body, chat)
         return await plan(body, chat)
 
     router.plan = recorded
-    status, _ = posted_to(router, {"model": "m", "max_tokens": 2000, "messages": CHAT,
-                                   "thinking": {"type": "enabled", "budget_tokens": 1024}})
-    assert status == 200 and planned == [1024 if parser else None]
+    status, answer = posted_to(router, {"model": "m", "max_tokens": 2000, "messages": CHAT,
+                                        "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert planned == [1024]
+    if parser is None:
+        assert status == 400 and answer["type"] == "error"
+        assert answer["error"] == {"type": "invalid_request_error",
+                                   "message": NO_REASONING_CONFIG}
+    else:
+        assert status == 200
