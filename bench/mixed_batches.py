@@ -20,8 +20,9 @@ import engine.lean
 from engine.attention import feed_groups
 from engine.models import DEMO_TARGET, load_causal_lm
 from specserve.gpu_measures import prompts
+from speculative.prefixes import EMPTY_PREFIX_HASH, prefix_hash
 from speculative.sampling import SamplingParams
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall, prefix_hash
+from speculative.types import PrefixSync, ScoreCall
 from verifier.engine import ModelVerifier
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -19,9 +19,10 @@ import time
 
 import torch
 
+from speculative.prefixes import GrowingPrefixHash
 from speculative.state import PoolView
 from speculative.sampling import SamplingParams
-from speculative.types import NO_DRAFT, GrowingPrefixHash, PrefixSync, ProposeCall, ScoreCall
+from speculative.types import NO_DRAFT, PrefixSync, ProposeCall, ScoreCall
 
 
 class ForwardClock:

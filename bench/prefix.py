@@ -16,8 +16,9 @@ import time
 import torch
 
 from engine.models import DEMO_TARGET, load_causal_lm
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
+from speculative.types import PrefixSync, ScoreCall
 from verifier.engine import ModelVerifier
 
 GREEDY = SamplingParams(temperature=0.0)

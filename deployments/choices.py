@@ -10,13 +10,7 @@ from concurrent.futures import Executor
 from deployments.admission import Ticket
 from deployments.held_text import StreamedText, StreamInterval
 from deployments.ingress import pool_failure
-from deployments.logprobs import (
-    TokenBytes,
-    TokenTexts,
-    chat_logprobs,
-    completion_logprobs,
-    named_by_id,
-)
+from deployments.logprobs import ChoiceLogprobs, TokenBytes
 from deployments.metrics import RouterMetrics
 from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import ReasoningSplit, ThinkTokens
@@ -48,9 +42,10 @@ async def all_or_none(coroutines) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class Choices:
+class Choices(ChoiceLogprobs):
     """An admitted request's choices: each its own speculative request, all succeeding or
-    failing together; the admission ticket goes back once, however the request ends."""
+    failing together; the admission ticket goes back once, however the request ends. Their
+    logprobs are shaped as ChoiceLogprobs shapes them (deployments.logprobs)."""
 
     def __init__(self, plan: RequestPlan, pools: tuple[Drafter, Verifier], decode: Decode,
                  metrics: RouterMetrics, ticket: Ticket, *, model: str, chat: bool,
@@ -352,50 +347,3 @@ class Choices:
         prompt = index // self.plan.n
         logprobs, length = self.prompt.echo_logprobs(prompt, scores)
         return (self.prompt.echo[prompt], logprobs), length
-
-    def streamed_logprobs(self, index: int, offset: int = 0):
-        """None without logprobs; else (generation, last=False) -> the logprobs of the choice's
-        tokens not yet sent, in its API's shape (a completion's text offsets running on
-        across chunks from `offset`; the last chunk's None when nothing is left)."""
-        request = self.plan.choices[index].request
-        if request.sampling.logprobs is None:
-            return None
-        sent = 0
-        texts = TokenTexts(self.decode, request.prompt_token_ids)  # read across the chunks
-
-        def since(generation: Generation, last: bool = False) -> dict | None:
-            nonlocal sent, offset
-            entries = generation.state.logprobs[sent:]
-            sent += len(entries)
-            if last and not entries:
-                return None
-            shaped = self.shaped_logprobs(entries, texts, offset, generation.ends_held_text)
-            if not self.chat:
-                offset += sum(len(token) for token in shaped["tokens"])
-            return self.named(shaped, entries)
-
-        return since
-
-    def logprobs(self, generation: Generation) -> dict | None:
-        """The choice's logprobs in its API's shape, when the request asked for them."""
-        if generation.state.request.sampling.logprobs is None:
-            return None
-        texts = TokenTexts(self.decode, generation.state.request.prompt_token_ids)
-        return self.named(self.shaped_logprobs(generation.state.logprobs, texts,
-                                               end=generation.ends_held_text),
-                          generation.state.logprobs)
-
-    def named(self, shaped: dict, entries: list) -> dict:
-        """Logprobs with their tokens named by id when the request asked (its texts'
-        offsets counted before: deployments.logprobs.named_by_id)."""
-        return named_by_id(shaped, entries, self.chat) if self.tokens_as_ids else shaped
-
-    def shaped_logprobs(self, entries: list, texts: TokenTexts, offset: int = 0,
-                        end: bool = False) -> dict:
-        """Entries in this API's shape (a completion's text offsets from `offset`), their
-        texts read on from the last entries `texts` read; end: the output's last entries
-        (deployments.logprobs.TokenTexts.positions)."""
-        if self.chat:
-            return chat_logprobs(entries, texts, self.token_bytes, end)
-        return completion_logprobs(entries, texts, offset, end)
-

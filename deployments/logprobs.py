@@ -5,7 +5,7 @@ it (special tokens add "")."""
 
 from collections.abc import Callable, Sequence
 
-from speculative.driver import Decode, Detokenizer
+from speculative.driver import Decode, Detokenizer, Generation
 from speculative.types import TokenLogprob
 
 TokenBytes = Callable[[int], bytes | None]  # a token id -> its own bytes (None: its text's)
@@ -125,3 +125,56 @@ def named_by_id(shaped: dict, entries: list[TokenLogprob], chat: bool) -> dict:
                                                (*entry.top, (entry.token_id, 0))})
                               for entry in entries]
     return shaped
+
+
+class ChoiceLogprobs:
+    """The logprobs of a request's choices in their API's shape, whole or a stream's chunk
+    at a time: deployments.choices.Choices' (a base of it), which holds what is read here:
+    plan, decode, chat, token_bytes (chat logprobs' bytes) and tokens_as_ids (tokens named
+    by id, vLLM's option)."""
+
+    def streamed_logprobs(self, index: int, offset: int = 0):
+        """None without logprobs; else (generation, last=False) -> the logprobs of the choice's
+        tokens not yet sent, in its API's shape (a completion's text offsets running on
+        across chunks from `offset`; the last chunk's None when nothing is left)."""
+        request = self.plan.choices[index].request
+        if request.sampling.logprobs is None:
+            return None
+        sent = 0
+        texts = TokenTexts(self.decode, request.prompt_token_ids)  # read across the chunks
+
+        def since(generation: Generation, last: bool = False) -> dict | None:
+            nonlocal sent, offset
+            entries = generation.state.logprobs[sent:]
+            sent += len(entries)
+            if last and not entries:
+                return None
+            shaped = self.shaped_logprobs(entries, texts, offset, generation.ends_held_text)
+            if not self.chat:
+                offset += sum(len(token) for token in shaped["tokens"])
+            return self.named(shaped, entries)
+
+        return since
+
+    def logprobs(self, generation: Generation) -> dict | None:
+        """The choice's logprobs in its API's shape, when the request asked for them."""
+        if generation.state.request.sampling.logprobs is None:
+            return None
+        texts = TokenTexts(self.decode, generation.state.request.prompt_token_ids)
+        return self.named(self.shaped_logprobs(generation.state.logprobs, texts,
+                                               end=generation.ends_held_text),
+                          generation.state.logprobs)
+
+    def named(self, shaped: dict, entries: list) -> dict:
+        """Logprobs with their tokens named by id when the request asked (its texts'
+        offsets counted before: named_by_id)."""
+        return named_by_id(shaped, entries, self.chat) if self.tokens_as_ids else shaped
+
+    def shaped_logprobs(self, entries: list, texts: TokenTexts, offset: int = 0,
+                        end: bool = False) -> dict:
+        """Entries in this API's shape (a completion's text offsets from `offset`), their
+        texts read on from the last entries `texts` read; end: the output's last entries
+        (TokenTexts.positions)."""
+        if self.chat:
+            return chat_logprobs(entries, texts, self.token_bytes, end)
+        return completion_logprobs(entries, texts, offset, end)

@@ -24,7 +24,7 @@ import logging
 import math
 from collections import Counter, OrderedDict
 
-from speculative.types import prefix_hash
+from speculative.prefixes import prefix_hash
 
 log = logging.getLogger("ray.serve")
 PREFIX = "prefix-"  # the route keys placed by a prompt's start (prefix_route_key)

@@ -42,16 +42,15 @@ from engine.kv import PoolEngine
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
 from speculative.grammar import grammar_tokenizer_at
+from speculative.prefixes import EMPTY_PREFIX_HASH, prefix_hash
 from speculative.token_masks import GrammarDeadEnd
 from speculative.sampling import SamplingParams
 from speculative.types import (
-    EMPTY_PREFIX_HASH,
     PrefixSync,
     ProposeCall,
     ScoreCall,
     StaleBase,
     TreesUnsupported,
-    prefix_hash,
 )
 from verifier.engine import ModelVerifier
 from verifier.prompt_scores import PromptScoring

@@ -4,19 +4,18 @@ Per request it owns the committed ids, the seeded generator and the counters; th
 verifier pools own the KV caches. Rejection sampling happens here; rollback rides on the next
 call to each pool. What a request goes through, each in its own module: the ingress (API
 key, body, errors: deployments.ingress), the prompt (deployments.prompts), the request front
-end shared with the CLI (choices, seeds, K: speculative.frontend), admission
-(deployments.admission) and the fan-out of its choices (deployments.choices); vLLM's
-tokenizer endpoints read prompts as requests do (deployments.tokenize_api), its SageMaker
-routes serve a request by its body (deployments.invocations), Anthropic's Messages API is a
-chat translated (deployments.messages_api), and its served names are
-deployments.served_models'.
+end shared with the CLI (choices, seeds, K: speculative.frontend) that plans it
+(deployments.request_plans), admission (deployments.admission) and the fan-out of its
+choices (deployments.choices); vLLM's tokenizer endpoints read prompts as requests do
+(deployments.tokenize_api), its SageMaker routes serve a request by its body
+(deployments.invocations), Anthropic's Messages API is a chat translated
+(deployments.messages_api), and its served names are deployments.served_models'.
 """
 
 import asyncio
 import dataclasses
 import gc
 import importlib.metadata
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -48,9 +47,10 @@ from deployments.prompts import PromptReader
 from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import ReasoningSplit, ThinkTokens, request_split
 from deployments.request_headers import header_request_id
+from deployments.request_plans import RequestPlanning
 from deployments.responses_api import ResponsesRequest
 from deployments.response_items import listed_items
-from deployments.router_args import RouterArgs, response_store, tree_shape
+from deployments.router_args import RouterArgs, response_store
 from deployments.served_models import (card_named, check_model, model_list, served_names,
                                        served_tokenizer)
 from deployments.stored_chats import CHATS_PATH, StoredChatRequest, chats_route
@@ -61,7 +61,7 @@ from deployments.tool_parsers import KEPT_TEXTS
 from deployments.tools import ToolUse
 from engine.checkpoint import Checkpoint, check_vocabularies
 from speculative.driver import text_decoder
-from speculative.frontend import RequestFrontEnd, RequestPlan, joined
+from speculative.frontend import RequestFrontEnd, RequestPlan
 from speculative.types import PoolUnavailable
 
 
@@ -82,7 +82,7 @@ app.post(BATCH_PATH)(ChatBatchRoute.chat_completions_batch)  # ahead of CHATS_PA
 # deployment is deployments.apps's, by import path (the replica imports this module, an app
 # build does not).
 @serve.ingress(app)
-class Router(ChatBatchRoute):
+class Router(ChatBatchRoute, RequestPlanning):
     def __init__(self, args: RouterArgs) -> None:
         self.args = args
         tokenizer = served_tokenizer(args.model, args.tokenizer)
@@ -373,39 +373,3 @@ class Router(ChatBatchRoute):
         reasoning_parser), for this request (deployments.reasoning.request_split)."""
         return request_split(self.args.reasoning_parser, body, plan, self.think_tokens
                              if self.args.structured_outputs_enable_in_reasoning else None)
-
-    async def plan(self, body, chat: bool) -> RequestPlan:
-        """The body's prompt read (each of a completions batch's), its model checked, its
-        choices planned."""
-        self.check_model(body)
-        # refused before its prompts are read when it could neither run nor wait now
-        self.admission.check(body.n * (1 if chat else len(body.prompts())), body.priority)
-        # the request's own id, which also keys its pool sessions: never the client's
-        # request_id nor its x-request-id (two requests sharing one would share caches),
-        # which name the answer alone, as vLLM's ("chatcmpl-<id>": header_request_id)
-        kind = "chatcmpl" if chat else "cmpl"
-        request_id = f"{kind}-{uuid.uuid4().hex}"
-        prompts = [body] if chat else \
-            [body.model_copy(update={"prompt": p}) for p in body.prompts()]
-        others = (len(prompts) - 1) * body.n  # a batch's prompts' choices run side by side
-        plan = await self.plan_one(request_id, prompts[0], chat) if len(prompts) == 1 else \
-            joined(request_id, [await self.plan_one(f"{request_id}-{i}", one, chat, others)
-                                for i, one in enumerate(prompts)])
-        return plan if body.request_id is None else \
-            dataclasses.replace(plan, answer_id=f"{kind}-{body.request_id}")
-
-    async def plan_one(self, request_id: str, body, chat: bool, others: int = 0) -> RequestPlan:
-        """One prompt's choices planned; others: the request's choices beside them (a
-        completions batch's other prompts'), which run with them as the admitted ones do."""
-        prompt = await self.prompts.read(body, chat)
-        plan = self.front_end.plan(request_id, prompt.token_ids, prompt.sampling, body.n,
-                                   prompt.stop_token_ids,
-                                   num_speculative_tokens=body.num_speculative_tokens,
-                                   pipelined=body.pipelined, drafter_kind=body.drafter,
-                                   plain_steps=body.plain_steps,
-                                   cache_key=body.prompt_cache_key or "",
-                                   running=self.admission.running + others,
-                                   tree=tree_shape(body.speculative_tree),
-                                   context_limit=self.prompts.context_limit,
-                                   free_in_reasoning=prompt.free_in_reasoning)
-        return plan if prompt.text is None else dataclasses.replace(plan, prompt_text=prompt.text)

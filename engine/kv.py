@@ -29,10 +29,10 @@ import torch
 
 from engine.batch import Segment
 from engine.cache import salted_root
-from speculative.prefixes import common_prefix_len
+from speculative.prefixes import GrowingPrefixHash, common_prefix_len
 from speculative.shaping import Counted, SeenTokens
 from speculative.tree import main_chain_length
-from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase
+from speculative.types import PrefixSync, StaleBase
 
 
 NO_TOKEN = -1  # a cached slot whose keys stand for no token at that position (a tree node)

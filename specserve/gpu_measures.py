@@ -9,7 +9,8 @@ import torch
 from engine.cache import KVCacheFull
 from engine.kv import SessionStore
 from engine.memory import kv_bytes_per_token
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
+from speculative.prefixes import EMPTY_PREFIX_HASH
+from speculative.types import PrefixSync
 
 
 def sync_device(device) -> None:

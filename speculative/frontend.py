@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from speculative.driver import Generation
+from speculative.prefixes import GrowingPrefixHash
 from speculative.state import Request
 from speculative.costs import CostModel
 from speculative.fixed_k import KPolicy
@@ -25,7 +26,6 @@ from speculative.options import (
 from speculative.policy import k_policy
 from speculative.sampling import SamplingParams, derive_seeds
 from speculative.stats import SpecStats
-from speculative.types import GrowingPrefixHash
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from speculative.busy import DraftBackoff
+from speculative.prefixes import EMPTY_PREFIX_HASH, GrowingPrefixHash
 from speculative.repetition import RepetitionDetection
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 from speculative.thinking import ThinkingTracker
 from speculative.token_masks import reasoning_end
 from speculative.types import (
-    EMPTY_PREFIX_HASH,
-    GrowingPrefixHash,
     PrefixSync,
     StaleBase,
     TokenLogprob,

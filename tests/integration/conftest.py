@@ -14,6 +14,7 @@ worker (one xdist group: tests/conftest.py), beside the in-process tests on the 
 
 import contextlib
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -66,6 +67,26 @@ class Cluster:
             yield self
         finally:
             self.redeploy(base)
+
+
+# a request to the shared deployment, as test_http.py and test_http_exactness.py make them
+def complete(cluster, prompt, **fields):
+    response = cluster.post("/v1/completions", {"prompt": prompt, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream_text(cluster, body) -> tuple[str, list[dict]]:
+    with requests.post(cluster.base_url + "/v1/completions", json={**body, "stream": True},
+                       stream=True, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return text, chunks
 
 
 def session_config() -> dict:

@@ -20,8 +20,9 @@ from drafter.model import ModelDrafter
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
 from engine.kv import SessionStore
+from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
-from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
+from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase
 from tests.tiny import tiny_llama
 from verifier.engine import ModelVerifier
 

@@ -20,6 +20,7 @@ from deployments.ingress import BadRequest
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import MAX_BAD_WORDS, SamplingParams
 from speculative.shaping import (
     SeenTokens,
@@ -29,7 +30,7 @@ from speculative.shaping import (
     shape_logits,
     unmasked_prefix,
 )
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+from speculative.types import PrefixSync, ProposeCall
 from tests.tiny import noisy_copy, run, tiny_llama
 from verifier.engine import ModelVerifier
 

@@ -13,7 +13,8 @@ from engine import batch as packed
 from engine import lean, paged, regions
 from engine.kv import SessionStore
 from engine.runner import serving_runner
-from speculative.types import PrefixSync, prefix_hash
+from speculative.prefixes import prefix_hash
+from speculative.types import PrefixSync
 from tests.tiny import tiny_llama, tiny_sliding
 
 ATOL = 1e-4  # float reassociation only (see test_kv); a leak moves logits by O(1)

@@ -8,8 +8,9 @@ import torch
 
 from drafter.model import ModelDrafter
 from engine.scheduler import KVCacheTooSmall
+from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
-from speculative.types import DraftDists, PrefixSync, ProposeCall, ScoreCall, StaleBase, prefix_hash
+from speculative.types import DraftDists, PrefixSync, ProposeCall, ScoreCall, StaleBase
 from tests.tiny import Batched, hf_greedy, noisy_copy, run_concurrently, tiny_llama
 from tests.unit.test_batch import full_logits, sync
 from verifier.engine import ModelVerifier

@@ -11,9 +11,10 @@ import pytest
 from deployments import auth, clients
 from deployments.clients import PoolClient
 from speculative.costs import MAX_SIZES, CostModel, RoundCost
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.state import Request, RequestState
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+from speculative.types import PrefixSync, ProposeCall
 
 
 def verify_seconds(batch_tokens: int) -> float:

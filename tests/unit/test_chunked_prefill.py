@@ -9,8 +9,9 @@ import pytest
 
 from deployments.batcher import ContinuousBatcher
 from engine.batch import UNFINISHED
+from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
-from speculative.types import PrefixSync, ScoreCall, prefix_hash
+from speculative.types import PrefixSync, ScoreCall
 from tests.tiny import hf_greedy, run, tiny_llama
 from engine.scheduler import MIN_CHUNK
 from verifier.engine import ModelVerifier

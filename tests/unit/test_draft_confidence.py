@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from drafter.model import ModelDrafter
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+from speculative.types import PrefixSync, ProposeCall
 from tests.tiny import tiny_llama
 
 PROMPT = (3, 1, 4, 1, 5)

@@ -9,9 +9,17 @@ import torch
 import drafter.model
 from drafter.model import ModelDrafter
 from speculative.accept import accept
+from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams, draft_law
-from speculative.types import (LAWLESS, DraftBlock, DraftDists, PoolUnavailable, PrefixSync,
-                               ProposeCall, ScoreCall, prefix_hash)
+from speculative.types import (
+    LAWLESS,
+    DraftBlock,
+    DraftDists,
+    PoolUnavailable,
+    PrefixSync,
+    ProposeCall,
+    ScoreCall,
+)
 from tests.tiny import tiny_llama
 from verifier.engine import ModelVerifier
 

@@ -13,7 +13,8 @@ import torch
 
 from engine.kv import SessionStore
 from engine.runner import serving_runner
-from speculative.types import PrefixSync, prefix_hash
+from speculative.prefixes import prefix_hash
+from speculative.types import PrefixSync
 
 ATOL = 1e-4  # float reassociation only; a dropped sink, cap or window moves logits by O(0.1)
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -213,8 +213,8 @@ def test_the_choices_of_a_request_share_their_prompt_hashed_once_and_its_first_s
     128k-token prompt: 0.36 s hashing and 0.33 s copying). The fingerprints stay exact."""
     import array
 
+    from speculative.prefixes import prefix_hash
     from speculative.state import RequestState
-    from speculative.types import prefix_hash
 
     prompt = list(range(1, 3001))  # a list, as a caller may pass it
     hashed = []
@@ -247,8 +247,8 @@ def test_the_choices_of_a_request_share_their_prompt_hashed_once_and_its_first_s
 
 def test_a_choice_cut_by_a_stop_string_fingerprints_its_prefix_from_the_shared_prompt():
     """stop_after starts the hash again from the prompt's shared state: exact after it."""
+    from speculative.prefixes import prefix_hash
     from speculative.state import RequestState
-    from speculative.types import prefix_hash
 
     plan = RequestFrontEnd().plan("r", PROMPT, SAMPLED, n=2)
     state = RequestState(plan.choices[0].request)
@@ -261,8 +261,8 @@ def test_a_choice_cut_by_a_stop_string_fingerprints_its_prefix_from_the_shared_p
 
 
 def test_a_request_refuses_a_prompt_hash_of_another_length():
+    from speculative.prefixes import GrowingPrefixHash
     from speculative.state import Request
-    from speculative.types import GrowingPrefixHash
 
     hashed = GrowingPrefixHash()
     hashed.of([1, 2])

@@ -11,9 +11,10 @@ from engine.kv import SessionStore, common_prefix_len
 from engine.runner import serving_runner
 from speculative.fixed_k import FixedK
 from speculative.loop import run_rounds
+from speculative.prefixes import GrowingPrefixHash, prefix_hash
 from speculative.state import Request, RequestState
 from speculative.sampling import SamplingParams
-from speculative.types import GrowingPrefixHash, PrefixSync, StaleBase, prefix_hash
+from speculative.types import PrefixSync, StaleBase
 from tests.tiny import hf_greedy, run, tiny_llama
 from verifier.engine import ModelVerifier
 

@@ -17,7 +17,8 @@ import torch
 from engine.kv import SessionStore
 from engine.runner import serving_runner
 from engine.scheduler import admitted
-from speculative.types import PrefixSync, StaleBase, prefix_hash
+from speculative.prefixes import prefix_hash
+from speculative.types import PrefixSync, StaleBase
 from tests.tiny import tiny_llama, tiny_sliding
 
 ATOL = 1e-4  # float reassociation only (see test_kv)

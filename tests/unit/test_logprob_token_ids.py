@@ -12,8 +12,9 @@ from deployments import wire
 from deployments.ingress import BadRequest, parse
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from drafter.model import ModelDrafter
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import MAX_LOGPROB_TOKEN_IDS, SamplingParams
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
+from speculative.types import PrefixSync, ScoreCall
 from tests.tiny import noisy_copy, run, tiny_llama
 from tests.unit.test_request_fields import request_with
 from verifier.engine import ModelVerifier

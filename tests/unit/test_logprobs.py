@@ -10,9 +10,9 @@ import torch
 from deployments.wire import scores_from_proto, scores_to_proto
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.types import (
-    EMPTY_PREFIX_HASH,
     PositionLogprobs,
     PrefixSync,
     ScoreCall,

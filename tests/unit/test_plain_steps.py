@@ -14,9 +14,10 @@ from speculative.costs import CostModel, RoundCost
 from speculative.driver import Generation
 from speculative.fixed_k import FixedK
 from speculative.policy import AdaptiveK, KBounds
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.state import Request
-from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ScoreCall
+from speculative.types import PrefixSync, ScoreCall
 from tests.tiny import Batched, decoded, noisy_copy, run, run_concurrently
 from tests.unit.test_oracle import (  # noqa: F401 (fixtures)
     MAX_TOKENS,

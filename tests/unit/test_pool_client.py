@@ -67,7 +67,8 @@ def test_whole_prompts_that_start_alike_are_placed_alike():
     """A call carrying a whole prompt is placed by its first 32 tokens (prefix caching's
     replica); a call that builds on a held prefix, or a short prompt, by its request."""
     from deployments.placement import ROUTE_PREFIX_TOKENS, prefix_route_key
-    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
+    from speculative.prefixes import EMPTY_PREFIX_HASH
+    from speculative.types import PrefixSync
 
     shared = tuple(range(1, ROUTE_PREFIX_TOKENS + 1))
     first = prefix_route_key("a", PrefixSync(0, EMPTY_PREFIX_HASH, shared + (7, 8)))
@@ -89,7 +90,8 @@ def test_a_prompt_cache_key_places_a_conversations_turns_together_and_spreads_a_
     on one replica, and a hot prefix's requests of several keys spread by key; the key is a
     prefix's (bounded: LoadBound); a later call still by its request."""
     from deployments.placement import PREFIX, ROUTE_PREFIX_TOKENS, LoadBound, prefix_route_key
-    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync
+    from speculative.prefixes import EMPTY_PREFIX_HASH
+    from speculative.types import PrefixSync
 
     shared = tuple(range(1, ROUTE_PREFIX_TOKENS + 1))
     first_turn = PrefixSync(0, EMPTY_PREFIX_HASH, (9, 8, 7))
@@ -248,8 +250,9 @@ def test_a_release_goes_to_the_pinned_replica_and_forgets_the_pin(monkeypatch):
 def test_a_seeded_sampled_draft_waits_as_long_as_a_verify(monkeypatch):
     """Its tokens depend on the drafts it gets: a draft given up on would change them. Other
     drafts wait draft_timeout_s (a round goes on without one)."""
+    from speculative.prefixes import EMPTY_PREFIX_HASH
     from speculative.sampling import SamplingParams
-    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from speculative.types import PrefixSync, ProposeCall
 
     monkeypatch.setattr(pool_handles.pb_grpc, "DrafterStub", lambda channel: None)
     drafter = pool_handles.GrpcDrafter(None, "drafter", timeout_s=30.0, draft_timeout_s=0.05)
@@ -277,9 +280,9 @@ def test_a_drafters_q_unlike_its_tokens_costs_the_draft_not_the_request(monkeypa
     import torch
 
     from deployments import wire
+    from speculative.prefixes import EMPTY_PREFIX_HASH
     from speculative.sampling import SamplingParams
     from speculative.types import (
-        EMPTY_PREFIX_HASH,
         DraftBlock,
         DraftDists,
         PoolUnavailable,
@@ -306,8 +309,9 @@ def test_a_drafter_whose_calls_keep_failing_is_said_in_the_log_at_most_once_a_mi
         monkeypatch):
     """Each failure turns a round into the target's alone (speculative.loop), which only a
     counter showed: a misnamed or dead drafter app switched speculation off silently."""
+    from speculative.prefixes import EMPTY_PREFIX_HASH
     from speculative.sampling import SamplingParams
-    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from speculative.types import PrefixSync, ProposeCall
 
     monkeypatch.setattr(pool_handles.pb_grpc, "DrafterStub", lambda channel: None)
     drafter = pool_handles.GrpcDrafter(None, "drafterr", timeout_s=30.0, draft_timeout_s=0.05)

@@ -13,7 +13,7 @@ from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from speculative.types import prefix_hash
+from speculative.prefixes import prefix_hash
 from tests.unit.test_pool_replica import (  # noqa: F401
     KEY,
     direct,

@@ -14,7 +14,7 @@ from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from speculative.types import prefix_hash
+from speculative.prefixes import prefix_hash
 
 KEY = auth.metadata  # called at each use: the secret the fixture set
 

@@ -13,8 +13,9 @@ from engine.kv import Sequence, SessionStore
 from engine.runner import serving_runner
 from speculative.driver import Generation
 from speculative.frontend import RequestFrontEnd
+from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
-from speculative.types import PrefixSync, ScoreCall, prefix_hash
+from speculative.types import PrefixSync, ScoreCall
 from tests.tiny import tiny_llama, tiny_sliding
 from verifier.engine import ModelVerifier
 

@@ -271,7 +271,8 @@ def test_the_implicit_ends_travel_and_an_older_verifier_is_refused(demo):
     from deployments.pool_handles import gated
     from deployments.wire import sampling_from_proto, sampling_to_proto
     from protos import specserve_pb2 as pb
-    from speculative.types import EMPTY_PREFIX_HASH, PoolUnavailable, PrefixSync, ScoreCall
+    from speculative.prefixes import EMPTY_PREFIX_HASH
+    from speculative.types import PoolUnavailable, PrefixSync, ScoreCall
     from verifier.host import to_host
 
     _, target, _, ll, prompt, grammar = demo

@@ -356,7 +356,8 @@ def test_the_router_takes_gated_scores_only_from_a_verifier_that_says_it_gated(d
     from deployments import wire
     from deployments.pool_handles import gated
     from protos import specserve_pb2 as pb
-    from speculative.types import EMPTY_PREFIX_HASH, PoolUnavailable, PrefixSync, ScoreCall
+    from speculative.prefixes import EMPTY_PREFIX_HASH
+    from speculative.types import PoolUnavailable, PrefixSync, ScoreCall
     from verifier.host import to_host
 
     _, target, _, ll, prompt, grammar = demo

@@ -193,7 +193,8 @@ def test_more_choices_than_the_router_runs_is_a_400_not_a_429():
 
 def test_a_bias_outside_the_vocabulary_is_refused_alone_before_the_forward():
     """At the pool boundary (a call straight from the wire): its batch-mate is answered."""
-    from speculative.types import PrefixSync, ScoreCall, prefix_hash
+    from speculative.prefixes import prefix_hash
+    from speculative.types import PrefixSync, ScoreCall
     verifier = ModelVerifier(tiny_llama(2))
     vocab = verifier.model.config.vocab_size
     bad = SamplingParams(temperature=0, logit_bias=((vocab, 1.0),))

@@ -10,13 +10,12 @@ import pytest
 from drafter.registry import DrafterSpec, build_drafter
 from drafter.suffix import SuffixDrafter, SuffixIndex
 from engine.models import DEMO_TARGET
+from speculative.prefixes import EMPTY_PREFIX_HASH, prefix_hash
 from speculative.sampling import SamplingParams
 from speculative.types import (
-    EMPTY_PREFIX_HASH,
     PrefixSync,
     ProposeCall,
     StaleBase,
-    prefix_hash,
 )
 
 

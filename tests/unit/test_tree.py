@@ -97,8 +97,9 @@ def test_a_drafted_tree_keeps_its_budget_and_its_main_chain(greedy):
     """The main chain is the chain the same seed drafts; the siblings are distinct from the
     main token and each other, within the node budget, one q row per node (its parent's)."""
     from drafter.model import ModelDrafter
+    from speculative.prefixes import EMPTY_PREFIX_HASH
     from speculative.sampling import SamplingParams
-    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from speculative.types import PrefixSync, ProposeCall
     from tests.tiny import tiny_llama
 
     drafter = ModelDrafter(tiny_llama(8, layers=1))
@@ -122,8 +123,9 @@ def test_a_drafted_tree_keeps_its_budget_and_its_main_chain(greedy):
 
 def test_a_tree_too_wide_is_refused_before_the_drafters_sessions_move():
     from drafter.model import ModelDrafter
+    from speculative.prefixes import EMPTY_PREFIX_HASH
     from speculative.sampling import SamplingParams
-    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from speculative.types import PrefixSync, ProposeCall
     from tests.tiny import tiny_llama
 
     drafter = ModelDrafter(tiny_llama(8, layers=1), max_cached_requests=1)
@@ -189,8 +191,9 @@ def test_sampled_siblings_are_drawn_without_the_main_token_or_each_other(seed):
     """Sampled siblings come from q with the main token (and the siblings before) removed:
     with q cut to its top 2, each level has at most one sibling, never the main token."""
     from drafter.model import ModelDrafter
+    from speculative.prefixes import EMPTY_PREFIX_HASH
     from speculative.sampling import SamplingParams
-    from speculative.types import EMPTY_PREFIX_HASH, PrefixSync, ProposeCall
+    from speculative.types import PrefixSync, ProposeCall
     from tests.tiny import tiny_llama
 
     drafter = ModelDrafter(tiny_llama(8, layers=1), draft_top_k=2)

@@ -7,9 +7,9 @@ from deployments import wire, wire_tensors
 from protos import specserve_pb2 as pb
 from speculative.accept import accept
 from speculative.draft_truncation import kept_entries
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.types import (
-    EMPTY_PREFIX_HASH,
     DraftBlock,
     DraftDists,
     PrefixSync,

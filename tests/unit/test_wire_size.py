@@ -4,8 +4,9 @@ import pytest
 
 from deployments import wire
 from drafter.model import ModelDrafter
+from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
-from speculative.types import PrefixSync, ProposeCall, ScoreCall, prefix_hash
+from speculative.types import PrefixSync, ProposeCall, ScoreCall
 from tests.tiny import tiny_llama
 from verifier.engine import ModelVerifier
 
