@@ -81,13 +81,14 @@ class InProcess:
 
 def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float, seed: int,
              k: int | str, tree_width: int | str = 1, tree_nodes: int | None = None,
-             front_end=None):
+             front_end=None, prediction_ids=()):
     """(token ids, seconds, SpecStats) of one request through the round loop in this
     process, planned as the router plans an HTTP request with this seed (choice 0's derived
     seed: the same draws), at K (or "auto"), drafting then verifying (tree_width > 1: a tree
     of that width, K deep, of tree_nodes nodes; "auto": chain or tree per round).
     front_end: a RequestFrontEnd whose requests share what they learn (default: a new one
-    for this request, with these settings)."""
+    for this request, with these settings); prediction_ids: a predicted output (OpenAI's
+    `prediction`, which prompt lookup searches: drafter.ngram)."""
     from speculative.driver import Generation
     from speculative.frontend import RequestFrontEnd
     from speculative.options import SpeculationDefaults, TreeShape
@@ -99,7 +100,8 @@ def run_loop(drafter, verifier, prompt_ids, max_tokens: int, temperature: float,
     plan = front_end.plan(uuid.uuid4().hex, tuple(prompt_ids), params,
                           tree=TreeShape(auto=True) if tree_width == "auto"
                           else TreeShape(tree_width, nodes=tree_nodes),
-                          context_limit=verifier.max_positions)
+                          context_limit=verifier.max_positions,
+                          prediction_token_ids=prediction_ids)
     [choice] = plan.choices
     generation = Generation(choice.request)
     started = time.perf_counter()

@@ -12,6 +12,7 @@ from deployments.held_text import StreamedText, StreamInterval
 from deployments.ingress import pool_failure
 from deployments.logprobs import ChoiceLogprobs, TokenBytes
 from deployments.metrics import RouterMetrics
+from deployments.predictions import prediction_usage
 from deployments.prompt_logprobs import PromptAnswer
 from deployments.reasoning import ReasoningSplit, ThinkTokens
 from deployments.responses import (
@@ -154,12 +155,17 @@ class Choices(ChoiceLogprobs):
     def usage(self, done: list[Generation]) -> dict:
         """OpenAI's usage; under a reasoning parser, with the reasoning's share of the
         completion tokens (`completion_tokens_details`, as vLLM sends it then): 0 where the
-        output is not split, but deepseek_r1's (vLLM 0.32 counts its outputs' ids alone)."""
+        output is not split, but deepseek_r1's (vLLM 0.32 counts its outputs' ids alone);
+        with a prediction, its tokens the choices repeated and the rest (OpenAI's)."""
         usage = self.plan.usage(done)
         if self.think_tokens is not None:
             counted = self.reasoning is not None or self.think_tokens.nested
             reasoning = sum(self.think_tokens.count(g.token_ids) for g in done) if counted else 0
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        prediction = self.plan.choices[0].request.prediction_token_ids
+        if prediction:
+            usage.setdefault("completion_tokens_details", {}).update(
+                prediction_usage(prediction, [g.token_ids for g in done]))
         return usage
 
     def prompt_ids(self, index: int) -> list[int] | None:

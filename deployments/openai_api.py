@@ -8,6 +8,7 @@ from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_v
 
 from deployments.chat_messages import ChatMessage, encodable
 from deployments.formats import ResponseFormat, StructuredOutputs, constraint_of, without_nulls
+from deployments.predictions import Prediction, checked_prediction
 from deployments.tools import (MAX_TOOLS, FieldError, Tool, ToolChoice, ToolError, ToolUse,
                                tool_use)
 from deployments.request_bounds import (MAX_CACHE_SALT, MAX_PROMPT_CACHE_KEY, MAX_CHAT_TEMPLATE,
@@ -330,6 +331,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the prompt the chat template rendered, as the answer's `prompt_text` (streamed:
     # on each choice's first chunk)
     return_prompt_text: bool = False
+    # OpenAI's Predicted Outputs: text the answer is expected to repeat, a draft source
+    # (deployments.predictions)
+    prediction: Prediction | None = None
 
     def template_kwargs(self) -> dict:
         """chat_template_kwargs as vLLM gives them to the template: reasoning_effort's over
@@ -346,6 +350,11 @@ class ChatCompletionRequest(SamplingFields):
         last = self.messages[-1]
         role = "assistant" if self.add_generation_prompt else last.role
         return last.content or "" if self.echo and last.role == role else ""
+
+    @field_validator("prediction", mode="before")
+    @classmethod
+    def prediction_shape(cls, value):
+        return checked_prediction(value)
 
     @field_validator("messages", mode="before")
     @classmethod

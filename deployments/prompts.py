@@ -17,6 +17,7 @@ from deployments.chat_messages import (
     with_call_ids_cut,
 )
 from deployments.generation_defaults import recommended_defaults
+from deployments.predictions import predicted_ids
 from deployments.chat_templates import (UNTRUSTED, ChatTemplate, model_template, read_template,
                                         wants_system_first)
 from deployments.ingress import BadRequest
@@ -44,6 +45,7 @@ class Prompt:
     # the end tokens under ignore_eos with a grammar after the reasoning: no stop inside it
     # (vLLM's engine samples and ignores them there), its grammar's stops after it
     free_in_reasoning: tuple[int, ...] = ()
+    prediction_ids: tuple[int, ...] = ()  # a chat's predicted output (deployments.predictions)
 
 
 class PromptReader:
@@ -137,7 +139,11 @@ class PromptReader:
                                                              body)
         free = tuple(t for t in self.end_ids if t not in (body.stop_token_ids or ())) \
             if body.ignore_eos and sampling.grammar_after else ()
-        return Prompt(prompt_ids, sampling, stop_ids, text, free)
+        prediction = getattr(body, "prediction", None)  # a chat's alone
+        predicted = () if prediction is None else await asyncio.get_running_loop(
+            ).run_in_executor(self.tokenizing, predicted_ids, self.tokenizer, prediction.text,
+                              self.max_prompt_bytes, self.context_limit)
+        return Prompt(prompt_ids, sampling, stop_ids, text, free, predicted)
 
     def rendered(self, body) -> str:
         """A chat's prompt as its template renders it, the messages' texts as written (vLLM's

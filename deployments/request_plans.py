@@ -40,11 +40,22 @@ class RequestPlanning:
         plan = self.front_end.plan(request_id, prompt.token_ids, prompt.sampling, body.n,
                                    prompt.stop_token_ids,
                                    num_speculative_tokens=body.num_speculative_tokens,
-                                   pipelined=body.pipelined, drafter_kind=body.drafter,
+                                   pipelined=body.pipelined,
+                                   drafter_kind=drafter_kind(body, prompt.prediction_ids),
                                    plain_steps=body.plain_steps,
                                    cache_key=body.prompt_cache_key or "",
                                    running=self.admission.running + others,
                                    tree=tree_shape(body.speculative_tree),
                                    context_limit=self.prompts.context_limit,
-                                   free_in_reasoning=prompt.free_in_reasoning)
+                                   free_in_reasoning=prompt.free_in_reasoning,
+                                   prediction_token_ids=prompt.prediction_ids)
         return plan if prompt.text is None else dataclasses.replace(plan, prompt_text=prompt.text)
+
+
+def drafter_kind(body, prediction_ids: tuple[int, ...]) -> str | None:
+    """The drafter the body names (None: the pool's model), else prompt lookup where it
+    predicts its output (the router's "ngram", which searches the prediction first:
+    drafter.ngram); a named drafter is kept (the prediction then counts usage alone)."""
+    if prediction_ids and "drafter" not in body.model_fields_set:
+        return "ngram"
+    return body.drafter

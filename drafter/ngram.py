@@ -14,6 +14,13 @@ as they commit), and the search for an n-gram is `bytearray.rfind` over them, in
 of list slices in Python took 4.5-14 ms a round at 16k tokens of context, the byte search
 0.07-0.14 ms (three measurements on 2-core VMs, 2026-11-28/29). `lookup` is the plain
 reference the tests hold it to.
+
+A request's predicted output (OpenAI's `prediction`: text the answer is expected to repeat,
+such as a file being edited) is searched first, at each n-gram length, then the context:
+in it, the occurrence nearest at or after where the request's previous match in it went on
+(`TokenBytes.cursor`: an edited answer walks through its prediction in order), else the
+nearest before; the proposal is what follows there, up to K ids, never past its end. Before
+the output's first token the proposal is the prediction's first K ids (it is an output).
 """
 
 from array import array
@@ -48,12 +55,41 @@ def repeated(following: list[int], num_tokens: int) -> list[int]:
     return (following * (num_tokens // len(following) + 1))[:num_tokens]
 
 
+def aligned_find(data, sub: bytes, start: int, end: int) -> int:
+    """data.find(sub, start, end) at a 4-byte boundary (a token's), else -1."""
+    while (at := data.find(sub, start, end)) >= 0:
+        if at % 4 == 0:
+            return at
+        start = at + 4 - at % 4
+    return -1
+
+
+def aligned_rfind(data, sub: bytes, start: int, end: int) -> int:
+    """data.rfind(sub, start, end) at a 4-byte boundary (a token's), else -1."""
+    while (at := data.rfind(sub, start, end)) >= 0:
+        if at % 4 == 0:
+            return at
+        end = at + len(sub) - 1  # the occurrences that start before this one
+    return -1
+
+
 class TokenBytes:
     """A request's committed ids as native 4-byte ints (its session's `drafter_state`),
-    extended as they commit; dropped with the session or on a full-prefix rebuild."""
+    extended as they commit; dropped with the session or on a full-prefix rebuild. With a
+    predicted output, its ids too, and where the last match in them went on (`cursor`)."""
 
     def __init__(self) -> None:
         self.data = bytearray()  # 4 bytes a committed id
+        self.prediction_ids: tuple[int, ...] = ()
+        self.prediction = b""  # 4 bytes a predicted id
+        self.cursor = 0  # the predicted ids' index after the last match in them
+
+    def predicting(self, prediction_ids: tuple[int, ...]) -> "TokenBytes":
+        """The request's predicted output (the same tuple every call: converted once)."""
+        if prediction_ids is not self.prediction_ids:
+            self.prediction_ids = prediction_ids
+            self.prediction = array("i", prediction_ids).tobytes()
+        return self
 
     def extended(self, committed: list[int]) -> "TokenBytes":
         held = len(self.data) // 4
@@ -66,22 +102,37 @@ class TokenBytes:
 
     def lookup(self, assumed: list[int], num_tokens: int, min_ngram: int,
                max_ngram: int, context: list[int]) -> list[int]:
-        """`lookup(context, ...)` where context is the committed ids then `assumed`."""
+        """`lookup(context, ...)` where context is the committed ids then `assumed`; with
+        a predicted output, each n-gram looked up in it first (`predicted`)."""
         data, tail = self.data, array("i", assumed).tobytes()
         data += tail  # searched in place, taken off again below
         try:
-            for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+            for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
                 suffix = bytes(data[-4 * n:])
-                end = len(data) - 4  # a match ends before the last token: one follows it
-                while (at := data.rfind(suffix, 0, end)) >= 0:
-                    if at % 4 == 0:  # a match across token boundaries is no match
-                        start = at // 4 + n
-                        return repeated(context[start:start + num_tokens], num_tokens)
-                    end = at + 4 * n - 1
+                if self.prediction and (found := self.predicted(suffix, n, num_tokens)):
+                    return found
+                # a match ends before the last token: one follows it
+                at = aligned_rfind(data, suffix, 0, len(data) - 4) if n < len(context) else -1
+                if at >= 0:
+                    start = at // 4 + n
+                    return repeated(context[start:start + num_tokens], num_tokens)
             return []
         finally:
             if tail:
                 del data[-len(tail):]
+
+    def predicted(self, suffix: bytes, n: int, num_tokens: int) -> list[int]:
+        """Up to num_tokens predicted ids after the n-gram's occurrence in the prediction
+        that goes on nearest at or after the cursor, else nearest before it (the cursor
+        then moves there); [] when no occurrence has an id after it."""
+        data, last = self.prediction, len(self.prediction) - 4
+        at = aligned_find(data, suffix, 4 * max(0, self.cursor - n), last)
+        if at < 0 and self.cursor > n:  # goes on before the cursor: ends by cursor - 1
+            at = aligned_rfind(data, suffix, 0, min(4 * (self.cursor - 1), last))
+        if at < 0:
+            return []
+        self.cursor = at // 4 + n
+        return list(self.prediction_ids[self.cursor:self.cursor + num_tokens])
 
 
 class NgramDrafter:
@@ -153,7 +204,11 @@ class NgramDrafter:
         """The proposal for the context (the committed tokens, then the call's assumed ones)."""
         if sequence.drafter_state is None:
             sequence.drafter_state = TokenBytes()
-        return sequence.drafter_state.extended(sequence.committed).lookup(
+        prediction = call.prediction_token_ids
+        if prediction and len(context) == call.prompt_len:  # no output yet: it starts there
+            return list(prediction[:call.num_speculative_tokens])
+        state = sequence.drafter_state.extended(sequence.committed)
+        return state.predicting(call.prediction_token_ids).lookup(
             list(call.assumed_token_ids), call.num_speculative_tokens, self.min_ngram,
             self.max_ngram, context)
 

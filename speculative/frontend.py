@@ -104,13 +104,15 @@ class RequestFrontEnd:
              pipelined: bool | None = None, drafter_kind: str | None = None,
              tree: TreeShape | None = None, context_limit: int | None = None,
              plain_steps: int | None = None, running: int = 0,
-             cache_key: str = "", free_in_reasoning: Sequence[int] = ()) -> RequestPlan:
+             cache_key: str = "", free_in_reasoning: Sequence[int] = (),
+             prediction_token_ids: Sequence[int] = ()) -> RequestPlan:
         """n choices of the request; sampling carries the request's seed, from which each
         choice's is derived. None for K, pipelined, tree or plain_steps: the defaults.
         running: the choices of other requests running now (an adaptive K starts at the
         load they and the n choices make). cache_key: OpenAI's prompt_cache_key, which
         places the request's first calls with those of its key and cache salt (Request).
-        free_in_reasoning: the stop ids its reasoning ignores (Request's)."""
+        free_in_reasoning: the stop ids its reasoning ignores (Request's).
+        prediction_token_ids: its predicted output, shared by the choices (Request's)."""
         steps = plain_steps or self.defaults.plain_steps
         # what a round without a draft really makes (speculative.loop.plain_steps: one token
         # with logprobs), for the K policy's rate of K = 0
@@ -124,17 +126,21 @@ class RequestFrontEnd:
             drafter_kind != "ngram"
         # the prompt copied and hashed once for all the choices, which share both
         # (RequestState, PoolView.prefix_sync): not once a choice on the router's loop
-        prompt = tuple(prompt_token_ids)
+        prompt, prediction = tuple(prompt_token_ids), tuple(prediction_token_ids)
         hashed = GrowingPrefixHash()
         hashed.of(prompt)
+        # prompt lookup over a prediction accepts far more than over the context alone: its
+        # own costs and acceptance prior (another drafter does not read the prediction)
+        learnt = "ngram+prediction" if prediction and drafter_kind == "ngram" else drafter_kind
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", prompt,
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
                            self.defaults.busy_wait_s, width, nodes, context_limit,
                            placement=request_id, plain_steps=steps, prompt_hash=hashed,
                            cache_key=cache_key and f"{sampling.cache_salt}\0{cache_key}",
-                           free_in_reasoning=tuple(free_in_reasoning)),
-                   self.k_policy(k, pipelined, sampling.greedy, drafter_kind, trees,
+                           free_in_reasoning=tuple(free_in_reasoning),
+                           prediction_token_ids=prediction),
+                   self.k_policy(k, pipelined, sampling.greedy, learnt, trees,
                                  running + n, policy_steps))
             for index, seed in enumerate(derive_seeds(sampling.seed, n)))
         return RequestPlan(request_id, choices, k, pipelined, drafter_kind, n)

@@ -62,7 +62,8 @@ async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
             ProposeCall(request.request_id, sync, k, request.sampling, seed, assumed,
                         len(request.prompt_token_ids), *tree_shape(state, k, beside),
                         draft_confidence=state.draft_confidence,
-                        placement=request.placement, cache_key=request.cache_key)),
+                        placement=request.placement, cache_key=request.cache_key,
+                        prediction_token_ids=request.prediction_token_ids)),
     )
 
 

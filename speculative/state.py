@@ -51,6 +51,9 @@ class Request:
     # grammar_after): the end tokens under ignore_eos, which vLLM 0.32 samples and ignores
     # there (no grammar holds yet), the grammar keeping them its stops once it holds
     free_in_reasoning: tuple[int, ...] = ()
+    # OpenAI's predicted output (`prediction`), tokenized: text the answer is expected to
+    # repeat, which prompt lookup searches before the context (drafter.ngram)
+    prediction_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -54,6 +54,9 @@ class ProposeCall:
     # choices of its HTTP request (deployments.placement.prefix_route_key); not on the wire
     placement: str = ""
     cache_key: str = ""  # what a call carrying a whole prompt is placed by (Request's)
+    # the request's predicted output (Request's), which prompt lookup searches; not on the
+    # wire (the router's own drafters read it: deployments.local_drafters)
+    prediction_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

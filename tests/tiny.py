@@ -47,7 +47,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request_id="r", stop=(),
         decode=None, pipelined: bool = False, tree_width: int = 1, tree_nodes: int = 0,
         confidence=None, costs=None, policy=None, plain_steps: int = 1,
-        free_in_reasoning=()):
+        free_in_reasoning=(), prediction=()):
     """Decode one request in-process through the request driver; returns (output ids, state).
 
     k: a fixed K, or "auto" for an adaptive K in 1..8 (the K of each round varies);
@@ -55,11 +55,13 @@ def run(drafter, verifier, prompt, params: SamplingParams, k: int | str, request
     confidence: the draft calls' draft_confidence ("auto": learnt, with an adaptive K, into
     `costs`, a CostModel shared with other runs, or a new one); policy: a K policy of the
     test's own instead; plain_steps: the tokens a round without a draft asks the verifier
-    for (verifier.steps); free_in_reasoning: stop ids its reasoning ignores (Request's).
+    for (verifier.steps); free_in_reasoning: stop ids its reasoning ignores (Request's);
+    prediction: the predicted output's ids (Request's prediction_token_ids).
     """
     request = Request(request_id, tuple(prompt), params, tuple(stop), tree_width=tree_width,
                       tree_nodes=tree_nodes, plain_steps=plain_steps,
-                      free_in_reasoning=tuple(free_in_reasoning))
+                      free_in_reasoning=tuple(free_in_reasoning),
+                      prediction_token_ids=tuple(prediction))
     generation = Generation(request, decode)
     asyncio.run(decoded(drafter, verifier, generation, k, pipelined, confidence, costs, policy))
     return generation.token_ids, generation.state

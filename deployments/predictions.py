@@ -1,0 +1,103 @@
+"""OpenAI's Predicted Outputs on chat completions: `prediction`, text a client expects most of
+the answer to repeat (a file being edited). The router reads it into token ids that its
+prompt-lookup drafter searches before the context (drafter.ngram): a free draft, verified as
+any, so the answer stays the model's own. Usage then counts the prediction's tokens the
+answer repeated (`accepted_prediction_tokens`) and the rest (`rejected_prediction_tokens`).
+"""
+
+from difflib import SequenceMatcher
+from typing import Literal
+
+from pydantic import BaseModel
+
+from deployments.tools import FieldError
+
+SHAPE = ('must be {"type": "content", "content": a string or a list of {"type": "text", '
+         '"text": a string} parts}')
+# a diff of at most this many (prediction x output) ids beyond their common start and end is
+# exact (difflib's without its junk heuristic, about 0.05 s for 2k x 2k ids of text); a
+# longer one takes the heuristic (popular ids then match only within longer runs: a lower
+# bound), which keeps 16k x 16k ids under 0.1 s where the exact diff took 13-25 s
+MAX_EXACT_DIFF = 1 << 22
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's `prediction` (checked by `checked_prediction` first: a refusal names it)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        """The predicted text: the content, or its parts' texts one after the other."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def checked_prediction(value):
+    """The body's `prediction` as given, None where its content is empty (no prediction);
+    a FieldError naming it for any other shape than OpenAI's."""
+    if value is None or isinstance(value, Prediction):  # (a body built in Python)
+        return value
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise FieldError("prediction", SHAPE)
+    content = value.get("content")
+    if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and
+            isinstance(part.get("text"), str) for part in content):
+        text = "".join(part["text"] for part in content)
+    elif isinstance(content, str):
+        text = content
+    else:
+        raise FieldError("prediction", SHAPE)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FieldError("prediction", "contains text that is not valid Unicode (a lone "
+                                       "surrogate?)") from None
+    return value if text else None
+
+
+def predicted_ids(tokenizer, text: str, max_bytes: int, max_tokens: int) -> tuple[int, ...]:
+    """The prediction's ids (no special tokens), refused (a 400 naming it) beyond max_bytes
+    before tokenizing, and beyond max_tokens (the context: an answer holds no more)."""
+    from deployments.ingress import BadRequest  # (Ray's and FastAPI's: not for the body)
+
+    size = len(text.encode())
+    if size > max_bytes:
+        raise BadRequest(f"prediction has {size} bytes; the limit is {max_bytes}",
+                         param="prediction")
+    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    if len(ids) > max_tokens:
+        raise BadRequest(f"prediction has {len(ids)} tokens; the limit is {max_tokens} (the "
+                         "context)", param="prediction")
+    return ids
+
+
+def accepted_prediction_tokens(prediction: tuple[int, ...], output: list[int]) -> int:
+    """The prediction's ids that the output repeats: their common start and end, and the
+    sizes of the matching blocks of a diff of what lies between (difflib's)."""
+    most = min(len(prediction), len(output))
+    head = next((i for i in range(most) if prediction[i] != output[i]), most)
+    tail = next((i for i in range(most - head) if prediction[-1 - i] != output[-1 - i]),
+                most - head)
+    inner = prediction[head:len(prediction) - tail], output[head:len(output) - tail]
+    if not inner[0] or not inner[1]:
+        return head + tail
+    matcher = SequenceMatcher(None, *inner,
+                              autojunk=len(inner[0]) * len(inner[1]) > MAX_EXACT_DIFF)
+    return head + tail + sum(block.size for block in matcher.get_matching_blocks())
+
+
+def prediction_usage(prediction: tuple[int, ...], outputs: list[list[int]]) -> dict:
+    """completion_tokens_details' counts of a prediction, each output (a choice's ids)
+    counted against it and the counts summed, as the usage's tokens are."""
+    accepted = sum(accepted_prediction_tokens(prediction, output) for output in outputs)
+    return {"accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": len(prediction) * len(outputs) - accepted}
