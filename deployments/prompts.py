@@ -139,7 +139,7 @@ class PromptReader:
                                                              body)
         free = tuple(t for t in self.end_ids if t not in (body.stop_token_ids or ())) \
             if body.ignore_eos and sampling.grammar_after else ()
-        prediction = getattr(body, "prediction", None)  # a chat's alone
+        prediction = getattr(body, "prediction", None)  # a chat's or a completion's
         predicted = () if prediction is None else await asyncio.get_running_loop(
             ).run_in_executor(self.tokenizing, predicted_ids, self.tokenizer, prediction.text,
                               self.max_prompt_bytes, self.context_limit)

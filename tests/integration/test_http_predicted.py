@@ -1,6 +1,7 @@
 """OpenAI's Predicted Outputs through the official openai client on the shared deployment: a
-chat with a prediction answers as without one (greedy, K = 0, 4 and auto, streamed too), its
-drafts taken from the prediction, and its usage counts the prediction's tokens."""
+chat (and, an extension, a completion) with a prediction answers as without one (greedy,
+K = 0, 4 and auto, streamed too), its drafts taken from the prediction, and its usage counts
+the prediction's tokens."""
 
 import pytest
 
@@ -46,3 +47,16 @@ def test_a_prediction_of_another_shape_is_a_400_naming_it(client):
     with pytest.raises(BadRequestError) as refused:
         chat(client, 0, prediction={"type": "text", "content": "x"})
     assert refused.value.body["param"] == "prediction"
+
+
+def test_a_completion_takes_a_prediction_too(client):
+    """An extension (OpenAI's and vLLM's completions have none): the same answer, drafted
+    from the prediction and counted against it."""
+    ask = {"model": "specserve-demo", "prompt": "def parse(self", "max_tokens": 32,
+           "temperature": 0}
+    text = client.completions.create(**ask, extra_body={"num_speculative_tokens": 0}
+                                     ).choices[0].text
+    answer = client.completions.create(**ask, extra_body={
+        "num_speculative_tokens": 4, "prediction": {"type": "content", "content": text}})
+    assert answer.choices[0].text == text
+    assert answer.usage.completion_tokens_details.accepted_prediction_tokens > 0

@@ -44,8 +44,11 @@ def test_openais_shapes_of_a_prediction_are_taken():
     for empty in ("", [], [{"type": "text", "text": ""}]):
         assert chat_body(prediction={"type": "content", "content": empty}).prediction is None
     assert chat_body(prediction=None).prediction is None
-    # the completions endpoint has none (OpenAI's): an unknown field, ignored as any
-    assert not hasattr(CompletionRequest(prompt="x", prediction={"type": "x"}), "prediction")
+    # the completions endpoint takes it too (an extension: OpenAI's and vLLM's have none)
+    assert CompletionRequest(prompt="x", prediction={"type": "content", "content": "y"}
+                             ).prediction.text == "y"
+    with pytest.raises(ValueError, match="prediction"):
+        CompletionRequest(prompt="x", prediction={"type": "x"})
 
 
 @pytest.mark.parametrize("prediction", [
