@@ -76,13 +76,20 @@ def request_split(parser: ReasoningParserName | None, body, plan,
     under the router's structured_outputs_enable_in_reasoning, whose grammars all hold from
     the first token: the split is the one grammar_gate's gate gives, as vLLM's front end
     splits the text whatever its engine's gate."""
+    # the gate of each prompt, read once: a prompt's choices share its ids (a scan of them
+    # a choice took 0.63 s of the router's loop for 128 choices of a 128k-token prompt)
+    ungated: dict[int, bool] = {}
+
     def constrained(request) -> bool:
         if request.sampling.grammar is None:
             return False
-        if in_reasoning is not None:
-            return grammar_gate(parser, in_reasoning, body, True,
-                                request.prompt_token_ids) == UNGATED
-        return not request.sampling.grammar_after
+        if in_reasoning is None:
+            return not request.sampling.grammar_after
+        prompt = request.prompt_token_ids
+        if id(prompt) not in ungated:
+            ungated[id(prompt)] = grammar_gate(parser, in_reasoning, body, True,
+                                               prompt) == UNGATED
+        return ungated[id(prompt)]
 
     return reasoning_split(parser, body.template_kwargs(),
                            any(constrained(c.request) for c in plan.choices),

@@ -118,6 +118,9 @@ class RequestState:
         self.thinking = None if thinking is None else \
             ThinkingTracker(thinking, request.prompt_token_ids)
         self.round_kept = 0  # the last round's ids its commit kept (a thinking budget's cut)
+        # where _reasoning_at reads the output on from (the ids before it hold no end of the
+        # reasoning); None once it found one
+        self.reasoned: int | None = len(request.prompt_token_ids)
 
     def _prompt_hasher(self) -> GrowingPrefixHash:
         shared = self.request.prompt_hash
@@ -168,12 +171,22 @@ class RequestState:
 
     def _reasoning_at(self, token: int) -> bool:
         """Whether the stop id just committed is one the reasoning ignores
-        (Request.free_in_reasoning), in the reasoning of a grammar after it."""
-        sampling = self.request.sampling
-        if token not in self.request.free_in_reasoning or not sampling.grammar_after:
+        (Request.free_in_reasoning), in the reasoning of a grammar after it: the output
+        before it read on from where the last such id left it (self.reasoned), as the masks
+        read it (the output's ids alone); read whole at each, 32k end ids took 10 s."""
+        sampling, start = self.request.sampling, self.reasoned
+        if token not in self.request.free_in_reasoning or not sampling.grammar_after or \
+                start is None:
             return False
-        before = self.committed[len(self.request.prompt_token_ids):-1]
-        return reasoning_end(before, 0, sampling.grammar_after, sampling.grammar_at)[0] is None
+        # the end ids may begin before `start`, never in the prompt
+        low = max(len(self.request.prompt_token_ids), start - len(sampling.grammar_after) + 1)
+        window = self.committed[low:-1]
+        if reasoning_end(window, start - low, sampling.grammar_after,
+                         sampling.grammar_at)[0] is not None:
+            self.reasoned = None
+            return False
+        self.reasoned = len(self.committed) - 1
+        return True
 
     def _next(self, token_ids: tuple[int, ...], at: int) -> int | None:
         """The round's id at `at`, a forced id in its place (the round cut there unless it
