@@ -6,20 +6,33 @@ import random
 from drafter.ngram import TokenBytes, lookup
 
 
+def drawer(rng: random.Random, vocabs: list[int], spread: bool):
+    """A draw of one id: from a small vocabulary (many matches, of every n), or, spread,
+    among ids whose bytes straddle token boundaries (256, 65536, ...)."""
+    if spread:
+        return lambda: rng.choice([0, 1, 255, 256, 65_535, 65_536, 1 << 24])
+    vocab = rng.choice(vocabs)
+    return lambda: rng.randrange(vocab)
+
+
+def calls(rng: random.Random, draw, most_new: int):
+    """Six seeded lookups on one context grown call by call as a session's is: (committed,
+    assumed, k, min_ngram, max_ngram) each."""
+    committed = []
+    for _ in range(6):
+        committed += [draw() for _ in range(rng.randint(1, most_new))]
+        assumed = [draw() for _ in range(rng.randint(0, 3))]
+        k, low = rng.randint(1, 8), rng.randint(1, 3)
+        yield committed, assumed, k, low, rng.randint(low, 5)
+
+
 def test_the_byte_search_proposes_what_the_list_scan_does():
-    """Seeded contexts over small vocabularies (many matches, of every n) and ids whose bytes
-    straddle token boundaries (256, 65536, ...), grown call by call as a session's are."""
+    """Seeded contexts over small vocabularies and ids whose bytes straddle token boundaries
+    (drawer), grown call by call as a session's are."""
     rng = random.Random(5)
     for case in range(400):
-        vocab = rng.choice([2, 3, 5, 50, 70_000])
-        spread = [0, 1, 255, 256, 65_535, 65_536, 1 << 24] if case % 3 == 0 else None
-        draw = (lambda: rng.choice(spread)) if spread else (lambda: rng.randrange(vocab))
-        tokens, committed = TokenBytes(), []
-        for _ in range(6):
-            committed += [draw() for _ in range(rng.randint(1, 12))]
-            assumed = [draw() for _ in range(rng.randint(0, 3))]
-            k, low = rng.randint(1, 8), rng.randint(1, 3)
-            high = rng.randint(low, 5)
+        draw, tokens = drawer(rng, [2, 3, 5, 50, 70_000], case % 3 == 0), TokenBytes()
+        for committed, assumed, k, low, high in calls(rng, draw, 12):
             context = committed + assumed
             got = tokens.extended(committed).lookup(assumed, k, low, high, context)
             assert got == lookup(context, k, low, high), (context, k, low, high)

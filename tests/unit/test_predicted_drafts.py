@@ -11,6 +11,7 @@ from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall
 from tests.tiny import hf_greedy, run, tiny_llama
+from tests.unit.test_ngram import calls, drawer
 from verifier.engine import ModelVerifier
 
 MAX_TOKENS = 24
@@ -39,16 +40,10 @@ def test_the_byte_search_over_a_prediction_proposes_what_the_reference_does():
     bytes straddle token boundaries, grown call by call with the cursor carried."""
     rng = random.Random(11)
     for case in range(400):
-        vocab = rng.choice([2, 3, 5, 50])
-        spread = [0, 1, 255, 256, 65_535, 65_536, 1 << 24] if case % 3 == 0 else None
-        draw = (lambda: rng.choice(spread)) if spread else (lambda: rng.randrange(vocab))
+        draw = drawer(rng, [2, 3, 5, 50], case % 3 == 0)
         prediction = tuple(draw() for _ in range(rng.randint(0, 20)))
-        tokens, committed, cursor = TokenBytes(), [], 0
-        for _ in range(6):
-            committed += [draw() for _ in range(rng.randint(1, 8))]
-            assumed = [draw() for _ in range(rng.randint(0, 3))]
-            k, low = rng.randint(1, 8), rng.randint(1, 3)
-            high = rng.randint(low, 5)
+        tokens, cursor = TokenBytes(), 0
+        for committed, assumed, k, low, high in calls(rng, draw, 8):
             context = committed + assumed
             got = tokens.extended(committed).predicting(prediction).lookup(
                 assumed, k, low, high, context)
