@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--vllm-ngram", action="store_true",
                         help="vLLM with prompt lookup (its ngram speculation) too")
     parser.add_argument("--predicted-edits", type=float, default=None,
-                        help="chats with a prediction: the answer with this share edited")
+                        help="requests with a prediction: the answer with this share edited")
     args = parser.parse_args()
     if args.predicted_edits is not None:
         if args.context_tokens:

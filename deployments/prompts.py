@@ -17,7 +17,7 @@ from deployments.chat_messages import (
     with_call_ids_cut,
 )
 from deployments.generation_defaults import recommended_defaults
-from deployments.predictions import predicted_ids
+from deployments.predictions import PredictionReader
 from deployments.chat_templates import (UNTRUSTED, ChatTemplate, model_template, read_template,
                                         wants_system_first)
 from deployments.ingress import BadRequest
@@ -64,6 +64,8 @@ class PromptReader:
         # safe to share between threads)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.grammar_tokenizer = grammar_tokenizer_or_none(tokenizer, target.vocab_size)
+        self.predictions = PredictionReader(self.tokenizing, tokenizer, self.max_prompt_bytes,
+                                            self.context_limit)
         self.reasoning_parser = args.reasoning_parser
         self.think_tokens = ThinkTokens.of(tokenizer, args.reasoning_parser) \
             if args.reasoning_parser else None
@@ -140,9 +142,7 @@ class PromptReader:
         free = tuple(t for t in self.end_ids if t not in (body.stop_token_ids or ())) \
             if body.ignore_eos and sampling.grammar_after else ()
         prediction = getattr(body, "prediction", None)  # a chat's or a completion's
-        predicted = () if prediction is None else await asyncio.get_running_loop(
-            ).run_in_executor(self.tokenizing, predicted_ids, self.tokenizer, prediction.text,
-                              self.max_prompt_bytes, self.context_limit)
+        predicted = () if prediction is None else await self.predictions.ids(prediction)
         return Prompt(prompt_ids, sampling, stop_ids, text, free, predicted)
 
     def rendered(self, body) -> str:

@@ -89,6 +89,34 @@ def test_the_prompt_reader_tokenizes_a_prediction_within_the_context(reader):
     assert refused.value.param == "prediction" and "the limit is 64" in str(refused.value)
 
 
+def test_a_special_tokens_text_in_a_prediction_is_read_as_text(reader):
+    """"<|endoftext|>" in a prediction is the text's ids, as in a message: not the end
+    token, which the answer writing that text never repeats."""
+    text = "x = 1 <|endoftext|> y"
+    prompt = asyncio.run(reader.read(chat_body(
+        prediction={"type": "content", "content": text}), chat=True))
+    assert prompt.prediction_ids == tuple(reader.tokenizer(
+        text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    assert not set(prompt.prediction_ids) & set(reader.tokenizer.all_special_ids)
+
+
+def test_a_batchs_prompts_read_the_bodys_prediction_once(reader, monkeypatch):
+    """Each prompt of a completions batch (each conversation of a chat batch) reads the
+    body's one prediction: tokenized once, its ids one tuple for them all."""
+    from deployments import predictions
+
+    calls = []
+    monkeypatch.setattr(predictions, "predicted_ids",
+                        lambda *args: calls.append(args) or (7, 8, 9))
+    prediction = {"type": "content", "content": [{"type": "text", "text": "once "},
+                                                 {"type": "text", "text": "only"}]}
+    body = CompletionRequest(prompt=["a", "b", "c"], prediction=prediction)
+    read = [asyncio.run(reader.read(body.model_copy(update={"prompt": p}), chat=False))
+            for p in body.prompts()]
+    read.append(asyncio.run(reader.read(chat_body(prediction=prediction), chat=True)))
+    assert len(calls) == 1 and all(r.prediction_ids is read[0].prediction_ids for r in read)
+
+
 def planned(front_end: RequestFrontEnd | None = None, **fields):
     """Router.plan_one over stand-ins: a prompt of two tokens predicting 5 6 7."""
 
@@ -139,6 +167,30 @@ def test_a_long_diff_stays_cheap_and_counts_a_lower_bound():
     output = list(prediction)
     output[5_000] = output[15_000] = 777
     assert accepted_prediction_tokens(prediction, output) == 19_998
+
+
+def test_a_diff_compares_at_most_max_diff_pairs_pairs_of_ids(monkeypatch):
+    """One id repeated against an output holding it every other id: difflib's recursion
+    compared the pairs again at each depth (93 s for 2k x 2k ids on a 2-core VM, 3.1M
+    pairs for 256 x 256 here); the diff stops at MAX_DIFF_PAIRS, a lower bound still."""
+    from difflib import SequenceMatcher
+
+    from deployments import predictions
+
+    compared, find = [0], SequenceMatcher.find_longest_match
+
+    def counted(self, alo=0, ahi=None, blo=0, bhi=None):
+        compared[0] += sum(j < bhi for i in range(alo, ahi) for j in self.b2j.get(self.a[i], ()))
+        return find(self, alo, ahi, blo, bhi)
+
+    monkeypatch.setattr(SequenceMatcher, "find_longest_match", counted)
+    monkeypatch.setattr(predictions, "MAX_DIFF_PAIRS", 20_000, raising=False)
+    output = [0 if i % 2 == 0 else 1000 + i for i in range(256)]
+    accepted = accepted_prediction_tokens((0,) * 256, output)
+    assert compared[0] <= 20_000 and 0 < accepted <= 128
+    compared[0] = 0  # an edited answer within the bound: counted whole
+    assert accepted_prediction_tokens(tuple(range(300)), [*range(100), 7, *range(101, 300)]) \
+        == 299 and compared[0] <= 20_000
 
 
 def test_a_chats_usage_carries_the_prediction_counts_beside_its_reasoning_tokens():
