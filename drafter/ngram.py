@@ -208,7 +208,7 @@ class NgramDrafter:
         if prediction and len(context) == call.prompt_len:  # no output yet: it starts there
             return list(prediction[:call.num_speculative_tokens])
         state = sequence.drafter_state.extended(sequence.committed)
-        return state.predicting(call.prediction_token_ids).lookup(
+        return state.predicting(prediction).lookup(
             list(call.assumed_token_ids), call.num_speculative_tokens, self.min_ngram,
             self.max_ngram, context)
 
