@@ -134,7 +134,7 @@ class TokenMasks:
             return self.matcher.validate_tokens(list(tokens))
         # the head's last ids that may begin the end ids with the proposal's (no copy of a
         # long reasoning a proposal)
-        window = self.head[len(self.head) - len(self.after) + 1:] if len(self.after) > 1 else []
+        window = self.head[max(0, len(self.head) - len(self.after) + 1):]
         end, _ = self.reasoning_end(window + list(tokens), len(window))
         if end is None:
             return len(tokens)

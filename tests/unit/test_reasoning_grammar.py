@@ -376,3 +376,17 @@ def test_the_router_takes_gated_scores_only_from_a_verifier_that_says_it_gated(d
     assert gated(calls[()], older) is older
     with pytest.raises(PoolUnavailable, match="one version"):
         gated(calls[ENDS["one id"]], older)
+
+
+def test_a_proposal_completes_end_ids_a_short_reasoning_began(demo):
+    """The n-gram drafter's cut where the end ids (four here) began in a reasoning shorter
+    than they are and a proposal completes them: the grammar holds on what follows, so a
+    token it refuses there is cut (the head's ids were read from a negative index: the
+    first of them lost, the end missed and the whole proposal allowed)."""
+    _, _, _, ll, _, grammar = demo
+    ends = (101, 102, 103, 104)
+    refused = int((~TokenMasks(ll, grammar).next_mask(1000)).nonzero()[0])
+    sampling = SamplingParams(temperature=0, grammar=grammar, grammar_after=ends)
+    matcher = matcher_after(SimpleNamespace(constraint=None), sampling, ll, list(ends[:2]))
+    assert not matcher.opened
+    assert matcher.allowed_prefix([*ends[2:], refused]) == 2
