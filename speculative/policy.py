@@ -216,6 +216,12 @@ class AdaptiveK:
         joined, self.trials = trials is not self.trials, trials
         if trials.k is None:
             trials.switch(self.choose(None))
+            if trials.k == 0 and self.bounds.max > 0:
+                # a band that starts without a draft tries the K the model drafts best by,
+                # as one that drafted before tries its last K: from K = 0 trials of K = 1
+                # alone lose to plain steps and kept a batch whose drafts were nearly all
+                # accepted (a prediction's) at K = 0 for good
+                trials.drafting = self.best_drafting()
         elif trials.rounds % self.choose_every == 0:
             # the trials decide once they have judged a K; till then the model, which must
             # promise `margin` more to move the whole batch (a change costs every request a
@@ -288,16 +294,19 @@ class AdaptiveK:
     def choose(self, current: int | None = None) -> int:
         """The best K, where K = 0 must win by `margin` to be entered, and is kept until
         drafting wins by `margin`."""
-        low = max(1, self.bounds.min)
-        if low > self.bounds.max:
+        if max(1, self.bounds.min) > self.bounds.max:
             return 0
-        best = max(range(low, self.bounds.max + 1), key=self.rate)
+        best = self.best_drafting()
         if not self.zero_allowed():
             return best
         plain, drafting = self.rate(0), self.rate(best)
         if current == 0:
             return 0 if drafting <= plain * (1 + self.margin) else best
         return 0 if plain > drafting * (1 + self.margin) else best
+
+    def best_drafting(self) -> int:
+        """The K of at least 1 in the bounds with the most expected tokens per second."""
+        return max(range(max(1, self.bounds.min), self.bounds.max + 1), key=self.rate)
 
     def rate(self, k: int) -> float:
         """Expected tokens per second at K = k."""

@@ -89,6 +89,30 @@ def test_from_k_zero_the_trials_also_try_the_k_the_batch_drafted_at():
     assert {0, 1, 4} <= set(ks) and trials.k == 4
 
 
+def test_a_band_that_starts_at_k_zero_tries_the_k_the_model_drafts_best_by(monkeypatch):
+    """The band's first choice is K = 0 (measured: a prediction's requests at 16 streams, the
+    model's costs from the first loaded rounds) while the drafts are nearly all accepted:
+    plain steps beat K = 1 and lose to K = 4. Its trials try the K the model drafts best by
+    (4 here), not K = 1 alone, and the batch leaves K = 0; the mutant that tries K = 1 alone
+    keeps the batch at K = 0 for good."""
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, current=None: 0)
+    yields = {0: 60.0, 1: 45.0, 2: 55.0, 3: 70.0, 4: 90.0, 5: 75.0, 6: 70.0, 7: 65.0,
+              8: 60.0}
+
+    def run() -> tuple[list[int], int]:
+        costs = loaded(16)
+        policies = [at_load(costs, 16, alpha=0.95) for _ in range(2)]
+        ks = run_phases(policies, yields, phases=64)
+        return ks, costs.trials_at(16).k
+
+    assert at_load(loaded(16), 16, alpha=0.95).best_drafting() == 4
+    ks, k = run()
+    assert ks[0] == 0 and 4 in ks and k == 4
+    monkeypatch.setattr(AdaptiveK, "best_drafting", lambda self: 1)
+    ks, k = run()
+    assert set(ks) == {0, 1} and k == 0
+
+
 def test_without_the_back_off_losing_trials_keep_their_share(monkeypatch):
     """The mutant that never backs off (no losses kept) fails the check above."""
     monkeypatch.setattr(BatchTrials, "most_losses", 0)
