@@ -1,11 +1,12 @@
 """Predicted Outputs (OpenAI's `prediction`) as a draft source, in process.
 
-    python -m bench.predicted [--max-tokens 128] [--edits 0.1]
+    python -m bench.predicted [--max-tokens 128] [--edits 0.1] [--edit-kind replace]
 
 The demo pair in this process (one thread), greedy, on held-out prompts. Each prompt's
 answer is the target's alone (K = 0) first; then the same request again with a prediction:
-that answer with a share (--edits) of its tokens replaced by seeded random ones, as an edited
-file differs from the one it replaces. Rows: K = 0, the draft model at an adaptive K (the
+that answer with a share (--edits) of its tokens edited by seeded random ones, as an edited
+file differs from the one it replaces (--edit-kind: each replaced, or edits of 1-3 ids
+replaced, inserted or deleted). Rows: K = 0, the draft model at an adaptive K (the
 router's default drafter), prompt lookup (ngram) without the prediction and with it (what the
 router runs for a request with a prediction and no drafter named), each with tokens per round
 (mean acceptance length), tokens/s and the ratio to K = 0 in the same run; every row's
@@ -30,10 +31,26 @@ PROMPTS = [  # held-out prompts, not in the demo pair's training text
 ]
 
 
-def edited(answer: list[int], share: float, vocab: int, seed: int) -> tuple[int, ...]:
-    """The answer with about `share` of its tokens replaced by seeded random ids."""
+def edited(answer: list[int], share: float, vocab: int, seed: int,
+           kind: str = "replace") -> tuple[int, ...]:
+    """The answer with about `share` of its tokens edited, seeded: each replaced by a random
+    id ("replace"), or ("mixed") at about share / 2 of them an edit of 1 to 3 ids, a
+    replacement, an insertion of random ids before them or their deletion, alike."""
     rng = random.Random(seed)
-    return tuple(rng.randrange(vocab) if rng.random() < share else t for t in answer)
+    if kind == "replace":
+        return tuple(rng.randrange(vocab) if rng.random() < share else t for t in answer)
+    out, i = [], 0
+    while i < len(answer):
+        if rng.random() >= share / 2:
+            out.append(answer[i])
+            i += 1
+            continue
+        span, how = rng.randint(1, 3), rng.choice(("replace", "insert", "delete"))
+        if how != "delete":
+            out += [rng.randrange(vocab) for _ in range(span)]
+        if how != "insert":
+            i += span
+    return tuple(out)
 
 
 def run(args) -> list[dict]:
@@ -49,7 +66,7 @@ def run(args) -> list[dict]:
     totals = {method: [0, 0.0, 0, True] for method in methods}  # tokens, s, rounds, same
     for index, prompt in enumerate(prompts):
         alone, _, _ = run_loop(None, verifier, prompt, args.max_tokens, 0.0, 0, 0)
-        prediction = edited(alone, args.edits, vocab, seed=index)
+        prediction = edited(alone, args.edits, vocab, seed=index, kind=args.edit_kind)
         for method, build in methods.items():
             drafter, k = build()
             predicted = prediction if "prediction" in method else ()
@@ -68,7 +85,7 @@ def run(args) -> list[dict]:
 
 def print_table(rows: list[dict], args) -> None:
     print(f"demo pair, greedy, {len(PROMPTS)} prompts x {args.max_tokens} tokens, predictions "
-          f"with {args.edits:.0%} of their tokens replaced, one thread, torch "
+          f"with {args.edits:.0%} of their tokens edited ({args.edit_kind}), one thread, torch "
           f"{torch.__version__}")
     print("| method | tokens/s | tokens/round | vs K = 0 | same tokens |")
     print("|---|---|---|---|---|")
@@ -81,7 +98,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--edits", type=float, default=0.1,
-                        help="the share of the prediction's tokens replaced")
+                        help="the share of the prediction's tokens edited")
+    parser.add_argument("--edit-kind", choices=["replace", "mixed"], default="replace",
+                        help="replace: single ids replaced; mixed: edits of 1-3 ids, "
+                             "replaced, inserted or deleted")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print_table(run(args), args)

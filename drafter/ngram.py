@@ -21,6 +21,11 @@ in it, the occurrence nearest at or after where the request's previous match in 
 (`TokenBytes.cursor`: an edited answer walks through its prediction in order), else the
 nearest before; the proposal is what follows there, up to K ids, never past its end. Before
 the output's first token the proposal is the prediction's first K ids (it is an output).
+Where the output has just replaced predicted ids in place (a name or a number edited), the
+proposal goes on after them at once (`TokenBytes.realigned`), where an n-gram would find
+the place again only n ids later: demo pair, K = 4, 128-token answers, 3 edit seeds x 3
+prompts, target tokens per forward 3.03 -> 3.48 with 10 % of the ids replaced, 3.57 -> 3.66
+with edits of 1-3 ids replaced, inserted or deleted alike (`bench.predicted --edit-kind`).
 """
 
 from array import array
@@ -78,11 +83,15 @@ class TokenBytes:
     extended as they commit; dropped with the session or on a full-prefix rebuild. With a
     predicted output, its ids too, and where the last match in them went on (`cursor`)."""
 
+    most_guesses = 2  # realigned proposals in a row refused whole (an edit of 2 ids)
+
     def __init__(self) -> None:
         self.data = bytearray()  # 4 bytes a committed id
         self.prediction_ids: tuple[int, ...] = ()
         self.prediction = b""  # 4 bytes a predicted id
-        self.cursor = 0  # the predicted ids' index after the last match in them
+        self.cursor = 0  # the predicted ids' index after the last match in them...
+        self.anchor: int | None = None  # ...the context's length then (the output's index)
+        self.guesses = 0  # realigned proposals in a row that nothing of was accepted
 
     def predicting(self, prediction_ids: tuple[int, ...]) -> "TokenBytes":
         """The request's predicted output (the same tuple every call: converted once)."""
@@ -109,7 +118,8 @@ class TokenBytes:
         try:
             for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
                 suffix = bytes(data[-4 * n:])
-                if self.prediction and (found := self.predicted(suffix, n, num_tokens)):
+                if self.prediction and (found := self.predicted(
+                        suffix, n, num_tokens, context, last=n == min_ngram)):
                     return found
                 # a match ends before the last token: one follows it
                 at = aligned_rfind(data, suffix, 0, len(data) - 4) if n < len(context) else -1
@@ -121,18 +131,43 @@ class TokenBytes:
             if tail:
                 del data[-len(tail):]
 
-    def predicted(self, suffix: bytes, n: int, num_tokens: int) -> list[int]:
+    def predicted(self, suffix: bytes, n: int, num_tokens: int, context: list[int],
+                  last: bool = False) -> list[int]:
         """Up to num_tokens predicted ids after the n-gram's occurrence in the prediction
         that goes on nearest at or after the cursor, else nearest before it (the cursor
-        then moves there); [] when no occurrence has an id after it."""
-        data, last = self.prediction, len(self.prediction) - 4
-        at = aligned_find(data, suffix, 4 * max(0, self.cursor - n), last)
+        then moves there); [] when no occurrence has an id after it. At the last n-gram
+        length, an output that replaced predicted ids in place goes on after them
+        (`realigned`) unless the occurrence lies at or before that place."""
+        data, end = self.prediction, len(self.prediction) - 4
+        at = aligned_find(data, suffix, 4 * max(0, self.cursor - n), end)
         if at < 0 and self.cursor > n:  # goes on before the cursor: ends by cursor - 1
-            at = aligned_rfind(data, suffix, 0, min(4 * (self.cursor - 1), last))
+            at = aligned_rfind(data, suffix, 0, min(4 * (self.cursor - 1), end))
+        resumed = self.realigned(context) if last else None
+        if resumed is not None and (at < 0 or at // 4 > resumed):
+            self.cursor, self.anchor = resumed, len(context)
+            self.guesses += 1
+            return list(self.prediction_ids[resumed:resumed + num_tokens])
         if at < 0:
             return []
-        self.cursor = at // 4 + n
+        self.cursor, self.anchor, self.guesses = at // 4 + n, len(context), 0
         return list(self.prediction_ids[self.cursor:self.cursor + num_tokens])
+
+    def realigned(self, context: list[int]) -> int | None:
+        """Where the output goes on in the prediction if the ids it wrote since the last
+        proposal from it replaced as many predicted ones (an edit in place: a name or a
+        number changed), when its last id is such a replacement and at most
+        `most_guesses` such proposals in a row were refused whole; else None. (Prompt
+        lookup alone finds the place again only once n ids after the edit match.)"""
+        if self.anchor is None:
+            return None
+        written = context[self.anchor:]
+        at = self.cursor + len(written)
+        if not written or at >= len(self.prediction_ids) or \
+                written[-1] == self.prediction_ids[at - 1]:
+            return None
+        if written[0] == self.prediction_ids[self.cursor]:
+            self.guesses = 0  # the last proposal was accepted in part: an edit ahead
+        return at if self.guesses < self.most_guesses else None
 
 
 class NgramDrafter:

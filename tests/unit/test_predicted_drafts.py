@@ -18,38 +18,89 @@ MAX_TOKENS = 24
 
 
 def reference(prediction: list[int], context: list[int], k: int, low: int, high: int,
-              cursor: int) -> tuple[list[int], int]:
-    """(the proposal, the cursor after it), read as the definition: at each n, longest
-    first, the prediction's occurrence going on nearest at or after the cursor, else nearest
-    before it, then the context's latest (drafter.ngram.lookup)."""
+              state: tuple) -> tuple[list[int], tuple]:
+    """(the proposal, the state after it: cursor, anchor, guesses), read as the definition:
+    at each n, longest first, the prediction's occurrence going on nearest at or after the
+    cursor, else nearest before it, then the context's latest (drafter.ngram.lookup); at
+    the last n, the prediction realigned past ids the output replaced in place, unless the
+    occurrence lies at or before that place."""
+    cursor, anchor, guesses = state
     for n in range(min(high, len(context)), low - 1, -1):
         suffix = context[-n:]
         goes_on = [s + n for s in range(len(prediction) - n) if prediction[s:s + n] == suffix]
         after, before = [c for c in goes_on if c >= cursor], [c for c in goes_on if c < cursor]
-        if after or before:
-            at = min(after) if after else max(before)
-            return prediction[at:at + k], at
+        at = min(after) if after else max(before) if before else None
+        if n == low:
+            resumed, guesses = realigned(prediction, context, cursor, anchor, guesses)
+            if resumed is not None and (at is None or at - n > resumed):
+                return prediction[resumed:resumed + k], (resumed, len(context), guesses + 1)
+        if at is not None:
+            return prediction[at:at + k], (at, len(context), 0)
         for start in range(len(context) - n - 1, -1, -1) if n < len(context) else ():
             if context[start:start + n] == suffix:
-                return repeated(context[start + n:start + n + k], k), cursor
-    return [], cursor
+                return repeated(context[start + n:start + n + k], k), state
+    return [], state
+
+
+def realigned(prediction: list[int], context: list[int], cursor: int, anchor: int | None,
+              guesses: int) -> tuple[int | None, int]:
+    """(where the output goes on if the ids written since the anchor replaced as many
+    predicted ones, when its last id replaced one and fewer than 2 such guesses in a row
+    were refused whole, else None; the guesses, none if the last was accepted in part)."""
+    if anchor is None:
+        return None, guesses
+    written = context[anchor:]
+    at = cursor + len(written)
+    if not written or at >= len(prediction) or written[-1] == prediction[at - 1]:
+        return None, guesses
+    guesses = 0 if written[0] == prediction[cursor] else guesses
+    return (at if guesses < TokenBytes.most_guesses else None), guesses
 
 
 def test_the_byte_search_over_a_prediction_proposes_what_the_reference_does():
     """Seeded predictions and contexts over small vocabularies (many matches) and ids whose
-    bytes straddle token boundaries, grown call by call with the cursor carried."""
+    bytes straddle token boundaries, grown call by call with the state carried."""
     rng = random.Random(11)
     for case in range(400):
         draw = drawer(rng, [2, 3, 5, 50], case % 3 == 0)
         prediction = tuple(draw() for _ in range(rng.randint(0, 20)))
-        tokens, cursor = TokenBytes(), 0
+        tokens, state = TokenBytes(), (0, None, 0)
         for committed, assumed, k, low, high in calls(rng, draw, 8):
             context = committed + assumed
             got = tokens.extended(committed).predicting(prediction).lookup(
                 assumed, k, low, high, context)
-            want, cursor = reference(list(prediction), context, k, low, high, cursor)
-            assert (got, tokens.cursor) == (want, cursor), (prediction, context, k, low, high)
+            want, state = reference(list(prediction), context, k, low, high, state)
+            assert (got, (tokens.cursor, tokens.anchor, tokens.guesses)) == (want, state), \
+                (prediction, context, k, low, high)
             assert len(tokens.data) == 4 * len(committed)
+
+
+def test_an_output_that_replaced_predicted_ids_goes_on_after_them(monkeypatch):
+    """The output left the prediction at 25 (wrote 99 where it predicted 25): prompt lookup
+    alone finds no place for 99 and proposes nothing until two ids after the edit match;
+    realigned, it proposes 26 27 28 at once, and after a second replaced id 27 28 29. An id
+    inserted (99 before 25, then 25) finds 25 again at its place, and a deleted one (26
+    after 24) goes on at 27; a third refused guess in a row is not made."""
+    prediction = tuple(range(20, 40))
+
+    def after(*output: int, k: int = 3) -> list[int]:
+        state = TokenBytes().predicting(prediction)
+        state.extended([1, 2])
+        assert state.lookup([], k, 1, 2, [1, 2]) == []  # the prompt: the output not begun
+        state.cursor, state.anchor = 0, 2  # the output's first id is the prediction's
+        context = [1, 2]
+        for written in output:  # a call after each id
+            context.append(written)
+            found = state.extended(context).lookup([], k, 1, 2, context)
+        return found
+
+    assert after(20, 21, 22, 23, 24, 99) == [26, 27, 28]
+    assert after(20, 21, 22, 23, 24, 99, 98) == [27, 28, 29]
+    assert after(20, 21, 22, 23, 24, 99, 25) == [26, 27, 28]  # inserted: back at 25
+    assert after(20, 21, 22, 23, 24, 26) == [27, 28, 29]  # deleted: 26 found near
+    assert after(20, 21, 22, 23, 24, 99, 98, 97) == []  # two guesses refused whole
+    monkeypatch.setattr(TokenBytes, "most_guesses", 0)  # prompt lookup alone
+    assert after(20, 21, 22, 23, 24, 99) == []
 
 
 def proposed(drafter: NgramDrafter, request_id: str, context: tuple[int, ...], k: int,
