@@ -23,9 +23,10 @@ nearest before; the proposal is what follows there, up to K ids, never past its 
 the output's first token the proposal is the prediction's first K ids (it is an output).
 Where the output has just replaced predicted ids in place (a name or a number edited), the
 proposal goes on after them at once (`TokenBytes.realigned`), where an n-gram would find
-the place again only n ids later: demo pair, K = 4, 128-token answers, 3 edit seeds x 3
-prompts, target tokens per forward 3.03 -> 3.48 with 10 % of the ids replaced, 3.57 -> 3.66
-with edits of 1-3 ids replaced, inserted or deleted alike (`bench.predicted --edit-kind`).
+the place again only n ids later. Measured (docs/benchmarks.md, predicted outputs): the
+target's tokens per forward at K = 4 up 15 % with 10 % of the ids replaced, 2.5 % with edits
+of 1-3 ids replaced, inserted or deleted alike, in sequential rounds; in pipelined rounds
+(the router's default), whose rounds after a rejection verify one token, +4 % and -4 %.
 """
 
 from array import array
@@ -119,7 +120,7 @@ class TokenBytes:
             for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
                 suffix = bytes(data[-4 * n:])
                 if self.prediction and (found := self.predicted(
-                        suffix, n, num_tokens, context, last=n == min_ngram)):
+                        suffix, n, num_tokens, context, n == min_ngram, bool(assumed))):
                     return found
                 # a match ends before the last token: one follows it
                 at = aligned_rfind(data, suffix, 0, len(data) - 4) if n < len(context) else -1
@@ -132,12 +133,13 @@ class TokenBytes:
                 del data[-len(tail):]
 
     def predicted(self, suffix: bytes, n: int, num_tokens: int, context: list[int],
-                  last: bool = False) -> list[int]:
+                  last: bool = False, assuming: bool = False) -> list[int]:
         """Up to num_tokens predicted ids after the n-gram's occurrence in the prediction
         that goes on nearest at or after the cursor, else nearest before it (the cursor
         then moves there); [] when no occurrence has an id after it. At the last n-gram
         length, an output that replaced predicted ids in place goes on after them
-        (`realigned`) unless the occurrence lies at or before that place."""
+        (`realigned`) unless the occurrence lies at or before that place. A match after
+        assumed ids (a pre-draft's: nothing of them accepted yet) keeps the guesses."""
         data, end = self.prediction, len(self.prediction) - 4
         at = aligned_find(data, suffix, 4 * max(0, self.cursor - n), end)
         if at < 0 and self.cursor > n:  # goes on before the cursor: ends by cursor - 1
@@ -149,7 +151,8 @@ class TokenBytes:
             return list(self.prediction_ids[resumed:resumed + num_tokens])
         if at < 0:
             return []
-        self.cursor, self.anchor, self.guesses = at // 4 + n, len(context), 0
+        self.cursor, self.anchor = at // 4 + n, len(context)
+        self.guesses = self.guesses if assuming else 0
         return list(self.prediction_ids[self.cursor:self.cursor + num_tokens])
 
     def realigned(self, context: list[int]) -> int | None:
@@ -157,15 +160,18 @@ class TokenBytes:
         proposal from it replaced as many predicted ones (an edit in place: a name or a
         number changed), when its last id is such a replacement and at most
         `most_guesses` such proposals in a row were refused whole; else None. (Prompt
-        lookup alone finds the place again only once n ids after the edit match.)"""
+        lookup alone finds the place again only once n ids after the edit match.) The
+        context may end before the anchor: a pre-draft's assumed ids set it, and the round
+        took fewer of them (in place, the output's index i is the prediction's i + cursor -
+        anchor either way)."""
         if self.anchor is None:
             return None
-        written = context[self.anchor:]
-        at = self.cursor + len(written)
-        if not written or at >= len(self.prediction_ids) or \
-                written[-1] == self.prediction_ids[at - 1]:
+        at = self.cursor + len(context) - self.anchor
+        if not 0 < at < len(self.prediction_ids) or \
+                context[-1] == self.prediction_ids[at - 1]:
             return None
-        if written[0] == self.prediction_ids[self.cursor]:
+        if len(context) > self.anchor and \
+                context[self.anchor] == self.prediction_ids[self.cursor]:
             self.guesses = 0  # the last proposal was accepted in part: an edit ahead
         return at if self.guesses < self.most_guesses else None
 
@@ -240,12 +246,12 @@ class NgramDrafter:
         if sequence.drafter_state is None:
             sequence.drafter_state = TokenBytes()
         prediction = call.prediction_token_ids
+        state = sequence.drafter_state.extended(sequence.committed).predicting(prediction)
         if prediction and len(context) == call.prompt_len:  # no output yet: it starts there
+            state.cursor, state.anchor = 0, len(context)  # (an edit at once: `realigned`)
             return list(prediction[:call.num_speculative_tokens])
-        state = sequence.drafter_state.extended(sequence.committed)
-        return state.predicting(prediction).lookup(
-            list(call.assumed_token_ids), call.num_speculative_tokens, self.min_ngram,
-            self.max_ngram, context)
+        return state.lookup(list(call.assumed_token_ids), call.num_speculative_tokens,
+                            self.min_ngram, self.max_ngram, context)
 
     def lookup_tree(self, call: ProposeCall, sequence, context: list[int]
                     ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

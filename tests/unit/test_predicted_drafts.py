@@ -7,7 +7,7 @@ import random
 import pytest
 
 from drafter.ngram import NgramDrafter, TokenBytes, repeated
-from speculative.prefixes import EMPTY_PREFIX_HASH
+from speculative.prefixes import EMPTY_PREFIX_HASH, prefix_hash
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall
 from tests.tiny import hf_greedy, run, tiny_llama
@@ -18,12 +18,12 @@ MAX_TOKENS = 24
 
 
 def reference(prediction: list[int], context: list[int], k: int, low: int, high: int,
-              state: tuple) -> tuple[list[int], tuple]:
+              state: tuple, assuming: bool = False) -> tuple[list[int], tuple]:
     """(the proposal, the state after it: cursor, anchor, guesses), read as the definition:
     at each n, longest first, the prediction's occurrence going on nearest at or after the
     cursor, else nearest before it, then the context's latest (drafter.ngram.lookup); at
     the last n, the prediction realigned past ids the output replaced in place, unless the
-    occurrence lies at or before that place."""
+    occurrence lies at or before that place; a match after assumed ids keeps the guesses."""
     cursor, anchor, guesses = state
     for n in range(min(high, len(context)), low - 1, -1):
         suffix = context[-n:]
@@ -35,7 +35,7 @@ def reference(prediction: list[int], context: list[int], k: int, low: int, high:
             if resumed is not None and (at is None or at - n > resumed):
                 return prediction[resumed:resumed + k], (resumed, len(context), guesses + 1)
         if at is not None:
-            return prediction[at:at + k], (at, len(context), 0)
+            return prediction[at:at + k], (at, len(context), guesses if assuming else 0)
         for start in range(len(context) - n - 1, -1, -1) if n < len(context) else ():
             if context[start:start + n] == suffix:
                 return repeated(context[start + n:start + n + k], k), state
@@ -49,11 +49,11 @@ def realigned(prediction: list[int], context: list[int], cursor: int, anchor: in
     were refused whole, else None; the guesses, none if the last was accepted in part)."""
     if anchor is None:
         return None, guesses
-    written = context[anchor:]
-    at = cursor + len(written)
-    if not written or at >= len(prediction) or written[-1] == prediction[at - 1]:
+    at = cursor + len(context) - anchor  # the anchor may lie past the context's end
+    if not 0 < at < len(prediction) or context[-1] == prediction[at - 1]:
         return None, guesses
-    guesses = 0 if written[0] == prediction[cursor] else guesses
+    accepted = len(context) > anchor and context[anchor] == prediction[cursor]
+    guesses = 0 if accepted else guesses
     return (at if guesses < TokenBytes.most_guesses else None), guesses
 
 
@@ -69,7 +69,8 @@ def test_the_byte_search_over_a_prediction_proposes_what_the_reference_does():
             context = committed + assumed
             got = tokens.extended(committed).predicting(prediction).lookup(
                 assumed, k, low, high, context)
-            want, state = reference(list(prediction), context, k, low, high, state)
+            want, state = reference(list(prediction), context, k, low, high, state,
+                                    bool(assumed))
             assert (got, (tokens.cursor, tokens.anchor, tokens.guesses)) == (want, state), \
                 (prediction, context, k, low, high)
             assert len(tokens.data) == 4 * len(committed)
@@ -101,6 +102,46 @@ def test_an_output_that_replaced_predicted_ids_goes_on_after_them(monkeypatch):
     assert after(20, 21, 22, 23, 24, 99, 98, 97) == []  # two guesses refused whole
     monkeypatch.setattr(TokenBytes, "most_guesses", 0)  # prompt lookup alone
     assert after(20, 21, 22, 23, 24, 99) == []
+
+
+def test_a_pre_draft_past_the_edit_leaves_the_guess_and_its_count():
+    """Pipelined (the router's default), a pre-draft looks up after the whole block under
+    verification (assumed), so its anchor lies past the round's end where the round replaced
+    a block id (99 for 24): the output still goes on after it (25 26 27 28), and a
+    pre-draft's match, nothing of it accepted yet, does not clear the refused guesses: a
+    third in a row is not made."""
+    state = TokenBytes().predicting(tuple(range(20, 40)))
+    context = [1, 2, 20, 21]
+
+    def called(*written: int, assumed: tuple[int, ...] = ()) -> list[int]:
+        context.extend(written)
+        return state.extended(context).lookup(list(assumed), 4, 1, 2, context + list(assumed))
+
+    block = called()
+    assert block == [22, 23, 24, 25]
+    called(assumed=block)  # the pre-draft beside the verify
+    block = called(22, 23, 99)
+    assert block == [25, 26, 27, 28]  # was []: the anchor past the context's end
+    called(assumed=block)
+    block = called(98)  # refused whole: the edit goes on
+    assert block == [26, 27, 28, 29]
+    called(assumed=block)
+    assert called(97) == []  # two refused whole in a row
+
+
+def test_an_edit_at_the_outputs_first_id_goes_on_after_it():
+    """The first round proposes the prediction's start; the output's first id replaced the
+    prediction's (99 for 20): the next proposal goes on after it at once."""
+    drafter, prediction, prompt = NgramDrafter(128), tuple(range(20, 40)), (1, 2)
+
+    def call(known: tuple[int, ...], new: tuple[int, ...]) -> tuple[int, ...]:
+        sync = PrefixSync(len(known), prefix_hash(list(known)), new)
+        return drafter.propose_now(ProposeCall(
+            "first", sync, 3, SamplingParams(temperature=0, max_tokens=64), seed=0,
+            prompt_len=len(prompt), prediction_token_ids=prediction)).token_ids
+
+    assert call((), prompt) == (20, 21, 22)
+    assert call(prompt, (99,)) == (21, 22, 23)
 
 
 def proposed(drafter: NgramDrafter, request_id: str, context: tuple[int, ...], k: int,
