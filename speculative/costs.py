@@ -219,6 +219,9 @@ class CostModel:
         # by load bucket
         self.overlap: dict[int, Overlap] = {}
         self.warned = False
+        # the router drafts itself (model-free: no pool contends for the cores, no catch-up
+        # after rounds without a draft), so the model may move a batch's K either way
+        self.router_side = False
         self.draft_adds = 0  # draft costs observed (the warning is checked on some)
 
     def trials_at(self, load: float) -> BatchTrials:

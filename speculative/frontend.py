@@ -179,8 +179,12 @@ class RequestFrontEnd:
     def k_policy(self, k: NumSpeculativeTokens, pipelined: bool, greedy: bool,
                  drafter_kind: str | None, trees: bool = False,
                  load: float = 1.0, plain_steps: int = 1) -> KPolicy:
-        costs = self.costs.setdefault((drafter_kind, greedy), CostModel()) if k == "auto" \
-            else None
+        costs = self.costs.get((drafter_kind, greedy)) if k == "auto" else None
+        if k == "auto" and costs is None:
+            costs = self.costs[drafter_kind, greedy] = CostModel()
+            # a drafter a request names is one the router runs itself (model-free: the
+            # request's `drafter`); None is the drafter pool's model
+            costs.router_side = drafter_kind is not None
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
                         self.defaults.draft_confidence, trees, load, plain_steps)
 

@@ -165,25 +165,46 @@ def test_before_a_trial_is_judged_the_model_may_only_lower_the_batch_k(monkeypat
     """Until the band's first trial is judged the model moves the batch's K, and only down:
     a model that says 8, then 0, then 6 (as its costs move) leaves the batch at 0. The
     mutant that takes the model's K either way moves the batch back to 6."""
-
-    def ks_run() -> list[int]:
-        said = [8, 0, 6]
-        monkeypatch.setattr(AdaptiveK, "choose", lambda self, current=None: said[0])
-        costs = loaded(64)
-        policy = at_load(costs, 64)
-        ks = []
-        for _ in range(3):
-            for _ in range(AdaptiveK.choose_every * 2):
-                k, _phase = policy.batch_k()
-            ks.append(k)
-            if len(said) > 1:
-                said.pop(0)  # the model's costs moved
-        assert not costs.trials_at(64).judged
-        return ks
-
-    assert ks_run() == [8, 0, 0]
+    assert ks_run(monkeypatch) == [8, 0, 0]
     monkeypatch.setattr(AdaptiveK, "lowered", lambda self, k: self.choose(k))
-    assert ks_run() == [8, 0, 6]
+    assert ks_run(monkeypatch) == [8, 0, 6]
+
+
+def test_a_drafter_the_router_runs_itself_lets_the_model_move_the_batch_k_either_way(
+        monkeypatch):
+    """Prompt lookup (a request's named drafter, a prediction's) has no pool to contend for
+    the cores and no catch-up after rounds without a draft: before a trial is judged the
+    model moves its batch back up (served, 4 streams of predicted requests: a batch the first
+    rounds lowered to K = 0 stayed there at 0.6-0.7x of a fixed K = 4)."""
+    assert ks_run(monkeypatch, router_side=True) == [8, 0, 6]
+    from speculative.frontend import RequestFrontEnd
+    from speculative.options import SpeculationDefaults
+    from speculative.sampling import SamplingParams
+
+    front = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens="auto"))
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    for kind, router_side in (("ngram", True), (None, False)):  # None: the drafter pool's
+        [choice] = front.plan("r", (1, 2), greedy, drafter_kind=kind).choices
+        assert choice.policy.costs.router_side is router_side
+
+
+def ks_run(monkeypatch, router_side: bool = False) -> list[int]:
+    """The batch K of a policy under load whose model says 8, then 0, then 6 (as its costs
+    move), before any trial is judged."""
+    said = [8, 0, 6]
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, current=None: said[0])
+    costs = loaded(64)
+    costs.router_side = router_side
+    policy = at_load(costs, 64)
+    ks = []
+    for _ in range(3):
+        for _ in range(AdaptiveK.choose_every * 2):
+            k, _phase = policy.batch_k()
+        ks.append(k)
+        if len(said) > 1:
+            said.pop(0)  # the model's costs moved
+    assert not costs.trials_at(64).judged
+    return ks
 
 
 def run_pipelined(policies: list[AdaptiveK], yields: dict[int, float], rounds: int) -> None:
