@@ -183,8 +183,8 @@ class RequestFrontEnd:
         if k == "auto" and costs is None:
             costs = self.costs[drafter_kind, greedy] = CostModel()
             # a drafter a request names is one the router runs itself (model-free: the
-            # request's `drafter`); None is the drafter pool's model
-            costs.router_side = drafter_kind is not None
+            # request's `drafter`); None (and the CLI's "model") is a draft model's
+            costs.router_side = drafter_kind not in (None, "model")
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
                         self.defaults.draft_confidence, trees, load, plain_steps)
 

@@ -183,7 +183,7 @@ def test_a_drafter_the_router_runs_itself_lets_the_model_move_the_batch_k_either
 
     front = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens="auto"))
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    for kind, router_side in (("ngram", True), (None, False)):  # None: the drafter pool's
+    for kind, router_side in (("ngram", True), (None, False), ("model", False)):
         [choice] = front.plan("r", (1, 2), greedy, drafter_kind=kind).choices
         assert choice.policy.costs.router_side is router_side
 
