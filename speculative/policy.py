@@ -255,7 +255,7 @@ class AdaptiveK:
         (the pools' contention for the cores and the rounds of transition are not in it);
         trials move the K up. A drafter the router runs itself has neither: its model moves
         the K either way (a prediction's batch, lowered to K = 0 by its first rounds'
-        acceptance, stayed there while K = 4 ran 1.7x faster)."""
+        acceptance, stayed there while K = 4 ran 1.4-1.6x faster)."""
         return self.choose(k) if self.costs.router_side else min(self.choose(k), k)
 
     def first_k(self) -> int:
