@@ -200,7 +200,7 @@ class CostModel:
     pools' compute, with a draft call and without.
     """
 
-    def __init__(self, prior_slope: float = 0.1) -> None:
+    def __init__(self, prior_slope: float = 0.1, router_side: bool = False) -> None:
         self.prior_slope = prior_slope
         self.verify = Curve()
         self.drafts: dict[int, Curve] = {}  # the draft line by load bucket
@@ -221,7 +221,7 @@ class CostModel:
         self.warned = False
         # the router drafts itself (model-free: no pool contends for the cores, no catch-up
         # after rounds without a draft), so the model may move a batch's K either way
-        self.router_side = False
+        self.router_side = router_side
         self.draft_adds = 0  # draft costs observed (the warning is checked on some)
 
     def trials_at(self, load: float) -> BatchTrials:

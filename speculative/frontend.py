@@ -181,10 +181,10 @@ class RequestFrontEnd:
                  load: float = 1.0, plain_steps: int = 1) -> KPolicy:
         costs = self.costs.get((drafter_kind, greedy)) if k == "auto" else None
         if k == "auto" and costs is None:
-            costs = self.costs[drafter_kind, greedy] = CostModel()
             # a drafter a request names is one the router runs itself (model-free: the
             # request's `drafter`); None (and the CLI's "model") is a draft model's
-            costs.router_side = drafter_kind not in (None, "model")
+            costs = self.costs[drafter_kind, greedy] = CostModel(
+                router_side=drafter_kind not in (None, "model"))
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
                         self.defaults.draft_confidence, trees, load, plain_steps)
 

@@ -4,7 +4,10 @@ whose trials keep losing is tried less often until it wins again, and each load 
 its own K."""
 
 from speculative.costs import CostModel, RoundCost
+from speculative.frontend import RequestFrontEnd
+from speculative.options import SpeculationDefaults
 from speculative.policy import AdaptiveK, KBounds
+from speculative.sampling import SamplingParams
 from speculative.yields import BatchTrials
 from tests.unit.test_policy import at_load, loaded
 
@@ -177,10 +180,6 @@ def test_a_drafter_the_router_runs_itself_lets_the_model_move_the_batch_k_either
     model moves its batch back up (served, 4 streams of predicted requests: a batch the first
     rounds lowered to K = 0 stayed there at 0.6-0.7x of a fixed K = 4)."""
     assert ks_run(monkeypatch, router_side=True) == [8, 0, 6]
-    from speculative.frontend import RequestFrontEnd
-    from speculative.options import SpeculationDefaults
-    from speculative.sampling import SamplingParams
-
     front = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens="auto"))
     greedy = SamplingParams(temperature=0, max_tokens=8)
     for kind, router_side in (("ngram", True), (None, False), ("model", False)):
@@ -194,7 +193,7 @@ def ks_run(monkeypatch, router_side: bool = False) -> list[int]:
     said = [8, 0, 6]
     monkeypatch.setattr(AdaptiveK, "choose", lambda self, current=None: said[0])
     costs = loaded(64)
-    costs.router_side = router_side
+    costs.router_side = router_side  # (loaded's CostModel is a pool drafter's)
     policy = at_load(costs, 64)
     ks = []
     for _ in range(3):
