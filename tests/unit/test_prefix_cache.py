@@ -328,3 +328,22 @@ def test_a_cache_salt_shares_prompt_blocks_only_within_its_salt(backend):
     assert cached("b")[0] == cached("c", "tenant-b")[0] == 0  # another salt, or none
     assert cached("d", "tenant-a") == (32, cached("e", "tenant-a", fresh)[1])
     assert cached("f")[0] == 32  # the unsalted among themselves, as before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rebuild_that_cuts_a_blocks_last_position_withdraws_that_block(backend):
+    """a published its two prompt blocks, then a rebuild kept 31 tokens (all of the second
+    block but its last position) and wrote another token there: that block's name is
+    withdrawn, so a new request with a's prompt takes only the first block, and its logits
+    equal a fresh forward (kept named, it read the other token's keys at position 31)."""
+    runner = served(backend)
+    size = runner.pool.block_size
+    store = SessionStore(8)
+    start(store, runner, "a", PROMPT)
+    store.apply("a", sync(PROMPT, [7]))  # a's prompt blocks are published
+    a = store.apply("a", sync([], PROMPT[:2 * size - 1] + [3] * 9))  # 31 tokens kept
+    runner.forward([a.segment(runner, [], 1)])
+    b, logits = start(store, runner, "b", PROMPT[:34])
+    assert b.cached_tokens == size
+    torch.testing.assert_close(logits, full_logits(runner.model, PROMPT[:34])[-1:], atol=ATOL,
+                               rtol=0)
