@@ -6,11 +6,14 @@ from hypothesis import strategies as st
 
 from speculative.rejection import (
     accept_drawn,
+    accept_first_predrafted,
     accept_greedy,
     rejection_sample,
     residual,
     residual_rows,
 )
+from speculative.tree import ROOT, DraftTree, accept_tree, accept_tree_drawn
+from speculative.types import DraftDists
 
 
 def gen(seed=0):
@@ -212,3 +215,27 @@ def test_a_sampled_tree_without_q_is_verified_by_matching_the_targets_draws():
         scores = TargetScores(target_token_ids=draws, tree_nodes=5)
         outcome, _ = accept(block, scores, False, gen())
         assert outcome.output_token_ids == output and outcome.num_accepted == len(output) - 1
+
+
+def test_a_coin_of_zero_never_accepts_a_token_the_target_rules_out(monkeypatch):
+    """u < min(1, p(x) / q(x)) is strict: at p(x) = 0 a coin of exactly 0 (torch.rand gives
+    one in 2**24) must reject x, in every form of the test (`<=` there, or dropping the
+    q(x) > 0 guard for `coin * q <= p`, emitted a token the target gives no mass and passed
+    every other test). Every router coin is 0 here; p(x) > 0 is still accepted."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *size, **kwargs: torch.tensor(0.0)
+                        if size in ((), ((),)) else real_rand(*size, **kwargs))
+    q = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    p = torch.tensor([0.0, 0.0, 0.25, 0.75])
+    out = rejection_sample([1], q[None], torch.stack([p, p]), gen())
+    assert out.num_accepted == 0 and out.output_token_ids[0] in (2, 3)
+    assert accept_drawn([1], [0.5], [0.0], [2], 9, gen()).output_token_ids == (2,)
+    assert accept_drawn([1], [0.5], [1e-6], [2], 9, gen()).output_token_ids == (1, 9)
+    token, taken = accept_first_predrafted(1, DraftDists.from_dense(q[None]),
+                                           DraftDists.from_dense(p[None]), gen())
+    assert not taken and token in (2, 3)
+    tree = DraftTree((1, 0), (ROOT, ROOT))
+    walked = accept_tree(tree, torch.stack([q, q, q]), torch.stack([p, p, p]), gen())
+    assert walked.round.num_accepted == 0 and walked.round.output_token_ids[0] in (2, 3)
+    drawn = accept_tree_drawn(tree, [0.0, 0.0], [3, 8, 8], gen())
+    assert drawn.round.output_token_ids == (3,)

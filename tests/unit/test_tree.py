@@ -13,6 +13,7 @@ from speculative.tree import (
     accept_tree,
     accept_tree_greedy,
     draw_children,
+    main_chain_length,
 )
 
 # root -> 3 (node 0) -> 1 (node 2)
@@ -27,6 +28,18 @@ def test_structure():
         DraftTree((1, 2), (1, ROOT))
     with pytest.raises(ValueError, match="one parent per token"):
         DraftTree((1, 2), (ROOT,))
+
+
+def test_the_main_chain_is_the_leading_nodes_each_under_the_one_before():
+    """main_chain_length by hand: the tokens a refused tree keeps as its chain (loop.
+    verify_tree_or_chain) and the confidences a block reports; one node more took a
+    sibling, drawn from another law, for the chain's next token. A node cannot be its own
+    parent (it would be a child of itself, never reached, its depth undefined)."""
+    assert main_chain_length((ROOT, 0, 1, ROOT, 0, 1)) == 3
+    assert main_chain_length((ROOT, ROOT)) == 1 and main_chain_length((ROOT, 0)) == 2
+    assert main_chain_length(TREE.parents) == 1 and main_chain_length(()) == 0
+    with pytest.raises(ValueError, match="earlier node"):
+        DraftTree((1, 2), (ROOT, 1))
 
 
 def test_greedy_follows_the_targets_argmax_down_the_tree():
