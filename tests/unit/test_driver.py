@@ -2,6 +2,7 @@
 read from ids by real tokenizers (characters split over tokens): test_detokenizer.py."""
 
 import asyncio
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -152,6 +153,16 @@ def test_the_earlier_of_a_stop_string_and_a_stop_token_wins():
     assert generation.text == "a"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_of_two_stop_strings_completed_by_one_token_the_earlier_starting_one_wins(include):
+    """"ab" and "b" both end at the token "b": the text is cut where "ab" starts (the
+    earliest cut, vLLM's too with "ab" listed first); the one starting later would keep "a"
+    (the random stops of the tests above seldom draw such a pair)."""
+    generation, deltas = generate([0, 1, 0], stop=("ab", "b"), k=2, include=include)
+    assert generation.token_ids == [0, 1] and generation.stop_reason == "ab"
+    assert generation.text == "".join(deltas) == ("ab" if include else "")
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 2), min_size=1, max_size=30),
        st.lists(st.text(ALPHABET, min_size=1, max_size=3), min_size=1, max_size=3),
@@ -178,6 +189,28 @@ def test_an_included_stop_token_keeps_its_text():
     generation, deltas = generate([0, 1, 2, 1, 0], stop_ids=(2,), k=4, include=True)
     assert generation.token_ids == [0, 1, 2] and generation.stop_reason == 2
     assert generation.text == "".join(deltas) == "ab\n"
+
+
+def test_an_end_token_the_reasoning_ignores_keeps_its_text_and_is_no_stop_reason():
+    """Under ignore_eos with a grammar after the reasoning (Request.free_in_reasoning), an
+    end token inside the reasoning ends nothing: its text stays in the output's and it is
+    not the stop_reason of an output that goes on (one round a token: it ends its round);
+    after the end ids ("bb") it is the stop it always was."""
+    output = [0, 2, 0, 1, 1, 0, 2, 0]  # "a\nabba\na": the end ids at 3-4
+    params = SamplingParams(temperature=0, max_tokens=len(output), grammar="start: /a/",
+                            grammar_after=(1, 1))
+    request = Request("r", PROMPT, params, (2,), free_in_reasoning=(2,))
+    for max_tokens in (7, 4):
+        generation = Generation(replace(request, sampling=replace(
+            params, max_tokens=max_tokens)), decode)
+        engine = Scripted(output, 3, len(PROMPT))
+        asyncio.run(generation.run(engine, engine, FixedK(0)))
+        if max_tokens == 7:
+            assert generation.token_ids == output[:7] and generation.text == "a\nabba"
+            assert (generation.finish_reason, generation.stop_reason) == ("stop", 2)
+        else:
+            assert generation.text == "a\nab" and generation.finish_reason == "length"
+            assert generation.stop_reason is None
 
 
 def test_max_tokens_is_length():

@@ -54,6 +54,19 @@ def test_gbnf_unicode_escapes_hold_their_characters(demo, gbnf, text, other):
         assert (matcher.advance(ids) == len(ids) and matcher.matcher.is_accepting()) == taken
 
 
+def test_a_choice_is_its_strings_as_text_not_as_regexes(demo):
+    """vLLM's guided_choice: each choice is literal text, a regex's metacharacters in it
+    included ("x+1" read as a regex takes "xx1" and refuses itself)."""
+    tokenizer, _, _, ll = demo
+    grammar = compile_spec("choice", ["x+1", "(a)", "b.c"], ll)
+    for sample, taken in (("x+1", True), ("(a)", True), ("b.c", True), ("xx1", False),
+                          ("a", False), ("bzc", False)):
+        ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+        matcher = TokenMasks(ll, grammar)
+        assert (matcher.advance(ids) == len(ids) and
+                matcher.matcher.is_accepting()) == taken, sample
+
+
 @pytest.mark.parametrize("blank", ["\n", " \n"])
 def test_a_grammar_of_blank_lines_is_refused_at_once(demo, blank, monkeypatch):
     """Whether a grammar is Lark was read with llguidance's is_lark_syntax, quadratic in a
@@ -101,6 +114,17 @@ def expanding_schema(depth: int, properties: int) -> dict:
 def test_a_choice_that_chooses_nothing_says_what_it_takes(demo, spec):
     with pytest.raises(GrammarError, match="a non-empty list of non-empty strings"):
         compile_spec("choice", spec, demo[3])
+
+
+@pytest.mark.parametrize("kind, spec", [
+    ("regex", "[^\\s\\S]"), ("regex", "abc[^\\s\\S]"),
+    ("grammar", 'start: "abc" B\nB: /[^\\s\\S]/')])
+def test_an_empty_language_is_refused_as_empty_not_as_its_end_breaking_it(demo, kind, spec):
+    """Where no text can follow, llguidance's mask allows the end token alone (here id 0,
+    the lowest): the probe leaves the end tokens out, so the client reads why ("its
+    language is empty"), not the matcher's NoExtensionBias after consuming the end."""
+    with pytest.raises(GrammarError, match="its language is empty"):
+        compile_spec(kind, spec, demo[3])
 
 
 def test_a_schema_that_expands_past_the_symbols_bound_is_refused_as_it_compiles(demo):

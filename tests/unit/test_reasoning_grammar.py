@@ -22,7 +22,7 @@ import torch
 from drafter.model import ModelDrafter
 from drafter.ngram import NgramDrafter
 from speculative.grammar import compile_spec
-from speculative.token_masks import TokenMasks, matcher_after
+from speculative.token_masks import TokenMasks, matcher_after, reasoning_end
 from speculative.prefixes import found_in
 from speculative.sampling import SamplingParams
 from tests.tiny import run
@@ -378,15 +378,29 @@ def test_the_router_takes_gated_scores_only_from_a_verifier_that_says_it_gated(d
         gated(calls[ENDS["one id"]], older)
 
 
-def test_a_proposal_completes_end_ids_a_short_reasoning_began(demo):
-    """The n-gram drafter's cut where the end ids (four here) began in a reasoning shorter
-    than they are and a proposal completes them: the grammar holds on what follows, so a
-    token it refuses there is cut (the head's ids were read from a negative index: the
-    first of them lost, the end missed and the whole proposal allowed)."""
+@pytest.mark.parametrize("before, begun", [(0, 2), (3, 3)])
+def test_a_proposal_completes_end_ids_a_short_reasoning_began(demo, before, begun):
+    """The n-gram drafter's cut where the end ids (four here) began in a reasoning (shorter
+    than they are, or not) and a proposal completes them: the grammar holds on what
+    follows, so a token it refuses there is cut (the head's ids were read from a negative
+    index: the first of them lost, the end missed and the whole proposal allowed; the
+    head's window must hold len(ends) - 1 ids, for a proposal that ends them at its first).
+    A forbidden proposal costs speed alone (the verifier's masks reject it)."""
     _, _, _, ll, _, grammar = demo
     ends = (101, 102, 103, 104)
     refused = int((~TokenMasks(ll, grammar).next_mask(1000)).nonzero()[0])
     sampling = SamplingParams(temperature=0, grammar=grammar, grammar_after=ends)
-    matcher = matcher_after(SimpleNamespace(constraint=None), sampling, ll, list(ends[:2]))
+    output = [7] * before + list(ends[:begun])  # a reasoning shorter or longer than they
+    matcher = matcher_after(SimpleNamespace(constraint=None), sampling, ll, output)
     assert not matcher.opened
-    assert matcher.allowed_prefix([*ends[2:], refused]) == 2
+    assert matcher.allowed_prefix([*ends[begun:], refused]) == len(ends) - begun
+
+
+def test_of_several_implicit_end_ids_the_first_to_stand_ends_the_reasoning():
+    """Gate ids (grammar_at) in the order they stand, not the order they are listed: the
+    grammar holds from the first that stands in the reasoning (a later one would leave the
+    ids between them unconstrained); the end ids whole before both win."""
+    after, at = (100, 101), (7, 9)
+    assert reasoning_end([5, 9, 6, 7, 8], 0, after, at) == (1, True)
+    assert reasoning_end([5, 9, 6, 7, 8], 2, after, at) == (3, True)
+    assert reasoning_end([100, 101, 9, 7], 0, after, at) == (2, False)

@@ -199,6 +199,32 @@ def test_a_row_the_grammar_leaves_nothing_stays_whole_not_nan():
     assert out[0].tolist() == [1.0, float("-inf"), 3.0] and torch.equal(out[1], logits[1])
 
 
+def test_the_model_drafter_masks_q_as_the_verifier_masks_p(demo):
+    """drafter.draft.processed: a constrained draft's row is masked by its grammar where it
+    stands (an unmasked q stays exact, the verifier rejecting what it forbids, but drafts
+    tokens that cannot be accepted); an unconstrained draft's row beside it is left as it was,
+    and a row the grammar has moved along is masked after the tokens taken."""
+    from types import SimpleNamespace
+
+    from drafter.draft import processed
+
+    tokenizer, target, _, ll = demo
+    vocab = target.config.vocab_size
+    grammar = compile_spec(*SPECS["regex"], ll)
+    lines = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    later = TokenMasks(ll, grammar)
+    assert later.advance(tokenizer("def", add_special_tokens=False)["input_ids"]) > 0
+    drafts = [SimpleNamespace(matcher=TokenMasks(ll, grammar), shaping=lambda row: None),
+              SimpleNamespace(matcher=None, shaping=lambda row: None),
+              SimpleNamespace(matcher=later, shaping=lambda row: None)]
+    out = processed(drafts, lines)
+    for row, matcher in ((0, TokenMasks(ll, grammar)), (2, later)):
+        allowed = matcher.next_mask(vocab)
+        assert 0 < int(allowed.sum()) < vocab
+        assert torch.equal(out[row], lines[row].masked_fill(~allowed, float("-inf")))
+    assert torch.equal(out[1], lines[1])
+
+
 def test_a_constrained_outputs_logprobs_are_of_the_masked_law_as_vllms_raw_logprobs(demo):
     """vLLM's default logprobs (raw_logprobs) are read after the grammar's bitmask and before
     logit_bias, penalties and temperature: a constrained output's logprobs and top n are the
