@@ -119,3 +119,28 @@ def test_mass_selection_of_a_row_with_zeros_and_a_mass_it_cannot_reach():
     row = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25])
     assert set(fewest_holding_mass(row, 0.6)[1].tolist()) in ({1, 3}, {1, 4})
     assert set(fewest_holding_mass(row * 0.99, 0.9999)[1].tolist()) == {1, 3, 4}
+
+
+def test_an_id_listed_twice_holds_the_sum_of_its_weights_for_router_and_verifier():
+    """The router's q(x) (`at`) and the verifier's residual q (`dense`) must be one law."""
+    q = DraftDists(torch.tensor([[0.25, 0.25, 0.5]]), torch.tensor([[1, 1, 2]]), 4)
+    assert q.at([1]) == [0.5]
+    assert torch.equal(q.dense(), torch.tensor([[0.0, 0.5, 0.5, 0.0]]))
+
+
+def test_a_row_keeps_every_entry_bit_for_bit_in_its_sparse_form():
+    probs = torch.zeros(16)
+    probs[[2, 5, 11]] = torch.tensor([1e-12, 0.3333333, 0.6666667 - 1e-12])
+    row = DraftDists.of_row(probs)
+    assert row.ids is not None  # the sparse form: 3 of 16 entries
+    assert row.weights.dtype == torch.float32 and torch.equal(row.weights[0], probs[[2, 5, 11]])
+    assert row.at([2])[0] > 0
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_rows_are_the_positions_asked_for(sparse):
+    q = sparse_q() if sparse else DraftDists.from_dense(torch.softmax(
+        torch.randn(3, 10, generator=torch.Generator().manual_seed(0)), -1))
+    rest = q.rows(1)
+    assert len(rest) == 2 and torch.equal(rest.dense(), q.dense()[1:])
+    assert torch.equal(q.rows(0, 2).dense(), q.dense()[:2])

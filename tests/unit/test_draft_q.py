@@ -196,3 +196,18 @@ def test_a_nan_law_beside_logprobs_fails_its_call_and_spares_its_batch():
     failed, scores = verifier.score_batch([lawless, sound])
     assert isinstance(failed, RuntimeError) and "not finite" in str(failed)
     assert scores.bonus_token_id < verifier.vocab_size and scores.logprobs is not None
+
+
+@pytest.mark.parametrize("options", [{"draft_top_k": 5}, {"draft_q_mass": 0.9}, {}])
+def test_reported_confidences_are_the_shipped_q_of_the_drawn_tokens(options):
+    """A sparse q's drawn token is read by its id, not its place (the block's length and a
+    tree's siblings follow these)."""
+    engine = ModelDrafter(tiny_llama(2), **options)
+    call = ProposeCall("r", PrefixSync(0, prefix_hash([]), (1, 2, 3)), 6,
+                       SamplingParams(temperature=1.0), seed=11, draft_confidence=0.0)
+    block = engine.propose_now(call)
+    product, expected = 1.0, []
+    for q_x in block.draft_probs.at(block.token_ids):
+        product *= q_x
+        expected.append(product)
+    assert block.confidences == pytest.approx(expected, rel=1e-5)
