@@ -59,12 +59,6 @@ def test_top_logprobs_zero_alone_asks_for_nothing():
         == "top_logprobs"
 
 
-def test_a_completions_logprobs_false_asks_for_none():
-    """false read as 0 would ask for every token's logprob."""
-    assert CompletionRequest(prompt="x", logprobs=False).sampling(16).logprobs is None
-    assert CompletionRequest(prompt="x", logprobs=0).sampling(16).logprobs == 0
-
-
 def test_best_of_below_n_is_refused():
     assert refused_param(CompletionRequest, {"prompt": "x", "best_of": 1, "n": 2}) == "best_of"
 

@@ -15,11 +15,16 @@ from verifier.engine import ModelVerifier
 from verifier.prompt_scores import prompt_logprobs
 
 
-def test_each_sampled_call_of_a_batch_gets_its_own_bonus_law():
+@pytest.fixture(scope="module")
+def target():
+    """One tiny target for the tests that only read it (the greedy test permutes its own)."""
+    return tiny_llama(1)
+
+
+def test_each_sampled_call_of_a_batch_gets_its_own_bonus_law(target):
     """Three sampled chains of one law and K (one group, one softmax over their rows) with
     return_bonus_probs: each call's bonus_probs is softmax of the target's logits after its
     own prompt and draft."""
-    target = tiny_llama(1)
     vocab = target.config.vocab_size
     law = SamplingParams(temperature=1.0)
     prompts = [[2, 3, 5], [9, 4, 1], [7, 7, 8]]
@@ -35,10 +40,9 @@ def test_each_sampled_call_of_a_batch_gets_its_own_bonus_law():
         torch.testing.assert_close(answer.bonus_probs.dense()[0], expected, atol=1e-5, rtol=0)
 
 
-def test_a_chains_drafted_tokens_carry_p_at_their_own_position():
+def test_a_chains_drafted_tokens_carry_p_at_their_own_position(target):
     """draft_target_probs[i] is p_i(x_i): the target's law at drafted position i (after the
     prompt and x_1..x_{i-1}), read at x_i, not the next position's law."""
-    target = tiny_llama(1)
     vocab = target.config.vocab_size
     prompt, draft = [2, 3, 5], (6, 7, 8)
     call = ScoreCall("p", sync([], prompt), draft, SamplingParams(temperature=1.0), seed=1,
@@ -50,12 +54,11 @@ def test_a_chains_drafted_tokens_carry_p_at_their_own_position():
                                torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
 
 
-def test_a_recovered_token_is_never_one_the_residual_excludes():
+def test_a_recovered_token_is_never_one_the_residual_excludes(target):
     """A recovered token is drawn from the residual (p - q)+, so a token whose q is 1 has no
     mass there and is never drawn, whatever the seed: here the target's own favourite at the
     first position, which a draw from p (the residual skipped) or from another call's q would
     pick often."""
-    target = tiny_llama(1)
     vocab = target.config.vocab_size
     prompt = [2, 3, 5]
     favourite = int(full_logits(target, prompt)[-1].argmax())
@@ -86,10 +89,9 @@ def test_greedy_answers_reach_the_last_vocabulary_id():
     assert list(ModelVerifier(target).score_now(call).target_token_ids) == expected
 
 
-def test_a_call_one_token_past_the_context_is_refused():
+def test_a_call_one_token_past_the_context_is_refused(target):
     """committed + K one past max_position_embeddings is refused (a ValueError), not scored
     at a position the target was never trained on."""
-    target = tiny_llama(1)
     limit = target.config.max_position_embeddings
     prompt = [3] * (limit - 2)
     call = ScoreCall("c", sync([], prompt), (4, 5, 6), SamplingParams(temperature=0.0), seed=0)
@@ -110,28 +112,25 @@ def test_a_later_rows_draw_of_index_v_is_marked_lawless_in_every_field():
     assert target_marked.target_token_ids == (3, LAWLESS, 4)
 
 
-def test_a_prompt_of_exactly_the_context_is_scored():
+def test_a_prompt_of_exactly_the_context_is_scored(target):
     """A prompt of max_positions tokens fits (only one past it is refused)."""
-    target = tiny_llama(1)
     answer = prompt_logprobs(target, [2, 3, 5, 7], 1, max_positions=4)
     assert len(answer.entries) == 3
     with pytest.raises(ValueError, match="exceed the target's context"):
         prompt_logprobs(target, [2, 3, 5, 7, 9], 1, max_positions=4)
 
 
-def test_a_prompts_top_n_may_be_the_whole_vocabulary():
+def test_a_prompts_top_n_may_be_the_whole_vocabulary(target):
     """top_n = V lists every id at each position (only past V is refused)."""
-    target = tiny_llama(1)
     vocab = target.config.vocab_size
     answer = prompt_logprobs(target, [2, 3, 5], vocab)
     assert all(sorted(token for token, _ in entry.top) == list(range(vocab))
                for entry in answer.entries)
 
 
-def test_a_draft_tree_with_logit_shaping_is_refused():
+def test_a_draft_tree_with_logit_shaping_is_refused(target):
     """A tree's rows are no one chain, so logit_bias (shaping) cannot follow them: the call is
     refused (a ValueError), not scored with the bias applied along the wrong tokens."""
-    target = tiny_llama(1)
     call = ScoreCall("t", sync([], [2, 3, 5]), (6, 7, 8),
                      SamplingParams(temperature=0.0, logit_bias=((6, 5.0),)), seed=0,
                      draft_parents=(-1, -1, 0))
