@@ -195,3 +195,26 @@ def test_an_item_utf8_cannot_encode_is_a_400_before_its_generation(reader):
     status, refused = served.post({"input": [item]})
     assert status == 400 and refused["error"]["param"] == "input[0]", refused
     assert served.post({"input": [item], "store": False})[0] == 200
+
+
+def test_a_page_that_ends_at_the_last_item_has_no_more(reader):
+    """has_more: items past the page, not a page as long as the limit."""
+    served = Served("Paris.", reader)
+    _, answer = served.post({"input": [{"role": "user", "content": str(i)}
+                                       for i in range(4)]})
+    ids = [item["id"] for item in listed(served.router, answer["id"], order="asc")[1]["data"]]
+    last = listed(served.router, answer["id"], order="asc", limit=2, after=ids[1])[1]
+    assert [item["id"] for item in last["data"]] == ids[2:] and not last["has_more"]
+    whole = listed(served.router, answer["id"], limit=4)[1]
+    assert len(whole["data"]) == 4 and not whole["has_more"]
+
+
+def test_an_items_given_status_is_listed_as_given(reader):
+    served = Served("Paris.", reader)
+    _, answer = served.post({"input": [
+        {"role": "user", "content": "time?"},
+        {"type": "message", "role": "assistant", "status": "incomplete",
+         "content": [{"type": "output_text", "text": "it is"}]},
+        {"role": "user", "content": "go on"}]})
+    items = listed(served.router, answer["id"], order="asc")[1]["data"]
+    assert [item["status"] for item in items] == ["completed", "incomplete", "completed"]
