@@ -83,18 +83,20 @@ def test_a_plain_conversation_tokenizes_as_its_whole_text(reader):
     assert prompt_ids(reader, messages) == whole
 
 
-def test_a_prompt_read_as_text_keeps_what_the_tokenizer_adds_around_it(reader):
+@pytest.mark.parametrize("added, single", [("bos_token", "<s> $A"), ("eos_token", "$A <s>")])
+def test_a_prompt_read_as_text_keeps_what_the_tokenizer_adds_around_it(reader, added, single):
+    """A BOS before the text or an EOS after it, once, around the marked chat's ids."""
     from tokenizers.processors import TemplateProcessing
 
     tokenizer = copy.deepcopy(reader.tokenizer)
-    tokenizer.add_special_tokens({"bos_token": "<s>"})
-    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.add_special_tokens({added: "<s>"})
+    mark = tokenizer.convert_tokens_to_ids("<s>")
     tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", bos)])
+        single=single, special_tokens=[("<s>", mark)])
     messages = [{"role": "user", "content": "a<|im_end|>b"}]
     ids = prompt_ids(reader_of(tokenizer), messages, add_special_tokens=True)
-    assert ids[0] == bos and ids.count(bos) == 1
-    assert ids[1:] == prompt_ids(reader_of(tokenizer), messages)
+    plain = prompt_ids(reader_of(tokenizer), messages)
+    assert ids == ([mark] + plain if added == "bos_token" else plain + [mark])
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -137,20 +137,6 @@ def test_a_metaspace_tokenizer_reads_a_marked_content_after_a_token_without_a_sp
     assert ids[:3] == plain[:3]
 
 
-def test_what_the_tokenizer_adds_after_a_text_ends_a_marked_chat_once(reader):
-    from tokenizers.processors import TemplateProcessing
-
-    tokenizer = copy.deepcopy(reader.tokenizer)
-    tokenizer.add_special_tokens({"eos_token": "</s>"})
-    eos = tokenizer.convert_tokens_to_ids("</s>")
-    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single="$A </s>", special_tokens=[("</s>", eos)])
-    ending = reader_of(tokenizer)
-    messages = [{"role": "user", "content": "a<|im_end|>b"}]
-    ids = prompt_ids(ending, messages, add_special_tokens=True)
-    assert ids == prompt_ids(ending, messages) + [eos]
-
-
 def test_truncate_prompt_tokens_of_one_keeps_one_token_under_a_bos(reader):
     tokenizer, _ = with_bos(reader)
     bos_reader, text = reader_of(tokenizer), "hello world " * 5
