@@ -1,0 +1,119 @@
+"""Edges of the router's stores that a client reads (response_store, conversation_store,
+conversations, conversation_turns, stored_chats, background_stream): a conversation's TTL
+run from its last change, not its reads; stored chats of one second listed in their storing
+order; a conversation's metadata replaced whole, its bound of items taken, its bad cursors
+named; an incomplete Response's turn kept; a streamed chat's pieces joined; a GET's stream
+flag."""
+
+import asyncio
+import json
+
+from deployments.background_stream import stream_query
+from deployments.conversation_store import MAX_ITEMS, StoredConversation, appended, read
+from deployments.response_items import encoded
+from deployments.response_store import BoundedStore
+from deployments.stored_chats import StoredChat, assembled, listed_page
+from tests.unit.test_background_responses import TEXT, in_process_store, post, replica
+from tests.unit.test_conversations import TURN, routed, texts
+from tests.unit.test_response_store import Clock
+from tests.unit.test_stored_chats import chat_router, chatted
+from tests.unit.test_stored_chats import routed as chats_routed
+
+
+def test_a_conversations_ttl_runs_from_its_last_change_not_its_reads():
+    clock = Clock()
+    store = BoundedStore(max_entries=10, max_bytes=1 << 20, ttl_s=10, clock=clock)
+    entry = StoredConversation(b'{"id": "conv_a"}')
+    store.put("conv_a", entry)
+    clock.now = 9
+    assert store.edit("conv_a", StoredConversation, read) == (entry, True)
+    clock.now = 10  # read at 9, not renewed: gone at 10
+    assert store.edit("conv_a", StoredConversation, read) is None
+    store.put("conv_b", entry)
+    clock.now = 19
+    items = encoded([{"id": "msg_1", "type": "message"}])
+    assert store.edit("conv_b", StoredConversation, appended, items, "items") == (1, True)
+    clock.now = 28  # changed at 19: kept until 29
+    assert store.edit("conv_b", StoredConversation, read)[0].items == items
+
+
+def test_stored_chats_of_one_second_are_listed_in_their_storing_order_however_read():
+    store = BoundedStore(max_entries=10, max_bytes=1 << 20, ttl_s=60)
+    for key in ("chatcmpl-a", "chatcmpl-b"):
+        store.put(key, StoredChat(b'{"id": "%s"}' % key.encode(), b"[]", "m", created=7))
+    assert store.get("chatcmpl-a", StoredChat) is not None  # read: the warm end
+    found = store.survey(StoredChat, listed_page, (20, "asc", None, None), None, {})
+    assert [item["id"] for item in found["data"]] == ["chatcmpl-a", "chatcmpl-b"]
+
+
+def test_a_conversations_metadata_is_replaced_whole_and_a_missing_items_404_has_no_code():
+    router = replica(in_process_store())
+    assert routed(router, "POST", body={})[1]["metadata"] == {}  # none given: empty
+    _, made = routed(router, "POST", body={"items": TURN, "metadata": {"a": "1"}})
+    status, changed = routed(router, "POST", f"/{made['id']}", {"metadata": {"b": "2"}})
+    assert status == 200 and changed["metadata"] == {"b": "2"}
+    assert routed(router, "GET", f"/{made['id']}")[1]["metadata"] == {"b": "2"}
+    assert routed(router, "POST", f"/{made['id']}", {"metadata": None})[1]["metadata"] == {}
+    status, missing = routed(router, "DELETE", f"/{made['id']}/items/msg_x")
+    assert status == 404 and missing["error"] == {
+        "message": "Item with id 'msg_x' not found.", "type": "invalid_request_error",
+        "param": "item_id", "code": None}
+
+
+def test_a_conversation_takes_exactly_its_bound_of_items_and_a_bad_before_is_named():
+    router = replica(in_process_store())
+    most = [{"role": "user", "content": str(i)} for i in range(MAX_ITEMS)]
+    status, made = routed(router, "POST", body={"items": most})
+    assert status == 200
+    items = f"/{made['id']}/items"
+    assert routed(router, "POST", items, {"items": most})[0] == 200
+    assert len(routed(router, "GET", items, limit=100)[1]["data"]) == 2 * MAX_ITEMS
+    status, refused = routed(router, "GET", items, before="msg_y", after="msg_x")
+    assert status == 400 and refused["error"]["param"] == "after"
+    status, refused = routed(router, "GET", items, before="msg_y")
+    assert status == 400 and refused["error"]["param"] == "before"
+    assert refused["error"]["message"] == (
+        "Invalid 'before': no item of this conversation has the id 'msg_y'.")
+
+
+def test_an_incomplete_response_adds_its_turn_to_its_conversation():
+    router = replica(in_process_store())
+    _, made = routed(router, "POST", body={"items": TURN})
+    status, answer = asyncio.run(post(router, {"conversation": made["id"], "input": "Italy?",
+                                               "max_output_tokens": 9}))
+    assert status == 200 and answer["status"] == "incomplete"
+    items = routed(router, "GET", f"/{made['id']}/items", order="asc")[1]
+    assert texts(items) == ["capital of France?", "Paris.", "Italy?", TEXT[:9]]
+
+
+def chunk(delta: dict, **choice) -> str:
+    return "data: " + json.dumps({"id": "chatcmpl-a", "created": 7, "model": "m", "choices": [
+        {"index": 0, "delta": delta, **choice}]})
+
+
+def test_a_streamed_tool_calls_pieces_are_stored_joined_its_empty_content_null():
+    call = {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": '{"a"'}}
+    texts = [chunk({"role": "assistant", "content": ""}), chunk({"tool_calls": [call]}),
+             chunk({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
+             chunk({}, finish_reason="tool_calls")]
+    choice = assembled(texts)["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_a_stored_chats_replaced_metadata_is_what_the_list_filters_by():
+    router = chat_router(in_process_store())
+    answer_id = chatted(router, store=True, metadata={"k": "old"})[1]["id"]
+    assert chats_routed(router, "POST", f"/{answer_id}", {"metadata": {"k": "new"}})[0] == 200
+
+    def found(value):
+        return [c["id"] for c in chats_routed(router, "GET", **{"metadata[k]": value})[1]["data"]]
+
+    assert found("new") == [answer_id] and found("old") == []
+
+
+def test_a_gets_stream_reads_one_and_zero_as_true_and_false():
+    assert stream_query({"stream": "1"}) == (True, -1)
+    assert stream_query({"stream": "True", "starting_after": "3"}) == (True, 3)
+    assert stream_query({"stream": "0"}) == (False, -1)
