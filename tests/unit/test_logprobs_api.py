@@ -11,6 +11,7 @@ import torch
 
 from deployments.logprobs import (
     LEAST_LOGPROB, TokenTexts, chat_logprobs, completion_logprobs, named_by_id)
+from deployments.reasoning import ReasoningSplit
 from drafter.model import ModelDrafter
 from speculative.sampling import SamplingParams
 from speculative.types import PositionLogprobs, TokenLogprob
@@ -290,13 +291,15 @@ def test_logprob_tokens_are_the_text_each_adds_so_they_join_into_the_text(kind, 
             == logprobs["text_offset"]
 
 
-@pytest.mark.parametrize("chat", [True, False])
-def test_logprob_tokens_join_into_a_text_that_ends_inside_a_character(chat):
+@pytest.mark.parametrize("chat, reasoning", [(True, None), (False, None),
+                                             (True, "deepseek_r1")])
+def test_logprob_tokens_join_into_a_text_that_ends_inside_a_character(chat, reasoning):
     """An output cut by max_tokens inside a character (日's first two bytes) ends its text
     with the U+FFFD the detokenizer flushes at the end; the logprobs' tokens, read by a
     detokenizer of their own that was never flushed, ended without it, so they no longer
     joined into the text, whole or streamed (nor did the last text_offset plus its token's
-    length reach the text's end)."""
+    length reach the text's end). A reasoning parser sends the last delta with its own
+    logprobs before the end's chunk, whose logprobs are then null."""
     import asyncio
     import json
 
@@ -317,7 +320,8 @@ def test_logprob_tokens_join_into_a_text_that_ends_inside_a_character(chat):
         engine = LoggedScript(output, output[0], len(prompt))
         return Choices(plan, (engine, engine), decode,
                        type("M", (), {"record_choice": lambda s, *choice: None})(),
-                       Admission(4).admit(1), model="m", chat=chat, return_token_ids=False)
+                       Admission(4).admit(1), model="m", chat=chat, return_token_ids=False,
+                       reasoning=reasoning and ReasoningSplit(reasoning))
 
     key = "content" if chat else "tokens"
 
@@ -325,7 +329,8 @@ def test_logprob_tokens_join_into_a_text_that_ends_inside_a_character(chat):
         return [entry["token"] for entry in logprobs[key]] if chat else logprobs[key]
 
     body = asyncio.run(choices().complete())["choices"][0]
-    assert (body["message"]["content"] if chat else body["text"]) == text
+    said = body["message"]["reasoning" if reasoning else "content"] if chat else body["text"]
+    assert said == text
     assert "".join(tokens(body["logprobs"])) == text
 
     async def collect():
@@ -334,3 +339,5 @@ def test_logprob_tokens_join_into_a_text_that_ends_inside_a_character(chat):
     chunks = [json.loads(e[len("data: "):])["choices"][0] for e in asyncio.run(collect())[:-1]]
     streamed = [t for c in chunks if c.get("logprobs") for t in tokens(c["logprobs"])]
     assert "".join(streamed) == text
+    if reasoning:
+        assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["logprobs"] is None
