@@ -8,9 +8,13 @@ flag."""
 import asyncio
 import json
 
+from deployments.admission import Admission
+from deployments.background import failed
 from deployments.background_stream import stream_query
 from deployments.conversation_store import MAX_ITEMS, StoredConversation, appended, read
 from deployments.response_items import encoded
+from deployments.responses_api import ResponsesRequest
+from deployments.responses_events import AsResponse
 from deployments.response_store import BoundedStore
 from deployments.stored_chats import StoredChat, assembled, listed_page
 from tests.unit.test_background_responses import TEXT, in_process_store, post, replica
@@ -117,3 +121,14 @@ def test_a_gets_stream_reads_one_and_zero_as_true_and_false():
     assert stream_query({"stream": "1"}) == (True, -1)
     assert stream_query({"stream": "True", "starting_after": "3"}) == (True, 3)
     assert stream_query({"stream": "0"}) == (False, -1)
+
+
+def test_a_background_run_refused_by_a_full_queue_fails_as_rate_limit_exceeded():
+    """OpenAI's codes on the failed Response: the admission queue's 429 is
+    rate_limit_exceeded, a pool's failure server_error; the message is the error's."""
+    shape = AsResponse(None, ResponsesRequest(input="hi", background=True), [], "m")
+    full = failed(shape, Admission(1, max_waiting=0).at_capacity())["error"]
+    assert full["code"] == "rate_limit_exceeded" and "at capacity" in full["message"]
+    broken = failed(shape, RuntimeError())
+    assert broken["status"] == "failed"
+    assert broken["error"] == {"code": "server_error", "message": "RuntimeError"}
