@@ -63,11 +63,16 @@ def two_prompts(chat: bool = False, n: int = 1, **options) -> Choices:
                    return_token_ids=True, **options)
 
 
-def streamed(choices: Choices) -> list[dict]:
+def events_of(choices: Choices) -> list[str]:
+    """The stream's events as sent, [DONE] last."""
     async def collect():
         return [event async for event in choices.events()]
 
-    return [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    return asyncio.run(collect())
+
+
+def streamed(choices: Choices) -> list[dict]:
+    return [json.loads(e[len("data: "):]) for e in events_of(choices)[:-1]]
 
 
 def test_each_completion_choice_names_its_own_prompts_ids():
@@ -187,9 +192,8 @@ def test_a_completions_batchs_beam_search_answers_each_prompts_beams_in_turn(
     plans = [RequestFrontEnd().plan(f"cmpl-b-{i}", ids, sampling, n=width)
              for i, ids in enumerate((PROMPT, other))]
     prompts = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=EOS))
-    metrics = SimpleNamespace(record_choice=lambda *choice: None)
     choices = choices_kind(body, prompts)(
-        joined("cmpl-b", plans), (None, ModelVerifier(target)), decode, metrics,
+        joined("cmpl-b", plans), (None, ModelVerifier(target)), decode, Recorded(),
         Admission(16).admit(2 * width), model="m", chat=False, return_token_ids=True)
     answer = asyncio.run(choices.complete())
     expected = [tokens for prompt in (PROMPT, other)
@@ -224,11 +228,7 @@ def test_a_stream_whose_verifier_fails_ends_with_an_error_event_then_done(chat):
     choices = Choices(plan, (Agreeing(), FailingVerifier()), lambda ids: "a" * len(ids),
                       Recorded(), admission.admit(2), model="m", chat=chat,
                       return_token_ids=False, include_usage=True)
-
-    async def collect():
-        return [event async for event in choices.events()]
-
-    events = asyncio.run(collect())
+    events = events_of(choices)
     assert events[-1] == "data: [DONE]\n\n" and admission.running == 0
     error = json.loads(events[-2][len("data: "):])["error"]
     assert error["type"] == "server_error"

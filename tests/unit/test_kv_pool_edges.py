@@ -54,10 +54,11 @@ def test_a_region_budget_of_one_region_is_refused(monkeypatch):
 
 
 def test_configured_tokens_are_whole_regions_beside_region_zero():
-    span = tiny_llama(0).config.max_position_embeddings
-    assert region_count(tiny_llama(0), span, 4) == 2
-    assert region_count(tiny_llama(0), span + 1, 4) == 3
-    runner = serving_runner(tiny_llama(0), "paged", "regions", kv_cache_tokens=2 * span)
+    model = tiny_llama(0)
+    span = model.config.max_position_embeddings
+    assert region_count(model, span, 4) == 2
+    assert region_count(model, span + 1, 4) == 3
+    runner = serving_runner(model, "paged", "regions", kv_cache_tokens=2 * span)
     assert runner.pool.free_units == 2
 
 

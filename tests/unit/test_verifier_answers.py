@@ -15,6 +15,10 @@ from verifier.engine import ModelVerifier
 from verifier.prompt_scores import prompt_logprobs
 
 
+def uniform_q(rows: int, vocab: int) -> DraftDists:
+    return DraftDists.from_dense(torch.full((rows, vocab), 1.0 / vocab))
+
+
 @pytest.fixture(scope="module")
 def target():
     """One tiny target for the tests that only read it (the greedy test permutes its own)."""
@@ -30,7 +34,7 @@ def test_each_sampled_call_of_a_batch_gets_its_own_bonus_law(target):
     prompts = [[2, 3, 5], [9, 4, 1], [7, 7, 8]]
     drafted = [(6, 7), (11, 12), (20, 21)]
     calls = [ScoreCall(f"b{i}", sync([], prompt), draft, law, seed=3 + i,
-                       draft_probs=DraftDists.from_dense(torch.full((2, vocab), 1.0 / vocab)),
+                       draft_probs=uniform_q(2, vocab),
                        return_bonus_probs=True)
              for i, (prompt, draft) in enumerate(zip(prompts, drafted))]
     answers = ModelVerifier(target).score_batch(calls)
@@ -46,7 +50,7 @@ def test_a_chains_drafted_tokens_carry_p_at_their_own_position(target):
     vocab = target.config.vocab_size
     prompt, draft = [2, 3, 5], (6, 7, 8)
     call = ScoreCall("p", sync([], prompt), draft, SamplingParams(temperature=1.0), seed=1,
-                     draft_probs=DraftDists.from_dense(torch.full((3, vocab), 1.0 / vocab)))
+                     draft_probs=uniform_q(3, vocab))
     scores = ModelVerifier(target).score_now(call)
     probs = full_logits(target, prompt + list(draft))[len(prompt) - 1:].softmax(-1)
     expected = [probs[i, token].item() for i, token in enumerate(draft)]
@@ -62,12 +66,13 @@ def test_a_recovered_token_is_never_one_the_residual_excludes(target):
     vocab = target.config.vocab_size
     prompt = [2, 3, 5]
     favourite = int(full_logits(target, prompt)[-1].argmax())
-    one_hot, uniform = torch.zeros((1, vocab)), torch.full((1, vocab), 1.0 / vocab)
+    one_hot = torch.zeros((1, vocab))
     one_hot[0, favourite] = 1.0
     # the batch interleaves calls of a uniform q: each call's residual is its own q's
     calls = [ScoreCall(f"r{seed}", sync([], prompt), (favourite,),
                        SamplingParams(temperature=1.0), seed=seed,
-                       draft_probs=DraftDists.from_dense(uniform if seed % 2 == 0 else one_hot))
+                       draft_probs=uniform_q(1, vocab) if seed % 2 == 0
+                       else DraftDists.from_dense(one_hot))
              for seed in range(128)]
     answers = ModelVerifier(target).score_batch(calls)
     assert all(answer.recovered_token_ids[0] != favourite for answer in answers[1::2])
