@@ -144,20 +144,26 @@ def test_a_cancel_while_it_runs_releases_its_slots_and_sessions():
     asyncio.run(main())
 
 
-def test_a_cancel_on_another_replica_stops_the_run_through_the_store():
-    """The cancel reaches a replica that does not run it: the store marked cancelled at
-    once, and the running replica's task, reading it, cancelled (released) within its
-    poll; its end never overwrites the cancel."""
+@pytest.mark.parametrize("route, method, then", [
+    (Router.cancel_response, "POST", (200, "cancelled")),
+    (Router.delete_response, "DELETE", (404, None)),
+])
+def test_a_cancel_or_delete_on_another_replica_stops_the_run_through_the_store(
+        route, method, then):
+    """The cancel (or DELETE) reaches a replica that does not run it: the store marked
+    cancelled (or the entry gone) at once, and the running replica's task, reading it,
+    cancelled (released) within its poll, its pool call still held; its end never
+    overwrites the cancel, nor stores the deleted one again."""
     async def main():
         store, verifier = in_process_store(), Blocking()
         running, other = replica(store, verifier), replica(store)
         _, queued = await post(running, {"background": True})
         await asyncio.wait_for(verifier.entered.wait(), 5)
-        status, cancelled = await call(Router.cancel_response, other, queued["id"], "POST")
-        assert status == 200 and cancelled["status"] == "cancelled"
+        assert (await call(route, other, queued["id"], method))[0] == 200
         await ended(running)
         assert verifier.released == [SESSION]
-        assert (await call(Router.response, other, queued["id"]))[1]["status"] == "cancelled"
+        status, got = await call(Router.response, other, queued["id"])
+        assert (status, got.get("status")) == then
 
     asyncio.run(main())
 
