@@ -49,7 +49,8 @@ class TokenizeRequest:
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # fields it does not read are ignored, as vLLM's request bodies (and the chat's here) do
+    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)

@@ -58,6 +58,9 @@ def test_detokenize_writes_the_ids_text_and_refuses_ids_outside_the_vocabulary(r
     ids = reader.tokenizer("hello world<|im_end|>")["input_ids"]
     got = asyncio.run(detokenized(reader, DetokenizeRequest(tokens=ids)))
     assert got == {"prompt": "hello world<|im_end|>"}
+    # a field it does not read is ignored, as vLLM's body does (a client's extra_body)
+    assert DetokenizeRequest.model_validate({"tokens": ids, "add_special_tokens": False}) == \
+        DetokenizeRequest(tokens=ids)
     from deployments.ingress import BadRequest
 
     with pytest.raises(BadRequest, match=r"tokens must be in \[0, 400\): tokens\[1\] = 400$"
