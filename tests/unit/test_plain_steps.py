@@ -119,6 +119,8 @@ def call(steps: int, **fields) -> ScoreCall:
     (call(2, sampling=SamplingParams(temperature=0, logprobs=2)), "scores no draft"),
     (call(2, return_bonus_probs=True), "scores no draft"),
     (call(2, stop_token_ids=(64,)), "stop token ids out of range"),
+    (call(2, stop_token_ids=(-1,)), "stop token ids out of range"),
+    (call(2, draft_parents=()), "scores no draft"),
 ])
 def test_bad_steps_are_refused(target, bad, message):
     verifier = ModelVerifier(target)

@@ -88,7 +88,7 @@ def test_a_sliding_window_models_prompt_keeps_its_window_not_the_whole_prompt(mi
 
 @pytest.mark.parametrize("ids, top_n, limit, message", [
     ([1, 64], 1, None, "out of range"), ([1, 2, 3], 1, 2, "exceed the target's context"),
-    ([1, 2], 65, None, "vocabulary of 64")])
+    ([1, 2], 65, None, "vocabulary of 64"), ([1, 2], -1, None, "vocabulary of 64")])
 def test_a_bad_prompt_is_refused_before_the_model_runs(ids, top_n, limit, message):
     with pytest.raises(ValueError, match=message):
         PromptScoring(tiny_llama(0), ids, top_n, limit)
