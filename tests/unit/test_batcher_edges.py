@@ -8,32 +8,25 @@ import pytest
 
 from deployments import batcher as batcher_module
 from deployments.batcher import ContinuousBatcher
+from tests.unit.test_batcher import Model as Recording
 
 UNFINISHED = "unfinished"
 
 
-class Model:
-    """Runs each batch once `release` is set; a call in `cuts` comes back unfinished that many
-    times (a prefill cut to the forward's budget), a batch with "boom" fails."""
+class Model(Recording):
+    """test_batcher's model, but a call in `cuts` comes back unfinished that many times (a
+    prefill cut to the forward's budget)."""
 
     def __init__(self, cuts: dict | None = None) -> None:
-        self.batches: list[list] = []
+        super().__init__()
         self.cuts = dict(cuts or {})
-        self.release = asyncio.Event()
-        self.release.set()
 
     async def run(self, calls: list) -> list:
-        self.batches.append(list(calls))
-        await self.release.wait()
-        if "boom" in calls:
-            raise RuntimeError("the forward failed")
-        answers = []
-        for call in calls:
+        answers = await super().run(calls)
+        for i, call in enumerate(calls):
             if self.cuts.get(call):
                 self.cuts[call] -= 1
-                answers.append(UNFINISHED)
-            else:
-                answers.append(f"answer {call}")
+                answers[i] = UNFINISHED
         return answers
 
 
