@@ -1,8 +1,10 @@
 """PoolClient's streams to replicas: calls that wait together go in messages within the pools'
 bound over channels sized for them, an answer's unknown status fails only its call, and a
-stream that ends or is refused leaves behind only what the replica still serves."""
+stream that ends or is refused leaves behind only what the replica still serves (the next
+call opens a new one)."""
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -258,3 +260,51 @@ def test_a_stream_refused_before_its_first_write_is_busy_not_gone():
             stream.close()
 
     assert asyncio.run(main()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Refused(RefusedBeforeTheWrite):
+    """As RefusedBeforeTheWrite, saying whether the client cancelled it."""
+
+    cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class Answering(Ending):
+    """A stream stub answering each call it is written."""
+
+    def __init__(self) -> None:
+        self.answers = asyncio.Queue()
+
+    async def write(self, message):
+        from protos import specserve_pb2 as pb
+
+        for entry in message.entries:
+            self.answers.put_nowait(pb.ScoreAnswers(answers=[pb.ScoreAnswer(
+                tag=entry.tag, response=pb.ScoreResponse(replica_id="r:1"))]))
+
+    async def __anext__(self):
+        return await self.answers.get()
+
+
+def test_the_call_after_a_stream_refused_on_its_write_opens_a_new_one(monkeypatch):
+    """A replica's port full when the stream's first message went (its reader not yet
+    told): that call is busy, and the next one goes on a new stream, the refused one closed
+    (kept, every later call to the replica was refused by it to its deadline)."""
+    from protos import specserve_pb2 as pb
+
+    monkeypatch.setattr(clients.grpc.aio, "insecure_channel", lambda address, options: address)
+    streams = [Refused(), Answering()]
+    opened = iter(streams)
+    stub = SimpleNamespace(ScoreStream=lambda metadata: next(opened))
+    pool = PoolClient(None, lambda channel: stub, "verifier", 5.0, direct=True)
+    pool.pins["r"] = "r:1"
+
+    async def main():
+        with pytest.raises(replica_stream.BusyPoolError):
+            await pool.call("Score", pb.ScoreRequest(request_id="r"), "r")
+        return await pool.call("Score", pb.ScoreRequest(request_id="r"), "r")
+
+    assert asyncio.run(main()).replica_id == "r:1"
+    assert streams[0].cancelled and pool.pins == {"r": "r:1"}

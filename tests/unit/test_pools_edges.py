@@ -1,28 +1,38 @@
 """What a router reads from a pool at its edges: a release's flag, a prompt's logprobs'
 replica, time and top n, a REBUILD as StaleBase, the status a stream's call fails with (its
 entry's refusal, the stream's own, its first, a close's), a withdrawn call's cancel after its
-entry, a replica's answers within the message bound, a q's negative id."""
+entry, a replica's answers within the message bound, a q's negative id; a replica's load as
+Serve's autoscaler reads it (its direct calls, not the proxy's), and a release that goes on
+when its handler is cancelled."""
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import torch
+from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments import pool_handles, pools, wire_tensors
+from deployments.autoscaling import DIRECT_IN_FLIGHT
 from deployments.limits import STREAM_MESSAGE_BYTES
 from deployments.pool_args import VerifierArgs
 from deployments.pools import VerifierPool
 from deployments.replica_stream import BusyPoolError, PoolError, ReplicaStream
 from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
 from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase
 from tests.unit.test_pool_replica import (  # noqa: F401
+    KEY,
+    direct,
+    hold_engine,
     local_drafter,
     local_replica,
     pool_secret,
     propose,
+    until,
 )
 
 
@@ -306,3 +316,65 @@ def test_a_prompts_logprobs_call_asks_for_the_requests_top_n(monkeypatch):
     assert (method, request_id, list(message.token_ids), message.top_n) == \
         ("PromptLogprobs", "p", [1, 2, 3], 3)
     assert got.ranks == (1, 2) and [len(entry.top) for entry in got.entries] == [3, 3]
+
+
+def through_the_proxy():
+    """The context Serve's proxy hands a replica for a call of the router's (its pool key)."""
+    caller = SimpleNamespace(auth_context=dict, code=lambda: None, details=lambda: None,
+                             invocation_metadata=lambda: [("application", "drafter"), *KEY()],
+                             peer=lambda: "ipv4:10.0.0.9:4242", peer_identities=lambda: None,
+                             peer_identity_key=lambda: None, trailing_metadata=list)
+    return RayServegRPCContext(caller)
+
+
+def test_only_direct_calls_are_reported_as_load_serve_cannot_see():
+    """Serve's autoscaler counts the calls its proxy routes itself; the replica reports the
+    ones on its own port (DIRECT_IN_FLIGHT), which it adds: a proxied call counted there too
+    was counted twice, and one left counted scaled the pool up for good."""
+    async def main():
+        replica = await local_drafter()
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            gate = await hold_engine(replica)  # the model is busy: every call waits
+            calls = [asyncio.ensure_future(replica.Propose(propose(f"p{i}"),
+                                                           through_the_proxy()))
+                     for i in range(2)]
+            calls += [asyncio.ensure_future(stub.Propose(propose(f"d{i}"), metadata=KEY()))
+                      for i in range(3)]
+            await until(lambda: replica.waiting == 5)
+            waiting = await replica.record_autoscaling_stats()
+            gate.set()
+            answers = await asyncio.gather(*calls)
+            done = await replica.record_autoscaling_stats()
+            return waiting, answers, done, replica.direct_calls_served()
+
+    waiting, answers, done, served = asyncio.run(main())
+    assert all(len(answer.token_ids) == 3 for answer in answers)
+    assert waiting[DIRECT_IN_FLIGHT] == 3.0 and done[DIRECT_IN_FLIGHT] == 0.0 and served == 3
+
+
+def test_a_release_whose_handler_is_cancelled_before_the_worker_is_free_still_happens():
+    """The router gives up on a release the busy worker has not reached (its deadline): the
+    handler is cancelled, and the session still goes once the worker is free (unshielded, the
+    release's job was cancelled with it and the session waited for the TTL)."""
+    async def main():
+        replica = await local_drafter()
+        await replica.Propose(propose("a"))
+        gate = await hold_engine(replica)
+        queued, submit = asyncio.Event(), replica.worker.submit
+
+        def submitted(*args):
+            queued.set()
+            return submit(*args)
+
+        replica.worker.submit = submitted
+        handler = asyncio.ensure_future(replica.Release(pb.ReleaseRequest(request_id="a")))
+        await queued.wait()  # the release's job waits for the worker
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+        gate.set()
+        # the worker runs its jobs in order: the release's, if any, before this one
+        await replica.on_worker(lambda: None)
+        await replica.server.stop(None)
+        return handler.cancelled(), replica.session_ids()
+
+    assert asyncio.run(main()) == (True, [])

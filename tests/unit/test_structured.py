@@ -8,6 +8,7 @@ pipelined drafting and the n-gram drafter; and it follows its constraint.
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -18,8 +19,10 @@ from drafter.ngram import NgramDrafter
 from engine.models import DEMO_DRAFT, DEMO_TARGET, load_causal_lm, load_tokenizer
 from speculative.driver import text_decoder
 from speculative.grammar import compile_spec, ll_tokenizer
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.token_masks import TokenMasks
 from speculative.sampling import SamplingParams
+from speculative.types import PrefixSync, ProposeCall
 from tests.tiny import run
 from verifier.engine import ModelVerifier
 
@@ -324,3 +327,26 @@ def test_a_structural_tag_holds_each_structure_its_trigger_opens_exact_under_spe
         out, _ = run(drafter, verifier, prompt, params, k, request_id=f"t{i}", stop=(eos,),
                      pipelined=pipelined)
         assert out == expected, (k, pipelined)
+
+
+def test_each_drafted_token_follows_the_grammar_after_the_ones_before_it(demo):
+    """The drafter's matcher moves with its block: each drafted token is one the grammar
+    allows after the committed output, the assumed tokens (a pre-draft's) and the block's
+    tokens before it."""
+    tokenizer, target, draft, ll = demo
+    vocab = target.config.vocab_size
+    grammar = compile_spec(*SPECS["grammar"], ll)
+    prompt = tuple(tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+    drafter = ModelDrafter(draft, vocab_size=vocab, grammar_tokenizer=ll)
+    call = ProposeCall("g", PrefixSync(0, EMPTY_PREFIX_HASH, prompt), 6,
+                       SamplingParams(temperature=0, grammar=grammar), seed=0,
+                       prompt_len=len(prompt))
+    block = drafter.propose_now(call).token_ids
+    # a pre-draft assuming the block's first two tokens
+    pre = drafter.propose_now(replace(call, request_id="p", assumed_token_ids=block[:2]))
+    assert len(block) == len(pre.token_ids) == 6
+    for drafted in (block, block[:2] + pre.token_ids):
+        matcher = TokenMasks(ll, grammar)
+        for token in drafted:
+            assert matcher.next_mask(vocab)[token]
+            matcher.advance([token])
