@@ -14,6 +14,7 @@ import pytest
 
 from deployments import auth, clients
 from deployments.clients import PoolClient, PoolError
+from tests.unit.test_pool_client import Gone
 
 
 @pytest.fixture(autouse=True)
@@ -116,8 +117,7 @@ class Leaving:
     async def score(self, channel, message, metadata=None, timeout=None):
         self.channels.append(channel)
         if channel == "old:1" or self.channels.count(None) == 1:
-            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "replica going away")
+            raise Gone(self.code)
         return SimpleNamespace(direct_address="new:1")
 
 
@@ -171,8 +171,7 @@ def test_a_gone_answer_through_the_proxy_is_tried_again_at_growing_pauses_within
 
     async def gone(message, metadata, timeout):
         calls.append(clock.now)
-        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                   grpc.aio.Metadata(), "replica gone")
+        raise Gone()
 
     pool = PoolClient(None, lambda channel: SimpleNamespace(Score=gone), "verifier", 3.0,
                       direct=False)

@@ -15,15 +15,19 @@ from drafter.registry import DrafterSpec, build_drafter
 from drafter.suffix import SuffixDrafter, SuffixIndex
 from engine.checkpoint import Checkpoint
 from engine.models import DEMO_TARGET
-from speculative.prefixes import EMPTY_PREFIX_HASH, prefix_hash
+from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall
+from tests.unit.test_engines_edges import proposal
+
+
+GREEDY = SamplingParams(temperature=0)
 
 
 def sampled_call(request_id: str, context: tuple[int, ...], k: int = 4,
                  **sampling) -> ProposeCall:
-    return ProposeCall(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, context), k,
-                       SamplingParams(temperature=1.0, **sampling), seed=0, prompt_len=1)
+    return proposal(request_id, context, k, SamplingParams(temperature=1.0, **sampling),
+                    prompt_len=1)
 
 
 @pytest.mark.parametrize("drafter", [NgramDrafter(16), SuffixDrafter(16, max_spec_factor=2)],
@@ -57,8 +61,7 @@ def test_prompt_lookup_refuses_ngram_lengths_out_of_order_or_below_one(low, high
 
 def test_a_prompt_longer_than_the_context_is_refused_before_the_session_moves():
     drafter = NgramDrafter(16)
-    beyond = ProposeCall("p", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 4,
-                         SamplingParams(temperature=0), seed=0, prompt_len=4)
+    beyond = proposal("p", (1, 2, 3), 4, GREEDY, prompt_len=4)
     with pytest.raises(ValueError, match="prompt_len"):
         drafter.propose_now(beyond)
     assert len(drafter.sessions) == 0
@@ -137,8 +140,7 @@ def test_the_usage_never_counts_more_of_a_prediction_than_it_holds():
 def test_a_batch_answers_a_refused_call_with_its_error_and_drafts_the_others():
     """propose_batch (a pool's batch): each call on its own, a refusal its answer alone."""
     drafter = NgramDrafter(16)
-    beyond = ProposeCall("bad", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2)), 4,
-                         SamplingParams(temperature=0), seed=0, prompt_len=3)
+    beyond = proposal("bad", (1, 2), 4, GREEDY, prompt_len=3)
     refused, block = drafter.propose_batch([beyond, sampled_call("ok", (9, 1, 2, 3, 1, 2))])
     assert isinstance(refused, ValueError) and "prompt_len" in str(refused)
     assert block.token_ids[:1] == (3,)
@@ -148,10 +150,8 @@ def test_a_suffix_drafters_own_index_holds_a_rounds_single_new_token_at_once():
     """A round that commits one token (its first drafted one rejected): the next proposal
     already counts it, here the run 4 4 that proposes 4 again."""
     drafter = SuffixDrafter(16, max_spec_factor=2)
-    greedy = SamplingParams(temperature=0)
-    first = ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 4)), 4, greedy, seed=0)
-    assert drafter.propose_now(first).token_ids == ()
-    then = ProposeCall("r", PrefixSync(3, prefix_hash([1, 2, 4]), (4,)), 4, greedy, seed=0)
+    assert drafter.propose_now(proposal("r", (1, 2, 4), 4, GREEDY)).token_ids == ()
+    then = ProposeCall("r", PrefixSync(3, prefix_hash([1, 2, 4]), (4,)), 4, GREEDY, seed=0)
     assert drafter.propose_now(then).token_ids == (4,)
 
 
@@ -167,9 +167,8 @@ def test_a_short_diff_counts_a_run_of_a_frequent_id_exactly():
 def test_a_pre_draft_at_the_outputs_start_goes_on_after_its_assumed_predicted_ids():
     """A pre-draft beside the first verify assumes the first block (the prediction's start):
     its proposal goes on after those ids, not from the prediction's start again."""
-    call = ProposeCall("p", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2)), 3,
-                       SamplingParams(temperature=0), seed=0, prompt_len=2,
-                       assumed_token_ids=(20, 21), prediction_token_ids=tuple(range(20, 40)))
+    call = proposal("p", (1, 2), 3, GREEDY, prompt_len=2, assumed_token_ids=(20, 21),
+                    prediction_token_ids=tuple(range(20, 40)))
     assert NgramDrafter(64).propose_now(call).token_ids == (22, 23, 24)
 
 
@@ -179,9 +178,8 @@ def test_a_pre_draft_asking_for_a_tree_gets_a_chain_with_its_one_hot_q():
     drafter = SuffixDrafter(16, max_spec_factor=2)
     for output in ([9, 7, 1, 2], [9, 7, 4, 5]):
         drafter.remember(str(output), output)
-    call = ProposeCall("c", PrefixSync(0, EMPTY_PREFIX_HASH, (8, 9)), 2,
-                       SamplingParams(temperature=1.0), seed=0, tree_width=3,
-                       assumed_token_ids=(7,))
+    call = proposal("c", (8, 9), 2, SamplingParams(temperature=1.0), tree_width=3,
+                    assumed_token_ids=(7,))
     block = drafter.propose_now(call)
     assert block.parents is None and block.token_ids in ((1, 2), (4, 5))
     assert block.draft_probs.at(block.token_ids) == [1.0, 1.0]

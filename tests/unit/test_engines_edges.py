@@ -15,7 +15,7 @@ import torch
 
 from drafter.model import ModelDrafter
 from engine.batch import UNFINISHED
-from speculative.prefixes import EMPTY_PREFIX_HASH, prefix_hash
+from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.types import (LAWLESS, BatchLoad, DraftBlock, PrefixSync, ProposeCall,
                                ScoreCall, StaleBase, TargetScores)
@@ -37,6 +37,17 @@ def target():
 def stepped(request_id: str, prompt: tuple[int, ...], steps: int) -> ScoreCall:
     return ScoreCall(request_id, PrefixSync(0, EMPTY_PREFIX_HASH, prompt), (), GREEDY,
                      steps=steps)
+
+
+def proposal(request_id: str, prompt: tuple[int, ...], k: int = 2,
+             sampling: SamplingParams = GREEDY, seed: int = 0, **fields) -> ProposeCall:
+    """The request's first call: draft k tokens after `prompt`."""
+    return ProposeCall(request_id, sync([], prompt), k, sampling, seed=seed, **fields)
+
+
+def drafted(drafter: ModelDrafter, request_id: str, length: int, **fields) -> DraftBlock:
+    """A greedy block of 4 after a prompt of `length` tokens."""
+    return drafter.propose_now(proposal(request_id, (3,) * length, 4, **fields))
 
 
 def finished(verifier: ModelVerifier, calls: list[ScoreCall]) -> tuple[list, int]:
@@ -116,10 +127,8 @@ def test_a_pre_draft_counts_its_assumed_tokens_as_output(target):
     prefix committed them: the penalties count them as output, in its tokens and its q."""
     prompt, law = (1, 2, 3), SamplingParams(temperature=1.0, frequency_penalty=2.0)
     assumed = (7, 7, 9)
-    after = ProposeCall("a", PrefixSync(0, EMPTY_PREFIX_HASH, prompt), 4, law, seed=1,
-                        prompt_len=3, assumed_token_ids=assumed)
-    committed = ProposeCall("c", PrefixSync(0, EMPTY_PREFIX_HASH, prompt + assumed), 4, law,
-                            seed=1, prompt_len=3)
+    after = proposal("a", prompt, 4, law, seed=1, prompt_len=3, assumed_token_ids=assumed)
+    committed = proposal("c", prompt + assumed, 4, law, seed=1, prompt_len=3)
     drafter = ModelDrafter(target)
     pre, plain = drafter.propose_now(after), drafter.propose_now(committed)
     assert pre.token_ids == plain.token_ids
@@ -157,12 +166,11 @@ def test_a_drafter_refuses_alone_a_call_whose_largest_shaping_id_is_outside(targ
     so that call is refused and its batch-mate drafted, not the whole batch failed."""
     drafter = ModelDrafter(target)
     bad = SamplingParams(temperature=0, logit_bias=((1, 1.0), (drafter.vocab_size, 1.0)))
-    calls = [ProposeCall(name, PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 3, sampling,
-                         seed=0, prompt_len=3)
+    calls = [proposal(name, (1, 2, 3), 3, sampling, prompt_len=3)
              for name, sampling in (("bad", bad), ("good", GREEDY))]
-    refused, drafted = drafter.propose_batch(calls)
+    refused, block = drafter.propose_batch(calls)
     assert isinstance(refused, ValueError) and "out of range" in str(refused)
-    assert isinstance(drafted, DraftBlock) and len(drafted.token_ids) == 3
+    assert isinstance(block, DraftBlock) and len(block.token_ids) == 3
     assert "bad" not in drafter.sessions
 
 
@@ -178,8 +186,7 @@ def test_a_verifier_refuses_alone_a_call_whose_largest_shaping_id_is_outside(tar
 
 def test_a_drafter_refuses_a_prompt_longer_than_the_committed_prefix(target):
     drafter = ModelDrafter(target)
-    beyond = ProposeCall("p", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 2, GREEDY, seed=0,
-                         prompt_len=4)
+    beyond = proposal("p", (1, 2, 3), prompt_len=4)
     with pytest.raises(ValueError, match="prompt_len"):
         drafter.propose_now(beyond)
     assert len(drafter.sessions) == 0
@@ -189,9 +196,8 @@ def test_a_failed_draft_forward_forgets_its_requests_cache(target, monkeypatch):
     """A forward that raises leaves the batch's caches unknown: the request's session is
     dropped, so its next call (from the prefix it had) answers StaleBase (a rebuild)."""
     drafter = ModelDrafter(target)
-    drafter.propose_now(ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 2,
-                                    GREEDY, seed=0))
-    after = ProposeCall("r", PrefixSync(3, prefix_hash([1, 2, 3]), (4,)), 2, GREEDY, seed=0)
+    drafter.propose_now(proposal("r", (1, 2, 3)))
+    after = ProposeCall("r", sync([1, 2, 3], [4]), 2, GREEDY, seed=0)
 
     def broken(segments):
         raise RuntimeError("device lost")
@@ -207,8 +213,7 @@ def test_a_failed_draft_forward_forgets_its_requests_cache(target, monkeypatch):
 
 def test_a_released_request_leaves_the_drafter(target):
     drafter = ModelDrafter(target)
-    drafter.propose_now(ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 2,
-                                    GREEDY, seed=0))
+    drafter.propose_now(proposal("r", (1, 2, 3)))
     asyncio.run(drafter.release("r"))
     assert "r" not in drafter.sessions
 
@@ -219,14 +224,9 @@ def test_a_draft_fills_the_drafters_context_to_its_last_position_and_no_further(
     context is full."""
     limit = target.config.max_position_embeddings
     drafter = ModelDrafter(target)
-
-    def block(request_id: str, length: int) -> DraftBlock:
-        return drafter.propose_now(ProposeCall(
-            request_id, PrefixSync(0, EMPTY_PREFIX_HASH, (3,) * length), 4, GREEDY, seed=0))
-
-    near = block("near", limit - 2)
+    near = drafted(drafter, "near", limit - 2)
     assert len(near.token_ids) == 3 and not near.context_full
-    full = block("full", limit + 1)
+    full = drafted(drafter, "full", limit + 1)
     assert full.token_ids == () and full.context_full
 
 
@@ -234,16 +234,10 @@ def test_a_tree_reaching_the_drafters_last_position_stays_a_tree(target):
     """committed + tree_nodes = the context fits (the tree's nodes end at its last position);
     one more committed token and the call drafts a chain instead."""
     limit = target.config.max_position_embeddings
-    drafter = ModelDrafter(target)
-
-    def block(request_id: str, length: int) -> DraftBlock:
-        return drafter.propose_now(ProposeCall(
-            request_id, PrefixSync(0, EMPTY_PREFIX_HASH, (3,) * length), 4, GREEDY, seed=0,
-            tree_width=3, tree_nodes=7))
-
-    tree = block("tree", limit - 7)
+    drafter, tree_fields = ModelDrafter(target), {"tree_width": 3, "tree_nodes": 7}
+    tree = drafted(drafter, "tree", limit - 7, **tree_fields)
     assert len(tree.token_ids) == 7 and tree.parents[:4] == (-1, 0, 1, 2)
-    chain = block("chain", limit - 6)
+    chain = drafted(drafter, "chain", limit - 6, **tree_fields)
     assert len(chain.token_ids) == 4 and chain.parents is None
 
 
@@ -253,9 +247,7 @@ def test_a_block_whose_confidence_equals_the_threshold_goes_on(target, monkeypat
     drafter = ModelDrafter(target)
     monkeypatch.setattr(drafter, "drafted_probs",
                         lambda drafts, lines, tokens: [0.5] * len(drafts))
-    call = ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), 6, GREEDY, seed=0,
-                       draft_confidence=0.25)
-    block = drafter.propose_now(call)
+    block = drafter.propose_now(proposal("r", (1, 2, 3), 6, draft_confidence=0.25))
     assert len(block.token_ids) == 3 and block.confidences == (0.5, 0.25, 0.125)
 
 
@@ -318,6 +310,5 @@ def test_a_call_that_drafts_nothing_only_feeds_its_prefix(target, k, sampling):
     """K = 0, or a grammar the drafter has no tokenizer for: the call feeds its prefix (for
     its next call) and answers an empty block, never a token drawn from that feed."""
     drafter = ModelDrafter(target)
-    call = ProposeCall("r", PrefixSync(0, EMPTY_PREFIX_HASH, (1, 2, 3)), k, sampling, seed=0)
-    assert drafter.propose_now(call).token_ids == ()
+    assert drafter.propose_now(proposal("r", (1, 2, 3), k, sampling)).token_ids == ()
     assert drafter.sessions.get("r").cached_ids == [1, 2, 3]

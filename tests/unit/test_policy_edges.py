@@ -26,6 +26,16 @@ def with_rates(policy: AdaptiveK, rates: dict[int, float]) -> AdaptiveK:
     return policy
 
 
+def ks_run(policy: AdaptiveK, accept_first: int, rounds: int) -> list[int]:
+    """The Ks the policy runs over rounds that accept the first `accept_first` tokens (as
+    test_policy's steady rounds)."""
+    ks = []
+    for _ in range(rounds):
+        ks.append(policy.num_speculative_tokens())
+        policy.update(ks[-1], min(ks[-1], accept_first))
+    return ks
+
+
 def test_an_initial_k_outside_the_bounds_is_brought_within_them():
     costs = measured({2: 10.0, 9: 10.0}, 0.1)
     assert AdaptiveK(KBounds(1, 4, initial=9), costs, False, True).num_speculative_tokens() == 4
@@ -36,10 +46,7 @@ def test_exploration_never_runs_a_k_above_the_bounds_max():
     """A request at its max explores one up every other time: that K is the max again."""
     costs = measured({2: 10.0, 9: 10.0}, 0.1)  # free verification: the max is best
     policy = AdaptiveK(KBounds(1, 4), costs, pipelined=False, greedy=True)
-    ks = []
-    for _ in range(40):
-        ks.append(policy.num_speculative_tokens())
-        policy.update(ks[-1], ks[-1])
+    ks = ks_run(policy, 4, 40)
     assert max(ks) == 4 and policy.chosen == 4
 
 
@@ -125,11 +132,7 @@ def test_alone_at_k_zero_every_exploration_runs_k_one():
     """Alone, a request whose draft is measured useless runs K = 0 and still drafts K = 1
     every `explore_every` rounds, so drafting stays measured."""
     policy = AdaptiveK(KBounds(0, 8), measured({2: 10.0, 9: 10.0}, 2.0), False, True)
-    ks = []
-    for _ in range(96):
-        ks.append(policy.num_speculative_tokens())
-        policy.update(ks[-1], 0)
-    late = ks[48:]
+    late = ks_run(policy, 0, 96)[48:]
     assert late.count(1) == len(late) // AdaptiveK.explore_every
     assert late.count(0) == len(late) - late.count(1)
 

@@ -9,8 +9,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from deployments import clients, replica_stream
+from deployments import clients
 from deployments.clients import PoolClient, PoolError
+from deployments.limits import STREAM_MESSAGE_BYTES, Limits, in_messages
+from deployments.replica_stream import BusyPoolError, ReplicaStream
+from protos import specserve_pb2 as pb
 from tests.unit.test_pool_client import fast_retries  # noqa: F401 (autouse)
 
 
@@ -34,15 +37,11 @@ def test_calls_that_wait_together_go_in_messages_within_the_pools_bound():
     """Twenty sampled calls of 900 KB of q each (a large vocabulary at K = 8) wait together:
     they go in messages of at most STREAM_MESSAGE_BYTES, which a pool's port takes (one
     message of them all was refused and broke the stream, failing every call on it)."""
-    from deployments.limits import STREAM_MESSAGE_BYTES, Limits
-    from protos import specserve_pb2 as pb
-
     big = pb.ScoreRequest(request_id="r " + "x" * 900_000)  # the size of a large q
     stub = Recording()
 
     async def main():
-        stream = replica_stream.ReplicaStream(stub, "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
-                                       "verifier")
+        stream = ReplicaStream(stub, "ScoreStream", pb.ScoreBatch, pb.ScoreEntry, "verifier")
         calls = [asyncio.ensure_future(stream.call(big, 0.5)) for _ in range(20)]
         await asyncio.sleep(0.05)
         for call in calls:
@@ -65,8 +64,6 @@ def test_a_routers_channels_take_every_message_its_pools_may_send(vocab_size):
     K = 64, the drafter's default q is dense float32) is 64 MiB and more with its framing: a
     pool's port sends what Limits allows, so the router's channels are sized for its target
     (a fixed 64 MiB broke the drafter stream, failing every call on it)."""
-    from deployments.limits import Limits
-
     limits = Limits(vocab_size, 131_072)
     options = dict(clients.channel_options(vocab_size, 131_072))
     assert options["grpc.max_receive_message_length"] >= limits.stream_message_bytes()
@@ -79,35 +76,10 @@ def test_an_answer_with_a_status_code_grpc_lacks_fails_its_call_not_the_reader()
     """A refusal whose code is none of gRPC's fails its call with UNKNOWN; the stream's reader
     goes on, so the next call is answered (a KeyError there left every later call on the
     stream waiting for its deadline)."""
-    from protos import specserve_pb2 as pb
-
-    class Answering(Recording):
-        def __init__(self) -> None:
-            super().__init__()
-            self.answers: asyncio.Queue = asyncio.Queue()
-
-        async def write(self, message):
-            for entry in message.entries:
-                answer = pb.ScoreAnswer(tag=entry.tag)
-                if entry.call.request_id == "odd":
-                    answer.error.code, answer.error.details = 99, "a code of no gRPC"
-                else:
-                    answer.response.CopyFrom(pb.ScoreResponse())
-                await self.answers.put(pb.ScoreAnswers(answers=[answer]))
-
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            return await self.answers.get()
-
-        def cancel(self) -> None:
-            pass
-
     async def main():
-        stream = replica_stream.ReplicaStream(Answering(), "ScoreStream", pb.ScoreBatch,
-                                       pb.ScoreEntry, "verifier")
-        odd = await asyncio.gather(stream.call(pb.ScoreRequest(request_id="odd"), 5.0),
+        stream = ReplicaStream(Answering(), "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
+                               "verifier")
+        odd = await asyncio.gather(stream.call(pb.ScoreRequest(request_id="99"), 5.0),
                                    return_exceptions=True)
         fine = await stream.call(pb.ScoreRequest(request_id="fine"), 5.0)
         stream.close()
@@ -119,9 +91,6 @@ def test_an_answer_with_a_status_code_grpc_lacks_fails_its_call_not_the_reader()
 
 
 def test_in_messages_keeps_the_order_and_sends_an_oversized_item_alone():
-    from deployments.limits import in_messages
-    from protos import specserve_pb2 as pb
-
     items = [pb.ReleaseRequest(request_id="x" * n) for n in (10, 10, 50, 10, 10)]
     runs = in_messages(items, budget=30)
     assert [item for run in runs for item in run] == items
@@ -147,6 +116,27 @@ class Ending:
     async def __anext__(self):
         await asyncio.sleep(0.01)
         raise StopAsyncIteration
+
+
+class Answering(Ending):
+    """A stream stub answering each call at once, in a message of its own: a request id of
+    digits refused with that status code (a code of none of gRPC's too), any other answered
+    by replica `replica_id`."""
+
+    def __init__(self, replica_id: str = "r:1") -> None:
+        self.replica_id, self.answers = replica_id, asyncio.Queue()
+
+    async def write(self, message):
+        for entry in message.entries:
+            answer = pb.ScoreAnswer(tag=entry.tag)
+            if entry.call.request_id.isdigit():
+                answer.error.code, answer.error.details = int(entry.call.request_id), "no"
+            else:
+                answer.response.CopyFrom(pb.ScoreResponse(replica_id=self.replica_id))
+            self.answers.put_nowait(pb.ScoreAnswers(answers=[answer]))
+
+    async def __anext__(self):
+        return await self.answers.get()
 
 
 def ended_stream(stub) -> tuple:
@@ -206,12 +196,16 @@ def test_a_stream_that_ends_leaves_the_replicas_other_stream_and_channel():
 
 
 class Refusing(Ending):
-    """A stream stub refused by its replica (too many calls in flight), no call waiting."""
+    """A stream stub its replica ends with `code`: by default refused (too many calls in
+    flight)."""
+
+    def __init__(self, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
+        self.code = code
 
     async def __anext__(self):
         await asyncio.sleep(0.01)
-        raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
-                                   grpc.aio.Metadata(), details="busy")
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="busy")
 
 
 def test_a_stream_refused_by_a_live_replica_keeps_its_channel():
@@ -246,9 +240,6 @@ def test_a_stream_refused_before_its_first_write_is_busy_not_gone():
     """Whichever task sees the refusal first, the call learns the replica's status: busy
     (it waits and tries again), not UNAVAILABLE (which sent it to Serve's routing, a new
     placement, while its replica was only full: a test flaked on it under load)."""
-    from deployments.replica_stream import BusyPoolError, ReplicaStream
-    from protos import specserve_pb2 as pb
-
     async def main():
         stream = ReplicaStream(RefusedBeforeTheWrite(), "ScoreStream", pb.ScoreBatch,
                                pb.ScoreEntry, "verifier")
@@ -271,29 +262,10 @@ class Refused(RefusedBeforeTheWrite):
         self.cancelled = True
 
 
-class Answering(Ending):
-    """A stream stub answering each call it is written."""
-
-    def __init__(self) -> None:
-        self.answers = asyncio.Queue()
-
-    async def write(self, message):
-        from protos import specserve_pb2 as pb
-
-        for entry in message.entries:
-            self.answers.put_nowait(pb.ScoreAnswers(answers=[pb.ScoreAnswer(
-                tag=entry.tag, response=pb.ScoreResponse(replica_id="r:1"))]))
-
-    async def __anext__(self):
-        return await self.answers.get()
-
-
 def test_the_call_after_a_stream_refused_on_its_write_opens_a_new_one(monkeypatch):
     """A replica's port full when the stream's first message went (its reader not yet
     told): that call is busy, and the next one goes on a new stream, the refused one closed
     (kept, every later call to the replica was refused by it to its deadline)."""
-    from protos import specserve_pb2 as pb
-
     monkeypatch.setattr(clients.grpc.aio, "insecure_channel", lambda address, options: address)
     streams = [Refused(), Answering()]
     opened = iter(streams)
@@ -302,7 +274,7 @@ def test_the_call_after_a_stream_refused_on_its_write_opens_a_new_one(monkeypatc
     pool.pins["r"] = "r:1"
 
     async def main():
-        with pytest.raises(replica_stream.BusyPoolError):
+        with pytest.raises(BusyPoolError):
             await pool.call("Score", pb.ScoreRequest(request_id="r"), "r")
         return await pool.call("Score", pb.ScoreRequest(request_id="r"), "r")
 

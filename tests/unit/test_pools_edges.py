@@ -24,6 +24,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase
+from tests.unit.test_pool_client_streams import Answering, Refusing
 from tests.unit.test_pool_replica import (  # noqa: F401
     KEY,
     direct,
@@ -63,6 +64,11 @@ def test_a_prompts_logprobs_name_their_replica_and_its_compute_time():
     assert len(answer.logprobs) == 7 and answer.top_n == 1
 
 
+def score_stream(stub) -> ReplicaStream:
+    """The router's Score stream to a replica over `stub`."""
+    return ReplicaStream(stub, "ScoreStream", pb.ScoreBatch, pb.ScoreEntry, "verifier")
+
+
 class Gated:
     """A Score stream stub whose first write waits for `gate`; it keeps what is written
     and never answers."""
@@ -98,7 +104,7 @@ def test_a_withdrawn_call_is_cancelled_after_its_entry_not_before():
     big = pb.ScoreRequest(request_id="r " + "x" * 900_000)  # four to a message
 
     async def main():
-        stream = ReplicaStream(stub, "ScoreStream", pb.ScoreBatch, pb.ScoreEntry, "verifier")
+        stream = score_stream(stub)
         first = asyncio.ensure_future(stream.call(pb.ScoreRequest(request_id="a"), 5.0))
         while not stub.written:  # the writer waits on the first message
             await asyncio.sleep(0.01)
@@ -123,26 +129,12 @@ def test_a_withdrawn_call_is_cancelled_after_its_entry_not_before():
     assert sorted(tag for message in stub.written for tag in message.cancel) == list(range(2, 10))
 
 
-class Refused(Gated):
-    """A Score stream that ends with `code` (busy: its port at its concurrent rpcs)."""
-
-    def __init__(self, code=grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
-        super().__init__()
-        self.code = code
-
-    async def __anext__(self):
-        await asyncio.sleep(0.01)
-        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   details="ended")
-
-
 def test_a_streams_first_failure_is_the_one_its_calls_see():
     """A stream refused by a busy replica, then closed: a call still made on it learns the
     refusal (busy: it waits and tries again), not the close's UNAVAILABLE (Serve's routing,
     a new placement)."""
     async def main():
-        stream = ReplicaStream(Refused(), "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
-                               "verifier")
+        stream = score_stream(Refusing())
         while stream.broken is None:
             await asyncio.sleep(0.01)
         stream.close()
@@ -165,8 +157,7 @@ def test_a_call_on_a_stream_that_ends_fails_with_its_refusal_or_as_gone(ended, f
     """A stream's own refusal stands for its waiting call; any other end means its replica
     is gone: UNAVAILABLE (Serve's routing), whatever the code says."""
     async def main():
-        stream = ReplicaStream(Refused(ended), "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
-                               "verifier")
+        stream = score_stream(Refusing(ended))
         with pytest.raises(PoolError) as failure:
             await stream.call(pb.ScoreRequest(request_id="a"), 5.0)
         stream.close()
@@ -176,34 +167,11 @@ def test_a_call_on_a_stream_that_ends_fails_with_its_refusal_or_as_gone(ended, f
     assert failure.code == failed and not isinstance(failure, BusyPoolError)
 
 
-class Answering(Gated):
-    """A Score stream stub that refuses each call with the status code its request id
-    names (a number), or answers it when that is "ok"."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.answers: asyncio.Queue = asyncio.Queue()
-
-    async def write(self, message):
-        answers = pb.ScoreAnswers()
-        for entry in message.entries:
-            answer = answers.answers.add(tag=entry.tag)
-            if entry.call.request_id == "ok":
-                answer.response.CopyFrom(pb.ScoreResponse(replica_id="replica"))
-            else:
-                answer.error.code, answer.error.details = int(entry.call.request_id), "no"
-        await self.answers.put(answers)
-
-    async def __anext__(self):
-        return await self.answers.get()
-
-
 def test_a_refused_entry_fails_its_call_with_the_replicas_status():
     """A call refused in its answer fails with the replica's own status (INVALID_ARGUMENT:
     the router's 400; RESOURCE_EXHAUSTED: busy, waited out), and the calls beside it go on."""
     async def main():
-        stream = ReplicaStream(Answering(), "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
-                               "verifier")
+        stream = score_stream(Answering("replica"))
         ids = [str(CODE.INVALID_ARGUMENT.value[0]), "ok", str(CODE.RESOURCE_EXHAUSTED.value[0])]
         results = await asyncio.gather(*(stream.call(pb.ScoreRequest(request_id=request_id),
                                                      5.0) for request_id in ids),
@@ -221,8 +189,7 @@ def test_closing_a_stream_fails_its_waiting_calls_at_once_as_unavailable():
     """A closed stream's calls go to Serve's routing now (UNAVAILABLE), not at their
     deadline."""
     async def main():
-        stream = ReplicaStream(Gated(), "ScoreStream", pb.ScoreBatch, pb.ScoreEntry,
-                               "verifier")
+        stream = score_stream(Gated())
         call = asyncio.ensure_future(stream.call(pb.ScoreRequest(request_id="a"), 5.0))
         await asyncio.sleep(0.01)
         stream.close()
