@@ -58,9 +58,21 @@ def bearer_key(key: str) -> str:
     return key
 
 
+def grpc_target(address: str) -> str:
+    """Serve's gRPC proxy as `host:port` (or gRPC's `unix:` form). Without a port, gRPC dialled
+    443 and every pool call failed UNAVAILABLE long after the deploy had succeeded."""
+    host, colon, port = address.rpartition(":")
+    if address.startswith("unix:") or (host and colon and port.isdigit()
+                                       and 1 <= int(port) <= 65535):
+        return address
+    raise ValueError(f"grpc_address {address!r} is not host:port (port in 1-65535)")
+
+
 TreeArg = SpeculativeTree | Literal["auto"]
 # a served model name: empty, answers carried `model: ""` (and its card had no name)
 ServedName = Annotated[str, Field(min_length=1)]
+# a pool's Serve application, named in every gRPC call's metadata
+AppName = Annotated[str, Field(min_length=1)]
 
 
 def distinct_names(names):
@@ -123,9 +135,9 @@ class RouterArgs(BaseModel):
     # may give any (or none), /v1/models lists each, and answers carry the first
     served_model_name: Annotated[ServedName | Annotated[list[ServedName], Field(min_length=1)],
                                  AfterValidator(distinct_names)] = "specserve-demo"
-    grpc_address: str = "127.0.0.1:9000"  # Serve's gRPC proxy
-    drafter_app: str = "drafter"
-    verifier_app: str = "verifier"
+    grpc_address: Annotated[str, AfterValidator(grpc_target)] = "127.0.0.1:9000"  # Serve's proxy
+    drafter_app: AppName = "drafter"
+    verifier_app: AppName = "verifier"
     # K drafted per round, or "auto": per request, the K in adaptive_k's bounds that the
     # request's acceptance and the measured costs (the verifier's load among them) say is
     # fastest (a request may say either; a fixed K is kept whatever the load)
