@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pydantic import ValidationError
 
-from deployments.chat_messages import template_kwargs
+from deployments.chat_messages import call_id_length, template_kwargs, with_call_ids_cut
 from deployments.ingress import BadRequest
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.responses_api import ResponsesChat
@@ -185,3 +185,39 @@ def test_truncation_auto_keeps_the_developers_messages():
     body = ResponsesChat(messages=messages, max_tokens=10, truncation="auto")
     ids = fitted(body, ten_ids_a_message, 50)  # the developer's and the last turn
     assert ids == (1,) * 10 + (3,) * 10 + (4,) * 10 + (3,) * 10
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": "x", "tool_calls": [CALL]},  # only an assistant calls
+    {"role": "assistant", "content": None},  # null content only beside tool_calls
+    {"role": "tool", "content": "1"},  # a tool result names its call
+])
+def test_a_messages_tool_fields_are_checked_as_a_chat_is_read(message):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
+    ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "1", "tool_call_id": "c1"}]})
+
+
+class IdsUpTo:
+    """A tokenizer whose template refuses a tool call id longer than `longest` (None: all)."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self, longest):
+        self.longest = longest
+
+    def apply_chat_template(self, messages, tokenize, chat_template):
+        if self.longest is None or len(messages[-1]["tool_call_id"]) > self.longest:
+            raise ValueError("refused")
+        return ""
+
+
+def test_short_call_ids_only_where_the_template_takes_them_and_cut_to_their_ends():
+    assert call_id_length(IdsUpTo(9)) == 9 and call_id_length(IdsUpTo(64)) is None
+    assert call_id_length(IdsUpTo(None)) is None  # refusing every id: not a Mistral template
+    call = {**CALL, "id": "call_0123456789"}
+    cut = with_call_ids_cut([{"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": "1", "tool_call_id": call["id"]}], 9)
+    assert cut[0]["tool_calls"][0]["id"] == cut[1]["tool_call_id"] == "123456789"

@@ -176,3 +176,27 @@ def test_an_idle_replica_is_healthy_and_calls_that_wait_past_the_stall_are_not(m
     batches.check(0)
     with pytest.raises(RuntimeError, match="1 calls wait"):
         batches.check(1)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_tokenize_takes_a_prompt_of_the_byte_bound_and_refuses_one_byte_more(chat):
+    """/tokenize checks a prompt's bytes as its request would (a body past the bound was
+    tokenized, however large, before any answer)."""
+    reader = qwen_like_reader()
+    reader.max_prompt_bytes, reader.tokenizing = 64, ThreadPoolExecutor(1)
+
+    def body(size: int) -> dict:
+        text = "é" + "a" * (size - 2)  # a character of two bytes counts as two
+        return {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+
+    assert asyncio.run(tokenized(reader, TokenizeRequest.model_validate(body(64))))["count"]
+    with pytest.raises(BadRequest, match="the prompt has 65 bytes; the limit is 64") as no:
+        asyncio.run(tokenized(reader, TokenizeRequest.model_validate(body(65))))
+    assert no.value.param == ("messages" if chat else "prompt")
+
+
+def test_tokenizer_info_leaves_out_every_files_path_not_only_vllms_two():
+    kwargs = {"vocab_file": "/m/vocab.json", "tokenizer_file": "/m/tokenizer.json",
+              "added_tokens_file": "/m/added.json", "model_max_length": 8}
+    info = tokenizer_info(SimpleNamespace(init_kwargs=kwargs, chat_template=None))
+    assert info == {"model_max_length": 8, "tokenizer_class": "SimpleNamespace"}

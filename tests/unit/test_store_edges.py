@@ -2,8 +2,9 @@
 conversations, conversation_turns, stored_chats, background_stream): a conversation's TTL
 run from its last change, not its reads; stored chats of one second listed in their storing
 order; a conversation's metadata replaced whole, its bound of items taken, its bad cursors
-named; an incomplete Response's turn kept; a streamed chat's pieces joined; a GET's stream
-flag."""
+named; an incomplete Response's turn kept, a conversation's refused message named
+`conversation`, a queued Response not continued; a streamed chat's pieces and logprobs
+joined, a failed stream not kept; a GET's stream flag."""
 
 import asyncio
 import json
@@ -17,7 +18,7 @@ from deployments.responses_api import ResponsesRequest
 from deployments.responses_events import AsResponse
 from deployments.response_store import BoundedStore
 from deployments.stored_chats import StoredChat, assembled, listed_page
-from tests.unit.test_background_responses import TEXT, in_process_store, post, replica
+from tests.unit.test_background_responses import TEXT, ended, in_process_store, post, replica
 from tests.unit.test_conversations import TURN, routed, texts
 from tests.unit.test_response_store import Clock
 from tests.unit.test_stored_chats import chat_router, chatted
@@ -132,3 +133,45 @@ def test_a_background_run_refused_by_a_full_queue_fails_as_rate_limit_exceeded()
     broken = failed(shape, RuntimeError())
     assert broken["status"] == "failed"
     assert broken["error"] == {"code": "server_error", "message": "RuntimeError"}
+
+
+def test_a_conversations_message_the_chat_refuses_is_named_conversation():
+    router = replica(in_process_store())
+    call_id = "c" * 300  # a conversation takes it; a chat message's tool_call_id is <= 256
+    items = [{"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": call_id, "output": "1"}]
+    status, made = routed(router, "POST", body={"items": items})
+    assert status == 200
+    status, answer = asyncio.run(post(router, {"conversation": made["id"], "input": "and?"}))
+    assert status == 400 and answer["error"]["param"] == "conversation"
+    assert answer["error"]["message"].startswith("conversation: ")
+
+
+def test_a_response_still_queued_is_not_continued():
+    async def main():
+        router = replica(in_process_store())
+        router.admission = Admission(2, max_waiting=4)
+        held = router.admission.admit(2)
+        _, queued = await post(router, {"background": True})
+        try:  # refused at once (continued, it would wait behind `held`: a hang, guarded)
+            status, answer = await asyncio.wait_for(
+                post(router, {"previous_response_id": queued["id"]}), 30)
+        finally:
+            held.release()
+        await ended(router)
+        return status, answer["error"]
+
+    status, error = asyncio.run(main())
+    assert status == 400 and error["param"] == "previous_response_id"
+    assert "is still queued" in error["message"]
+
+
+def test_a_streams_logprobs_are_stored_whole_and_a_failed_stream_not_at_all():
+    def logprob(token):
+        return {"content": [{"token": token, "logprob": -1.0, "bytes": None, "top_logprobs": []}]}
+
+    texts = [chunk({"content": "a"}, logprobs=logprob("a")),
+             chunk({"content": "b"}, logprobs=logprob("b"), finish_reason="stop")]
+    choice = assembled(texts)["choices"][0]
+    assert [entry["token"] for entry in choice["logprobs"]["content"]] == ["a", "b"]
+    assert assembled(texts[:1] + ['data: {"error": {"message": "x"}}']) is None
