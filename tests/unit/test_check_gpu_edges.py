@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.memory import kv_bytes_per_token
 from specserve import check_gpu, gpu_measures
+from tests.tiny import tiny_llama
+from tests.unit.test_check_gpu import CLEAN_DEMO
 
 
 def entry(dtype="float32", **changes) -> dict:
@@ -18,10 +21,6 @@ def entry(dtype="float32", **changes) -> dict:
              "alone_vs_batch": {"max_logit_difference": 0.0, "max_abs_logit": 40.0},
              "when_full": {"refused": True}}
     return clean | changes
-
-
-DEMO = {"greedy": {"tokens": 32, "identical": True},
-        "sampled": {"tokens": 32, "asked": 32, "in_vocabulary": True}}
 
 
 def verdict(models=None, demo=None) -> bool:
@@ -37,8 +36,8 @@ def verdict(models=None, demo=None) -> bool:
                 "logit_gap_there": 0.0, "top_logit_there": 40.0}},  # fp32: no near-tie excuse
 ])
 def test_each_flaw_of_a_shape_alone_fails_the_run(flaw):
-    assert verdict() and verdict(demo=DEMO)
-    assert not verdict({"m": entry(**flaw)}, DEMO)
+    assert verdict() and verdict(demo=CLEAN_DEMO)
+    assert not verdict({"m": entry(**flaw)}, CLEAN_DEMO)
 
 
 @pytest.mark.parametrize("flaw", [
@@ -48,7 +47,7 @@ def test_each_flaw_of_a_shape_alone_fails_the_run(flaw):
     {"error": "RuntimeError: out of memory (x.py:1)"},
 ])
 def test_a_flaw_of_the_demo_pair_alone_fails_the_run(flaw):
-    assert not verdict(demo=DEMO | flaw)
+    assert not verdict(demo=CLEAN_DEMO | flaw)
 
 
 def test_the_float32_batch_bound_itself_passes():
@@ -89,7 +88,7 @@ def test_the_full_run_checks_the_1b_shape_in_both_dtypes_and_the_8b_in_bfloat16(
         return entry(str(dtype).removeprefix("torch."))
 
     monkeypatch.setattr(check_gpu, "check_shape", check_shape)
-    monkeypatch.setattr(check_gpu, "check_demo_pair", lambda device, small: DEMO)
+    monkeypatch.setattr(check_gpu, "check_demo_pair", lambda device, small: CLEAN_DEMO)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     report = check_gpu.run("cuda", small=False)
@@ -111,9 +110,6 @@ def test_a_timing_is_the_median_of_its_repeats_after_a_warm_up(monkeypatch):
 def test_a_forward_reads_the_weights_and_every_position_of_its_context(monkeypatch):
     """K + 1 new tokens over a context of `length`: length + K + 1 positions' keys and
     values a request, besides the weights once."""
-    from engine.memory import kv_bytes_per_token
-    from tests.tiny import tiny_llama
-
     model = tiny_llama(0)
     runner = check_gpu.serving_runner(model, "paged", "auto", kv_cache_tokens=512,
                                       max_sequences=8)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from engine.checkpoint import (
     Checkpoint,
@@ -16,6 +17,7 @@ from engine.checkpoint import (
     long_rope,
 )
 from engine.models import check_device, check_model_path, load_causal_lm
+from tests.tiny import tiny_llama
 
 
 def text_config(**fields):
@@ -70,8 +72,6 @@ def test_tokenizers_of_one_size_but_other_ids_are_refused():
 
 
 def test_without_a_generation_config_the_model_configs_end_tokens_stop(tmp_path):
-    from transformers import LlamaConfig
-
     LlamaConfig(vocab_size=64, eos_token_id=[5, 6]).save_pretrained(tmp_path)
     assert not (tmp_path / "generation_config.json").exists()
     assert end_token_ids(str(tmp_path), SimpleNamespace(eos_token_id=6)) == (5, 6)
@@ -115,11 +115,7 @@ def test_an_unknown_dtype_is_refused_before_anything_loads(tmp_path):
 
 
 def test_a_model_loads_in_the_dtype_asked_for(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tiny_llama(0, layers=1).save_pretrained(tmp_path)
     for dtype in ("bfloat16", "float32"):
         model = load_causal_lm(str(tmp_path), dtype)
         assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}

@@ -154,24 +154,31 @@ def test_a_routers_tokenizer_of_another_vocabulary_is_refused_at_start(tiny_pair
         load_tokenizer(target).get_vocab()
 
 
+def longrope_config(vocab_size: int, layers: int):
+    """A Phi-3-like Llama config: LongRoPE's long factors past 64 of its 256 positions."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "short_factor": [1.0] * 4, "long_factor": [8.0] * 4,
+                                        "original_max_position_embeddings": 64})
+
+
 def test_a_long_rope_target_serves_within_its_original_context():
     """Past original_max_position_embeddings LongRoPE's long factors hold for a whole forward
     (transformers' modeling and the lean forward alike): served beside a request past it, a
     short request's logits move. So its context defaults to that bound and no larger one is
     taken; within it a short request's logits are the same beside a long one."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from engine.batch import Segment
     from engine.runner import serving_runner
     from verifier.engine import ModelVerifier
 
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256,
-                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                          "short_factor": [1.0] * 4, "long_factor": [8.0] * 4,
-                                          "original_max_position_embeddings": 64})
+    config = longrope_config(vocab_size=100, layers=2)
     target = Checkpoint.of("phi-like", config)
     assert target.long_rope_from == 64 and context_limit(target, None) == 64
     assert context_limit(target, 48) == 48

@@ -5,7 +5,7 @@ transformers' backend. Stops and ids: test_driver.py."""
 
 import pytest
 
-from speculative.driver import Detokenizer, text_decoder
+from speculative.driver import MAX_HELD_TOKENS, Detokenizer, text_decoder
 from tests.tiny import byte_fallback_tokenizer, byte_level_tokenizer
 from tests.unit.test_driver import generate
 
@@ -204,3 +204,21 @@ def test_a_stop_string_before_an_incomplete_character_stops_at_its_token(max_tok
         assert generation.token_ids == output[:3]
         assert generation.text == "".join(deltas) == "x"
         assert (generation.finish_reason, generation.stop_reason) == ("stop", "日")
+
+
+def test_bytes_that_form_no_character_go_out_at_the_held_limit():
+    """Held while they may still begin a character, stray bytes go out as U+FFFDs once
+    MAX_HELD_TOKENS tokens are held, all but the last few tokens' (which may begin one)."""
+    detokenizer = Detokenizer(text_decoder(byte_level_tokenizer([])), [1 + ord("x")])
+    pieces = [detokenizer.add(1 + 0x80) for _ in range(MAX_HELD_TOKENS)]
+    assert pieces[:-1] == [""] * (MAX_HELD_TOKENS - 1) and pieces[-1].startswith("\ufffd")
+    assert "".join(pieces) + detokenizer.flush() == "\ufffd" * MAX_HELD_TOKENS
+
+
+def test_tokens_that_each_end_inside_a_character_are_read_once_past_the_held_limit():
+    """Each token "A" + the first byte of a 3-byte character: every text ends in U+FFFD,
+    so the tokens are held; past MAX_HELD_TOKENS they are read up to a cut that leaves the
+    text as it is, and what of it already went out does not go out again."""
+    ids = [257] * (3 * MAX_HELD_TOKENS)
+    tokenizer = byte_level_tokenizer([b"A\xe6"])
+    assert detokenized(tokenizer, [1 + ord("x")], ids) == "A\ufffd" * len(ids)

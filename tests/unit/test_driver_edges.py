@@ -1,24 +1,18 @@
 """Edges of the round driver that its round tests do not reach: a pool call refused as stale
-while the verify beside it commits, the detokenizer's held bytes, the busy wait's pauses and
-the overlap fit's weights and bounds."""
+while the verify beside it commits, the busy wait's pauses and the overlap fit's weights and
+bounds. The detokenizer's held bytes: test_detokenizer.py."""
 
 import asyncio
 
 import pytest
 
 from speculative.busy import retried_while_busy
-from speculative.driver import MAX_HELD_TOKENS, Detokenizer
 from speculative.overlap import Overlap
 from speculative.prefixes import EMPTY_PREFIX_HASH, prefix_hash
 from speculative.sampling import SamplingParams
 from speculative.state import Request, RequestState
 from speculative.stats import SpecStats
 from speculative.types import PoolBusy, StaleBase
-
-
-def byte_decode(ids):
-    """Token ids are bytes (a byte-level vocabulary): 0x80 alone is no character."""
-    return bytes(ids).decode("utf-8", errors="replace")
 
 
 def test_a_call_refused_as_stale_resends_the_prefix_it_was_made_with():
@@ -50,31 +44,6 @@ def test_a_pool_that_knows_nothing_gets_the_whole_output_not_the_prompt_alone():
     assert view.prefix_sync([5, 6, 7], (5, 6)) == view.prefix_sync([5, 6, 7])
     assert view.prefix_sync([5, 6, 7], (5, 6)).new_token_ids == (5, 6, 7)
     assert view.prefix_sync([5, 6, 7], (5, 6)).known_hash == EMPTY_PREFIX_HASH
-
-
-def test_bytes_that_form_no_character_go_out_at_the_held_limit():
-    """Held while they may still begin a character, stray bytes go out as U+FFFDs once
-    MAX_HELD_TOKENS tokens are held, all but the last few tokens' (which may begin one)."""
-    detokenizer = Detokenizer(byte_decode, [ord("x")])
-    pieces = [detokenizer.add(0x80) for _ in range(MAX_HELD_TOKENS)]
-    assert pieces[:-1] == [""] * (MAX_HELD_TOKENS - 1) and pieces[-1].startswith("\ufffd")
-    assert "".join(pieces) + detokenizer.flush() == "\ufffd" * MAX_HELD_TOKENS
-
-
-def test_tokens_that_each_end_inside_a_character_are_read_once_past_the_held_limit():
-    """Each token "A" + the first byte of a 3-byte character: every text ends in U+FFFD,
-    so the tokens are held; past MAX_HELD_TOKENS they are read up to a cut that leaves the
-    text as it is, and what of it already went out does not go out again."""
-    table = {256: b"A\xe6"}
-
-    def decode(ids):
-        data = b"".join(table[i] if i in table else bytes([i]) for i in ids)
-        return data.decode("utf-8", "replace")
-
-    ids = [256] * (3 * MAX_HELD_TOKENS)
-    detokenizer = Detokenizer(decode, [ord("x")])
-    pieces = [detokenizer.add(i) for i in ids]
-    assert "".join(pieces) + detokenizer.flush() == decode(ids) == "A\ufffd" * len(ids)
 
 
 def test_a_busy_wait_doubles_its_pauses_and_ends_before_one_would_pass_it():

@@ -4,13 +4,17 @@ succeeded, the rotary embeddings never recorded, and an engine asked for by name
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from engine import graphs
+from engine import runner as engine_runner
 from engine.batch import Segment
 from engine.graphs import MAX_KEYS, GraphedForward, bucket_of, graphs_refused
 from engine.kv import SessionStore
 from engine.runner import serving_runner
+from tests.tiny import tiny_llama
+from tests.unit.test_checkpoints import longrope_config
+from tests.unit.test_fallback_families import tiny_gemma2
 from tests.unit.test_graphs import bucketed, verify_rounds
 
 
@@ -52,21 +56,13 @@ def test_a_replay_that_fails_is_the_forwards_failure_and_keeps_its_graph(monkeyp
 
 
 def test_longrope_rotary_embeddings_are_never_recorded():
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256,
-                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                          "short_factor": [1.0] * 4, "long_factor": [8.0] * 4,
-                                          "original_max_position_embeddings": 64})
-    runner = serving_runner(LlamaForCausalLM(config).eval(), "paged", "paged",
+    runner = serving_runner(LlamaForCausalLM(longrope_config(64, 1)).eval(), "paged", "paged",
                             kv_cache_tokens=4096)
     assert "longrope" in graphs_refused(runner.lean)
     assert isinstance(GraphedForward(runner.lean, capture=False), GraphedForward)
 
 
 def test_the_paged_engine_asked_for_refuses_an_architecture_it_cannot_run():
-    from tests.unit.test_fallback_families import tiny_gemma2
-
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="engine paged: "):
         serving_runner(tiny_gemma2(), "paged")
@@ -77,12 +73,9 @@ def test_auto_takes_regions_when_exactly_a_batch_of_them_fits_and_no_pool_size_i
         monkeypatch):
     """`auto` on a CPU: regions when the budget holds MIN_REGIONS of them (a batch of 32 and
     one more), none fewer; a configured kv_cache_tokens sizes a paged pool."""
-    from engine import runner as module
-    from tests.tiny import tiny_llama
-
-    monkeypatch.setattr(module, "region_count", lambda model, tokens, sequences: 33)
-    assert module.regions_fit(tiny_llama(0), 64)
-    monkeypatch.setattr(module, "region_count", lambda model, tokens, sequences: 32)
-    assert not module.regions_fit(tiny_llama(0), 64)
-    monkeypatch.setattr(module, "regions_fit", lambda model, sequences: True)
+    monkeypatch.setattr(engine_runner, "region_count", lambda model, tokens, sequences: 33)
+    assert engine_runner.regions_fit(tiny_llama(0), 64)
+    monkeypatch.setattr(engine_runner, "region_count", lambda model, tokens, sequences: 32)
+    assert not engine_runner.regions_fit(tiny_llama(0), 64)
+    monkeypatch.setattr(engine_runner, "regions_fit", lambda model, sequences: True)
     assert serving_runner(tiny_llama(0), kv_cache_tokens=4096).attention == "paged"

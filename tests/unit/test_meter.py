@@ -10,6 +10,16 @@ from speculative.stats import SpecStats
 from speculative.types import DraftBlock, TargetScores
 
 
+def clock_for(stats: SpecStats, carried: bool, num_output_tokens: int = 4,
+              committed: int = 4) -> meter.RoundMeter:
+    """A round's clock for a request past its first drafter call, `committed` tokens in, its
+    drafter having seen 4 of them."""
+    state = SimpleNamespace(stats=stats, drafter_called=True, num_output_tokens=num_output_tokens,
+                            committed=list(range(committed)),
+                            drafter_view=SimpleNamespace(known_len=4))
+    return meter.RoundMeter(state, carried=carried)
+
+
 def test_a_predrafts_compute_past_the_verify_is_the_drafters_not_transport(monkeypatch):
     """A carried round: its verify takes 10 ms (8 of them the verifier's compute) beside a
     pre-draft of 25 ms of compute, for which the round then waits 20 ms: the last 15 of its
@@ -17,9 +27,7 @@ def test_a_predrafts_compute_past_the_verify_is_the_drafters_not_transport(monke
     now = [0.0]
     monkeypatch.setattr(meter.time, "perf_counter", lambda: now[0])
     stats = SpecStats()
-    state = SimpleNamespace(stats=stats, drafter_called=True, num_output_tokens=4,
-                            committed=[1, 2, 3, 4], drafter_view=SimpleNamespace(known_len=4))
-    clock = meter.RoundMeter(state, carried=True)
+    clock = clock_for(stats, carried=True)
     block = clock.drafted(DraftBlock((5, 6), None))
     now[0] += 0.010
     scores = clock.verified(TargetScores(target_token_ids=(5, 6, 7), compute_seconds=0.008))
@@ -40,10 +48,8 @@ def test_a_failed_predraft_is_no_predraft():
     """A pre-draft call that failed (the drafter unreachable, busy or late: settled answers
     None) drafted nothing: it was counted in `predrafts` as a draft run beside the verify."""
     stats = SpecStats()
-    state = SimpleNamespace(stats=stats, drafter_called=True, num_output_tokens=4,
-                            committed=[1, 2, 3, 4], drafter_view=SimpleNamespace(known_len=4))
     for failed in (True, False):
-        clock = meter.RoundMeter(state, carried=True)
+        clock = clock_for(stats, carried=True)
         block = clock.drafted(DraftBlock((5, 6), None))
         scores = clock.verified(TargetScores(target_token_ids=(5, 6, 7)))
 

@@ -3,20 +3,14 @@ time (fallbacks, pre-drafts, cached prompt tokens, batch sizes) and how it names
 for a K policy, each on a round built by hand."""
 
 import asyncio
-from types import SimpleNamespace
-
 import speculative.meter as meter
+from speculative.costs import RoundCost
 from speculative.rejection import RoundOutcome
 from speculative.stats import SpecStats
 from speculative.types import BatchLoad, DraftBlock, TargetScores
+from tests.unit.test_meter import clock_for
 
 OUTCOME = RoundOutcome((5, 6, 7), 2)
-
-
-def clock_for(stats: SpecStats, carried: bool, num_output_tokens: int = 4) -> meter.RoundMeter:
-    state = SimpleNamespace(stats=stats, drafter_called=True, num_output_tokens=num_output_tokens,
-                            committed=[1, 2, 3, 4], drafter_view=SimpleNamespace(known_len=4))
-    return meter.RoundMeter(state, carried=carried)
 
 
 def settle(clock: meter.RoundMeter, block: DraftBlock | None) -> None:
@@ -26,13 +20,20 @@ def settle(clock: meter.RoundMeter, block: DraftBlock | None) -> None:
     asyncio.run(clock.settled(predraft()))
 
 
+def undrafted(clock: meter.RoundMeter, **scores) -> RoundCost:
+    """A round whose draft was empty: the verifier's one token (5), and whatever `scores`
+    adds (cached tokens, continued steps, compute)."""
+    block = clock.drafted(DraftBlock((), None))
+    verified = clock.verified(TargetScores(target_token_ids=(5,), **scores))
+    return clock.finish(block, verified, RoundOutcome((5,), 0), None)
+
+
 def test_a_round_without_its_draft_counts_as_a_fallback():
     stats = SpecStats()
     for fell_back in (True, False):
         clock = clock_for(stats, carried=False)
         clock.fell_back = fell_back
-        clock.finish(clock.drafted(DraftBlock((), None)), TargetScores(target_token_ids=(5,)),
-                     RoundOutcome((5,), 0), None)
+        undrafted(clock)
     assert stats.draft_fallback_rounds == 1 and stats.rounds == 2
 
 
@@ -77,10 +78,8 @@ def test_cached_prompt_tokens_are_read_at_the_prompts_prefill_only():
     computed its prompt already, so its cached tokens are not the usage's."""
     stats = SpecStats()
     for num_output_tokens, cached in ((0, 3), (4, 9)):
-        clock = clock_for(stats, carried=False, num_output_tokens=num_output_tokens)
-        block = clock.drafted(DraftBlock((), None))
-        scores = clock.verified(TargetScores(target_token_ids=(5,), cached_tokens=cached))
-        clock.finish(block, scores, RoundOutcome((5,), 0), None)
+        undrafted(clock_for(stats, carried=False, num_output_tokens=num_output_tokens),
+                  cached_tokens=cached)
     assert stats.cached_tokens == 3
 
 
@@ -88,18 +87,13 @@ def test_a_prefill_round_says_nothing_about_k():
     comparable = []
     for num_output_tokens in (0, 4):
         clock = clock_for(SpecStats(), carried=False, num_output_tokens=num_output_tokens)
-        block = clock.drafted(DraftBlock((), None))
-        scores = clock.verified(TargetScores(target_token_ids=(5,)))
-        comparable.append(clock.finish(block, scores, RoundOutcome((5,), 0), None).comparable)
+        comparable.append(undrafted(clock).comparable)
     assert comparable == [False, True]
 
 
 def test_a_verify_of_several_steps_teaches_one_forwards_time():
     """A round without a draft that asked the verifier for three steps: the verify line
     learns a third of its compute, one forward's."""
-    clock = clock_for(SpecStats(), carried=False)
-    block = clock.drafted(DraftBlock((), None))
-    scores = clock.verified(TargetScores(target_token_ids=(5,), continued_token_ids=(6, 7),
-                                         compute_seconds=0.030))
-    cost = clock.finish(block, scores, RoundOutcome((5,), 0), None)
+    cost = undrafted(clock_for(SpecStats(), carried=False), continued_token_ids=(6, 7),
+                     compute_seconds=0.030)
     assert cost.steps == 3 and abs(cost.verify_seconds - 0.010) < 1e-12

@@ -5,11 +5,9 @@ sum. Driven by synthetic measurements (rates and costs set by hand), never by ti
 
 import asyncio
 from collections import deque
-from types import SimpleNamespace
 
 import pytest
 
-import speculative.meter as meter
 from speculative.costs import (Acceptance, CostModel, Recent, RoundCost, load_band,
                                load_bucket, nearest, nearest_bucket)
 from speculative.policy import AdaptiveK, KBounds, k_policy
@@ -17,6 +15,7 @@ from speculative.rejection import RoundOutcome
 from speculative.stats import SpecStats
 from speculative.types import BatchLoad, DraftBlock, TargetScores
 from speculative.yields import BatchTrials
+from tests.unit.test_meter import clock_for
 from tests.unit.test_policy import measured
 
 
@@ -225,10 +224,7 @@ def metered_round(committed: int, carried: bool = False, beside: int | None = No
     """One sequential round's RoundCost, as the meter reports it: a draft of two tokens in a
     drafter batch of 2 calls, scored in a verifier batch of 16 calls (48 tokens), the
     request's drafter having seen 4 of its `committed` tokens."""
-    state = SimpleNamespace(stats=SpecStats(), drafter_called=True, num_output_tokens=4,
-                            committed=list(range(committed)),
-                            drafter_view=SimpleNamespace(known_len=4))
-    clock = meter.RoundMeter(state, carried=carried)
+    clock = clock_for(SpecStats(), carried, committed=committed)
     drafted = DraftBlock((5, 6), None, compute_seconds=0.001, load=BatchLoad(2, 4))
     block = clock.drafted(DraftBlock((), None) if beside is not None else drafted)
     scores = clock.verified(TargetScores(target_token_ids=(5, 6, 7), compute_seconds=0.004,

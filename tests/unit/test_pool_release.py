@@ -11,6 +11,7 @@ import pytest
 
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
+from deployments.released import Released
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.prefixes import prefix_hash
@@ -311,8 +312,6 @@ async def released_in_flight(replica, stub, call: pb.ProposeRequest, queued: boo
 def test_a_replica_remembers_released_requests_for_a_while_and_a_few():
     """A tombstone refuses one call, within kept_s of its release; at most `capacity` are
     kept, the oldest dropped first (a finished request's is never used)."""
-    from deployments.released import Released
-
     now = [0.0]
     released = Released(kept_s=10.0, capacity=2, clock=lambda: now[0])
     released.add("a")
@@ -331,3 +330,15 @@ def test_a_replica_remembers_released_requests_for_a_while_and_a_few():
     assert released.refuses("f") and released.refuses("f")
     now[0] = 21.0
     assert not released.refuses("f") and len(released) == 0
+
+
+def test_a_tombstone_refuses_up_to_kept_s_inclusive():
+    now = [0.0]
+    released = Released(kept_s=10.0, capacity=4, clock=lambda: now[0])
+    released.add("a")
+    released.add("b", ended=True)
+    now[0] = 10.0  # exactly kept_s after the release: still within it
+    assert released.refuses("a") and not released.refuses("a")
+    assert released.refuses("b") and released.refuses("b") and len(released) == 1
+    now[0] = 10.25
+    assert not released.refuses("b") and len(released) == 0

@@ -1,5 +1,6 @@
 """The router's planning of a request (Router.plan) without Ray or a model: admission
-checked before its prompts are read, and the load a completions batch's choices start at."""
+checked before its prompts are read, the load a completions batch's choices start at, and
+their request ids."""
 
 import asyncio
 from types import MethodType, SimpleNamespace
@@ -88,3 +89,11 @@ def test_a_prompt_cache_key_reaches_every_choice_after_its_cache_salt():
     assert salted.choices[0].request.cache_key == "t1\0conv-1"
     with pytest.raises(ValueError, match="prompt_cache_key"):
         CompletionRequest(prompt="a", prompt_cache_key="k" * 1025)
+
+
+def test_a_batchs_choices_each_have_their_own_request_id():
+    """Two prompts' choices under one id would share a session in each pool: prompt i's
+    choice j is <id>-i-j."""
+    plan = planner(Admission(16), [])(CompletionRequest(prompt=["a", "b"], n=2))
+    ids = [choice.request.request_id for choice in plan.choices]
+    assert ids == [f"{plan.request_id}-{i}-{j}" for i in (0, 1) for j in (0, 1)]

@@ -9,6 +9,7 @@ import grpc
 
 from deployments.streams import CallStream
 from protos import specserve_pb2 as pb
+from tests.unit.test_pool_replica import until
 
 
 class Replica:
@@ -38,11 +39,6 @@ def batch(*tags, cancel=()):
 
 def stream_of(replica) -> CallStream:
     return CallStream(replica, None, None, respond, pb.ProposeAnswer)
-
-
-async def until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0)
 
 
 def test_an_engine_failure_fails_its_call_as_internal_and_the_next_call_is_answered():

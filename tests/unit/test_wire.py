@@ -48,6 +48,8 @@ def test_tensors_round_trip_bit_exactly(dtype):
 def test_a_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
     with pytest.raises(ValueError, match="needs 24 bytes"):
         wire_tensors.tensor_from_proto(pb.Tensor(data=b"\0" * 8, dtype="float32", shape=[2, 3]))
+    with pytest.raises(ValueError, match="needs 24 bytes"):  # more than it needs, as refused
+        wire_tensors.tensor_from_proto(pb.Tensor(data=b"\0" * 28, dtype="float32", shape=[2, 3]))
     with pytest.raises(ValueError, match="dtype"):
         wire_tensors.tensor_from_proto(pb.Tensor(data=b"", dtype="complex64", shape=[0]))
 
