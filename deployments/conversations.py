@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, ValidationError, field_validator
 
 from deployments.conversation_store import (
     MAX_ITEMS,
@@ -38,10 +38,11 @@ from deployments.conversation_store import (
     too_large,
     updated,
 )
-from deployments.ingress import BadRequest, error_response, parse
+from deployments.chat_messages import ChatMessage
+from deployments.ingress import BadRequest, error_response, invalid_body, parse
 from deployments.response_items import encoded, page, page_asked, request_items
 from deployments.response_store import ResponseStore
-from deployments.responses_api import chat_messages
+from deployments.responses_api import chat_messages, renamed
 from deployments.tools import FieldError
 
 # the router's one route for them all (the path after it read here: routed); not in its
@@ -93,6 +94,13 @@ class ItemsBody(BaseModel):
     items: list[Any]
 
 
+class ItemMessages(BaseModel):
+    """The chat messages a conversation's items become, held to the chat's bounds (a call_id
+    of at most 256 characters, ...) when added: not only when a later turn reads them."""
+
+    messages: list[ChatMessage]
+
+
 def checked_items(given: list, param: str = "items") -> list[dict]:
     """The items as listed (ids kept or made), at most MAX_ITEMS, each checked as a
     Responses input's item is; BadRequest naming `param`, or its item (`param`[i])."""
@@ -101,8 +109,13 @@ def checked_items(given: list, param: str = "items") -> list[dict]:
                          f"length {MAX_ITEMS}, but got an array with length {len(given)} "
                          "instead.", param=param)
     try:
-        chat_messages(None, given)
+        messages, places = chat_messages(None, given)
+        ItemMessages(messages=messages)
         return request_items(given, [])
+    except ValidationError as error:  # named as a Responses input's: input[i]
+        error = renamed(invalid_body(error), places)
+        raise BadRequest(str(error).replace("input", param, 1),
+                         param=error.param.replace("input", param, 1)) from None
     except FieldError as error:  # named as an input's: input[i]...
         raise BadRequest(str(error).replace("input", param, 1),
                          param=error.param.replace("input", param, 1)) from None

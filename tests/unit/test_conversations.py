@@ -126,6 +126,8 @@ def test_refusals_name_their_field():
             ("POST", "", {"items": many}, {}, "items"),
             ("POST", "", {"items": [{"role": "tool", "content": "x"}]}, {}, "items[0].role"),
             ("POST", "", {"items": [{"type": "web_search_call"}]}, {}, "items[0].type"),
+            ("POST", "", {"items": [TURN[0], {"type": "function_call_output", "output": "1",
+                                               "call_id": "c" * 257}]}, {}, "items[1]"),
             ("POST", "", {"metadata": {str(i): "v" for i in range(17)}}, {}, "metadata"),
             ("POST", "", {"items": "hi"}, {}, "items"),
             ("POST", items, {"items": many}, {}, "items"),

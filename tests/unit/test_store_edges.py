@@ -136,13 +136,19 @@ def test_a_background_run_refused_by_a_full_queue_fails_as_rate_limit_exceeded()
 
 
 def test_a_conversations_message_the_chat_refuses_is_named_conversation():
-    router = replica(in_process_store())
-    call_id = "c" * 300  # a conversation takes it; a chat message's tool_call_id is <= 256
-    items = [{"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"},
-             {"type": "function_call_output", "call_id": call_id, "output": "1"}]
-    status, made = routed(router, "POST", body={"items": items})
-    assert status == 200
-    status, answer = asyncio.run(post(router, {"conversation": made["id"], "input": "and?"}))
+    """A call_id over 256 characters is refused when added (test_conversations); one stored
+    before that check, the chat's refusal of it names the conversation."""
+    store = in_process_store()
+    router = replica(store)
+    call_id = "c" * 300  # a chat message's tool_call_id is <= 256
+    items = [{"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}",
+              "id": "fc_1"},
+             {"type": "function_call_output", "call_id": call_id, "output": "1", "id": "fco_1"}]
+    assert routed(router, "POST", body={"items": items})[0] == 400
+    conversation = {"id": "conv_old", "object": "conversation", "created_at": 0, "metadata": {}}
+    asyncio.run(store.put("conv_old", StoredConversation(json.dumps(conversation).encode(),
+                                                         encoded(items))))
+    status, answer = asyncio.run(post(router, {"conversation": "conv_old", "input": "and?"}))
     assert status == 400 and answer["error"]["param"] == "conversation"
     assert answer["error"]["message"].startswith("conversation: ")
 
