@@ -37,7 +37,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from engine.checkpoint import Checkpoint
 from engine.models import load_causal_lm
-from engine.batch import UNFINISHED
+from engine.batch import UNFINISHED, run_alone
 from engine.kv import PoolEngine
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
@@ -132,13 +132,11 @@ class PoolReplica(ReplicaReports):
                                         SamplingParams(temperature=1.0))):
             request_id = f"warm-up-{index}"
             for call in self.warm_up_calls(request_id, prompt, params):
-                while (answer := run_batch([call])[0]) is UNFINISHED:
-                    pass
-                # refused, as every request would be alike: before, the start passed over it
-                if isinstance(answer, KVCacheTooSmall):
-                    raise KVCacheTooSmall(f"kv_cache_tokens too small: the warm-up's {answer}")
-                if isinstance(answer, BaseException):
-                    raise answer
+                try:
+                    run_alone(run_batch, call)
+                except KVCacheTooSmall as error:  # every request would be refused alike
+                    raise KVCacheTooSmall(f"kv_cache_tokens too small: the warm-up's {error}") \
+                        from None
             self.engine.sessions.release(request_id)
 
     def warm_up_calls(self, request_id: str, prompt: tuple[int, ...], params) -> list:

@@ -7,7 +7,7 @@ import torch
 from drafter.draft import Draft, processed
 from engine.kv import SessionStore
 from engine.runner import ModelRunner, serving_runner
-from engine.batch import UNFINISHED
+from engine.batch import UNFINISHED, run_alone
 from engine.scheduler import admitted, in_turns, prepare_within_budget
 from speculative.checks import check_call, check_confidence, check_prompt_len, check_tree_width
 from speculative.token_masks import matcher_after
@@ -78,12 +78,7 @@ class ModelDrafter:
         self.sessions.release(request_id)
 
     def propose_now(self, call: ProposeCall) -> DraftBlock:
-        result = UNFINISHED
-        while result is UNFINISHED:  # a feed cut to the token budget goes on
-            result = self.propose_batch([call])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return run_alone(self.propose_batch, call)
 
     @torch.inference_mode()  # as ModelVerifier.score_batch
     def propose_batch(self, calls: list[ProposeCall]) -> list[DraftBlock | Exception]:

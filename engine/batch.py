@@ -40,6 +40,17 @@ class Unfinished:
 UNFINISHED = Unfinished()
 
 
+def run_alone(run_batch, call):
+    """One call's answer from a batch function (a list of calls in, each one's answer or
+    exception out), run alone: again while its feed is cut to the token budget; an exception
+    raised."""
+    while (answer := run_batch([call])[0]) is UNFINISHED:
+        pass
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
 @dataclass
 class Segment:
     """One request's part of a packed forward: token_ids fed at positions start.., on cache."""

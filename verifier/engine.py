@@ -6,7 +6,7 @@ from itertools import accumulate
 
 import torch
 
-from engine.batch import UNFINISHED
+from engine.batch import UNFINISHED, run_alone
 from engine.checkpoint import served_positions
 from verifier import host
 from verifier.prompt_scores import prompt_logprobs
@@ -82,12 +82,7 @@ class ModelVerifier:
         self.sessions.release(request_id)
 
     def score_now(self, call: ScoreCall) -> TargetScores:
-        result = UNFINISHED
-        while result is UNFINISHED:  # a prefill cut to the token budget goes on
-            result = self.score_batch([call])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return run_alone(self.score_batch, call)
 
     @torch.inference_mode()  # no autograd bookkeeping on the batch's many small operations
     def score_batch(self, calls: list[ScoreCall]) -> list[TargetScores | Exception]:
