@@ -5,7 +5,13 @@ transformers' backend. Stops and ids: test_driver.py."""
 
 import pytest
 
-from speculative.driver import MAX_HELD_TOKENS, Detokenizer, text_decoder
+from speculative.driver import (
+    CONTEXT_TOKENS,
+    MAX_HELD_TOKENS,
+    Detokenizer,
+    context_window,
+    text_decoder,
+)
 from tests.tiny import byte_fallback_tokenizer, byte_level_tokenizer
 from tests.unit.test_driver import generate
 
@@ -222,3 +228,52 @@ def test_tokens_that_each_end_inside_a_character_are_read_once_past_the_held_lim
     ids = [257] * (3 * MAX_HELD_TOKENS)
     tokenizer = byte_level_tokenizer([b"A\xe6"])
     assert detokenized(tokenizer, [1 + ord("x")], ids) == "A\ufffd" * len(ids)
+
+
+def test_the_window_is_the_last_context_tokens_of_a_plain_context():
+    """A context of whole characters gives its last CONTEXT_TOKENS ids as the window (all of
+    them when it is shorter): no fewer, so a tokenizer's decode that reads a few tokens back
+    reads them."""
+    def letters(ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    context = list(range(2 * CONTEXT_TOKENS))
+    assert context_window(letters, context) == context[-CONTEXT_TOKENS:]
+    assert context_window(letters, context[:3]) == context[:3]
+
+
+def test_bytes_that_form_no_character_keep_only_a_characters_tokens_held():
+    """At the held limit the stray bytes go out but for the last 3 tokens (one byte each
+    here), which could be the first 3 bytes of a 4-byte character: no more are held back."""
+    detokenizer = Detokenizer(text_decoder(byte_level_tokenizer([])), [1 + ord("x")])
+    pieces = [detokenizer.add(1 + 0x80) for _ in range(MAX_HELD_TOKENS)]
+    assert pieces[-1] == "\ufffd" * (MAX_HELD_TOKENS - 3)
+
+
+def test_a_token_with_no_text_keeps_the_window_before_it():
+    """A token whose text is empty (a special token the decode skips) is read with the next
+    one: made the window alone, the next token's SentencePiece leading space was lost."""
+    tokenizer = byte_fallback_tokenizer(["▁Say", "▁ok"])
+    say, ok = tokenizer.convert_tokens_to_ids(["▁Say", "▁ok"])
+    ids = [ok, 1, ok, 1, 1, ok]  # </s> 1: special, skipped
+    assert detokenized(tokenizer, [say], ids) == " " + tokenizer.decode(ids,
+                                                                        skip_special_tokens=True)
+
+
+# a SentencePiece-like decode of byte tokens: the text's leading space dropped; " 日" split
+# so that each token ends inside a character (no cut of a run of them keeps its text)
+SPLIT_PIECES = {0: b"x", 1: b" \xe6\x97", 2: b"\xa5 \xe6\x97", 3: b"\xa5"}
+
+
+def leading_space_dropped(ids):
+    return b"".join(SPLIT_PIECES[i] for i in ids).decode("utf-8", "replace").removeprefix(" ")
+
+
+def test_a_held_run_with_no_cut_keeps_its_window():
+    """Tokens that each end inside a character, held past MAX_HELD_TOKENS with no cut that
+    keeps their text, stay held after the window: read without it, the run's first token
+    lost its leading space and the text went out one character short."""
+    detokenizer = Detokenizer(leading_space_dropped, [0])
+    ids = [1, *[2] * (2 * MAX_HELD_TOKENS), 3]
+    text = "".join(detokenizer.add(i) for i in ids) + detokenizer.flush()
+    assert text == " 日" * (2 * MAX_HELD_TOKENS + 1)

@@ -242,3 +242,33 @@ def test_the_routers_own_work_after_the_verify_is_its_phase_not_transport(
     phases = generation.stats.ms_per_round()
     assert phases["router"] == phases["total"] == 10.0
     assert phases["transport"] == phases["draft"] == phases["verify"] == 0.0
+
+
+class DraftPositions(Scripted):
+    """Scripted, recording where each draft call's tokens end in the output (its last
+    drafted position + 1, a pre-draft's assumed tokens counted)."""
+
+    def __init__(self, output, miss, prompt_len) -> None:
+        super().__init__(output, miss, prompt_len)
+        self.ends: list[int] = []
+
+    async def propose(self, call):
+        start = call.sync.committed_len - self.prompt_len + len(call.assumed_token_ids)
+        self.ends.append(start + call.num_speculative_tokens)
+        return await super().propose(call)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_no_draft_reaches_the_last_token_max_tokens_allows(k, pipelined):
+    """A round commits its accepted drafts and one token of the target's: a draft call asks
+    for no token at or past the output's last position (max_tokens - 1), which the target
+    makes, sequential or drafted beside a verify."""
+    output = [0, 1, 0, 1, 2, 0, 1, 1, 0, 2, 1, 0]
+    for max_tokens in range(1, len(output) + 1):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        generation = Generation(Request("r", PROMPT, params), decode)
+        engine = DraftPositions(output, 5, len(PROMPT))
+        asyncio.run(generation.run(engine, engine, FixedK(k), pipelined))
+        assert generation.token_ids == output[:max_tokens]
+        assert all(end <= max_tokens - 1 for end in engine.ends), (max_tokens, engine.ends)

@@ -5,6 +5,7 @@ steps; bad steps are refused; the costs keep a pool call's overhead apart, and t
 adaptive K's rate of K = 0 counts the steps."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -16,7 +17,8 @@ from speculative.fixed_k import FixedK
 from speculative.policy import AdaptiveK, KBounds
 from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
-from speculative.state import Request
+from speculative.state import Request, RequestState
+from speculative.thinking import ThinkingBudget
 from speculative.types import PrefixSync, ScoreCall
 from tests.tiny import Batched, decoded, noisy_copy, run, run_concurrently
 from tests.unit.test_oracle import (  # noqa: F401 (fixtures)
@@ -292,3 +294,20 @@ def test_no_two_draws_of_a_requests_calls_share_a_cpu_generators_stream():
     stepped = [step_seed(seed, step) & low for seed in seeds[:2_000]
                for step in range(MAX_PLAIN_STEPS)]
     assert len(set(stepped)) == len(stepped) and step_seed(seeds[0], 0) == seeds[0]
+
+
+def test_a_call_of_steps_makes_no_more_than_the_context_max_tokens_and_budget_allow():
+    """steps_room: a call makes its tokens and feeds all but the last, so it may make one
+    more than the context has room for (committed + fed within context_limit); within
+    max_tokens; and no more than the free reasoning tokens + 1 (the forced end id's place)."""
+    room = RequestState(Request("r", (5,) * 6, replace(GREEDY, max_tokens=100),
+                                context_limit=10))
+    assert room.steps_room() == 5  # 4 fed: the context's 10 tokens, the 5th made
+    room.commit((2, 2))
+    assert room.steps_room() == 3
+    assert RequestState(Request("r", (5,) * 6, replace(GREEDY, max_tokens=2),
+                                context_limit=10)).steps_room() == 2
+    budget = ThinkingBudget(3, (1,), (8,))  # the prompt opened the reasoning: 3 tokens free
+    thinking = RequestState(Request("r", (5, 1), replace(GREEDY, max_tokens=100,
+                                                         thinking_budget=budget)))
+    assert thinking.thinking.free() == 3 and thinking.steps_room() == 4

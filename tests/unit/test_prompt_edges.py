@@ -10,9 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pydantic import ValidationError
 
-from deployments.chat_messages import call_id_length, template_kwargs, with_call_ids_cut
+from deployments.chat_messages import (call_id_length, template_kwargs, template_variables,
+                                       with_call_ids_cut)
+from deployments.chat_templates import ChatTemplate
 from deployments.ingress import BadRequest
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.request_bounds import MAX_CHAT_TEMPLATE
 from deployments.responses_api import ResponsesChat
 from deployments.truncation import fitted
 from tests.unit.test_chat_prompts import prompt_ids, qwen_like_reader, reader_of, with_bos
@@ -63,6 +66,37 @@ def test_a_request_naming_one_of_the_models_templates_is_read_as_that_template(r
 def test_a_template_whose_variables_cannot_be_read_is_given_every_kwarg():
     assert template_kwargs({"a": 1, "b": "x"}, None, set(), None) == {"a": 1, "b": "x"}
     assert template_kwargs({"a": 1, "b": "x"}, frozenset({"b"}), set(), None) == {"b": "x"}
+
+
+def test_a_templates_variables_are_all_its_named_templates_and_none_without_one():
+    """The variables of a dict of named templates are each one's (the kwargs a tool_use
+    template reads pass); no template reads none."""
+    assert template_variables({"default": "{{ a }}", "tool_use": "{{ b }}"}) == {"a", "b"}
+    assert template_variables("") == frozenset() and template_variables(None) == frozenset()
+
+
+def test_a_requests_template_renders_exactly_its_bound_of_characters():
+    """4 characters (RENDERED_PER_PROMPT_BYTE) per prompt byte allowed, and its own
+    MAX_CHAT_TEMPLATE: that many pass, one more is a 400 naming chat_template."""
+    most = 4 * 10 + MAX_CHAT_TEMPLATE
+    template = ChatTemplate("{{ x }}", frozenset(), False, None)
+    assert template.checked("x" * most, 10) == "x" * most
+    with pytest.raises(BadRequest) as refused:
+        template.checked("x" * (most + 1), 10)
+    assert refused.value.param == "chat_template" and f"the limit is {most}" in str(
+        refused.value)
+
+
+@pytest.mark.parametrize("key", ["messages", "tools", "documents", "add_generation_prompt",
+                                 "continue_final_message", "chat_template", "tokenize"])
+def test_kwargs_set_nothing_the_server_sets_and_a_null_one_passes(key):
+    """Each argument the router gives the template itself is a 400 naming
+    chat_template_kwargs (as vLLM's); a null value is a JSON scalar, passed."""
+    with pytest.raises(BadRequest) as refused:
+        template_kwargs({key: 1}, None, set(), None)
+    assert refused.value.param == "chat_template_kwargs"
+    assert template_kwargs({"a": None, key + "_x": 2}, None, set(), None) == {
+        "a": None, key + "_x": 2}
 
 
 @pytest.mark.parametrize("message", [
@@ -221,3 +255,16 @@ def test_short_call_ids_only_where_the_template_takes_them_and_cut_to_their_ends
     cut = with_call_ids_cut([{"role": "assistant", "content": "", "tool_calls": [call]},
                              {"role": "tool", "content": "1", "tool_call_id": call["id"]}], 9)
     assert cut[0]["tool_calls"][0]["id"] == cut[1]["tool_call_id"] == "123456789"
+    bare = {"type": "function", "function": {"name": "f", "arguments": {}}}  # no id: kept
+    assert with_call_ids_cut([{"role": "assistant", "content": "", "tool_calls": [bare]}],
+                             9)[0]["tool_calls"] == [bare]
+
+
+def test_min_tokens_holds_back_the_requests_stop_ids_and_the_end_tokens(reader):
+    """vLLM's all_stop_token_ids: min_tokens masks the request's own stop_token_ids as well
+    as the model's end tokens (a stop id sampled early would end the output short)."""
+    reader = ready(reader)
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}],
+                                 min_tokens=2, stop_token_ids=[7, 11])
+    held = asyncio.run(reader.read(body, chat=True)).sampling.min_tokens_end_ids
+    assert {7, 11} <= set(held) and set(reader.end_ids) <= set(held)

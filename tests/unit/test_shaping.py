@@ -45,6 +45,18 @@ def test_min_tokens_yields_to_a_row_that_allows_only_an_end():
     assert rows[0, 2] == 0 and rows[1, 2] == float("-inf") and rows[1, 4] == 1
 
 
+def test_min_tokens_masks_an_end_id_in_the_last_column_and_skips_one_past_it():
+    """The vocabulary's last id may be an end id (a special token added last): masked like
+    any other, from min_tokens 1 on (the first token); an end id past the logits' columns (a
+    padded vocabulary's) is left out."""
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(min_tokens=1, min_tokens_end_ids=(7, 8))
+    rows = shape_logits(logits, params, [1], [], [4])  # output lengths 0, 1
+    expected = logits.clone()
+    expected[0, 7] = float("-inf")
+    torch.testing.assert_close(rows, expected)
+
+
 def test_nothing_to_shape_leaves_the_logits_alone_and_a_foreign_id_is_refused():
     logits = torch.randn(2, 8)
     assert shape_logits(logits, SamplingParams(min_tokens=4), [1], [2], [3]) is logits

@@ -17,7 +17,8 @@ from deployments.response_items import encoded
 from deployments.responses_api import ResponsesRequest
 from deployments.responses_events import AsResponse
 from deployments.response_store import BoundedStore
-from deployments.stored_chats import StoredChat, assembled, listed_page
+from deployments.stored_chats import (AsStored, StoredChat, StoredChatRequest, assembled,
+                                      kept, listed_page)
 from tests.unit.test_background_responses import TEXT, ended, in_process_store, post, replica
 from tests.unit.test_conversations import TURN, routed, texts
 from tests.unit.test_response_store import Clock
@@ -181,3 +182,79 @@ def test_a_streams_logprobs_are_stored_whole_and_a_failed_stream_not_at_all():
     choice = assembled(texts)["choices"][0]
     assert [entry["token"] for entry in choice["logprobs"]["content"]] == ["a", "b"]
     assert assembled(texts[:1] + ['data: {"error": {"message": "x"}}']) is None
+
+
+def test_stored_chats_are_listed_by_their_created_not_their_storing_or_id_order():
+    """OpenAI's order is by created: a stream begun first and finished last is listed first."""
+    store = BoundedStore(max_entries=10, max_bytes=1 << 20, ttl_s=60)
+    for key, created in (("chatcmpl-a", 9), ("chatcmpl-b", 7)):
+        store.put(key, StoredChat(b'{"id": "%s"}' % key.encode(), b"[]", "m", created))
+    found = store.survey(StoredChat, listed_page, (20, "asc", None, None), None, {})
+    assert [item["id"] for item in found["data"]] == ["chatcmpl-b", "chatcmpl-a"]
+
+
+def test_a_stored_chats_size_counts_its_metadata_and_its_messages_have_content_parts():
+    """nbytes: its two texts, its model and each metadata pair's key and value; each message
+    kept in OpenAI's shape, its content_parts there and null."""
+    assert StoredChat(b"abc", b"[]", "m", 7, {"k": "vv"}).nbytes == 3 + 2 + 1 + 3
+    body = StoredChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                             store=True)
+    entry = kept({"id": "chatcmpl-a", "model": "m", "created": 7}, body)
+    assert json.loads(entry.messages) == [{"id": "chatcmpl-a-0", "content_parts": None,
+                                           "role": "user", "content": "hi"}]
+
+
+def test_a_streams_choices_are_stored_in_index_order_with_its_first_created_and_all_ids():
+    """Choices interleaved (n > 1), each one's token_ids joined across its chunks, and the
+    completion's created its first chunk's."""
+    def part(created: int, index: int, content: str, ids: list, **choice) -> str:
+        return "data: " + json.dumps({"id": "chatcmpl-a", "created": created, "model": "m",
+                                      "choices": [{"index": index, "delta": {"content": content},
+                                                   "token_ids": ids, **choice}]})
+
+    texts = [part(7, 1, "x", [1]), part(8, 0, "a", [2], finish_reason="stop"),
+             part(8, 1, "y", [3], finish_reason="length")]
+    completion = assembled(texts)
+    assert completion["created"] == 7
+    assert [(c["index"], c["message"]["content"], c["token_ids"], c["finish_reason"])
+            for c in completion["choices"]] == [(0, "a", [2], "stop"),
+                                               (1, "xy", [1, 3], "length")]
+
+
+def test_only_a_bracketed_metadata_key_filters_the_list_and_messages_take_no_before():
+    """`metadata[k` is no filter; a chat's messages page reads after, limit and order only
+    (OpenAI's), a `before` ignored."""
+    router = chat_router(in_process_store())
+    answer_id = chatted(router, store=True, metadata={"k": "1"})[1]["id"]
+    assert len(chats_routed(router, "GET", **{"metadata[k": "2"})[1]["data"]) == 1
+    page = chats_routed(router, "GET", f"/{answer_id}/messages", before=f"{answer_id}-1")[1]
+    assert [m["id"] for m in page["data"]] == [f"{answer_id}-0", f"{answer_id}-1"]
+
+
+def test_closing_a_stored_chats_stream_closes_the_chats_own_and_stores_nothing():
+    """A client gone mid-stream: the chat's events closed (its choices, its slot freed), no
+    completion stored; read to its [DONE], the completion is stored."""
+    body = StoredChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                             store=True)
+
+    async def streamed(store, closed: list, read_all: bool) -> None:
+        async def chats_events():
+            try:
+                yield chunk({"content": "a"}, finish_reason="stop") + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                closed.append(True)
+
+        own = chats_events()  # held: closed by the stream, not collected
+        events = AsStored(body, store).events(own)
+        if read_all:
+            assert [text async for text in events][-1] == "data: [DONE]\n\n"
+        else:
+            assert (await events.__anext__()).startswith("data: ")
+            await events.aclose()
+        assert closed == [True]  # at once, not when the loop ends
+
+    for read_all in (False, True):
+        closed, store = [], in_process_store()
+        asyncio.run(streamed(store, closed, read_all))
+        assert (store.store.get("chatcmpl-a", StoredChat) is not None) == read_all

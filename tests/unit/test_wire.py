@@ -54,6 +54,15 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
         wire_tensors.tensor_from_proto(pb.Tensor(data=b"", dtype="complex64", shape=[0]))
 
 
+def test_an_empty_tensor_keeps_its_shape_and_a_dtype_the_wire_lacks_is_a_value_error():
+    """A tensor of no elements travels as no bytes in its own shape; one of a dtype the wire
+    has no name for is refused as it is sent, a ValueError naming it."""
+    back = wire_tensors.tensor_from_proto(wire_tensors.tensor_to_proto(torch.ones(0, 4)))
+    assert back.shape == (0, 4) and back.dtype == torch.float32
+    with pytest.raises(ValueError, match="unsupported dtype on the wire"):
+        wire_tensors.tensor_to_proto(torch.zeros(2, dtype=torch.uint8))
+
+
 def test_distributions_travel_in_the_form_they_were_shipped_in():
     q = truncated_q(4, 100, top_k=8)
     message = wire_tensors.dists_to_proto(q)
@@ -88,6 +97,27 @@ def test_a_received_q_is_checked_and_stays_sparse():
         edit(message)
         with pytest.raises(ValueError, match=match):
             wire_tensors.dists_from_proto(message)
+
+
+def test_a_bfloat16_q_travels_as_float32_an_empty_sparse_q_passes_and_inf_is_refused():
+    """q's weights go as float32 unless float16 (bfloat16 weights, which a receiver refuses,
+    a ValueError); ids as int32 or int64; a q of no positions with ids passes (no range to
+    read); an infinite weight is refused."""
+    q = truncated_q(2, 50, top_k=4, dtype=torch.bfloat16)
+    message = wire_tensors.dists_to_proto(q)
+    assert message.probs.dtype == "float32"
+    assert torch.equal(wire_tensors.dists_from_proto(message).weights, q.weights.float())
+    wide = wire_tensors.dists_to_proto(q)
+    wide.ids.CopyFrom(wire_tensors.tensor_to_proto(q.ids.long()))  # int64 ids: taken too
+    assert wire_tensors.dists_from_proto(wide).ids.dtype == torch.int64
+    empty = DraftDists(torch.ones(0, 4), torch.zeros(0, 4, dtype=torch.int32), 50)
+    assert same_q(wire_tensors.dists_from_proto(wire_tensors.dists_to_proto(empty)), empty)
+    message.probs.CopyFrom(wire_tensors.tensor_to_proto(torch.full((2, 4), float("inf"))))
+    with pytest.raises(ValueError, match="finite"):
+        wire_tensors.dists_from_proto(message)
+    message.probs.CopyFrom(wire_tensors.tensor_to_proto(q.weights))  # sent as bfloat16
+    with pytest.raises(ValueError, match="float32 or float16"):
+        wire_tensors.dists_from_proto(message)
 
 
 def test_the_router_forwards_q_without_building_a_dense_one(monkeypatch):
