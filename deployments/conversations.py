@@ -101,6 +101,12 @@ class ItemMessages(BaseModel):
     messages: list[ChatMessage]
 
 
+def in_items(error, param: str) -> BadRequest:
+    """A refusal naming a Responses input's item (input[i]...) as the items' (`param`[i]...)."""
+    return BadRequest(str(error).replace("input", param, 1),
+                      param=error.param.replace("input", param, 1))
+
+
 def checked_items(given: list, param: str = "items") -> list[dict]:
     """The items as listed (ids kept or made), at most MAX_ITEMS, each checked as a
     Responses input's item is; BadRequest naming `param`, or its item (`param`[i])."""
@@ -112,13 +118,10 @@ def checked_items(given: list, param: str = "items") -> list[dict]:
         messages, places = chat_messages(None, given)
         ItemMessages(messages=messages)
         return request_items(given, [])
-    except ValidationError as error:  # named as a Responses input's: input[i]
-        error = renamed(invalid_body(error), places)
-        raise BadRequest(str(error).replace("input", param, 1),
-                         param=error.param.replace("input", param, 1)) from None
+    except ValidationError as error:  # a chat message's bound, named as input[i]
+        raise in_items(renamed(invalid_body(error), places), param) from None
     except FieldError as error:  # named as an input's: input[i]...
-        raise BadRequest(str(error).replace("input", param, 1),
-                         param=error.param.replace("input", param, 1)) from None
+        raise in_items(error, param) from None
     except BadRequest as error:  # an id that is no string, or a duplicate: input[i].id
         raise BadRequest(str(error).replace("'input[", f"'{param}[", 1), error.status,
                          error.param.replace("input", param, 1)) from None
