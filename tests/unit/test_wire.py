@@ -37,12 +37,13 @@ def same_q(a: DraftDists, b: DraftDists) -> bool:
         and torch.equal(a.weights, b.weights)
 
 
+@pytest.mark.parametrize("shape", [(3, 5), ()])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
-def test_tensors_round_trip_bit_exactly(dtype):
-    tensor = (torch.randn(3, 5, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+def test_tensors_round_trip_bit_exactly(dtype, shape):
+    tensor = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
     sent = wire_tensors.tensor_to_proto(tensor).SerializeToString()
     back = wire_tensors.tensor_from_proto(pb.Tensor.FromString(sent))
-    assert back.dtype == dtype and torch.equal(back, tensor)
+    assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
 
 
 def test_a_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
