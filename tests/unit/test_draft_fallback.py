@@ -5,6 +5,9 @@ import random
 
 import pytest
 
+from deployments import health
+from deployments.health import FailureLog
+from deployments.pool_handles import DRAFT_FAILURES_LOGGED_EVERY_S
 from drafter.model import ModelDrafter
 from speculative.busy import MAX_SKIPPED_DRAFTS, DraftBackoff
 from speculative.fixed_k import FixedK
@@ -43,6 +46,20 @@ class Flaky:
 def pair():
     target = tiny_llama(5)
     return target, noisy_copy(target, 0.2, seed=6)
+
+
+def test_drafter_failures_are_logged_at_most_once_a_minute_with_the_count(monkeypatch):
+    """docs/operations.md: a failing drafter is said in the router's log at most once a
+    minute, with the count since."""
+    assert DRAFT_FAILURES_LOGGED_EVERY_S == 60.0
+    said = []
+    monkeypatch.setattr(health.log, "warning", lambda message, *args: said.append(args))
+    now = [0.0]
+    failures = FailureLog("drafter", DRAFT_FAILURES_LOGGED_EVERY_S, clock=lambda: now[0])
+    for at in (0.0, 1.0, 30.0, 59.0, 60.0):
+        now[0] = at
+        failures.failure(PoolUnavailable("down"))
+    assert [count for _, count, _ in said] == [1, 4]
 
 
 def test_backoff_skips_more_rounds_after_each_failure_and_resets():

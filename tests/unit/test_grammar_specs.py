@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from speculative.grammar import GrammarError, compile_spec
+from speculative.grammar import GrammarError, compile_spec, lark_of
 from speculative.token_masks import TokenMasks
 from tests.unit.test_structured import demo_pair
 
@@ -210,3 +210,12 @@ def test_a_structural_tag_that_cannot_be_is_refused_naming_its_field(fields, par
     named = error.param if isinstance(error, FieldError) else \
         ".".join(map(str, error.errors()[0]["loc"]))
     assert named == param
+
+
+def test_a_gbnf_grammar_takes_16384_characters_as_docs_serving_says():
+    """docs/serving.md: GBNF "at most 16,384 characters"; the bound is the text's, as sent."""
+    rule = 'root ::= "a"'
+    assert lark_of(rule + " " * (16384 - len(rule)))
+    with pytest.raises(GrammarError, match="at most 16384 characters") as refused:
+        lark_of(rule + " " * (16385 - len(rule)))
+    assert refused.value.field == "grammar"

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from deployments.clients import RELEASE_BUSY_WAIT_S, RELEASE_TIMEOUT_S
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from deployments.released import Released
@@ -342,3 +343,16 @@ def test_a_tombstone_refuses_up_to_kept_s_inclusive():
     assert released.refuses("b") and released.refuses("b") and len(released) == 1
     now[0] = 10.25
     assert not released.refuses("b") and len(released) == 0
+
+
+def test_the_documented_release_bounds_are_the_defaults():
+    """docs/operations.md and docs/wire.md: a release is bounded by 2 s, a refused one tried
+    again for up to 30 s, and an ended request's later calls refused for 60 s."""
+    assert RELEASE_TIMEOUT_S == 2.0 and RELEASE_BUSY_WAIT_S == 30.0
+    now = [0.0]
+    released = Released(clock=lambda: now[0])
+    released.add("a", ended=True)
+    now[0] = 60.0
+    assert released.refuses("a") and released.refuses("a")
+    now[0] = 60.5
+    assert not released.refuses("a")

@@ -315,3 +315,22 @@ def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_all_read():
     assert refused.value.status == 413 and len(sent) == 67  # the head and 66 KiB: past it
     request, _ = chunked_request([head, b"x" * 1024, b'"}'])
     assert len(asyncio.run(parse(request, CompletionRequest, 1024)).prompt) == 1024
+
+
+def a_tool(i: int) -> dict:
+    return {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("schema, field, most, item", [
+    (CompletionRequest, "logit_bias", 1024, lambda i: (str(i), 1)),  # docs/serving.md's bounds
+    (ChatCompletionRequest, "tools", 128, a_tool),
+    (ChatCompletionRequest, "documents", 64, lambda i: {"text": f"d{i}"})])
+def test_a_documented_list_bound_takes_its_most_and_refuses_one_more(schema, field, most, item):
+    body = {"prompt": "x"} if schema is CompletionRequest else {"messages": CHAT}
+    items = [item(i) for i in range(most + 1)]
+    value = dict(items[:most]) if field == "logit_bias" else items[:most]
+    assert len(getattr(schema.model_validate({**body, field: value}), field)) == most
+    more = dict(items) if field == "logit_bias" else items
+    with pytest.raises(ValidationError) as refused:
+        schema.model_validate({**body, field: more})
+    assert refused.value.errors()[0]["loc"][0] == field
