@@ -23,7 +23,8 @@ def pooled_cells(expected: np.ndarray) -> np.ndarray:
     """[cells] bool: the cells of positive expectation pooled into one, those expecting fewer
     than SMALL and, while the pool itself expects fewer, the smallest of the others, but
     never the last of them: pooled too, one cell would hold the whole sample, and the check
-    could not fail (lone_cell_threshold tests that cell beside a pool of fewer)."""
+    could not fail (lone_cell_threshold tests that cell beside a pool of fewer). Where every
+    cell expects fewer than SMALL, the likeliest is kept out of the pool for that reason."""
     pool = (expected > 0) & (expected < SMALL)
     kept = int(((expected > 0) & ~pool).sum())
     if pool.any():
@@ -32,14 +33,18 @@ def pooled_cells(expected: np.ndarray) -> np.ndarray:
                 break
             if expected[cell] > 0 and not pool[cell]:
                 pool[cell], kept = True, kept - 1
+    if kept == 0 and pool.sum() > 1:
+        pool[int(np.argmax(expected))] = False
     return pool
 
 
 def lone_cell(expected: np.ndarray, pool: np.ndarray) -> int | None:
-    """The one cell kept beside a pool that expects fewer than SMALL samples (all the others
-    together: chi-square's tail is far off there), else None."""
+    """The one cell kept beside a pool (all the others together), where either expects
+    fewer than SMALL samples (chi-square's tail is far off there), else None."""
     kept = np.flatnonzero(~pool & (expected > 0))
-    return int(kept[0]) if len(kept) == 1 and 0 < expected[pool].sum() < SMALL else None
+    pooled = expected[pool].sum()
+    return int(kept[0]) if len(kept) == 1 and 0 < pooled and min(
+        pooled, expected[kept[0]]) < SMALL else None
 
 
 def lone_cell_threshold(statistics: np.ndarray, log_probs: np.ndarray, tail: float) -> float:

@@ -11,6 +11,8 @@ conditioned check cannot see it), each at half the false-failure rate of 1e-6 pe
 samples seeded.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from drafter.ngram import NgramDrafter
 from drafter.suffix import SuffixDrafter
 from speculative import accept as accept_module
 from speculative.sampling import SamplingParams
+from speculative.types import DraftBlock, DraftDists
 from tests.stats.chisq import chi_square, conditional_chi_square
 from tests.stats.laws import law_after_first, sequence_law
 from tests.tiny import Batched, noisy_copy, run_seeded, tiny_llama
@@ -58,7 +61,13 @@ def make_drafter(target, kind: str):
 
 
 T1 = SamplingParams(temperature=1.0, max_tokens=3)
-NUCLEUS = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3)
+# each of its three shapings changes the law: at T 0.7 and top-p 0.9 (the case's first
+# values) top-p kept every token top-k left (a verifier ignoring it was exact) and a verifier
+# ignoring the temperature failed the checks one time in 200 (the flattened target): here
+# its first token's statistic is 4.9 times the threshold on average, sd 0.7, 2.8 at least
+# (1,000 multinomial samples of its law: 5.6 sd above), and top-p cuts with every cumulative
+# tail 0.02 or more from its bound (no rounding decides)
+NUCLEUS = SamplingParams(temperature=0.4, top_k=5, top_p=0.8, max_tokens=3)
 CASES = [(params, kind) for params in (T1, NUCLEUS)
          for kind in ("model", "ngram", "padded-smaller", "padded-larger")] + [
     (T1, "suffix"), (T1, "suffix-tree")]
@@ -70,7 +79,7 @@ CONTEXT = 512  # the tiny target's context, which a tree's nodes must stay withi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("params, drafter_kind", CASES, ids=[
-    f"{kind}-{'T1' if params is T1 else 'T0.7-k5-p0.9'}" for params, kind in CASES])
+    f"{kind}-{'T1' if params is T1 else 'T0.4-k5-p0.8'}" for params, kind in CASES])
 def test_two_token_sequences_match_target_only_sampling(target, params, drafter_kind):
     counts, accepted, siblings, drafted = sample_counts(target, params, drafter_kind)
     first = sequence_law(target, PROMPT, params, 1)
@@ -159,3 +168,61 @@ def test_a_first_token_off_its_law_fails(target, monkeypatch):
     counts, *_ = sample_counts(target, NUCLEUS, "model", stop_first=first)
     statistic, threshold, _ = chi_square(counts.sum((1, 2)), first, CHECK_FAILURE)
     assert statistic > threshold, "the first-token mutant passed"
+
+
+real_logits_to_probs = verifier_module.logits_to_probs
+
+
+def p_at_temperature_one(logits, params):
+    """Mutant of the verifier's p: the request's temperature ignored (its top-k and top-p
+    kept); the drafter's q and the reference keep it."""
+    return real_logits_to_probs(logits, replace(params, temperature=1.0))
+
+
+def p_without_top_k(logits, params):
+    """Mutant of the verifier's p: the request's top-k ignored (its other shapings kept)."""
+    return real_logits_to_probs(logits, replace(params, top_k=0))
+
+
+def p_without_top_p(logits, params):
+    """Mutant of the verifier's p: the request's top-p ignored (its other shapings kept)."""
+    return real_logits_to_probs(logits, replace(params, top_p=1.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", [p_at_temperature_one, p_without_top_k, p_without_top_p],
+                         ids=["temperature-ignored", "top-k-ignored", "top-p-ignored"])
+def test_a_verifier_shaping_p_wrongly_fails(target, monkeypatch, mutant):
+    """The shaped case (model-T0.4-k5-p0.8) run through its own two checks, at its sample
+    size (stopping once one fails): a verifier whose p leaves out the request's temperature,
+    top-k or top-p (no other law test's verifier shapes by them) must fail them."""
+    monkeypatch.setattr(verifier_module, "logits_to_probs", mutant)
+    first = sequence_law(target, PROMPT, NUCLEUS, 1)
+    law = law_after_first(target, PROMPT, NUCLEUS, 2)
+    counts, *_ = sample_counts(target, NUCLEUS, "model", stop_law=law, stop_first=first)
+    assert failed(counts, law, first), f"the {mutant.__name__} mutant passed"
+
+
+real_ngram_propose = NgramDrafter.propose_now
+
+
+def ngram_with_a_uniform_q(self, call):
+    """Mutant of the n-gram drafter: its tokens shipped with a uniform q, not the point mass
+    they were drawn from (so the target accepts them p(x) V times as often as it should)."""
+    block = real_ngram_propose(self, call)
+    if block.draft_probs is None:
+        return block
+    rows = torch.full((len(block.token_ids), VOCAB), 1 / VOCAB)
+    return DraftBlock(block.token_ids, DraftDists.from_dense(rows))
+
+
+@pytest.mark.slow
+def test_model_free_drafts_tested_against_a_wrong_q_fail(target, monkeypatch):
+    """The n-gram case's own conditioned check (at T1, its sample size, stopping once it
+    fails) rejects a model-free draft verified against a law it was not drawn from: the
+    drafted token taken as a draw of q by rejection sampling is what the case is about."""
+    monkeypatch.setattr(NgramDrafter, "propose_now", ngram_with_a_uniform_q)
+    first = sequence_law(target, PROMPT, T1, 1)
+    law = law_after_first(target, PROMPT, T1, 2)
+    counts, *_ = sample_counts(target, T1, "ngram", stop_law=law, stop_first=first)
+    assert failed(counts, law, first), "the uniform-q mutant passed"

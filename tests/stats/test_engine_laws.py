@@ -3,8 +3,8 @@ reach: the seeded default K = 4 (in batches that requests join and leave), an ad
 ("auto"), blocks cut short by the draft's confidence, caches rebuilt mid-request, a
 pipelined drafter whose pre-drafts fail, a padded draft vocabulary at K = 3, a draft equal
 to the target (every window ends in a bonus token), and draft trees (siblings drawn without
-replacement from q where the draft is least sure, accepted by recursive rejection). Every case decodes its requests
-100 at a time through batched pools. Same pair, window and exact law as
+replacement from q where the draft is least sure, accepted by recursive rejection). Every
+case decodes its requests 100 at a time through batched pools. Same pair, window and exact law as
 tests/stats/test_pipelined_distribution.py (the three tokens after the first, whose law is
 computed from the target's forwards); chi-square at a false-failure rate of 1e-6 per case,
 samples seeded.
@@ -22,6 +22,7 @@ import pytest
 import speculative.loop as loop
 import speculative.tree as tree_module
 from drafter.model import ModelDrafter
+from engine.paged import PagedCache
 from engine.runner import ModelRunner, serving_runner
 from speculative.sampling import SamplingParams
 from speculative.types import PoolUnavailable
@@ -222,6 +223,14 @@ def logits_of_a_batch_mate(runner, segments):
     return swapped
 
 
+def adopted_a_block_late(cache, holder, tokens):
+    """Mutant of a prefix hit (engine.paged's adopt): the holder's block table read one
+    block late, so the prompt's first block holds the keys and values of the holder's
+    second (its holders keep their output's blocks too: there is one)."""
+    blocks = tokens // cache.pool.block_size
+    cache.units = cache.pool.share(holder.units[1:blocks + 1])
+
+
 MUTANTS = [  # (case, mutant name, patch)
     ("K4", "q-shifted", lambda mp: mp.setattr(ModelDrafter, "propose_batch", q_shifted_by_one)),
     ("K4", "logits-of-a-batch-mate", lambda mp: mp.setattr(
@@ -240,6 +249,8 @@ MUTANTS = [  # (case, mutant name, patch)
         tree_module, "residual_rows", lambda target, draft: target)),
     ("bonus", "bonus-from-p_K", lambda mp: mp.setattr(
         verifier_engine, "draw_recovered_and_bonus", bonus_from_last_drafted_position)),
+    ("prefix-hits", "hit-a-block-late", lambda mp: mp.setattr(
+        PagedCache, "adopt", adopted_a_block_late)),
 ]
 
 

@@ -6,7 +6,9 @@ regex over a character tokenizer of the pair's 8 ids whose allowed letters alter
 the position: ([ab][cd]){3,}. The exact law masks each position to what the grammar allows
 after the output before it (a fresh llguidance matcher) and renormalises. A verifier that
 masks every drafted position as the block's first (the committed output only) must fail
-the same check at the same sample size, or be refused by the verifier's own guard.
+the same check at the same sample size, or be refused by the verifier's own guard (it is),
+and a verifier whose mask forbids a letter the grammar allows (its outputs pass the guard)
+must fail the check.
 Chi-square at a false-failure rate of 1e-6.
 """
 
@@ -101,6 +103,27 @@ def test_the_check_catches_masks_blind_to_drafted_tokens(target, draft, grammar,
         return
     passes, message = chi2_passes(counts, masked_law)
     assert not passes, f"the committed-only mask passed: {message}"
+
+
+def masks_without_b(self, output, drafted, vocab_size, device=None):
+    """Mutant of the verifier's masks: too strict, "b" (id 3) never allowed (a bit lost from
+    the mask): every output still follows the grammar, so the verifier's guard lets it
+    through, and the drafted b's are rejected by the coins."""
+    rows = real_masks(self, output, drafted, vocab_size, device).clone()
+    rows[:, LETTERS.index("b") + 2] = False
+    return rows
+
+
+@pytest.mark.slow
+def test_the_check_catches_a_mask_too_strict(target, draft, grammar, masked_law,
+                                             monkeypatch):
+    """The mutant above is refused by the verifier's guard before the check is reached: a
+    mask that forbids more than the grammar, whose outputs the guard passes, must fail the
+    check itself (at the same sample size, stopping once it fails)."""
+    monkeypatch.setattr(TokenMasks, "masks", masks_without_b)
+    counts, _ = constrained_counts(target, draft, grammar, False, stop_law=masked_law)
+    passes, message = chi2_passes(counts, masked_law)
+    assert not passes, f"the too-strict mask passed: {message}"
 
 
 def test_every_output_follows_the_grammar(target, draft, grammar):

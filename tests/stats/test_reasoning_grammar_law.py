@@ -8,7 +8,9 @@ holds it, and the regex ([ab][cd]){3,} holds from its start on the tokens after 
 window's sequences cross the gate at any of its positions, inside a drafted block too, or
 never. min_tokens keeps the end token out of the window (the reasoning allows it). A
 verifier that gates by the committed output alone (a drafted block's rows after the end id
-left free) must fail the same check, or be refused by the verifier's own guard.
+left free) must fail the same check, or be refused by the verifier's own guard (it is);
+one whose mask forbids a letter the rule allows (its outputs pass the guard) must fail the
+check.
 """
 
 import numpy as np
@@ -20,7 +22,7 @@ from speculative.grammar import compile_spec, ll_tokenizer
 from speculative.sampling import SamplingParams
 from speculative.token_masks import TokenMasks
 from tests.stats.laws import law_after_first, sequence_law
-from tests.stats.test_grammar_law import LETTERS, PROMPT, REGEX
+from tests.stats.test_grammar_law import LETTERS, PROMPT, REGEX, masks_without_b
 from tests.stats.test_pipelined_distribution import (  # noqa: F401 (fixtures)
     VOCAB,
     chi2_passes,
@@ -100,3 +102,15 @@ def test_the_check_catches_a_gate_blind_to_drafted_tokens(target, draft, gated, 
         return
     passes, message = chi2_passes(counts, gated_law)
     assert not passes, f"the committed-only gate passed: {message}"
+
+
+@pytest.mark.slow
+def test_the_check_catches_a_gated_mask_too_strict(target, draft, gated, gated_law,
+                                                   monkeypatch):
+    """The mutant above is refused by the verifier's guard before the check is reached: a
+    mask that forbids "b" before and after the gate (its outputs pass the guard) must fail
+    the check itself (at the same sample size, stopping once it fails)."""
+    monkeypatch.setattr(TokenMasks, "masks", masks_without_b)
+    counts, _ = gated_counts(target, draft, gated, stop_law=gated_law)
+    passes, message = chi2_passes(counts, gated_law)
+    assert not passes, f"the too-strict gated mask passed: {message}"

@@ -12,7 +12,8 @@ Each case runs the reference walk (accept_tree, p in hand) and the served split 
 verifier's tree_scores, the router's accept_tree_drawn). Mutants that must fail at the same
 sample size, in both forms: a sibling tested against the unreduced p after a rejection, a
 sibling tested against the q its earlier siblings were drawn from (the removal forgotten),
-and the children of a node tested against the q of the node's parent.
+the children of a node tested against the q of the node's parent, and (the truncated
+case's) a residual kept to q's support.
 """
 
 import itertools
@@ -116,6 +117,15 @@ def parents_q(tree: DraftTree, draft_probs: torch.Tensor) -> torch.Tensor:
     return shifted
 
 
+def residual_over_q_support(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """Mutant input: the residual max(p - q, 0) kept only where q > 0 (as a sparse q's ids
+    alone would give it), p where that leaves nothing: tokens p has and q lacks are never
+    drawn. Exact where q has every token, so only the truncated case can see it."""
+    diff = (target - draft).clamp_min(0) * (draft > 0)
+    total = diff.sum(-1, keepdim=True)
+    return torch.where(total > 1e-12, diff / total.clamp_min(1e-12), target)
+
+
 CASES = {  # name: (widths per depth, truncated[, samples])
     # q-of-the-parent fails at 2.8 (walked) and 3.2 (served) times the threshold at 4,000
     "width2-depth2": ((2, 2), False, 4_000),
@@ -192,6 +202,11 @@ MUTANTS = {  # name: (case, patch of the module, mutation of q's rows)
         "width5-depth1", lambda mp: mp.setattr(tree_module, "without_rows",
                                                lambda q, token: q), None),
     "served-q-of-the-parent": ("width2-depth2", None, parents_q),
+    # the truncated case's own (supports that differ), in both forms
+    "residual-over-q-support": ("width2-depth2-truncated", lambda mp: mp.setattr(
+        tree_module, "residual", residual_over_q_support), None),
+    "served-residual-over-q-support": ("width2-depth2-truncated", lambda mp: mp.setattr(
+        tree_module, "residual_rows", residual_over_q_support), None),
 }
 
 

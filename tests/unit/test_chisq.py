@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from tests.stats.chisq import TAIL_MARGIN, chi2_isf, two_sample_chi_square
+from tests.stats.chisq import (TAIL_MARGIN, chi2_isf, chi_square, conditional_chi_square,
+                               two_sample_chi_square)
 
 
 @pytest.mark.parametrize("tail, df, quantile", [
@@ -25,7 +26,6 @@ def test_the_two_sample_statistic_is_the_contingency_tables():
 def test_a_sample_where_the_law_has_none_fails_even_beside_small_cells():
     """A cell of probability 0 with a sample in it is an outright failure, also when the
     pooling of small cells would have put it beside cells of positive probability."""
-    from tests.stats.chisq import chi_square, conditional_chi_square
 
     law = [0.5, 0.49, 0.0025, 0.0025, 0.0025, 0.0025, 0.0]  # cells 2-6 pooled (expected < 5)
     counts = [500, 490, 2, 3, 2, 2, 1]  # the pooled cell holds exactly its expected 10
@@ -44,7 +44,6 @@ def test_a_correct_sampler_fails_no_more_often_than_asked_beside_a_tiny_cell():
     expects 2.25 samples, pooled alone it made Pearson's tail 47 times chi-square's at 5e-7
     (2.25 times at 1e-3); the pool now takes the next smallest cell, and the threshold a
     tenth of the rate (TAIL_MARGIN)."""
-    from tests.stats.chisq import chi_square
 
     law = np.array([0.04616, 0.946545, 0.00127, 0.00028125, 0.0020238, 0.00372])
     law /= law.sum()
@@ -57,7 +56,6 @@ def test_groups_pooled_whole_keep_their_degrees_of_freedom():
     times: their pool's count is fixed by their totals, so the statistic is chi-square with
     the big group's 3 df. Counting one df off per group left max(1, 5 - 7) = 1: a correct
     sampler failed 8.5% of the checks at 1%."""
-    from tests.stats.chisq import conditional_chi_square
 
     law = np.array([[0.25] * 4] + [[0.5, 0.5, 0.0, 0.0]] * 6)
     rng = np.random.default_rng(6)
@@ -71,7 +69,6 @@ def test_a_law_whose_other_cells_expect_fewer_than_five_in_all_is_still_tested()
     the likeliest cell too, and the one cell left held the whole sample (df 0, statistic
     0), so the check passed whatever the counts. That cell stays, tested exactly beside the
     pool (its count is binomial; two samples: hypergeometric), at no more than the rate."""
-    from tests.stats.chisq import chi_square, conditional_chi_square
 
     law = np.array([0.9997, 0.0003])
     for check in (lambda counts: chi_square(counts, law, 1e-6),
@@ -88,3 +85,24 @@ def test_a_law_whose_other_cells_expect_fewer_than_five_in_all_is_still_tested()
     pairs = zip(rng.multinomial(3000, law, size=1000), rng.multinomial(1000, law, size=1000))
     assert rejections(lambda pair: two_sample_chi_square(
         *({0: counts[0], 1: counts[1]} for counts in pair), 1e-1), pairs) <= 100
+
+
+def test_a_law_whose_every_cell_expects_fewer_than_five_is_still_tested():
+    """Forty samples over 20 equally likely cells (each expects 2): every cell was pooled,
+    the pool held the whole sample (statistic 0), and the check passed all forty in one
+    cell. The likeliest cell stays out of the pool, tested exactly beside it (binomial; two
+    samples: hypergeometric), at no more than the rate."""
+    law = np.full(20, 0.05)
+    heaped = np.zeros(20)
+    heaped[0] = 40
+    for check in (lambda counts: chi_square(counts, law, 1e-6),
+                  lambda counts: conditional_chi_square(counts.reshape(2, 10),
+                                                        law.reshape(2, 10) * 2, 1e-6)):
+        statistic, threshold, _ = check(heaped)
+        assert statistic > threshold
+        statistic, threshold, _ = check(np.full(20, 2.0))
+        assert statistic < threshold
+    draws = np.random.default_rng(8).multinomial(40, law, size=20_000)
+    assert rejections(lambda counts: chi_square(counts, law, 1e-2), draws) <= 200
+    statistic, threshold, df = two_sample_chi_square({0: 8}, {1: 8}, 1e-3)  # each 4 expected
+    assert statistic > threshold and df == 1  # Fisher's: 2 / C(16, 8) of the law reaches it
