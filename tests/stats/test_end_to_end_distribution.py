@@ -202,6 +202,34 @@ def test_a_verifier_shaping_p_wrongly_fails(target, monkeypatch, mutant):
     assert failed(counts, law, first), f"the {mutant.__name__} mutant passed"
 
 
+real_draw_from = ModelDrafter.draw_from
+
+
+def q_offset_by_the_padding(self, drafts, probs):
+    """Mutant of a padded draft's q: its tokens drawn from q over the target's ids, but q
+    shipped with its entries moved by the vocabularies' difference (the draft's id i sent as
+    i + V - V', cyclically: padded at the front, or cut at the front). Exact where V' = V."""
+    tokens = real_draw_from(self, drafts, probs)
+    offset = VOCAB - self.model.config.vocab_size
+    for draft in drafts:
+        weights, ids = draft.q_rows[-1]
+        draft.q_rows[-1] = (weights.roll(offset, -1), ids)
+    return tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter_kind", ["padded-smaller", "padded-larger"])
+def test_a_padded_draft_shipping_q_at_the_wrong_ids_fails(target, monkeypatch, drafter_kind):
+    """A padded case's own two checks (at T1, its sample size, stopping once one fails)
+    reject a draft whose q reaches the target's ids moved by the padding or the cut: the
+    fitting of q to the target's vocabulary is what these cases are about."""
+    monkeypatch.setattr(ModelDrafter, "draw_from", q_offset_by_the_padding)
+    first = sequence_law(target, PROMPT, T1, 1)
+    law = law_after_first(target, PROMPT, T1, 2)
+    counts, *_ = sample_counts(target, T1, drafter_kind, stop_law=law, stop_first=first)
+    assert failed(counts, law, first), f"the {drafter_kind} offset-q mutant passed"
+
+
 real_ngram_propose = NgramDrafter.propose_now
 
 
@@ -216,12 +244,15 @@ def ngram_with_a_uniform_q(self, call):
 
 
 @pytest.mark.slow
-def test_model_free_drafts_tested_against_a_wrong_q_fail(target, monkeypatch):
-    """The n-gram case's own conditioned check (at T1, its sample size, stopping once it
-    fails) rejects a model-free draft verified against a law it was not drawn from: the
-    drafted token taken as a draw of q by rejection sampling is what the case is about."""
+@pytest.mark.parametrize("drafter_kind", ["ngram", "suffix"])
+def test_model_free_drafts_tested_against_a_wrong_q_fail(target, monkeypatch, drafter_kind):
+    """The n-gram and suffix (chain) cases' own checks (at T1, their sample size, stopping
+    once one fails) reject a model-free draft verified against a law it was not drawn
+    from: the drafted token taken as a draw of q by rejection sampling is what the cases
+    are about (the suffix drafter ships its proposals through the n-gram drafter's
+    propose_now)."""
     monkeypatch.setattr(NgramDrafter, "propose_now", ngram_with_a_uniform_q)
     first = sequence_law(target, PROMPT, T1, 1)
     law = law_after_first(target, PROMPT, T1, 2)
-    counts, *_ = sample_counts(target, T1, "ngram", stop_law=law, stop_first=first)
-    assert failed(counts, law, first), "the uniform-q mutant passed"
+    counts, *_ = sample_counts(target, T1, drafter_kind, stop_law=law, stop_first=first)
+    assert failed(counts, law, first), f"the {drafter_kind} uniform-q mutant passed"

@@ -12,8 +12,9 @@ Each case runs the reference walk (accept_tree, p in hand) and the served split 
 verifier's tree_scores, the router's accept_tree_drawn). Mutants that must fail at the same
 sample size, in both forms: a sibling tested against the unreduced p after a rejection, a
 sibling tested against the q its earlier siblings were drawn from (the removal forgotten),
-the children of a node tested against the q of the node's parent, and (the truncated
-case's) a residual kept to q's support.
+the children of a node tested against the q of the node's parent, (the truncated case's) a
+residual kept to q's support, and (the uneven case's) a node's children found by a full tree's
+layout.
 """
 
 import itertools
@@ -126,6 +127,15 @@ def residual_over_q_support(target: torch.Tensor, draft: torch.Tensor) -> torch.
     return torch.where(total > 1e-12, diff / total.clamp_min(1e-12), target)
 
 
+def children_of_a_full_tree(tree: DraftTree, node: int) -> list[int]:
+    """Mutant of DraftTree.children: the children found by a full tree's layout (every node
+    with as many as the root, numbered level by level), not by the parents. Exact where each
+    level's nodes have as many children as the root's, so only an uneven tree can see it."""
+    width = tree.parents.count(ROOT)
+    first = width * (node + 1)
+    return list(range(first, min(first + width, len(tree.parents))))
+
+
 CASES = {  # name: (widths per depth, truncated[, samples])
     # q-of-the-parent fails at 2.8 (walked) and 3.2 (served) times the threshold at 4,000
     "width2-depth2": ((2, 2), False, 4_000),
@@ -207,6 +217,11 @@ MUTANTS = {  # name: (case, patch of the module, mutation of q's rows)
         tree_module, "residual", residual_over_q_support), None),
     "served-residual-over-q-support": ("width2-depth2-truncated", lambda mp: mp.setattr(
         tree_module, "residual_rows", residual_over_q_support), None),
+    # the uneven case's own (levels of different widths), in both forms
+    "children-of-a-full-tree": ("uneven-3-1", lambda mp: mp.setattr(
+        DraftTree, "children", children_of_a_full_tree), None),
+    "served-children-of-a-full-tree": ("uneven-3-1", lambda mp: mp.setattr(
+        DraftTree, "children", children_of_a_full_tree), None),
 }
 
 
