@@ -33,7 +33,7 @@ def adaptive_checks(records: list[dict]) -> list[dict]:
                  "off_tokens_per_s": off[0]["tokens_per_s"],
                  "vs_best_fixed": round(vs_best, 3), "vs_off": round(vs_off, 3)}
         # judged on the ratios themselves: a miss is not rounded up to the goal
-        check["meets_goals"] = vs_best >= GOAL_VS_BEST_FIXED and vs_off >= GOAL_VS_OFF \
+        check["meets_goals"] = (vs_best >= GOAL_VS_BEST_FIXED and vs_off >= GOAL_VS_OFF) \
             if temperature == 0 else None
         checks.append(check)
     return checks

@@ -184,6 +184,17 @@ def word_tokenizer(words: list[str], pre_tokenizer, decoder, cleanup: bool = Fal
                                    unk_token="<unk>", clean_up_tokenization_spaces=cleanup)
 
 
+class CodePointTokenizer:
+    """A tokenizer's stand-in for code that only encodes: one id per character, its code
+    point, over a vocabulary of 128."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def __len__(self) -> int:
+        return 128
+
+
 def char_tokenizer(letters: str):
     """One token per (ASCII) letter, ids 2.. after <eos> 0 and <unk> 1, byte-level as GPT-2's
     (what llguidance reads), for grammars over a tiny vocabulary."""

@@ -65,7 +65,7 @@ T1 = SamplingParams(temperature=1.0, max_tokens=3)
 # test_a_verifier_shaping_p_wrongly_fails): top-p cuts tokens top-k keeps, every cumulative
 # tail 0.02 or more from its bound (no rounding decides); without the temperature the first
 # token's statistic is 4.9 times the threshold on average, sd 0.7 (1,000 multinomial samples
-# of its law: 2.8 at least). At T 0.7 and top-p 0.9, top-p cut nothing top-k kept.
+# of its law: 2.8 at least). (At T 0.7 and top-p 0.9, top-p cuts nothing top-k keeps.)
 NUCLEUS = SamplingParams(temperature=0.4, top_k=5, top_p=0.8, max_tokens=3)
 CASES = [(params, kind) for params in (T1, NUCLEUS)
          for kind in ("model", "ngram", "padded-smaller", "padded-larger")] + [

@@ -9,17 +9,7 @@ from bench import confidence, features, methods, model_free, predicted, trees
 from bench.pairs import PROMPTS
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
-from tests.tiny import Agreeing, Scripted
-
-
-class Tokenizer:
-    """A tokenizer's stand-in: one id per character."""
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def __len__(self) -> int:
-        return 128
+from tests.tiny import Agreeing, CodePointTokenizer, Scripted
 
 
 # ---------------------------------------------------------------------------- bench.methods
@@ -79,7 +69,7 @@ def test_features_measure_runs_each_feature_seeded_at_k_0_and_4(monkeypatch):
         stats = SpecStats(num_draft_tokens=4 if k else 0, num_accepted_tokens=3 if k else 0)
         return (12, 0.5, stats) if k else (10, 1.0, stats)
 
-    monkeypatch.setattr("engine.models.load_tokenizer", lambda name: Tokenizer())
+    monkeypatch.setattr("engine.models.load_tokenizer", lambda name: CodePointTokenizer())
     monkeypatch.setattr("speculative.grammar.ll_tokenizer", lambda tokenizer, n: "grammar")
     monkeypatch.setattr(features, "pools", lambda grammar: ("drafter", "verifier"))
     monkeypatch.setattr(features, "feature_fields", lambda name, grammar: {
@@ -174,7 +164,7 @@ def test_predicted_run_sends_the_prediction_only_to_its_row(monkeypatch):
         edits.append((tuple(answer), share, vocab, seed, kind))
         return (9, seed)
 
-    monkeypatch.setattr(predicted, "load_tokenizer", lambda name: Tokenizer())
+    monkeypatch.setattr(predicted, "load_tokenizer", lambda name: CodePointTokenizer())
     monkeypatch.setattr(predicted, "load_causal_lm", lambda name: name)
     monkeypatch.setattr(predicted, "ModelVerifier", lambda model: types.SimpleNamespace(
         model=types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=77))))
@@ -218,7 +208,7 @@ def test_model_free_run_repeats_each_workload_through_each_drafter(monkeypatch):
         out = [1, 2, 3] if drafter != "suffix64" or width == 1 else [1, 2]
         return out, float(next(seconds)), SpecStats(rounds=1, num_emitted_tokens=len(out))
 
-    monkeypatch.setattr(model_free, "load_tokenizer", lambda name: Tokenizer())
+    monkeypatch.setattr(model_free, "load_tokenizer", lambda name: CodePointTokenizer())
     monkeypatch.setattr(model_free, "load_causal_lm", lambda name: name)
     monkeypatch.setattr(model_free, "ModelVerifier", lambda model: types.SimpleNamespace(
         model=types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=64))))
@@ -233,7 +223,8 @@ def test_model_free_run_repeats_each_workload_through_each_drafter(monkeypatch):
     assert [(c[0], c[5], c[6]) for c in calls[:4]] == [
         (None, 0, 1), ("ngram64", 3, 1), ("suffix64", 3, 1), ("suffix64", 3, 3)]
     assert {c[2:5] for c in calls} == {(20, 0.0, 0)}
-    assert calls[4][1] == tuple(Tokenizer()(model_free.WORKLOADS[workloads[1]])["input_ids"])
+    second = model_free.WORKLOADS[workloads[1]]
+    assert calls[4][1] == tuple(CodePointTokenizer()(second)["input_ids"])
     assert calls[4 * len(workloads)][1] == calls[0][1]  # the repeat pass: the same prompts
     assert [r["speedup"] for r in rows[4:8]] == [1.0, 5 / 6, 5 / 7, 5 / 8]
     assert rows[7]["tokens_per_s"] == 2 / 8 and not rows[7]["same_tokens"]

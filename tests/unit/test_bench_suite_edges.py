@@ -4,6 +4,7 @@ counts (the end-to-end run is in integration)."""
 
 import argparse
 import types
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,7 @@ from bench import suite, sweep
 from bench.pairs import PAIRS, PROMPTS
 from bench.sweep import Streamed
 from speculative.stats import SpecStats
+from tests.tiny import CodePointTokenizer
 
 
 def spec(rounds: int = 2) -> dict:
@@ -71,7 +73,8 @@ def hf_calls(monkeypatch):
 
 
 def quick(**changes) -> suite.Plan:
-    return suite.Plan(**{**vars(suite.Plan.make(True, "demo")), **changes})
+    """--quick's plan for the demo pair, with `changes`."""
+    return replace(suite.Plan.make(True, "demo"), **changes)
 
 
 def test_quick_and_full_plans_cover_every_pair_k_temperature_and_the_sweep():
@@ -112,17 +115,13 @@ def test_machine_names_the_plan_and_only_the_swept_pairs(monkeypatch):
     """results.json's machine block: the plan's prompts, tokens, K and temperatures, and the
     sweep over the run's pairs that are swept."""
     monkeypatch.setattr("subprocess.run", lambda *a, **k: types.SimpleNamespace(stdout="abc\n"))
-    plan = replace_plan(suite.Plan.make(True, "all"), pairs=("demo", "balanced"))
+    plan = replace(suite.Plan.make(True, "all"), pairs=("demo", "balanced"))
     facts = suite.machine(plan, 3, ["bench", "--quick"])
     assert facts["command"] == "specserve bench --quick" and facts["commit"] == "abc"
     assert (facts["torch_threads"], facts["prompts"], facts["max_tokens"]) == (3, 2, 32)
     assert facts["ks"] == [1, 4] and facts["temperatures"] == [0.0, 1.0]
     assert facts["sweep"] == {"concurrency": [1, 4, 16, 32], "max_tokens": 12,
                               "requests_per_client": 1, "pairs": ["demo"]}
-
-
-def replace_plan(plan: suite.Plan, **changes) -> suite.Plan:
-    return suite.Plan(**{**vars(plan), **changes})
 
 
 def test_a_greedy_prompt_runs_every_mode_once_at_each_k(hf_calls):
@@ -209,13 +208,6 @@ def test_concurrent_cells_count_every_request_and_the_cells_wall_time(hf_calls):
         assert cell.stats.rounds == 2 * 4 * 2 and len(cell.overhead_p50s) == 2 * 4
 
 
-class Tokenizer:
-    """A tokenizer's stand-in: one id per character."""
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) for c in text]}
-
-
 def test_bench_pair_runs_each_temperature_and_prompt_with_its_seed(monkeypatch):
     """bench_pair: the plan's first num_prompts prompts, warm-up on the first, every
     (temperature, prompt) with seed 1000 + index, then the sweep only for a swept pair."""
@@ -233,14 +225,14 @@ def test_bench_pair_runs_each_temperature_and_prompt_with_its_seed(monkeypatch):
             runs.append((tuple(ids), temperature, seed))
 
     monkeypatch.setattr(suite, "resolve", lambda pair, plan, repeats: (pair, {"r": repeats}))
-    monkeypatch.setattr(suite, "load_tokenizer", lambda name: Tokenizer())
+    monkeypatch.setattr(suite, "load_tokenizer", lambda name: CodePointTokenizer())
     monkeypatch.setattr(suite, "InProcess", lambda pair, q: Models([]))
     monkeypatch.setattr(suite, "pair_facts", lambda *args: {"c": 0.1})
     monkeypatch.setattr(suite, "PairBench", Bench)
     monkeypatch.setattr(suite, "sweep_pair", lambda name, *a: swept.append(name) or ["sw"])
     served = types.SimpleNamespace(draft_q_options=lambda: {"draft_q_mass": 0.99},
                                    use=lambda pair: None)
-    ids = [tuple(Tokenizer()(p)["input_ids"]) for p in PROMPTS]
+    ids = [tuple(CodePointTokenizer()(p)["input_ids"]) for p in PROMPTS]
     records, facts = suite.bench_pair(PAIRS["demo"], quick(), served)
     assert runs == [("warm", ids[0]), (ids[0], 0.0, 1000), (ids[1], 0.0, 1001),
                     (ids[0], 1.0, 1000), (ids[1], 1.0, 1001)]
@@ -267,7 +259,8 @@ def test_sweep_pair_sends_distinct_prompts_off_then_auto_at_each_level(monkeypat
 
     monkeypatch.setattr(sweep, "run_cell", run_cell)
     plan = quick(sweep_levels=(1, 4), sweep_requests_per_client=2)
-    records = suite.sweep_pair("demo", plan, Served([]), Models([]), Tokenizer(), {"c": 0.2})
+    records = suite.sweep_pair("demo", plan, Served([]), Models([]), CodePointTokenizer(),
+                               {"c": 0.2})
     assert len(hf_calls) == 8 and len({ids for ids, *_ in hf_calls}) == 8
     assert hf_calls[3][0][:4] == tuple(ord(c) for c in "# 3\n")
     assert {(n, t, seed) for _, n, t, seed, _, _ in hf_calls} == {(12, 0.0, 0)}

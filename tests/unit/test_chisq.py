@@ -88,10 +88,11 @@ def test_a_law_whose_other_cells_expect_fewer_than_five_in_all_is_still_tested()
 
 
 def test_a_law_whose_every_cell_expects_fewer_than_five_is_still_tested():
-    """Forty samples over 20 equally likely cells (each expects 2): every cell was pooled,
-    the pool held the whole sample (statistic 0), and the check passed all forty in one
-    cell. The likeliest cell stays out of the pool, tested exactly beside it (binomial; two
-    samples: hypergeometric), at no more than the rate."""
+    """Forty samples over 20 equally likely cells (each expects 2): pooled whole, the pool
+    would hold the whole sample and the check could not fail. The likeliest cell (the first
+    of a tie) stays out of the pool, tested exactly beside it (binomial; two samples:
+    hypergeometric), at no more than the rate: forty in it fail. Only its count is tested
+    (forty in a pooled cell leave it 0, which has probability 0.95^40 = 0.13)."""
     law = np.full(20, 0.05)
     heaped = np.zeros(20)
     heaped[0] = 40
