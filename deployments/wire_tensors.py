@@ -21,9 +21,10 @@ def tensor_to_proto(tensor: torch.Tensor) -> pb.Tensor:
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype not in DTYPE_NAMES:
         raise ValueError(f"unsupported dtype on the wire: {tensor.dtype}")
-    # view as bytes (flattened: a 0-dim tensor has no byte view): works for bfloat16, which
-    # numpy cannot represent
-    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    # view as bytes: works for bfloat16, which numpy cannot represent (a 0-dim tensor has no
+    # byte view: it is viewed as one element; a reshape of every tensor costs a microsecond)
+    flat = tensor if tensor.dim() else tensor.reshape(1)
+    data = flat.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
     return pb.Tensor(data=data, dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape))
 
 
