@@ -73,6 +73,23 @@ def log_binomial(n: int, p: float) -> np.ndarray:
                                        + torch.special.xlog1py(n - x, -p)).numpy()
 
 
+def heaped(counts: np.ndarray, trials: np.ndarray, probs: np.ndarray, tail: float) -> bool:
+    """Whether some cell holds more samples than a correct sampler puts in any of them but
+    with probability `tail`: cell i's count is Binomial(trials[i], probs[i]), and it fails
+    where P(count or more) <= tail / cells (Bonferroni). Beside a lone cell the pool's
+    cells expect few samples each, and the pool's total alone cannot see them heaped."""
+    share = tail / len(counts)
+    return any(count >= heap_bound(int(n), float(p), share)
+               for count, n, p in zip(counts, trials, probs) if count > n * p)
+
+
+@functools.lru_cache(maxsize=4096)  # a law's cells share few (trials, probability) pairs
+def heap_bound(n: int, p: float, tail: float) -> int:
+    """The least c with P(X >= c) <= tail, X ~ Binomial(n, p) (n + 1 where none is)."""
+    above = np.cumsum(np.exp(log_binomial(n, p))[::-1])[::-1]  # P(X >= c), c = 0..n
+    return int(np.argmax(above <= tail)) if above[-1] <= tail else n + 1
+
+
 def power_terms(observed, expected):
     """Each cell's term of the power divergence, 2 / (l (l + 1)) [O ((O / E)^l - 1) -
     l (O - E)], non-negative (the last part sums to 0 over a sample)."""
@@ -117,9 +134,13 @@ def chi_square(counts, expected_probs, false_failure: float):
         return float("inf"), 0.0, len(counts) - 1
     pool = pooled_cells(expected)
     total, lone = counts.sum(), lone_cell(expected, pool)
-    if lone is not None:  # its count is Binomial(total, its probability)
+    if lone is not None:  # its count is Binomial(total, its probability); half the rate
+        # each to it and to the pooled cells' counts
+        if heaped(counts[pool], np.full(int(pool.sum()), int(total)), expected[pool] / total,
+                  false_failure / 2):
+            return float("inf"), 0.0, 1
         return (divergence(counts, expected, pool), binomial_threshold(
-            total, expected[lone], int(total), expected[lone] / total, false_failure), 1)
+            total, expected[lone], int(total), expected[lone] / total, false_failure / 2), 1)
     df = int((~pool & (expected > 0)).sum()) + int(pool.any()) - 1
     return divergence(counts, expected, pool), chi2_isf(false_failure / TAIL_MARGIN, df), df
 
@@ -147,11 +168,16 @@ def conditional_chi_square(counts, conditional_probs, false_failure: float):
         return float("inf"), 0.0, len(counts) - int((totals > 0).sum())
     pool = pooled_cells(expected)
     lone = lone_cell(expected, pool)
-    if lone is not None:  # its count is Binomial(its group's total, its probability there)
+    if lone is not None:  # its count is Binomial(its group's total, its probability there);
+        # half the rate each to it and to the pooled cells' counts, each binomial alike
+        groups_of = np.arange(counts.size) // law.shape[1]
+        if heaped(counts[pool], totals[groups_of[pool]].astype(int), law.ravel()[pool],
+                  false_failure / 2):
+            return float("inf"), 0.0, 1
         group = lone // law.shape[1]
         return (divergence(counts, expected, pool), binomial_threshold(
             counts.sum(), expected[lone], int(totals[group]), law.ravel()[lone],
-            false_failure), 1)
+            false_failure / 2), 1)
     kept = ~pool & (expected > 0)
     # each kept cell's variance over its expectation is 1 - p; the pool's, the groups' own
     # n q (1 - q) (q: a group's probability in the pool) over its expectation

@@ -1,5 +1,7 @@
 """The law tests' chi-square helpers against published values (scipy 1.17.1's, quoted)."""
 
+from math import comb
+
 import numpy as np
 import pytest
 
@@ -91,19 +93,40 @@ def test_a_law_whose_every_cell_expects_fewer_than_five_is_still_tested():
     """Forty samples over 20 equally likely cells (each expects 2): pooled whole, the pool
     would hold the whole sample and the check could not fail. The likeliest cell (the first
     of a tie) stays out of the pool, tested exactly beside it (binomial; two samples:
-    hypergeometric), at no more than the rate: forty in it fail. Only its count is tested
-    (forty in a pooled cell leave it 0, which has probability 0.95^40 = 0.13)."""
+    hypergeometric), at no more than the rate: forty in it fail. Its count alone could not
+    see forty in a pooled cell (it is then 0, with probability 0.95^40 = 0.13): each pooled
+    cell's count is tested too, exactly (binomial, Bonferroni), each half the rate."""
     law = np.full(20, 0.05)
-    heaped = np.zeros(20)
-    heaped[0] = 40
-    for check in (lambda counts: chi_square(counts, law, 1e-6),
-                  lambda counts: conditional_chi_square(counts.reshape(2, 10),
-                                                        law.reshape(2, 10) * 2, 1e-6)):
-        statistic, threshold, _ = check(heaped)
-        assert statistic > threshold
-        statistic, threshold, _ = check(np.full(20, 2.0))
-        assert statistic < threshold
+    for cell in (0, 7):
+        heaped = np.zeros(20)
+        heaped[cell] = 40
+        for check in (lambda counts: chi_square(counts, law, 1e-6),
+                      lambda counts: conditional_chi_square(counts.reshape(2, 10),
+                                                            law.reshape(2, 10) * 2, 1e-6)):
+            statistic, threshold, _ = check(heaped)
+            assert statistic > threshold, cell
+            statistic, threshold, _ = check(np.full(20, 2.0))
+            assert statistic < threshold
     draws = np.random.default_rng(8).multinomial(40, law, size=20_000)
     assert rejections(lambda counts: chi_square(counts, law, 1e-2), draws) <= 200
     statistic, threshold, df = two_sample_chi_square({0: 8}, {1: 8}, 1e-3)  # each 4 expected
     assert statistic > threshold and df == 1  # Fisher's: 2 / C(16, 8) of the law reaches it
+
+
+def test_a_pooled_cell_fails_from_the_count_a_correct_sampler_reaches_at_its_share_of_the_rate():
+    """Beside a lone cell, a pooled cell fails at the least count c whose binomial upper tail
+    P(X >= c) is at most half the rate over the pooled cells, and passes at c - 1 (the bound
+    computed here from exact binomial sums)."""
+    law = np.full(20, 0.05)  # 40 samples: the first cell lone, 19 pooled
+    tail = 1e-6 / 2 / 19
+    above = [sum(comb(40, x) * 0.05 ** x * 0.95 ** (40 - x) for x in range(c, 41))
+             for c in range(41)]
+    bound = next(c for c in range(41) if above[c] <= tail)
+    for count, fails in ((bound, True), (bound - 1, False)):
+        counts = np.full(20, 2.0)
+        counts[7], counts[8] = count, 0
+        counts[9:9 + count - 4] -= 1  # other pooled cells give up what cell 7 took; the lone
+        # cell (the first) keeps its expected 2
+        assert counts.sum() == 40 and counts.min() >= 0
+        statistic, threshold, _ = chi_square(counts, law, 1e-6)
+        assert (statistic > threshold) == fails, (count, statistic, threshold)
