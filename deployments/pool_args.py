@@ -8,7 +8,9 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_valida
 from drafter.registry import DRAFTERS, DrafterSpec
 from engine.models import DEMO_DRAFT, DEMO_TARGET, DTYPES, expand_home
 
-ModelPath = Annotated[str, AfterValidator(expand_home)]  # a hub id or a folder ("~" expanded)
+# a hub id or a folder ("~" expanded); empty (an unset variable templated in), each replica's
+# start failed on transformers' "Repo id must use alphanumeric chars", naming no arg
+ModelPath = Annotated[str, Field(min_length=1), AfterValidator(expand_home)]
 
 
 class PoolArgs(BaseModel):

@@ -58,15 +58,30 @@ def bearer_key(key: str) -> str:
     return key
 
 
+# the URI schemes gRPC resolves ("dns:///host:port"); it takes "http://host:port" for a
+# host name "http://host", which no lookup finds
+GRPC_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock")
+
+
 def grpc_target(address: str) -> str:
     """Serve's gRPC proxy as `host:port` (or gRPC's `unix:` form). Without a port, gRPC dialled
-    443 and every pool call failed UNAVAILABLE long after the deploy had succeeded."""
+    443, and with a URL's scheme (http://, grpc://) looked the scheme up as part of the host:
+    every pool call failed UNAVAILABLE long after the deploy had succeeded."""
     host, colon, port = address.rpartition(":")
+    scheme, slashes, _ = address.partition("://")
+    if slashes and scheme not in GRPC_SCHEMES:
+        raise ValueError(f"grpc_address {address!r}: gRPC resolves no {scheme}:// (give "
+                         "host:port)")
     if address.startswith("unix:") or (host and colon and port.isdigit()
                                        and 1 <= int(port) <= 65535):
         return address
     raise ValueError(f"grpc_address {address!r} is not host:port (port in 1-65535)")
 
+
+# a pool call's deadline goes to gRPC, which adds it to the wall clock in int64 nanoseconds:
+# from about 7.4e9 s (the overflow less the seconds since 1970) every call failed
+# DEADLINE_EXCEEDED at once, each request a 503. A day is far beyond any call's wait
+MAX_DEADLINE_S = 86_400.0
 
 TreeArg = SpeculativeTree | Literal["auto"]
 # a served model name: empty, answers carried `model: ""` (and its card had no name)
@@ -187,11 +202,11 @@ class RouterArgs(BaseModel):
     max_context_tokens: int | None = Field(default=None, ge=2)
     # a pool call's deadline: the verifier's (and the drafter's for seeded sampled
     # requests, whose tokens depend on their drafts); past it the request answers 503
-    call_timeout_s: float = Field(default=30.0, gt=0)
+    call_timeout_s: float = Field(default=30.0, gt=0, le=MAX_DEADLINE_S)
     # the drafter's deadline for everyone else: past it (or when the drafter fails) the
     # round runs without a draft, exact, and the request's next rounds skip the drafter a
     # while (speculative.busy.DraftBackoff)
-    draft_timeout_s: float = Field(default=1.0, gt=0)
+    draft_timeout_s: float = Field(default=1.0, gt=0, le=MAX_DEADLINE_S)
     # a request whose verifier has no room for it (its KV cache or its calls in flight full:
     # RESOURCE_EXHAUSTED) retries the same round after doubling pauses for up to this long
     # (speculative.busy), then gets 429 (streamed: an error event); 0: 429 at once

@@ -185,12 +185,13 @@ def generate(args) -> dict:
 
 def sampling(args):
     """The request's sampling parameters (its seed; each choice's is derived from it), read
-    as the router reads a request's: a top-k of -1 is none (vLLM's), a negative seed its
-    int64 bits, a positive temperature below 1e-2 raised to it (deployments.openai_api)."""
+    as the router reads a request's: a top-k of -1 is none (vLLM's), a seed of -1 none
+    (vLLM's), another negative seed its int64 bits, a positive temperature below 1e-2
+    raised to it (deployments.openai_api)."""
     from speculative.sampling import SamplingParams, served_temperature
 
     top_k = 0 if args.top_k == -1 else args.top_k
-    seed = args.seed % 2**64 if args.seed is not None and -2**63 <= args.seed < 0 else args.seed
+    seed = None if args.seed in (None, -1) else args.seed % 2**64
     return SamplingParams(temperature=served_temperature(args.temperature), top_k=top_k,
                           top_p=args.top_p, min_p=args.min_p, seed=seed,
                           max_tokens=args.max_tokens,
@@ -268,6 +269,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--n must be in [1, {MAX_CHOICES}]")
     if args.max_tokens < 1:  # 0 decodes nothing: the router's echo alone serves it
         parser.error("--max-tokens must be >= 1")
+    if args.seed is not None and not -2**63 <= args.seed < 2**63:  # the router's: int64
+        parser.error("--seed must be a 64-bit signed integer (-1: none)")
     if not 1 <= args.plain_steps <= MAX_PLAIN_STEPS:
         parser.error(f"--plain-steps must be in [1, {MAX_PLAIN_STEPS}]")
     if args.tree_width == "auto" and (args.num_speculative_tokens != "auto" or args.pipelined

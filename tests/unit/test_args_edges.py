@@ -31,6 +31,9 @@ from speculative.types import PrefixSync
     (RouterArgs, {"responses_store": {"ttl_s": 0}}, "responses_store"),  # stores nothing
     (RouterArgs, {"grpc_address": "localhost"}, "grpc_address"),  # gRPC would dial 443
     (RouterArgs, {"grpc_address": "127.0.0.1:65536"}, "grpc_address"),
+    # gRPC looks "http://127.0.0.1" up as a host name: every pool call UNAVAILABLE
+    (RouterArgs, {"grpc_address": "http://127.0.0.1:9000"}, "grpc_address"),
+    (RouterArgs, {"grpc_address": "grpc://127.0.0.1:9000"}, "grpc_address"),
     (RouterArgs, {"verifier_app": ""}, "verifier_app"),
     (VerifierArgs, {"device": "cuda:0x"}, "device"),
     (VerifierArgs, {"device": "cuda:"}, "device"),
@@ -55,7 +58,8 @@ def test_each_bound_itself_and_the_documented_zeros_are_taken():
                         max_context_tokens=2, adaptive_k={"min": 3, "max": 3, "initial": 3},
                         speculative_tree={"width": MAX_TREE_WIDTH, "depth": 32})
     assert router.adaptive_k.bounds() == KBounds(3, 3, 3)
-    for address in ("[::1]:65535", "pools.internal:1", "unix:/run/serve.sock"):
+    for address in ("[::1]:65535", "pools.internal:1", "unix:/run/serve.sock",
+                    "dns:///pools.internal:9000", "unix:///run/serve.sock"):
         assert RouterArgs(grpc_address=address).grpc_address == address
     assert (router.max_waiting_requests, router.busy_wait_s) == (0, 0)
     drafter = DrafterArgs(drafter="ngram", ngram_min=3, ngram_max=3, draft_top_k=0,

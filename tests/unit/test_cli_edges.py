@@ -12,6 +12,7 @@ from specserve.cli import (
     check_args,
     main,
     request_front_end,
+    sampling,
     summary,
 )
 from speculative.options import MAX_PLAIN_STEPS, MAX_TREE_WIDTH, TreeShape
@@ -34,6 +35,8 @@ def checked(*flags):
     (["--draft-top-k", "-1"], "--draft-top-k must be >= 0"),
     (["--draft-q-mass", "0"], "--draft-q-mass must be in (0, 1]"),
     (["--draft-q-mass", "1.5"], "--draft-q-mass must be in (0, 1]"),
+    (["--seed", str(2**63)], "--seed must be a 64-bit signed integer"),  # the router's 400
+    (["--seed", str(-2**63 - 1)], "--seed must be a 64-bit signed integer"),
 ])
 def test_one_past_each_bound_exits_2_naming_the_flag(capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -117,3 +120,12 @@ def test_the_front_end_carries_the_speculation_flags():
             defaults.plain_steps) == ("on", 3, 7)
     defaults = request_front_end(checked("--tree-width", "2", "--tree-nodes", "5")).defaults
     assert defaults.pipelined_drafting == "off" and defaults.tree == TreeShape(2, nodes=5)
+
+
+def test_a_seed_of_minus_one_is_none_as_the_routers():
+    """The router reads `seed: -1` as no seed (vLLM's) and any other int64 as its bits; the
+    CLI took -1 for the seed 2**64 - 1, repeating what the router draws anew."""
+    sampled = ("--temperature", "1")
+    assert sampling(checked(*sampled, "--seed", "-1")).seed is None
+    assert sampling(checked(*sampled, "--seed", "-2")).seed == 2**64 - 2
+    assert sampling(checked(*sampled, "--seed", str(2**63 - 1))).seed == 2**63 - 1

@@ -200,7 +200,10 @@ def test_unknown_args_are_errors():
     ({"default_max_tokens": 0}, "default_max_tokens"),
     ({"adaptive_k": {"min": 1, "max": 4, "initial": 6}}, "adaptive_k"),
     ({"busy_wait_s": float("inf")}, "busy_wait_s"),  # nothing waits unbounded
-    ({"call_timeout_s": "inf"}, "call_timeout_s")])
+    ({"call_timeout_s": "inf"}, "call_timeout_s"),
+    # finite, but past gRPC's int64 deadline: every pool call DEADLINE_EXCEEDED at once
+    ({"call_timeout_s": 1e10}, "call_timeout_s"),
+    ({"draft_timeout_s": 1e10}, "draft_timeout_s")])
 def test_router_args_that_would_fail_every_request_fail_at_deploy(args, field):
     """Refused when the app starts, naming the arg; before, each request got the 400."""
     with pytest.raises(ValidationError) as refused:
@@ -269,7 +272,11 @@ def test_the_routers_admission_fits_the_pools_caches(name, config):
     (VerifierArgs, {"session_ttl_s": float("inf")}, "session_ttl_s"),  # as the router's
     (DrafterArgs, {"health_stall_s": "inf"}, "health_stall_s"),
     (VerifierArgs, {"batch_linger": float("nan")}, "batch_linger"),
-    (VerifierArgs, {"max_concurrent_rpcs": 2**31}, "max_concurrent_rpcs")])  # gRPC's C int
+    (VerifierArgs, {"max_concurrent_rpcs": 2**31}, "max_concurrent_rpcs"),  # gRPC's C int
+    (VerifierArgs, {"model": ""}, "model"),  # before: each replica's start, naming no arg
+    (DrafterArgs, {"target": ""}, "target"),
+    (RouterArgs, {"model": ""}, "model"),
+    (RouterArgs, {"tokenizer": ""}, "tokenizer")])  # before: the model's, silently
 def test_pool_and_router_args_a_replica_would_refuse_fail_at_deploy(model, args, field):
     with pytest.raises(ValidationError) as refused:
         model.model_validate(args)
