@@ -122,8 +122,12 @@ def checked_items(given: list, param: str = "items") -> list[dict]:
         raise in_items(renamed(invalid_body(error), places), param) from None
     except FieldError as error:  # named as an input's: input[i]...
         raise in_items(error, param) from None
-    except BadRequest as error:  # an id that is no string, or a duplicate: input[i].id
-        raise BadRequest(str(error).replace("'input[", f"'{param}[", 1), error.status,
+    except BadRequest as error:  # an id that is no string, or a duplicate: input[i].id;
+        # an item JSON cannot keep: input[i] (deployments.response_items.encoded)
+        message = str(error)
+        message = param + message[len("input"):] if message.startswith("input[") else \
+            message.replace("'input[", f"'{param}[", 1)
+        raise BadRequest(message, error.status,
                          error.param.replace("input", param, 1)) from None
 
 

@@ -63,14 +63,19 @@ def content_parts(role: str, content: str | list) -> list[dict]:
 def encoded(items: list[dict], param: str = "items") -> tuple[tuple[str, bytes], ...]:
     """The items as kept; BadRequest naming `param`[i] for one that UTF-8 cannot encode (JSON
     may carry a lone surrogate, "\\ud800", where no tokenizer reads it: a reasoning item's,
-    an unread field's)."""
+    an unread field's), or that holds a NaN or an infinity (Python's JSON reads them; kept,
+    every later listing of the items failed to encode: a 500)."""
     kept = []
     for index, item in enumerate(items):
         try:
-            kept.append((item["id"], json.dumps(item, ensure_ascii=False).encode()))
+            kept.append((item["id"], json.dumps(item, ensure_ascii=False,
+                                                allow_nan=False).encode()))
         except UnicodeEncodeError:
             raise BadRequest(f"{param}[{index}]: contains text that is not valid Unicode (a "
                              "lone surrogate?)", param=f"{param}[{index}]") from None
+        except ValueError:  # allow_nan's refusal
+            raise BadRequest(f"{param}[{index}]: holds a number JSON cannot carry (NaN or "
+                             "Infinity)", param=f"{param}[{index}]") from None
     return tuple(kept)
 
 

@@ -17,6 +17,7 @@ VLLM_ENABLE_RESPONSES_API_STORE: deployments.response_store); without, they are 
 and nothing is stored (`store` is read and ignored, as vLLM without its store).
 """
 
+import math
 import re
 from typing import Any, Literal, get_args
 
@@ -193,6 +194,28 @@ def chat_tool_choice(choice):
                      "\"name\": ...}: built-in and allowed_tools choices are not served")
 
 
+def echoable(value: Any, path: str) -> None:
+    """Every text in `value` (nested keys and values) one UTF-8 can encode and every number
+    finite, since the Response echoes it whole (a lone surrogate, or the NaN or Infinity that
+    Python's JSON reads, failed the answer's encoding: a 500; streamed, a dropped stream or
+    events no strict JSON parser reads); a FieldError names the innermost field holding one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FieldError(path, "contains text that is not valid Unicode (a lone "
+                             "surrogate?)") from None
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise FieldError(path, "must be a finite number (JSON has no NaN or Infinity)")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            echoable(key, path)  # checked before it names a path
+            echoable(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            echoable(item, f"{path}[{index}]")
+
+
 def response_format(text: dict | None) -> dict | None:
     """text.format as the chat's response_format (json_schema's fields nested)."""
     form = (text or {}).get("format")  # checked by ResponsesRequest.known_format
@@ -270,7 +293,14 @@ class ResponsesRequest(BaseModel):
             data = {key: value for key, value in data.items() if value is not None}
         return data
 
-    @field_validator("metadata", "user")
+    @field_validator("text", "tools", "tool_choice")
+    @classmethod
+    def echoed_whole(cls, value, info):
+        """What the Response echoes as it was given: texts UTF-8 can encode, finite numbers."""
+        echoable(value, info.field_name)
+        return value
+
+    @field_validator("metadata", "user", "previous_response_id")
     @classmethod
     def echoed_text(cls, value, info):
         """Text the Response echoes: what UTF-8 can encode (its answer is UTF-8 JSON)."""
@@ -304,6 +334,8 @@ class ResponsesRequest(BaseModel):
     def conversation_named(cls, value):
         if isinstance(value, dict) and not isinstance(value.get("id"), str):
             raise FieldError("conversation.id", "is required, as a string")
+        # an id its 404 names (and the Response echoes): one UTF-8 can encode
+        echoable(value, "conversation")
         return value
 
     @field_validator("text")

@@ -210,11 +210,16 @@ def test_text_utf8_cannot_encode_is_a_400_naming_it_not_a_500(reader):
             ("", {"metadata": {"topic": "\ud800"}}, "metadata.topic"),
             ("", {"metadata": {"\ud800" * 65: "v"}}, "metadata." + "?" * 64),
             (f"/{made['id']}", {"metadata": {"\ud800": "v"}}, "metadata.?"),
-            (f"/{made['id']}/items", {"items": [lone]}, "items[0]")]:
+            (f"/{made['id']}/items", {"items": [lone]}, "items[0]"),
+            # NaN (Python's JSON reads it; JSON has none): kept, every listing was a 500
+            (f"/{made['id']}/items", {"items": [{**TURN[0], "x": float("nan")}]}, "items[0]")]:
         status, refused = routed(served.router, "POST", path, body)
         assert status == 400 and refused["error"]["param"] == param, body
     status, refused = routed(served.router, "POST", "", {"items": [{**TURN[0], "id": 5}]})
     assert refused["error"]["message"].startswith("Invalid type for 'items[0].id'")
+    for value in ("\ud800", float("inf")):  # named as the conversation's item, not input[0]
+        status, refused = routed(served.router, "POST", "", {"items": [{**TURN[0], "x": value}]})
+        assert refused["error"]["message"].startswith("items[0]: "), refused
     for store in (True, False):
         status, refused = served.post({"input": [lone, {"role": "user", "content": "hi"}],
                                        "conversation": made["id"], "store": store})

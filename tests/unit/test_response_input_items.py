@@ -197,6 +197,18 @@ def test_an_item_utf8_cannot_encode_is_a_400_before_its_generation(reader):
     assert served.post({"input": [item], "store": False})[0] == 200
 
 
+def test_an_item_holding_nan_or_infinity_is_a_400_not_a_listing_that_fails(reader):
+    """NaN and Infinity (Python's JSON reads them, JSON has neither) in a field no tokenizer
+    reads: a 400 naming the item where the Response is stored (kept, every later listing of
+    its items was a 500)."""
+    served = Served("Paris.", reader)
+    for value in (float("nan"), float("inf")):
+        item = {"role": "user", "content": "hi", "note": [value]}
+        status, refused = served.post({"input": [{"role": "user", "content": "a"}, item]})
+        assert status == 400 and refused["error"]["param"] == "input[1]", refused
+    assert served.post({"input": [item], "store": False})[0] == 200
+
+
 def test_a_page_that_ends_at_the_last_item_has_no_more(reader):
     """has_more: items past the page, not a page as long as the limit."""
     served = Served("Paris.", reader)

@@ -117,6 +117,21 @@ def test_tools_choice_format_and_extensions_become_the_chats():
     ({"metadata": {"a": "\ud800"}}, "metadata"),  # echoed: its answer's JSON (was a 500)
     ({"metadata": {"\ud800": "a"}}, "metadata"),
     ({"user": "\udfff"}, "user"),
+    # the rest of what the Response echoes (text.format's texts, tool_choice's): was a 500
+    # (a stream: dropped), since the Response's JSON could not be encoded
+    ({"text": {"format": {"type": "json_schema", "name": "\ud800", "schema": {}}}},
+     "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "a", "description": "\ud800",
+                          "schema": {}}}}, "text.format.description"),
+    ({"text": {"format": {"type": "json_object", "x": ["\ud800"]}}}, "text.format.x[0]"),
+    ({"text": {"format": {"type": "text", "\ud800": 1}}}, "text.format"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "now", "x": "\ud800"}},
+     "tool_choice.x"),
+    # ... and the NaN and Infinity Python's JSON reads (JSON has neither): a 500 too
+    ({"text": {"format": {"type": "json_object", "x": float("nan")}}}, "text.format.x"),
+    ({"tools": [{**TOOLS[0], "x": [float("inf")]}]}, "tools[0].x[0]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "now",
+                                      "x": float("-inf")}}, "tool_choice.x"),
     # vLLM's, which the chat serves: a Response has no field for them (they were dropped)
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"return_token_ids": True}, "return_token_ids"),
@@ -125,6 +140,20 @@ def test_a_refused_field_is_named_as_the_responses_api_names_it(body, param):
     refused = refusal({"input": "hi", **body})
     assert refused.status == 400 and refused.param == param
     assert "max_tokens" not in str(refused) and "messages" not in str(refused)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "\ud800"}, "previous_response_id"),
+    ({"conversation": "\udfff"}, "conversation"),
+    ({"conversation": {"id": "\ud800"}}, "conversation.id"),
+])
+def test_an_unencodable_id_to_look_up_is_refused_as_it_is_read(body, param):
+    """An id the store's 404 would name (and the Response echo): its refusal as the body
+    is read, before any store (its 404's text could not be encoded: a 500 in no error
+    shape, as the error's own log line failed)."""
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(posted({"input": "hi", **body}), ResponsesRequest, 1 << 16))
+    assert refused.value.status == 400 and refused.value.param == param
 
 
 def test_no_input_is_refused_naming_it():
