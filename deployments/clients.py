@@ -35,6 +35,10 @@ RELEASE_TIMEOUT_S = 2.0
 # a release refused for want of room is tried again for as long as a busy call (busy_wait_s)
 RELEASE_BUSY_WAIT_S = 30.0
 RETRY_PAUSE_S, MAX_RETRY_PAUSE_S = 0.05, 0.8  # a GONE answer from the proxy, tried again
+# how Serve's proxy says UNAVAILABLE of an app that failed to deploy or was deleted
+# (ray.serve.exceptions.DeploymentUnavailableError): that lasts until an operator deploys it
+# again, so it is not waited out (each verify waited its whole deadline, 30 s, for its 503)
+UNDEPLOYED = "is unavailable because it failed to deploy"
 # the largest answer a pool sends is a q (drafter) or a few ids (verifier): 64 MB covers a
 # dense float32 q over 33 positions of a 256k vocabulary; a router sizes its channels for its
 # target's vocabulary (channel_options), as the pools size their ports (Limits)
@@ -210,7 +214,8 @@ class PoolClient:
         """The proxy's answer. Until Serve notices a dead replica its routing may still pick
         it: a GONE answer is tried again (after 50 ms, doubling to 0.8 s) while the deadline
         allows, so a request whose tokens depend on its drafts (seeded sampling) or a verify
-        survives the window in which the replacement starts."""
+        survives the window in which the replacement starts; not an app's that failed to
+        deploy (UNDEPLOYED)."""
         pause = RETRY_PAUSE_S
         while True:
             timeout_s = deadline - asyncio.get_running_loop().time()
@@ -218,7 +223,7 @@ class PoolClient:
                 return await getattr(self.proxy, method)(
                     message, metadata=self.metadata(route_key), timeout=max(timeout_s, 1e-3))
             except grpc.aio.AioRpcError as error:
-                if error.code() not in GONE or \
+                if error.code() not in GONE or UNDEPLOYED in (error.details() or "") or \
                         deadline - asyncio.get_running_loop().time() <= pause:
                     raise PoolError.of(self.application, error) from error
                 log.debug("%s on %s through the proxy: %s, again in %.2f s", method,

@@ -8,6 +8,11 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_valida
 from drafter.registry import DRAFTERS, DrafterSpec
 from engine.models import DEMO_DRAFT, DEMO_TARGET, DTYPES, expand_home
 
+# a replica's warm-up before it reports ready: a prompt of this many tokens, then a K-token
+# step (deployments.pools.PoolReplica.warm_up)
+WARM_UP_PROMPT_TOKENS = 16
+WARM_UP_K = 4
+
 # a hub id or a folder ("~" expanded); empty (an unset variable templated in), each replica's
 # start failed on transformers' "Repo id must use alphanumeric chars", naming no arg
 ModelPath = Annotated[str, Field(min_length=1), AfterValidator(expand_home)]
@@ -45,8 +50,9 @@ class PoolArgs(BaseModel):
     # positions the paged KV pool holds, drafted ones included, in whole blocks (default: on
     # a GPU its free memory less 10 %, on a CPU 30 % of the memory available at start, backed
     # by memory only as blocks are used; too little for one request at the model's context
-    # is an error). The regions backend rounds it up to whole-context regions, two at least
-    kv_cache_tokens: int | None = Field(default=None, ge=16)
+    # is an error). The regions backend rounds it up to whole-context regions, two at least.
+    # At least the start's warm-up call (fewer: every start of the replica failed)
+    kv_cache_tokens: int | None = Field(default=None, ge=WARM_UP_PROMPT_TOKENS + WARM_UP_K)
     # calls that share one forward: those arriving while the model is busy join the next
     max_batch_size: int = Field(default=32, ge=1, le=1024)
     # tokens per forward: a longer prefill is fed in chunks over several forwards, each

@@ -29,7 +29,8 @@ from deployments.limits import (
 from deployments.streams import CallStream, is_direct, serve_directly
 from deployments.metrics import PoolMetrics
 from deployments.autoscaling import Occupancy
-from deployments.pool_args import DrafterArgs, PoolArgs, VerifierArgs
+from deployments.pool_args import (WARM_UP_K, WARM_UP_PROMPT_TOKENS, DrafterArgs, PoolArgs,
+                                   VerifierArgs)
 from deployments.pool_replies import ReplicaReports, refuse, replica_id, unauthenticated
 from deployments.released import Released
 from drafter.registry import build_drafter
@@ -55,8 +56,6 @@ from speculative.types import (
 from verifier.engine import ModelVerifier
 from verifier.prompt_scores import PromptScoring
 
-WARM_UP_PROMPT_TOKENS = 16
-WARM_UP_K = 4
 # a lone call feeding at most this many tokens runs on the event loop, not the worker thread
 INLINE_MAX_TOKENS = 32
 

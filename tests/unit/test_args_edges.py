@@ -37,7 +37,7 @@ from speculative.types import PrefixSync
     (RouterArgs, {"verifier_app": ""}, "verifier_app"),
     (VerifierArgs, {"device": "cuda:0x"}, "device"),
     (VerifierArgs, {"device": "cuda:"}, "device"),
-    (VerifierArgs, {"kv_cache_tokens": 15}, "kv_cache_tokens"),
+    (VerifierArgs, {"kv_cache_tokens": 19}, "kv_cache_tokens"),  # the warm-up needs 20
     (VerifierArgs, {"max_batch_size": 1025}, "max_batch_size"),
     (VerifierArgs, {"max_batch_tokens": 15}, "max_batch_tokens"),
     (DrafterArgs, {"draft_confidence": 1.0}, "draft_confidence"),
@@ -63,7 +63,7 @@ def test_each_bound_itself_and_the_documented_zeros_are_taken():
         assert RouterArgs(grpc_address=address).grpc_address == address
     assert (router.max_waiting_requests, router.busy_wait_s) == (0, 0)
     drafter = DrafterArgs(drafter="ngram", ngram_min=3, ngram_max=3, draft_top_k=0,
-                          draft_q_mass=1, kv_cache_tokens=16, max_batch_size=1024,
+                          draft_q_mass=1, kv_cache_tokens=20, max_batch_size=1024,
                           max_batch_tokens=16, batch_linger=0, device="cuda:12")
     assert (drafter.ngram_min, drafter.ngram_max, drafter.device) == (3, 3, "cuda:12")
 

@@ -2,8 +2,8 @@
 makes, a pinned replica found gone past the deadline fails the call without the proxy, a
 replica going away (its calls UNAVAILABLE or CANCELLED) sends the call to the proxy and is
 forgotten, a gone answer through the proxy is tried again at growing pauses within the
-deadline, and a release reaches the replica that holds the request, saying the request
-ended."""
+deadline (not an app's that failed to deploy), and a release reaches the replica that holds
+the request, saying the request ended."""
 
 import asyncio
 import functools
@@ -180,6 +180,29 @@ def test_a_gone_answer_through_the_proxy_is_tried_again_at_growing_pauses_within
     assert error.value.code == grpc.StatusCode.UNAVAILABLE
     assert clock.pauses == [0.05, 0.1, 0.2, 0.4, 0.8, 0.8] and len(calls) == 7
     assert max(calls) < 3.0
+
+
+def test_a_pool_app_that_failed_to_deploy_fails_the_call_at_once(monkeypatch):
+    """Serve's proxy answers UNAVAILABLE for an app that failed to deploy too, and that lasts
+    until it is deployed again: the call fails at its first answer, not at its deadline
+    (each verify waited its 30 s for a 503, each seeded draft its 30 s for a fallback)."""
+    clock = Clock()
+    monkeypatch.setattr(clients, "asyncio", clock)
+    calls = []
+
+    async def undeployed(message, metadata, timeout):
+        calls.append(clock.now)
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+            "Deployment(name='VerifierPool', app='verifier') is unavailable because it "
+            "failed to deploy.")
+
+    pool = PoolClient(None, lambda channel: SimpleNamespace(Score=undeployed), "verifier", 3.0,
+                      direct=False)
+    with pytest.raises(PoolError) as error:
+        asyncio.run(pool.call("Score", 0, "r"))
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert calls == [0.0] and clock.pauses == []
 
 
 def test_the_later_calls_of_a_requests_choices_keep_their_own_replicas():

@@ -7,10 +7,11 @@ import threading
 
 import grpc
 import pytest
+from pydantic import ValidationError
 
 from deployments import auth
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT
-from deployments.pool_args import DrafterArgs, VerifierArgs
+from deployments.pool_args import WARM_UP_K, WARM_UP_PROMPT_TOKENS, DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
@@ -311,17 +312,29 @@ def test_a_replica_runs_its_model_before_it_is_ready_and_keeps_no_session(monkey
 
 
 @pytest.mark.parametrize("pool", ["drafter", "verifier"])
-def test_a_kv_cache_too_small_for_the_warm_up_fails_the_start_naming_it(pool):
-    """kv_cache_tokens of 16 (one block) holds no 16-token prompt with its K drafts: the
-    start fails naming the arg; before, the warm-up passed over its calls' refusals and
-    the replica answered every request OUT_OF_RANGE (the router's 400)."""
+def test_the_least_kv_cache_the_args_take_holds_the_warm_up_and_less_fails_the_start(pool):
+    """kv_cache_tokens' least value (the warm-up's 16-token prompt and its K = 4 step) starts
+    the replica; 16 (one block), which the args took before, failed every start of it: it
+    is refused as the config is read, and were it given, the start fails naming the arg
+    (before, the warm-up passed over its calls' refusals and the replica answered every
+    request OUT_OF_RANGE, the router's 400)."""
     from engine.scheduler import KVCacheTooSmall
 
-    pool_class, args = (DrafterPool, DrafterArgs(kv_cache_tokens=16, attention="paged")) \
-        if pool == "drafter" else (VerifierPool, VerifierArgs(kv_cache_tokens=16,
-                                                              attention="paged"))
+    pool_class, args_class = (DrafterPool, DrafterArgs) if pool == "drafter" else \
+        (VerifierPool, VerifierArgs)
+    least = WARM_UP_PROMPT_TOKENS + WARM_UP_K
+
+    async def started():
+        replica = await local_replica(pool_class, args_class(kv_cache_tokens=least,
+                                                             attention="paged"))
+        await replica.server.stop(None)
+
+    asyncio.run(started())
+    with pytest.raises(ValidationError, match="kv_cache_tokens"):
+        args_class(kv_cache_tokens=least - 1)
+    unchecked = args_class(attention="paged").model_copy(update={"kv_cache_tokens": 16})
     with pytest.raises(KVCacheTooSmall, match="kv_cache_tokens"):
-        asyncio.run(local_replica(pool_class, args))
+        asyncio.run(local_replica(pool_class, unchecked))
 
 
 def test_a_call_without_room_in_the_kv_cache_is_resource_exhausted_alone():
