@@ -175,6 +175,8 @@ def invalid_body(error: ValidationError) -> BadRequest:
     """A body's first validation error as a 400 naming its field."""
     first = error.errors()[0]
     message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "model_type":  # not "a valid dictionary or instance of <a class>"
+        message = "Input should be an object"
     # a refusal that names its own field (deployments.tools.FieldError: a body-level
     # check's, such as vLLM's earlier guided_*)
     if named := getattr(first.get("ctx", {}).get("error"), "param", None):

@@ -185,6 +185,16 @@ def test_a_refusal_names_the_field_without_pydantics_own_names(fields, param):
     assert f"{param}.str" not in str(refused.value)
 
 
+@pytest.mark.parametrize("fields", [{"stream_options": "yes"}, {"stream_options": [1]}])
+def test_a_field_that_must_be_an_object_says_so_without_naming_a_class(fields):
+    """pydantic's message named the server's own class ("a valid dictionary or instance of
+    StreamOptions"), which no client knows."""
+    body = json.dumps({"prompt": "x", "stream": True, **fields}).encode()
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(request_with(body), CompletionRequest, 1 << 20))
+    assert str(refused.value) == "stream_options: Input should be an object"
+
+
 def request_with(body: bytes) -> Request:
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
