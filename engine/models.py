@@ -18,14 +18,24 @@ def expand_home(name_or_path: str) -> str:
     return os.path.expanduser(name_or_path) if name_or_path.startswith("~") else name_or_path
 
 
-def check_model_path(name_or_path: str) -> None:
+MODEL_FILES = ("config.json",)
+# what AutoTokenizer reads a folder's tokenizer by (a model's config names its class too)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
+
+
+def check_model_path(name_or_path: str, needs: tuple[str, ...] = MODEL_FILES) -> None:
     """ValueError naming it for a model that is written as a local path (absolute, or
     relative from "." or "..", or with more than one "/") and is not there: transformers
-    would take it for a hub id and say the id is malformed."""
+    would take it for a hub id and say the id is malformed; or for a local folder that
+    holds none of the files `needs` names (transformers' error spoke of converting slow
+    tokenizers)."""
     text = str(name_or_path)
     local = text.startswith(("/", "./", "../", "~")) or text.count("/") > 1
-    if local and not Path(text).expanduser().exists():
+    path = Path(text).expanduser()
+    if local and not path.exists():
         raise ValueError(f"no model at {text!r}: that folder does not exist")
+    if path.is_dir() and not any((path / name).is_file() for name in needs):
+        raise ValueError(f"no model at {text!r}: that folder holds no {' or '.join(needs)}")
 
 
 def check_device(device: str) -> None:
@@ -67,5 +77,5 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", device: str = "cpu
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    check_model_path(name_or_path)
+    check_model_path(name_or_path, TOKENIZER_FILES)
     return AutoTokenizer.from_pretrained(name_or_path)

@@ -16,7 +16,8 @@ from engine.checkpoint import (
     end_token_ids,
     long_rope,
 )
-from engine.models import check_device, check_model_path, load_causal_lm
+from engine.models import (TOKENIZER_FILES, check_device, check_model_path, load_causal_lm,
+                           load_tokenizer)
 from tests.tiny import tiny_llama
 
 
@@ -83,6 +84,17 @@ def test_without_a_generation_config_the_model_configs_end_tokens_stop(tmp_path)
 def test_a_local_path_that_is_not_there_is_refused_by_name(path):
     with pytest.raises(ValueError, match="no model at"):
         check_model_path(path)
+
+
+def test_a_folder_without_a_model_or_tokenizer_is_refused_by_name(tmp_path):
+    """A folder that is there but holds no config.json (a model) or no tokenizer file (a
+    tokenizer): transformers spoke of converting slow tokenizers instead."""
+    with pytest.raises(ValueError, match="holds no config.json"):
+        load_causal_lm(str(tmp_path))
+    with pytest.raises(ValueError, match="holds no tokenizer.json or tokenizer_config.json"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    check_model_path(str(tmp_path), TOKENIZER_FILES)  # a tokenizer's folder, as a router's
 
 
 def test_a_hub_id_is_left_to_transformers():
