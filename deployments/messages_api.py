@@ -11,9 +11,10 @@ stop_sequences, temperature, top_p, top_k, tools and tool_choice,
 output_config.format (a JSON schema), output_config.effort and thinking (as vLLM maps them:
 deployments.messages_api.reasoning_effort), and vLLM's extensions the chat takes. metadata
 is read and ignored.
-Refused with a 400 naming the field: images, documents and any other block, server tools
-(those with a `type` other than "custom"), a tool_result in an assistant's message (a
-tool_use in a user's), and any block but text in a system prompt or system message.
+Refused with a 400 naming the field: images, documents and any other block, a message's
+empty list of blocks, server tools (those with a `type` other than "custom"), a tool_result
+in an assistant's message (a tool_use in a user's), and any block but text in a system
+prompt or system message.
 """
 
 import json
@@ -52,6 +53,7 @@ RENAMED = [(re.compile(r"\bstop\b"), "stop_sequences"),
            (re.compile(r"\btools(\[\d+\]|\.\d+)\.function\b"), r"tools\1"),
            (re.compile(r"\btool_choice\.function\b"), "tool_choice"),
            (re.compile(r"\bresponse_format(\.json_schema)?(\.[\w.]+)?"), "output_config.format")]
+RESPONSE_FORMAT = RENAMED[-1]  # named in a message's text too (two constraints refused)
 
 
 def block_kind(block, place: str) -> str:
@@ -159,9 +161,9 @@ def message_of(role: str, content, place: str) -> list[dict]:
     """A user's or assistant's message as chat messages."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    if isinstance(content, list):
+    if isinstance(content, list) and content:  # an empty list is refused, as vLLM's
         return block_messages(role, content, place)
-    raise FieldError(f"{place}.content", "must be a string or a list of blocks")
+    raise FieldError(f"{place}.content", "must be a string or a non-empty list of blocks")
 
 
 def chat_messages(system, given: list, merged: bool = False) -> tuple[list[dict], list[str]]:
@@ -215,9 +217,10 @@ def chat_tool_choice(choice) -> tuple[Any, bool | None]:
     if choice is None:
         return None, None
     kind = choice.get("type") if isinstance(choice, dict) else None
-    parallel = None if not isinstance(choice, dict) or \
-        choice.get("disable_parallel_tool_use") is None \
-        else not choice["disable_parallel_tool_use"]
+    disable = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if disable is not None and not isinstance(disable, bool):
+        raise FieldError("tool_choice.disable_parallel_tool_use", "must be a boolean")
+    parallel = None if disable is None else not disable
     if kind in TOOL_CHOICES:
         return TOOL_CHOICES[kind], parallel
     if kind == "tool" and isinstance(choice.get("name"), str):
@@ -278,6 +281,7 @@ def renamed(error: BadRequest, places: list[str]) -> BadRequest:
         for pattern, name in RENAMED:
             param = pattern.sub(name, param)
         message = message.replace(given, param)
+    message = RESPONSE_FORMAT[0].sub(RESPONSE_FORMAT[1], message)
     return BadRequest(message, error.status, param, error.headers)
 
 

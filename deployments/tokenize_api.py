@@ -105,7 +105,8 @@ def tokenizer_info_answer(tokenizer, enabled: bool):
     (its enable_tokenizer_info_endpoint), as vLLM's flag does."""
     if not enabled:
         return error_response(BadRequest("/tokenizer_info is off: the router's "
-                                         "enable_tokenizer_info_endpoint enables it", 404))
+                                         "enable_tokenizer_info_endpoint enables it", 404,
+                                         code=None))  # no model is missing
     return tokenizer_info(tokenizer)
 
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deployments.ingress import BadRequest, parse
-from deployments.messages_api import CountTokensRequest, MessagesRequest
+from deployments.messages_api import CountTokensRequest, MessagesRequest, renamed
 from deployments.openai_api import ChatCompletionRequest
+from deployments.prompts import PromptReader
 from tests.unit.test_chat_prompts import qwen_like_reader
 from tests.unit.test_messages_api import HI, TOOLS, created, messages_router, posted_to
 from tests.unit.test_responses_api import CALL
@@ -116,6 +117,12 @@ def test_a_tool_result_sent_back_renders_after_its_call():
     ({"temperature": 3}, "temperature"),
     ({"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]},
      "messages[1]"),
+    # an empty block list, as vLLM refuses it (it named `messages` whole, or went unseen)
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [*HI, {"role": "assistant", "content": []}]}, "messages[1].content"),
+    # a boolean, not a text whose truth Python reads ("false" disabled parallel calls)
+    ({"tools": TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "false"}},
+     "tool_choice.disable_parallel_tool_use"),
 ])
 def test_a_refusal_is_a_400_in_anthropics_shape_naming_the_field(body, named):
     status, answer = posted_to(messages_router(), {k: v for k, v in {
@@ -123,6 +130,22 @@ def test_a_refusal_is_a_400_in_anthropics_shape_naming_the_field(body, named):
     assert status == 400 and answer["type"] == "error"
     assert answer["error"]["type"] == "invalid_request_error"
     assert answer["error"]["message"].startswith(named)
+
+
+@pytest.mark.parametrize("other", [{"tools": TOOLS, "tool_choice": {"type": "any"}},
+                                   {"structured_outputs": {"regex": "a+"}}])
+def test_a_refusal_of_two_constraints_names_output_config_not_response_format(other):
+    """The chat's refusal of two constraints (the router's, from the prompt's reading)
+    named response_format in its text, which a Messages request has not: it is
+    output_config.format."""
+    asked = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 10, "messages": HI, **other,
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}})
+    chat, places = asked.chat_request()
+    with pytest.raises(BadRequest) as refused:
+        PromptReader.constraint(None, chat)
+    message = str(renamed(refused.value, places))
+    assert "output_config.format" in message and "response_format" not in message
 
 
 def test_a_count_tokens_body_needs_no_max_tokens():

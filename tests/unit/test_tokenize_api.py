@@ -332,6 +332,7 @@ def test_tokenizer_info_is_vllms_config_of_the_tokenizer_when_enabled():
              "headers": list(headers)})))
 
     assert get().status_code == 404 and "enable_tokenizer_info_endpoint" in get().body.decode()
+    assert json.loads(get().body)["error"]["code"] is None  # a route off, no model missing
     router.args = RouterArgs(enable_tokenizer_info_endpoint=True)
     info = json.loads(json.dumps(get()))  # as FastAPI sends it
     assert info["tokenizer_class"] == type(tokenizer).__name__
