@@ -196,6 +196,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
     meter = RoundMeter(state, carried=block is not None)
     wanted = policy.num_speculative_tokens()
     k = min(wanted, state.remaining - 1)
+    if state.held_steps is not None:  # a seeded call's steps cut short go on first, as
+        k = 0  # alone, in one call: no draft, no seed drawn for one, no back-off's turn
     state.draft_confidence = policy.draft_confidence()
     k, state.round_tree = (0, 0) if state.draft_context_full else \
         round_tree(state, policy, k, block is None and not pipelined and k == wanted)

@@ -19,7 +19,7 @@ from speculative.prefixes import EMPTY_PREFIX_HASH
 from speculative.sampling import SamplingParams
 from speculative.state import Request, RequestState
 from speculative.thinking import ThinkingBudget
-from speculative.types import PrefixSync, ScoreCall
+from speculative.types import PoolUnavailable, PrefixSync, ScoreCall
 from tests.tiny import Batched, decoded, noisy_copy, run, run_concurrently
 from tests.unit.test_oracle import (  # noqa: F401 (fixtures)
     MAX_TOKENS,
@@ -184,6 +184,42 @@ def test_a_seeded_request_repeats_whatever_ends_its_steps(target):
     (together, cut_rounds), _ = asyncio.run(both())
     assert cut_rounds > rounds  # its steps were cut short
     assert together == alone
+
+
+class Refusing:
+    """A drafter that refuses every call, as a pool the prompt outgrows does (OUT_OF_RANGE)."""
+
+    async def propose(self, call):
+        raise PoolUnavailable("drafter: OUT_OF_RANGE: injected")
+
+    async def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_a_seeded_request_whose_drafter_fails_repeats_whatever_ends_its_steps(target,
+                                                                                pipelined):
+    """As above at K = 4 with a drafter that refuses every call: the rounds run the target
+    alone, of several steps, and the round that goes on with a cut call's steps draws no
+    draft seed (a round alone never made), so the tokens are those drawn alone."""
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
+
+    async def one(verifier, request_id, prompt, params, turns=0):
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        request = Request(request_id, tuple(prompt), params, (), plain_steps=4)
+        generation = await decoded(Refusing(), verifier, Generation(request), 4, pipelined)
+        return generation.token_ids, generation.state.stats.rounds
+
+    async def both():
+        verifier = Batched(ModelVerifier(target))
+        return await asyncio.gather(one(verifier, "s", [1, 2, 3], seeded, turns=3),
+                                    one(verifier, "o", [5, 6, 7], GREEDY))
+
+    alone, rounds = asyncio.run(one(Batched(ModelVerifier(target)), "s", [1, 2, 3], seeded))
+    (together, cut_rounds), _ = asyncio.run(both())
+    assert together == alone
+    assert cut_rounds > rounds  # its steps were cut short
 
 
 def test_the_steps_of_a_request_never_released_go_with_its_session(target):
