@@ -162,17 +162,16 @@ def test_calls_of_several_steps_end_together(target):
     assert not verifier.steps.running  # (a call alone runs all its steps: the tests above)
 
 
-def test_a_seeded_request_repeats_whatever_ends_its_steps(target):
-    """A seeded sampled request of K = 0 whose calls of steps end with another request's
-    (cohort_ends: it started three turns later) draws the tokens it draws alone: its next
-    call goes on with the seeds of the steps it was cut from (loop.round_seed)."""
+def alone_and_cut_short(target, drafter, k: int, pipelined: bool = False):
+    """A seeded sampled request's (tokens, rounds) alone, and beside a greedy one it started
+    three turns after, on one batched verifier (cohort_ends ends its calls of steps early)."""
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
 
     async def one(verifier, request_id, prompt, params, turns=0):
         for _ in range(turns):
             await asyncio.sleep(0)
         request = Request(request_id, tuple(prompt), params, (), plain_steps=4)
-        generation = await decoded(ModelDrafter(target), verifier, Generation(request), 0)
+        generation = await decoded(drafter, verifier, Generation(request), k, pipelined)
         return generation.token_ids, generation.state.stats.rounds
 
     async def both():
@@ -180,8 +179,16 @@ def test_a_seeded_request_repeats_whatever_ends_its_steps(target):
         return await asyncio.gather(one(verifier, "s", [1, 2, 3], seeded, turns=3),
                                     one(verifier, "o", [5, 6, 7], GREEDY))
 
-    alone, rounds = asyncio.run(one(Batched(ModelVerifier(target)), "s", [1, 2, 3], seeded))
-    (together, cut_rounds), _ = asyncio.run(both())
+    alone = asyncio.run(one(Batched(ModelVerifier(target)), "s", [1, 2, 3], seeded))
+    return alone, asyncio.run(both())[0]
+
+
+def test_a_seeded_request_repeats_whatever_ends_its_steps(target):
+    """A seeded sampled request of K = 0 whose calls of steps end with another request's
+    draws the tokens it draws alone: its next call goes on with the seeds of the steps it
+    was cut from (loop.round_seed)."""
+    (alone, rounds), (together, cut_rounds) = alone_and_cut_short(target, ModelDrafter(target),
+                                                                   0)
     assert cut_rounds > rounds  # its steps were cut short
     assert together == alone
 
@@ -202,22 +209,8 @@ def test_a_seeded_request_whose_drafter_fails_repeats_whatever_ends_its_steps(ta
     """As above at K = 4 with a drafter that refuses every call: the rounds run the target
     alone, of several steps, and the round that goes on with a cut call's steps draws no
     draft seed (a round alone never made), so the tokens are those drawn alone."""
-    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
-
-    async def one(verifier, request_id, prompt, params, turns=0):
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        request = Request(request_id, tuple(prompt), params, (), plain_steps=4)
-        generation = await decoded(Refusing(), verifier, Generation(request), 4, pipelined)
-        return generation.token_ids, generation.state.stats.rounds
-
-    async def both():
-        verifier = Batched(ModelVerifier(target))
-        return await asyncio.gather(one(verifier, "s", [1, 2, 3], seeded, turns=3),
-                                    one(verifier, "o", [5, 6, 7], GREEDY))
-
-    alone, rounds = asyncio.run(one(Batched(ModelVerifier(target)), "s", [1, 2, 3], seeded))
-    (together, cut_rounds), _ = asyncio.run(both())
+    (alone, rounds), (together, cut_rounds) = alone_and_cut_short(target, Refusing(), 4,
+                                                                   pipelined)
     assert together == alone
     assert cut_rounds > rounds  # its steps were cut short
 
