@@ -17,6 +17,7 @@ routes are 404s there.
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -122,12 +123,9 @@ def checked_items(given: list, param: str = "items") -> list[dict]:
         raise in_items(renamed(invalid_body(error), places), param) from None
     except FieldError as error:  # named as an input's: input[i]...
         raise in_items(error, param) from None
-    except BadRequest as error:  # an id that is no string, or a duplicate: input[i].id;
+    except BadRequest as error:  # an id that is no string, or a duplicate: 'input[i].id';
         # an item JSON cannot keep: input[i] (deployments.response_items.encoded)
-        message = str(error)
-        message = param + message[len("input"):] if message.startswith("input[") else \
-            message.replace("'input[", f"'{param}[", 1)
-        raise BadRequest(message, error.status,
+        raise BadRequest(re.sub(r"\binput\[", f"{param}[", str(error), count=1), error.status,
                          error.param.replace("input", param, 1)) from None
 
 

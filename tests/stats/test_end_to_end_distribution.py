@@ -158,6 +158,15 @@ def first_token_off_its_law(target_probs, drafted, draft_probs, seeds):
     return real_draw(target_probs, drafted, draft_probs, seeds)
 
 
+def fails_its_checks(target, params, drafter_kind) -> bool:
+    """Whether a case's own two checks fail, at its sample size (stopping once one fails):
+    a mutant's run."""
+    first = sequence_law(target, PROMPT, params, 1)
+    law = law_after_first(target, PROMPT, params, 2)
+    counts, *_ = sample_counts(target, params, drafter_kind, stop_law=law, stop_first=first)
+    return failed(counts, law, first)
+
+
 @pytest.mark.slow
 def test_a_first_token_off_its_law_fails(target, monkeypatch):
     """The conditioned check cannot see the first token's law (it passes this mutant): the
@@ -196,10 +205,7 @@ def test_a_verifier_shaping_p_wrongly_fails(target, monkeypatch, mutant):
     size (stopping once one fails): a verifier whose p leaves out the request's temperature,
     top-k or top-p (no other law test's verifier shapes by them) must fail them."""
     monkeypatch.setattr(verifier_module, "logits_to_probs", mutant)
-    first = sequence_law(target, PROMPT, NUCLEUS, 1)
-    law = law_after_first(target, PROMPT, NUCLEUS, 2)
-    counts, *_ = sample_counts(target, NUCLEUS, "model", stop_law=law, stop_first=first)
-    assert failed(counts, law, first), f"the {mutant.__name__} mutant passed"
+    assert fails_its_checks(target, NUCLEUS, "model"), f"the {mutant.__name__} mutant passed"
 
 
 real_draw_from = ModelDrafter.draw_from
@@ -224,10 +230,8 @@ def test_a_padded_draft_shipping_q_at_the_wrong_ids_fails(target, monkeypatch, d
     reject a draft whose q reaches the target's ids moved by the padding or the cut: the
     fitting of q to the target's vocabulary is what these cases are about."""
     monkeypatch.setattr(ModelDrafter, "draw_from", q_offset_by_the_padding)
-    first = sequence_law(target, PROMPT, T1, 1)
-    law = law_after_first(target, PROMPT, T1, 2)
-    counts, *_ = sample_counts(target, T1, drafter_kind, stop_law=law, stop_first=first)
-    assert failed(counts, law, first), f"the {drafter_kind} offset-q mutant passed"
+    assert fails_its_checks(target, T1, drafter_kind), \
+        f"the {drafter_kind} offset-q mutant passed"
 
 
 real_ngram_propose = NgramDrafter.propose_now
@@ -252,7 +256,5 @@ def test_model_free_drafts_tested_against_a_wrong_q_fail(target, monkeypatch, dr
     are about (the suffix drafter ships its proposals through the n-gram drafter's
     propose_now)."""
     monkeypatch.setattr(NgramDrafter, "propose_now", ngram_with_a_uniform_q)
-    first = sequence_law(target, PROMPT, T1, 1)
-    law = law_after_first(target, PROMPT, T1, 2)
-    counts, *_ = sample_counts(target, T1, drafter_kind, stop_law=law, stop_first=first)
-    assert failed(counts, law, first), f"the {drafter_kind} uniform-q mutant passed"
+    assert fails_its_checks(target, T1, drafter_kind), \
+        f"the {drafter_kind} uniform-q mutant passed"
