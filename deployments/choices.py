@@ -262,8 +262,8 @@ class Choices(ChoiceLogprobs):
                 await send(generation, delta)
 
         async def send(generation, delta):
-            if opening:
-                await queue.put(opening.pop())
+            if opening:  # with the usage so far: the prompt's tokens read from the cache
+                await queue.put(opening.pop()(generation))
             if generation.finish_reason is not None and not streamed.parses:  # on the last
                 return last.append(delta)  # chunk, as vLLM's (not an empty chunk after it)
             if (parts := streamed.feed(delta)) is None:
@@ -290,13 +290,15 @@ class Choices(ChoiceLogprobs):
         prompt_ids = self.prompt_ids(index)
         opening, last = self.opening(chunk, echo, streamed, prompt_ids), []
         if echo is not None:  # the prompt's text (and logprobs) first (as vLLM's)
-            await queue.put(opening.pop() if opening else chunk(echo[0], logprobs=echo[1]))
+            await queue.put(opening.pop()(None) if opening else
+                            chunk(echo[0], logprobs=echo[1]))
         interval = StreamInterval(self.stream_interval)
         generation = await self.run_choice(index, push)
         if held := interval.rest():  # no delta came with the end
             await send(generation, held)
         # off the event loop: all from where a call may begin was held, its tokens' logprobs too
-        for text in [*opening, *await self.off_loop(ending, generation)]:
+        opened = [first(generation) for first in opening]
+        for text in [*opened, *await self.off_loop(ending, generation)]:
             await queue.put(text)
         return generation
 
@@ -318,23 +320,27 @@ class Choices(ChoiceLogprobs):
 
         return delta_text
 
-    def opening(self, chunk, echo, streamed: StreamedText, prompt_ids) -> list[str]:
+    def opening(self, chunk, echo, streamed: StreamedText, prompt_ids) -> list:
         """A chat's first chunk, its role (with tools, no content yet: a message of calls has
         none, null), sent with the first text: sent before the prefill, it was what clients
         time as the first token (vllm bench serve's TTFT: the first chunk with a choice);
-        with an echo, at once with the last message's text (as vLLM's)."""
+        with an echo, at once with the last message's text (as vLLM's). As a function of the
+        generation (None: not begun), whose usage so far it carries under continuous usage."""
         if not self.chat:
             return []
         head = echo[0] if echo is not None else "" if streamed.held is None else None
-        return [chunk(head, role="assistant", prompt_token_ids=prompt_ids,
-                      prompt_text=self.plan.prompt_text)]
+        return [lambda generation: chunk(head, prefilled=generation, role="assistant",
+                                         prompt_token_ids=prompt_ids,
+                                         prompt_text=self.plan.prompt_text)]
 
     def chunker(self, index: int):
-        """chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):
-        a chunk of choice `index`, with its usage so far under continuous usage."""
+        """chunk(text, finish_reason=None, generation=None, encode=json.dumps, prefilled=None,
+        **fields): a chunk of choice `index`, with its usage so far under continuous usage (the
+        prompt's tokens read from the cache once the generation, or `prefilled`, has them)."""
         prompt_tokens = len(self.plan.choices[index].request.prompt_token_ids)
 
-        def chunk(text, finish_reason=None, generation=None, encode=json.dumps, **fields):
+        def chunk(text, finish_reason=None, generation=None, encode=json.dumps, prefilled=None,
+                  **fields):
             body = chunk_body(self.request_id, self.model, index, text, finish_reason,
                               self.chat, created=self.created, **fields)
             if self.continuous_usage:  # the choice's tokens so far (vLLM's continuous usage),
@@ -342,6 +348,9 @@ class Choices(ChoiceLogprobs):
                 done = generation.state.num_output_tokens if generation is not None else 0
                 body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                                  "total_tokens": prompt_tokens + done}
+                if (prefilled := prefilled if generation is None else generation) is not None:
+                    body["usage"]["prompt_tokens_details"] = {
+                        "cached_tokens": prefilled.stats.cached_tokens}
             return encode(body)
 
         return chunk

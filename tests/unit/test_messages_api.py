@@ -5,6 +5,7 @@ the anthropic package's own types and read by its client (its stream accumulator
 refusals in Anthropic's error shape, the API key as x-api-key."""
 
 import asyncio
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from types import MethodType, SimpleNamespace
@@ -283,6 +284,29 @@ def test_an_error_mid_stream_is_an_error_event_and_the_slot_goes_back():
     assert router.admission.running == 0
     with pytest.raises(anthropic.APIStatusError, match="verifier"):
         streamed(router)
+
+
+class PrefixCached(Scripted):
+    """stand_in's verifier, its every score saying one prompt token came from the prefix
+    cache."""
+
+    async def score(self, call):
+        return dataclasses.replace(await super().score(call), cached_tokens=1)
+
+
+def test_message_start_splits_the_prompt_as_message_delta_does():
+    """A streamed message's message_start counted the whole prompt as input (cache_read 0)
+    where its message_delta split off the tokens read from the prefix cache: the chat's
+    first chunk carried no cached count. Both now say the same."""
+    text = "Paris is the capital."
+    router = messages_router(text, verifier=PrefixCached(
+        list(range(10, 10 + len(text))), prompt_len=2))
+    events = raw_events(router, {"model": "m", "max_tokens": 100, "messages": HI})
+    start = events[0]["message"]["usage"]
+    delta = next(e for e in events if e["type"] == "message_delta")["usage"]
+    for usage in (start, delta):
+        assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (1, 1)
+    assert start["output_tokens"] == 0 and delta["output_tokens"] == len(text) + 1  # its end
 
 
 def raw_events(router, body: dict) -> list[dict]:
