@@ -28,6 +28,7 @@ from deployments.tool_parsers import (
     held_content,
     read_call,
     read_calls,
+    read_object,
 )
 from speculative.grammar import JSON_LAYOUT, GrammarError, compile_spec
 
@@ -280,7 +281,12 @@ class ToolUse:
                 begun.append((function.name, text[len(head):]))
         if len(begun) != 1 or read_call(text, len(CALL_OPEN)) is not None:
             return []
-        return [call_body(*begun[0], self.call_id_length)]
+        name, arguments = begun[0]
+        # cut within its `</tool_call>`: the arguments came whole, the markup after is none
+        whole = read_object(text, len(CALL_OPEN), ("arguments",))
+        if whole is not None and CALL_CLOSE.startswith(text[whole[1]:].lstrip()):
+            arguments = whole[0][1]
+        return [call_body(name, arguments, self.call_id_length)]
 
 
 def call_grammar(functions: tuple[ToolFunction, ...]) -> str:
