@@ -275,6 +275,7 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    max_tool_calls: int | None = None  # echoed (as vLLM): it bounds built-in tools, none here
     # effort: the chat's reasoning_effort; summaries: read, checked and echoed, none written
     reasoning: dict | None = None
     background: bool = False  # served where a response store keeps them (refused_background)

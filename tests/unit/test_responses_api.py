@@ -118,6 +118,13 @@ def test_a_whole_answer_is_an_openai_response_echoing_the_request():
     assert body["speculative"]["rounds"] > 0
 
 
+def test_max_tool_calls_is_echoed_as_vllm_echoes_it():
+    """OpenAI's max_tool_calls bounds built-in tools (none served here): read and echoed,
+    as vLLM's Response echoes it; null where not given."""
+    assert Response.model_validate(answered("Paris.", {"max_tool_calls": 2})).max_tool_calls == 2
+    assert answered("Paris.", {})["max_tool_calls"] is None
+
+
 def test_an_answer_cut_at_max_output_tokens_is_incomplete():
     body = answered("Paris is the capital.", {"max_output_tokens": 5})
     response = Response.model_validate(body)
