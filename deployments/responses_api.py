@@ -276,6 +276,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     max_tool_calls: int | None = None  # echoed (as vLLM): it bounds built-in tools, none here
+    # echoed (as vLLM's): every request is served alike
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
     # effort: the chat's reasoning_effort; summaries: read, checked and echoed, none written
     reasoning: dict | None = None
     background: bool = False  # served where a response store keeps them (refused_background)

@@ -165,6 +165,7 @@ class AsResponse:
                 "instructions": asked.instructions,
                 "max_output_tokens": asked.max_output_tokens,
                 "max_tool_calls": asked.max_tool_calls,
+                "service_tier": asked.service_tier,
                 "temperature": asked.temperature, "top_p": asked.top_p,
                 "tools": asked.tools or [], "tool_choice": asked.tool_choice or "auto",
                 "parallel_tool_calls": asked.parallel_tool_calls,

@@ -118,11 +118,16 @@ def test_a_whole_answer_is_an_openai_response_echoing_the_request():
     assert body["speculative"]["rounds"] > 0
 
 
-def test_max_tool_calls_is_echoed_as_vllm_echoes_it():
-    """OpenAI's max_tool_calls bounds built-in tools (none served here): read and echoed,
-    as vLLM's Response echoes it; null where not given."""
-    assert Response.model_validate(answered("Paris.", {"max_tool_calls": 2})).max_tool_calls == 2
-    assert answered("Paris.", {})["max_tool_calls"] is None
+def test_max_tool_calls_and_service_tier_are_echoed_as_vllm_echoes_them():
+    """OpenAI's max_tool_calls bounds built-in tools (none served here), service_tier picks
+    a tier (one here): read and echoed, as vLLM's Response echoes them; null and "auto"
+    where not given; a tier OpenAI does not name is a 400."""
+    echoed = Response.model_validate(answered("Paris.", {"max_tool_calls": 2,
+                                                         "service_tier": "flex"}))
+    assert (echoed.max_tool_calls, echoed.service_tier) == (2, "flex")
+    plain = answered("Paris.", {})
+    assert (plain["max_tool_calls"], plain["service_tier"]) == (None, "auto")
+    assert answered("Paris.", {"service_tier": "gold"})["error"]["param"] == "service_tier"
 
 
 def test_an_answer_cut_at_max_output_tokens_is_incomplete():
