@@ -181,8 +181,11 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.mark.parametrize("choice, text, arguments", [
     (NAMED, CALL[:-20], '{"city": "Paris", "unit": "ce'),  # max_tokens within the arguments
-    # within its `</tool_call>`: the arguments whole, without the markup after them
+    # within its `</tool_call>`, or before the call's closing brace: the arguments whole,
+    # without the markup after them
     ("required", CALL[:-3], CALL[CALL.index('{"city"'):-len("}</tool_call>")]),
+    (NAMED, CALL[:-5], '{"city": "Paris", "unit": "celsius"}'),
+    ("required", CALL[:-13], '{"city": "Paris", "unit": "celsius"}'),
     ("required", CALL_OPEN + call_head("get_weather"), ""),  # the head, no arguments yet
     (NAMED, CALL_OPEN + '{"na', ""),  # within the head: the named function's
     ("required", CALL_OPEN + '{"name": "', None)])  # which function, the text does not say
