@@ -114,7 +114,7 @@ class RequestFrontEnd:
         free_in_reasoning: the stop ids its reasoning ignores (Request's).
         prediction_token_ids: its predicted output, shared by the choices (Request's)."""
         steps = plain_steps or self.defaults.plain_steps
-        # what a round without a draft really makes (speculative.loop.plain_steps: one token
+        # what a round without a draft really makes (speculative.round_steps.plain_steps: one token
         # with logprobs), for the K policy's rate of K = 0
         policy_steps = 1 if sampling.logprobs is not None else steps
         k = self.num_speculative_tokens(num_speculative_tokens, sampling)

@@ -8,15 +8,14 @@ over in-process engines for the CLI and over gRPC clients for the router.
 import asyncio
 from dataclasses import replace
 
-import torch
-
 from speculative.busy import retried_while_busy
 from speculative.fixed_k import KPolicy
 from speculative.meter import RoundMeter
 from speculative.options import MAX_SPECULATIVE_TOKENS
 from speculative.accept import accept, depth
 from speculative.rejection import RoundOutcome, accept_first_predrafted
-from speculative.sampling import SEED_BLOCK, SEED_LOW_BITS, SamplingParams, step_seed
+from speculative.round_steps import draw_seed, hold_steps, plain_steps, round_seed, seed_steps
+from speculative.sampling import SamplingParams
 from speculative.state import RequestState
 from speculative.tree import main_chain_length
 from speculative.types import (
@@ -32,21 +31,6 @@ from speculative.types import (
     Verifier,
     trees_refused,
 )
-
-
-def draw_seed(state: RequestState) -> int:
-    """A pool call's seed, the next of the request's generator; 0 for a greedy request,
-    whose calls draw nothing (a torch draw costs about 2 us, one to three a round)."""
-    if state.request.sampling.greedy:
-        return 0
-    drawn = int(torch.randint(0, 2**63 - 1, (), generator=state.generator))
-    # low bits a block apart from the request's first call's (sampling.SEED_BLOCK): drawn
-    # alone, two of a long request's calls shared a CPU generator's stream within ~2**16
-    if state.seeds_drawn == 0:
-        state.seed_low = drawn & SEED_LOW_BITS
-    low = (state.seed_low + state.seeds_drawn * SEED_BLOCK) & SEED_LOW_BITS
-    state.seeds_drawn += 1
-    return (drawn & ~SEED_LOW_BITS) | low
 
 
 async def propose(state: RequestState, drafter: Drafter, k: int, seed: int,
@@ -223,7 +207,8 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
             predraft.cancel()
         raise
     continued = scores.continued_token_ids[:steps - 1]
-    hold_steps(state, block, verify_seed, held or steps, 1 + len(continued))
+    hold_steps(state, block, verify_seed, held or seed_steps(state, block, predraft, steps),
+               1 + len(continued))
     if continued:
         outcome = replace(outcome, output_token_ids=outcome.output_token_ids + continued)
         state.stats.plain_step_tokens += len(continued)
@@ -242,38 +227,6 @@ async def run_round(state: RequestState, drafter: Drafter, verifier: Verifier, p
         policy.observe_confidences(block.confidences, outcome.num_accepted)
     forced = state.round_kept != len(committed)  # a thinking budget's ids: no pre-draft's
     return committed, None if state.finish_reason is not None or forced else next_block
-
-
-def round_seed(state: RequestState, block: DraftBlock, beside: int | None
-               ) -> tuple[int, int | None]:
-    """(the verify call's seed, the steps left of a seeded call cut short, or None): after
-    such a call a round without a draft goes on with its seeds (sampling.step_seed), so a
-    seeded request's tokens never follow where batches ended its steps (cohort_ends)."""
-    held, state.held_steps = state.held_steps, None
-    if held is not None and not block.token_ids and beside is None:
-        return held
-    return draw_seed(state), None
-
-
-def hold_steps(state: RequestState, block: DraftBlock, seed: int, asked: int, made: int):
-    """Keeps what a seeded round without a draft asked and did not make (round_seed)."""
-    if made < asked and not block.token_ids and state.request.sampling.seeded:
-        state.held_steps = (step_seed(seed, made), asked - made)
-
-
-def plain_steps(state: RequestState, block: DraftBlock, predraft,
-                most: int | None = None) -> int:
-    """The verifier's steps for this round's call (verifier.steps): the request's
-    plain_steps for a round without a draft (and none beside it: a pre-draft or a fresh
-    draft assumes the round makes one token) and without logprobs, within its tokens
-    left and its context (and `most`: a held call's steps left, round_seed); else 1. A
-    request's first token comes alone (its time to first token is a prefill's, not a
-    prefill's and the steps')."""
-    request = state.request
-    if block.token_ids or predraft is not None or request.sampling.logprobs is not None \
-            or not state.num_output_tokens:
-        return 1
-    return max(1, min(request.plain_steps, state.steps_room(), most or request.plain_steps))
 
 
 def round_tree(state: RequestState, policy: KPolicy, k: int, chosen_now: bool

@@ -310,7 +310,7 @@ def derive_seeds(seed: int | None, n: int) -> list[int | None]:
 
 
 # torch's CPU generator keys its stream by a seed's low 32 bits alone (CUDA's reads all 64):
-# the calls of one request take distinct low bits (speculative.loop.draw_seed), each a block
+# the calls of one request take distinct low bits (speculative.round_steps.draw_seed), each a block
 # of SEED_BLOCK values, its steps the values after its own (verifier.steps.step_seed)
 SEED_LOW_BITS = (1 << 32) - 1
 SEED_BLOCK = MAX_PLAIN_STEPS

@@ -97,10 +97,10 @@ class RequestState:
             seed if seed is not None else secrets.randbits(63)
         )
         self.stats = SpecStats()
-        self.seeds_drawn, self.seed_low = 0, 0  # the calls' seeds so far (loop.draw_seed)
+        self.seeds_drawn, self.seed_low = 0, 0  # the calls' seeds so far (round_steps.draw_seed)
         # a seeded call of several steps that ended before its last (verifier.steps
         # cohort_ends): its next step's seed and the steps left, for the next call
-        # (loop.round_seed)
+        # (round_steps.round_seed)
         self.held_steps: tuple[int, int] | None = None
         self.drafter_view, self.verifier_view = PoolView(), PoolView()
         self.draft_backoff = DraftBackoff()

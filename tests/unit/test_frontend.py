@@ -57,7 +57,7 @@ def test_only_seeded_sampled_auto_requests_are_pinned(sampling, k, adaptive):
 
 
 def test_the_k_policy_counts_the_steps_a_round_without_a_draft_really_runs():
-    """A request asking for logprobs runs such rounds one step each (loop.plain_steps): its
+    """A request asking for logprobs runs such rounds one step each (round_steps.plain_steps): its
     K policy's rate of K = 0 counts one token a call, not the router's plain_steps (it
     counted 4, turned drafting off alone and made about 15 % fewer tokens, reviewed)."""
     front_end = router_front_end()  # plain_steps 4 by default

@@ -186,11 +186,22 @@ def alone_and_cut_short(target, drafter, k: int, pipelined: bool = False):
 def test_a_seeded_request_repeats_whatever_ends_its_steps(target):
     """A seeded sampled request of K = 0 whose calls of steps end with another request's
     draws the tokens it draws alone: its next call goes on with the seeds of the steps it
-    was cut from (loop.round_seed)."""
+    was cut from (round_steps.round_seed)."""
     (alone, rounds), (together, cut_rounds) = alone_and_cut_short(target, ModelDrafter(target),
                                                                    0)
     assert cut_rounds > rounds  # its steps were cut short
     assert together == alone
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_seeded_request_draws_the_same_tokens_with_logprobs_asked(target, k):
+    """A call with logprobs runs one step: a seeded request asking them goes on with the
+    seeds of the steps it would have asked without them (round_steps.seed_steps), so asking
+    logprobs changes none of its tokens, as vLLM's (K = 4: its sequential rounds too)."""
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
+    outs = [run(ModelDrafter(target), ModelVerifier(target), [1, 2, 3], params, k,
+                plain_steps=4)[0] for params in (seeded, replace(seeded, logprobs=1))]
+    assert outs[0] == outs[1]
 
 
 class Refusing:
