@@ -43,16 +43,16 @@ def hold_steps(state: RequestState, block: DraftBlock, seed: int, asked: int, ma
 
 
 def plain_steps(state: RequestState, block: DraftBlock, predraft,
-                most: int | None = None, logprobs: bool = True) -> int:
+                most: int | None = None, honour_logprobs: bool = True) -> int:
     """The verifier's steps for this round's call (verifier.steps): the request's
     plain_steps for a round without a draft (and none beside it: a pre-draft or a fresh
     draft assumes the round makes one token) and without logprobs, within its tokens
     left and its context (and `most`: a held call's steps left, round_seed); else 1. A
     request's first token comes alone (its time to first token is a prefill's, not a
-    prefill's and the steps'). logprobs False: as though the request asked none (seed_steps)."""
+    prefill's and the steps'). honour_logprobs False: as though it asked none (seed_steps)."""
     request = state.request
     if block.token_ids or predraft is not None or not state.num_output_tokens \
-            or logprobs and request.sampling.logprobs is not None:
+            or honour_logprobs and request.sampling.logprobs is not None:
         return 1
     return max(1, min(request.plain_steps, state.steps_room(), most or request.plain_steps))
 
@@ -63,4 +63,4 @@ def seed_steps(state: RequestState, block: DraftBlock, predraft, steps: int) -> 
     seeded request draws the same tokens with logprobs asked or not, as vLLM's."""
     if state.request.sampling.logprobs is None:
         return steps
-    return plain_steps(state, block, predraft, logprobs=False)
+    return plain_steps(state, block, predraft, honour_logprobs=False)

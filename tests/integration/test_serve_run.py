@@ -114,7 +114,8 @@ NEWCOMER_PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "for i in
 # worker (that deployment's own start took 104-113 s on two busy cores, once over 120 s): a
 # VM 1.5-2x slower under that load could reach the former 180 s (not measured)
 STARTED_S = 600
-# Serve's graceful shutdown of its replicas (20 s by default) plus Ray's own stop
+# serve.shutdown()'s own 30 s cap on its replicas' graceful shutdown (the router's 600 s only
+# holds open streams, none here) plus Ray's own stop
 GRACEFUL_S = 60
 
 

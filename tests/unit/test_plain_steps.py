@@ -193,13 +193,26 @@ def test_a_seeded_request_repeats_whatever_ends_its_steps(target):
     assert together == alone
 
 
-@pytest.mark.parametrize("k", [0, 4])
-def test_a_seeded_request_draws_the_same_tokens_with_logprobs_asked(target, k):
+class RefusingEveryOther(ModelDrafter):
+    """A model drafter that refuses every other call: rounds with a draft and without one."""
+
+    calls = 0
+
+    async def propose(self, call):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise PoolUnavailable("drafter: OUT_OF_RANGE: injected")
+        return await super().propose(call)
+
+
+@pytest.mark.parametrize("k, drafter", [(0, ModelDrafter), (4, RefusingEveryOther)])
+def test_a_seeded_request_draws_the_same_tokens_with_logprobs_asked(target, k, drafter):
     """A call with logprobs runs one step: a seeded request asking them goes on with the
     seeds of the steps it would have asked without them (round_steps.seed_steps), so asking
-    logprobs changes none of its tokens, as vLLM's (K = 4: its sequential rounds too)."""
+    logprobs changes none of its tokens, as vLLM's (K = 4: the rounds without a draft among
+    its sequential rounds too)."""
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24)
-    outs = [run(ModelDrafter(target), ModelVerifier(target), [1, 2, 3], params, k,
+    outs = [run(drafter(target), ModelVerifier(target), [1, 2, 3], params, k,
                 plain_steps=4)[0] for params in (seeded, replace(seeded, logprobs=1))]
     assert outs[0] == outs[1]
 
@@ -319,7 +332,7 @@ def test_no_two_draws_of_a_requests_calls_share_a_cpu_generators_stream():
     seed 0's request drew the same tokens)."""
     import torch
 
-    from speculative.loop import draw_seed
+    from speculative.round_steps import draw_seed
     from speculative.options import MAX_PLAIN_STEPS
     from speculative.state import Request, RequestState
     from verifier.steps import step_seed
