@@ -14,6 +14,12 @@ LATENCY_BOUNDARIES_S = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20
 TOKEN_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
+# GAUGE_TTL_NOTE: Ray's metrics agent drops a gauge's series 2 report intervals (20 s by
+# default) after its last set, so a gauge that holds still (an idle pool, a router whose
+# running choices do not change) vanished from the export; its owner sets it again from
+# Serve's periodic health check (every 10 s by default, the pools' every 2 s)
+
+
 def rss_mb() -> float:
     """This process's resident set size in MB (Linux)."""
     with open("/proc/self/status") as status:
@@ -35,15 +41,22 @@ class PoolMetrics:
             "specserve_pool_batch_occupancy", description="The running batch's size over "
             "max_batch_size (1: full batches, the pool is saturated; 0: no call to run).",
             tag_keys=("pool",))
+        self.last_occupancy = 0.0  # the gauge's value, set again by refresh
 
     def record_batch(self, batch_size: int, max_batch_size: int) -> None:
         self.batch_size.observe(batch_size, tags=self.tags)
-        self.occupancy.set(batch_size / max_batch_size, tags=self.tags)
+        self.last_occupancy = batch_size / max_batch_size
+        self.occupancy.set(self.last_occupancy, tags=self.tags)
 
     def record_idle(self) -> None:
         """No call left to run: the gauge says so (it held the last batch's value for good,
         an idle pool reading as busy as when it stopped)."""
+        self.last_occupancy = 0.0
         self.occupancy.set(0.0, tags=self.tags)
+
+    def refresh(self) -> None:
+        """The gauge set again to its value (GAUGE_TTL_NOTE)."""
+        self.occupancy.set(self.last_occupancy, tags=self.tags)
 
 
 def features(sampling) -> list[str]:
@@ -81,6 +94,10 @@ class RouterMetrics:
             "num_requests_waiting", description="Requests waiting in this router replica for "
             "their choices to run (first come first served); beyond max_waiting_requests a "
             "request gets 429.")
+        # both read 0 from the start, as vLLM's do: a gauge never set is not exported, so a
+        # dashboard (or an autoscaler) read no series until a request first ran, or waited
+        self.running.set(0)
+        self.waiting.set(0)
         self.prompt_tokens = Counter("prompt_tokens", description="Prompt tokens of the "
                                      "requests decoded (each prompt once, as usage counts).")
         self.generation_tokens = Counter("generation_tokens",
@@ -126,6 +143,11 @@ class RouterMetrics:
         # what requests use beyond a prompt, and what it does to acceptance
         self.feature_choices, self.feature_draft_tokens, self.feature_accepted_tokens = \
             feature_counters()
+
+    def refresh(self, running: int, waiting: int) -> None:
+        """The gauges set again to these values (GAUGE_TTL_NOTE)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
 
     def record_choice(self, state: RequestState, prompt_tokens: int,
                       first_text_s: float | None, seconds: float) -> None:

@@ -148,7 +148,10 @@ class PoolReplica(ReplicaReports):
 
     async def check_health(self) -> None:
         """Serve's periodic health check: fail (Serve then replaces the replica) when the
-        model worker is stuck or its engine dead (deployments.health)."""
+        model worker is stuck or its engine dead (deployments.health); its occupancy
+        gauge set again, which Ray's agent would drop if it held still
+        (deployments.metrics)."""
+        self.metrics.refresh()
         self.health.check(self.waiting)
 
     async def run_engine(self, run_batch, calls: list) -> list:

@@ -139,6 +139,12 @@ class Router(ChatBatchRoute, RequestPlanning):
         """This replica's resident memory (MB) and admitted choices (for the soak)."""
         return {"rss_mb": rss_mb(), "running": self.admission.running}
 
+    async def check_health(self) -> None:
+        """Serve's periodic health check (every 10 s by default): the running and waiting
+        gauges set again, which Ray's agent drops 20 s after their last set (an idle or
+        steady router's vanished from /metrics: deployments.metrics)."""
+        self.metrics.refresh(self.admission.running, self.admission.waiting)
+
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}

@@ -4,12 +4,17 @@ read is what the docs name: every metric exported and every field of a response'
 (`speculative`, vLLM's `metrics.speculative_decoding`) named in the docs, and every metric the
 docs name exported (a dashboard built from the docs would read a series nobody writes)."""
 
+import asyncio
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from deployments import metrics as metrics_module
+from deployments.admission import Admission
+from deployments.pools import PoolReplica
+from deployments.router import Router
 from speculative.sampling import SamplingParams
 from speculative.stats import SpecStats
 
@@ -63,6 +68,9 @@ def stood_in_metrics(monkeypatch) -> list:
         def observe(self, value, tags=None):
             recorded.append((self.name, "observe", value, tags))
 
+        def set(self, value, tags=None):
+            recorded.append((self.name, "set", value, tags))
+
     for name in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(metrics_module, name, Metric)
     return recorded
@@ -83,12 +91,39 @@ def test_router_metrics_record_a_choices_tokens_and_times_as_vllms(monkeypatch, 
     recorded = stood_in_metrics(monkeypatch)
     metrics_module.RouterMetrics().record_choice(state, 3, 0.02, 0.5)
     got = {name: (value, tags) for name, kind, value, tags in recorded
-           if kind != "new" and not name.startswith(("spec_decode", "specserve"))}
+           if kind not in ("new", "set") and not name.startswith(("spec_decode", "specserve"))}
     assert got == {"prompt_tokens": (3, None), "generation_tokens": (2, None),
                    "time_to_first_token_seconds": (0.02, None)} | (
         {"request_success": (1, {"finished_reason": "length"}),
          "e2e_request_latency_seconds": (0.5, None),
          "request_time_per_output_token_seconds": (0.48, None)} if finished else {})
+
+
+def test_the_running_and_waiting_gauges_read_0_before_any_request(monkeypatch):
+    """vLLM's gauges are exported from the start; a Ray gauge never set is not: a fresh
+    router's /metrics had no num_requests_waiting until a request first waited."""
+    recorded = stood_in_metrics(monkeypatch)
+    metrics_module.RouterMetrics()
+    gauges = {name: value for name, kind, value, _ in recorded if kind == "set"}
+    assert gauges == {"num_requests_running": 0, "num_requests_waiting": 0}
+
+
+def test_the_gauges_are_set_again_at_each_health_check(monkeypatch):
+    """Ray's agent drops a gauge 20 s after its last set: a steady router's running choices
+    (and an idle pool's occupancy) vanished from /metrics while the requests still ran.
+    Serve's periodic health checks set them again to their current values."""
+    recorded = stood_in_metrics(monkeypatch)
+    router = SimpleNamespace(metrics=metrics_module.RouterMetrics(), admission=Admission(8))
+    router.admission.admit(3)
+    pool = SimpleNamespace(metrics=metrics_module.PoolMetrics("verifier"), waiting=0,
+                           health=SimpleNamespace(check=lambda waiting: None))
+    pool.metrics.record_batch(4, 32)
+    del recorded[:]
+    asyncio.run(Router.check_health(router))
+    asyncio.run(PoolReplica.check_health(pool))
+    assert [(name, value) for name, kind, value, _ in recorded if kind == "set"] == [
+        ("num_requests_running", 3), ("num_requests_waiting", 0),
+        ("specserve_pool_batch_occupancy", 0.125)]
 
 
 def test_router_metrics_record_a_requests_counts_by_position_and_its_mean_round_by_phase(
