@@ -348,9 +348,10 @@ class Choices(ChoiceLogprobs):
                 done = generation.state.num_output_tokens if generation is not None else 0
                 body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                                  "total_tokens": prompt_tokens + done}
-                if (prefilled := prefilled if generation is None else generation) is not None:
+                read = prefilled if generation is None else generation  # its prompt read
+                if read is not None:
                     body["usage"]["prompt_tokens_details"] = {
-                        "cached_tokens": prefilled.stats.cached_tokens}
+                        "cached_tokens": read.stats.cached_tokens}
             return encode(body)
 
         return chunk
