@@ -102,20 +102,3 @@ def quirky_pair_dir(tmp_path_factory):
 
 
 QUIRKY_PROMPT = "def add("
-
-
-@pytest.fixture(scope="session")
-def tiny8_pair_dir(tmp_path_factory):
-    """A target over 8 tokens (tiny_llama(31), the pipelined distribution tests' target) and a
-    close noisy draft, with a word-level tokenizer of 8 tokens: small enough that the exact law
-    of several output tokens is computed from a few dozen target forwards."""
-    from tokenizers import decoders, pre_tokenizers
-
-    from tests.tiny import noisy_copy, tiny_llama, word_tokenizer
-
-    root = tmp_path_factory.mktemp("tiny8_pair")
-    tokenizer = word_tokenizer(list("abcdef"), pre_tokenizers.WhitespaceSplit(),
-                               decoders.WordPiece(cleanup=False))
-    target = tiny_llama(31, vocab_size=8)
-    draft = noisy_copy(target, 0.05, seed=32)
-    return save_pair(root, target, draft, tokenizer)

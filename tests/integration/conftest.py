@@ -4,10 +4,9 @@ needs a cluster; stopped after the last test that uses it by the fixture that st
 The deployment holds cluster/config.yaml's three apps for the whole run. The apps only one
 module uses are added beside them for that module's tests and removed after (module
 fixtures below; the three keep their replicas): a router with a 64-token context (/short,
-for fuzzing), a router with 2 running slots and an API key (/limited), and drafter /
-verifier / router trios serving the tiny8 and quirky pairs (/tiny8, /quirky). An idle
-replica costs about 1 % of a core (Ray's own threads), so the eight are not left idle for
-the whole run. The tests of pool loss and rescaling redeploy too: removing a pool or adding a
+for fuzzing), a router with 2 running slots and an API key (/limited), and a drafter /
+verifier / router trio serving the quirky pair (/quirky). An idle replica costs about 1 % of
+a core (Ray's own threads), so the five are not left idle for the whole run. The tests of pool loss and rescaling redeploy too: removing a pool or adding a
 replica is what they test. Under pytest-xdist the tests that use the cluster run on one
 worker (one xdist group: tests/conftest.py), beside the in-process tests on the other.
 """
@@ -125,15 +124,6 @@ def limited(cluster):
               "responses_store": {}}
     with cluster.deployed(with_router(cluster.config, "limited", limits)):
         yield "/limited"
-
-
-@pytest.fixture(scope="module")
-def tiny8(cluster, tiny8_pair_dir):
-    """tiny8_pair_dir, served at /tiny8 (the drafter's q truncated to its top 3) for the
-    module's tests."""
-    pair = with_pair(cluster.config, "tiny8", tiny8_pair_dir, {"draft_top_k": 3})
-    with cluster.deployed(pair):
-        yield tiny8_pair_dir
 
 
 @pytest.fixture(scope="module")
