@@ -134,9 +134,12 @@ class SamplingFields(VllmAnswerFields):
     @field_validator("best_of")
     @classmethod
     def best_of_n(cls, value, info):
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("best_of is not supported beyond n (each choice is returned)")
-        return value
+        n = info.data.get("n", 1)
+        if value is None or value == n:
+            return value
+        if value < n:  # a bound the client broke, as OpenAI's and vLLM's say
+            raise ValueError(f"best_of must be at least n ({n}), got {value}")
+        raise ValueError("best_of is not supported beyond n (each choice is returned)")
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -63,6 +63,23 @@ def test_best_of_below_n_is_refused():
     assert refused_param(CompletionRequest, {"prompt": "x", "best_of": 1, "n": 2}) == "best_of"
 
 
+def refusal(schema, fields: dict) -> str:
+    """The message of the 400 a body gets."""
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(request_with(json.dumps(fields).encode()), schema, 1 << 20))
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("fields, said", [({"best_of": 1, "n": 2}, "at least n (2), got 1"),
+                                          ({"best_of": 0}, "at least n (1), got 0"),
+                                          ({"best_of": 3, "n": 2}, "not supported beyond n")])
+def test_best_of_refusal_says_which_side_of_n_it_is(fields, said):
+    """OpenAI's and vLLM's: best_of below n is a bound the client broke ("must be greater
+    than or equal to n"), not a feature beyond n that the server lacks."""
+    assert said in refusal(CompletionRequest, {"prompt": "x", **fields})
+    assert said in refusal(ChatCompletionRequest, {"messages": CHAT, **fields})
+
+
 def test_truncate_prompt_tokens_zero_is_refused():
     for kept in (-1, 1):
         assert CompletionRequest(prompt="x", truncate_prompt_tokens=kept)
