@@ -33,6 +33,7 @@ class SamplingFields(VllmAnswerFields):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
     model: str | None = None
+    user: str | None = None  # OpenAI's end-user id: typed (as vLLM's), not used
     max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt alone (`decodes`)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)

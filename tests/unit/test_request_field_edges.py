@@ -80,6 +80,13 @@ def test_best_of_refusal_says_which_side_of_n_it_is(fields, said):
     assert said in refusal(ChatCompletionRequest, {"messages": CHAT, **fields})
 
 
+def test_a_user_that_is_not_a_string_is_refused():
+    """OpenAI's and vLLM's `user` is a string: 5 was dropped unread with the unknown fields."""
+    assert refused_param(CompletionRequest, {"prompt": "x", "user": 5}) == "user"
+    assert refused_param(ChatCompletionRequest, {"messages": CHAT, "user": [1]}) == "user"
+    assert CompletionRequest(prompt="x", user="u-1").user == "u-1"
+
+
 def test_truncate_prompt_tokens_zero_is_refused():
     for kept in (-1, 1):
         assert CompletionRequest(prompt="x", truncate_prompt_tokens=kept)

@@ -206,7 +206,7 @@ def request_with(body: bytes) -> Request:
 
 @pytest.mark.parametrize("depth", [100, 2000])
 def test_a_body_nested_too_deeply_is_a_400(depth):
-    body = b'{"prompt": "x", "user": ' + b"[" * depth + b"]" * depth + b"}"
+    body = b'{"prompt": "x", "unknown": ' + b"[" * depth + b"]" * depth + b"}"
     try:
         parsed = asyncio.run(parse(request_with(body), CompletionRequest, 1 << 20))
     except BadRequest as error:
