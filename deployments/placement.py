@@ -19,6 +19,7 @@ every REFRESH_S, off the event loop); until it is known, the replicas seen stand
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import logging
 import math
@@ -162,7 +163,10 @@ class LoadBound:
         if self.count is None or self._counting is not None or \
                 loop.time() - self.counted_at < REFRESH_S:
             return
-        self._counting = loop.create_task(self._recount())
+        # in a context of its own: under the request's (Ray's id of its task), the client's
+        # disconnect cancelled Serve's status call, which every request shares (run: 3.10's
+        # create_task has no context argument)
+        self._counting = contextvars.Context().run(loop.create_task, self._recount())
 
     async def _recount(self) -> None:
         try:

@@ -276,3 +276,28 @@ def test_a_replica_count_that_hangs_is_given_up_and_asked_again_later(monkeypatc
 
     asyncio.run(main())
     assert len(counts) == 2 and bound.replicas == 2
+
+
+def test_the_replica_count_runs_outside_the_request_that_asked_for_it():
+    """The count is read in a context of its own: a request's context (Ray's id of its task,
+    by which Ray cancels the calls made under it when the client goes away) does not reach
+    it. Read under the request, a client's disconnect cancelled Serve's status call: a
+    warning with a traceback, and the pool's replica count dropped until the next period."""
+    import contextvars
+
+    request = contextvars.ContextVar("request", default=None)
+    seen = []
+
+    def count():
+        seen.append(request.get())
+        return 2
+
+    bound = LoadBound(1.25, count)
+
+    async def main():
+        request.set("the request that asked")
+        bound.refresh()
+        await bound.counted(asyncio.get_running_loop().time() + 5)
+
+    asyncio.run(main())
+    assert seen == [None] and bound.replicas == 2
