@@ -73,8 +73,7 @@ def check_request(request_id: str, sync: pb.PrefixSync, token_ids, k: int,
                   limits: Limits) -> None:
     """ValueError unless the call's id, prefix, ids (the new committed ones and token_ids:
     drafted or assumed) and K are within `limits`."""
-    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters")
+    check_request_id(request_id)
     most = limits.max_speculative_tokens
     if not 0 <= k <= most or len(token_ids) > most:
         raise ValueError(f"at most {most} speculative tokens, got {max(k, len(token_ids))}")
@@ -83,6 +82,13 @@ def check_request(request_id: str, sync: pb.PrefixSync, token_ids, k: int,
         raise ValueError(f"the prefix and draft ({length} tokens) exceed the context of "
                          f"{limits.context}")
     check_call(list(sync.new_token_ids) + list(token_ids), limits.vocab_size)
+
+
+def check_request_id(request_id: str) -> None:
+    """ValueError unless a call's (or a release's) request_id is 1 to MAX_REQUEST_ID_CHARS
+    characters."""
+    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters")
 
 
 def check_dists(message: pb.Distributions, positions: int, vocab_size: int) -> None:

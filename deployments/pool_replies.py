@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse
 from deployments.autoscaling import BATCH_OCCUPANCY, DIRECT_IN_FLIGHT
 from deployments.metrics import rss_mb
 from deployments.responses import error_body
+from protos import specserve_pb2 as pb
 
 
 def replica_id() -> str:
@@ -78,3 +79,39 @@ class ReplicaReports:
     def session_ids(self) -> list[str]:
         """The requests whose caches this replica holds (for operators and tests)."""
         return list(self.engine.sessions)
+
+
+class Unserved:
+    """specserve.proto's rpcs, each UNIMPLEMENTED unless the class serves it itself (a
+    pool's own rpcs are its subclass's methods). Serve's gRPC proxy routes every rpc of the
+    .proto to the application the call's `application` metadata names, by the rpc's name: a
+    Score sent to the drafter (or any rpc to the router) found no such method, and the proxy
+    answered INTERNAL with the replica's traceback, to any caller (before the pool key is
+    read). A replica's own port serves its pool's service only."""
+
+    serves = "this application"  # what the refusal names
+
+    def unserved(self, grpc_context, rpc: str, response):
+        return refuse(grpc_context, f"{self.serves} does not serve {rpc}: name the application "
+                      "that does in the call's `application` metadata", response,
+                      grpc.StatusCode.UNIMPLEMENTED)
+
+    async def Propose(self, request, grpc_context=None) -> pb.ProposeResponse:
+        return self.unserved(grpc_context, "Propose", pb.ProposeResponse())
+
+    async def Score(self, request, grpc_context=None) -> pb.ScoreResponse:
+        return self.unserved(grpc_context, "Score", pb.ScoreResponse())
+
+    async def PromptLogprobs(self, request, grpc_context=None) -> pb.PromptLogprobsResponse:
+        return self.unserved(grpc_context, "PromptLogprobs", pb.PromptLogprobsResponse())
+
+    async def Release(self, request, grpc_context=None) -> pb.ReleaseResponse:
+        return self.unserved(grpc_context, "Release", pb.ReleaseResponse())
+
+    async def ProposeStream(self, batches, grpc_context=None):
+        self.unserved(grpc_context, "ProposeStream", None)
+        yield pb.ProposeAnswers()  # the proxy applies a context's status with a message only
+
+    async def ScoreStream(self, batches, grpc_context=None):
+        self.unserved(grpc_context, "ScoreStream", None)
+        yield pb.ScoreAnswers()  # the proxy applies a context's status with a message only

@@ -23,6 +23,7 @@ from deployments.limits import (
     Limits,
     check_prompt_logprobs,
     check_propose,
+    check_request_id,
     check_score,
     in_messages,
 )
@@ -31,7 +32,7 @@ from deployments.metrics import PoolMetrics
 from deployments.autoscaling import Occupancy
 from deployments.pool_args import (WARM_UP_K, WARM_UP_PROMPT_TOKENS, DrafterArgs, PoolArgs,
                                    VerifierArgs)
-from deployments.pool_replies import ReplicaReports, refuse, replica_id, unauthenticated
+from deployments.pool_replies import ReplicaReports, Unserved, refuse, replica_id, unauthenticated
 from deployments.released import Released
 from drafter.registry import build_drafter
 from protos import specserve_pb2 as pb
@@ -261,6 +262,8 @@ class PoolReplica(ReplicaReports):
         if not auth.authorized(grpc_context):  # status set, stream ended: Serve's proxy's
             # context has no abort (its AttributeError reached the caller with a traceback)
             unauthenticated(grpc_context, None)
+            if not is_direct(grpc_context):  # the proxy applies the status with a message
+                yield answers_type()  # only: without one its caller saw a clean end (OK)
             return
         calls = CallStream(self, check, call_from_proto,
                            lambda result: self.respond(result, to_proto, response_type),
@@ -272,6 +275,10 @@ class PoolReplica(ReplicaReports):
     async def Release(self, request: pb.ReleaseRequest, grpc_context=None) -> pb.ReleaseResponse:
         if not auth.authorized(grpc_context):
             return unauthenticated(grpc_context, pb.ReleaseResponse())
+        try:  # an id no call could have: a tombstone of megabytes (deployments.released)
+            check_request_id(request.request_id)
+        except ValueError as error:
+            return refuse(grpc_context, error, pb.ReleaseResponse())
         released = request.request_id in self.engine.sessions
         # its calls still queued were given up, their cancels overtaken: run, a first call
         # made the session again (held until the TTL sweep); a live caller rebuilds (exact).
@@ -293,7 +300,9 @@ class PoolReplica(ReplicaReports):
         self.engine.sessions.release(request_id)
 
 
-class DrafterPool(PoolReplica):
+class DrafterPool(PoolReplica, Unserved):
+    serves = "the drafter pool"
+
     async def __init__(self, args: DrafterArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         self.engine = build_drafter(args.spec())
@@ -322,7 +331,9 @@ class DrafterPool(PoolReplica):
             yield answers
 
 
-class VerifierPool(PoolReplica):
+class VerifierPool(PoolReplica, Unserved):
+    serves = "the verifier pool"
+
     async def __init__(self, args: VerifierArgs) -> None:
         torch.set_num_threads(args.torch_threads)
         model = load_causal_lm(args.model, args.dtype, args.device)

@@ -42,6 +42,7 @@ from deployments.messages_events import anthropic_error, with_api_key
 from deployments.metrics import RouterMetrics, rss_mb
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.pool_handles import pool_clients
+from deployments.pool_replies import Unserved
 from deployments.prometheus import NodeMetrics
 from deployments.prompts import PromptReader
 from deployments.prompt_logprobs import PromptAnswer
@@ -82,7 +83,9 @@ app.post(BATCH_PATH)(ChatBatchRoute.chat_completions_batch)  # ahead of CHATS_PA
 # deployment is deployments.apps's, by import path (the replica imports this module, an app
 # build does not).
 @serve.ingress(app)
-class Router(ChatBatchRoute, RequestPlanning):
+class Router(ChatBatchRoute, RequestPlanning, Unserved):
+    serves = "the router"
+
     def __init__(self, args: RouterArgs) -> None:
         self.args = args
         tokenizer = served_tokenizer(args.model, args.tokenizer)

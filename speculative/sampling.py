@@ -166,12 +166,15 @@ class SamplingParams:
 
     @cached_property
     def shaping_ids(self) -> tuple[int, ...]:
-        """The token ids logit_bias, min_tokens, allowed_token_ids and bad_words name, each
-        once, sorted: a call checks the largest (all are >= 0) against the vocabulary with
-        its own ids, before a batch's forward (checks.check_call)."""
+        """The token ids logit_bias, min_tokens, allowed_token_ids, bad_words and the
+        grammar's gate (grammar_after, grammar_at) name, each once, sorted: a call checks the
+        largest (all are >= 0) against the vocabulary with its own ids, before a batch's
+        forward (checks.check_call; a gate id past it never occurs, and its grammar never
+        held)."""
         return tuple(sorted({*(token for token, _ in self.logit_bias),
                              *self.min_tokens_end_ids, *self.allowed_token_ids,
-                             *(token for word in self.bad_words_ids for token in word)}))
+                             *(token for word in self.bad_words_ids for token in word),
+                             *self.grammar_after, *self.grammar_at}))
 
     @cached_property
     def allowed_ids(self) -> np.ndarray:
