@@ -2,13 +2,14 @@
 needs a cluster; stopped after the last test that uses it by the fixture that started it.
 
 The deployment holds cluster/config.yaml's three apps for the whole run. The apps only one
-module uses are added beside them for that module's tests and removed after (module
-fixtures below; the three keep their replicas): a router with a 64-token context (/short,
-for fuzzing), a router with 2 running slots and an API key (/limited), and a drafter /
-verifier / router trio serving the quirky pair (/quirky). An idle replica costs about 1 % of
-a core (Ray's own threads), so the five are not left idle for the whole run. The tests of pool loss and rescaling redeploy too: removing a pool or adding a
-replica is what they test. Under pytest-xdist the tests that use the cluster run on one
-worker (one xdist group: tests/conftest.py), beside the in-process tests on the other.
+module uses are added beside them for that module's tests and removed after (module fixtures
+below; the three keep their replicas): a router with a 64-token context (/short, for
+fuzzing), a router with 2 running slots and an API key (/limited), and a drafter / verifier
+/ router trio serving the quirky pair (/quirky). An idle replica costs about 1 % of a core
+(Ray's own threads), so the five are not left idle for the whole run. The tests of pool loss
+and rescaling redeploy too: removing a pool or adding a replica is what they test. Under
+pytest-xdist the tests that use the cluster run on one worker (one xdist group:
+tests/conftest.py), beside the in-process tests on the other.
 """
 
 import contextlib

@@ -16,12 +16,7 @@ from deployments import auth
 from deployments.pool_args import VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
-
-
-@pytest.fixture(autouse=True)
-def pool_secret(monkeypatch):
-    monkeypatch.setenv(auth.ENV, "test-secret")
-    monkeypatch.setattr(auth, "_secret", None)
+from tests.unit.test_pool_replica import local_replica, pool_secret  # noqa: F401 (fixture)
 
 
 class CallerContext:
@@ -154,8 +149,6 @@ def test_a_release_of_an_id_no_call_could_have_is_invalid(request_id):
 def test_a_grammar_gate_id_past_the_vocabulary_is_invalid(gate):
     """An end of the reasoning no token can be: the verifier answered grammar_gated and its
     grammar never held (every id allowed), where every other id list is checked."""
-    from tests.unit.test_pool_replica import local_replica
-
     async def main():
         replica = await local_replica(VerifierPool, VerifierArgs())
         context = RayServegRPCContext(caller())
