@@ -48,7 +48,8 @@ def pytest_collection_modifyitems(items):
     """xdist groups: the tests that use the shared Ray cluster run on one worker, in file
     order (one deployment, started once); every other integration module runs whole on one
     worker (its module fixture, such as `bench --quick` or a three-node cluster, runs once);
-    everything else spreads over the workers beside them."""
+    everything else spreads over the workers beside them (a unit module whose module fixture
+    is dear groups itself with its pytestmark)."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("cluster"))

@@ -5,6 +5,9 @@ import pytest
 from engine import paged
 from specserve import check_gpu
 
+# one worker runs the module: spread over both, each built its report (5 CPU s)
+pytestmark = pytest.mark.xdist_group("tests/unit/test_check_gpu.py")
+
 
 @pytest.fixture(scope="module")
 def report():

@@ -9,6 +9,9 @@ from speculative.sampling import SamplingParams
 from tests.tiny import hf_greedy, run
 from verifier.engine import ModelVerifier
 
+# one worker runs the module: spread over both, each built its pair and references (1.7 CPU s)
+pytestmark = pytest.mark.xdist_group("tests/unit/test_demo_pair.py")
+
 PROMPTS = ["import os\n", "def main():\n", "class Config:\n", "    def __init__(self"]
 
 
