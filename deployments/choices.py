@@ -149,7 +149,7 @@ class Choices(ChoiceLogprobs):
                 body["prompt_logprobs"] = asked.listed(0, scores)
             for choice in choices if asked.echo is not None else ():
                 message = choice["message"]
-                message["content"] = asked.echo[0] + (message["content"] or "")
+                message["content"] = asked.echo[0].text + (message["content"] or "")
         return body
 
     def usage(self, done: list[Generation]) -> dict:
@@ -362,4 +362,4 @@ class Choices(ChoiceLogprobs):
         scores = await self.prompt.ready()
         prompt = index // self.plan.n
         logprobs, length = self.prompt.echo_logprobs(prompt, scores)
-        return (self.prompt.echo[prompt], logprobs), length
+        return (self.prompt.echo[prompt].text, logprobs), length

@@ -6,13 +6,15 @@
   {token id: {logprob, rank, decoded_token}} of the token and its position's top n (rank 1:
   the likeliest; decoded_token: the token decoded alone, special tokens kept).
 - `echo` (completions): each choice's text is its prompt's text (as the client sent it;
-  a prompt of token ids: their text) before its output's; with `logprobs: n`, the prompt's
-  tokens come before the output's, the first with a null logprob and null top logprobs,
-  and the text offsets run on from the prompt's tokens into the output's, as OpenAI and
-  vLLM give them (the prompt's last token carries an incomplete character's U+FFFD, as
-  its echoed text does: a prompt of token ids may end inside one); with
-  return_tokens_as_token_ids, its tokens are named by id too (as vLLM). Streamed, each
-  choice's first chunk carries the prompt.
+  a prompt of token ids: their text, special tokens skipped as skip_special_tokens says)
+  before its output's; with `logprobs: n`, the prompt's tokens come before the output's,
+  the first with a null logprob and null top logprobs, their texts joining into the echoed
+  text (a special token's text in a text prompt, read as that token: its text; an id the
+  tokenizer added around a text, a BOS: ""), and the text offsets run on from the
+  prompt's tokens into the output's, as OpenAI and vLLM give them (the prompt's last token
+  carries an incomplete character's U+FFFD, as its echoed text does: a prompt of token ids
+  may end inside one); with return_tokens_as_token_ids, its tokens are named by id too (as
+  vLLM). Streamed, each choice's first chunk carries the prompt.
 
 The logprobs are the target's raw ones (verifier.prompt_scores): one verifier call per
 prompt (a completions batch's prompts, each once for its n choices), made as the request's
@@ -21,10 +23,62 @@ chunk, whose events never ran, leaves none running), beside its decoding."""
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from deployments.logprobs import TokenTexts, completion_logprobs, id_name, named_by_id, shown
 from speculative.driver import Decode
 from speculative.types import PromptLogprobs, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as its echo shows it: its text, the decode its tokens' texts are read with,
+    and how many of its ids the tokenizer added before and after a text's own (a BOS),
+    which are not in the text: they read ""."""
+    text: str
+    decode: Decode
+    added: tuple[int, int] = (0, 0)
+
+
+def completion_echoes(sent: Sequence[str | Sequence[int]], prompts: Sequence[Sequence[int]],
+                      added_around: tuple[list[int], list[int]], decode: Decode,
+                      special_decode: Decode) -> list[Echo]:
+    """The echo of each completions prompt as sent, beside its ids (`prompts`). A text is
+    echoed as it is, so its tokens read with special tokens kept: a special token's text in
+    it was tokenized to that token (vLLM's echo names it so too); the ids the tokenizer
+    added around it (`added_around`, where they are there) read "". Token ids are echoed as
+    the output is decoded (`decode`: as skip_special_tokens says), their tokens too."""
+    head, tail = added_around
+
+    def echo(prompt: str | Sequence[int], ids: Sequence[int]) -> Echo:
+        if not isinstance(prompt, str):
+            return Echo(decode(prompt), decode)
+        around = list(ids[:len(head)]) == head and list(ids[len(ids) - len(tail):]) == tail
+        return Echo(prompt, special_decode, (len(head), len(tail)) if around else (0, 0))
+
+    return [echo(prompt, ids) for prompt, ids in zip(sent, prompts)]
+
+
+class EchoTexts(TokenTexts):
+    """TokenTexts of an echoed prompt's positions, read from its first: the ids added around
+    a text's own read "" (their top tokens what they would have added there)."""
+
+    def __init__(self, echo: Echo, length: int) -> None:
+        super().__init__(echo.decode)
+        self.own = range(echo.added[0], length - echo.added[1])
+        self.at = 0  # the next position read
+
+    def first(self, token_id: int) -> str:
+        """The text of the prompt's first token (it has no logprob entry)."""
+        self.at = 1
+        return self.detokenizer.add(token_id) if 0 in self.own else ""
+
+    def position(self, entry: TokenLogprob) -> dict[int, str]:
+        self.at += 1
+        if self.at - 1 in self.own:
+            return super().position(entry)
+        return {**{token_id: self.detokenizer.peek(token_id) for token_id, _ in entry.top},
+                entry.token_id: ""}
 
 
 class PromptAnswer:
@@ -32,12 +86,12 @@ class PromptAnswer:
     texts (None: no echo) and echo's logprobs (its `logprobs`, None: not asked)."""
 
     def __init__(self, verifier, request_id: str, prompts: Sequence[Sequence[int]],
-                 top_n: int | None, echo: Sequence[str] | None, echo_top_n: int | None,
-                 decode: Decode, special_decode: Decode, tokens_as_ids: bool = False) -> None:
+                 top_n: int | None, echo: Sequence[Echo] | None, echo_top_n: int | None,
+                 special_decode: Decode, tokens_as_ids: bool = False) -> None:
         self.verifier, self.request_id = verifier, request_id
         self.prompts, self.top_n = prompts, top_n
         self.echo, self.echo_top_n = echo, echo_top_n
-        self.decode, self.special_decode = decode, special_decode
+        self.special_decode = special_decode
         self.tokens_as_ids = tokens_as_ids  # echo's tokens named by id (vLLM's option)
         self.scores: list[asyncio.Future] | None = None  # the calls, once started
 
@@ -63,7 +117,7 @@ class PromptAnswer:
     def completion_choice(self, body: dict, prompt: int, scores: list[PromptLogprobs]) -> dict:
         """A completions choice of prompt `prompt` with what was asked of it."""
         if self.echo is not None:
-            body["text"] = self.echo[prompt] + (body["text"] or "")
+            body["text"] = self.echo[prompt].text + (body["text"] or "")
             if body["logprobs"] is not None:
                 body["logprobs"] = joined(*self.echo_logprobs(prompt, scores),
                                           body["logprobs"])
@@ -94,8 +148,8 @@ class PromptAnswer:
         if self.echo_top_n is None:
             return None, 0
         ids = self.prompts[prompt]
-        texts = TokenTexts(self.decode)
-        first = texts.detokenizer.add(ids[0])
+        texts = EchoTexts(self.echo[prompt], len(ids))
+        first = texts.first(ids[0])
         entries = [TokenLogprob(entry.token_id, entry.logprob, entry.top[:self.echo_top_n])
                    for entry in scores[prompt].entries]
         rest = completion_logprobs(entries, texts, len(first), end=True)

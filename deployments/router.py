@@ -45,7 +45,7 @@ from deployments.pool_handles import pool_clients
 from deployments.pool_replies import Unserved
 from deployments.prometheus import NodeMetrics
 from deployments.prompts import PromptReader
-from deployments.prompt_logprobs import PromptAnswer
+from deployments.prompt_logprobs import Echo, PromptAnswer, completion_echoes
 from deployments.reasoning import ReasoningSplit, ThinkTokens, request_split
 from deployments.request_headers import header_request_id
 from deployments.request_plans import RequestPlanning
@@ -349,19 +349,23 @@ class Router(ChatBatchRoute, RequestPlanning, Unserved):
         """What the request asked of its prompts (deployments.prompt_logprobs): their
         logprobs (not streamed), an echo; None: neither."""
         top_n = None if body.stream else body.prompt_logprobs
+        prompts = [request.prompt_token_ids for request in plan.prompt_requests()]
         if not body.echo:
             echo = None
         elif chat:  # the last message's text, if any (no logprobs, as vLLM's)
-            echo = [echoed] if (echoed := body.echoed()) else None
+            echo = [Echo(echoed, self.decode)] if (echoed := body.echoed()) else None
         else:
-            echo = [p if isinstance(p, str) else self.decode(p) for p in body.prompts()]
+            echo = completion_echoes(
+                body.prompts(), prompts,
+                self.prompts.added_around if body.add_special_tokens else ([], []),
+                self.decode if body.skip_special_tokens else self.special_decode,
+                self.special_decode)
         if top_n is None and echo is None:
             return None
-        prompts = [request.prompt_token_ids for request in plan.prompt_requests()]
         echo_top_n = body.logprobs if echo is not None and not chat else None
         return PromptAnswer(self.pools(plan.drafter_kind)[1], plan.request_id, prompts, top_n,
-                            echo, echo_top_n, self.decode,
-                            self.special_decode, body.return_tokens_as_token_ids)
+                            echo, echo_top_n, self.special_decode,
+                            body.return_tokens_as_token_ids)
 
     async def tool_use(self, body) -> ToolUse | None:
         """A chat's tools in effect, their calls read in the router's tool_call_parser (a

@@ -40,7 +40,7 @@ def test_prompt_logprobs_keep_their_own_top_n_beside_an_echo_asking_more():
     assert choice["prompt_logprobs"] == [None, {
         "9": {"logprob": -0.1, "rank": 1, "decoded_token": "s"},
         "3": {"logprob": -1.0, "rank": 2, "decoded_token": "s"}}]
-    assert len(choice["logprobs"]["top_logprobs"][1]) == 1  # every prompt token's text "a"
+    assert len(choice["logprobs"]["top_logprobs"][1]) == 1  # every prompt token's text "s"
 
 
 def test_an_echos_logprobs_keep_their_own_top_n_beside_prompt_logprobs_asking_more():
@@ -61,5 +61,5 @@ def test_an_echo_with_no_output_is_the_prompt_and_its_logprobs():
     assert status == 200
     [choice] = body["choices"]
     assert choice["text"] == "hi"
-    assert choice["logprobs"]["tokens"] == ["a", "a"]
+    assert choice["logprobs"]["tokens"] == ["s", "s"]  # a text's, special tokens kept
     assert choice["logprobs"]["token_logprobs"] == [None, -1.0]

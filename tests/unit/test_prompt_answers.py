@@ -11,7 +11,7 @@ import pytest
 
 from deployments.admission import Admission
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
-from deployments.prompt_logprobs import PromptAnswer
+from deployments.prompt_logprobs import Echo, PromptAnswer
 from deployments.router import Router
 from speculative.frontend import RequestFrontEnd, joined
 from speculative.sampling import SamplingParams
@@ -41,7 +41,8 @@ class Scored(Agreeing):
 
 def served(verifier: Scored):
     """The Router's request path over Scored pools: every text prompt is tokens (2, 3) (token
-    ids: their own), every token's text "a" ("s" with special tokens), the body's max tokens
+    ids: their own), every token's text "a" ("s" with special tokens: a text prompt's, read
+    as the text it echoes), the tokenizer adding none around a text, the body's max tokens
     of output (4 by default), greedy, logprobs as the body asks."""
     async def plan(body, chat):
         plans = [RequestFrontEnd().plan(f"cmpl-x-{i}", (2, 3) if isinstance(p, str) else p,
@@ -58,8 +59,9 @@ def served(verifier: Scored):
                              reasoning_parser=None),
         decode=lambda ids: "a" * len(ids), tool_decode=lambda ids: "a" * len(ids),
         special_decode=lambda ids: "s" * len(ids), think_tokens=None,
-        prompts=SimpleNamespace(reported_stop_ids=lambda body: ()), rendering=None,
-        responses_store=None, pools=lambda kind=None: (Agreeing(), verifier), plan=plan,
+        prompts=SimpleNamespace(reported_stop_ids=lambda body: (), added_around=([], [])),
+        rendering=None, responses_store=None, pools=lambda kind=None: (Agreeing(), verifier),
+        plan=plan,
         tool_use=lambda body: asyncio.sleep(0), reasoning=lambda body, plan: None)  # no tools
     router.prompt_answer = lambda body, plan, chat: Router.prompt_answer(router, body, plan, chat)
     router.choices = lambda *args: Router.choices(router, *args)
@@ -90,10 +92,10 @@ def test_an_echo_puts_the_prompt_before_the_output_with_its_logprobs():
     [choice] = body["choices"]
     assert choice["text"] == "hi" + "aaaa"
     logprobs = choice["logprobs"]
-    assert logprobs["tokens"] == ["a"] * 6
+    assert logprobs["tokens"] == ["s"] * 2 + ["a"] * 4  # a text's, special tokens kept
     assert logprobs["token_logprobs"] == [None, -1.0] + [-0.5] * 4
     assert logprobs["top_logprobs"][0] is None
-    assert logprobs["top_logprobs"][1] == {"a": -0.1}  # its top 1's text, before its own
+    assert logprobs["top_logprobs"][1] == {"s": -0.1}  # its top 1's text, before its own
     assert logprobs["text_offset"] == [0, 1, 2, 3, 4, 5]
     assert choice["prompt_logprobs"] == [None, {
         "9": {"logprob": -0.1, "rank": 1, "decoded_token": "s"},
@@ -173,7 +175,8 @@ def test_an_echo_of_a_prompt_ending_inside_a_character_joins_into_its_text():
     async def main():
         echoed = []
         for ids in ([1, 7], [7]):
-            answer = PromptAnswer(Scored(), "r", [ids], None, [decode(ids)], 0, decode, decode)
+            answer = PromptAnswer(Scored(), "r", [ids], None, [Echo(decode(ids), decode)], 0,
+                                  decode)
             echoed.append((decode(ids), *answer.echo_logprobs(0, await answer.ready())))
         return echoed
 
