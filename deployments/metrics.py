@@ -3,6 +3,7 @@ vLLM users know them)."""
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from engine.kv import PoolEngine, kv_usage
 from speculative.state import RequestState
 
 ROUND_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
@@ -29,7 +30,8 @@ def rss_mb() -> float:
 
 class PoolMetrics:
     """A pool replica's batches: how many calls each ran, and how full they were (the
-    occupancy its autoscaling policy reads: deployments.autoscaling)."""
+    occupancy its autoscaling policy reads: deployments.autoscaling); its KV cache's use and
+    the sessions it holds."""
 
     def __init__(self, pool: str) -> None:
         self.tags = {"pool": pool}
@@ -41,7 +43,18 @@ class PoolMetrics:
             "specserve_pool_batch_occupancy", description="The running batch's size over "
             "max_batch_size (1: full batches, the pool is saturated; 0: no call to run).",
             tag_keys=("pool",))
-        self.last_occupancy = 0.0  # the gauge's value, set again by refresh
+        self.kv_cache_usage = Gauge(
+            "kv_cache_usage_perc", description="The share of the replica's KV cache units "
+            "(blocks, or regions) its sessions hold, 0 to 1, as vLLM's: units only retired "
+            "prefixes hold count as free (an allocation evicts them); 0 without a KV pool.",
+            tag_keys=("pool",))
+        self.sessions = Gauge(
+            "specserve_pool_sessions", description="Request sessions the replica holds (a "
+            "request's tokens and cache, until its release, eviction or TTL).",
+            tag_keys=("pool",))
+        # the gauges' values, set again by refresh; the engine's as read_engine last read them
+        self.last_occupancy, self.last_kv_cache_usage, self.last_sessions = 0.0, 0.0, 0
+        self.refresh()  # each reads 0 from the start (a gauge never set is not exported)
 
     def record_batch(self, batch_size: int, max_batch_size: int) -> None:
         self.batch_size.observe(batch_size, tags=self.tags)
@@ -54,9 +67,18 @@ class PoolMetrics:
         self.last_occupancy = 0.0
         self.occupancy.set(0.0, tags=self.tags)
 
+    def read_engine(self, engine: PoolEngine) -> None:
+        """Its KV cache's use and its sessions, for the gauges' next refresh: called by the
+        thread that has the engine to itself (the loop never reads what the worker changes),
+        after each batch and release. Two counts, no walk over the units (UnitPool.usage)."""
+        self.last_kv_cache_usage, self.last_sessions = kv_usage(engine), len(engine.sessions)
+
     def refresh(self) -> None:
-        """The gauge set again to its value (GAUGE_TTL_NOTE)."""
+        """The gauges set again to their values (GAUGE_TTL_NOTE), from Serve's health check
+        on the event loop."""
         self.occupancy.set(self.last_occupancy, tags=self.tags)
+        self.kv_cache_usage.set(self.last_kv_cache_usage, tags=self.tags)
+        self.sessions.set(self.last_sessions, tags=self.tags)
 
 
 def features(sampling) -> list[str]:

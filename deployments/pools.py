@@ -149,8 +149,9 @@ class PoolReplica(ReplicaReports):
 
     async def check_health(self) -> None:
         """Serve's periodic health check: fail (Serve then replaces the replica) when the
-        model worker is stuck or its engine dead (deployments.health); its occupancy
-        gauge set again, which Ray's agent would drop if it held still
+        model worker is stuck or its engine dead (deployments.health); its gauges set again
+        (occupancy, and the KV cache's use and sessions as last read with the engine: never
+        waiting for the worker), which Ray's agent would drop if they held still
         (deployments.metrics)."""
         self.metrics.refresh()
         self.health.check(self.waiting)
@@ -165,6 +166,7 @@ class PoolReplica(ReplicaReports):
                                                       INLINE_MAX_TOKENS):
                     return self.engine_batch(run_batch, calls)
             finally:
+                self.metrics.read_engine(self.engine)
                 self.engine_lock.release()
         return await self.on_worker(self.engine_batch, run_batch, calls)
 
@@ -185,9 +187,12 @@ class PoolReplica(ReplicaReports):
                                                                 work, *args)
 
     def owning(self, work, *args):
-        """On the worker: `work` with the engine to itself."""
+        """On the worker: `work` with the engine to itself, then the engine's gauges read."""
         with self.engine_lock:
-            return work(*args)
+            try:
+                return work(*args)
+            finally:
+                self.metrics.read_engine(self.engine)
 
     async def answer(self, check, call_from_proto, request, to_proto, response_type,
                      grpc_context):

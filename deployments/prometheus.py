@@ -25,14 +25,16 @@ from deployments.ingress import error_response, retry_later
 
 # Prometheus's text format, which the agent's text is and this keeps (`vllm:` is a legal name)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# the router's metrics that carry vLLM's names (deployments.metrics.RouterMetrics)
+# the metrics that carry vLLM's names (deployments.metrics: the router's, and the pools'
+# kv_cache_usage_perc)
 VLLM_FAMILIES = frozenset({
     "num_requests_running", "num_requests_waiting", "prompt_tokens", "generation_tokens",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
     "request_time_per_output_token_seconds", "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos", "spec_decode_cache_misses",
-    "spec_decode_rounds_by_num_speculative_tokens", "spec_decode_round_seconds"})
+    "spec_decode_rounds_by_num_speculative_tokens", "spec_decode_round_seconds",
+    "kv_cache_usage_perc"})
 # a sample's name beyond its family's, as Prometheus writes counters and histograms
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 # name, {labels} (quoted values may hold braces and escaped quotes), then value [timestamp]

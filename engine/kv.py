@@ -338,8 +338,16 @@ class SessionStore:
 class PoolEngine(Protocol):
     """What a pool replica asks of its engine (deployments.pools) beside its batch function
     (`score_batch` or `propose_batch`): the requests it holds, as a SessionStore (release,
-    sweep, membership, ids). The verifier, the model drafter and the n-gram drafter are
+    sweep, membership, ids, count), and with a model its `runner` (engine.runner), whose KV
+    pool kv_usage reads. The verifier, the model drafter and the n-gram drafter are
     PoolEngines."""
 
     sessions: SessionStore
 
+
+def kv_usage(engine: PoolEngine) -> float:
+    """The share of the engine's KV pool its sessions hold (engine.cache.UnitPool.usage); 0
+    without a pool: a drafter without a model, or transformers' caches (each request's own)."""
+    runner = getattr(engine, "runner", None)
+    pool = None if runner is None else runner.pool
+    return 0.0 if pool is None else pool.usage

@@ -81,3 +81,8 @@ def test_the_routers_metrics_path_serves_vllms_names(cluster):
     assert all("model_name" in sample.labels for family in families
                for sample in family.samples if sample.name.startswith("vllm:"))
     assert "specserve_pool_batch_size_count" in text
+    # the pools' KV gauges, set from their start: each pool's under vLLM's name
+    usage = {sample.labels["pool"]: sample.value for family in families
+             for sample in family.samples if sample.name == "vllm:kv_cache_usage_perc"}
+    assert usage.keys() == {"drafter", "verifier"} and all(0 <= u < 1 for u in usage.values())
+    assert "specserve_pool_sessions{" in text

@@ -3,8 +3,9 @@ prefix hits), rounds that accept part of their drafts (chains and trees) and rej
 rebuilds, chunked prefills, releases and drops, in pools small enough to evict and refuse.
 Every answered call's logits equal a fresh forward of its own tokens; after every batch each
 unit's reference count is the number of caches (sessions and retired prefixes) that hold it,
-the free list is the units none holds, and the prefix index names only blocks their holders
-hold; once everything is freed the pool is as it started.
+the free list is the units none holds, the pool's count of the units only retired prefixes
+hold (and its usage, the rest of the held ones) is what a recount finds, and the prefix index
+names only blocks their holders hold; once everything is freed the pool is as it started.
 
 And a unit handed out again carries nothing of its last owner into its new owner's logits.
 """
@@ -15,11 +16,14 @@ import pytest
 import torch
 
 from engine.kv import SessionStore
+from engine.paged import BlockPool, PagedCache
 from engine.runner import serving_runner
 from engine.scheduler import admitted
 from speculative.prefixes import prefix_hash
-from speculative.types import PrefixSync, StaleBase
+from speculative.sampling import SamplingParams
+from speculative.types import PrefixSync, ScoreCall, StaleBase
 from tests.tiny import tiny_llama, tiny_sliding
+from verifier.engine import ModelVerifier
 
 ATOL = 1e-4  # float reassociation only (see test_kv)
 BASES = [[(7 * i + b) % 60 + 1 for i in range(70)] for b in range(3)]  # shared prefixes
@@ -97,11 +101,18 @@ def check_pool(pool, store: SessionStore) -> None:
         cache = store.get(request_id).cache
         if cache is not None:
             caches[id(cache)] = cache
-    held = [0] * pool.count
+    held, retired = [0] * pool.count, [0] * pool.count
     for cache in caches.values():
         for unit in cache.units:
             held[unit] += 1
+            retired[unit] += id(cache) in pool.retired
     assert held == pool.refs
+    # the units only retired caches hold (counted as references come and go), and the rest
+    # of the held ones: the sessions' share of the pool
+    evictable = sum(1 for unit in range(pool.count) if held[unit] and retired[unit] == held[unit])
+    assert pool.evictable_units == evictable
+    in_use = sum(1 for unit in range(pool.count) if held[unit]) - evictable
+    assert pool.usage == pytest.approx(in_use / (pool.count - 1))
     assert sorted(pool._free) == [u for u in range(1, pool.count) if not pool.refs[u]]
     for name, holders in pool.prefixes.holders.items():
         for cache, number in holders.values():
@@ -205,3 +216,61 @@ def test_a_unit_handed_out_again_keeps_nothing_of_its_last_owner(backend):
     logits = runner.forward([short, segment("long", list(range(1, 41)))])[0]
     assert not full_logits(model, ids).isnan().any()
     torch.testing.assert_close(logits, full_logits(model, ids)[-1:], atol=ATOL, rtol=0)
+
+
+def first_call(request_id: str, prompt: list[int]) -> ScoreCall:
+    """A request's first call: its prompt and a 2-token draft, greedy."""
+    return ScoreCall(request_id, sync([], prompt), (3, 4), SamplingParams(temperature=0),
+                     prompt_len=len(prompt))
+
+
+@pytest.mark.parametrize("backend", ["paged", "regions"])
+def test_usage_counts_what_sessions_hold_and_not_retired_prefixes(backend):
+    """vLLM's kv_cache_usage_perc: the share of the pool the running requests hold. A
+    released request's prompt blocks stay for later prefix hits, and an allocation takes
+    them at once: they count free. A session that adopted them holds them again."""
+    verifier = ModelVerifier(tiny_llama(1), engine="paged", attention=backend,
+                             kv_cache_tokens=320 if backend == "paged" else 1536)
+    pool = verifier.runner.pool
+
+    def held() -> float:  # the sessions' units over the pool's
+        units = {unit for request_id in verifier.sessions
+                 for unit in verifier.sessions.get(request_id).cache.units}
+        return len(units) / (pool.count - 1)
+
+    assert pool.usage == 0
+    verifier.score_batch([first_call("a", BASES[0][:40])])
+    assert pool.usage == pytest.approx(held()) and held() > 0
+    verifier.release_now("a")  # its full prompt blocks retired, for prefix hits
+    assert pool.usage == 0 and pool.free_units < pool.count - 1
+    [hit] = verifier.score_batch([first_call("b", BASES[0][:40] + [9])])
+    assert hit.cached_tokens == 32  # "a"'s two full blocks (copied, into a region)
+    assert pool.usage == pytest.approx(held()) and held() > 0
+    verifier.score_batch([first_call("c", BASES[1][:20])])
+    assert pool.usage == pytest.approx(held())
+    for request_id in ("b", "c"):
+        verifier.release_now(request_id)
+    assert pool.usage == 0 and pool.evictable_units == pool.count - 1 - pool.free_units
+
+
+class CountedRefs(list):
+    reads = 0
+
+    def __getitem__(self, index):
+        CountedRefs.reads += 1
+        return super().__getitem__(index)
+
+
+def test_usage_is_read_without_a_walk_over_the_units():
+    """A full pool, its blocks held by retired prefixes (prefix caching's steady state) and
+    by sessions: the pool's usage, read at each batch for the metrics, is two counts kept as
+    references come and go; a recount of the retired caches' units took 7-8 ms on 28,000
+    blocks."""
+    pool = BlockPool(1, 1001, 1, 8, torch.float32, "cpu")
+    caches = [PagedCache(pool) for _ in range(500)]
+    for number, cache in enumerate(caches):
+        cache.units = pool.allocate(2)
+        if number % 4:
+            pool.retire(cache)
+    pool.refs, CountedRefs.reads = CountedRefs(pool.refs), 0
+    assert pool.usage == 250 / 1000 and CountedRefs.reads == 0

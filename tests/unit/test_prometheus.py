@@ -90,6 +90,20 @@ def test_rays_export_is_read_as_vllms_metrics_of_this_router_only():
     assert translated(RAY_EXPORT, "demo", APPLICATIONS) == EXPECTED
 
 
+def test_a_pools_kv_cache_usage_is_vllms_and_its_sessions_keep_their_name():
+    """Each pool replica's KV cache usage reads as vLLM's gauge, tagged with the served model
+    (and its pool); its sessions are specserve's own."""
+    text = (f"# TYPE ray_kv_cache_usage_perc gauge\n"
+            f"ray_kv_cache_usage_perc{{{VERIFIER},pool=\"verifier\"}} 0.25\n"
+            f"# TYPE ray_specserve_pool_sessions gauge\n"
+            f"ray_specserve_pool_sessions{{{VERIFIER},pool=\"verifier\"}} 3.0\n")
+    assert translated(text, "demo", APPLICATIONS) == (
+        f"# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{{{VERIFIER},pool=\"verifier\",{MODEL}}} 0.25\n"
+        f"# TYPE specserve_pool_sessions gauge\n"
+        f"specserve_pool_sessions{{{VERIFIER},pool=\"verifier\"}} 3.0\n")
+
+
 def test_a_served_name_is_escaped_as_a_label_value():
     text = f"# TYPE ray_num_requests_waiting gauge\nray_num_requests_waiting{{{ROUTER}}} 1\n"
     out = translated(text, 'a"b\\c', APPLICATIONS)
@@ -103,9 +117,9 @@ def test_a_label_value_holding_braces_and_quotes_stays_whole():
         f'vllm:request_success_total{{{labels},model_name="m"}} 1.0 1700000000000\n'
 
 
-def test_every_vllm_named_metric_the_router_records_is_translated(monkeypatch):
-    """VLLM_FAMILIES is RouterMetrics' metrics without specserve's prefix: a metric added
-    there and not here would be missing from /metrics."""
+def test_every_vllm_named_metric_recorded_is_translated(monkeypatch):
+    """VLLM_FAMILIES is RouterMetrics' and PoolMetrics' metrics without specserve's prefix: a
+    metric added there and not here would be missing from /metrics."""
     from tests.unit.test_metrics import exported_metrics
 
     names = {name for name in exported_metrics(monkeypatch)
