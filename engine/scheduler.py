@@ -84,8 +84,8 @@ def reserve_blocks(sessions: SessionStore, cache, length: int, start: int) -> No
                                                      *sessions.idle_caches()]):
             raise KVCacheFull(f"the KV cache needs {needed} more {pool.unit_name}, "
                               f"{pool.free_units} are free and the batch holds the rest")
-        while not pool.frees(needed - pool.free_units, pool.retired.values()) and \
-                sessions.evict_idle():
+        # evicting every retired prefix gives back evictable_units (a count, no walk)
+        while pool.evictable_units < needed - pool.free_units and sessions.evict_idle():
             pass
     cache.reserve(length, start)
 
