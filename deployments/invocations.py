@@ -16,12 +16,19 @@ NO_HANDLER = ("Cannot find suitable handler for request. Expected one of: "
 class InvocationRequest:
     """A chat's body when it has messages, else a completion's when it has a prompt; told
     apart by those fields, not by which schema validates (vLLM's order), so that a chat with
-    a bad field gets that field's 400, not the refusal of a body that is neither."""
+    a bad field gets that field's 400, not the refusal of a body that is neither. A null
+    field is one not given, as everywhere in a body."""
 
     @staticmethod
     def model_validate(data):
-        if isinstance(data, dict) and "messages" in data:
+        if given(data, "messages"):
             return StoredChatRequest.model_validate(data)
-        if isinstance(data, dict) and "prompt" in data:
+        if given(data, "prompt"):
             return CompletionRequest.model_validate(data)
         raise BadRequest(NO_HANDLER)
+
+
+def given(data, field: str) -> bool:
+    """Whether a body (a dict, else none is) gives the field, a null read as its absence
+    (as the request schemas read a null: their default)."""
+    return isinstance(data, dict) and data.get(field) is not None

@@ -3,8 +3,14 @@ or several; /v1/models lists a card for each, a request may name any of them (or
 answers carry the first (vLLM's OpenAIServingModels: model_name() is base_model_paths[0]'s);
 the tokenizer the router reads prompts with (served_tokenizer)."""
 
+import time
+
 from deployments.ingress import BadRequest, error_response
 from engine.models import load_tokenizer
+
+# a card's `created`: a Unix time, as vLLM's and OpenAI's are (0 read as 1970-01-01); the
+# time this replica started, so that each answer gives the same card
+STARTED = int(time.time())
 
 
 def served_names(served_model_name: str | list[str]) -> tuple[str, ...]:
@@ -18,12 +24,12 @@ def model_card(name: str, model: str, context: int) -> dict:
     """The served model as vLLM's /v1/models lists it: `root` the checkpoint it serves
     (clients of vLLM load the tokenizer from `data[0].root`: without it, an AttributeError
     in OpenAI's client), `max_model_len` the context, and vLLM's one permission entry."""
-    permission = {"id": "modelperm-specserve", "object": "model_permission", "created": 0,
-                  "allow_create_engine": False, "allow_sampling": True,
+    permission = {"id": "modelperm-specserve", "object": "model_permission",
+                  "created": STARTED, "allow_create_engine": False, "allow_sampling": True,
                   "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                   "allow_fine_tuning": False, "organization": "*", "group": None,
                   "is_blocking": False}
-    return {"id": name, "object": "model", "created": 0, "owned_by": "specserve",
+    return {"id": name, "object": "model", "created": STARTED, "owned_by": "specserve",
             "root": model, "parent": None, "max_model_len": context,
             "permission": [permission]}
 

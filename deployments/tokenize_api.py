@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.chat_messages import encodable
 from deployments.ingress import BadRequest, error_response
+from deployments.invocations import given
 from deployments.openai_api import ChatCompletionRequest, SamplingFields
 
 
@@ -40,11 +41,11 @@ class TokenizeChat(ChatCompletionRequest):
 
 
 class TokenizeRequest:
-    """Either body, told apart as vLLM tells them: a chat's has messages."""
+    """Either body, told apart as vLLM tells them: a chat's has messages (not null)."""
 
     @staticmethod
     def model_validate(data):
-        chat = isinstance(data, dict) and "messages" in data
+        chat = given(data, "messages")
         return (TokenizeChat if chat else TokenizeCompletion).model_validate(data)
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from deployments import served_models
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.router import Router
 from deployments.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenized, tokenized
@@ -171,6 +172,14 @@ def test_a_null_return_token_strs_is_its_default(reader, messages):
     assert got["token_strs"] is None and got["count"] == len(got["tokens"]) > 0
 
 
+def test_a_null_messages_is_a_completions_body(reader):
+    """A null field is its default, as everywhere in a body: `messages: null` beside a
+    prompt was read as a chat's body and refused ("messages: Field required"); vLLM counts
+    the prompt."""
+    got = answer(reader, {"prompt": "hello world", "messages": None})
+    assert got == answer(reader, {"prompt": "hello world"}) and got["count"] > 0
+
+
 def test_the_models_list_is_vllms_card_with_the_checkpoint_as_its_root():
     """Clients of vLLM read the checkpoint from `data[0].root` (to load its tokenizer): the
     card had no root, and OpenAI's client raised AttributeError there. Read as vLLM's card."""
@@ -184,7 +193,12 @@ def test_the_models_list_is_vllms_card_with_the_checkpoint_as_its_root():
     listed = asyncio.run(Router.models(router, request))
     card = Model.construct(**listed["data"][0])
     assert listed["object"] == "list" and len(listed["data"]) == 1
-    assert (card.id, card.object, card.owned_by, card.created) == ("m", "model", "specserve", 0)
+    assert (card.id, card.object, card.owned_by) == ("m", "model", "specserve")
+    # a Unix time, as vLLM's and OpenAI's (0 read as 1970-01-01): the replica's start (2023
+    # or later), the same in every answer
+    assert card.created == served_models.STARTED > 1_700_000_000
+    assert listed["data"][0]["permission"][0]["created"] == card.created
+    assert asyncio.run(Router.models(router, request)) == listed
     assert (card.root, card.parent, card.max_model_len) == ("org/target", None, 2048)
     assert [p["object"] for p in card.permission] == ["model_permission"]
     json.dumps(listed)  # as FastAPI sends it
