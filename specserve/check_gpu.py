@@ -296,6 +296,13 @@ def main(args) -> int:
         print(f"specserve check-gpu: --out {args.out} is a folder: name a file",
               file=sys.stderr)
         return 2
+    from specserve.cli import unwritable
+
+    problem = None if args.out is None else unwritable(args.out.parent)
+    if problem:  # a read-only or virtual folder (/proc): its write raised after the run
+        print(f"specserve check-gpu: --out {args.out}: cannot write there ({problem})",
+              file=sys.stderr)
+        return 2
     from engine.models import check_device
 
     try:  # no torch device, none visible, or cuda:N past the visible ones

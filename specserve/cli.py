@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 import uuid
@@ -302,8 +303,17 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     try:
         sampling(args)
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(flags_named(str(error)))
     check_texts(parser, args)
+
+
+def flags_named(message: str) -> str:
+    """SamplingParams' errors ('; '-joined) with the fields the flags set named as the flags:
+    'top_p must be ...' reads '--top-p must be ...'."""
+    fields = "temperature|top_k|top_p|min_p|presence_penalty|frequency_penalty|" \
+        "repetition_penalty|stop|seed|max_tokens"
+    return re.sub(rf"(^|; )({fields}) must",
+                  lambda found: f"{found[1]}--{found[2].replace('_', '-')} must", message)
 
 
 def check_texts(parser: argparse.ArgumentParser, args) -> None:

@@ -3,6 +3,7 @@ each bound itself passes), its exit status, the full run's dtypes, and the measu
 (specserve.check_gpu, specserve.gpu_measures)."""
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +79,17 @@ def test_the_exit_status_is_the_verdict_and_the_report_is_written(monkeypatch, t
     args = SimpleNamespace(device="cpu", small=True, out=out)
     assert check_gpu.main(args) == code
     assert json.loads(out.read_text()) == {"ok": ok, "device": "cpu"}
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_in_a_folder_that_takes_no_files_is_refused_before_the_run(monkeypatch,
+                                                                          capsys):
+    """/proc is a folder where nothing can be made (even as root): the report's write raised
+    a traceback after the whole run; it is refused first, with exit 2 naming --out."""
+    monkeypatch.setattr(check_gpu, "run", lambda device, small: pytest.fail("ran"))
+    args = SimpleNamespace(device="cpu", small=True, out=Path("/proc/specserve-report.json"))
+    assert check_gpu.main(args) == 2
+    assert "--out /proc/specserve-report.json: cannot write there" in capsys.readouterr().err
 
 
 def test_the_full_run_checks_the_1b_shape_in_both_dtypes_and_the_8b_in_bfloat16(monkeypatch):

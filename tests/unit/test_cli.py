@@ -119,8 +119,8 @@ def test_stop_strings_cut_the_text(capsys, tiny_pair_dir):
 
 BAD_GENERATE_FLAGS = [
     (["--temperature", "-1"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["--top-k", "-2"], "top_k"),
+    (["--top-p", "0"], "--top-p"),  # the flag, not the request's field (top_p)
+    (["--top-k", "-2"], "--top-k"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["-k", "-1"], "num-speculative-tokens"),
     (["-k", "65"], "num-speculative-tokens"),  # over the drafters' bound

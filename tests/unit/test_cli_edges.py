@@ -37,6 +37,15 @@ def checked(*flags):
     (["--draft-q-mass", "1.5"], "--draft-q-mass must be in (0, 1]"),
     (["--seed", str(2**63)], "--seed must be a 64-bit signed integer"),  # the router's 400
     (["--seed", str(-2**63 - 1)], "--seed must be a 64-bit signed integer"),
+    # the sampling parameters' own checks, named by the flag, not the request's field
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or in"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-2"], "--top-k must be an integer >= 0"),
+    (["--min-p", "2"], "--min-p must be in [0, 1]"),
+    (["--presence-penalty", "nan"], "--presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "3"], "--frequency-penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be in [0.01, 100.0]"),
+    (["--stop", ""], "--stop must be a list of non-empty strings"),
 ])
 def test_one_past_each_bound_exits_2_naming_the_flag(capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
