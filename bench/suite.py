@@ -59,7 +59,7 @@ from bench.records import Tallies, Tally, add_speedups, describe_q, record
 from bench.report import markdown, plot
 from bench.runners import InProcess, Served, departs_at_tie, hf_generate, stats_from_http
 from engine.models import load_tokenizer
-from specserve.cli import positive_float, positive_int
+from specserve.cli_args import positive_float, positive_int
 
 
 @dataclass(frozen=True)
@@ -370,7 +370,7 @@ def main(args, argv: list[str]) -> int:
               f"{'to --soak' if args.soak else 'without --soak'}", file=sys.stderr)
         return 2
     out = args.out or Path("bench/results/quick" if args.quick else "bench/results")
-    from specserve.cli import unwritable
+    from specserve.cli_args import unwritable
 
     problem = unwritable(out)
     if problem:  # before the run, not at its end (the soak writes there too)

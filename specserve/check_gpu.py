@@ -296,7 +296,7 @@ def main(args) -> int:
         print(f"specserve check-gpu: --out {args.out} is a folder: name a file",
               file=sys.stderr)
         return 2
-    from specserve.cli import unwritable
+    from specserve.cli_args import unwritable
 
     problem = None if args.out is None else unwritable(args.out.parent)
     if problem:  # a read-only or virtual folder (/proc): its write raised after the run

@@ -1,20 +1,13 @@
-"""Edges of `specserve generate`'s flags, each at its exact bound: one past it exits 2 naming
-the flag, the bound itself is taken (checked before any model loads: specserve.cli.check_args
-and check_against_target)."""
+"""Edges of `specserve generate`'s flags, each at its exact bound: one past it exits 2 naming the
+flag, the bound itself is taken (checked before any model loads: specserve.cli_args.check_args
+and specserve.cli.check_against_target)."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from specserve.cli import (
-    build_parser,
-    check_against_target,
-    check_args,
-    main,
-    request_front_end,
-    sampling,
-    summary,
-)
+from specserve.cli import build_parser, check_against_target, main, request_front_end, summary
+from specserve.cli_args import check_args, sampling
 from speculative.options import MAX_PLAIN_STEPS, MAX_TREE_WIDTH, TreeShape
 
 

@@ -211,7 +211,7 @@ def test_a_temperature_below_vllms_floor_samples_at_it(asked, served):
     greedy: the router and the CLI read one so, and the law is softmax(logits / 0.01)."""
     from deployments.openai_api import CompletionRequest
     from specserve.cli import build_parser
-    from specserve.cli import sampling as cli_sampling
+    from specserve.cli_args import sampling as cli_sampling
 
     params = CompletionRequest(prompt="x", temperature=asked).sampling(16)
     argv = ["generate", "--prompt", "x", "--temperature", str(asked)]
