@@ -23,6 +23,7 @@ from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ScoreCall, StaleBase
 from tests.tiny import tiny_llama, tiny_sliding
+from tests.unit.test_admission import CountedRefs
 from verifier.engine import ModelVerifier
 
 ATOL = 1e-4  # float reassociation only (see test_kv)
@@ -251,14 +252,6 @@ def test_usage_counts_what_sessions_hold_and_not_retired_prefixes(backend):
     for request_id in ("b", "c"):
         verifier.release_now(request_id)
     assert pool.usage == 0 and pool.evictable_units == pool.count - 1 - pool.free_units
-
-
-class CountedRefs(list):
-    reads = 0
-
-    def __getitem__(self, index):
-        CountedRefs.reads += 1
-        return super().__getitem__(index)
 
 
 def test_usage_is_read_without_a_walk_over_the_units():
