@@ -75,7 +75,7 @@ class BeamChoices(Choices):
         sampling = request.sampling
         return BeamParams(self.plan.n, sampling.max_tokens, self.eos_token_id,
                           self.ignore_eos, self.length_penalty,
-                          sampling.include_stop_str_in_output)
+                          sampling.include_stop_str_in_output, sampling.logprobs or 0)
 
     async def all_choices(self, run):
         """Each prompt searched (concurrently), then run(index) for every choice."""

@@ -3,7 +3,8 @@
 vllm/beam_search.py `get_beam_search_score`).
 
 No speculation: each step asks the verifier, once per live beam, for the next position's top
-2 x beam_width raw logprobs (a call of K = 0, greedy, as a round without a draft). Every
+2 x beam_width raw logprobs (or the answer's top logprobs, where more: vLLM's answers at most
+its 2 x beam_width), a call of K = 0, greedy, as a round without a draft. Every
 candidate is its beam's cumulative logprob plus its own; an end-of-sequence candidate (the
 tokenizer's EOS, unless ignore_eos) retires into the finished beams, and the beam_width best
 of the others live on. The search runs max_tokens steps (vLLM's: no early end), then the
@@ -33,7 +34,8 @@ Row = tuple[tuple[int, float], ...]  # a position's top (token id, raw logprob),
 @dataclass(frozen=True)
 class BeamParams:
     """vLLM's BeamSearchParams (temperature aside: the search reads raw logprobs, which it
-    does not change) and the tokenizer's EOS id (None: none ends a beam)."""
+    does not change), the tokenizer's EOS id (None: none ends a beam) and the top logprobs
+    the answer shows at each position (read beside the search's 2 x beam_width)."""
 
     beam_width: int
     max_tokens: int
@@ -41,6 +43,12 @@ class BeamParams:
     ignore_eos: bool = False
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def row_width(self) -> int:
+        """The logprobs read at each step: the search's 2 x beam_width, or the answer's."""
+        return max(2 * self.beam_width, self.top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -55,8 +63,8 @@ class Beam:
     finish_reason: str | None = None
 
     def token_logprobs(self, top_n: int) -> list[TokenLogprob]:
-        """Each output token's logprob and its position's top top_n (as vLLM's: of the
-        2 x beam_width the step read)."""
+        """Each output token's logprob and its position's top top_n (of the row the step
+        read: BeamParams.row_width)."""
         return [TokenLogprob(token, dict(row)[token], row[:top_n])
                 for token, row in zip(self.tokens, self.rows)]
 
@@ -87,10 +95,10 @@ def step(beams: list[Beam], rows: list[Row], params: BeamParams
          ) -> tuple[list[tuple[int, Beam]], list[Beam]]:
     """One step's choice: ((the live beam each new beam extends, the new beam) for the
     beam_width best candidates, the beams that end at EOS now). rows: each live beam's top
-    2 x beam_width."""
+    row_width, of which the top 2 x beam_width are candidates."""
     candidates, ended = [], []
     for parent, (beam, row) in enumerate(zip(beams, rows)):
-        for token, logprob in row:
+        for token, logprob in row[:2 * params.beam_width]:
             total = beam.cum_logprob + logprob
             if token == params.eos_token_id and not params.ignore_eos:
                 kept = (token,) if params.include_stop_str_in_output else ()
@@ -111,7 +119,7 @@ class BeamSearch:
         busy wait are theirs)."""
         self.params, self.prompt = params, request.prompt_token_ids
         sampling = SamplingParams(temperature=0.0, max_tokens=max(1, params.max_tokens),
-                                  logprobs=2 * params.beam_width,
+                                  logprobs=params.row_width,
                                   cache_salt=request.sampling.cache_salt)
         self.session_request = dataclasses.replace(request, sampling=sampling,
                                                    stop_token_ids=(), plain_steps=1)
@@ -130,7 +138,7 @@ class BeamSearch:
         sessions = [self.session(())]
         try:
             for _ in range(self.params.max_tokens):
-                rows = await scored(verifier, sessions, 2 * self.params.beam_width)
+                rows = await scored(verifier, sessions, self.params.row_width)
                 chosen, ended = step(beams, rows, self.params)
                 finished.extend(ended)
                 beams = [beam for _, beam in chosen]

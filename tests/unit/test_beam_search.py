@@ -149,6 +149,27 @@ def test_a_streamed_chat_beam_search_sends_each_choice_whole_once_searched(
         assert own[-1]["token_ids"] == list(tokens)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_top_logprobs_beyond_twice_the_width_are_answered_whole_the_search_unchanged(
+        target, chat):
+    """A width-1 search reads 2 logprobs a step: asked for 5, each position answered 2 (no
+    refusal, as vLLM's). It answers the position's top 5, and the same beams as with 2."""
+    wide, case = 5, fields(1, False, 1.0, False)
+    body = ChatCompletionRequest(messages=CHAT, logprobs=True, top_logprobs=wide, **case) \
+        if chat else CompletionRequest(prompt="x", logprobs=wide, **case)
+    choice = asyncio.run(beam_choices(target, body, chat).complete())["choices"][0]
+    tokens, _, finish, _ = reference(target, PROMPT, 1, False, 1.0, False)[0]
+    assert (choice["token_ids"], choice["finish_reason"]) == (list(tokens), finish)
+    tops = [e["top_logprobs"] for e in choice["logprobs"]["content"]] if chat else \
+        choice["logprobs"]["top_logprobs"]
+    for position, top in enumerate(tops):
+        with torch.no_grad():
+            logits = target(torch.tensor([PROMPT + list(tokens[:position])])).logits[0, -1]
+        values = torch.log_softmax(logits.float(), -1).topk(wide).values.tolist()
+        shown = [e["logprob"] for e in top] if chat else sorted(top.values(), reverse=True)
+        assert shown == pytest.approx(values, abs=1e-4)
+
+
 def test_the_score_is_vllms_over_the_whole_sequence_without_a_last_eos():
     assert beam_score([1, 2, 3, 6], -2.0, 6, 1.0) == pytest.approx(-2.0 / 3)
     assert beam_score([1, 2, 3, 4], -2.0, 6, 2.0) == pytest.approx(-2.0 / 16)
