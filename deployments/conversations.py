@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ValidationError, field_validator
 
 from deployments.conversation_store import (
@@ -251,6 +251,23 @@ def path_parts(path: str, below: str, most: int, raw: bytes | None = None) -> li
     return parts
 
 
+def not_allowed(methods) -> BadRequest:
+    """A catch-all route's 405 with its Allow header (HTTP requires one; Starlette's, for
+    the routes it matches itself, carries it: deployments.ingress.not_routed)."""
+    return BadRequest("Method Not Allowed", 405, headers={"Allow": ", ".join(sorted(methods))})
+
+
+def slash_redirect(request, path: str) -> Response | None:
+    """Starlette's redirect_slashes for a catch-all route's own path with a trailing "/"
+    (POST /v1/chat/completions/ reaches {path:path} as "/", so Starlette never redirects
+    it): a 307 to the path without it, as the router's other routes (/v1/completions/) and
+    vLLM's answer, not the store's 404; None for any other path."""
+    if path != "/":
+        return None
+    url = request.url
+    return RedirectResponse(str(url.replace(path=url.path.rstrip("/"))), 307)
+
+
 def routed(method: str, path: str, raw: bytes | None = None) -> tuple:
     """(the route, its ids) of a path after /v1/conversations: "", /{id}, /{id}/items or
     /{id}/items/{item_id} (an id percent-encoded: `raw`, the request's raw path); 404 for
@@ -258,7 +275,7 @@ def routed(method: str, path: str, raw: bytes | None = None) -> tuple:
     parts = path_parts(path, "items", 3, raw)
     route = ROUTES.get((len(parts), method))
     if route is None:
-        raise BadRequest("Method Not Allowed", 405)
+        raise not_allowed(m for (count, m) in ROUTES if count == len(parts))
     return route, [part for index, part in enumerate(parts) if index != 1]
 
 
@@ -267,6 +284,8 @@ async def conversations_route(request, path: str, store: ResponseStore | None,
     """A request to /v1/conversations{path} (the router's, behind its API key) answered: its
     route's answer, or its refusal in OpenAI's shape; 503 where the store cannot be
     reached."""
+    if redirect := slash_redirect(request, path):
+        return redirect
     try:
         if store is None:
             raise BadRequest(OFF, 404, code=None)

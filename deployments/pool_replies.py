@@ -61,9 +61,12 @@ class ReplicaReports:
     async def __call__(self, request) -> JSONResponse:
         """An HTTP request to the pool's application (its route_prefix, by which Serve's gRPC
         proxy routes calls too): 404 in OpenAI's error shape, where Serve answered 500 and
-        logged a traceback (a pool serves gRPC only)."""
-        return JSONResponse(error_body("a specserve pool serves gRPC only: send HTTP requests "
-                                       "to the router", 404), 404)
+        logged a traceback (a pool serves gRPC only). A path, not a model: code null, as
+        the router's own 404 for a path (not model_not_found)."""
+        body = error_body("a specserve pool serves gRPC only: send HTTP requests to the "
+                          "router", 404)
+        body["error"]["code"] = None
+        return JSONResponse(body, 404)
 
     def where(self) -> dict:
         """Where this replica runs (`placement`), for operators and placement tests."""

@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import model_validator
 
 from deployments.conversation_store import Refusal, entry_edited, read
-from deployments.conversations import MetadataBody, checked_metadata, path_parts
+from deployments.conversations import (MetadataBody, checked_metadata, not_allowed,
+                                      path_parts, slash_redirect)
 from deployments.ingress import BadRequest, error_response, parse
 from deployments.openai_api import ChatCompletionRequest
 from deployments.tools import FieldError
@@ -238,12 +239,12 @@ async def route(request, store: ResponseStore, max_bytes: int, parts: list[str])
     method = request.method
     if not parts:
         if method != "GET":
-            raise BadRequest("Method Not Allowed", 405)
+            raise not_allowed(["GET", "POST"])  # POST: the chat's own route
         return await listed(request, store)
     completion_id = parts[0]
     if len(parts) == 2:  # /{id}/messages
         if method != "GET":
-            raise BadRequest("Method Not Allowed", 405)
+            raise not_allowed(["GET"])
         asked = page_asked({"order": "asc", **request.query_params, "before": None})
         entry = await edited(store, completion_id, read)
         messages = await asyncio.get_running_loop().run_in_executor(None, json.loads,
@@ -267,7 +268,10 @@ async def chats_route(request, path: str, store: ResponseStore | None,
                       max_bytes: int) -> Response:
     """A request to /v1/chat/completions{path} other than the chat's POST (the router's,
     behind its API key) answered: "" (the list), /{id} or /{id}/messages; its refusal in
-    OpenAI's shape, 404 without a store; 503 where the store cannot be reached."""
+    OpenAI's shape, 404 without a store; 503 where the store cannot be reached (its path
+    with a trailing "/": the chat's route, redirected)."""
+    if redirect := slash_redirect(request, path):
+        return redirect
     try:
         if store is None:
             raise BadRequest(OFF, 404, code=None)

@@ -395,3 +395,10 @@ def test_an_http_request_to_a_pool_is_a_404_in_openais_error_shape():
     answer = asyncio.run(VerifierPool.__call__(None, None))
     assert answer.status_code == 404
     assert "gRPC only" in json.loads(answer.body)["error"]["message"]
+
+
+def test_an_http_request_to_a_pool_is_a_path_not_a_model():
+    """A pool's route is a path the router does not serve, as the router's own 404s (code
+    null: deployments.ingress.not_routed), not OpenAI's model_not_found for a model."""
+    error = json.loads(asyncio.run(VerifierPool.__call__(None, None)).body)["error"]
+    assert error["code"] is None and error["param"] is None

@@ -248,3 +248,38 @@ def test_the_actor_lists_them_in_one_call_its_answer_pickled():
     status, page = routed(router, "GET", limit=2, order="desc")
     assert status == 200 and [c["id"] for c in page["data"]] == ids[:0:-1] and page["has_more"]
     assert calls == ["put"] * 3 + ["survey"]
+
+
+@pytest.mark.parametrize("store", [None, "in-process"])
+def test_the_chats_path_with_a_trailing_slash_is_redirected_to_it(store):
+    """POST /v1/chat/completions/ reaches the stored chats' catch-all route as "/": a 307 to
+    the chat's route (query kept), as Starlette redirects /v1/completions/ and vLLM does,
+    not the store's 404 ("stored chat completions are off"), with a store or without."""
+    router = chat_router(in_process_store() if store else None)
+    request = posted({"model": "m", "messages": ASKED})
+    request.scope.update(path="/v1/chat/completions/", query_string=b"a=1",
+                         headers=[(b"host", b"h:1")])
+    answer = asyncio.run(Router.stored_chats(router, "/", request))
+    assert answer.status_code == 307
+    assert answer.headers["location"] == "http://h:1/v1/chat/completions?a=1"
+    request = posted({})
+    request.scope.update(path="/v1/conversations/", headers=[(b"host", b"h:1")])
+    answer = asyncio.run(Router.conversations(router, "/", request))
+    assert (answer.status_code, answer.headers["location"]) == (307, "http://h:1/v1/conversations")
+
+
+def test_a_catch_all_routes_405_names_the_methods_its_path_takes():
+    """HTTP's 405 carries Allow (as Starlette's for the routes it matches itself): the
+    stored chats' and the conversations' own 405s name what their path takes."""
+    router = chat_router(in_process_store())
+    answer_id = chatted(router, store=True)[1]["id"]
+    for call, method, path, allowed in [
+            (Router.stored_chats, "DELETE", "", "GET, POST"),
+            (Router.stored_chats, "POST", f"/{answer_id}/messages", "GET"),
+            (Router.conversations, "GET", "", "POST"),
+            (Router.conversations, "PUT", "/conv_x", "DELETE, GET, POST"),
+            (Router.conversations, "DELETE", "/conv_x/items", "GET, POST")]:
+        request = posted({})
+        request.scope.update(method=method)
+        answer = asyncio.run(call(router, path, request))
+        assert (answer.status_code, answer.headers.get("allow")) == (405, allowed), path
