@@ -30,8 +30,13 @@ API_KEY_ENV = "SPECSERVE_API_KEY"
 RETRY_AFTER_S = 1
 # a body trickled in (or never finished) held its Serve slot on the router for as long as
 # its client liked: a few hundred such connections, which cost their client nothing, left
-# no room for anyone else. 2 MiB in this time is 35 KB/s
+# no room for anyone else. So a body must start within BODY_GRACE_S, keep coming at
+# BODY_MIN_RATE bytes a second on average after it, and end within BODY_TIMEOUT_S (2 MiB
+# in this time is 35 KB/s): with only the last, 270 stalled bodies (sent again each minute)
+# made a completion wait 57.7 s for a slot
 BODY_TIMEOUT_S = 60
+BODY_GRACE_S = 5
+BODY_MIN_RATE = 32 * 1024
 
 
 class BadRequest(Exception):
@@ -137,27 +142,16 @@ def unauthorized(request: Request, key: str | None) -> JSONResponse | None:
 
 async def parse(request: Request, schema, max_prompt_bytes: int):
     """The body as `schema`, refused before reading when its declared size is far beyond
-    what a prompt of max_prompt_bytes needs, and when the whole of it has not come within
-    BODY_TIMEOUT_S (408)."""
+    what a prompt of max_prompt_bytes needs, and when it does not come in time (408: the
+    BODY_ constants)."""
     limit = 2 * max_prompt_bytes + (1 << 16)
     size = int(request.headers.get("content-length") or 0)
     if size > limit:
         raise BadRequest(f"the request body has {size} bytes; the limit is about "
                          f"{2 * max_prompt_bytes}", 413)
     body = bytearray()
-
-    async def read() -> None:
-        async for chunk in request.stream():  # a chunked body declares no length: counted
-            body.extend(chunk)
-            if len(body) > limit:
-                raise BadRequest(f"the request body has more than {limit} bytes; the limit "
-                                 f"is about {2 * max_prompt_bytes}", 413)
-
-    try:  # (wait_for, not asyncio.timeout: Python 3.10 is supported)
-        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S} s",
-                         408) from None
+    try:
+        await read_body(request, body, limit, 2 * max_prompt_bytes)
     except ClientDisconnect:  # gone before its body was whole (Serve's proxy passes the
         # disconnect on): raised on, it was a bug's logged 500, and Serve's "Request failed"
         log.info("the client of %s went away before its body was whole", request.url.path)
@@ -169,6 +163,31 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise invalid_body(error) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
+
+
+async def read_body(request: Request, body: bytearray, limit: int, about: int) -> None:
+    """The request's body into `body`, chunk by chunk, each awaited until the body's
+    deadline: BODY_GRACE_S from the start, and a second more for every BODY_MIN_RATE bytes
+    come, BODY_TIMEOUT_S at most (408); past `limit` bytes, 413 (a chunked body declares no
+    length: counted)."""
+    loop = asyncio.get_running_loop()
+    start, chunks = loop.time(), request.stream().__aiter__()
+    while True:
+        allowed = min(BODY_TIMEOUT_S, BODY_GRACE_S + len(body) / BODY_MIN_RATE)
+        try:  # (wait_for, not asyncio.timeout: Python 3.10 is supported)
+            chunk = await asyncio.wait_for(chunks.__anext__(), start + allowed - loop.time())
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise BadRequest(
+                f"the request body did not arrive in time: {len(body)} bytes in "
+                f"{loop.time() - start:.1f} s (it must start within {BODY_GRACE_S} s, keep "
+                f"coming at {BODY_MIN_RATE // 1024} KB/s and end within {BODY_TIMEOUT_S} s)",
+                408) from None
+        body.extend(chunk)
+        if len(body) > limit:
+            raise BadRequest(f"the request body has more than {limit} bytes; the limit is "
+                             f"about {about}", 413)
 
 
 def invalid_body(error: ValidationError) -> BadRequest:

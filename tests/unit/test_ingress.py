@@ -297,3 +297,75 @@ def test_a_body_that_never_finishes_is_refused_at_its_deadline(monkeypatch):
 
     refused = asyncio.run(main())
     assert refused.status == 408 and "0.2 s" in str(refused)
+
+
+def body_of(chunks: list[bytes], pause_s: float):
+    """A completions request whose body comes as these chunks, pause_s apart, then stalls."""
+    from starlette.requests import Request
+
+    sent = []
+
+    async def receive():
+        if len(sent) < len(chunks):
+            if sent:
+                await asyncio.sleep(pause_s)
+            sent.append(chunks[len(sent)])
+            return {"type": "http.request", "body": sent[-1], "more_body": True}
+        await asyncio.sleep(3600)  # never more, never closed
+
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                    "query_string": b"", "headers": []}, receive)
+
+
+def refusal(request):
+    from deployments.ingress import BadRequest
+
+    async def main():
+        with pytest.raises(BadRequest) as refused:
+            await asyncio.wait_for(parse(request, CompletionRequest, 1 << 20), 10)
+        return refused.value
+
+    return asyncio.run(main())
+
+
+def test_a_stalled_or_trickled_body_is_refused_long_before_the_whole_bodys_deadline(
+        monkeypatch):
+    """A body must start within BODY_GRACE_S and keep coming at BODY_MIN_RATE after it: a
+    few hundred stalled bodies, sent again each minute, held every slot of the router for
+    the whole BODY_TIMEOUT_S (60 s: a completion waited 57.7 s for a slot). The grace here
+    0.2 s and the rate 1,000 bytes a second; the whole body's deadline stays 60 s (the test
+    gives up at 10 s)."""
+    from deployments import ingress
+
+    monkeypatch.setattr(ingress, "BODY_GRACE_S", 0.2)
+    monkeypatch.setattr(ingress, "BODY_MIN_RATE", 1000)
+    stalled = refusal(body_of([b'{"prompt": "'], 0))
+    assert stalled.status == 408 and "12 bytes" in str(stalled)
+    trickled = refusal(body_of([b'{"prompt": "'] + [b"a"] * 200, 0.05))  # 20 bytes a second
+    assert trickled.status == 408 and "bytes in" in str(trickled)
+
+
+def test_a_body_that_keeps_coming_is_read_whole(monkeypatch):
+    """Each chunk extends the body's deadline by its bytes over BODY_MIN_RATE: a body of 40
+    chunks, each 25 ms after the one before, is read whole where the grace alone is 0.2 s
+    (a rate of a byte a second: each chunk of 30 bytes gives 30 s more)."""
+    from deployments import ingress
+
+    monkeypatch.setattr(ingress, "BODY_GRACE_S", 0.2)
+    monkeypatch.setattr(ingress, "BODY_MIN_RATE", 1)
+    body = b'{"prompt": "' + b"a" * 1000 + b'", "max_tokens": 3}'
+    chunks = [body[i:i + 30] for i in range(0, len(body), 30)]
+    sent = []
+
+    async def receive():
+        if sent:
+            await asyncio.sleep(0.025)
+        sent.append(chunks[len(sent)])
+        return {"type": "http.request", "body": sent[-1], "more_body": len(sent) < len(chunks)}
+
+    from starlette.requests import Request
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                       "query_string": b"", "headers": []}, receive)
+    parsed = asyncio.run(parse(request, CompletionRequest, 1 << 20))
+    assert parsed.prompt == "a" * 1000 and parsed.max_tokens == 3
