@@ -279,6 +279,7 @@ def test_a_body_that_never_finishes_is_refused_at_its_deadline(monkeypatch):
     from deployments.ingress import BadRequest
 
     monkeypatch.setattr(ingress, "BODY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(ingress, "BODY_GRACE_S", 30)  # the whole body's deadline alone
     started = []
 
     async def receive():
@@ -346,7 +347,7 @@ def test_a_stalled_or_trickled_body_is_refused_long_before_the_whole_bodys_deadl
 
 
 def test_a_body_that_keeps_coming_is_read_whole(monkeypatch):
-    """Each chunk extends the body's deadline by its bytes over BODY_MIN_RATE: a body of 40
+    """Each chunk extends the body's deadline by its bytes over BODY_MIN_RATE: a body of 35
     chunks, each 25 ms after the one before, is read whole where the grace alone is 0.2 s
     (a rate of a byte a second: each chunk of 30 bytes gives 30 s more)."""
     from deployments import ingress
