@@ -273,35 +273,17 @@ def test_a_number_too_long_to_read_is_a_400():
 def test_a_body_that_never_finishes_is_refused_at_its_deadline(monkeypatch):
     """A client that sends the start of a body and then nothing held the router's slot
     (Serve's max_ongoing_requests) for ever: a few hundred of them shut everyone out."""
-    from starlette.requests import Request
-
     from deployments import ingress
-    from deployments.ingress import BadRequest
 
     monkeypatch.setattr(ingress, "BODY_TIMEOUT_S", 0.2)
     monkeypatch.setattr(ingress, "BODY_GRACE_S", 30)  # the whole body's deadline alone
-    started = []
-
-    async def receive():
-        if not started:
-            started.append(True)
-            return {"type": "http.request", "body": b'{"prompt": "', "more_body": True}
-        await asyncio.sleep(3600)  # never more, never closed
-
-    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                       "query_string": b"", "headers": []}, receive)
-
-    async def main():
-        with pytest.raises(BadRequest) as refused:
-            await asyncio.wait_for(parse(request, CompletionRequest, 1 << 20), 10)
-        return refused.value
-
-    refused = asyncio.run(main())
+    refused = refusal(body_of([b'{"prompt": "'], 0))
     assert refused.status == 408 and "0.2 s" in str(refused)
 
 
-def body_of(chunks: list[bytes], pause_s: float):
-    """A completions request whose body comes as these chunks, pause_s apart, then stalls."""
+def body_of(chunks: list[bytes], pause_s: float, ends: bool = False):
+    """A completions request whose body comes as these chunks, pause_s apart, then ends, or
+    stalls (never more, never closed)."""
     from starlette.requests import Request
 
     sent = []
@@ -311,8 +293,9 @@ def body_of(chunks: list[bytes], pause_s: float):
             if sent:
                 await asyncio.sleep(pause_s)
             sent.append(chunks[len(sent)])
-            return {"type": "http.request", "body": sent[-1], "more_body": True}
-        await asyncio.sleep(3600)  # never more, never closed
+            return {"type": "http.request", "body": sent[-1],
+                    "more_body": not ends or len(sent) < len(chunks)}
+        await asyncio.sleep(3600)
 
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
                     "query_string": b"", "headers": []}, receive)
@@ -356,17 +339,5 @@ def test_a_body_that_keeps_coming_is_read_whole(monkeypatch):
     monkeypatch.setattr(ingress, "BODY_MIN_RATE", 1)
     body = b'{"prompt": "' + b"a" * 1000 + b'", "max_tokens": 3}'
     chunks = [body[i:i + 30] for i in range(0, len(body), 30)]
-    sent = []
-
-    async def receive():
-        if sent:
-            await asyncio.sleep(0.025)
-        sent.append(chunks[len(sent)])
-        return {"type": "http.request", "body": sent[-1], "more_body": len(sent) < len(chunks)}
-
-    from starlette.requests import Request
-
-    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                       "query_string": b"", "headers": []}, receive)
-    parsed = asyncio.run(parse(request, CompletionRequest, 1 << 20))
+    parsed = asyncio.run(parse(body_of(chunks, 0.025, ends=True), CompletionRequest, 1 << 20))
     assert parsed.prompt == "a" * 1000 and parsed.max_tokens == 3
