@@ -27,10 +27,6 @@ from speculative.policy import k_policy
 from speculative.sampling import SamplingParams, derive_seeds
 from speculative.stats import SpecStats
 
-# the costs' key of prompt lookup over a request's prediction: its own costs and acceptance
-# prior, and each request's own K under load (CostModel.own_k)
-PREDICTED = "ngram+prediction"
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -135,7 +131,7 @@ class RequestFrontEnd:
         hashed.of(prompt)
         # prompt lookup over a prediction accepts far more than over the context alone: its
         # own costs and acceptance prior (another drafter does not read the prediction)
-        learnt = PREDICTED if prediction and drafter_kind == "ngram" else drafter_kind
+        learnt = "ngram+prediction" if prediction and drafter_kind == "ngram" else drafter_kind
         choices = tuple(
             Choice(Request(f"{request_id}-{index}", prompt,
                            dataclasses.replace(sampling, seed=seed), tuple(stop_token_ids),
@@ -189,7 +185,7 @@ class RequestFrontEnd:
             # request's `drafter`); None (and the CLI's "model") is a draft model's
             costs = self.costs[drafter_kind, greedy] = CostModel(
                 router_side=drafter_kind not in (None, "model"),
-                own_k=drafter_kind == PREDICTED)
+                own_k=drafter_kind == "ngram+prediction")
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
                         self.defaults.draft_confidence, trees, load, plain_steps)
 
