@@ -200,8 +200,7 @@ class CostModel:
     pools' compute, with a draft call and without.
     """
 
-    def __init__(self, prior_slope: float = 0.1, router_side: bool = False,
-                 own_k: bool = False) -> None:
+    def __init__(self, prior_slope: float = 0.1, router_side: bool = False) -> None:
         self.prior_slope = prior_slope
         self.verify = Curve()
         self.drafts: dict[int, Curve] = {}  # the draft line by load bucket
@@ -223,9 +222,6 @@ class CostModel:
         # the router drafts itself (model-free: no pool contends for the cores, no catch-up
         # after rounds without a draft), so the model may move a batch's K either way
         self.router_side = router_side
-        # each request chooses its own K under load too (AdaptiveK.banded): its drafts'
-        # acceptance is its own (a prediction's, near 1 or near 0), not the router's
-        self.own_k = own_k
         self.draft_adds = 0  # draft costs observed (the warning is checked on some)
 
     def trials_at(self, load: float) -> BatchTrials:

@@ -184,8 +184,7 @@ class RequestFrontEnd:
             # a drafter a request names is one the router runs itself (model-free: the
             # request's `drafter`); None (and the CLI's "model") is a draft model's
             costs = self.costs[drafter_kind, greedy] = CostModel(
-                router_side=drafter_kind not in (None, "model"),
-                own_k=drafter_kind == "ngram+prediction")
+                router_side=drafter_kind not in (None, "model"))
         return k_policy(k, pipelined, greedy, self.defaults.adaptive_bounds, costs,
                         self.defaults.draft_confidence, trees, load, plain_steps)
 

@@ -24,10 +24,9 @@ so its own round times would make every K look free to it while its drafts slow 
 Under batch load every request runs the router's one K for its load's band (a factor of 4
 wide: AdaptiveK.batch_k): measured at 16 streams, requests that each chose their own K
 (mostly 1 to 3) made 0.6x the tokens of all at K = 2, as a drafter batch lasts as long as
-its longest block; a request drafting from its own prediction chooses its own K
-(AdaptiveK.banded). A band's K is then tried, not modelled: phases of the whole batch at
-another K, each judged against the phases around it (speculative.yields.BatchTrials), decide
-it once they have judged one.
+its longest block. That K is then tried, not modelled: phases of the whole batch at another
+K, each judged against the phases around it (speculative.yields.BatchTrials), decide it
+once they have judged one.
 
 What keeps the estimates honest (a policy that believes speculation is dear stops drafting,
 and a K it never runs is a K it never measures):
@@ -121,8 +120,8 @@ class AdaptiveK:
     def alpha(self) -> float:
         """The request's own acceptance; under batch load the router's (the requests of a
         batch then run one K: a batch is as long as its longest draft, and requests that
-        each pick their own split it into cohorts), but for a prediction's (banded)."""
-        if self.banded() and self.costs.alpha.value is not None:
+        each pick their own split it into cohorts)."""
+        if self.load >= self.zero_load and self.costs.alpha.value is not None:
             return self.costs.alpha.value
         return self.own.value
 
@@ -165,20 +164,10 @@ class AdaptiveK:
         self.asked = (self.k, tree)
         return (self.k - max(1, self.k // 8), self.k) if tree else None
 
-    def banded(self) -> bool:
-        """Whether the request runs its load band's K (batch_k): under batch load, but for a
-        request drafting from its own prediction, whose acceptance is its own (near 1 or near
-        0), not the band's: it chooses its own K, at the batch's costs (CostModel.own_k).
-        Served, n = 2 with an exact prediction after requests with poor ones: a band those
-        had taken to K = 0 ran at a mean K of 0.18 over its 68 rounds (0.96 s; choosing its
-        own, K 7-8 from its first rounds, 0.21-0.43 s); 4 streams of exact predictions, 1.09x the
-        tokens; prompt lookup without a prediction keeps its band (its own K: 0.94x)."""
-        return self.load >= self.zero_load and not self.costs.own_k
-
     def batched(self) -> bool:
         """Whether this round runs under batch load: as the last round's update found, and
         a first round of a request that starts under load (first_k: the router's K)."""
-        return self.loaded or not self.rounds and self.banded()
+        return self.loaded or not self.rounds and self.load >= self.zero_load
 
     def refuse_trees(self) -> None:
         self.costs.shapes.refused, self.asked = True, None  # this round is no tree's either
@@ -201,7 +190,7 @@ class AdaptiveK:
         # the round before's, beside whose verify it was drafted
         drafted_at = self.ran if cost is not None and cost.carried else ran
         self.ran = ran
-        if self.banded():
+        if self.load >= self.zero_load:
             if drafted_at is not None and cost is not None and cost.comparable:
                 trials, phase, k = drafted_at
                 trials.record(phase, k, cost.tokens, cost.wall_seconds)
@@ -272,7 +261,7 @@ class AdaptiveK:
     def first_k(self) -> int:
         """The first round's K: under batch load the router's K in force (BatchTrials), else
         the best the model expects."""
-        if not self.banded():
+        if self.load < self.zero_load:
             return self.choose(None)
         k = self.costs.trials_at(self.load).k
         return self.choose(None) if k is None else self.within(k)

@@ -187,37 +187,6 @@ def test_a_drafter_the_router_runs_itself_lets_the_model_move_the_batch_k_either
         assert choice.policy.costs.router_side is router_side
 
 
-def test_a_request_drafting_from_its_prediction_chooses_its_own_k_under_load():
-    """A prediction's acceptance is the request's own (near 1 where it is the answer, near 0
-    where it is not), not its band's: under load each such request chooses its own K at the
-    batch's costs. A request whose prediction is the answer drafts long blocks beside one
-    whose drafts all fail, in a band whose trials run K = 0 (served, n = 2 with an exact
-    prediction after poor ones: K = 0 for all of its 68 rounds). Prompt lookup without a
-    prediction keeps its band's K; the front end keys predictions' costs apart."""
-    for own_k in (True, False):
-        costs = loaded(2)
-        costs.router_side, costs.own_k = True, own_k
-        costs.trials_at(2).switch(0)  # where requests with poor predictions took the band
-        exact, useless = at_load(costs, 2, alpha=0.97), at_load(costs, 2, alpha=0.02)
-        ks = {id(exact): [], id(useless): []}
-        for _ in range(4 * AdaptiveK.choose_every):
-            for policy, accepted in ((exact, lambda k: k), (useless, lambda k: 0)):
-                k = policy.num_speculative_tokens()
-                ks[id(policy)].append(k)
-                policy.update(k, accepted(k))
-        exact_ks, useless_ks = (ks[id(p)][AdaptiveK.choose_every:] for p in (exact, useless))
-        if own_k:
-            assert min(exact_ks) >= 6 and max(useless_ks) <= 1, ks
-        else:  # one K for both (the band's, which the model may move up: router-side)
-            assert exact_ks == useless_ks, ks
-    front = RequestFrontEnd(SpeculationDefaults(num_speculative_tokens="auto"))
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    for prediction, own_k in (((5, 6), True), ((), False)):
-        [choice] = front.plan("r", (1, 2), greedy, drafter_kind="ngram",
-                              prediction_token_ids=prediction).choices
-        assert choice.policy.costs.own_k is own_k and choice.policy.costs.router_side
-
-
 def ks_run(monkeypatch, router_side: bool = False) -> list[int]:
     """The batch K of a policy under load whose model says 8, then 0, then 6 (as its costs
     move), before any trial is judged."""
