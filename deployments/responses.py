@@ -84,7 +84,8 @@ class DeltaChunks:
         text, thought = (None, self.HOLE) if reasoning else (self.HOLE, None)
         whole = json.dumps(chunk_body(request_id, model, index, text, None, chat,
                                       created=created, reasoning=thought))
-        self.head, self.tail = whole.split(json.dumps(self.HOLE))
+        # the last one: the id before it (a client's request_id) may hold the hole's text too
+        self.head, self.tail = whole.rsplit(json.dumps(self.HOLE), 1)
 
     def __call__(self, text: str) -> str:
         return self.head + json.dumps(text) + self.tail

@@ -245,6 +245,18 @@ def test_a_delta_chunk_built_once_is_the_chunk_body_of_its_text(chat):
         assert built == body
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_delta_chunk_is_built_around_its_text_whatever_the_request_id_holds(chat):
+    """A client's request_id whose JSON holds the text's hole, quoted, before the text: the
+    chunk is still its text's (the stream broke with an internal error)."""
+    request_id = 'cmpl-a"' + DeltaChunks.HOLE
+    chunks = DeltaChunks(request_id, "specserve-demo", 0, chat)
+    built, body = json.loads(chunks("x")), chunk_body(request_id, "specserve-demo", 0, "x",
+                                                      None, chat)
+    assert built.pop("created") <= body.pop("created")
+    assert built == body
+
+
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])
 def test_a_stream_whose_client_is_gone_before_its_first_chunk_gives_its_admission_back(spec):
     """Starlette skips a background task when the send fails, and the events' generator,
