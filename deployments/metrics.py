@@ -31,7 +31,7 @@ def rss_mb() -> float:
 class PoolMetrics:
     """A pool replica's batches: how many calls each ran, and how full they were (the
     occupancy its autoscaling policy reads: deployments.autoscaling); its KV cache's use and
-    the sessions it holds."""
+    the sessions it holds; its direct calls in flight (the load that policy adds)."""
 
     def __init__(self, pool: str) -> None:
         self.tags = {"pool": pool}
@@ -52,9 +52,14 @@ class PoolMetrics:
             "specserve_pool_sessions", description="Request sessions the replica holds (a "
             "request's tokens and cache, until its release, eviction or TTL).",
             tag_keys=("pool",))
+        self.direct_calls = Gauge(
+            "specserve_pool_direct_calls", description="Calls in flight on the replica's own "
+            "gRPC port (the router's, once Serve placed their request): Serve's count of "
+            "ongoing requests misses them, and the pools' autoscaling policy adds them to it.",
+            tag_keys=("pool",))
         # the gauges' values, set again by refresh; the engine's as read_engine last read them
         self.last_occupancy, self.last_kv_cache_usage, self.last_sessions = 0.0, 0.0, 0
-        self.refresh()  # each reads 0 from the start (a gauge never set is not exported)
+        self.refresh(0)  # each reads 0 from the start (a gauge never set is not exported)
 
     def record_batch(self, batch_size: int, max_batch_size: int) -> None:
         self.batch_size.observe(batch_size, tags=self.tags)
@@ -73,12 +78,18 @@ class PoolMetrics:
         after each batch and release. Two counts, no walk over the units (UnitPool.usage)."""
         self.last_kv_cache_usage, self.last_sessions = kv_usage(engine), len(engine.sessions)
 
-    def refresh(self) -> None:
-        """The gauges set again to their values (GAUGE_TTL_NOTE), from Serve's health check
-        on the event loop."""
+    def record_direct_calls(self, in_flight: int) -> None:
+        """The direct calls in flight as the autoscaling stats report them, set where those
+        are read (a poll, a health check), not at each call."""
+        self.direct_calls.set(in_flight, tags=self.tags)
+
+    def refresh(self, direct_calls: int) -> None:
+        """The gauges set again to their values (GAUGE_TTL_NOTE), and to the direct calls in
+        flight now, from Serve's health check on the event loop."""
         self.occupancy.set(self.last_occupancy, tags=self.tags)
         self.kv_cache_usage.set(self.last_kv_cache_usage, tags=self.tags)
         self.sessions.set(self.last_sessions, tags=self.tags)
+        self.record_direct_calls(direct_calls)
 
 
 def features(sampling) -> list[str]:

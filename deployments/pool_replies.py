@@ -54,9 +54,11 @@ class ReplicaReports:
         policy deployments.autoscaling:direct_aware_policy adds it to Serve's own count), and
         how full the replica's batches have been since the last poll. A coroutine: Serve runs
         it on the replica's event loop, where the batches are counted (a plain method runs on
-        Serve's thread pool, and its take() could lose a batch counted meanwhile)."""
-        return {DIRECT_IN_FLIGHT: float(self.direct_in_flight),
-                BATCH_OCCUPANCY: self.occupancy.take()}
+        Serve's thread pool, and its take() could lose a batch counted meanwhile). The
+        direct calls' gauge is set to the count reported."""
+        in_flight = self.direct_in_flight
+        self.metrics.record_direct_calls(in_flight)
+        return {DIRECT_IN_FLIGHT: float(in_flight), BATCH_OCCUPANCY: self.occupancy.take()}
 
     async def __call__(self, request) -> JSONResponse:
         """An HTTP request to the pool's application (its route_prefix, by which Serve's gRPC

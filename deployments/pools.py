@@ -9,9 +9,7 @@ router resends the whole prefix).
 """
 
 import asyncio
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -28,6 +26,7 @@ from deployments.limits import (
     in_messages,
 )
 from deployments.streams import CallStream, is_direct, serve_directly
+from deployments.pool_worker import EngineWorker
 from deployments.metrics import PoolMetrics
 from deployments.autoscaling import Occupancy
 from deployments.pool_args import (WARM_UP_K, WARM_UP_PROMPT_TOKENS, DrafterArgs, PoolArgs,
@@ -57,10 +56,6 @@ from speculative.types import (
 from verifier.engine import ModelVerifier
 from verifier.prompt_scores import PromptScoring
 
-# a lone call feeding at most this many tokens runs on the event loop, not the worker thread
-INLINE_MAX_TOKENS = 32
-
-
 # a refused call's status, by its error (the first that matches)
 REFUSALS = ((KVCacheTooSmall, grpc.StatusCode.OUT_OF_RANGE),  # the request never fits here
             (GrammarDeadEnd, grpc.StatusCode.OUT_OF_RANGE),  # nor can its grammar go on
@@ -69,15 +64,15 @@ REFUSALS = ((KVCacheTooSmall, grpc.StatusCode.OUT_OF_RANGE),  # the request neve
             (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
 
 
-class PoolReplica(ReplicaReports):
+class PoolReplica(EngineWorker, ReplicaReports):
     """What both pools share: the direct server, batching, answering a call, release,
     introspection.
 
     Calls, from Serve's proxy or the direct port alike, queue for the replica's batcher:
     whatever has arrived while the model was busy runs as one batch (one forward per step
-    for all its calls, `engine.batch`), on one worker thread (the engine and its caches are
-    single-threaded), so the event loop stays free for gRPC, health checks and metrics, and
-    calls waiting for the model are visible as in flight.
+    for all its calls, `engine.batch`), on one worker thread (deployments.pool_worker), so
+    the event loop stays free for gRPC, health checks and metrics, and calls waiting for the
+    model are visible as in flight.
     """
 
     engine: PoolEngine  # set by the subclass before start()
@@ -96,10 +91,7 @@ class PoolReplica(ReplicaReports):
         self.direct_calls = 0  # served over the replica's own port, ever
         self.direct_in_flight = 0  # the same, now: Serve's autoscaler cannot see these
         self.occupancy = Occupancy(max_batch_size)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
-                                         initializer=torch.set_num_threads,
-                                         initargs=(torch.get_num_threads(),))
-        self.engine_lock = threading.Lock()  # whoever runs the engine holds it
+        self.open_worker()
         self.metrics = PoolMetrics(pool)
 
         self.waiting = 0  # calls submitted and not answered
@@ -142,57 +134,14 @@ class PoolReplica(ReplicaReports):
     def warm_up_calls(self, request_id: str, prompt: tuple[int, ...], params) -> list:
         raise NotImplementedError
 
-    def engine_batch(self, run_batch, calls: list) -> list:
-        """On the worker: drop sessions idle past their TTL, then run the batch."""
-        self.engine.sessions.sweep()
-        return run_batch(calls)
-
     async def check_health(self) -> None:
         """Serve's periodic health check: fail (Serve then replaces the replica) when the
         model worker is stuck or its engine dead (deployments.health); its gauges set again
-        (occupancy, and the KV cache's use and sessions as last read with the engine: never
-        waiting for the worker), which Ray's agent would drop if they held still
-        (deployments.metrics)."""
-        self.metrics.refresh()
+        (occupancy; the KV cache's use and sessions as last read with the engine, never
+        waiting for the worker; the direct calls in flight now), which Ray's agent would drop
+        if they held still (deployments.metrics)."""
+        self.metrics.refresh(self.direct_in_flight)
         self.health.check(self.waiting)
-
-    async def run_engine(self, run_batch, calls: list) -> list:
-        """The batch's answers: on the event loop when it runs inline and the engine is
-        free, else on the worker, as is one that may close sessions (a TTL sweep due, an
-        eviction: a suffix drafter indexes each closed output, about 170 us a token)."""
-        if self.runs_inline(calls) and self.engine_lock.acquire(blocking=False):
-            try:
-                if not self.engine.sessions.may_close(calls[0].request_id,
-                                                      INLINE_MAX_TOKENS):
-                    return self.engine_batch(run_batch, calls)
-            finally:
-                self.metrics.read_engine(self.engine)
-                self.engine_lock.release()
-        return await self.on_worker(self.engine_batch, run_batch, calls)
-
-    def runs_inline(self, calls: list) -> bool:
-        """A lone small call runs on the event loop itself, when the worker is not using the
-        engine: the hop to the worker thread and back costs about 0.4 ms a call on a 2-core
-        VM, a tenth of a small forward. The loop waits meanwhile, so a call that feeds many
-        tokens (a prefill) goes to the worker, and so does a batch (its callers' next calls
-        arrive while it runs)."""
-        return len(calls) == 1 and self.feed_tokens(calls[0]) <= INLINE_MAX_TOKENS
-
-    def feed_tokens(self, call) -> int:
-        """Tokens the engine forwards for the call (a bound)."""
-        raise NotImplementedError
-
-    async def on_worker(self, work, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.worker, self.owning,
-                                                                work, *args)
-
-    def owning(self, work, *args):
-        """On the worker: `work` with the engine to itself, then the engine's gauges read."""
-        with self.engine_lock:
-            try:
-                return work(*args)
-            finally:
-                self.metrics.read_engine(self.engine)
 
     async def answer(self, check, call_from_proto, request, to_proto, response_type,
                      grpc_context):

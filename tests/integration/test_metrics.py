@@ -86,3 +86,4 @@ def test_the_routers_metrics_path_serves_vllms_names(cluster):
              for sample in family.samples if sample.name == "vllm:kv_cache_usage_perc"}
     assert usage.keys() == {"drafter", "verifier"} and all(0 <= u < 1 for u in usage.values())
     assert "specserve_pool_sessions{" in text
+    assert "specserve_pool_direct_calls{" in text  # the autoscaling policy's load, from 0

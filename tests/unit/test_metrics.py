@@ -109,25 +109,27 @@ def test_the_running_and_waiting_gauges_read_0_before_any_request(monkeypatch):
 
 
 def test_a_pools_gauges_read_0_before_any_call(monkeypatch):
-    """A pool replica's occupancy, KV cache usage and sessions are exported from the start,
-    as vLLM's kv_cache_usage_perc is."""
+    """A pool replica's occupancy, KV cache usage, sessions and direct calls are exported
+    from the start, as vLLM's kv_cache_usage_perc is."""
     recorded = stood_in_metrics(monkeypatch)
     metrics_module.PoolMetrics("drafter")
     assert [(name, value, tags) for name, kind, value, tags in recorded if kind == "set"] == [
         (name, 0, {"pool": "drafter"}) for name in (
-            "specserve_pool_batch_occupancy", "kv_cache_usage_perc", "specserve_pool_sessions")]
+            "specserve_pool_batch_occupancy", "kv_cache_usage_perc", "specserve_pool_sessions",
+            "specserve_pool_direct_calls")]
 
 
 def test_the_gauges_are_set_again_at_each_health_check(monkeypatch):
     """Ray's agent drops a gauge 20 s after its last set: a steady router's running choices
     (and an idle pool's occupancy) vanished from /metrics while the requests still ran.
     Serve's periodic health checks set them again to their current values: a pool's KV
-    cache usage and sessions as its engine's thread last read them."""
+    cache usage and sessions as its engine's thread last read them, its direct calls in flight
+    now."""
     recorded = stood_in_metrics(monkeypatch)
     router = SimpleNamespace(metrics=metrics_module.RouterMetrics(), admission=Admission(8))
     router.admission.admit(3)
     pool = SimpleNamespace(metrics=metrics_module.PoolMetrics("verifier"), waiting=0,
-                           health=SimpleNamespace(check=lambda waiting: None))
+                           direct_in_flight=5, health=SimpleNamespace(check=lambda waiting: None))
     pool.metrics.record_batch(4, 32)
     engine = SimpleNamespace(sessions=[None] * 2, runner=SimpleNamespace(
         pool=SimpleNamespace(usage=0.75)))
@@ -138,7 +140,7 @@ def test_the_gauges_are_set_again_at_each_health_check(monkeypatch):
     assert [(name, value) for name, kind, value, _ in recorded if kind == "set"] == [
         ("num_requests_running", 3), ("num_requests_waiting", 0),
         ("specserve_pool_batch_occupancy", 0.125), ("kv_cache_usage_perc", 0.75),
-        ("specserve_pool_sessions", 2)]
+        ("specserve_pool_sessions", 2), ("specserve_pool_direct_calls", 5)]
 
 
 def test_router_metrics_record_a_requests_counts_by_position_and_its_mean_round_by_phase(

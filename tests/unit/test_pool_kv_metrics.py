@@ -1,11 +1,13 @@
 """A pool replica's KV cache usage and sessions gauges (deployments.metrics): read with the
 engine to itself after each batch and release, set at Serve's health checks from what was
-last read, so that a check never waits for the worker."""
+last read, so that a check never waits for the worker. Its direct calls gauge: set where the
+autoscaling stats are read."""
 
 import asyncio
 
 import pytest
 
+from deployments.autoscaling import DIRECT_IN_FLIGHT
 from deployments.pool_args import DrafterArgs, VerifierArgs
 from deployments.pools import DrafterPool, VerifierPool
 from protos import specserve_pb2 as pb
@@ -19,6 +21,7 @@ from tests.unit.test_pool_replica import (  # noqa: F401 (pool_secret: a fixture
     local_replica,
     pool_secret,
     propose,
+    until,
 )
 
 GAUGES = ("kv_cache_usage_perc", "specserve_pool_sessions")
@@ -81,3 +84,40 @@ def test_a_health_check_sets_the_gauges_without_waiting_for_a_busy_worker(monkey
     asyncio.run(main())
     gauges = last_set(recorded)
     assert gauges["specserve_pool_sessions"] == 1 and gauges["kv_cache_usage_perc"] > 0
+
+
+def test_the_direct_calls_gauge_reads_the_calls_in_flight_then_0(monkeypatch):
+    """specserve_pool_direct_calls: the calls in flight on the replica's own port, the count
+    its autoscaling stats report (an operator sees why the pool scaled), set at each poll and
+    health check; 0 from the start and once they are answered."""
+    recorded = stood_in_metrics(monkeypatch)
+
+    def gauge() -> int:
+        return [value for name, kind, value, _ in recorded
+                if kind == "set" and name == "specserve_pool_direct_calls"][-1]
+
+    async def main():
+        replica = await local_replica(DrafterPool, DrafterArgs())
+        read = {"start": gauge()}
+        async with direct(replica, pb_grpc.DrafterStub) as stub:
+            gate = await hold_engine(replica)  # the model is busy: the calls wait in flight
+            try:
+                calls = [asyncio.ensure_future(stub.Propose(propose(f"r{i}"), metadata=KEY()))
+                         for i in range(3)]
+                await until(lambda: replica.direct_in_flight == 3)
+                polled = await replica.record_autoscaling_stats()
+                read["poll"] = gauge()
+                del recorded[:]
+                await replica.check_health()
+                read["check"] = gauge()
+            finally:
+                gate.set()
+            await asyncio.gather(*calls)
+            await until(lambda: not replica.waiting)
+            await replica.check_health()
+            read["answered"] = gauge()
+        return polled, read
+
+    polled, read = asyncio.run(main())
+    assert polled[DIRECT_IN_FLIGHT] == read["poll"] == 3
+    assert read == {"start": 0, "poll": 3, "check": 3, "answered": 0}
