@@ -141,9 +141,10 @@ def unauthorized(request: Request, key: str | None) -> JSONResponse | None:
 
 
 async def parse(request: Request, schema, max_prompt_bytes: int):
-    """The body as `schema`, refused before reading when its declared size is far beyond
-    what a prompt of max_prompt_bytes needs, and when it does not come in time (408: the
-    BODY_ constants)."""
+    """The body as `schema`, refused before reading when it is not JSON (check_json_type) or
+    its declared size is far beyond what a prompt of max_prompt_bytes needs, and when it
+    does not come in time (408: the BODY_ constants)."""
+    check_json_type(request.headers)
     limit = 2 * max_prompt_bytes + (1 << 16)
     size = int(request.headers.get("content-length") or 0)
     if size > limit:
@@ -163,6 +164,23 @@ async def parse(request: Request, schema, max_prompt_bytes: int):
         raise invalid_body(error) from None
     except RecursionError:  # a few KB of nested brackets exhaust the decoder's stack
         raise BadRequest("the request body is nested too deeply") from None
+
+
+def check_json_type(headers) -> None:
+    """415 unless the body is read as JSON, as FastAPI reads one (its strict_content_type,
+    vLLM's behaviour): application/json or application/<x>+json, any case, any parameters. A
+    body of another type (text/plain, a form's) or of none (fetch() of a Blob) is one a web
+    page may POST to any origin without a CORS preflight: read, a router without an API key
+    generated for every page that asked. An empty body needs no type (its parse says why)."""
+    content_type = headers.get("content-type", "")
+    media = content_type.partition(";")[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    if kind == "application" and (subtype == "json" or subtype.endswith("+json")) \
+            or not media and headers.get("content-length") == "0":
+        return
+    said = f"is {media!r}" if media else "is not given"
+    raise BadRequest(f"the request body's Content-Type {said}; the router reads "
+                     "application/json (or application/<x>+json)", 415)
 
 
 async def read_body(request: Request, body: bytearray, limit: int, about: int) -> None:

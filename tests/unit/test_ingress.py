@@ -19,7 +19,7 @@ from deployments.openai_api import CompletionRequest
 from deployments.replica_stream import pool_error
 from speculative.types import TargetScores
 from tests.tiny import Agreeing
-from tests.unit.test_router_parts import posted, router_of
+from tests.unit.test_router_parts import JSON_TYPE, posted, router_of
 
 
 class Records(logging.Handler):
@@ -153,8 +153,8 @@ def test_a_client_gone_before_its_body_is_whole_is_not_a_bug():
         return next(messages)
 
     request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                       "query_string": b"",
-                       "headers": [(b"content-length", str(len(raw)).encode())]}, receive)
+                       "query_string": b"", "headers": [
+                           JSON_TYPE, (b"content-length", str(len(raw)).encode())]}, receive)
     with Records() as records:
         answer = asyncio.run(serve(request, CompletionRequest, chat=False))
     assert answer.status_code == CLIENT_CLOSED and admission.running == 0
@@ -264,7 +264,7 @@ def test_a_number_too_long_to_read_is_a_400():
         return {"type": "http.request", "body": b'{"tokens": [' + b"9" * 5000 + b"]}"}
 
     request = Request({"type": "http", "method": "POST", "path": "/detokenize",
-                       "query_string": b"", "headers": []}, receive)
+                       "query_string": b"", "headers": [JSON_TYPE]}, receive)
     with pytest.raises(BadRequest) as refused:
         asyncio.run(parse(request, DetokenizeRequest, 1 << 20))
     assert refused.value.status == 400 and "too long" in str(refused.value)
@@ -298,7 +298,7 @@ def body_of(chunks: list[bytes], pause_s: float, ends: bool = False):
         await asyncio.sleep(3600)
 
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                    "query_string": b"", "headers": []}, receive)
+                    "query_string": b"", "headers": [JSON_TYPE]}, receive)
 
 
 def refusal(request):

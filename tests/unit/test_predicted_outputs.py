@@ -19,6 +19,7 @@ from deployments.router import Router
 from speculative.frontend import RequestFrontEnd
 from speculative.options import SpeculationDefaults
 from speculative.sampling import SamplingParams
+from tests.unit.test_router_parts import JSON_TYPE
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -30,7 +31,7 @@ def chat_body(**fields) -> ChatCompletionRequest:
         return {"type": "http.request", "body": body, "more_body": False}
 
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(b"content-length", str(len(body)).encode())]}
+             "headers": [JSON_TYPE, (b"content-length", str(len(body)).encode())]}
     return asyncio.run(parse(Request(scope, receive), ChatCompletionRequest, 1 << 20))
 
 

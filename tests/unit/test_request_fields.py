@@ -14,6 +14,7 @@ from deployments.ingress import BadRequest, parse
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.request_bounds import MAX_TOOL_CALLS
 from deployments.prompts import PromptReader
+from tests.unit.test_router_parts import JSON_TYPE
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -200,7 +201,7 @@ def request_with(body: bytes) -> Request:
         return {"type": "http.request", "body": body, "more_body": False}
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-             "headers": [(b"content-length", str(len(body)).encode())]}
+             "headers": [JSON_TYPE, (b"content-length", str(len(body)).encode())]}
     return Request(scope, receive)
 
 
@@ -313,7 +314,7 @@ def chunked_request(chunks: list[bytes]) -> tuple[Request, list]:
         sent.append(chunks[len(sent)])
         return {"type": "http.request", "body": sent[-1], "more_body": len(sent) < len(chunks)}
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [JSON_TYPE]}
     return Request(scope, receive), sent
 
 

@@ -181,6 +181,10 @@ def router_of(max_running: int, verifier=None):
     return serve, router.admission
 
 
+# a JSON body's header (the router refuses a body of another type or none: 415)
+JSON_TYPE = (b"content-type", b"application/json")
+
+
 def posted(body: dict):
     from starlette.requests import Request
 
@@ -189,9 +193,9 @@ def posted(body: dict):
     async def receive():
         return {"type": "http.request", "body": raw, "more_body": False}
 
+    headers = [JSON_TYPE, (b"content-length", str(len(raw)).encode())]
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                    "query_string": b"", "headers": [(b"content-length", str(len(raw)).encode())]},
-                   receive)
+                    "query_string": b"", "headers": headers}, receive)
 
 
 def test_skip_special_tokens_false_decodes_with_every_tokens_text():

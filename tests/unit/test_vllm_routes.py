@@ -19,6 +19,7 @@ from deployments.responses_api import ResponsesRequest
 from deployments.router import Router, app
 from deployments.stored_chats import StoredChatRequest
 from tests.unit.test_chat_batch import CONVERSATIONS, pair, router_of  # noqa: F401 (fixture)
+from tests.unit.test_router_parts import JSON_TYPE
 
 BODY = {"model": "m", "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "user", "content": "hi"}]}
@@ -27,7 +28,7 @@ BODY = {"model": "m", "max_tokens": 4, "temperature": 0,
 def posted(body: dict, request_id: str | None = None) -> Request:
     """A POST of the body, with this X-Request-Id header (None: none)."""
     raw = json.dumps(body).encode()
-    headers = [(b"content-length", str(len(raw)).encode())]
+    headers = [JSON_TYPE, (b"content-length", str(len(raw)).encode())]
     if request_id is not None:
         headers.append((b"x-request-id", request_id.encode("latin-1")))
 
