@@ -59,7 +59,7 @@ from bench.records import Tallies, Tally, add_speedups, describe_q, record
 from bench.report import markdown, plot
 from bench.runners import InProcess, Served, departs_at_tie, hf_generate, stats_from_http
 from engine.models import load_tokenizer
-from specserve.cli_args import positive_float, positive_int
+from specserve.cli_args import FlagError, positive_float, positive_int, unwritable
 
 
 @dataclass(frozen=True)
@@ -363,20 +363,15 @@ def given(argv: list[str], flags) -> list[str]:
 
 
 def main(args, argv: list[str]) -> int:
+    """The suite or the soak; FlagError, before either runs, for flags it cannot use."""
     wrong = given(argv, SUITE_FLAGS) if args.soak else given(argv, SOAK_FLAGS)
     if wrong:
-        print(f"specserve bench: error: {', '.join(wrong)} "
-              f"{'does' if len(wrong) == 1 else 'do'} not apply "
-              f"{'to --soak' if args.soak else 'without --soak'}", file=sys.stderr)
-        return 2
+        raise FlagError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply "
+                        f"{'to --soak' if args.soak else 'without --soak'}")
     out = args.out or Path("bench/results/quick" if args.quick else "bench/results")
-    from specserve.cli_args import unwritable
-
     problem = unwritable(out)
     if problem:  # before the run, not at its end (the soak writes there too)
-        print(f"specserve bench: error: --out {out}: cannot write there ({problem})",
-              file=sys.stderr)
-        return 2
+        raise FlagError(f"--out {out}: cannot write there ({problem})")
     if args.soak:
         from bench import soak
 
@@ -392,5 +387,8 @@ def main(args, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(build_parser(argparse.ArgumentParser(allow_abbrev=False)).parse_args(),
-                  sys.argv[1:]))
+    parser = build_parser(argparse.ArgumentParser(allow_abbrev=False))
+    try:
+        sys.exit(main(parser.parse_args(), sys.argv[1:]))
+    except FlagError as error:
+        parser.error(str(error))

@@ -13,7 +13,7 @@ to the actor carries by name.
 import json
 from dataclasses import dataclass, replace
 
-from deployments.ingress import BadRequest
+from deployments.ingress import BadRequest, echoed_id
 from deployments.response_store import ResponseStore
 
 MAX_ITEMS = 20  # the items a conversation is created with, or one call adds: OpenAI's bound
@@ -84,12 +84,12 @@ def deleted(entry: StoredConversation):
 
 
 def item_not_found(item_id: str) -> Refusal:
-    return Refusal(f"Item with id '{item_id}' not found.", "item_id", 404)
+    return Refusal(f"Item with id '{echoed_id(item_id)}' not found.", "item_id", 404)
 
 
 def not_found(conversation_id: str, param: str = "conversation_id") -> BadRequest:
     """OpenAI's 404 for a conversation not stored (no longer, or never), its code null."""
-    return BadRequest(f"Conversation with id '{conversation_id}' not found.", 404,
+    return BadRequest(f"Conversation with id '{echoed_id(conversation_id)}' not found.", 404,
                       param=param, code=None)
 
 

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from deployments.conversation_store import appended, edited, read
-from deployments.ingress import BadRequest
+from deployments.ingress import BadRequest, echoed_id
 from deployments.messages_api import MessagesRequest
 from deployments.messages_events import AsMessage, message_shape
 from deployments.response_items import continued, encoded, request_items
@@ -87,8 +87,8 @@ async def continued_shape(body, model: str, store: ResponseStore | None
         return answer_shape(body, model, store)
     stored = await store.get(asked)
     if stored is None:
-        raise BadRequest(f"Response with id '{asked}' not found.", 404,  # vLLM's; OpenAI's
-                         param="previous_response_id",  # code (not model_not_found)
+        raise BadRequest(f"Response with id '{echoed_id(asked)}' not found.", 404,  # vLLM's
+                         param="previous_response_id",  # OpenAI's code (not model_not_found)
                          code="previous_response_not_found")
     if stored.status in RUNNING:
         raise BadRequest(f"Previous response with id '{asked}' is still {stored.status}: "

@@ -37,6 +37,9 @@ RETRY_AFTER_S = 1
 BODY_TIMEOUT_S = 60
 BODY_GRACE_S = 5
 BODY_MIN_RATE = 32 * 1024
+# of an id a refusal quotes: the router's own whole ("resp_" and 32 hex digits), one named
+# after a client's request_id (256 characters at most) its start
+ECHOED_ID_CHARS = 100
 
 
 class BadRequest(Exception):
@@ -47,6 +50,12 @@ class BadRequest(Exception):
                  headers: dict | None = None, code: str | None = ...):
         super().__init__(message)
         self.status, self.param, self.headers, self.code = status, param, headers, code
+
+
+def echoed_id(asked: str) -> str:
+    """An id a client asked for, as a refusal quotes it: its first ECHOED_ID_CHARS characters,
+    then "..." (an id of 100 KB in a path or a body was echoed whole, each 404 as large)."""
+    return asked if len(asked) <= ECHOED_ID_CHARS else f"{asked[:ECHOED_ID_CHARS]}..."
 
 
 def error_response(error: BadRequest) -> JSONResponse:

@@ -17,7 +17,7 @@ import uuid
 
 from fastapi.responses import JSONResponse, Response
 
-from deployments.ingress import BadRequest, error_response, unauthorized
+from deployments.ingress import BadRequest, echoed_id, error_response, unauthorized
 from deployments.response_store import ResponseStore, StoredResponse, not_found
 
 PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
@@ -145,7 +145,7 @@ def page(items: list[dict], limit: int, order: str, after: str | None,
 def cursor(ids: list[str], item_id: str, param: str) -> int:
     if item_id not in ids:
         raise BadRequest(f"Invalid '{param}': no input item of this response has the id "
-                         f"{item_id!r}.", param=param)
+                         f"{echoed_id(item_id)!r}.", param=param)
     return ids.index(item_id)
 
 

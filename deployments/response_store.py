@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 from fastapi.responses import Response
 
-from deployments.ingress import BadRequest, error_response
+from deployments.ingress import BadRequest, echoed_id, error_response
 
 # a Response's statuses while it may still change (a background one's)
 RUNNING = ("queued", "in_progress")
@@ -279,5 +279,5 @@ async def retrieved(store: ResponseStore | None, response_id: str) -> Response:
 
 def not_found(response_id: str) -> BadRequest:
     """vLLM's 404 for a response id not stored (its code null: a response is no model)."""
-    return BadRequest(f"Response with id '{response_id}' not found.", 404,
+    return BadRequest(f"Response with id '{echoed_id(response_id)}' not found.", 404,
                       param="response_id", code=None)

@@ -30,7 +30,8 @@ class SpeculativeTree(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     width: int = Field(default=2, ge=1, le=MAX_TREE_WIDTH)
-    depth: int | None = Field(default=None, ge=1, le=32)
+    # a node beside the main chain, of the 64 at most (as the CLI's -k under --tree-width)
+    depth: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS - 1)
     # the nodes in all, the main chain's included (default: width x depth, at most 64): the
     # other children go to the levels the draft expects them to pay at
     nodes: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)

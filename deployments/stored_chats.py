@@ -23,7 +23,7 @@ from pydantic import model_validator
 from deployments.conversation_store import Refusal, entry_edited, read
 from deployments.conversations import (MetadataBody, checked_metadata, not_allowed,
                                       path_parts, slash_redirect)
-from deployments.ingress import BadRequest, error_response, parse
+from deployments.ingress import BadRequest, echoed_id, error_response, parse
 from deployments.openai_api import ChatCompletionRequest
 from deployments.tools import FieldError
 from deployments.response_items import page, page_asked
@@ -203,11 +203,11 @@ def listed_page(entries: list, asked: tuple, model: str | None, metadata: dict):
         return page(chosen, *asked)
     except BadRequest as error:
         return Refusal(f"Invalid '{error.param}': no stored chat completion has the id "
-                       f"{asked[2]!r}.", error.param)
+                       f"{echoed_id(asked[2])!r}.", error.param)
 
 
 def not_found(completion_id: str) -> BadRequest:
-    return BadRequest(f"Chat completion with id '{completion_id}' not found.", 404,
+    return BadRequest(f"Chat completion with id '{echoed_id(completion_id)}' not found.", 404,
                       param="completion_id", code=None)
 
 
@@ -253,7 +253,7 @@ async def route(request, store: ResponseStore, max_bytes: int, parts: list[str])
             return JSONResponse(page(messages, *asked))
         except BadRequest:  # an `after` that is none of them
             raise BadRequest(f"Invalid 'after': no message of this chat completion has the "
-                             f"id {asked[2]!r}.", param="after") from None
+                             f"id {echoed_id(asked[2])!r}.", param="after") from None
     if method == "GET":
         entry = await edited(store, completion_id, read)
         return Response(entry.completion, media_type="application/json")

@@ -26,15 +26,14 @@ import asyncio
 import gc
 import json
 import math
-import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from engine.runner import serving_runner
+from specserve.cli_args import FlagError, file_path, unwritable
 from specserve.gpu_measures import (
     alone_vs_batch,
     forward_times,
@@ -284,42 +283,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     parser.add_argument("--small", action="store_true",
                         help="small shapes and a 64-token context (what CI runs on a CPU)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--out", type=file_path, default=None,
+                        help="also write the JSON here (a file)")
 
 
 def main(args) -> int:
+    """The run and its report; FlagError, before the run, for flags it cannot use."""
     if args.out is not None and not args.out.parent.is_dir():
-        print(f"specserve check-gpu: --out {args.out}: its folder does not exist",
-              file=sys.stderr)
-        return 2
+        raise FlagError(f"--out {args.out}: its folder does not exist")
     if args.out is not None and args.out.is_dir():  # found before the run, not after it
-        print(f"specserve check-gpu: --out {args.out} is a folder: name a file",
-              file=sys.stderr)
-        return 2
-    from specserve.cli_args import unwritable
-
+        raise FlagError(f"--out {args.out} is a folder: name a file")
     problem = None if args.out is None else unwritable(args.out.parent)
     if problem:  # a read-only or virtual folder (/proc): its write raised after the run
-        print(f"specserve check-gpu: --out {args.out}: cannot write there ({problem})",
-              file=sys.stderr)
-        return 2
+        raise FlagError(f"--out {args.out}: cannot write there ({problem})")
     from engine.models import check_device
 
     try:  # no torch device, none visible, or cuda:N past the visible ones
         check_device(args.device)
     except ValueError as error:
-        print(f"specserve check-gpu: --{error} (on a CPU: --device cpu --small)",
-              file=sys.stderr)
-        return 2
+        raise FlagError(f"--{error} (on a CPU: --device cpu --small)") from None
     kind = torch.device(args.device).type  # cpu:0 is a CPU too
     if kind not in ("cuda", "cpu"):  # mps, meta, xpu: no checks were written for them
-        print(f"specserve check-gpu: --device {args.device!r}: cuda, cuda:N or cpu",
-              file=sys.stderr)
-        return 2
+        raise FlagError(f"--device {args.device!r}: cuda, cuda:N or cpu")
     if kind == "cpu" and not args.small:  # the 8B shape alone is 32 GB in float32
-        print("specserve check-gpu: --device cpu runs the small shapes only: add --small",
-              file=sys.stderr)
-        return 2
+        raise FlagError("--device cpu runs the small shapes only: add --small")
     report = run(args.device, args.small)
     text = json.dumps(report, indent=2)
     print(text)

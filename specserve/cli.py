@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specserve.cli_args import (
+    FlagError,
     check_args,
     confidence_value,
     k_value,
@@ -24,23 +25,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    add_generate_arguments(commands.add_parser(
-        "generate", help="run the speculative round loop in-process"))
+    add_generate_arguments(add_command(
+        commands, "generate", help="run the speculative round loop in-process"))
 
     from bench.suite import build_parser as bench_parser
 
-    bench_parser(commands.add_parser(
-        "bench", allow_abbrev=False, help="every mode side by side: tokens/s, acceptance, "
-        "overhead, bytes (results.json/.md, plots)"))
+    bench_parser(add_command(
+        commands, "bench", allow_abbrev=False, help="every mode side by side: tokens/s, "
+        "acceptance, overhead, bytes (results.json/.md, plots)"))
 
     from specserve.check_gpu import add_arguments as check_gpu_parser
 
-    check_gpu_parser(commands.add_parser("check-gpu", help="the engine's acceptance run on a "
-                                         "device: exactness, batching, forward times, memory"))
+    check_gpu_parser(add_command(commands, "check-gpu", help="the engine's acceptance run on a "
+                                 "device: exactness, batching, forward times, memory"))
 
-    add_build_demo_arguments(commands.add_parser("build-demo-models",
-                                                 help="train the offline demo pair"))
+    add_build_demo_arguments(add_command(commands, "build-demo-models",
+                                         help="train the offline demo pair"))
     return parser
+
+
+def add_command(commands, name: str, **options) -> argparse.ArgumentParser:
+    """The subcommand's parser, which its args carry as `command_parser`: a check after
+    parsing refuses through its .error(), as argparse refuses a value of its flags (the
+    subcommand's usage, `specserve <name>: error: ...`, exit 2)."""
+    command = commands.add_parser(name, **options)
+    command.set_defaults(command_parser=command)
+    return command
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -225,26 +235,32 @@ def build_demo(parser: argparse.ArgumentParser, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    command = args.command_parser
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    if args.command == "bench":
-        from bench.suite import main as bench
+    if args.command == "build-demo-models":
+        return build_demo(command, args)
+    if args.command == "generate":
+        return generate_command(command, args)
+    try:  # their flags' checks before their run
+        if args.command == "bench":
+            from bench.suite import main as bench
 
-        return bench(args, sys.argv[1:] if argv is None else argv)
-    if args.command == "check-gpu":
+            return bench(args, sys.argv[1:] if argv is None else argv)
         from specserve.check_gpu import main as check_gpu
 
         return check_gpu(args)
-    if args.command == "build-demo-models":
-        return build_demo(parser, args)
-    check_args(parser, args)
+    except FlagError as error:
+        command.error(str(error))
+
+
+def generate_command(command: argparse.ArgumentParser, args) -> int:
+    check_args(command, args)
     try:
         result = generate(args)
-    except (OSError, ValueError) as error:
-        print(f"specserve: error: {error}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as error:  # the flags against the target, its files
+        command.error(str(error))
     if args.json:
         print(json.dumps(result))
     else:

@@ -3,8 +3,14 @@
 results at the end."""
 
 import argparse
+import os
 import re
 from pathlib import Path
+
+
+class FlagError(ValueError):
+    """A command's flags refused by a check after parsing (the file system, the device, flags
+    together): the command's parser reports it as it reports a bad value (specserve.cli)."""
 
 
 def sampling(args):
@@ -50,6 +56,14 @@ def positive(kind: type):
 
 
 positive_int, positive_float = positive(int), positive(float)
+
+
+def file_path(text: str) -> Path:
+    """An argparse type: a file's path. One ending in a separator names a folder, which Path
+    drops: the file was written under the folder's name (or failed after the run)."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text} names a folder: name a file")
+    return Path(text)
 
 
 def k_value(text: str) -> int | str:

@@ -158,7 +158,8 @@ class RequestFrontEnd:
         """(tree width, K, tree nodes): the requested shape or the default. A tree's depth is
         its K: the requested shape's, else the request's own K, else the default shape's,
         else the router's K (an adaptive K is a chain's: then the seeded default). K = 0, a
-        grammar or logit shaping (which follow one chain of drafted tokens): width 1."""
+        grammar or logit shaping (which follow one chain of drafted tokens): width 1.
+        ValueError for a requested tree with no node beside its main chain."""
         shape = requested or self.defaults.tree
         if shape.auto or shape.width <= 1 or k == 0 or not tree_allowed(sampling):
             return 1, k, 0
@@ -166,7 +167,11 @@ class RequestFrontEnd:
         depth = (requested.depth if requested else None) or own_k or shape.depth or \
             (k if k != "auto" else self.defaults.seeded_num_speculative_tokens)
         nodes = min(shape.nodes or shape.width * depth, MAX_SPECULATIVE_TOKENS)
-        if nodes <= depth:  # no room beside the main chain: the request's K as a chain
+        if nodes <= depth and requested is not None:  # asked for, a chain would not answer it
+            raise ValueError(f"speculative_tree: {nodes} nodes leave none beside a main chain "
+                             f"of {depth} (its depth, else num_speculative_tokens): give "
+                             f"nodes above the depth, or a depth below {nodes}")
+        if nodes <= depth:  # the default tree, no room beside the request's K: a chain
             return 1, k, 0
         return shape.width, depth, nodes
 

@@ -27,7 +27,8 @@ from speculative.types import PrefixSync
     (RouterArgs, {"draft_confidence": 1.0}, "draft_confidence"),  # a drafter refuses 1
     (RouterArgs, {"max_context_tokens": 1}, "max_context_tokens"),
     (RouterArgs, {"speculative_tree": {"width": MAX_TREE_WIDTH + 1}}, "speculative_tree.width"),
-    (RouterArgs, {"speculative_tree": {"depth": 33}}, "speculative_tree.depth"),
+    # a node beside the main chain, of a tree's 64 at most
+    (RouterArgs, {"speculative_tree": {"depth": 64}}, "speculative_tree.depth"),
     (RouterArgs, {"responses_store": {"ttl_s": 0}}, "responses_store"),  # stores nothing
     (RouterArgs, {"grpc_address": "localhost"}, "grpc_address"),  # gRPC would dial 443
     (RouterArgs, {"grpc_address": "127.0.0.1:65536"}, "grpc_address"),
@@ -56,7 +57,7 @@ def test_each_bound_itself_and_the_documented_zeros_are_taken():
     router = RouterArgs(max_waiting_requests=0, busy_wait_s=0, prefix_affinity_tokens=0,
                         plain_steps=MAX_PLAIN_STEPS, draft_confidence=0.999,
                         max_context_tokens=2, adaptive_k={"min": 3, "max": 3, "initial": 3},
-                        speculative_tree={"width": MAX_TREE_WIDTH, "depth": 32})
+                        speculative_tree={"width": MAX_TREE_WIDTH, "depth": 63})
     assert router.adaptive_k.bounds() == KBounds(3, 3, 3)
     for address in ("[::1]:65535", "pools.internal:1", "unix:/run/serve.sock",
                     "dns:///pools.internal:9000", "unix:///run/serve.sock"):

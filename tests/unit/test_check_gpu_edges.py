@@ -11,6 +11,7 @@ import torch
 
 from engine.memory import kv_bytes_per_token
 from specserve import check_gpu, gpu_measures
+from specserve.cli_args import FlagError
 from tests.tiny import tiny_llama
 from tests.unit.test_check_gpu import CLEAN_DEMO
 
@@ -82,14 +83,13 @@ def test_the_exit_status_is_the_verdict_and_the_report_is_written(monkeypatch, t
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
-def test_an_out_in_a_folder_that_takes_no_files_is_refused_before_the_run(monkeypatch,
-                                                                          capsys):
+def test_an_out_in_a_folder_that_takes_no_files_is_refused_before_the_run(monkeypatch):
     """/proc is a folder where nothing can be made (even as root): the report's write raised
-    a traceback after the whole run; it is refused first, with exit 2 naming --out."""
+    a traceback after the whole run; it is refused first, naming --out (the CLI's exit 2)."""
     monkeypatch.setattr(check_gpu, "run", lambda device, small: pytest.fail("ran"))
     args = SimpleNamespace(device="cpu", small=True, out=Path("/proc/specserve-report.json"))
-    assert check_gpu.main(args) == 2
-    assert "--out /proc/specserve-report.json: cannot write there" in capsys.readouterr().err
+    with pytest.raises(FlagError, match="--out /proc/specserve-report.json: cannot write there"):
+        check_gpu.main(args)
 
 
 def test_the_full_run_checks_the_1b_shape_in_both_dtypes_and_the_8b_in_bfloat16(monkeypatch):

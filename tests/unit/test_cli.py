@@ -13,6 +13,18 @@ def run_generate(pair, *flags) -> int:
                  *flags])
 
 
+def refusal(capsys, argv) -> str:
+    """`specserve argv` refused as argparse refuses a flag (exit 2); its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def generate_argv(pair, *flags) -> list[str]:
+    return ["generate", "--target", str(pair / "target"), "--draft", str(pair / "draft"), *flags]
+
+
 def generate(capsys, pair, *flags):
     code = run_generate(pair, "--json", "--max-tokens", "16", "--prompt", "def add(", *flags)
     out = capsys.readouterr()
@@ -161,8 +173,8 @@ def test_bad_flags_exit_non_zero_with_a_message(capsys, argv, message):
 
 
 def test_max_tokens_past_the_context_is_refused_before_generating(capsys, tiny_pair_dir):
-    code = run_generate(tiny_pair_dir, "--prompt", "ab", "--max-tokens", "100000")
-    assert code == 2 and "--max-tokens (100000) exceed" in capsys.readouterr().err
+    argv = generate_argv(tiny_pair_dir, "--prompt", "ab", "--max-tokens", "100000")
+    assert "--max-tokens (100000) exceed" in refusal(capsys, argv)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -178,14 +190,13 @@ def test_what_the_router_refuses_against_the_target_is_refused_before_loading(
 
     monkeypatch.setattr("engine.models.load_causal_lm", no_weights)
     monkeypatch.setattr("drafter.registry.load_causal_lm", no_weights)
-    code = run_generate(tiny_pair_dir, "--temperature", "1", *flags)
-    assert code == 2 and message in capsys.readouterr().err
+    assert message in refusal(capsys, generate_argv(tiny_pair_dir, "--temperature", "1", *flags))
 
 
 def test_a_missing_model_is_a_clear_error(capsys, tmp_path):
     missing = str(tmp_path / "nothing")
-    code = main(["generate", "--target", missing, "--max-tokens", "2"])
-    assert code == 2 and f"no model at {missing!r}" in capsys.readouterr().err
+    argv = ["generate", "--target", missing, "--max-tokens", "2"]
+    assert f"no model at {missing!r}" in refusal(capsys, argv)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -198,7 +209,23 @@ def test_a_missing_model_is_a_clear_error(capsys, tmp_path):
     (["bench", "--soak-seconds", "5"], "--soak-seconds does not apply without --soak"),
 ])
 def test_commands_refuse_what_they_cannot_use_before_they_run(capsys, argv, message):
-    assert main(argv) == 2 and message in capsys.readouterr().err
+    assert message in refusal(capsys, argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--seed", str(2**63)],  # specserve.cli_args.check_args
+    ["generate", "--target", "/nonexistent", "--max-tokens", "2"],  # found by the run
+    ["build-demo-models", "--quick"],
+    ["check-gpu", "--device", "meta", "--small"],
+    ["bench", "--soak-seconds", "5"],
+])
+def test_a_refusal_after_parsing_reads_as_the_subcommands_own(capsys, argv):
+    """As argparse refuses a subcommand's bad value: that subcommand's usage and
+    `specserve <command>: error:` (the top-level usage and `specserve: error:` before, or
+    no usage at all)."""
+    err = refusal(capsys, argv)
+    assert err.startswith(f"usage: specserve {argv[0]} [-h]"), err
+    assert f"\nspecserve {argv[0]}: error: " in err, err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -211,7 +238,18 @@ def test_check_gpu_refuses_before_it_runs(capsys, monkeypatch, flags, message):
         raise AssertionError("the checks ran")
 
     monkeypatch.setattr("specserve.check_gpu.run", no_run)
-    assert main(["check-gpu", *flags]) == 2 and message in capsys.readouterr().err
+    assert message in refusal(capsys, ["check-gpu", *flags])
+
+
+def test_check_gpu_refuses_an_out_that_names_a_folder_before_it_runs(capsys, monkeypatch,
+                                                                     tmp_path):
+    """`--out some/dir/`: Path drops the separator, and the report was written as a file
+    named some/dir after the whole run."""
+    monkeypatch.setattr("specserve.check_gpu.run", lambda device, small: {"ok": True})
+    folder = tmp_path / "reports"
+    err = refusal(capsys, ["check-gpu", "--device", "cpu", "--small", "--out", f"{folder}/"])
+    assert f"--out: {folder}/ names a folder: name a file" in err
+    assert not folder.exists()
 
 
 @pytest.mark.parametrize("mode", [["--quick", "--pair", "demo"], ["--soak"]])
@@ -224,8 +262,8 @@ def test_bench_refuses_an_out_it_cannot_write_before_its_run(capsys, monkeypatch
     monkeypatch.setattr("bench.soak.main", no_run)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert main(["bench", *mode, "--out", str(blocker / "results")]) == 2
-    assert "cannot write there" in capsys.readouterr().err
+    assert "cannot write there" in refusal(capsys, ["bench", *mode, "--out",
+                                                     str(blocker / "results")])
 
 
 def test_build_demo_models_refuses_an_out_it_cannot_write_before_training(capsys, tmp_path):

@@ -102,8 +102,11 @@ def test_an_error_of_the_run_is_exit_2_with_the_message(capsys, monkeypatch):
         raise ValueError("the prompt tokenizes to nothing")
 
     monkeypatch.setattr("specserve.cli.generate", refused)
-    assert main(["generate", "--prompt", "x"]) == 2
-    assert capsys.readouterr().err == "specserve: error: the prompt tokenizes to nothing\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("usage: specserve generate [-h]")
+    assert err.endswith("\nspecserve generate: error: the prompt tokenizes to nothing\n")
 
 
 def test_one_choice_prints_the_prompt_and_its_text_without_a_header(capsys, monkeypatch):

@@ -4,7 +4,8 @@ run from its last change, not its reads; stored chats of one second listed in th
 order; a conversation's metadata replaced whole, its bound of items taken, its bad cursors
 named; an incomplete Response's turn kept, a conversation's refused message named
 `conversation`, a queued Response not continued; a streamed chat's pieces and logprobs
-joined, a failed stream not kept; a GET's stream flag."""
+joined, a failed stream not kept; a GET's stream flag; an unknown id's refusal quoting its
+start."""
 
 import asyncio
 import json
@@ -13,6 +14,7 @@ from deployments.admission import Admission
 from deployments.background import failed
 from deployments.background_stream import stream_query
 from deployments.conversation_store import MAX_ITEMS, StoredConversation, appended, read
+from deployments.ingress import ECHOED_ID_CHARS
 from deployments.response_items import encoded
 from deployments.responses_api import ResponsesRequest
 from deployments.responses_events import AsResponse
@@ -21,7 +23,8 @@ from deployments.stored_chats import (AsStored, StoredChat, StoredChatRequest, a
                                       kept, listed_page)
 from tests.unit.test_background_responses import TEXT, ended, in_process_store, post, replica
 from tests.unit.test_conversations import TURN, routed, texts
-from tests.unit.test_response_store import Clock
+from tests.unit.test_response_input_items import listed
+from tests.unit.test_response_store import Clock, Served, reader  # noqa: F401 (a fixture)
 from tests.unit.test_stored_chats import chat_router, chatted
 from tests.unit.test_stored_chats import routed as chats_routed
 
@@ -258,3 +261,25 @@ def test_closing_a_stored_chats_stream_closes_the_chats_own_and_stores_nothing()
         closed, store = [], in_process_store()
         asyncio.run(streamed(store, closed, read_all))
         assert (store.store.get("chatcmpl-a", StoredChat) is not None) == read_all
+
+
+def test_a_refusal_quotes_an_unknown_ids_start_only(reader):
+    """An id of 100 KB (in a path, a body, a cursor) was echoed whole by its 404 or 400: each
+    refusal quotes its first ECHOED_ID_CHARS characters and "..." (ingress.echoed_id)."""
+    asked = "x" * 100_000
+    quoted = f"{asked[:ECHOED_ID_CHARS]}..."
+    conversations, chats = replica(in_process_store()), chat_router(in_process_store())
+    _, made = routed(conversations, "POST", body={"items": TURN})
+    responses = Served("Paris.", reader)
+    _, answer = responses.post({"input": "hi"})
+    refusals = [routed(conversations, "GET", f"/{asked}"),
+                routed(conversations, "DELETE", f"/{made['id']}/items/{asked}"),
+                routed(conversations, "GET", f"/{made['id']}/items", after=asked),
+                chats_routed(chats, "GET", f"/{asked}"),
+                chats_routed(chats, "GET", after=asked),
+                responses.get(asked),
+                responses.post({"input": "hi", "previous_response_id": asked}),
+                listed(responses.router, answer["id"], after=asked)]
+    for status, refused in refusals:
+        message = refused["error"]["message"]
+        assert status in (400, 404) and quoted in message and len(message) < 200, message[:300]

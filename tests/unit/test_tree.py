@@ -186,8 +186,50 @@ def test_a_tree_budget_no_deeper_than_the_chain_leaves_the_requests_k():
     assert plan.num_speculative_tokens == 16 and plan.choices[0].request.tree_width == 1
     plan = front_end.plan("r", (1,), SamplingParams(temperature=0), num_speculative_tokens=4)
     assert (plan.choices[0].request.tree_width, plan.choices[0].request.tree_nodes) == (2, 8)
+    plan = RequestFrontEnd(SpeculationDefaults(tree=TreeShape(2))).plan(
+        "r", (1,), SamplingParams(temperature=0), num_speculative_tokens=64)
+    assert plan.num_speculative_tokens == 64 and plan.choices[0].request.tree_width == 1
     with pytest.raises(ValueError, match="must exceed depth"):
         SpeculativeTree(width=2, depth=6, nodes=6)
+
+
+@pytest.mark.parametrize("tree, k, message", [
+    # the 64 nodes a tree holds at most are all the main chain's
+    ({"width": 2}, 64, "64 nodes leave none beside a main chain of 64"),
+    ({"width": 2, "nodes": 6}, 8, "6 nodes leave none beside a main chain of 8"),
+])
+def test_a_requested_tree_with_no_node_beside_its_chain_is_refused(tree, k, message):
+    """A request's own tree whose depth is its K drafted that K as a chain, silently, where
+    an explicit depth as deep was refused (and the CLI refuses the same flags): a 400
+    (the router answers a plan's ValueError so) naming the fields."""
+    from deployments.openai_api import ChatCompletionRequest
+    from deployments.router_args import tree_shape
+    from speculative.frontend import RequestFrontEnd
+    from speculative.sampling import SamplingParams
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                 speculative_tree=tree, num_speculative_tokens=k)
+    with pytest.raises(ValueError, match=f"speculative_tree: {message}"):
+        RequestFrontEnd().plan("r", (1,), SamplingParams(temperature=0),
+                               num_speculative_tokens=k, tree=tree_shape(body.speculative_tree))
+
+
+def test_a_tree_as_deep_as_its_k_allows_is_served_whether_its_depth_is_given_or_its_k():
+    """Depth up to 63 (a node beside the chain, of 64), as a K of 63 under a tree of width 2
+    was served and the CLI's -k 63 --tree-width 2 is: one bound for both."""
+    from deployments.router_args import SpeculativeTree
+    from speculative.frontend import RequestFrontEnd
+    from speculative.options import TreeShape
+    from speculative.sampling import SamplingParams
+
+    assert SpeculativeTree(width=2, depth=63).shape() == TreeShape(2, 63)
+    with pytest.raises(ValueError, match="depth"):
+        SpeculativeTree(width=2, depth=64)
+    front_end = RequestFrontEnd()
+    for tree, k in ((TreeShape(2, 63), None), (TreeShape(2), 63)):
+        request = front_end.plan("r", (1,), SamplingParams(temperature=0), tree=tree,
+                                 num_speculative_tokens=k).choices[0].request
+        assert (request.tree_width, request.tree_nodes) == (2, 64)
 
 
 def test_no_tree_passes_the_nodes_a_verifier_scores():
