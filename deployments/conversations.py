@@ -40,7 +40,7 @@ from deployments.conversation_store import (
     updated,
 )
 from deployments.chat_messages import ChatMessage
-from deployments.ingress import BadRequest, echoed_id, error_response, invalid_body, parse
+from deployments.ingress import BadRequest, error_response, invalid_body, parse
 from deployments.response_items import encoded, page, page_asked, request_items
 from deployments.response_store import ResponseStore
 from deployments.responses_api import chat_messages, renamed
@@ -179,12 +179,9 @@ async def removed(asked: Asked, conversation_id: str) -> Response:
 def items_page(entry: StoredConversation, asked: tuple) -> Response:
     """A page of its items (decoded and encoded on a thread: it may be megabytes)."""
     try:
-        return JSONResponse(page(entry.listed(), *asked))
+        return JSONResponse(page(entry.listed(), *asked, of="item of this conversation"))
     except BadRequest as error:  # a cursor that is no item of it
-        cursor = asked[2] if error.param == "after" else asked[3]
-        return error_response(BadRequest(f"Invalid '{error.param}': no item of this "
-                                         f"conversation has the id {echoed_id(cursor)!r}.",
-                                         param=error.param))
+        return error_response(error)
 
 
 async def listed(asked: Asked, conversation_id: str) -> Response:

@@ -31,12 +31,17 @@ RETRY_AFTER_S = 1
 # a body trickled in (or never finished) held its Serve slot on the router for as long as
 # its client liked: a few hundred such connections, which cost their client nothing, left
 # no room for anyone else. So a body must start within BODY_GRACE_S, keep coming at
-# BODY_MIN_RATE bytes a second on average after it, and end within BODY_TIMEOUT_S (2 MiB
-# in this time is 35 KB/s): with only the last, 270 stalled bodies (sent again each minute)
-# made a completion wait 57.7 s for a slot
+# BODY_MIN_RATE bytes a second on average after it, and end within BODY_TIMEOUT_S (6 MiB
+# in this time is 105 KB/s): with only the last, 270 stalled bodies (sent again each
+# minute) made a completion wait 57.7 s for a slot
 BODY_TIMEOUT_S = 60
 BODY_GRACE_S = 5
 BODY_MIN_RATE = 32 * 1024
+# a body's bytes per byte of a prompt within max_prompt_bytes: at worst a control character
+# escaped as \u00XX (json.dumps's default writes a 4-byte character as two \uXXXX: 3 a
+# byte); BODY_ALLOWANCE more for the request's other fields
+ESCAPED_BYTES = 6
+BODY_ALLOWANCE = 1 << 16
 # of an id a refusal quotes: the router's own whole ("resp_" and 32 hex digits), one named
 # after a client's request_id (256 characters at most) its start
 ECHOED_ID_CHARS = 100
@@ -117,11 +122,35 @@ async def cancelled(request: Request, error: TaskCancelledError) -> JSONResponse
 async def not_routed(request: Request, error: HTTPException) -> JSONResponse:
     """Routing's own refusals (a path it does not serve: 404; a method the path does not
     take: 405, with its Allow header) in OpenAI's shape, as vLLM's and OpenAI's own, not
-    FastAPI's {"detail": ...}; a path is no model, so no model_not_found."""
+    FastAPI's {"detail": ...}; a path is no model, so no model_not_found. Under this
+    process's API key (guard_unrouted) a path not open is a 401 first, as vLLM's, whose
+    middleware asks for the key before routing; a preflight (OPTIONS) carries no key."""
+    if request.method != "OPTIONS" and not open_path(request.url.path) \
+            and (refused := unauthorized(request, _unrouted_key)):
+        return refused
     body = error_body(f"{error.detail} ({request.method} {request.url.path})",
                       error.status_code)
     body["error"]["code"] = None
     return JSONResponse(body, error.status_code, headers=error.headers)
+
+
+# the paths vLLM leaves open under its API key (its PUBLIC_ENDPOINTS), and those below them:
+# health checks (SageMaker's /ping among them), load, version, metrics, the API's documents
+OPEN_PATHS = ("/health", "/ping", "/load", "/version", "/metrics", "/docs", "/redoc",
+              "/openapi.json", "/static")
+# the key this process's routes ask for, which not_routed asks for too: set by the router's
+# constructor, as _cross_origin is (None: a pool's app, or a router without a key)
+_unrouted_key: str | None = None
+
+
+def guard_unrouted(key: str | None) -> None:
+    global _unrouted_key
+    _unrouted_key = key
+
+
+def open_path(path: str) -> bool:
+    """Whether the path is one of OPEN_PATHS or below one (/health/x; not /healthz)."""
+    return any(path == root or path.startswith(root + "/") for root in OPEN_PATHS)
 
 
 def api_key(configured: str | None) -> str | None:
@@ -139,11 +168,13 @@ def api_key(configured: str | None) -> str | None:
 
 
 def unauthorized(request: Request, key: str | None) -> JSONResponse | None:
-    """401 unless the request carries the API key (when one is set)."""
+    """401 unless the request carries the API key (when one is set): vLLM's check, the
+    scheme `Bearer` in any case, one space, then exactly the key (`Bearer  <key>` is not it),
+    compared in constant time."""
     if key is None:
         return None
     scheme, _, sent = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode(), key.encode()):
+    if scheme.lower() == "bearer" and hmac.compare_digest(sent.encode(), key.encode()):
         return None
     return error_response(BadRequest("invalid or missing API key (Authorization: Bearer "
                                      "<key>)", 401, headers={"WWW-Authenticate": "Bearer"}))
@@ -151,17 +182,15 @@ def unauthorized(request: Request, key: str | None) -> JSONResponse | None:
 
 async def parse(request: Request, schema, max_prompt_bytes: int):
     """The body as `schema`, refused before reading when it is not JSON (check_json_type) or
-    its declared size is far beyond what a prompt of max_prompt_bytes needs, and when it
-    does not come in time (408: the BODY_ constants)."""
+    its declared size is beyond what a prompt of max_prompt_bytes needs (body_limit), and
+    when it does not come in time (408: the BODY_ constants)."""
     check_json_type(request.headers)
-    limit = 2 * max_prompt_bytes + (1 << 16)
     size = int(request.headers.get("content-length") or 0)
-    if size > limit:
-        raise BadRequest(f"the request body has {size} bytes; the limit is about "
-                         f"{2 * max_prompt_bytes}", 413)
+    if size > body_limit(max_prompt_bytes):
+        raise too_large(str(size), max_prompt_bytes)
     body = bytearray()
     try:
-        await read_body(request, body, limit, 2 * max_prompt_bytes)
+        await read_body(request, body, max_prompt_bytes)
     except ClientDisconnect:  # gone before its body was whole (Serve's proxy passes the
         # disconnect on): raised on, it was a bug's logged 500, and Serve's "Request failed"
         log.info("the client of %s went away before its body was whole", request.url.path)
@@ -192,11 +221,25 @@ def check_json_type(headers) -> None:
                      "application/json (or application/<x>+json)", 415)
 
 
-async def read_body(request: Request, body: bytearray, limit: int, about: int) -> None:
+def body_limit(max_prompt_bytes: int) -> int:
+    """The most bytes a body may have: what the worst escaping of a prompt within
+    max_prompt_bytes takes (ESCAPED_BYTES a byte), and BODY_ALLOWANCE for the rest."""
+    return ESCAPED_BYTES * max_prompt_bytes + BODY_ALLOWANCE
+
+
+def too_large(size: str, max_prompt_bytes: int) -> BadRequest:
+    return BadRequest(f"the request body has {size} bytes; the limit is "
+                      f"{body_limit(max_prompt_bytes)} ({ESCAPED_BYTES} for each byte of a "
+                      f"prompt of {max_prompt_bytes}, as escaped JSON at worst, and "
+                      f"{BODY_ALLOWANCE} more)", 413)
+
+
+async def read_body(request: Request, body: bytearray, max_prompt_bytes: int) -> None:
     """The request's body into `body`, chunk by chunk, each awaited until the body's
     deadline: BODY_GRACE_S from the start, and a second more for every BODY_MIN_RATE bytes
-    come, BODY_TIMEOUT_S at most (408); past `limit` bytes, 413 (a chunked body declares no
+    come, BODY_TIMEOUT_S at most (408); past body_limit, 413 (a chunked body declares no
     length: counted)."""
+    limit = body_limit(max_prompt_bytes)
     loop = asyncio.get_running_loop()
     start, chunks = loop.time(), request.stream().__aiter__()
     while True:
@@ -213,8 +256,7 @@ async def read_body(request: Request, body: bytearray, limit: int, about: int) -
                 408) from None
         body.extend(chunk)
         if len(body) > limit:
-            raise BadRequest(f"the request body has more than {limit} bytes; the limit is "
-                             f"about {about}", 413)
+            raise too_large(f"more than {limit}", max_prompt_bytes)
 
 
 def invalid_body(error: ValidationError) -> BadRequest:

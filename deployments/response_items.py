@@ -126,14 +126,15 @@ def page_asked(query) -> tuple[int, str, str | None, str | None]:
 
 
 def page(items: list[dict], limit: int, order: str, after: str | None,
-         before: str | None) -> dict:
+         before: str | None, *, of: str) -> dict:
     """OpenAI's list of `items` in `order`: the `limit` after the item `after` (from the
     first), or the `limit` just before the item `before` (both: between them); has_more,
-    whether more lie past the page in that direction. BadRequest for an unknown cursor."""
+    whether more lie past the page in that direction. BadRequest for an unknown cursor,
+    naming it and quoting its id: no `of` (what the items are) has it."""
     ordered = items if order == "asc" else items[::-1]
     ids = [item["id"] for item in ordered]
-    start = 0 if after is None else cursor(ids, after, "after") + 1
-    end = len(ids) if before is None else cursor(ids, before, "before")
+    start = 0 if after is None else cursor(ids, after, "after", of) + 1
+    end = len(ids) if before is None else cursor(ids, before, "before", of)
     window = ordered[start:end]
     data = window[-limit:] if before is not None and after is None else window[:limit]
     return {"object": "list", "data": data,
@@ -142,17 +143,18 @@ def page(items: list[dict], limit: int, order: str, after: str | None,
             "has_more": len(window) > limit}
 
 
-def cursor(ids: list[str], item_id: str, param: str) -> int:
+def cursor(ids: list[str], item_id: str, param: str, of: str) -> int:
     if item_id not in ids:
-        raise BadRequest(f"Invalid '{param}': no input item of this response has the id "
-                         f"{echoed_id(item_id)!r}.", param=param)
+        raise BadRequest(f"Invalid '{param}': no {of} has the id {echoed_id(item_id)!r}.",
+                         param=param)
     return ids.index(item_id)
 
 
 def page_answer(stored: StoredResponse, asked: tuple) -> Response:
     """The page, decoded and encoded (on a thread: a conversation may be megabytes)."""
     try:
-        return JSONResponse(page(stored_items(stored), *asked))
+        return JSONResponse(page(stored_items(stored), *asked,
+                                 of="input item of this response"))
     except BadRequest as error:
         return error_response(error)
 

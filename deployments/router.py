@@ -33,7 +33,8 @@ from deployments.clients import channel_options
 from deployments.conversation_turns import shaped
 from deployments.conversations import CONVERSATIONS_PATH, METHODS, conversations_route
 from deployments.ingress import (BadRequest, ReleasingStream, allow_cross_origin, api_key,
-                                 error_response, ingress_app, parse, pool_failure, unauthorized)
+                                 error_response, guard_unrouted, ingress_app, parse,
+                                 pool_failure, unauthorized)
 from deployments.invocations import InvocationRequest
 from deployments.local_drafters import local_drafters
 from deployments.logprobs import token_bytes_of
@@ -120,6 +121,7 @@ class Router(ChatBatchRoute, RequestPlanning, Unserved):
         self.background = BackgroundRuns(self.responses_store,  # as many as admission holds
                                          args.max_running_requests + args.max_waiting_requests)
         self.api_key = api_key(args.api_key)
+        guard_unrouted(self.api_key)  # a path or method not served: 401 first, as vLLM's
         allow_cross_origin(args.cross_origin())
         self._channel: grpc.aio.Channel | None = None
         # what start-up built (modules, the tokenizers: some 400k objects) lives as long as

@@ -50,8 +50,9 @@ class SpeculativeTree(BaseModel):
 def bearer_key(key: str) -> str:
     """An API key a client can send as `Authorization: Bearer <key>` (the key itself is never
     quoted: it is a secret). Empty, it left the router open (read as no key); with whitespace
-    at an end or a character outside printable ASCII, no client's header ever matched it
-    (the ingress strips what is sent, and HTTP clients send ASCII): every request a 401."""
+    at an end or a character outside printable ASCII, it is one clients do not send (HTTP
+    servers strip a header's trailing whitespace, and clients send ASCII): every request a
+    401."""
     if not key:
         raise ValueError("an empty API key: leave it unset for none")
     if key != key.strip() or not (key.isascii() and key.isprintable()):

@@ -194,16 +194,15 @@ def deleted(entry: StoredChat):
 def listed_page(entries: list, asked: tuple, model: str | None, metadata: dict):
     """(in the store) The page of the stored chat completions, (id, StoredChat) each, of
     `model` with every pair of `metadata`, by their created (then their storing): the page
-    with each completion's text as its data; a Refusal for an `after` among none of them."""
+    with each completion's text as its data; a Refusal for a cursor among none of them."""
     chosen = [{"id": key, "text": entry.completion}
               for key, entry in sorted(entries, key=lambda pair: pair[1].created)
               if (model is None or entry.model == model)
               and all(entry.metadata.get(key) == value for key, value in metadata.items())]
     try:
-        return page(chosen, *asked)
+        return page(chosen, *asked, of="stored chat completion")
     except BadRequest as error:
-        return Refusal(f"Invalid '{error.param}': no stored chat completion has the id "
-                       f"{echoed_id(asked[2])!r}.", error.param)
+        return Refusal(str(error), error.param)
 
 
 def not_found(completion_id: str) -> BadRequest:
@@ -249,11 +248,7 @@ async def route(request, store: ResponseStore, max_bytes: int, parts: list[str])
         entry = await edited(store, completion_id, read)
         messages = await asyncio.get_running_loop().run_in_executor(None, json.loads,
                                                                     entry.messages)
-        try:
-            return JSONResponse(page(messages, *asked))
-        except BadRequest:  # an `after` that is none of them
-            raise BadRequest(f"Invalid 'after': no message of this chat completion has the "
-                             f"id {echoed_id(asked[2])!r}.", param="after") from None
+        return JSONResponse(page(messages, *asked, of="message of this chat completion"))
     if method == "GET":
         entry = await edited(store, completion_id, read)
         return Response(entry.completion, media_type="application/json")

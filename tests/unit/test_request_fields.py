@@ -322,10 +322,26 @@ def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_all_read():
     head = b'{"prompt": "'
     request, sent = chunked_request([head] + [b"x" * 1024] * 100 + [b'"}'])
     with pytest.raises(BadRequest) as refused:
-        asyncio.run(parse(request, CompletionRequest, 1024))  # limit 2 KiB + 64 KiB
-    assert refused.value.status == 413 and len(sent) == 67  # the head and 66 KiB: past it
+        asyncio.run(parse(request, CompletionRequest, 1024))  # limit 6 KiB + 64 KiB
+    assert refused.value.status == 413 and len(sent) == 71  # the head and 70 KiB: past it
     request, _ = chunked_request([head, b"x" * 1024, b'"}'])
     assert len(asyncio.run(parse(request, CompletionRequest, 1024)).prompt) == 1024
+
+
+@pytest.mark.parametrize("prompt", ["\x01" * (1 << 16), "\U0001F600" * (1 << 14)])
+def test_a_prompt_within_max_prompt_bytes_fits_the_body_however_it_is_escaped(prompt):
+    """json.dumps's default writes a control character as \\u00XX (6 bytes for 1) and an
+    emoji as two \\uXXXX (12 for 4): a body of such a prompt of max_prompt_bytes was a
+    413 (its limit twice max_prompt_bytes, and 64 KiB)."""
+    body = json.dumps({"prompt": prompt}).encode()
+    assert len(prompt.encode()) == 1 << 16 and len(body) > 3 * (1 << 16)
+    assert asyncio.run(parse(request_with(body), CompletionRequest, 1 << 16)).prompt == prompt
+    limit = 7 * (1 << 16)  # 6 a byte of the prompt, and 64 KiB
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(parse(request_with(b" " * (limit + 1)), CompletionRequest, 1 << 16))
+    assert refused.value.status == 413 and str(refused.value) == (
+        f"the request body has {limit + 1} bytes; the limit is {limit} (6 for each byte of "
+        "a prompt of 65536, as escaped JSON at worst, and 65536 more)")
 
 
 def a_tool(i: int) -> dict:

@@ -14,6 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionDeleted, ChatComplet
 
 from deployments.response_store import BoundedStore, LocalStore
 from deployments.router import Router
+from deployments.stored_chats import StoredChat, listed_page
 from speculative.frontend import RequestFrontEnd
 from speculative.sampling import SamplingParams
 from tests.unit.test_background_responses import TEXT, in_process_store
@@ -234,6 +235,19 @@ def test_the_refusals_are_named_and_without_a_store_it_is_off():
     assert chatted(off, store=True)[0] == 200  # answered, nothing kept
     status, refused = routed(off, "GET", f"/{answer_id}")
     assert status == 404 and "responses_store" in refused["error"]["message"]
+
+
+def test_a_lists_refusal_quotes_the_cursor_it_names():
+    """The page's refusal of an unknown `before` quoted the `after` it was given (or None),
+    as the `before`'s id."""
+    entries = [("chatcmpl-a", StoredChat(b"{}", b"[]", "m", 1))]
+    for asked, param, quoted in [((20, "asc", "chatcmpl-a", "chatcmpl-z"), "before", "z"),
+                                 ((20, "asc", None, "chatcmpl-y"), "before", "y"),
+                                 ((20, "asc", "chatcmpl-x", None), "after", "x")]:
+        refusal = listed_page(entries, asked, None, {})
+        assert (refusal.param, refusal.message) == (param, f"Invalid '{param}': no stored "
+                                                    f"chat completion has the id "
+                                                    f"'chatcmpl-{quoted}'.")
 
 
 def test_the_actor_lists_them_in_one_call_its_answer_pickled():
