@@ -9,8 +9,11 @@ many tokens each feeds, and which get KV memory.
   its cache in the next batch (chunked prefill), so a long prompt does not stall decodes.
 - Admission (`admitted`) reserves each call's KV units before the forward; a call that
   cannot have them is refused alone (KVCacheFull; KVCacheTooSmall when it never could), its
-  session dropped; while the pool is short, retired prefixes and then idle sessions give
-  theirs back, least recently used first, never a request of the batch.
+  session dropped; while the pool is short, retired prefixes (least recently retired first)
+  and then idle sessions give theirs back: those gone quiet, then those admitted after the
+  asking request, newest first (SessionStore.evictable), never a request of the batch. The
+  batch's oldest requests reserve first, and its newest are refused to make room for them
+  (`admitted`), as vLLM preempts its newest request.
 
 A refusal is an answer in `results`, never a raise: its traceback would keep the batch's
 caches alive.
@@ -62,16 +65,17 @@ def prepare_within_budget(calls: list, prepare, results: list, max_tokens: int |
     return ready
 
 
-def reserve_blocks(sessions: SessionStore, cache, length: int, start: int) -> None:
+def reserve_blocks(sessions: SessionStore, cache, length: int, start: int,
+                   admission: int = 0) -> None:
     """Units in a request's cache for `length` positions, before a batch's forward: while
-    the pool is short, retired prefixes and then idle sessions give theirs back (least
-    recently used first, never one of the running batch, SessionStore.batch: they rebuild
-    later, exact).
+    the pool is short, retired prefixes and then idle sessions give theirs back, those gone
+    quiet and those admitted after the request's `admission` (SessionStore.evictable: never
+    one of the running batch, nor an older request's; they rebuild later, exact).
 
     Raises KVCacheTooSmall when the pool could never hold `length` positions, KVCacheFull
-    when the batch's requests hold what it needs now (the pool answers RESOURCE_EXHAUSTED,
-    the router 429), without evicting anyone when evicting every idle session would not be
-    enough. A transformers cache needs nothing."""
+    when the batch's requests and older ones hold what it needs now (the pool answers
+    RESOURCE_EXHAUSTED, the router retries), without evicting anyone when evicting every
+    session it may would not be enough. A transformers cache needs nothing."""
     pool = cache.pool
     if pool is None:
         return
@@ -81,28 +85,71 @@ def reserve_blocks(sessions: SessionStore, cache, length: int, start: int) -> No
     needed = cache.missing(length, start)
     if needed > pool.free_units:  # only then are retired prefixes and sessions counted
         if not pool.frees(needed - pool.free_units, [*pool.retired.values(),
-                                                     *sessions.idle_caches()]):
+                                                     *sessions.idle_caches(admission)]):
             raise KVCacheFull(f"the KV cache needs {needed} more {pool.unit_name}, "
-                              f"{pool.free_units} are free and the batch holds the rest")
+                              f"{pool.free_units} are free and running requests hold the rest")
         # evicting every retired prefix gives back evictable_units (a count, no walk)
-        while pool.evictable_units < needed - pool.free_units and sessions.evict_idle():
+        while pool.evictable_units < needed - pool.free_units and \
+                sessions.evict_idle(admission):
             pass
     cache.reserve(length, start)
 
 
 def admitted(entries: list, segments: list, lengths: list[int], calls: list, results: list,
              sessions: SessionStore) -> list:
-    """The entries (each starts with its call's index) whose segments' caches could reserve
-    units for their lengths from where they start writing (reserve_blocks); the others get
-    their refusal in `results` and lose their sessions (no units held for a request that
-    cannot go on)."""
-    kept = []
-    for entry, segment, length in zip(entries, segments, lengths):
-        try:
-            reserve_blocks(sessions, segment.cache, length, segment.start)
-        except (ValueError, KVCacheFull) as error:
-            results[entry[0]] = error.with_traceback(None)
-            sessions.drop(calls[entry[0]].request_id)
-            continue
-        kept.append(entry)
-    return kept
+    """The entries (each starts with its call's index), in their order, whose segments'
+    caches could reserve units for their lengths from where they start writing
+    (reserve_blocks); the others get their refusal in `results` and lose their sessions (no
+    units held for a request that cannot go on).
+
+    The oldest admitted session reserves first, and when its call cannot have its units the
+    newest calls of the batch give theirs up (refused, newest first), as vLLM preempts its
+    newest request: refusing the call that asked, when a batch held the pool, dropped an older
+    request's cache, whose rebuild next round refused another's (SessionStore.evictable)."""
+    order = [admission(sessions, calls, entry) for entry in entries]
+    pending = sorted(range(len(entries)), key=order.__getitem__)
+    kept = set()
+
+    def refuse(i: int, error: Exception) -> None:
+        results[entries[i][0]] = error.with_traceback(None)
+        sessions.drop(calls[entries[i][0]].request_id)
+
+    while pending:
+        i = pending.pop(0)  # the oldest left
+        while True:
+            try:
+                reserve_blocks(sessions, segments[i].cache, lengths[i], segments[i].start,
+                               order[i])
+            except KVCacheFull as error:
+                if not preempting_frees(sessions, segments, pending, segments[i].cache,
+                                        lengths[i], segments[i].start, order[i]):
+                    refuse(i, error)
+                    break
+                refuse(pending.pop(), KVCacheFull("the KV cache's units went to an older "
+                                                  "request of the batch"))
+                continue
+            except ValueError as error:  # KVCacheTooSmall: it never fits
+                refuse(i, error)
+                break
+            kept.add(i)
+            break
+    return [entry for i, entry in enumerate(entries) if i in kept]
+
+
+def admission(sessions: SessionStore, calls: list, entry) -> int:
+    """When the entry's request was admitted to the store (SessionStore's count)."""
+    sequence = sessions.get(calls[entry[0]].request_id)
+    return 0 if sequence is None else sequence.admitted
+
+
+def preempting_frees(sessions: SessionStore, segments: list, pending: list[int], cache,
+                     length: int, start: int, admission: int) -> bool:
+    """Whether refusing the pending calls (the newer of the batch) would give the cache its
+    units for `length` positions from `start`, with what retired prefixes and idle sessions
+    give: if not, nobody is refused for nothing."""
+    pool = cache.pool
+    if not pending or pool is None:
+        return False
+    caches = [*pool.retired.values(), *sessions.idle_caches(admission),
+              *(segments[j].cache for j in pending)]
+    return pool.frees(cache.missing(length, start) - pool.free_units, caches)

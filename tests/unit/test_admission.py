@@ -19,7 +19,7 @@ from deployments.ingress import pool_failure
 from drafter.model import ModelDrafter
 from engine.scheduler import KVCacheTooSmall
 from engine.cache import KVCacheFull
-from engine.kv import SessionStore
+from engine.kv import STALE_S, SessionStore
 from speculative.prefixes import prefix_hash
 from speculative.sampling import SamplingParams
 from speculative.types import PrefixSync, ProposeCall, ScoreCall, StaleBase
@@ -77,19 +77,49 @@ def test_a_call_that_does_not_fit_beside_its_batch_is_refused_alone():
     verifier.sessions.release("a")
     assert free_blocks(verifier) == USABLE_BLOCKS  # a release gives the blocks back at once
     [retried] = verifier.score_batch([calls[1]])
-    assert retried.target_token_ids == alone.score_now(first_call("b2", prompt(98, 1))) \
-        .target_token_ids
+    assert retried.target_token_ids == small_verifier().score_now(
+        first_call("b2", prompt(98, 1))).target_token_ids
 
 
-def test_idle_sessions_give_their_blocks_back_before_anyone_is_refused():
+def test_a_new_request_waits_for_an_older_ones_blocks_unless_it_has_gone_quiet(monkeypatch):
+    """An idle session is a running request between two calls: a newer request is refused
+    rather than take its blocks (evicted each round, the older ones rebuilt their prefills
+    round after round), as vLLM's new requests wait; one idle past STALE_S has gone quiet,
+    and gives its blocks back before anyone is refused."""
+    now = [1000.0]
+    monkeypatch.setattr("engine.kv.time.monotonic", lambda: now[0])
     verifier = small_verifier()
     assert not isinstance(verifier.score_batch([first_call("idle", prompt(98))])[0], Exception)
+    [waits] = verifier.score_batch([first_call("new", prompt(98, 1))])
+    assert isinstance(waits, KVCacheFull) and "idle" in verifier.sessions
+    now[0] += STALE_S
     [fresh] = verifier.score_batch([first_call("new", prompt(98, 1))])
     assert not isinstance(fresh, Exception)
     assert "idle" not in verifier.sessions
     ids = prompt(98)
     later = ScoreCall("idle", PrefixSync(98, prefix_hash(list(ids)), (5,)), (), GREEDY)
     assert isinstance(verifier.score_batch([later])[0], StaleBase)  # it rebuilds: exact
+
+
+def test_an_older_request_takes_a_newer_idle_ones_blocks_and_its_batchs_newest():
+    """As vLLM preempts its newest request: a call of an older request evicts a newer idle
+    session, and in a batch that cannot hold all its calls the oldest are admitted, the
+    newest refused, whatever their order in the batch."""
+    verifier, alone = small_verifier(), small_verifier()
+    old, new = first_call("old", prompt(20)), first_call("new", prompt(98, 1))
+    verifier.score_batch([old])
+    verifier.score_batch([new])  # 2 + 7 of the 13 blocks
+    grown = ScoreCall("old", PrefixSync(20, prefix_hash(list(prompt(20))), prompt(76, 2)),
+                      (3, 4), GREEDY)  # 98 positions: 7 blocks, 4 free
+    [scores] = verifier.score_batch([grown])
+    assert not isinstance(scores, Exception) and "new" not in verifier.sessions
+    alone.score_now(old)
+    assert scores.target_token_ids == alone.score_now(grown).target_token_ids
+    verifier.sessions.release("old")
+    first, second = verifier.score_batch([first_call("c", prompt(98, 3)),
+                                          first_call("new", prompt(98, 1))])
+    # "new" kept its admission (before "c") through its eviction: it rebuilds first
+    assert isinstance(first, KVCacheFull) and not isinstance(second, Exception)
 
 
 def test_released_requests_that_share_a_prefix_give_it_back_together():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafter.model import ModelDrafter
-from engine.kv import SessionStore, common_prefix_len
+from engine.kv import STALE_S, SessionStore, common_prefix_len
 from engine.runner import serving_runner
 from speculative.fixed_k import FixedK
 from speculative.loop import run_rounds
@@ -303,6 +303,31 @@ def test_an_idle_eviction_spares_the_sessions_of_the_running_batch():
     with store.batch(["a", "c"]):
         assert store.evict_idle() and list(store) == ["a", "c"]
         assert not store.evict_idle() and list(store) == ["a", "c"]
+
+
+def test_an_idle_eviction_takes_the_newest_admitted_unless_one_has_gone_quiet(monkeypatch):
+    """Not the least recently used: under a pool too small for its running requests that
+    was one between two rounds, whose rebuild then evicted the next (each request rebuilt
+    its prefill round after round); the newest admitted rebuilds alone. A session idle past
+    STALE_S (a request gone quiet) goes first."""
+    now = [1000.0]
+    monkeypatch.setattr("engine.kv.time.monotonic", lambda: now[0])
+    store = SessionStore(8)
+    for request_id in ("a", "b", "c", "d"):
+        store.apply(request_id, PrefixSync(0, prefix_hash([]), (1, 2)))
+    store.apply("d", PrefixSync(2, prefix_hash([1, 2]), (3,)))
+    store.apply("b", PrefixSync(2, prefix_hash([1, 2]), (3,)))  # used: a, c, d, b
+    with store.batch(["d"]):
+        assert store.evict_idle() and list(store) == ["a", "d", "b"]  # c, not d nor a
+    assert store.evict_idle() and list(store) == ["a", "b"]
+    # a request never takes an older one's units (a newcomer waits, as vLLM's)
+    assert not store.evict_idle(newer_than=2) and list(store) == ["a", "b"]
+    store.apply("c", PrefixSync(0, prefix_hash([]), (1, 2)))  # a rebuild keeps its place
+    assert store.get("c").admitted == 3 and store.evict_idle(newer_than=2)
+    assert list(store) == ["a", "b"]
+    now[0] += STALE_S
+    store.apply("b", PrefixSync(3, prefix_hash([1, 2, 3]), (4,)))
+    assert store.evict_idle() and list(store) == ["b"]  # a, idle STALE_S, before b
 
 
 def test_the_common_prefix_of_short_lists_is_found_at_every_length_and_difference():
