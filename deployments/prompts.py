@@ -221,6 +221,9 @@ class PromptReader:
         truncation_side given is vLLM's cut of the whole ids instead: "left" their last
         ones (a BOS then cut too), "right" their first ones."""
         keep = body.truncate_prompt_tokens
+        if keep > self.context_limit:  # as vLLM's renderer, whatever the prompt's length
+            raise BadRequest(f"truncate_prompt_tokens ({keep}) is greater than the context "
+                             f"({self.context_limit})", param="truncate_prompt_tokens")
         if keep == -1:  # a length past the context is refused (within_context), one that
             # leaves no room cut; an echo's max_tokens 0 leaves room for one id (token_ids)
             keep = max(1, self.context_limit - max(1, body.max_tokens_or(

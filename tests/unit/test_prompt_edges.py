@@ -178,6 +178,21 @@ def test_truncate_prompt_tokens_of_one_keeps_one_token_under_a_bos(reader):
     assert ids == tuple(tokenizer(text)["input_ids"][-1:])
 
 
+@pytest.mark.parametrize("text", ["hello world", "hello world " * 600],
+                         ids=["short", "long"])
+def test_truncate_prompt_tokens_past_the_context_is_refused_naming_it(reader, text):
+    """As vLLM's renderer refuses it (truncate_prompt_tokens greater than max_length),
+    whatever the prompt's length: not taken silently for a short prompt, nor answered as
+    the prompt's own length for a long one; the context itself is taken."""
+    limit = reader.context_limit
+    assert reader.token_ids(CompletionRequest(prompt="hello world",
+                                              truncate_prompt_tokens=limit), False)
+    body = CompletionRequest(prompt=text, truncate_prompt_tokens=limit + 1)
+    with pytest.raises(BadRequest, match=f"truncate_prompt_tokens .{limit + 1}.") as refused:
+        reader.token_ids(body, False)
+    assert refused.value.param == "truncate_prompt_tokens"
+
+
 def test_min_tokens_past_the_room_the_prompt_leaves_by_one_is_refused(reader):
     reader = ready(reader)
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}])
