@@ -138,6 +138,7 @@ def fill_sync(message: pb.PrefixSync, sync: PrefixSync) -> None:
     else:
         message.new_token_ids.extend(sync.new_token_ids)
     message.known_len, message.known_hash = sync.known_len, sync.known_hash
+    message.admitted_at = sync.admitted_at
 
 
 def sync_to_proto(sync: PrefixSync) -> pb.PrefixSync:
@@ -147,7 +148,8 @@ def sync_to_proto(sync: PrefixSync) -> pb.PrefixSync:
 
 
 def sync_from_proto(message: pb.PrefixSync) -> PrefixSync:
-    return PrefixSync(message.known_len, message.known_hash, tuple(message.new_token_ids))
+    return PrefixSync(message.known_len, message.known_hash, tuple(message.new_token_ids),
+                      message.admitted_at)
 
 
 def session_sampling(call: ProposeCall | ScoreCall) -> pb.SamplingParams | None:

@@ -19,7 +19,6 @@ therefore reaches back as far as the previous call fed, which covers the rejecte
 deeper one (a rebuild that keeps part of a cache) re-prefills instead. Exact either way.
 """
 
-import itertools
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -53,7 +52,7 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens its cache started with (a prefix hit)
         self.root = 0  # its cache's block chain's first name (its cache_salt's: salted_root)
         self.last_used = 0.0  # time.monotonic() of its last call (the store's TTL)
-        self.admitted = 0  # its store's count of sessions made when it was made (evict_idle)
+        self.admitted = ()  # (the request's admission stamp, its id): evictable's order
         self.unfinished = None  # the call whose feed was cut (chunked prefill), to resume
         self.constraint = None  # a structured output's matcher (speculative.grammar)
         # what a drafter without a model keeps per request (drafter.suffix.RequestIndex,
@@ -196,10 +195,6 @@ class SessionStore:
         self.capacity, self.max_tokens, self.ttl_s = capacity, max_tokens, ttl_s
         self.stats = StoreStats()
         self._sequences: OrderedDict[str, Sequence] = OrderedDict()
-        self._admissions = itertools.count(1)
-        # the admission of a request whose session was evicted or refused, which its rebuild
-        # keeps (evictable's order), till its release
-        self._standing: OrderedDict[str, int] = OrderedDict()
         self.serving: frozenset[str] = frozenset()  # the requests of the batch being run
 
     @contextmanager
@@ -239,7 +234,8 @@ class SessionStore:
                 raise StaleBase(f"request {request_id!r} is not cached here")
             sequence = Sequence()
             sequence.root = salted_root(cache_salt)
-            sequence.admitted = self._standing.pop(request_id, None) or next(self._admissions)
+            # the router's stamp, which a rebuild carries again (evictable's order)
+            sequence.admitted = (sync.admitted_at or time.time(), request_id)
             self._sequences[request_id] = sequence
         else:
             self.stats.hits += 1
@@ -313,30 +309,21 @@ class SessionStore:
 
     def release(self, request_id: str) -> None:
         """Forget the request; its cache's units are kept for its prefix until needed."""
-        self._standing.pop(request_id, None)
         sequence = self._sequences.pop(request_id, None)
         if sequence is not None:
             sequence.close()
 
     def drop(self, request_id: str) -> None:
-        """Forget the request and free its cache's units now (a refused or failed call); its
-        rebuild keeps its admission."""
+        """Forget the request and free its cache's units now (a refused or failed call)."""
         sequence = self._sequences.pop(request_id, None)
-        if sequence is not None:
-            self._stand(request_id, sequence)
-            if sequence.cache is not None:
-                sequence.cache.free()
-
-    def _stand(self, request_id: str, sequence: "Sequence") -> None:
-        self._standing[request_id] = sequence.admitted
-        if len(self._standing) > self.capacity:  # releases that never came
-            self._standing.popitem(last=False)
+        if sequence is not None and sequence.cache is not None:
+            sequence.cache.free()
 
     def clear(self) -> None:
         for request_id in list(self._sequences):
             self.drop(request_id)
 
-    def evictable(self, newer_than: int = 0) -> list:
+    def evictable(self, newer_than: tuple = ()) -> list:
         """(request id, sequence) of the sessions outside the running batch that a call of
         the request admitted `newer_than` may take units from, in the order they go: those
         idle past STALE_S first (least recently used: requests gone quiet), then those
@@ -353,19 +340,17 @@ class SessionStore:
         return [pair for pair in idle if pair[1].last_used <= quiet] + sorted(
             newer, key=lambda pair: pair[1].admitted, reverse=True)
 
-    def idle_caches(self, newer_than: int = 0) -> list:
+    def idle_caches(self, newer_than: tuple = ()) -> list:
         """The pool caches of the sessions a call of the request admitted `newer_than` may
         take units from (evictable: what evict_idle could give back, with the retired caches
         that share their units: UnitPool.frees)."""
         return [sequence.cache for _, sequence in self.evictable(newer_than)
                 if sequence.cache is not None and sequence.cache.pool is not None]
 
-    def evict_idle(self, newer_than: int = 0) -> bool:
-        """Release the first of evictable(newer_than), its admission kept for its rebuild;
-        False when there is none."""
-        for request_id, sequence in self.evictable(newer_than)[:1]:
+    def evict_idle(self, newer_than: tuple = ()) -> bool:
+        """Release the first of evictable(newer_than); False when there is none."""
+        for request_id, _ in self.evictable(newer_than)[:1]:
             self.release(request_id)
-            self._stand(request_id, sequence)
             self.stats.evictions += 1
             return True
         return False

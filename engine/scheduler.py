@@ -66,7 +66,7 @@ def prepare_within_budget(calls: list, prepare, results: list, max_tokens: int |
 
 
 def reserve_blocks(sessions: SessionStore, cache, length: int, start: int,
-                   admission: int = 0) -> None:
+                   admission: tuple = ()) -> None:
     """Units in a request's cache for `length` positions, before a batch's forward: while
     the pool is short, retired prefixes and then idle sessions give theirs back, those gone
     quiet and those admitted after the request's `admission` (SessionStore.evictable: never
@@ -136,14 +136,14 @@ def admitted(entries: list, segments: list, lengths: list[int], calls: list, res
     return [entry for i, entry in enumerate(entries) if i in kept]
 
 
-def admission(sessions: SessionStore, calls: list, entry) -> int:
-    """When the entry's request was admitted to the store (SessionStore's count)."""
+def admission(sessions: SessionStore, calls: list, entry) -> tuple:
+    """The entry's request's admission (Sequence.admitted: its stamp, its id)."""
     sequence = sessions.get(calls[entry[0]].request_id)
-    return 0 if sequence is None else sequence.admitted
+    return () if sequence is None else sequence.admitted
 
 
 def preempting_frees(sessions: SessionStore, segments: list, pending: list[int], cache,
-                     length: int, start: int, admission: int) -> bool:
+                     length: int, start: int, admission: tuple) -> bool:
     """Whether refusing the pending calls (the newer of the batch) would give the cache its
     units for `length` positions from `start`, with what retired prefixes and idle sessions
     give: if not, nobody is refused for nothing."""

@@ -90,14 +90,16 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixSync(_message.Message):
-    __slots__ = ("known_len", "known_hash", "new_token_ids")
+    __slots__ = ("known_len", "known_hash", "new_token_ids", "admitted_at")
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     KNOWN_HASH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     known_len: int
     known_hash: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, known_len: _Optional[int] = ..., known_hash: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    admitted_at: float
+    def __init__(self, known_len: _Optional[int] = ..., known_hash: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., admitted_at: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("request_id", "sync", "num_speculative_tokens", "sampling", "seed", "assumed_token_ids", "prompt_len", "tree_width", "tree_nodes", "draft_confidence")

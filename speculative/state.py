@@ -3,6 +3,7 @@ between rounds (`RequestState`: committed ids, the sampling generator, counters)
 router believes each pool knows of its committed prefix (`PoolView`)."""
 
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,9 +67,10 @@ class Request:
 class PoolView:
     """What the router believes one pool knows of a request's committed prefix."""
 
-    def __init__(self) -> None:
+    def __init__(self, admitted_at: float = 0.0) -> None:
         self.known_len = 0
         self.known_hash = EMPTY_PREFIX_HASH
+        self.admitted_at = admitted_at  # the request's, which every sync carries
 
     def prefix_sync(self, committed: list[int], prompt: tuple[int, ...] = ()) -> PrefixSync:
         """The sync to `committed`. A pool that knows nothing of a committed prefix that is
@@ -76,8 +78,9 @@ class PoolView:
         request share it, and with it the message made of it (deployments.wire), instead of
         a copy each (128 choices of a 128k-token prompt: 0.33 s of copies)."""
         if self.known_len == 0 and prompt and len(committed) == len(prompt):
-            return PrefixSync(0, self.known_hash, prompt)
-        return PrefixSync(self.known_len, self.known_hash, tuple(committed[self.known_len :]))
+            return PrefixSync(0, self.known_hash, prompt, self.admitted_at)
+        return PrefixSync(self.known_len, self.known_hash, tuple(committed[self.known_len :]),
+                          self.admitted_at)
 
     def confirm(self, committed_len: int, committed_hash: int) -> None:
         self.known_len, self.known_hash = committed_len, committed_hash
@@ -102,7 +105,10 @@ class RequestState:
         # cohort_ends): its next step's seed and the steps left, for the next call
         # (round_steps.round_seed)
         self.held_steps: tuple[int, int] | None = None
-        self.drafter_view, self.verifier_view = PoolView(), PoolView()
+        # one admission stamp in both pools: their order under KV pressure agrees (each
+        # counting its own, two requests could each hold what the other waited for)
+        admitted_at = time.time()
+        self.drafter_view, self.verifier_view = PoolView(admitted_at), PoolView(admitted_at)
         self.draft_backoff = DraftBackoff()
         self.drafter_called = False  # the drafter may hold a cache for it: release at the end
         # the draft model's context is full (DraftBlock.context_full): the rounds left are

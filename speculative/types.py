@@ -25,6 +25,10 @@ class PrefixSync:
     known_len: int
     known_hash: int
     new_token_ids: tuple[int, ...]
+    # when the router admitted the request (time.time()), the same in both pools: their
+    # order under KV pressure (engine.kv.SessionStore.evictable); 0: a pool's own clock at
+    # the session's start
+    admitted_at: float = 0.0
 
     @property
     def committed_len(self) -> int:

@@ -329,8 +329,9 @@ def run_batch(calls, prepare, runner, finish, sessions: SessionStore,
         ready = prepare_within_budget(turn, prepare, results, max_tokens, lambda call: len(
             call.sync.new_token_ids) + len(call.draft_token_ids))
         # a cut feed (chunked prefill) reserves its call's whole feed at its first chunk:
-        # refused, it is refused before any chunk is computed; admitted, no later chunk
-        # is refused for want of units (its progress lost with its session)
+        # refused, it is refused before any chunk is computed; admitted, a later chunk is
+        # refused only to make room for an older request's call (engine.scheduler.admitted:
+        # its progress lost with its session, rebuilt exact)
         ends = [segment.start + len(segment.token_ids) if segment.num_logits else
                 turn[index].sync.committed_len + len(turn[index].draft_token_ids)
                 for index, segment, _ in ready]

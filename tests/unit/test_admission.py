@@ -30,18 +30,21 @@ GREEDY = SamplingParams(temperature=0.0)
 USABLE_BLOCKS = 13
 
 
-def small_verifier() -> ModelVerifier:
+def small_verifier(sessions: int = 2) -> ModelVerifier:
     # a model of its own: a block pool belongs to the model it is attached to
-    return ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=208, max_cached_requests=2)
+    return ModelVerifier(tiny_llama(1), engine="paged", kv_cache_tokens=208,
+                         max_cached_requests=sessions)
 
 
 def prompt(length: int, offset: int = 0) -> tuple[int, ...]:
     return tuple((offset + 7 * i) % 60 + 1 for i in range(length))
 
 
-def first_call(request_id: str, ids: tuple[int, ...], draft=(3, 4)) -> ScoreCall:
-    return ScoreCall(request_id, PrefixSync(0, prefix_hash([]), ids), draft, GREEDY,
-                     prompt_len=len(ids))
+def first_call(request_id: str, ids: tuple[int, ...], draft=(3, 4),
+               admitted_at: float = 0.0) -> ScoreCall:
+    """(admitted_at: the router's stamp; 0, the pool's clock when the session starts)"""
+    return ScoreCall(request_id, PrefixSync(0, prefix_hash([]), ids, admitted_at), draft,
+                     GREEDY, prompt_len=len(ids))
 
 
 def free_blocks(engine) -> int:
@@ -106,20 +109,46 @@ def test_an_older_request_takes_a_newer_idle_ones_blocks_and_its_batchs_newest()
     session, and in a batch that cannot hold all its calls the oldest are admitted, the
     newest refused, whatever their order in the batch."""
     verifier, alone = small_verifier(), small_verifier()
-    old, new = first_call("old", prompt(20)), first_call("new", prompt(98, 1))
+    old, new = first_call("old", prompt(20), admitted_at=1), first_call("new", prompt(98, 1),
+                                                                       admitted_at=2)
     verifier.score_batch([old])
     verifier.score_batch([new])  # 2 + 7 of the 13 blocks
-    grown = ScoreCall("old", PrefixSync(20, prefix_hash(list(prompt(20))), prompt(76, 2)),
+    grown = ScoreCall("old", PrefixSync(20, prefix_hash(list(prompt(20))), prompt(76, 2), 1),
                       (3, 4), GREEDY)  # 98 positions: 7 blocks, 4 free
     [scores] = verifier.score_batch([grown])
     assert not isinstance(scores, Exception) and "new" not in verifier.sessions
     alone.score_now(old)
     assert scores.target_token_ids == alone.score_now(grown).target_token_ids
     verifier.sessions.release("old")
-    first, second = verifier.score_batch([first_call("c", prompt(98, 3)),
-                                          first_call("new", prompt(98, 1))])
-    # "new" kept its admission (before "c") through its eviction: it rebuilds first
+    first, second = verifier.score_batch([first_call("c", prompt(98, 3), admitted_at=3),
+                                          first_call("new", prompt(98, 1), admitted_at=2)])
+    # "new", rebuilt with its own stamp, is older than "c": it reserves first
     assert isinstance(first, KVCacheFull) and not isinstance(second, Exception)
+
+
+def test_a_batchs_newest_calls_are_refused_to_make_room_for_an_older_ones():
+    """In a batch that cannot hold all its calls the oldest request's reserves first and the
+    newest are refused, newest first, until it fits, whatever the batch's order (here the
+    newest first); every block comes back afterwards."""
+    verifier, alone = small_verifier(sessions=3), small_verifier()
+    shared = prompt(32)  # "new" shares old's first two blocks (a prefix hit)
+    ids = {"old": shared + prompt(8, 3), "new": shared + prompt(40, 1), "mid": prompt(20, 9)}
+    for stamp, name in enumerate(("old", "mid", "new")):
+        verifier.score_batch([first_call(name, ids[name], admitted_at=stamp + 1)])
+    grown = ScoreCall("old", PrefixSync(40, prefix_hash(list(ids["old"])), prompt(100, 2), 1),
+                      (3, 4), GREEDY)  # 142 positions: 9 blocks
+    nexts = [ScoreCall(name, PrefixSync(len(ids[name]), prefix_hash(list(ids[name])), (5,),
+                                        stamp), (6,), GREEDY)
+             for name, stamp in (("new", 3), ("mid", 2))]
+    refused, served, scores = verifier.score_batch([*nexts, grown])
+    # refusing "new" (its blocks not shared) makes room: "mid", older, is served
+    assert isinstance(refused, KVCacheFull) and not isinstance(served, Exception)
+    assert sorted(verifier.sessions) == ["mid", "old"]
+    alone.score_now(first_call("old", ids["old"]))
+    assert scores.target_token_ids == alone.score_now(grown).target_token_ids
+    for name in ("old", "mid"):
+        verifier.sessions.release(name)
+    assert free_blocks(verifier) == USABLE_BLOCKS
 
 
 def test_released_requests_that_share_a_prefix_give_it_back_together():

@@ -313,18 +313,17 @@ def test_an_idle_eviction_takes_the_newest_admitted_unless_one_has_gone_quiet(mo
     now = [1000.0]
     monkeypatch.setattr("engine.kv.time.monotonic", lambda: now[0])
     store = SessionStore(8)
-    for request_id in ("a", "b", "c", "d"):
-        store.apply(request_id, PrefixSync(0, prefix_hash([]), (1, 2)))
+    for stamp, request_id in enumerate(("a", "b", "c", "d")):  # the router's admissions
+        store.apply(request_id, PrefixSync(0, prefix_hash([]), (1, 2), float(stamp + 1)))
     store.apply("d", PrefixSync(2, prefix_hash([1, 2]), (3,)))
     store.apply("b", PrefixSync(2, prefix_hash([1, 2]), (3,)))  # used: a, c, d, b
     with store.batch(["d"]):
         assert store.evict_idle() and list(store) == ["a", "d", "b"]  # c, not d nor a
     assert store.evict_idle() and list(store) == ["a", "b"]
     # a request never takes an older one's units (a newcomer waits, as vLLM's)
-    assert not store.evict_idle(newer_than=2) and list(store) == ["a", "b"]
-    store.apply("c", PrefixSync(0, prefix_hash([]), (1, 2)))  # a rebuild keeps its place
-    assert store.get("c").admitted == 3 and store.evict_idle(newer_than=2)
-    assert list(store) == ["a", "b"]
+    assert not store.evict_idle(newer_than=(2.0, "b")) and list(store) == ["a", "b"]
+    store.apply("c", PrefixSync(0, prefix_hash([]), (1, 2), 3.0))  # rebuilt, the same stamp
+    assert store.evict_idle(newer_than=(2.0, "b")) and list(store) == ["a", "b"]
     now[0] += STALE_S
     store.apply("b", PrefixSync(3, prefix_hash([1, 2, 3]), (4,)))
     assert store.evict_idle() and list(store) == ["b"]  # a, idle STALE_S, before b

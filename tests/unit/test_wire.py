@@ -353,3 +353,22 @@ def test_shared_syncs_hold_the_last_few_long_prompts_only():
     shared.ids(prompts[1]), shared.ids(prompts[2])
     assert len(shared.held) == 2 and shared.ids(prompts[0]) is not first
     assert list(shared.ids(prompts[2]).new_token_ids) == [2, 2, 3]
+
+
+def test_both_pools_see_one_admission_stamp_for_a_request_rebuilds_included():
+    """Each pool numbering its own admissions, two requests could get opposite orders in the
+    two pools, and each pool keep for the newer what the other's older waited for (under KV
+    pressure an idle session gives its units only to older requests): the router stamps a
+    request once, and every sync of both its views carries the stamp, a rebuild's too."""
+    from speculative.state import Request, RequestState
+
+    state = RequestState(Request("r", (5, 6, 7), SamplingParams(max_tokens=4)))
+    views = (state.drafter_view, state.verifier_view)
+    first = [wire.sync_from_proto(wire.sync_to_proto(view.prefix_sync([5, 6, 7], (5, 6, 7))))
+             for view in views]
+    assert first[0].admitted_at == first[1].admitted_at > 0
+    views[0].confirm(3, 1)
+    later = views[0].prefix_sync([5, 6, 7, 8])
+    views[0].forget()  # a rebuild resends the whole prefix, with the same stamp
+    assert later.admitted_at == views[0].prefix_sync([5, 6, 7, 8]).admitted_at \
+        == first[0].admitted_at
