@@ -135,6 +135,14 @@ class RouterMetrics:
                                      "requests decoded (each prompt once, as usage counts).")
         self.generation_tokens = Counter("generation_tokens",
                                          description="Tokens output by the choices.")
+        # vLLM's prefix cache counters, per choice as each of its sequences queries the cache:
+        # the hit rate is hits over queries
+        self.prefix_cache_queries = Counter(
+            "prefix_cache_queries", description="Prompt tokens looked up in the verifier's "
+            "prefix cache (each choice's prompt).")
+        self.prefix_cache_hits = Counter(
+            "prefix_cache_hits", description="Prompt tokens the verifier took from its prefix "
+            "cache (each choice's cached_tokens).")
         self.request_success = Counter(
             "request_success", description="Choices that finished, by finish reason (stop, "
             "length, repetition).", tag_keys=("finished_reason",))
@@ -187,7 +195,9 @@ class RouterMetrics:
         """A choice's end (finished, failed or cancelled): its tokens, and, finished, its
         finish reason and times; then its speculative counts (record)."""
         for counter, value in ((self.prompt_tokens, prompt_tokens),
-                               (self.generation_tokens, state.num_output_tokens)):
+                               (self.generation_tokens, state.num_output_tokens),
+                               (self.prefix_cache_queries, len(state.request.prompt_token_ids)),
+                               (self.prefix_cache_hits, state.stats.cached_tokens)):
             if value:  # Ray counters refuse increments of 0
                 counter.inc(value)
         if state.finish_reason is not None:

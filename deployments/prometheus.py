@@ -29,6 +29,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # kv_cache_usage_perc)
 VLLM_FAMILIES = frozenset({
     "num_requests_running", "num_requests_waiting", "prompt_tokens", "generation_tokens",
+    "prefix_cache_queries", "prefix_cache_hits",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
     "request_time_per_output_token_seconds", "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",

@@ -76,6 +76,7 @@ def test_the_routers_metrics_path_serves_vllms_names(cluster):
     assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert sum(float(value) for value in generated.findall(text)) >= tokens > 0, text[:2000]
     assert "vllm:e2e_request_latency_seconds_bucket{" in text
+    assert "vllm:prefix_cache_queries_total{" in text  # vLLM's prefix cache counters
     assert not any(line.startswith("ray_") for line in text.splitlines())
     families = list(text_string_to_metric_families(text))
     assert all("model_name" in sample.labels for family in families

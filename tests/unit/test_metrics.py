@@ -86,6 +86,7 @@ def test_router_metrics_record_a_choices_tokens_and_times_as_vllms(monkeypatch, 
 
     state = RequestState(Request("r", (1, 2, 3), SamplingParams(temperature=0.0)))
     state.committed.extend([4, 5])
+    state.stats.cached_tokens = 2  # of its 3 prompt tokens, from the prefix cache
     state.finish_reason = "length" if finished else None
     metrics_module.RouterMetrics().record_choice(state, 3, 0.02, 0.5)
     recorded = stood_in_metrics(monkeypatch)
@@ -93,6 +94,7 @@ def test_router_metrics_record_a_choices_tokens_and_times_as_vllms(monkeypatch, 
     got = {name: (value, tags) for name, kind, value, tags in recorded
            if kind not in ("new", "set") and not name.startswith(("spec_decode", "specserve"))}
     assert got == {"prompt_tokens": (3, None), "generation_tokens": (2, None),
+                   "prefix_cache_queries": (3, None), "prefix_cache_hits": (2, None),
                    "time_to_first_token_seconds": (0.02, None)} | (
         {"request_success": (1, {"finished_reason": "length"}),
          "e2e_request_latency_seconds": (0.5, None),
