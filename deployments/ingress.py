@@ -128,10 +128,8 @@ async def not_routed(request: Request, error: HTTPException) -> JSONResponse:
     if request.method != "OPTIONS" and not open_path(request.url.path) \
             and (refused := unauthorized(request, _unrouted_key)):
         return refused
-    body = error_body(f"{error.detail} ({request.method} {request.url.path})",
-                      error.status_code)
-    body["error"]["code"] = None
-    return JSONResponse(body, error.status_code, headers=error.headers)
+    return error_response(BadRequest(f"{error.detail} ({request.method} {request.url.path})",
+                                     error.status_code, headers=error.headers, code=None))
 
 
 # the paths vLLM leaves open under its API key (its PUBLIC_ENDPOINTS), and those below them:

@@ -329,9 +329,8 @@ class SessionStore:
         idle past STALE_S first (least recently used: requests gone quiet), then those
         admitted after it, newest first, as vLLM preempts its newest request and lets a new
         one wait. Least recently used first, a pool too small for its running requests
-        evicted one between two rounds, whose rebuild evicted the next: 8 greedy requests of
-        1,800 tokens on pools of 10,240 took 80 s at K = 8 (27-28 rebuilds each) and 12.7 s at
-        K = 0, now 7.8 and 6.1 s, no rebuild (2-core VM, 2026-12-03)."""
+        evicts one between two rounds, whose rebuild evicts the next (measured in
+        docs/engine.md, KV pools)."""
         quiet = time.monotonic() - STALE_S
         idle = [(request_id, sequence) for request_id, sequence in self._sequences.items()
                 if request_id not in self.serving]

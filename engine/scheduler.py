@@ -114,25 +114,29 @@ def admitted(entries: list, segments: list, lengths: list[int], calls: list, res
         results[entries[i][0]] = error.with_traceback(None)
         sessions.drop(calls[entries[i][0]].request_id)
 
-    while pending:
-        i = pending.pop(0)  # the oldest left
+    def reserve(i: int) -> None:
+        """Its units, the newest pending calls refused while that makes room (KVCacheFull
+        when it cannot)."""
+        segment = segments[i]
         while True:
             try:
-                reserve_blocks(sessions, segments[i].cache, lengths[i], segments[i].start,
-                               order[i])
-            except KVCacheFull as error:
-                if not preempting_frees(sessions, segments, pending, segments[i].cache,
-                                        lengths[i], segments[i].start, order[i]):
-                    refuse(i, error)
-                    break
+                return reserve_blocks(sessions, segment.cache, lengths[i], segment.start,
+                                      order[i])
+            except KVCacheFull:
+                if not preempting_frees(sessions, segments, pending, segment.cache,
+                                        lengths[i], segment.start, order[i]):
+                    raise
                 refuse(pending.pop(), KVCacheFull("the KV cache's units went to an older "
                                                   "request of the batch"))
-                continue
-            except ValueError as error:  # KVCacheTooSmall: it never fits
-                refuse(i, error)
-                break
-            kept.add(i)
-            break
+
+    while pending:
+        i = pending.pop(0)  # the oldest left
+        try:
+            reserve(i)
+        except (ValueError, KVCacheFull) as error:  # KVCacheTooSmall: it never fits
+            refuse(i, error)
+            continue
+        kept.add(i)
     return [entry for i, entry in enumerate(entries) if i in kept]
 
 
